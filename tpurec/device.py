@@ -1,0 +1,143 @@
+"""The "tpu" PyTorch device: PrivateUse1 renamed, backed by JAX devices.
+
+``tpu:N`` is the N-th device of JAX's default backend: a TPU where there is
+one, otherwise XLA:GPU or XLA:CPU (this is how tpurec is built and tested on
+machines without TPUs).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import torch
+
+__all__ = ["platform", "jax_device", "TpuModule", "register"]
+
+
+def platform() -> str:
+    """The XLA platform backing the ``tpu`` device: ``"tpu"``, ``"gpu"`` or ``"cpu"``."""
+    return jax.default_backend()
+
+
+def _devices() -> list:
+    return jax.devices()
+
+
+def jax_device(index: int | None) -> jax.Device:
+    """The JAX device behind ``tpu:index`` (the current device for ``None``)."""
+    devices = _devices()
+    if index is None:
+        index = _state.current
+    if not 0 <= index < len(devices):
+        raise RuntimeError(
+            f"Invalid device ordinal tpu:{index}: this process has {len(devices)} tpu device(s) "
+            f"(platform {platform()}); use an index in [0, {len(devices)})"
+        )
+    return devices[index]
+
+
+class _State(threading.local):
+    current = 0
+
+
+_state = _State()
+
+
+class TpuModule:
+    """``torch.tpu``: the device module, shaped like ``torch.cuda``."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def device_count() -> int:
+        return len(_devices())
+
+    @staticmethod
+    def current_device() -> int:
+        return _state.current
+
+    @staticmethod
+    def set_device(device) -> None:
+        index = torch.device(device, 0).index if isinstance(device, str) and ":" not in device else (
+            torch.device(device).index if not isinstance(device, int) else device
+        )
+        jax_device(index)  # validates
+        _state.current = index
+
+    @staticmethod
+    def synchronize(device=None) -> None:
+        from tpurec import runtime
+
+        runtime.synchronize()
+
+    @staticmethod
+    def manual_seed(seed: int) -> None:
+        from tpurec import rng
+
+        rng.manual_seed(seed)
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        from tpurec import rng
+
+        rng.manual_seed(seed)
+
+    @staticmethod
+    def get_rng_state(device=None) -> torch.Tensor:
+        from tpurec import rng
+
+        return rng.get_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device=None) -> None:
+        from tpurec import rng
+
+        rng.set_state(state)
+
+    @staticmethod
+    def platform() -> str:
+        return platform()
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self) -> bool:
+        return True
+
+    def has_primary_context(self, dev_id) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+_registered = False
+
+
+def register() -> None:
+    """Renames PrivateUse1 to ``tpu`` and installs hooks, guard and ``torch.tpu``."""
+    global _registered
+    if _registered:
+        return
+    if torch._C._get_privateuse1_backend_name() == "tpu":
+        _registered = True
+        return
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    _setup_privateuseone_for_python_backend("tpu", backend_module=TpuModule, hook=_Hooks(), device_guard=_Guard())
+    _registered = True
