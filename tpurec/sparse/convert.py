@@ -1,0 +1,120 @@
+"""Swap torchrec embedding modules for tpurec's, keeping weights and optimizer.
+
+Example::
+
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.parameters(), {"lr": 0.1})
+    model = from_torchrec(model, device="tpu")
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_modules import EmbeddingBagCollection as TorchrecEBC
+from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+
+from tpurec.sparse.modules import EmbeddingBagCollection
+from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
+from tpurec.sparse.types import Capacity
+
+__all__ = ["from_torchrec"]
+
+
+def _optimizer_of(module: nn.Module, default: EmbeddingOptimizer | None) -> EmbeddingOptimizer:
+    if isinstance(module, FusedEmbeddingBagCollection):
+        return optimizer_from_torch(module.optimizer_type(), module.optimizer_kwargs())
+    found = set()
+    for p in module.parameters():
+        classes = getattr(p, "_optimizer_classes", None)
+        if classes:
+            kwargs = p._optimizer_kwargs[0]
+            found.add((classes[0], tuple(sorted(kwargs.items()))))
+    if len(found) > 1:
+        raise ValueError(f"the tables of one EmbeddingBagCollection use different in-backward optimizers: {found}")
+    if found:
+        cls, kwargs = found.pop()
+        return optimizer_from_torch(cls, dict(kwargs))
+    if default is not None:
+        return default
+    raise ValueError(
+        "no embedding optimizer: use torchrec's apply_optimizer_in_backward on the tables, a "
+        "FusedEmbeddingBagCollection, or pass optimizer= to from_torchrec"
+    )
+
+
+def _fused_slots(module: FusedEmbeddingBagCollection) -> dict[str, list[torch.Tensor]]:
+    """FBGEMM optimizer states per table name: [momentum1, momentum2, ...]."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for emb, (_key, tables) in zip(module._emb_modules, module._key_to_tables.items()):
+        for table, states in zip(tables, emb._emb_module.split_optimizer_states()):
+            out[table.name] = list(states)
+    return out
+
+
+def _convert(module: nn.Module, optimizer: EmbeddingOptimizer | None, kwargs: Mapping[str, Any]) -> EmbeddingBagCollection:
+    new = EmbeddingBagCollection(
+        tables=module.embedding_bag_configs(),
+        is_weighted=module.is_weighted(),
+        optimizer=_optimizer_of(module, optimizer),
+        **kwargs,
+    )
+    with torch.no_grad():
+        for cfg in module.embedding_bag_configs():
+            new.table_weight(cfg.name).copy_(module.embedding_bags[cfg.name].weight.detach())
+        if isinstance(module, FusedEmbeddingBagCollection):
+            slots = new.optimizer_state_dict()["state"]
+            for name, states in _fused_slots(module).items():
+                for target, state in zip(slots[f"embedding_bags.{name}.weight"].values(), states):
+                    target.copy_(state.reshape(target.shape))
+    return new
+
+
+def from_torchrec(
+    model: nn.Module,
+    *,
+    optimizer: EmbeddingOptimizer | None = None,
+    device: torch.device | str | None = None,
+    num_partitions: int = 1,
+    capacities: Capacity | Mapping[str, Capacity] | None = None,
+) -> nn.Module:
+    """Replaces every torchrec (Fused)EmbeddingBagCollection in ``model``.
+
+    Weights are copied; the optimizer comes from ``apply_optimizer_in_backward``
+    on the tables or from the fused module's settings (and its FBGEMM slots),
+    else from ``optimizer``. The model is changed in place and returned (a bare
+    EBC is returned converted).
+
+    Args:
+        model: a module containing torchrec embedding bag collections.
+        optimizer: fallback optimizer for tables without one.
+        device: device of the new tables (default: where the old ones were).
+        num_partitions: MOD partitions.
+        capacities: static capacities (see ``suggest_capacities``).
+
+    Returns:
+        The model with tpurec ``EmbeddingBagCollection`` modules.
+
+    Example::
+
+        model = from_torchrec(DLRM(embedding_bag_collection=ebc, ...))
+    """
+    kinds = (TorchrecEBC, FusedEmbeddingBagCollection)
+
+    def options(module: nn.Module) -> dict[str, Any]:
+        dev = device
+        if dev is None:
+            weights = [m.weight for m in module.embedding_bags.values()]
+            dev = weights[0].device if weights else None
+        return {"device": dev, "num_partitions": num_partitions, "capacities": capacities}
+
+    if isinstance(model, kinds):
+        return _convert(model, optimizer, options(model))
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]
+    for name, module in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, _convert(module, optimizer, options(module)))
+    return model

@@ -1,0 +1,171 @@
+"""JAX reference kernels of the SparseCore op set.
+
+Every function takes the SparseCore CSR arrays (see :mod:`tpurec.sparse.types`)
+and follows the lowering-table convention of :mod:`tpurec.dense.registry`:
+``float`` hyperparameters may arrive as traced scalars (so a new learning rate
+never recompiles), ints (``batch_size``) are static.
+
+Validity of an entry comes from the row pointers (entry ``i`` of partition
+``p`` is valid when ``i < row_pointers[p]``) and from the id not being the pad
+id, so buffers from jax-tpu-embedding (garbage past the row pointers) work too.
+
+Example::
+
+    out = sparse_dense_matmul(rp, ids, samples, gains, table, batch_size=32)
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+
+from tpurec.sparse.types import PAD_ID
+
+__all__ = [
+    "TRACE_COUNTS",
+    "sparse_dense_matmul",
+    "sparse_dense_matmul_grad_with_sgd",
+    "sparse_dense_matmul_grad_with_adagrad",
+    "sparse_dense_matmul_grad_with_rowwise_adagrad",
+    "sparse_dense_matmul_grad_with_adam",
+]
+
+TRACE_COUNTS: collections.Counter = collections.Counter()
+"""Kernel name -> times JAX traced it (a trace is a compilation)."""
+
+
+def _valid(row_pointers: jax.Array, embedding_ids: jax.Array) -> jax.Array:
+    num_partitions = row_pointers.shape[0]
+    size = embedding_ids.shape[0] // num_partitions
+    position = jnp.arange(embedding_ids.shape[0], dtype=jnp.int32)
+    partition_end = jnp.repeat(row_pointers, size, total_repeat_length=embedding_ids.shape[0])
+    return (position < partition_end) & (embedding_ids != PAD_ID)
+
+
+def sparse_dense_matmul(row_pointers, embedding_ids, sample_ids, gains, table, *, batch_size: int):
+    """Pooled lookup: ``out[s] = sum_i gains[i] * table[ids[i]]`` over entries of sample ``s``.
+
+    Args:
+        row_pointers, embedding_ids, sample_ids, gains: the CSR input.
+        table: ``[rows, dim]``.
+        batch_size: output rows (all feature slots of the stack times the batch).
+
+    Returns:
+        ``[batch_size, dim]``.
+    """
+    TRACE_COUNTS["sparse_dense_matmul"] += 1
+    valid = _valid(row_pointers, embedding_ids)
+    rows = jnp.take(table, jnp.where(valid, embedding_ids, 0), axis=0)
+    weighted = rows * jnp.where(valid, gains, 0).astype(table.dtype)[:, None]
+    segments = jnp.where(valid, sample_ids, batch_size)
+    return jax.ops.segment_sum(weighted, segments, num_segments=batch_size + 1)[:batch_size]
+
+
+def _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, table):
+    """Per touched row: (row ids padded with PAD_ID, summed gradient rows)."""
+    n = embedding_ids.shape[0]
+    valid = _valid(row_pointers, embedding_ids)
+    batch_size = grad_output.shape[0]
+    grads = jnp.take(grad_output, jnp.where(valid, sample_ids, 0), axis=0)
+    grads = grads * jnp.where(valid, gains, 0).astype(grad_output.dtype)[:, None]
+    ids = jnp.where(valid, embedding_ids, PAD_ID)
+    # Sort-based unique, so the kernel does not depend on the input order.
+    unique_ids, inverse = jnp.unique(ids, size=n, fill_value=PAD_ID, return_inverse=True)
+    row_grads = jax.ops.segment_sum(grads, inverse.reshape(-1), num_segments=n)
+    del batch_size
+    return unique_ids, row_grads.astype(table.dtype)
+
+
+def _gather(x, unique_ids):
+    # Pad ids are out of range: clip for the gather, the scatter drops them.
+    return jnp.take(x, jnp.minimum(unique_ids, x.shape[0] - 1), axis=0)
+
+
+def _scatter(x, unique_ids, rows):
+    return x.at[unique_ids].set(rows.astype(x.dtype), mode="drop")
+
+
+def sparse_dense_matmul_grad_with_sgd(row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *, learning_rate):
+    """SGD on the touched rows (FBGEMM EXACT_SGD): ``w -= lr * g``.
+
+    Returns:
+        The updated table.
+    """
+    TRACE_COUNTS["sparse_dense_matmul_grad_with_sgd"] += 1
+    ids, g = _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, table)
+    w = _gather(table, ids)
+    return _scatter(table, ids, w - learning_rate * g)
+
+
+def sparse_dense_matmul_grad_with_adagrad(
+    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, accumulator, *, learning_rate, eps
+):
+    """Adagrad (FBGEMM EXACT_ADAGRAD): ``m += g**2; w -= lr * g / (sqrt(m) + eps)``.
+
+    Returns:
+        ``(table, accumulator)`` updated.
+    """
+    TRACE_COUNTS["sparse_dense_matmul_grad_with_adagrad"] += 1
+    ids, g = _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, table)
+    w, m = _gather(table, ids), _gather(accumulator, ids)
+    m = m + g * g
+    w = w - learning_rate * g / (jnp.sqrt(m) + eps)
+    return _scatter(table, ids, w), _scatter(accumulator, ids, m)
+
+
+def sparse_dense_matmul_grad_with_rowwise_adagrad(
+    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, accumulator, *, learning_rate, eps, weight_decay
+):
+    """Row-wise Adagrad (FBGEMM EXACT_ROWWISE_ADAGRAD, L2 weight decay).
+
+    ``g += wd * w; m += mean(g**2); w -= lr * g / (sqrt(m) + eps)`` with one
+    accumulator value per row.
+
+    Returns:
+        ``(table, accumulator)`` updated; ``accumulator`` is ``[rows]``.
+    """
+    TRACE_COUNTS["sparse_dense_matmul_grad_with_rowwise_adagrad"] += 1
+    ids, g = _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, table)
+    w, m = _gather(table, ids), _gather(accumulator, ids)
+    g = g + weight_decay * w
+    m = m + jnp.mean(g * g, axis=1)
+    w = w - (learning_rate / (jnp.sqrt(m) + eps))[:, None] * g
+    return _scatter(table, ids, w), _scatter(accumulator, ids, m)
+
+
+def sparse_dense_matmul_grad_with_adam(
+    row_pointers,
+    embedding_ids,
+    sample_ids,
+    gains,
+    grad_output,
+    table,
+    momentum1,
+    momentum2,
+    *,
+    learning_rate,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+):
+    """Lazy Adam on the touched rows (FBGEMM ADAM; ``step`` counts from 1).
+
+    ``m1 = b1 m1 + (1-b1) g; m2 = b2 m2 + (1-b2) g**2;
+    w -= lr * (m1/(1-b1**t) / (sqrt(m2/(1-b2**t)) + eps) + wd * w)``.
+
+    Returns:
+        ``(table, momentum1, momentum2)`` updated.
+    """
+    TRACE_COUNTS["sparse_dense_matmul_grad_with_adam"] += 1
+    ids, g = _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, table)
+    w, m1, m2 = _gather(table, ids), _gather(momentum1, ids), _gather(momentum2, ids)
+    m1 = beta1 * m1 + (1.0 - beta1) * g
+    m2 = beta2 * m2 + (1.0 - beta2) * g * g
+    m1_hat = m1 / (1.0 - beta1**step)
+    m2_hat = m2 / (1.0 - beta2**step)
+    w = w - learning_rate * (m1_hat / (jnp.sqrt(m2_hat) + eps) + weight_decay * w)
+    return _scatter(table, ids, w), _scatter(momentum1, ids, m1), _scatter(momentum2, ids, m2)

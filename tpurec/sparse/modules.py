@@ -1,0 +1,278 @@
+"""SparseCore embedding modules: a drop-in torchrec EmbeddingBagCollection whose
+backward applies a fused optimizer in place.
+
+Example::
+
+    import torch
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+    from tpurec.sparse import Capacity, EmbeddingBagCollection, RowWiseAdagrad
+
+    ebc = EmbeddingBagCollection(
+        tables=[EmbeddingBagConfig(name="t0", embedding_dim=16, num_embeddings=1000,
+                                   feature_names=["f0", "f1"])],
+        optimizer=RowWiseAdagrad(learning_rate=0.05),
+        capacities=Capacity(max_ids_per_partition=512),
+    )
+    kt = ebc(kjt)                 # KeyedTensor, like torchrec
+    kt.values().sum().backward()  # updates ebc's tables in place
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Mapping, Sequence
+
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+import tpurec.sparse.ops  # noqa: F401  (registers torch.ops.tpurec.*)
+from tpurec.sparse.optimizers import SGD, EmbeddingOptimizer, optimizer_from_torch
+from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
+from tpurec.sparse.types import Capacity, CapacityError, SparseCoreInput, StackedTable
+
+__all__ = ["EmbeddingBagCollection"]
+
+
+class _FusedLookup(torch.autograd.Function):
+    """Pooled lookup of one stack; its backward runs the fused optimizer."""
+
+    @staticmethod
+    def forward(ctx, weight, row_pointers, embedding_ids, sample_ids, gains, module, index, batch_size):
+        ctx.csr = (row_pointers, embedding_ids, sample_ids, gains)
+        ctx.module, ctx.index = module, index
+        return torch.ops.tpurec.sparse_dense_matmul(
+            row_pointers, embedding_ids, sample_ids, gains, weight, batch_size=batch_size
+        )
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ctx.module._apply_optimizer(ctx.index, ctx.csr, grad_output.contiguous())
+        # The table is updated in place: it gets no .grad (a dense optimizer skips it).
+        return (None,) * 8
+
+
+class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
+    """Pooled embedding lookups on SparseCore-shaped ops, with a fused optimizer.
+
+    Behaves like ``torchrec.EmbeddingBagCollection`` (same configs, same
+    ``KeyedTensor`` output, same state dict keys ``embedding_bags.<table>.weight``),
+    except that ``backward`` updates the tables in place with ``optimizer``
+    (FBGEMM semantics) and leaves no gradient on them.
+
+    Tables of one embedding dim are stored stacked in one parameter
+    (``stacked_weight_<i>``); optimizer slots are buffers next to them and
+    are checkpointed through :meth:`optimizer_state_dict`.
+
+    Args:
+        tables: torchrec table configs.
+        is_weighted: the features carry per-id weights.
+        optimizer: an :class:`EmbeddingOptimizer` (default ``SGD()``), a
+            torch/torchrec optimizer class (then ``optimizer_kwargs`` apply).
+        optimizer_kwargs: keyword arguments of a torch optimizer class.
+        device: where the tables live, e.g. ``"tpu"`` (default CPU).
+        num_partitions: MOD partitions of every table.
+        capacities: static per-partition capacities (one for all stacks or per
+            stack name, see ``suggest_capacities``). None grows them on demand
+            to powers of two (each growth compiles the kernels again).
+        overflow: ``"error"`` or ``"drop"`` (see ``preprocess_kjt``).
+        stack: stack tables of equal dim.
+
+    Example::
+
+        ebc = EmbeddingBagCollection(tables, optimizer=torch.optim.Adagrad,
+                                     optimizer_kwargs={"lr": 0.1}, device="tpu")
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingBagConfig],
+        is_weighted: bool = False,
+        optimizer: EmbeddingOptimizer | type | Any = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+        device: torch.device | str | None = None,
+        num_partitions: int = 1,
+        capacities: Capacity | Mapping[str, Capacity] | None = None,
+        overflow: Literal["error", "drop"] = "error",
+        stack: bool = True,
+    ) -> None:
+        super().__init__()
+        if not tables:
+            raise ValueError("EmbeddingBagCollection needs at least one table")
+        self._embedding_bag_configs = list(tables)
+        self._is_weighted = is_weighted
+        self.optimizer: EmbeddingOptimizer = SGD() if optimizer is None else optimizer_from_torch(optimizer, optimizer_kwargs)
+        self.num_partitions = num_partitions
+        self.overflow = overflow
+        self._stacks: list[StackedTable] = stack_tables(self._embedding_bag_configs, stack=stack)
+        self._fixed_capacities = capacities
+        self._auto_capacities: dict[str, Capacity] = {}
+        self._steps: list[int] = [0] * len(self._stacks)
+        self._embedding_names: list[str] = [n for names in get_embedding_names_by_table(self._embedding_bag_configs) for n in names]
+        self._length_per_key: list[int] = [t.embedding_dim for t in self._embedding_bag_configs for _ in t.feature_names]
+        # Output order (torchrec's): tables in order, features in order -> (stack, slot).
+        where = {s.feature: (i, s.slot) for i, st in enumerate(self._stacks) for s in st.features}
+        self._output_slots: list[tuple[int, int]] = [where[f] for t in self._embedding_bag_configs for f in t.feature_names]
+        configs = {t.name: t for t in self._embedding_bag_configs}
+        for i, st in enumerate(self._stacks):
+            weight = torch.empty(st.num_rows, st.embedding_dim, dtype=torch.float32)
+            for t in st.tables:
+                cfg = configs[t.name]
+                rows = weight[t.row_offset : t.row_offset + t.num_embeddings]
+                if cfg.init_fn is not None:
+                    cfg.init_fn(rows)
+                else:
+                    rows.uniform_(cfg.get_weight_init_min(), cfg.get_weight_init_max())
+            self.register_parameter(f"stacked_weight_{i}", nn.Parameter(weight))
+            for slot, shape in self.optimizer.slots.items():
+                size = (st.num_rows,) if shape == "row" else (st.num_rows, st.embedding_dim)
+                self.register_buffer(f"stacked_{slot}_{i}", torch.zeros(size, dtype=torch.float32), persistent=False)
+        if device is not None:
+            self.to(device)
+
+    # --- torchrec interface ---------------------------------------------------------
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._embedding_bag_configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    @property
+    def device(self) -> torch.device:
+        return self.stacked_weight(0).device
+
+    @property
+    def stacks(self) -> list[StackedTable]:
+        """The stacked tables (layout of ``stacked_weight_<i>``)."""
+        return list(self._stacks)
+
+    def stacked_weight(self, index: int) -> nn.Parameter:
+        """The parameter holding stack ``index``."""
+        return getattr(self, f"stacked_weight_{index}")
+
+    def table_weight(self, name: str) -> torch.Tensor:
+        """A view of table ``name``'s rows inside its stack."""
+        for i, st in enumerate(self._stacks):
+            for t in st.tables:
+                if t.name == name:
+                    return self.stacked_weight(i)[t.row_offset : t.row_offset + t.num_embeddings]
+        raise KeyError(f"no table named {name!r}")
+
+    # --- forward / backward ---------------------------------------------------------
+
+    def _capacity(self, stack: StackedTable) -> Capacity | None:
+        if self._fixed_capacities is not None:
+            return None
+        return self._auto_capacities.get(stack.name)
+
+    def preprocess(self, features: KeyedJaggedTensor) -> SparseCoreInput:
+        """Validates ``features`` and builds the CSR input (host side, no state change
+        except growing automatic capacities)."""
+        if self._fixed_capacities is not None:
+            return preprocess_kjt(
+                features, self._stacks, self.num_partitions, self._fixed_capacities,
+                is_weighted=self._is_weighted, overflow=self.overflow,
+            )
+        caps = {st.name: self._auto_capacities.get(st.name, Capacity(8)) for st in self._stacks}
+        try:
+            return preprocess_kjt(features, self._stacks, self.num_partitions, caps, is_weighted=self._is_weighted)
+        except CapacityError:
+            needed = preprocess_kjt(features, self._stacks, self.num_partitions, None, is_weighted=self._is_weighted)
+            for st in self._stacks:
+                csr, old = needed.stacks[st.name], caps[st.name]
+                ids = max(old.max_ids_per_partition, 2 ** math.ceil(math.log2(max(int(csr.max_ids.max()), 1))))
+                uniq = max(old.max_unique_ids_per_partition, 2 ** math.ceil(math.log2(max(int(csr.max_unique_ids.max()), 1))))
+                self._auto_capacities[st.name] = Capacity(ids, min(uniq, ids))
+            caps = {st.name: self._auto_capacities.get(st.name, Capacity(8)) for st in self._stacks}
+            return preprocess_kjt(features, self._stacks, self.num_partitions, caps, is_weighted=self._is_weighted)
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pooled embeddings of ``features``.
+
+        Args:
+            features: KJT with the tables' features (CPU; ids are preprocessed on
+                the host and moved to the tables' device).
+
+        Returns:
+            ``KeyedTensor`` with one ``[batch, dim]`` block per feature, in
+            torchrec's order.
+        """
+        batch = self.preprocess(features)
+        device = self.device
+        stack_outputs = []
+        for i, st in enumerate(self._stacks):
+            csr = batch.stacks[st.name]
+            arrays = [torch.from_numpy(a).to(device) for a in csr.arrays()]
+            out = _FusedLookup.apply(
+                self.stacked_weight(i), *arrays, self, i, st.num_slots * batch.batch_size
+            )
+            stack_outputs.append(out.view(st.num_slots, batch.batch_size, st.embedding_dim))
+        values = torch.cat([stack_outputs[i][slot] for i, slot in self._output_slots], dim=1)
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
+
+    def _apply_optimizer(self, index: int, csr: tuple[torch.Tensor, ...], grad_output: torch.Tensor) -> None:
+        self._steps[index] += 1
+        op = getattr(torch.ops.tpurec, self.optimizer.op_name)
+        weight = self.stacked_weight(index)
+        slots = [getattr(self, f"stacked_{s}_{index}") for s in self.optimizer.slots]
+        with torch.no_grad():
+            updated = op(*csr, grad_output, weight.detach(), *slots, **self.optimizer.hyperparameters(self._steps[index]))
+            updated = updated if isinstance(updated, (tuple, list)) else (updated,)
+            for target, value in zip([weight, *slots], updated):
+                target.copy_(value)
+
+    # --- checkpoints ----------------------------------------------------------------
+
+    def _table_keys(self) -> list[tuple[str, int, int, int]]:
+        return [
+            (f"embedding_bags.{t.name}.weight", i, t.row_offset, t.num_embeddings)
+            for i, st in enumerate(self._stacks)
+            for t in st.tables
+        ]
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):  # torchrec's keys, one per table
+        for key, i, offset, rows in self._table_keys():
+            w = self.stacked_weight(i)
+            w = w if keep_vars else w.detach()
+            destination[prefix + key] = w[offset : offset + rows]
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        expected = set()
+        for key, i, offset, rows in self._table_keys():
+            full = prefix + key
+            expected.add(full)
+            if full not in state_dict:
+                missing_keys.append(full)
+                continue
+            value = state_dict[full]
+            target = self.stacked_weight(i)[offset : offset + rows]
+            if tuple(value.shape) != tuple(target.shape):
+                error_msgs.append(f"size mismatch for {full}: checkpoint {tuple(value.shape)}, model {tuple(target.shape)}")
+                continue
+            with torch.no_grad():
+                target.copy_(value)
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """Optimizer slots per table (views) and step counts, for checkpointing.
+
+        Returns:
+            ``{"steps": [...], "state": {"embedding_bags.<t>.weight": {"momentum1": ...}}}``.
+        """
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for key, i, offset, rows in self._table_keys():
+            state[key] = {s: getattr(self, f"stacked_{s}_{i}")[offset : offset + rows] for s in self.optimizer.slots}
+        return {"steps": list(self._steps), "state": state}
+
+    def load_optimizer_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads what :meth:`optimizer_state_dict` returned (copies into the slots)."""
+        mine = self.optimizer_state_dict()
+        for key, slots in mine["state"].items():
+            for name, target in slots.items():
+                with torch.no_grad():
+                    target.copy_(state_dict["state"][key][name])
+        self._steps = list(state_dict["steps"])

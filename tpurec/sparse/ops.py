@@ -1,0 +1,116 @@
+"""The tpurec sparse op set: ``torch.ops.tpurec.sparse_dense_matmul`` and its
+fused-optimizer gradients (DESIGN.md, contract 4).
+
+Each op has
+
+* a schema (``float`` hyperparameters, so under the lowering-table convention
+  they are traced scalars: a new learning rate never recompiles);
+* a fake kernel, so the ops trace under ``torch.compile`` / FakeTensor;
+* its JAX kernel registered in the lowering table (``tpurec.dense.registry``),
+  which is what the ``tpu`` device runs;
+* a CPU kernel for plain CPU tensors: the same JAX kernel under ``jax.jit``
+  (one cached jitted function per op: shapes are static, so a new batch within
+  capacity reuses the compiled program).
+
+The gradient ops are functional: they return the updated table and slots;
+the embedding modules write them back in place.
+
+Example::
+
+    import tpurec.sparse  # registers the ops
+    out = torch.ops.tpurec.sparse_dense_matmul(rp, ids, samples, gains, table, batch_size=64)
+    table2 = torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(
+        rp, ids, samples, gains, grad_out, table, learning_rate=0.1)
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from tpurec.dense.registry import lower, to_torch_dtype
+from tpurec.sparse.kernels import reference
+
+__all__ = ["OP_NAMES", "SCHEMAS", "jitted_kernel"]
+
+_CSR = "Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, Tensor gains"
+
+SCHEMAS: dict[str, str] = {
+    "sparse_dense_matmul": f"({_CSR}, Tensor table, *, int batch_size) -> Tensor",
+    "sparse_dense_matmul_grad_with_sgd": f"({_CSR}, Tensor grad_output, Tensor table, *, float learning_rate) -> Tensor",
+    "sparse_dense_matmul_grad_with_adagrad": (
+        f"({_CSR}, Tensor grad_output, Tensor table, Tensor accumulator, *, float learning_rate, float eps)"
+        " -> (Tensor, Tensor)"
+    ),
+    "sparse_dense_matmul_grad_with_rowwise_adagrad": (
+        f"({_CSR}, Tensor grad_output, Tensor table, Tensor accumulator, *, float learning_rate, float eps, "
+        "float weight_decay) -> (Tensor, Tensor)"
+    ),
+    "sparse_dense_matmul_grad_with_adam": (
+        f"({_CSR}, Tensor grad_output, Tensor table, Tensor momentum1, Tensor momentum2, *, float learning_rate, "
+        "float beta1, float beta2, float eps, float weight_decay, float step) -> (Tensor, Tensor, Tensor)"
+    ),
+}
+OP_NAMES: tuple[str, ...] = tuple(SCHEMAS)
+
+# Arguments baked into the compiled program (everything else is traced).
+_STATIC = {"sparse_dense_matmul": ("batch_size",)}
+
+_lib = torch.library.Library("tpurec", "FRAGMENT")
+_JITTED: dict[str, Callable] = {}
+
+
+def jitted_kernel(name: str) -> Callable:
+    """The cached ``jax.jit`` of op ``name``'s reference kernel (for CPU tensors)."""
+    fn = _JITTED.get(name)
+    if fn is None:
+        fn = _JITTED[name] = jax.jit(getattr(reference, name), static_argnames=_STATIC.get(name, ()))
+    return fn
+
+
+def _to_jax(t: torch.Tensor) -> jax.Array:
+    return jnp.asarray(t.detach().contiguous().numpy())
+
+
+def _to_torch(a: jax.Array, like: torch.Tensor) -> torch.Tensor:
+    # np.array copies: the result must not alias JAX's (read-only) buffer.
+    return torch.from_numpy(np.array(a)).to(to_torch_dtype(a.dtype)).to(like.dtype)
+
+
+def _make_cpu_kernel(name: str) -> Callable:
+    def cpu_kernel(*tensors: torch.Tensor, **kwargs):
+        like = tensors[4] if name == "sparse_dense_matmul" else tensors[5]
+        out = jitted_kernel(name)(*(_to_jax(t) for t in tensors), **kwargs)
+        if isinstance(out, tuple):
+            return tuple(_to_torch(o, t) for o, t in zip(out, tensors[5:]))
+        return _to_torch(out, like)
+
+    cpu_kernel.__name__ = f"{name}_cpu"
+    return cpu_kernel
+
+
+def _make_fake_kernel(name: str) -> Callable:
+    def fake_kernel(*tensors: torch.Tensor, **kwargs):
+        if name == "sparse_dense_matmul":
+            table = tensors[4]
+            return table.new_empty((kwargs["batch_size"], table.shape[1]))
+        outs = tuple(torch.empty_like(t) for t in tensors[5:])
+        return outs if len(outs) > 1 else outs[0]
+
+    fake_kernel.__name__ = f"{name}_fake"
+    return fake_kernel
+
+
+def _register() -> None:
+    for name, schema in SCHEMAS.items():
+        _lib.define(name + schema)
+        _lib.impl(name, _make_cpu_kernel(name), "CPU")
+        torch.library.register_fake(f"tpurec::{name}", _make_fake_kernel(name), lib=_lib)
+        lower(getattr(torch.ops.tpurec, name).default)(getattr(reference, name))
+
+
+_register()

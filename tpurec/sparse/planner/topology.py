@@ -1,0 +1,548 @@
+"""TPU topology for the sharding planner: generations, slices, ICI torus, DCN.
+
+A :class:`TpuTopology` describes one TPU job: a generation (v4, v5e, v5p, v6e,
+v7x), the shape of one slice (chips along each torus axis) and the number of
+slices joined over the data-center network (DCN). From these it derives what
+the planner needs: JAX devices, chips, hosts, SparseCores, HBM capacity and
+bandwidth, ICI link bandwidth, bisection bandwidth of the torus, and DCN
+bandwidth per chip. :meth:`TpuTopology.to_torchrec` turns it into a TorchRec
+``Topology(compute_device="tpu")`` so ``EmbeddingShardingPlanner`` can use it.
+
+Units: bytes, bytes per second and seconds here; TorchRec wants bytes per
+millisecond, and :meth:`TpuTopology.to_torchrec` converts.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Dict, Optional, Tuple
+
+__all__ = [
+    "TpuGeneration",
+    "TPU_GENERATIONS",
+    "TpuTopology",
+    "default_slice_shape",
+]
+
+_GiB = 1024**3
+_GB = 1000**3
+
+
+@dataclass(frozen=True)
+class TpuGeneration:
+    """Per-chip figures of one TPU generation.
+
+    Args:
+        name: generation name (``"v5p"``).
+        hbm_bytes_per_chip: HBM capacity of one chip, in bytes.
+        hbm_bw_per_chip: HBM bandwidth of one chip, bytes/s.
+        bf16_flops_per_chip: peak bf16 FLOP/s of one chip.
+        ici_bw_per_chip: ICI bandwidth of one chip, bidirectional, summed over
+            its links, bytes/s.
+        torus_rank: 2 or 3 (2D or 3D torus).
+        max_chips_per_slice: largest slice (pod) size, chips.
+        sparsecores_per_chip: SparseCores on one chip (0: lookups run on the
+            TensorCore).
+        devices_per_chip: JAX devices per chip (2 on v7x: two TensorCore dies,
+            each its own device).
+        chips_per_host: chips attached to one host VM.
+        dcn_bw_per_chip: data-center network bandwidth per chip, one
+            direction, bytes/s.
+        name_counts_cores: whether the accelerator-type suffix counts
+            TensorCores (v4, v5p, v7x: two per chip) instead of chips (v5e,
+            v6e).
+        sc_tiles: vector subcores ("tiles") per SparseCore.
+        sc_lanes: f32 SIMD lanes per tile.
+        sc_clock_hz: SparseCore clock (assumed; no public figure).
+        sources: where the figures come from.
+
+    Example::
+
+        v5p = TPU_GENERATIONS["v5p"]
+        v5p.ici_link_bw  # one-way bytes/s of one ICI link
+    """
+
+    name: str
+    hbm_bytes_per_chip: int
+    hbm_bw_per_chip: float
+    bf16_flops_per_chip: float
+    ici_bw_per_chip: float
+    torus_rank: int
+    max_chips_per_slice: int
+    sparsecores_per_chip: int
+    devices_per_chip: int
+    chips_per_host: int
+    dcn_bw_per_chip: float
+    name_counts_cores: bool
+    sc_tiles: int = 16
+    sc_lanes: int = 8
+    sc_clock_hz: float = 1.0e9
+    sources: Tuple[str, ...] = ()
+
+    @property
+    def ici_links_per_chip(self) -> int:
+        """Links of one chip: two per torus axis (one each way round the ring)."""
+        return 2 * self.torus_rank
+
+    @property
+    def ici_link_bw(self) -> float:
+        """One-way bandwidth of one ICI link, bytes/s."""
+        # ici_bw_per_chip is bidirectional over all links.
+        return self.ici_bw_per_chip / (2 * self.ici_links_per_chip)
+
+    @property
+    def sparsecores_per_device(self) -> int:
+        """SparseCores owned by one JAX device."""
+        return self.sparsecores_per_chip // self.devices_per_chip
+
+
+# One table of generation figures. Sources (public, checked for DESIGN.md):
+#   cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e, /tpu7x (system architecture
+#   tables: HBM, HBM bandwidth, bf16 peak, ICI, topology, chips per host);
+#   jax-tpu-embedding NUM_SC_PER_DEVICE_MAP (SparseCores per device);
+#   openxla.org SparseCore guide (16 tiles per SparseCore).
+# Figures not published (SparseCore lanes and clock, v4/v5e DCN) are
+# assumptions, marked below; they only scale estimates, never capacity.
+TPU_GENERATIONS: Dict[str, TpuGeneration] = {
+    "v4": TpuGeneration(
+        name="v4",
+        hbm_bytes_per_chip=32 * _GiB,  # cloud.google.com/tpu/docs/v4
+        hbm_bw_per_chip=1200 * _GB,  # cloud.google.com/tpu/docs/v4
+        bf16_flops_per_chip=275e12,  # cloud.google.com/tpu/docs/v4
+        ici_bw_per_chip=6 * 2 * 45 * _GB,  # 6 links x 45 GB/s one-way (v4 docs)
+        torus_rank=3,
+        max_chips_per_slice=4096,
+        sparsecores_per_chip=4,  # v4 paper (Jouppi et al., ISCA 2023)
+        devices_per_chip=1,  # megacore: 2 TensorCores, one device
+        chips_per_host=4,
+        dcn_bw_per_chip=50e9 / 8,  # assumption: as v5p (no public v4 figure)
+        name_counts_cores=True,
+        sources=("cloud.google.com/tpu/docs/v4", "Jouppi et al. ISCA 2023"),
+    ),
+    "v5e": TpuGeneration(
+        name="v5e",
+        hbm_bytes_per_chip=16 * _GB,  # cloud.google.com/tpu/docs/v5e
+        hbm_bw_per_chip=819 * _GB,
+        bf16_flops_per_chip=197e12,
+        ici_bw_per_chip=400 * _GB,
+        torus_rank=2,
+        max_chips_per_slice=256,
+        sparsecores_per_chip=0,  # no SparseCore: lookups on the TensorCore
+        devices_per_chip=1,
+        chips_per_host=8,
+        dcn_bw_per_chip=50e9 / 8,  # assumption: as v5p
+        name_counts_cores=False,
+        sources=("cloud.google.com/tpu/docs/v5e",),
+    ),
+    "v5p": TpuGeneration(
+        name="v5p",
+        hbm_bytes_per_chip=95 * _GiB,  # cloud.google.com/tpu/docs/v5p
+        hbm_bw_per_chip=2765 * _GB,
+        bf16_flops_per_chip=459e12,
+        ici_bw_per_chip=1200 * _GB,
+        torus_rank=3,
+        max_chips_per_slice=8960,
+        sparsecores_per_chip=4,  # jax-tpu-embedding NUM_SC_PER_DEVICE_MAP
+        devices_per_chip=1,
+        chips_per_host=4,
+        dcn_bw_per_chip=50e9 / 8,  # 50 Gb/s per chip (DESIGN.md, v5p docs)
+        name_counts_cores=True,
+        sources=("cloud.google.com/tpu/docs/v5p", "jax-tpu-embedding"),
+    ),
+    "v6e": TpuGeneration(
+        name="v6e",
+        hbm_bytes_per_chip=32 * _GB,  # cloud.google.com/tpu/docs/v6e
+        hbm_bw_per_chip=1638 * _GB,
+        bf16_flops_per_chip=918e12,
+        ici_bw_per_chip=800 * _GB,
+        torus_rank=2,
+        max_chips_per_slice=256,
+        sparsecores_per_chip=2,  # jax-tpu-embedding NUM_SC_PER_DEVICE_MAP
+        devices_per_chip=1,
+        chips_per_host=8,
+        dcn_bw_per_chip=100e9 / 8,  # 100 Gb/s per chip (DESIGN.md)
+        name_counts_cores=False,
+        sc_lanes=16,  # assumption: wider SIMD than v5p's SparseCore
+        sources=("cloud.google.com/tpu/docs/v6e", "jax-tpu-embedding"),
+    ),
+    "v7x": TpuGeneration(
+        name="v7x",
+        hbm_bytes_per_chip=192 * _GiB,  # cloud.google.com/tpu/docs/tpu7x
+        hbm_bw_per_chip=7380 * _GB,
+        bf16_flops_per_chip=2307e12,
+        ici_bw_per_chip=1200 * _GB,
+        torus_rank=3,
+        max_chips_per_slice=9216,
+        sparsecores_per_chip=4,  # 2 per device x 2 devices (jax-tpu-embedding)
+        devices_per_chip=2,
+        chips_per_host=4,
+        dcn_bw_per_chip=100e9 / 8,  # 100 Gb/s per chip (DESIGN.md)
+        name_counts_cores=True,
+        sc_lanes=16,  # assumption
+        sources=("cloud.google.com/tpu/docs/tpu7x", "jax-tpu-embedding"),
+    ),
+}
+
+_ALIASES: Dict[str, str] = {
+    "v5litepod": "v5e",
+    "v5lite": "v5e",
+    "tpu7x": "v7x",
+    "ironwood": "v7x",
+    "trillium": "v6e",
+}
+
+
+def _generation(name: str) -> TpuGeneration:
+    key = _ALIASES.get(name.lower(), name.lower())
+    if key not in TPU_GENERATIONS:
+        raise ValueError(
+            f"Unknown TPU generation {name!r}; known: {sorted(TPU_GENERATIONS)}"
+        )
+    return TPU_GENERATIONS[key]
+
+
+def default_slice_shape(generation: str, chips: int) -> Tuple[int, ...]:
+    """The usual slice shape of ``chips`` chips (power of two) for a generation.
+
+    Doubles the shortest axis until the chip count is reached, which gives the
+    shapes Cloud TPU offers by default (2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, ...
+    for 3D tori; 2x2, 2x4, 4x4, ... 16x16 for 2D ones).
+
+    Args:
+        generation: generation name.
+        chips: number of chips in the slice.
+
+    Returns:
+        Axis lengths, ascending.
+
+    Example::
+
+        default_slice_shape("v5p", 64)  # (4, 4, 4)
+    """
+    gen = _generation(generation)
+    if chips < 1 or chips & (chips - 1):
+        raise ValueError(
+            f"{chips} chips is not a power of two; pass slice_shape explicitly"
+        )
+    dims = [1] * gen.torus_rank
+    while math.prod(dims) < chips:
+        i = dims.index(min(dims))
+        dims[i] *= 2
+    return tuple(sorted(dims))
+
+
+@dataclass(frozen=True)
+class TpuTopology:
+    """A TPU job: ``num_slices`` slices of one generation, each ``slice_shape``.
+
+    Build it from an accelerator-type name (:meth:`from_name`) or from fields.
+
+    Args:
+        generation: ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"`` or ``"v7x"``.
+        slice_shape: chips along each torus axis of one slice, e.g. ``(4, 4, 8)``.
+        num_slices: slices joined over DCN (multislice); 1 for one slice.
+        hbm_bytes_per_chip: override the generation's HBM capacity.
+        ddr_bytes_per_chip: host memory per chip (only reported: TPU
+            embeddings live in HBM).
+
+    Example::
+
+        topo = TpuTopology.from_name("v5p-128")  # 64 chips, 4x4x4
+        topo.world_size  # 64 JAX devices
+        two = TpuTopology.from_name("v6e-256", num_slices=2)
+        two.world_size  # 512
+        trec = topo.to_torchrec()  # torchrec Topology(compute_device="tpu")
+    """
+
+    generation: str
+    slice_shape: Tuple[int, ...]
+    num_slices: int = 1
+    hbm_bytes_per_chip: Optional[int] = None
+    ddr_bytes_per_chip: int = 96 * _GiB
+    gen: TpuGeneration = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        gen = _generation(self.generation)
+        object.__setattr__(self, "gen", gen)
+        object.__setattr__(self, "generation", gen.name)
+        shape = tuple(int(d) for d in self.slice_shape)
+        object.__setattr__(self, "slice_shape", shape)
+        if len(shape) != gen.torus_rank:
+            raise ValueError(
+                f"{gen.name} slices are {gen.torus_rank}D; got slice_shape {shape}"
+            )
+        if any(d < 1 for d in shape):
+            raise ValueError(f"slice_shape must be positive, got {shape}")
+        if math.prod(shape) > gen.max_chips_per_slice:
+            raise ValueError(
+                f"{gen.name} slices hold at most {gen.max_chips_per_slice} chips; "
+                f"{shape} has {math.prod(shape)}"
+            )
+        if self.num_slices < 1:
+            raise ValueError(f"num_slices must be >= 1, got {self.num_slices}")
+
+    # ---- construction -------------------------------------------------- #
+
+    @classmethod
+    def from_name(
+        cls,
+        name: str,
+        num_slices: int = 1,
+        slice_shape: Optional[Tuple[int, ...]] = None,
+        **kwargs: object,
+    ) -> "TpuTopology":
+        """Topology from a Cloud TPU accelerator type such as ``"v5p-128"``.
+
+        The suffix counts TensorCores on v4, v5p and v7x (two per chip) and
+        chips on v5e and v6e, as Cloud TPU names them. ``"2xv6e-256"`` is two
+        slices.
+
+        Args:
+            name: accelerator type, optionally prefixed by ``"<N>x"`` slices.
+            num_slices: number of slices (multiplied by the prefix, if any).
+            slice_shape: override the default shape for the chip count.
+            **kwargs: other :class:`TpuTopology` fields.
+
+        Returns:
+            The topology.
+
+        Example::
+
+            TpuTopology.from_name("v7x-64").num_chips  # 32
+        """
+        m = re.fullmatch(r"(?:(\d+)x)?([A-Za-z0-9]+)-(\d+)", name.strip())
+        if not m:
+            raise ValueError(
+                f"Cannot parse TPU topology name {name!r}; expected e.g. 'v5p-128'"
+            )
+        prefix, gen_name, count = m.groups()
+        gen = _generation(gen_name)
+        n = int(count)
+        if gen.name_counts_cores:
+            if n % 2:
+                raise ValueError(f"{name}: {gen.name} names count TensorCores (2/chip)")
+            chips = n // 2
+        else:
+            chips = n
+        slices = num_slices * (int(prefix) if prefix else 1)
+        shape = slice_shape or default_slice_shape(gen.name, chips)
+        if math.prod(shape) != chips:
+            raise ValueError(f"{name} has {chips} chips but slice_shape {shape}")
+        return cls(gen.name, tuple(shape), slices, **kwargs)  # type: ignore[arg-type]
+
+    @property
+    def name(self) -> str:
+        """Accelerator-type name of one slice, with an ``Nx`` multislice prefix."""
+        n = self.chips_per_slice * (2 if self.gen.name_counts_cores else 1)
+        base = f"{self.gen.name}-{n}"
+        return base if self.num_slices == 1 else f"{self.num_slices}x{base}"
+
+    # ---- counts -------------------------------------------------------- #
+
+    @property
+    def chips_per_slice(self) -> int:
+        return math.prod(self.slice_shape)
+
+    @property
+    def num_chips(self) -> int:
+        return self.chips_per_slice * self.num_slices
+
+    @property
+    def devices_per_chip(self) -> int:
+        return self.gen.devices_per_chip
+
+    @property
+    def devices_per_slice(self) -> int:
+        return self.chips_per_slice * self.devices_per_chip
+
+    @property
+    def world_size(self) -> int:
+        """JAX devices in the job (TorchRec ranks)."""
+        return self.num_chips * self.devices_per_chip
+
+    @property
+    def num_hosts(self) -> int:
+        return max(1, math.ceil(self.num_chips / self.gen.chips_per_host))
+
+    @property
+    def sparsecores_per_device(self) -> int:
+        return self.gen.sparsecores_per_device
+
+    @property
+    def sparsecores_per_chip(self) -> int:
+        return self.gen.sparsecores_per_chip
+
+    def slice_of(self, rank: int) -> int:
+        """Slice index of a device rank (ranks are numbered slice-major)."""
+        return rank // self.devices_per_slice
+
+    def chip_of(self, rank: int) -> int:
+        return rank // self.devices_per_chip
+
+    # ---- memory -------------------------------------------------------- #
+
+    @property
+    def hbm_per_chip(self) -> int:
+        return (
+            self.hbm_bytes_per_chip
+            if self.hbm_bytes_per_chip is not None
+            else self.gen.hbm_bytes_per_chip
+        )
+
+    @property
+    def hbm_per_device(self) -> int:
+        return self.hbm_per_chip // self.devices_per_chip
+
+    @property
+    def hbm_bw_per_device(self) -> float:
+        """HBM bandwidth of one device, bytes/s."""
+        return self.gen.hbm_bw_per_chip / self.devices_per_chip
+
+    # ---- ICI ----------------------------------------------------------- #
+
+    @property
+    def wraparound(self) -> Tuple[bool, ...]:
+        """Whether each slice axis closes into a ring.
+
+        3D generations (v4, v5p, v7x) wire an axis into a torus when its
+        length is a multiple of 4 (Cloud TPU: full-cube slices are tori); 2D
+        ones (v5e, v6e) only on a full 16-chip axis.
+        """
+        if self.gen.torus_rank == 3:
+            return tuple(d >= 4 and d % 4 == 0 for d in self.slice_shape)
+        return tuple(d == 16 for d in self.slice_shape)
+
+    @property
+    def ici_injection_bw(self) -> float:
+        """One-way ICI bandwidth one chip can push into the network, bytes/s.
+
+        Only links along axes longer than 1 are wired.
+        """
+        links = sum(
+            (2 if wrap or d > 2 else 1) for d, wrap in zip(self.slice_shape, self.wraparound) if d > 1
+        )
+        return max(1, links) * self.gen.ici_link_bw
+
+    @property
+    def bisection_bw(self) -> float:
+        """One-way bandwidth across the worst cut of one slice, bytes/s.
+
+        Cutting the longest axis in half severs, for every ring along it, two
+        links on a torus and one on a mesh.
+        """
+        if self.chips_per_slice == 1:
+            return math.inf
+        i = max(range(len(self.slice_shape)), key=lambda k: self.slice_shape[k])
+        rings = self.chips_per_slice // self.slice_shape[i]
+        cut_links = 2 if self.wraparound[i] else 1
+        return rings * cut_links * self.gen.ici_link_bw
+
+    @property
+    def all_to_all_bw_per_chip(self) -> float:
+        """Sustained per-chip all-to-all bandwidth inside one slice, bytes/s.
+
+        With P chips each sending B bytes spread evenly, P*B/4 bytes cross the
+        bisection each way, so time = B * max(1/injection, P/(4*bisection)).
+        """
+        p = self.chips_per_slice
+        if p == 1:
+            return math.inf
+        per_byte = max(1.0 / self.ici_injection_bw, p / (4.0 * self.bisection_bw))
+        return 1.0 / per_byte
+
+    @property
+    def ring_bw_per_chip(self) -> float:
+        """Per-chip bandwidth of ring collectives (reduce-scatter, all-gather).
+
+        Multi-axis ring algorithms keep every link busy, so a chip moves data
+        at its injection bandwidth.
+        """
+        return self.ici_injection_bw
+
+    @property
+    def torus_diameter(self) -> int:
+        return sum(
+            (d // 2 if wrap else d - 1) for d, wrap in zip(self.slice_shape, self.wraparound)
+        )
+
+    # ---- DCN ----------------------------------------------------------- #
+
+    @property
+    def dcn_bw_per_chip(self) -> float:
+        return self.gen.dcn_bw_per_chip
+
+    # ---- TorchRec ------------------------------------------------------ #
+
+    def to_torchrec(self, hbm_cap: Optional[int] = None) -> "Topology":  # noqa: F821
+        """A TorchRec ``Topology`` with ``compute_device="tpu"``.
+
+        One TorchRec rank is one JAX device. TorchRec's "host" (the group with
+        fast interconnect, ``local_world_size``) is one slice: its intra-host
+        bandwidth is ICI, its inter-host bandwidth DCN. That makes TorchRec's
+        table-row-wise groups exactly one slice.
+
+        Args:
+            hbm_cap: HBM per device to plan with (default: all of it).
+
+        Returns:
+            ``torchrec.distributed.planner.types.Topology``.
+
+        Example::
+
+            trec = TpuTopology.from_name("v5p-128").to_torchrec()
+            trec.compute_device  # "tpu"
+        """
+        import tpurec  # noqa: F401  (registers the "tpu" device name)
+        from torchrec.distributed.planner.types import (
+            HardwareConfig,
+            KernelConfig,
+            TopologyFactory,
+            TrainerConfig,
+        )
+
+        per_ms = 1.0 / 1000.0
+        dpc = self.devices_per_chip
+        hardware = HardwareConfig(
+            hbm_cap_bytes=hbm_cap if hbm_cap is not None else self.hbm_per_device,
+            ddr_cap_bytes=self.ddr_bytes_per_chip // dpc,
+            hbm_mem_bw=self.hbm_bw_per_device * per_ms,
+            ddr_mem_bw=50e9 * per_ms,
+            hbm_to_ddr_mem_bw=32e9 * per_ms,
+            intra_host_bw=self.all_to_all_bw_per_chip / dpc * per_ms
+            if self.chips_per_slice > 1
+            else self.gen.hbm_bw_per_chip * per_ms,
+            inter_host_bw=self.dcn_bw_per_chip / dpc * per_ms,
+        )
+        trainer = TrainerConfig(
+            world_size=self.world_size, local_world_size=self.devices_per_slice
+        )
+        kernel = KernelConfig(compute_device="tpu", use_hardware_based_bandwidth=True)
+        return TopologyFactory.create_topology(
+            trainer_config=trainer, hardware_config=hardware, kernel_config=kernel
+        )
+
+    def describe(self) -> Dict[str, object]:
+        """Derived figures, for reports and JSON."""
+        return {
+            "name": self.name,
+            "generation": self.gen.name,
+            "slice_shape": list(self.slice_shape),
+            "num_slices": self.num_slices,
+            "chips": self.num_chips,
+            "hosts": self.num_hosts,
+            "devices": self.world_size,
+            "devices_per_chip": self.devices_per_chip,
+            "sparsecores_per_device": self.sparsecores_per_device,
+            "hbm_gib_per_chip": self.hbm_per_chip / _GiB,
+            "hbm_gbps_per_chip": self.gen.hbm_bw_per_chip / 1e9,
+            "ici_links_per_chip": self.gen.ici_links_per_chip,
+            "ici_link_gbps_one_way": self.gen.ici_link_bw / 1e9,
+            "wraparound": list(self.wraparound),
+            "bisection_gbps": self.bisection_bw / 1e9 if self.chips_per_slice > 1 else None,
+            "all_to_all_gbps_per_chip": self.all_to_all_bw_per_chip / 1e9
+            if self.chips_per_slice > 1
+            else None,
+            "dcn_gbps_per_chip": self.dcn_bw_per_chip / 1e9,
+        }

@@ -1,0 +1,368 @@
+"""KeyedJaggedTensor -> SparseCore CSR input, on the host (numpy, vectorized).
+
+Example::
+
+    from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+    from tpurec.sparse import Capacity, preprocess_kjt
+
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=8, num_embeddings=100,
+                                 feature_names=["f0", "f1"])]
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f0", "f1"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([2, 0, 1, 1]))
+    batch = preprocess_kjt(kjt, tables, num_partitions=4, capacities=Capacity(16))
+    batch.stacks["t0"].embedding_ids
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from typing import Iterable, Literal, Mapping, Sequence
+
+import numpy as np
+import torch
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tpurec.sparse.types import (
+    PAD_ID,
+    Capacity,
+    CapacityError,
+    FeatureSlot,
+    SparseCoreInput,
+    StackedCsr,
+    StackedTable,
+    TableInStack,
+)
+
+__all__ = ["stack_tables", "preprocess_kjt", "suggest_capacities", "FeatureBatch", "read_kjt"]
+
+Overflow = Literal["error", "drop"]
+
+
+def stack_tables(tables: Sequence[EmbeddingBagConfig], stack: bool = True) -> list[StackedTable]:
+    """Groups tables into stacked tables (one per embedding dim).
+
+    Tables of one embedding dim share a stack (their optimizer is the module's,
+    so it always agrees); each keeps a row offset. Stacks appear in the order of
+    their first table; inside a stack, features take output slots in table
+    order, then in each table's ``feature_names`` order.
+
+    Args:
+        tables: torchrec table configs.
+        stack: ``False`` gives each table its own stack.
+
+    Returns:
+        The stacked tables.
+
+    Example::
+
+        stacks = stack_tables([EmbeddingBagConfig(name="a", embedding_dim=8, num_embeddings=10,
+                                                  feature_names=["f"])])
+    """
+    names = [t.name for t in tables]
+    if len(set(names)) != len(names):
+        raise ValueError(f"table names must be unique, got {names}")
+    features = [f for t in tables for f in t.feature_names]
+    if len(set(features)) != len(features):
+        raise ValueError(f"a feature may look up only one table, got feature names {features}")
+    groups: "OrderedDict[object, list[EmbeddingBagConfig]]" = OrderedDict()
+    for t in tables:
+        groups.setdefault(t.embedding_dim if stack else t.name, []).append(t)
+    stacks = []
+    for group in groups.values():
+        offset, members, slots = 0, [], []
+        for t in group:
+            members.append(TableInStack(t.name, offset, t.num_embeddings))
+            for f in t.feature_names:
+                slots.append(FeatureSlot(f, t.name, len(slots), offset, t.num_embeddings, t.pooling))
+            offset += t.num_embeddings
+        if offset >= PAD_ID:
+            raise ValueError(f"stack of tables {[t.name for t in group]} has {offset} rows; ids must stay below {PAD_ID}")
+        name = "__".join(t.name for t in group)
+        stacks.append(StackedTable(name, group[0].embedding_dim, tuple(members), tuple(slots)))
+    return stacks
+
+
+@dataclasses.dataclass
+class FeatureBatch:
+    """One feature of a validated KJT, as numpy arrays.
+
+    Args:
+        ids: int64 ids.
+        lengths: int64 bag lengths, ``[batch_size]``.
+        weights: float32 per-id weights, or None.
+    """
+
+    ids: np.ndarray
+    lengths: np.ndarray
+    weights: np.ndarray | None
+
+
+def _tables_of(tables: Sequence[EmbeddingBagConfig] | Sequence[StackedTable]) -> list[StackedTable]:
+    if tables and isinstance(tables[0], StackedTable):
+        return list(tables)  # type: ignore[arg-type]
+    return stack_tables(tables)  # type: ignore[arg-type]
+
+
+def read_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackedTable], is_weighted: bool | None = None) -> tuple[int, dict[str, FeatureBatch]]:
+    """Validates ``kjt`` against the tables and splits it per feature.
+
+    Every check runs before anything is returned, so a bad batch changes no
+    state anywhere. Errors are ``ValueError`` naming the feature and the value.
+
+    Args:
+        kjt: the batch (CPU tensors).
+        stacks: the stacked tables it will be looked up in.
+        is_weighted: require (True) or ignore (False) weights; None uses them
+            when present.
+
+    Returns:
+        ``(batch_size, {feature: FeatureBatch})``.
+    """
+    slots = {s.feature: s for st in stacks for s in st.features}
+    keys = list(kjt.keys())
+    unknown = [k for k in keys if k not in slots]
+    if unknown:
+        raise ValueError(f"features {unknown} of the KeyedJaggedTensor are not in any table (known features: {sorted(slots)})")
+    missing = [f for f in slots if f not in keys]
+    if missing:
+        raise ValueError(f"features {missing} used by the tables are missing from the KeyedJaggedTensor (keys: {keys})")
+    if kjt.variable_stride_per_key():
+        raise ValueError("variable batch size per feature (VBE) is not supported: every feature needs the same stride")
+    values_t, lengths_t = kjt.values(), kjt.lengths()
+    if values_t.dtype.is_floating_point or values_t.dtype.is_complex or values_t.dtype == torch.bool:
+        first = values_t[0].item() if values_t.numel() else None
+        raise ValueError(
+            f"ids of features {keys} must be integers, got dtype {values_t.dtype} (first value of feature "
+            f"'{keys[0]}': {first})"
+        )
+    values = values_t.detach().cpu().numpy().astype(np.int64, copy=False)
+    lengths = lengths_t.detach().cpu().numpy().astype(np.int64, copy=False)
+    n_keys = len(keys)
+    batch_size = kjt.stride()
+    if lengths.shape[0] != n_keys * batch_size:
+        raise ValueError(f"lengths has {lengths.shape[0]} entries, expected {n_keys} features x batch {batch_size}")
+    lengths = lengths.reshape(n_keys, batch_size)
+    negative = np.nonzero((lengths < 0).any(axis=1))[0]
+    if negative.size:
+        k = negative[0]
+        raise ValueError(f"feature '{keys[k]}' has a negative bag length {lengths[k].min()}")
+    per_key = lengths.sum(axis=1)
+    ends = np.cumsum(per_key)
+    total = int(ends[-1]) if n_keys else 0
+    if total != values.shape[0]:
+        over = np.nonzero(ends > values.shape[0])[0]
+        k = over[0] if over.size else n_keys - 1
+        raise ValueError(
+            f"lengths sum to {total} but values has {values.shape[0]} ids "
+            f"(feature '{keys[k]}' lengths sum to {int(per_key[k])}, ending at {int(ends[k])})"
+        )
+    weights_t = kjt.weights_or_none()
+    use_weights = weights_t is not None if is_weighted is None else is_weighted
+    weights = None
+    if use_weights:
+        if weights_t is None:
+            raise ValueError(f"the tables are weighted but the KeyedJaggedTensor of features {keys} has no weights")
+        if not weights_t.dtype.is_floating_point:
+            raise ValueError(f"weights of features {keys} must be floating point, got {weights_t.dtype}")
+        weights = weights_t.detach().cpu().numpy().astype(np.float32, copy=False)
+        if weights.shape[0] != values.shape[0]:
+            k = int(np.searchsorted(ends, min(weights.shape[0], values.shape[0]), side="right"))
+            k = min(k, n_keys - 1)
+            raise ValueError(
+                f"weights has {weights.shape[0]} entries but values has {values.shape[0]} ids "
+                f"(first feature without matching weights: '{keys[k]}')"
+            )
+    starts = ends - per_key
+    out: dict[str, FeatureBatch] = {}
+    for k, key in enumerate(keys):
+        ids = values[starts[k] : ends[k]]
+        slot = slots[key]
+        bad = (ids < 0) | (ids >= slot.num_embeddings)
+        if bad.any():
+            value = int(ids[np.argmax(bad)])
+            raise ValueError(
+                f"feature '{key}' has id {value} outside [0, {slot.num_embeddings}) of table '{slot.table}'"
+            )
+        w = None if weights is None else weights[starts[k] : ends[k]]
+        out[key] = FeatureBatch(ids, lengths[k], w)
+    return batch_size, out
+
+
+def _stack_csr(
+    stack: StackedTable,
+    features: Mapping[str, FeatureBatch],
+    batch_size: int,
+    num_partitions: int,
+    capacity: Capacity | None,
+    overflow: Overflow,
+) -> StackedCsr:
+    """CSR arrays of one stack; ``capacity=None`` sizes the buffers to fit."""
+    ids_l, samples_l, gains_l = [], [], []
+    rows = np.arange(batch_size, dtype=np.int64)
+    for slot in stack.features:
+        fb = features[slot.feature]
+        ids_l.append(fb.ids + slot.row_offset)
+        samples_l.append(np.repeat(rows + slot.slot * batch_size, fb.lengths))
+        g = np.ones(fb.ids.shape[0], np.float64) if fb.weights is None else fb.weights.astype(np.float64)
+        if slot.pooling == PoolingType.MEAN:
+            # MEAN divides by the bag length (FBGEMM/torchrec), also for weighted bags.
+            g = g / np.repeat(fb.lengths, fb.lengths)
+        gains_l.append(g)
+    ids = np.concatenate(ids_l) if ids_l else np.zeros(0, np.int64)
+    samples = np.concatenate(samples_l) if samples_l else np.zeros(0, np.int64)
+    gains = np.concatenate(gains_l) if gains_l else np.zeros(0, np.float64)
+    P = num_partitions
+    part = ids % P
+    order = np.lexsort((samples, ids, part))
+    ids, samples, gains, part = ids[order], samples[order], gains[order], part[order]
+    n = ids.shape[0]
+
+    # Merge duplicate (sample, id) pairs: one entry, gains summed.
+    if n:
+        new_pair = np.empty(n, bool)
+        new_pair[0] = True
+        new_pair[1:] = (ids[1:] != ids[:-1]) | (samples[1:] != samples[:-1])
+        starts = np.nonzero(new_pair)[0]
+        gains = np.add.reduceat(gains, starts)
+        ids, samples, part = ids[starts], samples[starts], part[starts]
+    n = ids.shape[0]
+    new_id = np.empty(n, bool)
+    if n:
+        new_id[0] = True
+        new_id[1:] = ids[1:] != ids[:-1]
+    counts = np.bincount(part, minlength=P)
+    unique_counts = np.bincount(part[new_id], minlength=P)
+
+    if capacity is None:
+        capacity = Capacity(max(int(counts.max()), 1), max(int(unique_counts.max()), 1))
+    dropped = 0
+    too_many = counts > capacity.max_ids_per_partition
+    too_many_unique = unique_counts > capacity.max_unique_ids_per_partition
+    if too_many.any() or too_many_unique.any():
+        if overflow != "drop":
+            p = int(np.argmax(too_many | too_many_unique))
+            raise CapacityError(
+                f"stacked table '{stack.name}', partition {p} of {P}: the batch needs {int(counts[p])} ids "
+                f"({int(unique_counts[p])} unique) but the capacity is max_ids_per_partition="
+                f"{capacity.max_ids_per_partition}, max_unique_ids_per_partition="
+                f"{capacity.max_unique_ids_per_partition}; raise it (see suggest_capacities) or pass overflow='drop'"
+            )
+        # Keep, per partition, the first max_unique ids and then the first max_ids entries.
+        uniq_start = np.cumsum(unique_counts) - unique_counts
+        unique_rank = np.cumsum(new_id) - 1 - uniq_start[part]
+        keep = unique_rank < capacity.max_unique_ids_per_partition
+        kept_counts = np.bincount(part[keep], minlength=P)
+        rank = np.cumsum(keep) - 1 - (np.cumsum(kept_counts) - kept_counts)[part]
+        keep &= rank < capacity.max_ids_per_partition
+        dropped = int(n - keep.sum())
+        ids, samples, gains, part = ids[keep], samples[keep], gains[keep], part[keep]
+    kept = np.bincount(part, minlength=P)
+    rank = np.arange(ids.shape[0]) - (np.cumsum(kept) - kept)[part]
+    size = capacity.partition_size
+    pos = part * size + rank
+    out_ids = np.full(P * size, PAD_ID, np.int32)
+    out_samples = np.full(P * size, PAD_ID, np.int32)
+    out_gains = np.zeros(P * size, np.float32)
+    out_ids[pos] = ids
+    out_samples[pos] = samples
+    out_gains[pos] = gains
+    row_pointers = (np.arange(P) * size + kept).astype(np.int32)
+    return StackedCsr(row_pointers, out_ids, out_samples, out_gains, counts.astype(np.int32), unique_counts.astype(np.int32), dropped)
+
+
+def _capacity_for(capacities: Capacity | Mapping[str, Capacity] | None, stack: StackedTable) -> Capacity | None:
+    if capacities is None or isinstance(capacities, Capacity):
+        return capacities
+    if stack.name in capacities:
+        return capacities[stack.name]
+    for t in stack.tables:  # a single-table stack may be named by its table
+        if t.name in capacities and len(stack.tables) == 1:
+            return capacities[t.name]
+    raise ValueError(f"no capacity for stacked table '{stack.name}' (given: {sorted(capacities)})")
+
+
+def preprocess_kjt(
+    kjt: KeyedJaggedTensor,
+    tables: Sequence[EmbeddingBagConfig] | Sequence[StackedTable],
+    num_partitions: int = 1,
+    capacities: Capacity | Mapping[str, Capacity] | None = None,
+    *,
+    is_weighted: bool | None = None,
+    overflow: Overflow = "error",
+) -> SparseCoreInput:
+    """Turns a KeyedJaggedTensor into SparseCore CSR input, per stacked table.
+
+    Args:
+        kjt: the batch (CPU).
+        tables: torchrec table configs (stacked with :func:`stack_tables`) or
+            already stacked tables.
+        num_partitions: MOD partitions (SparseCores holding the table).
+        capacities: one :class:`Capacity` for every stack, one per stack name,
+            or None to size the buffers to this batch (shapes then change from
+            batch to batch: every new shape compiles again).
+        is_weighted: see :func:`read_kjt`.
+        overflow: ``"error"`` raises :class:`CapacityError` with the observed and
+            allowed numbers; ``"drop"`` drops what does not fit and counts it in
+            ``StackedCsr.dropped``.
+
+    Returns:
+        The :class:`SparseCoreInput`.
+
+    Example::
+
+        batch = preprocess_kjt(kjt, tables, num_partitions=2, capacities=Capacity(64))
+        rp, ids, samples, gains = batch.stacks["t0"].arrays()
+    """
+    if num_partitions < 1:
+        raise ValueError(f"num_partitions must be >= 1, got {num_partitions}")
+    if overflow not in ("error", "drop"):
+        raise ValueError(f"overflow must be 'error' or 'drop', got {overflow!r}")
+    stacks = _tables_of(tables)
+    batch_size, features = read_kjt(kjt, stacks, is_weighted)
+    csrs = {
+        st.name: _stack_csr(st, features, batch_size, num_partitions, _capacity_for(capacities, st), overflow)
+        for st in stacks
+    }
+    return SparseCoreInput(batch_size, num_partitions, csrs)
+
+
+def suggest_capacities(
+    batches: Iterable[KeyedJaggedTensor],
+    tables: Sequence[EmbeddingBagConfig] | Sequence[StackedTable],
+    num_partitions: int = 1,
+    *,
+    is_weighted: bool | None = None,
+    headroom: float = 1.0,
+) -> dict[str, Capacity]:
+    """Measures the capacities a data set needs.
+
+    Args:
+        batches: sample batches.
+        tables: as in :func:`preprocess_kjt`.
+        num_partitions: MOD partitions.
+        is_weighted: see :func:`read_kjt`.
+        headroom: factor applied to the observed maxima (e.g. 1.2).
+
+    Returns:
+        Stack name -> :class:`Capacity` fitting every batch.
+
+    Example::
+
+        caps = suggest_capacities(loader_sample, tables, num_partitions=4, headroom=1.25)
+        batch = preprocess_kjt(kjt, tables, 4, caps)
+    """
+    stacks = _tables_of(tables)
+    ids = {st.name: 1 for st in stacks}
+    uniq = {st.name: 1 for st in stacks}
+    for kjt in batches:
+        batch = preprocess_kjt(kjt, stacks, num_partitions, None, is_weighted=is_weighted)
+        for name, csr in batch.stacks.items():
+            ids[name] = max(ids[name], int(csr.max_ids.max()))
+            uniq[name] = max(uniq[name], int(csr.max_unique_ids.max()))
+    out = {}
+    for name in ids:
+        m = int(np.ceil(ids[name] * headroom))
+        out[name] = Capacity(m, min(m, int(np.ceil(uniq[name] * headroom))))
+    return out
