@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional, Tuple
 
 __all__ = [
+    "TpuCommsBandwidths",
     "TpuGeneration",
     "TPU_GENERATIONS",
     "TpuTopology",
@@ -475,13 +476,19 @@ class TpuTopology:
 
     # ---- TorchRec ------------------------------------------------------ #
 
+    @property
+    def devices_per_host(self) -> int:
+        return min(self.gen.chips_per_host, self.chips_per_slice) * self.devices_per_chip
+
     def to_torchrec(self, hbm_cap: Optional[int] = None) -> "Topology":  # noqa: F821
         """A TorchRec ``Topology`` with ``compute_device="tpu"``.
 
-        One TorchRec rank is one JAX device. TorchRec's "host" (the group with
-        fast interconnect, ``local_world_size``) is one slice: its intra-host
-        bandwidth is ICI, its inter-host bandwidth DCN. That makes TorchRec's
-        table-row-wise groups exactly one slice.
+        One TorchRec rank is one JAX device, numbered slice-major. TorchRec's
+        host (``local_world_size``) is a TPU host, and its "pod"
+        (``pod_size`` hosts, the fast-interconnect group ``intra_group_size``)
+        is one slice: table-row-wise groups are exactly one slice, and device
+        indices in placements stay host-local. Collective bandwidths come from
+        :class:`TpuCommsBandwidths`: ICI inside a slice, DCN across slices.
 
         Args:
             hbm_cap: HBM per device to plan with (default: all of it).
@@ -504,21 +511,26 @@ class TpuTopology:
 
         per_ms = 1.0 / 1000.0
         dpc = self.devices_per_chip
+        comms = TpuCommsBandwidths(self)
         hardware = HardwareConfig(
             hbm_cap_bytes=hbm_cap if hbm_cap is not None else self.hbm_per_device,
             ddr_cap_bytes=self.ddr_bytes_per_chip // dpc,
             hbm_mem_bw=self.hbm_bw_per_device * per_ms,
             ddr_mem_bw=50e9 * per_ms,
             hbm_to_ddr_mem_bw=32e9 * per_ms,
-            intra_host_bw=self.all_to_all_bw_per_chip / dpc * per_ms
-            if self.chips_per_slice > 1
-            else self.gen.hbm_bw_per_chip * per_ms,
-            inter_host_bw=self.dcn_bw_per_chip / dpc * per_ms,
+            intra_host_bw=comms.intra_host_bw,
+            inter_host_bw=comms.inter_host_bw,
         )
         trainer = TrainerConfig(
-            world_size=self.world_size, local_world_size=self.devices_per_slice
+            world_size=self.world_size,
+            local_world_size=self.devices_per_host,
+            pod_size=self.devices_per_slice // self.devices_per_host,
         )
-        kernel = KernelConfig(compute_device="tpu", use_hardware_based_bandwidth=True)
+        kernel = KernelConfig(
+            compute_device="tpu",
+            use_hardware_based_bandwidth=True,
+            generalized_comms_bandwidths=comms,
+        )
         return TopologyFactory.create_topology(
             trainer_config=trainer, hardware_config=hardware, kernel_config=kernel
         )
@@ -546,3 +558,65 @@ class TpuTopology:
             else None,
             "dcn_gbps_per_chip": self.dcn_bw_per_chip / 1e9,
         }
+
+
+def _comms_base() -> type:
+    from torchrec.distributed.planner.types import GeneralizedCommsBandwidth
+
+    return GeneralizedCommsBandwidth
+
+
+class TpuCommsBandwidths(_comms_base()):  # type: ignore[misc]
+    """TorchRec's comms-bandwidth model for a TPU job (bytes/ms per device).
+
+    A collective among at most one slice's devices runs on ICI at the torus'
+    per-chip all-to-all rate; a larger one is bound by DCN. All-reduce uses
+    the ring rate.
+
+    Args:
+        topology: the TPU job.
+
+    Example::
+
+        bw = TpuCommsBandwidths(TpuTopology.from_name("v5p-128"))
+        bw.intra_host_bw  # bytes/ms
+    """
+
+    def __init__(self, topology: TpuTopology) -> None:
+        self._topo = topology
+        dpc = topology.devices_per_chip
+        per_ms = 1.0 / 1000.0
+        if topology.chips_per_slice > 1:
+            self._ici = topology.all_to_all_bw_per_chip / dpc * per_ms
+            self._ring = topology.ring_bw_per_chip / dpc * per_ms
+        else:
+            # One chip: "collectives" stay in HBM.
+            self._ici = self._ring = topology.gen.hbm_bw_per_chip / dpc * per_ms
+        self._dcn = topology.dcn_bw_per_chip / dpc * per_ms
+        self.name = "TpuCommsBandwidths"
+
+    @property
+    def intra_host_bw(self) -> float:
+        return self._ici
+
+    @property
+    def inter_host_bw(self) -> float:
+        return self._dcn
+
+    def get_bw(self, local_world_size: int, world_size: int, collective_type: object) -> float:
+        from torchrec.distributed.planner.types import CollectiveType
+
+        if world_size > self._topo.devices_per_slice:
+            return self._dcn
+        if collective_type in (CollectiveType.ALL_REDUCE, CollectiveType.REDUCE_SCATTER, CollectiveType.ALL_GATHER):
+            return self._ring
+        return self._ici
+
+    def __str__(self) -> str:
+        return f"{self.name}: ici={self._ici:.3g} B/ms, dcn={self._dcn:.3g} B/ms"
+
+    def __hash__(self) -> int:
+        return hash((self._ici, self._ring, self._dcn, self._topo.devices_per_slice))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, TpuCommsBandwidths) and hash(self) == hash(other)
