@@ -1,4 +1,15 @@
-"""tpurec: recommendation models on TPUs from plain PyTorch."""
+"""tpurec: recommendation models on TPUs from plain PyTorch.
+
+``import tpurec`` makes ``"tpu"`` a PyTorch device (PrivateUse1 renamed),
+backed by JAX devices: TPUs where present, otherwise XLA:GPU or XLA:CPU.
+
+Example::
+
+    import torch, tpurec
+    model = torch.nn.Linear(4, 4).to("tpu")
+    loss = model(torch.randn(8, 4, device="tpu")).sum()
+    loss.backward()
+"""
 
 import jax
 
@@ -9,6 +20,12 @@ from tpurec import device as _device  # noqa: E402
 
 _device.register()
 
-from tpurec.device import platform  # noqa: E402
+from tpurec.dispatch import register_factories as _register_factories  # noqa: E402
 
-__all__ = ["platform"]
+_register_factories()
+
+from tpurec.device import platform  # noqa: E402
+from tpurec.runtime import reset_stats, stats, synchronize  # noqa: E402
+from tpurec.tensor import TpuTensor  # noqa: E402
+
+__all__ = ["platform", "stats", "reset_stats", "synchronize", "TpuTensor"]

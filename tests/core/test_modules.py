@@ -1,0 +1,54 @@
+"""nn.Module on tpu: .to/.cpu, state_dict round-trips, autograd."""
+
+import torch
+
+import tpurec  # noqa: F401
+
+
+def mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+
+def test_cpu_state_dict_into_tpu_model_and_back():
+    cpu_model = mlp()
+    tpu_model = mlp().to("tpu")
+    with torch.no_grad():
+        for p in tpu_model.parameters():
+            p.zero_()
+    tpu_model.load_state_dict(cpu_model.state_dict())
+    for k, v in tpu_model.state_dict().items():
+        assert v.device.type == "tpu"
+        assert torch.equal(v.cpu(), cpu_model.state_dict()[k])
+    back = mlp()
+    with torch.no_grad():
+        for p in back.parameters():
+            p.zero_()
+    back.load_state_dict(tpu_model.state_dict())
+    for k, v in back.state_dict().items():
+        assert v.device.type == "cpu" and torch.equal(v, cpu_model.state_dict()[k])
+    assert all(p.device.type == "cpu" for p in tpu_model.cpu().parameters())
+
+
+def test_autograd_matches_cpu():
+    model = mlp()
+    x = torch.randn(4, 8)
+    ref = model(x).square().mean()
+    ref.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    dev = mlp().to("tpu")
+    out = dev(x.to("tpu")).square().mean()
+    out.backward()
+    torch.testing.assert_close(out.cpu(), ref.detach(), rtol=1e-6, atol=1e-7)
+    for p, g in zip(dev.parameters(), grads):
+        assert p.grad.device.type == "tpu"
+        torch.testing.assert_close(p.grad.cpu(), g, rtol=1e-5, atol=1e-6)
+
+
+def test_module_to_dtype_on_device_keeps_values():
+    model = mlp().to("tpu")
+    before = [p.cpu() for p in model.parameters()]
+    model.to(torch.float64)
+    for p, b in zip(model.parameters(), before):
+        assert p.dtype == torch.float64 and p.device.type == "tpu"
+        torch.testing.assert_close(p.cpu(), b.double())

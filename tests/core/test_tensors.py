@@ -1,0 +1,75 @@
+"""Tensors on tpu: factories, transfers, dtypes, repr, item/tolist."""
+
+import pytest
+import torch
+
+import tpurec  # noqa: F401
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_dtype_round_trip_is_exact(dtype):
+    if dtype.is_floating_point:
+        host = torch.randn(5, 3).to(dtype)
+    elif dtype == torch.bool:
+        host = torch.tensor([[True, False, True]] * 5)
+    else:
+        info = torch.iinfo(dtype)
+        host = torch.randint(info.min, info.max, (5, 3), dtype=dtype)
+    t = host.to("tpu")
+    assert t.dtype == dtype and t.device.type == "tpu"
+    back = t.cpu()
+    assert back.dtype == dtype and torch.equal(back, host)
+
+
+def test_int64_beyond_int32_round_trips():
+    values = [2**31, 2**40 + 7, -(2**53) - 1, 2**62]
+    t = torch.tensor(values, device="tpu")
+    assert t.dtype == torch.int64
+    assert t.tolist() == values
+    assert (t + 1).tolist() == [v + 1 for v in values]
+
+
+def test_factories():
+    assert torch.zeros(2, 3, device="tpu").cpu().eq(0).all()
+    assert torch.ones(4, device="tpu", dtype=torch.int32).cpu().tolist() == [1, 1, 1, 1]
+    assert torch.full((2,), 7.5, device="tpu").tolist() == [7.5, 7.5]
+    assert torch.arange(5, device="tpu").tolist() == [0, 1, 2, 3, 4]
+    assert torch.arange(1, 2, 0.25, device="tpu").tolist() == [1.0, 1.25, 1.5, 1.75]
+    assert torch.empty(3, 2, device="tpu").shape == (3, 2)
+    x = torch.randn(3, 4, device="tpu")
+    for like in (torch.zeros_like, torch.ones_like, torch.empty_like, torch.rand_like, torch.randn_like):
+        y = like(x)
+        assert y.shape == x.shape and y.device == x.device and y.dtype == x.dtype
+    r = torch.rand(1000, device="tpu").cpu()
+    assert 0 <= r.min() and r.max() < 1 and abs(r.mean() - 0.5) < 0.05
+    n = torch.randn(2000, device="tpu").cpu()
+    assert abs(n.mean()) < 0.1 and abs(n.std() - 1) < 0.1
+    i = torch.randint(3, 9, (500,), device="tpu").cpu()
+    assert i.dtype == torch.int64 and i.min() >= 3 and i.max() < 9
+
+
+def test_tensor_methods():
+    host = torch.arange(6.0).reshape(2, 3)
+    t = host.tpu() if hasattr(host, "tpu") else host.to("tpu")
+    assert t.device == torch.device("tpu", 0)
+    assert torch.equal(t.cpu(), host)
+    assert t.tolist() == host.tolist()
+    assert t[1, 2].item() == 5.0
+    assert "device='tpu:0'" in repr(t)
+    assert "requires_grad=True" in repr(torch.ones(1, device="tpu", requires_grad=True))
+
+
+def test_manual_seed_reproducible_on_device():
+    torch.manual_seed(123)
+    a = torch.randn(8, device="tpu").cpu()
+    b = torch.rand(8, device="tpu").cpu()
+    torch.manual_seed(123)
+    assert torch.equal(a, torch.randn(8, device="tpu").cpu())
+    assert torch.equal(b, torch.rand(8, device="tpu").cpu())
+    state = torch.tpu.get_rng_state()
+    c = torch.randn(8, device="tpu").cpu()
+    torch.tpu.set_rng_state(state)
+    assert torch.equal(c, torch.randn(8, device="tpu").cpu())
+    assert not torch.equal(a, c)

@@ -1,0 +1,587 @@
+"""Eager execution: one ATen op on tpu tensors -> one cached, compiled JAX program.
+
+``TpuTensor.__torch_dispatch__`` lands here. The op is classified:
+
+* view ops make a new tensor over the same storage (no computation);
+* in-place and ``out=`` ops run their functional variant and write the result
+  back through the destination's view, inside the same program;
+* everything else looks its lowering up in the table (``tpurec.dense``), then
+  a ``torch._decomp`` decomposition, and otherwise fails naming the op.
+
+A program is keyed by op, storage shapes, view specs, dtypes and static
+arguments; ``Scalar``/``float`` arguments are runtime inputs, so a changing
+learning rate reuses the same compiled program.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import torch
+from torch.utils._pytree import tree_map
+
+from tpurec import rng, runtime
+from tpurec.dense.registry import (
+    DYNAMIC,
+    DYNAMIC_LIST,
+    STATIC,
+    TENSOR,
+    TENSOR_LIST,
+    Lowering,
+    argument_kinds,
+    get_lowering,
+    to_jax_dtype,
+)
+from tpurec.device import jax_device
+from tpurec.errors import unsupported_op
+from tpurec.tensor import Storage, TpuTensor, host_to_jax, jax_to_host, wrap
+from tpurec.views import contiguous_strides, read_view, write_view
+
+aten = torch.ops.aten
+
+__all__ = ["dispatch", "value_of"]
+
+
+# --- reading values ---------------------------------------------------------
+
+
+def _read_program(key):
+    shape, dtype, size, stride, offset = key
+
+    def read(storage):
+        return read_view(storage, size, stride, offset)
+
+    return _compile(("read", key), read)
+
+
+def value_of(t: TpuTensor) -> jax.Array:
+    """The values of ``t`` as one jax.Array shaped like ``t``."""
+    if t.is_full:
+        return t._storage.array
+    return _run(_read_program(t._key), t._storage.array)
+
+
+def _placed(index: int | None) -> dict:
+    """jit options placing the outputs of a program without inputs on ``tpu:index``."""
+    # keep_unused: a program that ignores an input's values still runs on its device.
+    if index is None:
+        return {"keep_unused": True}
+    return {"out_shardings": jax.sharding.SingleDeviceSharding(jax_device(index))}
+
+
+def _compile(key, fn, index: int | None = None):
+    def build():
+        runtime.counters().compilations += 1
+        return _Program(jax.jit(fn, **_placed(index)))
+
+    return runtime.programs.get(key, build)
+
+
+class _Program:
+    """A jitted function whose first call (the compilation) is timed."""
+
+    __slots__ = ("fn", "compiled")
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.compiled = False
+
+
+def _run(program: _Program, *args):
+    counters = runtime.counters()
+    counters.executions += 1
+    if program.compiled:
+        return program.fn(*args)
+    start = time.perf_counter()
+    try:
+        return program.fn(*args)
+    finally:
+        program.compiled = True
+        counters.compile_seconds += time.perf_counter() - start
+
+
+# --- building a call ---------------------------------------------------------
+
+
+class _Call:
+    """One op call split into runtime inputs and a hashable static structure."""
+
+    __slots__ = ("inputs", "key", "index", "targets")
+
+    def __init__(self) -> None:
+        self.inputs: list = []
+        self.key: list = []
+        self.index: int | None = None
+        self.targets: list = []
+
+    def tensor(self, t) -> tuple:
+        if isinstance(t, TpuTensor):
+            if self.index is None:
+                self.index = t._storage.index
+            elif t._storage.index != self.index:
+                raise RuntimeError(
+                    "Expected all tensors to be on the same device, but found at least two devices, "
+                    f"tpu:{self.index} and tpu:{t._storage.index}!"
+                )
+            self.inputs.append(t._storage.array)
+            return ("t",) + t._key
+        if isinstance(t, torch.Tensor):
+            if t.dim() == 0 and t.device.type in ("cpu", "meta") and t.device.type != "meta":
+                # A CPU 0-dim tensor is a scalar operand, as on CUDA.
+                self.inputs.append(host_to_jax(t, jax.devices("cpu")[0]).reshape(()))
+                return ("s", t.dtype)
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found a {t.device} tensor "
+                f"of shape {tuple(t.shape)} mixed with tpu tensors; move it with .to('tpu')"
+            )
+        raise TypeError(f"expected a tensor, got {type(t).__name__}")
+
+
+def _static(value):
+    if isinstance(value, list):
+        return tuple(_static(v) for v in value)
+    if isinstance(value, torch.device):
+        return str(value)
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
+        raise NotImplementedError("symbolic sizes are not supported by eager tpu execution")
+    return value
+
+
+def _split(call: _Call, kind: str, value):
+    """Records one argument; returns how the program rebuilds it."""
+    if value is None:
+        return ("none",)
+    if kind == TENSOR and isinstance(value, torch.Tensor):
+        return call.tensor(value)
+    if kind == TENSOR_LIST:
+        return ("list", tuple(("none",) if v is None else call.tensor(v) for v in value))
+    if kind in (DYNAMIC, TENSOR) and type(value) in (int, float):
+        # Python numbers in Tensor positions are PyTorch's "wrapped numbers": runtime scalars too.
+        call.inputs.append(value)
+        return ("d", type(value))
+    if kind == DYNAMIC_LIST and all(type(v) in (int, float) for v in value):
+        call.inputs.extend(value)
+        return ("dl", tuple(type(v) for v in value))
+    if isinstance(value, torch.Tensor):
+        return call.tensor(value)
+    return ("c", _static(value))
+
+
+def _rebuild(spec, it):
+    tag = spec[0]
+    if tag == "none":
+        return None
+    if tag == "t":
+        _, shape, dtype, size, stride, offset = spec
+        return read_view(next(it), size, stride, offset)
+    if tag == "s":
+        return next(it).astype(to_jax_dtype(spec[1]))
+    if tag == "list":
+        return [_rebuild(s, it) for s in spec[1]]
+    if tag == "d":
+        return next(it)
+    if tag == "dl":
+        return [next(it) for _ in spec[1]]
+    return spec[1] if not isinstance(spec[1], tuple) else list(spec[1])
+
+
+def _flatten_out(out) -> list:
+    if isinstance(out, (tuple, list)):
+        return list(out)
+    return [out]
+
+
+def _meta_dtypes(func, args, kwargs) -> list | None:
+    """Output dtypes as PyTorch's meta kernels predict them (None if there is no meta kernel)."""
+
+    def to_meta(x):
+        if isinstance(x, TpuTensor):
+            return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
+        if isinstance(x, torch.device):
+            return torch.device("meta")
+        return x
+
+    meta_kwargs = {k: to_meta(v) for k, v in kwargs.items()}
+    if "device" in meta_kwargs:
+        meta_kwargs["device"] = torch.device("meta")
+    try:
+        out = func(*tree_map(to_meta, args), **meta_kwargs)
+    except Exception:
+        return None
+    return [o.dtype if isinstance(o, torch.Tensor) else None for o in _flatten_out(out)]
+
+
+def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list | None = None, device=None):
+    """Runs ``lowering`` for ``func`` as one cached program.
+
+    Args:
+        func: the functional ATen overload being run.
+        lowering: its table entry.
+        args, kwargs: the call, with tpu tensors.
+        targets: tpu tensors to overwrite with the outputs (in-place / out=
+            variants), one per output; ``None`` returns fresh tensors.
+        device: device index for ops without tensor inputs.
+    """
+    positional, by_name = argument_kinds(func, lowering.static_scalars)
+    call = _Call()
+    arg_specs = tuple(_split(call, positional[i] if i < len(positional) else STATIC, a) for i, a in enumerate(args))
+    kw_specs = tuple((k, _split(call, by_name.get(k, STATIC), v)) for k, v in kwargs.items())
+    target_specs = ()
+    if targets is not None:
+        target_specs = tuple(call.tensor(t) for t in targets)
+    if lowering.random:
+        call.inputs.extend(rng.next_seed_and_counter())
+    index = call.index if call.index is not None else (device if device is not None else torch.tpu.current_device())
+    placed_on = index if call.index is None else None
+    key = (func, arg_specs, kw_specs, target_specs, placed_on)
+
+    def build():
+        runtime.counters().compilations += 1
+        dtypes = _meta_dtypes(func, args, kwargs)
+        random = lowering.random
+
+        def program(*inputs):
+            it = iter(inputs)
+            a = [_rebuild(s, it) for s in arg_specs]
+            kw = {k: _rebuild(s, it) for k, s in kw_specs}
+            storages = [next(it) for _ in target_specs]
+            if random:
+                kw["key"] = rng.key_from(next(it), next(it), next(it))
+            outs = _flatten_out(lowering.fn(*a, **kw))
+            if dtypes is not None:
+                outs = [o if d is None or o is None else o.astype(to_jax_dtype(d)) for o, d in zip(outs, dtypes)]
+            if not target_specs:
+                return outs
+            return [
+                write_view(storage, out, spec[3], spec[4], spec[5])
+                for storage, out, spec in zip(storages, outs, target_specs)
+            ]
+
+        return _Program(jax.jit(program, **_placed(placed_on)))
+
+    outs = _run(runtime.programs.get(key, build), *call.inputs)
+    if targets is not None:
+        for t, new in zip(targets, outs):
+            t._storage.array = new
+        return targets
+    return [None if o is None else wrap(o, index) for o in outs]
+
+
+# --- view ops ----------------------------------------------------------------
+
+
+_view_cache: dict = {}
+
+
+def _view(func, args, kwargs):
+    """A view op: new tensors over the same storage, with metadata from the meta kernel."""
+    base = args[0]
+    static = tuple(_static(a) for a in args[1:]), tuple((k, _static(v)) for k, v in kwargs.items())
+    key = (func, base._key[2:], static)
+    metas = _view_cache.get(key)
+    if metas is None:
+        shape, dtype, size, stride, offset = base._key
+        room = max(math.prod(shape), offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1)
+        meta_storage = torch.empty(room, dtype=dtype, device="meta")
+        meta_base = meta_storage.as_strided(size, stride, offset)
+        out = func(meta_base, *args[1:], **kwargs)
+        metas = _view_cache[key] = [(tuple(o.size()), tuple(o.stride()), o.storage_offset(), o.dtype) for o in _flatten_out(out)]
+    for _, _, _, dtype in metas:
+        if dtype != base.dtype:
+            raise NotImplementedError(f"{func}: views that change the dtype are not supported on tpu")
+    views = [TpuTensor(base._storage, size, stride, offset, base.dtype) for size, stride, offset, _ in metas]
+    returns = func._schema.returns
+    if len(returns) == 1 and not isinstance(returns[0].type, torch._C.ListType):
+        return views[0]
+    return views if isinstance(returns[0].type, torch._C.ListType) else tuple(views)
+
+
+# --- special ops -------------------------------------------------------------
+
+
+def _new_storage(size, stride, dtype, index) -> TpuTensor:
+    size = tuple(size)
+    stride = tuple(stride) if stride is not None else contiguous_strides(size)
+    if stride == contiguous_strides(size):
+        shape = size
+    else:
+        shape = (1 + sum((n - 1) * s for n, s in zip(size, stride)),) if all(size) else (0,)
+    jdtype = to_jax_dtype(dtype)
+    program = _compile(("zeros", shape, jdtype, index), lambda: jnp.zeros(shape, jdtype), index)
+    array = _run(program)
+    return TpuTensor(Storage(array, index), size, stride, 0, dtype)
+
+
+def _device_index(device) -> int:
+    device = torch.device(device) if device is not None else torch.device("tpu")
+    if device.type != "tpu":
+        raise RuntimeError(f"expected a tpu device, got {device}")
+    index = device.index if device.index is not None else torch.tpu.current_device()
+    jax_device(index)
+    return index
+
+
+def _empty_like(self, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+    index = _device_index(device) if device is not None else self._storage.index
+    return _new_storage(self.size(), None, dtype or self.dtype, index)
+
+
+def _new_empty(self, size, *, dtype=None, layout=None, device=None, pin_memory=None):
+    index = _device_index(device) if device is not None else self._storage.index
+    return _new_storage(size, None, dtype or self.dtype, index)
+
+
+def _new_empty_strided(self, size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
+    index = _device_index(device) if device is not None else self._storage.index
+    return _new_storage(size, stride, dtype or self.dtype, index)
+
+
+def _cast_program(key, dtype):
+    shape, _, size, stride, offset = key
+    jdtype = to_jax_dtype(dtype)
+
+    def cast(storage):
+        return read_view(storage, size, stride, offset).astype(jdtype)
+
+    return _compile(("cast", key, jdtype), cast)
+
+
+def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    dtype = dtype or self.dtype
+    target = torch.device(device) if device is not None else self.device
+    values = _run(_cast_program(self._key, dtype), self._storage.array)
+    if target.type == "cpu":
+        return jax_to_host(values)
+    if target.type != "tpu":
+        raise RuntimeError(f"cannot copy a tpu tensor to {target} directly; go through .cpu()")
+    index = _device_index(target)
+    if index != self._storage.index:
+        values = jax.device_put(values, jax_device(index))
+    return wrap(values, index, dtype)
+
+
+def _copy_into(dst: TpuTensor, values: jax.Array, src_dtype: torch.dtype):
+    key = ("copy", dst._key, values.shape, src_dtype)
+    _, _, size, stride, offset = dst._key
+
+    def copy(storage, src):
+        return write_view(storage, src, size, stride, offset)
+
+    new = _run(_compile(key, copy), dst._storage.array, values)
+    dst._storage.array = new
+    return dst
+
+
+def _copy_(dst, src, non_blocking=False):
+    if not isinstance(dst, TpuTensor):
+        # tpu -> cpu: bring the values over, then let the CPU kernel do the rest.
+        host = jax_to_host(value_of(src))
+        with torch._C._DisableTorchDispatch():
+            return dst.copy_(host)
+    device = jax_device(dst._storage.index)
+    if isinstance(src, TpuTensor):
+        values = value_of(src)
+        if src._storage.index != dst._storage.index:
+            values = jax.device_put(values, device)
+    else:
+        values = host_to_jax(src, device)
+    return _copy_into(dst, values, src.dtype)
+
+
+def _local_scalar_dense(self):
+    return jax_to_host(value_of(self)).item()
+
+
+def _detach(self):
+    return TpuTensor(self._storage, self.size(), self.stride(), self.storage_offset(), self.dtype)
+
+
+def _resize_(self, size, memory_format=None):
+    if tuple(size) == tuple(self.size()):
+        return self
+    raise NotImplementedError(
+        f"resize_ of a tpu tensor from {tuple(self.size())} to {tuple(size)} is not supported; "
+        "allocate a new tensor instead (for out= arguments, pass one of the right shape)"
+    )
+
+
+_SPECIAL = {
+    aten.copy_.default: _copy_,
+    aten._to_copy.default: _to_copy,
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten.empty_like.default: _empty_like,
+    aten.new_empty.default: _new_empty,
+    aten.new_empty_strided.default: _new_empty_strided,
+    aten.detach.default: _detach,
+    aten.resize_.default: _resize_,
+    aten.lift_fresh.default: lambda self: self,
+}
+
+
+# --- in-place and out= variants ----------------------------------------------
+
+_FUNCTIONAL_NAMES = {"normal_": "normal_functional"}
+_functional_cache: dict = {}
+
+
+def _functional_variant(func):
+    """The functional overload that computes what ``func`` writes, or None."""
+    if func in _functional_cache:
+        return _functional_cache[func]
+    found = None
+    name, overload = func._schema.name.split("::")[1], func._overloadname
+    if name.endswith("_"):
+        packet = getattr(aten, _FUNCTIONAL_NAMES.get(name, name[:-1]), None)
+        if packet is not None:
+            found = getattr(packet, overload, None) or getattr(packet, "default", None)
+    else:
+        packet = getattr(aten, name, None)
+        wanted = [a.name for a in func._schema.arguments if not (a.alias_info and a.alias_info.is_write)]
+        if packet is not None:
+            for candidate in packet.overloads():
+                op = getattr(packet, candidate)
+                if op._schema.is_mutable:
+                    continue
+                if [a.name for a in op._schema.arguments] == wanted:
+                    found = op
+                    break
+    _functional_cache[func] = found
+    return found
+
+
+def _mutated(func, args, kwargs) -> tuple[list, Any]:
+    """The tensors ``func`` writes, and what it returns."""
+    schema = func._schema
+    first = schema.arguments[0]
+    if first.alias_info is not None and first.alias_info.is_write and not first.kwarg_only:
+        targets = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+        returns = None if not schema.returns else args[0]
+        return list(targets), returns
+    outs = [kwargs[a.name] for a in schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
+    returns = outs[0] if len(outs) == 1 else tuple(outs)
+    return outs, returns
+
+
+def _run_mutating(func, args, kwargs):
+    functional = _functional_variant(func)
+    if functional is None:
+        raise unsupported_op(func, "it mutates its arguments and has no functional variant")
+    targets, returns = _mutated(func, args, kwargs)
+    call_args, call_kwargs = args, kwargs
+    write_names = {a.name for a in func._schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write}
+    if write_names:
+        call_kwargs = {k: v for k, v in kwargs.items() if k not in write_names}
+    lowering = get_lowering(functional)
+    if lowering is None:
+        results = _fallback(functional, call_args, call_kwargs)
+        for t, r in zip(targets, _flatten_out(results)):
+            if isinstance(t, TpuTensor):
+                if tuple(r.shape) != tuple(t.shape) and tuple(t.shape) != tuple(torch.broadcast_shapes(r.shape, t.shape)):
+                    _resize_(t, r.shape)
+                _copy_(t, r)
+        return returns
+    for t in targets:
+        if not isinstance(t, TpuTensor):
+            raise RuntimeError(f"{func}: expected tpu tensors to write into, got a {t.device} tensor")
+    execute(functional, lowering, call_args, call_kwargs, targets=targets)
+    return returns
+
+
+# --- the entry point -----------------------------------------------------------
+
+
+def _fallback(func, args, kwargs):
+    """Ops without a lowering: a decomposition into ops that have one, or a clear error."""
+    from torch._decomp import decomposition_table
+
+    decomposition = decomposition_table.get(func)
+    if decomposition is not None:
+        return decomposition(*args, **kwargs)
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    raise unsupported_op(func)
+
+
+def dispatch(func, args: tuple, kwargs: dict):
+    runtime.counters().ops_by_name[func.__name__] += 1
+    special = _SPECIAL.get(func)
+    if special is not None:
+        return special(*args, **kwargs)
+    if func.is_view:
+        return _view(func, args, kwargs)
+    if func._schema.is_mutable:
+        return _run_mutating(func, args, kwargs)
+    lowering = get_lowering(func)
+    if lowering is None:
+        return _fallback(func, args, kwargs)
+    outs = execute(func, lowering, args, kwargs)
+    returns = func._schema.returns
+    if len(returns) == 1 and not isinstance(returns[0].type, torch._C.ListType):
+        return outs[0]
+    if len(returns) == 1:
+        return outs
+    return tuple(outs)
+
+
+# --- factories: ops without tensor inputs reach the PrivateUse1 kernel ---------
+
+
+def _factory(func):
+    def kernel(*args, **kwargs):
+        device = kwargs.get("device")
+        index = _device_index(device)
+        if func in (aten.empty.memory_format,):
+            return _new_storage(args[0], None, kwargs.get("dtype") or torch.get_default_dtype(), index)
+        if func in (aten.empty_strided.default,):
+            return _new_storage(args[0], args[1], kwargs.get("dtype") or torch.get_default_dtype(), index)
+        lowering = get_lowering(func)
+        if lowering is None:
+            return _fallback(func, args, kwargs)
+        outs = execute(func, lowering, args, kwargs, device=index)
+        return outs[0]
+
+    return kernel
+
+
+_FACTORIES = [
+    "empty.memory_format",
+    "empty_strided",
+    "full",
+    "zeros",
+    "ones",
+    "arange",
+    "arange.start",
+    "arange.start_step",
+    "scalar_tensor",
+    "rand",
+    "randn",
+    "randint",
+    "randint.low",
+    "randperm",
+    "linspace",
+    "eye",
+    "eye.m",
+]
+
+_library = None
+
+
+def register_factories() -> None:
+    """Registers PrivateUse1 kernels for ATen factories (``torch.zeros(..., device="tpu")``)."""
+    global _library
+    if _library is not None:
+        return
+    _library = torch.library.Library("aten", "IMPL")
+    for name in _FACTORIES:
+        packet, _, overload = name.partition(".")
+        func = getattr(getattr(aten, packet), overload or "default")
+        _library.impl(name, _factory(func), "PrivateUse1")
+    # Reached with Python dispatch excluded, e.g. by torch.tensor(data, device="tpu").
+    _library.impl("_copy_from", lambda src, dst, non_blocking=False: _copy_(dst, src), "PrivateUse1")
+    _library.impl("_copy_from_and_resize", lambda src, dst: _copy_(dst, src), "PrivateUse1")

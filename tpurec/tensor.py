@@ -1,0 +1,143 @@
+"""Tensors on the "tpu" device: PyTorch metadata over a storage holding a jax.Array."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from tpurec.dense.registry import to_jax_dtype, to_torch_dtype
+from tpurec.views import contiguous_strides, is_full
+
+__all__ = ["Storage", "TpuTensor", "wrap", "host_to_jax", "jax_to_host"]
+
+
+class Storage:
+    """The memory behind one or more tpu tensors (a base and its views).
+
+    ``array`` is replaced, never mutated, when a tensor sharing this storage is
+    written in place; every view sees the new value.
+    """
+
+    __slots__ = ("array", "index")
+
+    def __init__(self, array: jax.Array, index: int) -> None:
+        self.array = array
+        self.index = index
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("tpu", self.index)
+
+
+class TpuTensor(torch.Tensor):
+    """A tensor on the ``tpu`` device.
+
+    Users never build one directly: ``torch.zeros(3, device="tpu")``,
+    ``t.to("tpu")`` and the results of ops on tpu tensors are TpuTensors.
+    """
+
+    _storage: Storage
+    # (storage shape, dtype, size, stride, offset): how programs see this tensor.
+    _key: tuple
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, storage: Storage, size, stride, offset: int, dtype: torch.dtype, requires_grad: bool = False):
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            size,
+            strides=stride,
+            storage_offset=offset,
+            dtype=dtype,
+            device=storage.device,
+            requires_grad=requires_grad,
+        )
+        t._storage = storage
+        t._key = (storage.array.shape, dtype, tuple(size), tuple(stride), offset)
+        return t
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from tpurec.dispatch import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    @property
+    def data(self):
+        return self.detach()
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        # C++ copies the TensorImpl metadata; the jax storage lives on the Python object.
+        torch._C.TensorBase.data.__set__(self, new)
+        self._storage = new._storage
+        self._key = new._key
+
+    @property
+    def is_full(self) -> bool:
+        """This tensor is its whole storage, in the storage's layout."""
+        shape, _, size, stride, offset = self._key
+        return is_full(shape, size, stride, offset)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        host = jax_to_host(self._value())
+        text = repr(host)
+        suffix = f"device='{self.device}'"
+        extras = []
+        if self.requires_grad and self.grad_fn is not None:
+            extras.append(f"grad_fn=<{type(self.grad_fn).__name__}>")
+        elif self.requires_grad:
+            extras.append("requires_grad=True")
+        body = text[: text.rfind(")")] if text.endswith(")") else text
+        return body + ", " + ", ".join([suffix] + extras) + ")"
+
+    def numpy(self, *, force: bool = False):
+        raise TypeError(
+            f"can't convert {self.device} device type tensor to numpy. "
+            "Use Tensor.cpu() to copy the tensor to host memory first."
+        )
+
+    def tolist(self):
+        return self.cpu().tolist()
+
+    def _value(self) -> jax.Array:
+        from tpurec.dispatch import value_of
+
+        return value_of(self)
+
+    def jax(self) -> jax.Array:
+        """The tensor's values as a jax.Array on its device (no copy when possible)."""
+        return self._value()
+
+
+def wrap(array: jax.Array, index: int, dtype: torch.dtype | None = None) -> TpuTensor:
+    """A fresh contiguous tpu tensor owning ``array``."""
+    shape = tuple(array.shape)
+    if dtype is None:
+        dtype = to_torch_dtype(array.dtype)
+    return TpuTensor(Storage(array, index), shape, contiguous_strides(shape), 0, dtype)
+
+
+def host_to_jax(t: torch.Tensor, device: jax.Device) -> jax.Array:
+    """Copies a CPU tensor to ``device`` (exact for every supported dtype)."""
+    t = t.detach().resolve_conj().resolve_neg().contiguous()
+    if t.dtype == torch.bfloat16:
+        raw = t.view(torch.int16).numpy().view(jnp.bfloat16)
+    else:
+        to_jax_dtype(t.dtype)  # raises for unsupported dtypes
+        raw = t.numpy()
+    return jax.device_put(raw, device)
+
+
+def jax_to_host(array: jax.Array) -> torch.Tensor:
+    """Copies a jax.Array into a new CPU tensor."""
+    raw = np.asarray(array)
+    if raw.dtype == jnp.bfloat16:
+        return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(raw.copy())
