@@ -1,0 +1,53 @@
+"""torchrec's DLRM through from_torchrec trains like torchrec with FBGEMM's fused optimizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection as TorchrecEBC
+from torchrec.models.dlrm import DLRM
+from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+import tpurec.sparse as sp
+from helpers import make_tables, random_kjt
+
+
+@pytest.mark.parametrize(
+    "optimizer_type,kwargs",
+    [(torch.optim.SGD, {"lr": 0.5}), (TorchrecRowWiseAdagrad, {"lr": 0.1})],
+    ids=["sgd", "rowwise_adagrad"],
+)
+def test_dlrm_ten_steps_match_torchrec(optimizer_type, kwargs):
+    torch.manual_seed(0)
+    tables = make_tables(dims=(8, 8, 8), rows=(30, 20, 10))
+    layers = {"dense_in_features": 5, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [16, 1]}
+    reference = DLRM(
+        embedding_bag_collection=FusedEmbeddingBagCollection(tables, optimizer_type=optimizer_type, optimizer_kwargs=kwargs),
+        **layers,
+    )
+    ours = DLRM(embedding_bag_collection=TorchrecEBC(tables), **layers)
+    ours.load_state_dict(reference.state_dict())
+    apply_optimizer_in_backward(optimizer_type, ours.sparse_arch.parameters(), kwargs)
+    ours = sp.from_torchrec(ours, capacities=sp.Capacity(128))
+    assert isinstance(ours.sparse_arch.embedding_bag_collection, sp.EmbeddingBagCollection)
+
+    dense_ref = torch.optim.Adagrad(reference.parameters(), lr=0.05)
+    dense_ours = torch.optim.Adagrad(ours.parameters(), lr=0.05)
+    rng = np.random.default_rng(0)
+    for step in range(10):
+        kjt = random_kjt(tables, 8, rng)
+        dense = torch.from_numpy(rng.standard_normal((8, 5)).astype(np.float32))
+        labels = torch.from_numpy(rng.integers(0, 2, 8).astype(np.float32))
+        losses = []
+        for model, opt in ((reference, dense_ref), (ours, dense_ours)):
+            opt.zero_grad()
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, kjt).squeeze(-1), labels)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) < 1e-4, (step, losses)
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(ours.state_dict()[key], value, atol=1e-4, rtol=0)
