@@ -10,8 +10,10 @@ hundreds of devices finish in seconds.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
+import logging
 import math
 import time
 from dataclasses import dataclass
@@ -198,6 +200,24 @@ def _proposers(names: List[str]) -> List[Proposer]:
     return made
 
 
+class _DropDataParallelSpecWarnings(logging.Filter):
+    """TorchRec warns for every data-parallel table that it has no sharding spec: by design."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Sharding spec not found")
+
+
+@contextlib.contextmanager
+def _quiet_torchrec() -> Iterator[None]:
+    root = logging.getLogger()
+    f = _DropDataParallelSpecWarnings()
+    root.addFilter(f)
+    try:
+        yield
+    finally:
+        root.removeFilter(f)
+
+
 def _min_storage_per_chip(
     search_space: List[ShardingOption], topology: TpuTopology
 ) -> Tuple[float, Dict[str, int]]:
@@ -303,7 +323,8 @@ def plan(
         timeout_seconds=cfg.timeout_seconds,
     )
     try:
-        sharding_plan = planner.plan(module, sharders)
+        with _quiet_torchrec():
+            sharding_plan = planner.plan(module, sharders)
     except PlannerError as e:
         raise TpuPlanningError(
             f"No plan for {tpu.name} found: the smallest plan needs {needed_per_chip / _GiB:.2f} GiB "
