@@ -1,7 +1,6 @@
 """SparseCore cost and storage model, and its TorchRec estimator plumbing."""
 
 import pytest
-import torch
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.types import ParameterConstraints
 from torchrec.distributed.types import ShardingType

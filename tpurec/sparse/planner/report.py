@@ -335,7 +335,8 @@ def build_report(
                 comms_ms=busiest.fwd_comms + busiest.bwd_comms,
             )
         )
-    estimate = _step("tpurec SparseCore model", _per_rank(options, world), max(chip_hbm))
+    label = "tpurec SparseCore model" if tpu.sparsecores_per_device else "tpurec model (TensorCore gather)"
+    estimate = _step(label, _per_rank(options, world), max(chip_hbm))
     bound = _hbm_bound(options, tpu, local_batch * world, model)
     notes: List[str] = []
     trec: Optional[StepEstimate] = None
