@@ -74,16 +74,20 @@ FBGEMM_CASES = [
 ]
 
 
-@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize(
+    "weighted,pooling",
+    [(False, PoolingType.SUM), (True, PoolingType.SUM), (False, PoolingType.MEAN)],
+    ids=["sum", "weighted_sum", "mean"],
+)
 @pytest.mark.parametrize("optimizer,fbgemm_type,fbgemm_kwargs", FBGEMM_CASES, ids=["sgd", "adagrad", "rowwise_adagrad"])
-def test_ten_steps_match_fbgemm(optimizer, fbgemm_type, fbgemm_kwargs, weighted):
-    tables = make_tables()
+def test_ten_steps_match_fbgemm(optimizer, fbgemm_type, fbgemm_kwargs, weighted, pooling):
+    tables = make_tables(pooling=pooling)
     ebc = sp.EmbeddingBagCollection(tables, is_weighted=weighted, optimizer=optimizer, num_partitions=2)
     tbe = SplitTableBatchedEmbeddingBagsCodegen(
         [(t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for t in tables],
         feature_table_map=[i for i, t in enumerate(tables) for _ in t.feature_names],
         optimizer=fbgemm_type,
-        pooling_mode=PoolingMode.SUM,
+        pooling_mode=PoolingMode.SUM if pooling == PoolingType.SUM else PoolingMode.MEAN,
         device="cpu",
         **fbgemm_kwargs,
     )
@@ -109,6 +113,28 @@ def test_ten_steps_match_fbgemm(optimizer, fbgemm_type, fbgemm_kwargs, weighted)
             # Accumulators grow to ~1e2: allow float32 rounding relative to their size.
             torch.testing.assert_close(a, b.reshape(a.shape), atol=1e-5, rtol=1e-6)
     assert ebc.stacked_weight(0).grad is None
+
+
+def test_weighted_mean_forward_matches_fbgemm():
+    # torchrec's EBC cannot pool weighted bags with MEAN (nn.EmbeddingBag refuses);
+    # FBGEMM can: sum(w * e) / bag length. Only the forward is compared: FBGEMM's
+    # CPU backward for weighted MEAN drops the 1 / length factor (its gradient is
+    # w * g, inconsistent with its own forward); ours is the exact gradient.
+    tables = make_tables(pooling=PoolingType.MEAN)
+    ebc = sp.EmbeddingBagCollection(tables, is_weighted=True)
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(t.num_embeddings, t.embedding_dim, EmbeddingLocation.HOST, ComputeDevice.CPU) for t in tables],
+        feature_table_map=[i for i, t in enumerate(tables) for _ in t.feature_names],
+        pooling_mode=PoolingMode.MEAN,
+        device="cpu",
+    )
+    with torch.no_grad():
+        for t, w in zip(tables, tbe.split_embedding_weights()):
+            w.copy_(ebc.table_weight(t.name))
+    kjt = random_kjt(tables, 5, np.random.default_rng(0), weighted=True)
+    offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(kjt.lengths()).long()
+    theirs = tbe(kjt.values().long(), offsets, per_sample_weights=kjt.weights())
+    torch.testing.assert_close(ebc(kjt).values(), theirs, atol=1e-6, rtol=0)
 
 
 def _lazy_adam_reference(w, m1, m2, row_grads, touched, step, lr, b1, b2, eps, wd):
@@ -177,6 +203,22 @@ def test_thirty_batches_compile_once():
         ebc.optimizer.learning_rate = 0.1 / (i + 2)
         ebc(kjt).values().sum().backward()
     assert dict(TRACE_COUNTS) == before
+
+
+def test_automatic_capacities_grow_by_powers_of_two():
+    from tpurec.sparse.kernels.reference import TRACE_COUNTS
+
+    tables = make_tables()
+    ebc = sp.EmbeddingBagCollection(tables)
+    rng = np.random.default_rng(5)
+    ebc(random_kjt(tables, 4, rng, lengths=1)).values().sum().backward()
+    before = sum(TRACE_COUNTS.values())
+    for _ in range(5):  # same or smaller batches: no growth, no new compilation
+        ebc(random_kjt(tables, 4, rng, lengths=1)).values().sum().backward()
+    assert sum(TRACE_COUNTS.values()) == before
+    big = random_kjt(tables, 4, rng, lengths=6)
+    ebc(big).values().sum().backward()  # grows
+    assert ebc._auto_capacities["t0__t1"].max_ids_per_partition >= 40
 
 
 def test_bad_input_leaves_tables_unchanged():

@@ -163,11 +163,6 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     # --- forward / backward ---------------------------------------------------------
 
-    def _capacity(self, stack: StackedTable) -> Capacity | None:
-        if self._fixed_capacities is not None:
-            return None
-        return self._auto_capacities.get(stack.name)
-
     def preprocess(self, features: KeyedJaggedTensor) -> SparseCoreInput:
         """Validates ``features`` and builds the CSR input (host side, no state change
         except growing automatic capacities)."""
