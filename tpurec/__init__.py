@@ -24,8 +24,12 @@ from tpurec.dispatch import register_factories as _register_factories  # noqa: E
 
 _register_factories()
 
+
 from tpurec.device import platform  # noqa: E402
-from tpurec.runtime import reset_stats, stats, synchronize  # noqa: E402
+from tpurec.modes import get_mode, mode, set_mode  # noqa: E402
+from tpurec.runtime import enable_disk_cache, reset_stats, stats, synchronize  # noqa: E402
 from tpurec.tensor import TpuTensor  # noqa: E402
 
-__all__ = ["platform", "stats", "reset_stats", "synchronize", "TpuTensor"]
+enable_disk_cache()
+
+__all__ = ["platform", "stats", "reset_stats", "synchronize", "set_mode", "get_mode", "mode", "enable_disk_cache", "TpuTensor"]

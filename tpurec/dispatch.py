@@ -16,7 +16,6 @@ learning rate reuses the same compiled program.
 from __future__ import annotations
 
 import math
-import time
 from typing import Any
 
 import jax
@@ -24,7 +23,7 @@ import jax.numpy as jnp
 import torch
 from torch.utils._pytree import tree_map
 
-from tpurec import rng, runtime
+from tpurec import fused, modes, rng, runtime
 from tpurec.dense.registry import (
     DYNAMIC,
     DYNAMIC_LIST,
@@ -46,23 +45,7 @@ aten = torch.ops.aten
 __all__ = ["dispatch", "value_of"]
 
 
-# --- reading values ---------------------------------------------------------
-
-
-def _read_program(key):
-    shape, dtype, size, stride, offset = key
-
-    def read(storage):
-        return read_view(storage, size, stride, offset)
-
-    return _compile(("read", key), read)
-
-
-def value_of(t: TpuTensor) -> jax.Array:
-    """The values of ``t`` as one jax.Array shaped like ``t``."""
-    if t.is_full:
-        return t._storage.array
-    return _run(_read_program(t._key), t._storage.array)
+# --- running programs ---------------------------------------------------------
 
 
 def _placed(index: int | None) -> dict:
@@ -73,35 +56,59 @@ def _placed(index: int | None) -> dict:
     return {"out_shardings": jax.sharding.SingleDeviceSharding(jax_device(index))}
 
 
-def _compile(key, fn, index: int | None = None):
-    def build():
-        runtime.counters().compilations += 1
-        return _Program(jax.jit(fn, **_placed(index)))
-
-    return runtime.programs.get(key, build)
+def _compile(key, fn, index: int | None = None) -> runtime.Program:
+    """The cached program for ``key``; ``fn`` returns a list of arrays."""
+    return runtime.programs.get(key, lambda: runtime.Program(fn, **_placed(index)))
 
 
-class _Program:
-    """A jitted function whose first call (the compilation) is timed."""
+def _run(program: runtime.Program, *inputs, now: bool = False) -> list:
+    """Runs (eager, debug) or records (fused) ``program``; returns its outputs."""
+    if not now and modes.get_mode() == "fused":
+        return fused.record(program, inputs)
+    if any(fused.is_pending(x) for x in inputs):
+        inputs = tuple(fused.resolve(x) for x in inputs)
+    outs = program(*inputs)
+    if modes.get_mode() == "debug":
+        for o in outs:
+            if o is not None:
+                o.block_until_ready()
+    return outs
 
-    __slots__ = ("fn", "compiled")
 
-    def __init__(self, fn) -> None:
-        self.fn = fn
-        self.compiled = False
+def _store(storage: Storage, array) -> None:
+    storage.array = array
+    if fused.is_pending(array):
+        fused.track(storage)
 
 
-def _run(program: _Program, *args):
-    counters = runtime.counters()
-    counters.executions += 1
-    if program.compiled:
-        return program.fn(*args)
-    start = time.perf_counter()
-    try:
-        return program.fn(*args)
-    finally:
-        program.compiled = True
-        counters.compile_seconds += time.perf_counter() - start
+def _fresh(array, index: int, dtype: torch.dtype | None = None) -> TpuTensor:
+    t = wrap(array, index, dtype)
+    if fused.is_pending(array):
+        fused.track(t._storage)
+    return t
+
+
+# --- reading values ---------------------------------------------------------
+
+
+def _read_program(key):
+    shape, dtype, size, stride, offset = key
+
+    def read(storage):
+        return [read_view(storage, size, stride, offset)]
+
+    return _compile(("read", key), read)
+
+
+def value_of(t: TpuTensor, reason: str = "value needed") -> jax.Array:
+    """The values of ``t`` as one concrete jax.Array shaped like ``t`` (a sync point)."""
+    array = t._storage.array
+    if fused.is_pending(array):
+        fused.flush(reason)
+        array = t._storage.array
+    if t.is_full:
+        return array
+    return _run(_read_program(t._key), array, now=True)[0]
 
 
 # --- building a call ---------------------------------------------------------
@@ -195,8 +202,8 @@ def _flatten_out(out) -> list:
     return [out]
 
 
-def _meta_dtypes(func, args, kwargs) -> list | None:
-    """Output dtypes as PyTorch's meta kernels predict them (None if there is no meta kernel)."""
+def _meta_outputs(func, args, kwargs) -> list | None:
+    """(shape, dtype) of each output as PyTorch's meta kernels predict them, or None without one."""
 
     def to_meta(x):
         if isinstance(x, TpuTensor):
@@ -212,7 +219,23 @@ def _meta_dtypes(func, args, kwargs) -> list | None:
         out = func(*tree_map(to_meta, args), **meta_kwargs)
     except Exception:
         return None
-    return [o.dtype if isinstance(o, torch.Tensor) else None for o in _flatten_out(out)]
+    return [(tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else None for o in _flatten_out(out)]
+
+
+def _debug_check(func, outs, metas) -> None:
+    """Debug mode: each result against the meta shape/dtype, and optionally NaN/Inf."""
+    for i, o in enumerate(outs):
+        if o is None:
+            continue
+        if metas is not None and metas[i] is not None:
+            shape, dtype = metas[i]
+            if tuple(o.shape) != shape or o.dtype != to_jax_dtype(dtype):
+                raise RuntimeError(
+                    f"tpurec debug: {func} output {i} is {tuple(o.shape)} {o.dtype}, but PyTorch's meta kernel "
+                    f"says {shape} {dtype}; this is a lowering bug, please report it"
+                )
+        if modes.check_nan() and jnp.issubdtype(o.dtype, jnp.inexact) and not bool(jnp.isfinite(o).all()):
+            raise FloatingPointError(f"tpurec debug: {func} produced NaN or Inf in output {i} (TPUREC_CHECK_NAN=1)")
 
 
 def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list | None = None, device=None):
@@ -240,8 +263,8 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
     key = (func, arg_specs, kw_specs, target_specs, placed_on)
 
     def build():
-        runtime.counters().compilations += 1
-        dtypes = _meta_dtypes(func, args, kwargs)
+        metas = _meta_outputs(func, args, kwargs)
+        dtypes = None if metas is None else [None if m is None else m[1] for m in metas]
         random = lowering.random
 
         def program(*inputs):
@@ -261,14 +284,19 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
                 for storage, out, spec in zip(storages, outs, target_specs)
             ]
 
-        return _Program(jax.jit(program, **_placed(placed_on)))
+        entry = runtime.Program(program, **_placed(placed_on))
+        entry.metas = metas
+        return entry
 
-    outs = _run(runtime.programs.get(key, build), *call.inputs)
+    program = runtime.programs.get(key, build)
+    outs = _run(program, *call.inputs)
     if targets is not None:
         for t, new in zip(targets, outs):
-            t._storage.array = new
+            _store(t._storage, new)
         return targets
-    return [None if o is None else wrap(o, index) for o in outs]
+    if modes.get_mode() == "debug":
+        _debug_check(func, outs, program.metas)
+    return [None if o is None else _fresh(o, index) for o in outs]
 
 
 # --- view ops ----------------------------------------------------------------
@@ -311,9 +339,10 @@ def _new_storage(size, stride, dtype, index) -> TpuTensor:
     else:
         shape = (1 + sum((n - 1) * s for n, s in zip(size, stride)),) if all(size) else (0,)
     jdtype = to_jax_dtype(dtype)
-    program = _compile(("zeros", shape, jdtype, index), lambda: jnp.zeros(shape, jdtype), index)
-    array = _run(program)
-    return TpuTensor(Storage(array, index), size, stride, 0, dtype)
+    program = _compile(("zeros", shape, jdtype, index), lambda: [jnp.zeros(shape, jdtype)], index)
+    storage = Storage(None, index)
+    _store(storage, _run(program)[0])
+    return TpuTensor(storage, size, stride, 0, dtype)
 
 
 def _device_index(device) -> int:
@@ -345,7 +374,7 @@ def _cast_program(key, dtype):
     jdtype = to_jax_dtype(dtype)
 
     def cast(storage):
-        return read_view(storage, size, stride, offset).astype(jdtype)
+        return [read_view(storage, size, stride, offset).astype(jdtype)]
 
     return _compile(("cast", key, jdtype), cast)
 
@@ -353,47 +382,52 @@ def _cast_program(key, dtype):
 def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
     dtype = dtype or self.dtype
     target = torch.device(device) if device is not None else self.device
-    values = _run(_cast_program(self._key, dtype), self._storage.array)
     if target.type == "cpu":
+        values = value_of(self, "transfer to cpu")
+        if values.dtype != to_jax_dtype(dtype):
+            values = _run(_cast_program((values.shape, self.dtype, tuple(values.shape), contiguous_strides(values.shape), 0), dtype), values, now=True)[0]
         return jax_to_host(values)
     if target.type != "tpu":
         raise RuntimeError(f"cannot copy a tpu tensor to {target} directly; go through .cpu()")
     index = _device_index(target)
     if index != self._storage.index:
-        values = jax.device_put(values, jax_device(index))
-    return wrap(values, index, dtype)
+        values = jax.device_put(value_of(self, "transfer between devices"), jax_device(index))
+        return _to_copy(wrap(values, index, self.dtype), dtype=dtype)
+    return _fresh(_run(_cast_program(self._key, dtype), self._storage.array)[0], index, dtype)
 
 
-def _copy_into(dst: TpuTensor, values: jax.Array, src_dtype: torch.dtype):
-    key = ("copy", dst._key, values.shape, src_dtype)
-    _, _, size, stride, offset = dst._key
+def _copy_program(dst_key, src_key):
+    _, _, size, stride, offset = dst_key
+    _, _, src_size, src_stride, src_offset = src_key
 
     def copy(storage, src):
-        return write_view(storage, src, size, stride, offset)
+        return [write_view(storage, read_view(src, src_size, src_stride, src_offset), size, stride, offset)]
 
-    new = _run(_compile(key, copy), dst._storage.array, values)
-    dst._storage.array = new
-    return dst
+    return _compile(("copy", dst_key, src_key), copy)
 
 
 def _copy_(dst, src, non_blocking=False):
     if not isinstance(dst, TpuTensor):
         # tpu -> cpu: bring the values over, then let the CPU kernel do the rest.
-        host = jax_to_host(value_of(src))
+        host = jax_to_host(value_of(src, "transfer to cpu"))
         with torch._C._DisableTorchDispatch():
             return dst.copy_(host)
-    device = jax_device(dst._storage.index)
-    if isinstance(src, TpuTensor):
-        values = value_of(src)
-        if src._storage.index != dst._storage.index:
-            values = jax.device_put(values, device)
+    if isinstance(src, TpuTensor) and src._storage.index == dst._storage.index:
+        source, source_key = src._storage.array, src._key
     else:
-        values = host_to_jax(src, device)
-    return _copy_into(dst, values, src.dtype)
+        device = jax_device(dst._storage.index)
+        if isinstance(src, TpuTensor):
+            source = jax.device_put(value_of(src, "transfer between devices"), device)
+        else:
+            source = host_to_jax(src, device)
+        shape = tuple(source.shape)
+        source_key = (shape, src.dtype, shape, contiguous_strides(shape), 0)
+    _store(dst._storage, _run(_copy_program(dst._key, source_key), dst._storage.array, source)[0])
+    return dst
 
 
 def _local_scalar_dense(self):
-    return jax_to_host(value_of(self)).item()
+    return jax_to_host(value_of(self, "item")).item()
 
 
 def _detach(self):

@@ -1,14 +1,18 @@
-"""Counters and the in-memory cache of compiled programs, shared by all modes."""
+"""Counters, the in-memory program cache and the persistent XLA cache, shared by all modes."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
+import os
+import time
 from typing import Any, Callable
 
 import jax
+from jax import monitoring
 
-__all__ = ["Stats", "stats", "reset_stats", "ProgramCache", "programs", "synchronize"]
+__all__ = ["Stats", "stats", "reset_stats", "ProgramCache", "Program", "programs", "enable_disk_cache"]
 
 
 @dataclasses.dataclass
@@ -16,21 +20,34 @@ class Stats:
     """What the runtime did since the last :func:`reset_stats`.
 
     Attributes:
-        compilations: programs traced and compiled.
-        cache_hits: calls served by an already compiled program.
+        compile_requests: XLA compilations asked for (each new program's first run).
+        disk_hits: of those, served from the persistent cache on disk.
+        programs_built: programs traced (new entries of the in-memory cache).
+        cache_hits: calls served by a program already in memory.
         executions: compiled programs run.
-        compile_seconds: time spent tracing and compiling.
+        compile_seconds: time spent tracing and compiling (or loading from disk).
+        fused_graphs: graphs run by the fused mode.
+        fused_ops: ops in those graphs.
+        sync_points: fused-mode flushes by reason.
         ops_by_name: ATen ops dispatched to the tpu device, by overload name.
     """
 
-    compilations: int = 0
+    compile_requests: int = 0
+    disk_hits: int = 0
+    programs_built: int = 0
     cache_hits: int = 0
     executions: int = 0
     compile_seconds: float = 0.0
+    fused_graphs: int = 0
+    fused_ops: int = 0
+    sync_points: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     ops_by_name: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
+        d["compilations"] = self.compile_requests - self.disk_hits
+        d["ops_per_fused_graph"] = self.fused_ops / self.fused_graphs if self.fused_graphs else 0.0
+        d["sync_points"] = dict(self.sync_points)
         d["ops_by_name"] = dict(self.ops_by_name)
         return d
 
@@ -39,7 +56,10 @@ _stats = Stats()
 
 
 def stats() -> dict[str, Any]:
-    """A snapshot of the runtime counters (compilations, cache_hits, executions, ...).
+    """A snapshot of the runtime counters.
+
+    ``compilations`` counts XLA compilations that were really performed (not
+    served from the disk cache); a warm training loop must keep it at 0.
 
     Example::
 
@@ -60,8 +80,53 @@ def counters() -> Stats:
     return _stats
 
 
+def _on_event(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _stats.disk_hits += 1
+
+
+def _on_duration(event: str, duration: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+        _stats.compile_requests += 1
+
+
+monitoring.register_event_listener(_on_event)
+monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+_serials = itertools.count()
+
+
+class Program:
+    """One traced function: ``raw`` (traceable) and its jitted form.
+
+    The fused mode calls ``raw`` inside a larger trace; eager calls ``jitted``.
+    """
+
+    __slots__ = ("raw", "jitted", "serial", "ran", "out_avals", "metas")
+
+    def __init__(self, raw: Callable, **jit_options) -> None:
+        self.raw = raw
+        self.jitted = jax.jit(raw, **jit_options)
+        self.serial = next(_serials)
+        self.ran = False
+        self.out_avals = None
+        self.metas = None
+
+    def __call__(self, *args):
+        _stats.executions += 1
+        if self.ran:
+            return self.jitted(*args)
+        start = time.perf_counter()
+        try:
+            return self.jitted(*args)
+        finally:
+            self.ran = True
+            _stats.compile_seconds += time.perf_counter() - start
+
+
 class ProgramCache:
-    """Compiled programs keyed by structure: op, shapes, dtypes, static arguments."""
+    """Programs keyed by structure: op, shapes, dtypes, static arguments."""
 
     def __init__(self) -> None:
         self._programs: dict[Any, Any] = {}
@@ -69,6 +134,7 @@ class ProgramCache:
     def get(self, key, build: Callable[[], Any]):
         entry = self._programs.get(key)
         if entry is None:
+            _stats.programs_built += 1
             entry = self._programs[key] = build()
         else:
             _stats.cache_hits += 1
@@ -84,8 +150,37 @@ class ProgramCache:
 programs = ProgramCache()
 
 
+def default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tpurec", "xla")
+
+
+def enable_disk_cache(path: str | None = None) -> str | None:
+    """Turns on XLA's persistent compilation cache, shared by all processes.
+
+    Args:
+        path: the folder; defaults to ``$TPUREC_CACHE_DIR`` or
+            ``~/.cache/tpurec/xla``. ``TPUREC_CACHE_DIR=off`` disables it.
+
+    Returns:
+        The folder in use, or None when disabled.
+    """
+    path = path or os.environ.get("TPUREC_CACHE_DIR") or default_cache_dir()
+    if path.lower() in ("off", "none", "0"):
+        return None
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    # Cache every program: eager mode compiles many small ones, each cheap but numerous.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return path
+
+
 def synchronize() -> None:
-    """Waits for every computation queued on the tpu devices."""
+    """Runs pending fused work and waits for every computation on the tpu devices."""
+    from tpurec import fused
+
+    fused.flush("synchronize")
     for device in jax.devices():
         jax.device_put(0, device).block_until_ready()
     jax.effects_barrier()

@@ -20,7 +20,7 @@ class Storage:
     written in place; every view sees the new value.
     """
 
-    __slots__ = ("array", "index")
+    __slots__ = ("array", "index", "__weakref__")
 
     def __init__(self, array: jax.Array, index: int) -> None:
         self.array = array
@@ -86,7 +86,9 @@ class TpuTensor(torch.Tensor):
         return is_full(shape, size, stride, offset)
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        host = jax_to_host(self._value())
+        from tpurec.dispatch import value_of
+
+        host = jax_to_host(value_of(self, "print"))
         text = repr(host)
         suffix = f"device='{self.device}'"
         extras = []
@@ -106,14 +108,11 @@ class TpuTensor(torch.Tensor):
     def tolist(self):
         return self.cpu().tolist()
 
-    def _value(self) -> jax.Array:
+    def jax(self) -> jax.Array:
+        """The tensor's values as a jax.Array on its device (no copy when possible)."""
         from tpurec.dispatch import value_of
 
         return value_of(self)
-
-    def jax(self) -> jax.Array:
-        """The tensor's values as a jax.Array on its device (no copy when possible)."""
-        return self._value()
 
 
 def wrap(array: jax.Array, index: int, dtype: torch.dtype | None = None) -> TpuTensor:

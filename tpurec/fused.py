@@ -1,0 +1,164 @@
+"""DeferAndFuse: record ops as pending nodes, run them as one XLA program at a sync point.
+
+Each recorded node is an eager op program (``runtime.Program``) whose inputs
+are concrete jax.Arrays, runtime scalars, or outputs of earlier nodes. Its
+outputs are :class:`Pending` values with known shape and dtype, stored in the
+tensors' storages. At a sync point the window of nodes becomes one function
+that calls each node's traceable ``raw`` program in order and returns only the
+outputs that live storages still hold; it is compiled once per structure
+(programs, wiring, live outputs), so a steady training loop reuses it.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+
+import jax
+
+from tpurec import runtime
+
+__all__ = ["Pending", "record", "flush", "is_pending", "pending_ops"]
+
+
+class Pending:
+    """The not yet computed output ``index`` of a recorded node."""
+
+    __slots__ = ("node", "index", "shape", "dtype", "value")
+
+    def __init__(self, node: "_Node", index: int, aval) -> None:
+        self.value = None  # the jax.Array, once a flush computed it
+        self.node = node
+        self.index = index
+        self.shape = tuple(aval.shape)
+        self.dtype = aval.dtype
+
+
+class _Node:
+    __slots__ = ("program", "inputs", "__weakref__")
+
+    def __init__(self, program: runtime.Program, inputs: tuple) -> None:
+        self.program = program
+        self.inputs = inputs
+
+
+class _Window:
+    def __init__(self) -> None:
+        self.nodes: list[_Node] = []
+        self.storages: weakref.WeakSet = weakref.WeakSet()
+
+
+_window = _Window()
+_fused_programs: dict = {}
+
+
+def max_ops() -> int:
+    return int(os.environ.get("TPUREC_FUSED_MAX_OPS", "2000"))
+
+
+def is_pending(value) -> bool:
+    return isinstance(value, Pending)
+
+
+def pending_ops() -> int:
+    """How many ops wait for the next sync point."""
+    return len(_window.nodes)
+
+
+def _abstract(value):
+    if isinstance(value, Pending):
+        return jax.ShapeDtypeStruct(value.shape, value.dtype)
+    return value
+
+
+def record(program: runtime.Program, inputs: tuple) -> list:
+    """Records ``program(*inputs)``; returns its outputs as Pending values."""
+    if len(_window.nodes) >= max_ops():
+        flush("graph size limit")
+        inputs = tuple(resolve(x) for x in inputs)
+    if program.out_avals is None:
+        program.out_avals = jax.eval_shape(program.raw, *map(_abstract, inputs))
+    node = _Node(program, inputs)
+    _window.nodes.append(node)
+    return [Pending(node, i, aval) for i, aval in enumerate(program.out_avals)]
+
+
+def track(storage) -> None:
+    """Remembers a storage whose array is pending, so the flush fills it in."""
+    _window.storages.add(storage)
+
+
+def resolve(value):
+    """A concrete value for ``value``, flushing when it is pending."""
+    if isinstance(value, Pending):
+        if value.value is None:
+            flush("value needed")
+        if value.value is None:
+            raise RuntimeError("internal error: a pending value was dropped by a flush while still in use")
+        return value.value
+    return value
+
+
+def flush(reason: str) -> None:
+    """Runs every recorded op as one program and fills in the live storages."""
+    window = _window
+    if not window.nodes:
+        return
+    nodes, storages = window.nodes, [s for s in window.storages if isinstance(s.array, Pending)]
+    window.nodes, window.storages = [], weakref.WeakSet()
+    counters = runtime.counters()
+    counters.sync_points[reason] += 1
+
+    node_index = {id(n): j for j, n in enumerate(nodes)}
+    external: list = []
+    external_index: dict[int, int] = {}
+    wiring = []
+    for node in nodes:
+        sources = []
+        for x in node.inputs:
+            if isinstance(x, Pending):
+                sources.append((node_index[id(x.node)], x.index))
+            elif isinstance(x, jax.Array):
+                k = external_index.get(id(x))
+                if k is None:
+                    k = external_index[id(x)] = len(external)
+                    external.append(x)
+                sources.append((-1, k))
+            else:  # a runtime scalar: its Python type shapes the trace
+                sources.append((-2 - len(external), type(x)))
+                external.append(x)
+        wiring.append((node.program.serial, tuple(sources)))
+    # Sorted, so the key does not depend on the order the weak set yields storages.
+    outputs = sorted({(node_index[id(s.array.node)], s.array.index) for s in storages})
+    seen = {where: k for k, where in enumerate(outputs)}
+    key = (tuple(wiring), tuple(outputs))
+
+    program = _fused_programs.get(key)
+    if program is None:
+        counters.programs_built += 1
+        raws = [n.program.raw for n in nodes]
+        plan = [w[1] for w in wiring]
+
+        def fused(ext):
+            results = []
+            for raw, sources in zip(raws, plan):
+                args = []
+                for j, i in sources:
+                    if j == -1:
+                        args.append(ext[i])
+                    elif j < -1:
+                        args.append(ext[-2 - j])
+                    else:
+                        args.append(results[j][i])
+                results.append(raw(*args))
+            return [results[j][i] for j, i in outputs]
+
+        program = _fused_programs[key] = runtime.Program(fused)
+    else:
+        counters.cache_hits += 1
+    counters.fused_graphs += 1
+    counters.fused_ops += len(nodes)
+    values = program(external)
+    for storage in storages:
+        p = storage.array
+        p.value = storage.array = values[seen[(node_index[id(p.node)], p.index)]]

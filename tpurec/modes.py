@@ -1,0 +1,71 @@
+"""Execution modes of the tpu device: eager, fused (DeferAndFuse) and debug.
+
+* ``eager``: each op runs at once as its own cached compiled program.
+* ``fused``: ops are recorded with known shapes and dtypes; at a sync point
+  (``.cpu()``, ``.item()``, printing, ``torch.tpu.synchronize()``, a size
+  limit) the recorded graph runs as one cached XLA program.
+* ``debug``: synchronous; each op's result is checked against PyTorch's meta
+  shape and dtype, and with ``TPUREC_CHECK_NAN=1`` against NaN/Inf.
+
+Example::
+
+    tpurec.set_mode("fused")
+    with tpurec.mode("debug"):
+        loss = model(x).sum()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator
+
+__all__ = ["MODES", "set_mode", "get_mode", "mode"]
+
+MODES = ("eager", "fused", "debug")
+
+
+def _initial() -> str:
+    value = os.environ.get("TPUREC_MODE", "eager").strip().lower()
+    if value not in MODES:
+        raise ValueError(f"TPUREC_MODE={value!r} is not a tpurec mode; use one of {', '.join(MODES)}")
+    return value
+
+
+_current = _initial()
+
+
+def get_mode() -> str:
+    """The current execution mode."""
+    return _current
+
+
+def set_mode(name: str) -> None:
+    """Switches the execution mode (pending fused work runs first).
+
+    Args:
+        name: ``"eager"``, ``"fused"`` or ``"debug"``.
+    """
+    global _current
+    if name not in MODES:
+        raise ValueError(f"{name!r} is not a tpurec mode; use one of {', '.join(MODES)}")
+    if name != _current:
+        from tpurec import fused
+
+        fused.flush("mode switch")
+    _current = name
+
+
+@contextlib.contextmanager
+def mode(name: str) -> Iterator[None]:
+    """Runs the block in execution mode ``name``, then restores the previous one."""
+    previous = get_mode()
+    set_mode(name)
+    try:
+        yield
+    finally:
+        set_mode(previous)
+
+
+def check_nan() -> bool:
+    return os.environ.get("TPUREC_CHECK_NAN", "0") not in ("", "0", "false", "False")
