@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that print JSON with a ratio against a peer measured in the same run."""
