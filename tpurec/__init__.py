@@ -24,6 +24,8 @@ from tpurec.dispatch import register_factories as _register_factories  # noqa: E
 
 _register_factories()
 
+from tpurec.compile import register as _register_compile; _register_compile()  # noqa: E402,E702
+
 
 from tpurec.device import platform  # noqa: E402
 from tpurec.modes import get_mode, mode, set_mode  # noqa: E402

@@ -1,0 +1,230 @@
+"""The ``torch.compile`` backend "tpu": Dynamo -> AOTAutograd -> one jax.jit program per graph.
+
+Dynamo captures the user's code (graph breaks run eagerly on the tpu device),
+AOTAutograd turns each captured graph into functional ATen forward and
+backward graphs, and each of those becomes a :class:`CompiledGraph`: the graph
+interpreted over jax arrays with the lowering table (graph.py), jitted.
+
+Dynamic shapes (``torch._dynamo.mark_dynamic``, or Dynamo's automatic
+dynamic shapes) are handled by **recompiling per concrete shape, with the
+reason logged** (logger ``tpurec.compile``). Padding to a bucket was rejected:
+padding the batch changes what the graph computes wherever it reduces over
+that dim (the mean loss, every weight gradient, batch norm statistics) unless
+each op is mask-aware; a recompile is always correct, and the symbolic graph
+itself is traced once by Dynamo/AOTAutograd, so only the XLA program is
+rebuilt. A program for a shape seen before is reused.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import torch
+import torch.fx
+
+from tpurec import rng, runtime
+from tpurec.compile.graph import CompileError, GraphProgram
+from tpurec.dense.registry import get_lowering
+from tpurec.device import jax_device
+from tpurec.tensor import TpuTensor, host_to_jax, wrap
+
+log = logging.getLogger("tpurec.compile")
+
+__all__ = ["CompiledGraph", "compile_graph", "decompositions", "tpu_backend"]
+
+
+# --- accounting (shared counters with eager execution) --------------------------
+
+
+def _count_build() -> None:
+    counters = runtime.counters()
+    # Older runtimes count programs by hand; newer ones count XLA compilations
+    # through jax.monitoring, which sees ours too.
+    if hasattr(counters, "compilations"):
+        counters.compilations += 1
+
+
+# --- one compiled graph ---------------------------------------------------------
+
+
+class _Variant:
+    """The jitted program of a graph for one set of input shapes."""
+
+    __slots__ = ("jitted", "ran")
+
+    def __init__(self, jitted) -> None:
+        self.jitted = jitted
+        self.ran = False
+
+
+_serial = 0
+
+
+class CompiledGraph:
+    """A forward or backward graph, callable with the real (tpu) inputs.
+
+    Args:
+        gm: the functional ATen graph from AOTAutograd.
+        example_inputs: its fake inputs (for the output device and the name).
+        name: "forward" / "backward" / "inference", for logs and errors.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], name: str) -> None:
+        global _serial
+        _serial += 1
+        self.serial = _serial
+        self.name = f"{name}#{self.serial}"
+        self.program = GraphProgram(gm)
+        self.device_index = _example_device(example_inputs)
+        self.tensor_out = [
+            isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)
+            for o in self.program.output_node.args[0]
+        ]
+        self.out_dtypes = [
+            o.meta["val"].dtype if t else None for o, t in zip(self.program.output_node.args[0], self.tensor_out)
+        ]
+        self.seen_shapes: list[tuple] = []
+        # AOTAutograd passes the argument list itself (we free it early). An instance
+        # attribute, so that functools.wraps carries it through AOTAutograd's wrappers.
+        self._boxed_call = True
+
+    def __call__(self, *args) -> list:
+        if len(args) == 1 and isinstance(args[0], list):
+            # Boxed convention: we get the argument list itself and drop references early.
+            boxed = args[0]
+            args = tuple(boxed)
+            boxed.clear()
+        inputs, signature, index = self._inputs(args)
+        key = ("tpurec.compile", self.serial, signature)
+        variant = runtime.programs.get(key, lambda: self._build(signature))
+        seeds = [rng.next_seed_and_counter() for _ in self.program.random_nodes]
+        outs = self._execute(variant, inputs, seeds)
+        return [
+            wrap(o, index, d) if t else o
+            for o, t, d in zip(outs, self.tensor_out, self.out_dtypes)
+        ]
+
+    def _inputs(self, args: Sequence[Any]):
+        """Runtime values: jax arrays for tensors, Python numbers as they are; and the shape signature."""
+        from tpurec.dispatch import value_of
+
+        inputs, signature = [], []
+        index = self.device_index
+        for a in args:
+            if isinstance(a, TpuTensor):
+                index = a._storage.index
+                v = value_of(a)
+                inputs.append(v)
+                signature.append((tuple(v.shape), v.dtype))
+            elif isinstance(a, torch.Tensor):
+                v = host_to_jax(a, jax_device(index))
+                inputs.append(v)
+                signature.append((tuple(v.shape), v.dtype, "host"))
+            elif isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                raise CompileError(f"{self.name}: a symbolic input reached the compiled program: {a}")
+            else:
+                # SymInt placeholders arrive as ints: sizes, so part of the program.
+                inputs.append(a)
+                signature.append(("scalar", a))
+        return inputs, tuple(signature), index
+
+    def _build(self, signature: tuple) -> _Variant:
+        if self.seen_shapes:
+            log.warning(
+                "tpurec.compile: recompiling %s for new input shapes %s (already compiled for %s): "
+                "a dynamic dim took a new value",
+                self.name,
+                _shapes(signature),
+                [_shapes(s) for s in self.seen_shapes[-3:]],
+            )
+        self.seen_shapes.append(signature)
+        _count_build()
+        program = self.program
+        statics = {i: s[1] for i, s in enumerate(signature) if s[0] == "scalar"}
+
+        def run(arrays, scalars, seeds):
+            it = iter(arrays)
+            inputs = [statics[i] if i in statics else next(it) for i in range(len(signature))]
+            return program.trace(inputs, scalars, seeds)
+
+        options = {}
+        if not any(s[0] != "scalar" for s in signature):
+            options["out_shardings"] = jax.sharding.SingleDeviceSharding(jax_device(self.device_index))
+        return _Variant(jax.jit(run, **options))
+
+    def _execute(self, variant: _Variant, inputs: list, seeds: list) -> list:
+        counters = runtime.counters()
+        counters.executions += 1
+        arrays = [v for v in inputs if not isinstance(v, (int, float, bool))]
+        if variant.ran:
+            return variant.jitted(arrays, self.program.constants, seeds)
+        start = time.perf_counter()
+        try:
+            return variant.jitted(arrays, self.program.constants, seeds)
+        except CompileError:
+            raise
+        except Exception as e:
+            ops = ", ".join(self.program.ops())
+            raise CompileError(f"tpurec: XLA failed to compile {self.name} (ops: {ops}): {type(e).__name__}: {e}") from e
+        finally:
+            variant.ran = True
+            counters.compile_seconds += time.perf_counter() - start
+
+
+def _shapes(signature: tuple) -> list:
+    return [s[1] if s[0] == "scalar" else s[0] for s in signature]
+
+
+def _example_device(example_inputs) -> int:
+    for x in example_inputs:
+        if isinstance(x, torch.Tensor) and x.device.type == "tpu":
+            return x.device.index or 0
+    return torch.tpu.current_device()
+
+
+def compile_graph(name: str) -> Callable:
+    """An AOTAutograd compiler (fw_compiler / bw_compiler) producing :class:`CompiledGraph`."""
+
+    def compiler(gm: torch.fx.GraphModule, example_inputs):
+        return CompiledGraph(gm, example_inputs, name)
+
+    return compiler
+
+
+# --- decompositions ---------------------------------------------------------------
+
+
+def decompositions() -> dict:
+    """PyTorch's core ATen decompositions, minus every op the lowering table covers.
+
+    Our own lowering of an op is preferred: it is what eager runs, so compiled
+    and eager results agree, and it is usually one fused XLA op.
+    """
+    from torch._decomp import core_aten_decompositions
+
+    from tpurec.compile.views import view_lowering
+
+    table = core_aten_decompositions()
+    return {op: fn for op, fn in table.items() if get_lowering(op) is None and view_lowering(op) is None}
+
+
+_backend = None
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs):
+    """The Dynamo backend ``"tpu"`` (``torch.compile(model, backend="tpu")``)."""
+    global _backend
+    if _backend is None:
+        from torch._dynamo.backends.common import aot_autograd
+
+        _backend = aot_autograd(
+            fw_compiler=compile_graph("forward"),
+            bw_compiler=compile_graph("backward"),
+            inference_compiler=compile_graph("inference"),
+            decompositions=decompositions(),
+        )
+    return _backend(gm, example_inputs)
+

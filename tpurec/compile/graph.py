@@ -1,0 +1,288 @@
+"""An ATen FX graph as one JAX function, built from the lowering table.
+
+``GraphProgram(gm)`` walks the graph once to plan it (which op runs how, which
+scalars travel as runtime inputs, how many random keys it needs); ``trace``
+then interprets it node by node over jax arrays, inside ``jax.jit``. Every
+ATen op is called exactly as eager execution calls it (tpurec/dispatch.py):
+
+* tensors become jax arrays; ``Scalar``/``float`` arguments become traced
+  weakly typed scalars (runtime inputs of the program), everything else is a
+  static Python value;
+* each result is cast to the dtype PyTorch's meta kernel predicted
+  (``node.meta['val']``);
+* random lowerings get ``key=`` from a (seed, counter) triple passed in at run
+  time, one per random node, drawn from ``tpurec.rng`` like eager ops;
+* view ops, which eager handles with strides, are functional here
+  (tpurec/compile/views.py);
+* symbolic sizes are concrete while tracing: the program is specialised to the
+  input shapes it is called with (see backend.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import torch
+import torch.fx
+
+from tpurec import rng
+from tpurec.compile.views import view_lowering
+from tpurec.dense.registry import (
+    DYNAMIC,
+    DYNAMIC_LIST,
+    STATIC,
+    TENSOR,
+    argument_kinds,
+    get_lowering,
+    to_jax_dtype,
+)
+from tpurec.tensor import host_to_jax
+
+aten = torch.ops.aten
+
+__all__ = ["GraphProgram", "CompileError", "describe_node"]
+
+
+class CompileError(RuntimeError):
+    """A graph op could not be lowered; the message names the ATen op and the user's line."""
+
+
+def describe_node(node: torch.fx.Node) -> str:
+    """The op of ``node`` and, when known, the user source line that produced it."""
+    target = node.target
+    name = target.name() if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+    text = f"ATen op '{name}' (graph node '{node.name}')"
+    trace = node.meta.get("stack_trace")
+    if trace:
+        lines = [line for line in trace.strip().splitlines() if line.strip()]
+        # The last "File ..., line ..." frame and its code line are the user's.
+        frames = [i for i, line in enumerate(lines) if line.lstrip().startswith("File ")]
+        if frames:
+            last = frames[-1]
+            text += "\n  from user code:\n    " + "\n    ".join(l.strip() for l in lines[last:last + 2])
+    return text
+
+
+# --- small ops that need no lowering -----------------------------------------
+
+
+def _zeros(size, *args, dtype=None, **kwargs):
+    return jnp.zeros(tuple(size), to_jax_dtype(dtype or torch.get_default_dtype()))
+
+
+def _empty_like(x, *args, dtype=None, **kwargs):
+    return jnp.zeros(x.shape, to_jax_dtype(dtype) if dtype is not None else x.dtype)
+
+
+def _new_empty(x, size, *args, dtype=None, **kwargs):
+    return jnp.zeros(tuple(size), to_jax_dtype(dtype) if dtype is not None else x.dtype)
+
+
+def _copy(x, src, non_blocking: bool = False):
+    # The functional copy_: src's values, broadcast to x's shape, in x's dtype.
+    return jnp.broadcast_to(src, x.shape).astype(x.dtype)
+
+
+def _convert_element_type(x, dtype):
+    return x.astype(to_jax_dtype(dtype))
+
+
+# Allocations have no meaningful values; zeros keeps programs deterministic.
+_SPECIAL: dict[Any, Callable] = {
+    aten.empty.memory_format: _zeros,
+    aten.empty_strided.default: lambda size, stride, **kw: _zeros(size, **kw),
+    aten.empty_like.default: _empty_like,
+    aten.new_empty.default: _new_empty,
+    aten.new_empty_strided.default: lambda x, size, stride, **kw: _new_empty(x, size, **kw),
+    aten.copy.default: _copy,
+    torch.ops.prims.convert_element_type.default: _convert_element_type,
+}
+
+# Symbolic-size queries: answered from the concrete shapes seen while tracing.
+_SIZE_QUERIES: dict[Any, Callable] = {
+    aten.sym_size.int: lambda x, dim: x.shape[dim],
+    aten.sym_numel.default: lambda x: math.prod(x.shape),
+    aten.sym_stride.int: lambda x, dim: _contiguous_stride(x.shape, dim),
+    aten.sym_storage_offset.default: lambda x: 0,
+}
+
+
+def _contiguous_stride(shape, dim: int) -> int:
+    return math.prod(max(n, 1) for n in shape[dim + 1:]) if dim >= 0 else _contiguous_stride(shape, dim + len(shape))
+
+
+# --- planning ----------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Step:
+    """How one call_function node runs."""
+
+    node: torch.fx.Node
+    fn: Callable
+    kind: str  # "lowering", "view", "special", "size", "python", "getitem"
+    kinds: tuple = ()  # per positional argument: TENSOR/DYNAMIC/... (lowerings only)
+    kw_kinds: dict = dataclasses.field(default_factory=dict)
+    random: bool = False
+    dtypes: Any = None  # the meta dtypes to cast outputs to
+
+
+def _meta_dtypes(node: torch.fx.Node):
+    val = node.meta.get("val")
+    if isinstance(val, torch.Tensor):
+        return val.dtype
+    if isinstance(val, (list, tuple)):
+        return [v.dtype if isinstance(v, torch.Tensor) else None for v in val]
+    return None
+
+
+def _plan_node(node: torch.fx.Node) -> _Step:
+    target = node.target
+    if target is operator.getitem:
+        return _Step(node, operator.getitem, "getitem")
+    if not isinstance(target, torch._ops.OpOverload):
+        # operator.mul on SymInts, math.ceil, torch.sym_float, ...: plain Python at trace time.
+        return _Step(node, target, "python")
+    if target in _SIZE_QUERIES:
+        return _Step(node, _SIZE_QUERIES[target], "size")
+    lowering = get_lowering(target)
+    if lowering is not None:
+        positional, by_name = argument_kinds(target, lowering.static_scalars)
+        return _Step(node, lowering.fn, "lowering", positional, by_name, lowering.random, _meta_dtypes(node))
+    view = view_lowering(target)
+    if view is not None:
+        return _Step(node, view, "view")
+    special = _SPECIAL.get(target)
+    if special is not None:
+        return _Step(node, special, "special", dtypes=_meta_dtypes(node))
+    from tpurec.errors import unsupported_op
+
+    raise CompileError(f"{unsupported_op(target)}\n  in {describe_node(node)}")
+
+
+class GraphProgram:
+    """A planned FX graph: ``trace(inputs, scalars, seeds)`` returns the graph's outputs.
+
+    Args:
+        gm: an ATen-level, functional GraphModule (what AOTAutograd produces).
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.steps: dict[torch.fx.Node, _Step] = {}
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                self.steps[node] = _plan_node(node)
+        self.random_nodes = [n for n, s in self.steps.items() if s.random]
+        (self.output_node,) = [n for n in gm.graph.nodes if n.op == "output"]
+        self.constants = self._collect_constants()
+
+    # Scalars that eager passes as runtime inputs are runtime inputs here too, so each
+    # lowering sees exactly what it sees eagerly (a weakly typed traced scalar).
+    def _collect_constants(self) -> list:
+        constants: list = []
+        for step in self.steps.values():
+            if step.kind != "lowering":
+                continue
+            node = step.node
+            for i, a in enumerate(node.args):
+                constants.extend(_dynamic_values(step.kinds[i] if i < len(step.kinds) else STATIC, a))
+            for k, a in node.kwargs.items():
+                constants.extend(_dynamic_values(step.kw_kinds.get(k, STATIC), a))
+        return constants
+
+    def ops(self) -> list[str]:
+        return sorted({str(s.node.target) for s in self.steps.values() if s.kind in ("lowering", "view", "special")})
+
+    def trace(self, inputs: list, scalars: list, seeds: list) -> list:
+        """Interprets the graph over ``inputs`` (jax arrays / Python numbers).
+
+        ``scalars`` are the traced values of ``self.constants`` and ``seeds`` one
+        (seed_hi, seed_lo, counter) triple per random node, in graph order.
+        """
+        env: dict[torch.fx.Node, Any] = dict(zip(self.placeholders, inputs))
+        scalar_it = iter(scalars)
+        seed_it = iter(seeds)
+        for node in self.gm.graph.nodes:
+            if node.op == "get_attr":
+                env[node] = _constant(getattr(self.gm, node.target))
+            elif node.op == "call_function":
+                env[node] = self._run(self.steps[node], env, scalar_it, seed_it)
+        outs = self.output_node.args[0]
+        return [None if o is None else env[o] if isinstance(o, torch.fx.Node) else o for o in outs]
+
+    def _run(self, step: _Step, env: dict, scalar_it, seed_it):
+        node = step.node
+
+        def load(a):
+            return torch.fx.node.map_arg(a, lambda n: env[n])
+
+        try:
+            if step.kind != "lowering":
+                args, kwargs = load(node.args), load(node.kwargs)
+                out = step.fn(*args, **kwargs)
+                if step.kind == "special":
+                    out = _cast(out, step.dtypes)
+                return out
+            args = [
+                _bind(step.kinds[i] if i < len(step.kinds) else STATIC, load(a), scalar_it)
+                for i, a in enumerate(node.args)
+            ]
+            kwargs = {k: _bind(step.kw_kinds.get(k, STATIC), load(a), scalar_it) for k, a in node.kwargs.items()}
+            if step.random:
+                kwargs["key"] = rng.key_from(*next(seed_it))
+            return _cast(step.fn(*args, **kwargs), step.dtypes)
+        except CompileError:
+            raise
+        except Exception as e:
+            raise CompileError(f"tpurec: lowering {describe_node(node)} failed: {type(e).__name__}: {e}") from e
+
+
+def _dynamic_values(kind: str, value) -> list:
+    """The values of one argument that travel as runtime scalars (see dispatch._split)."""
+    if isinstance(value, torch.fx.Node) or value is None:
+        return []
+    if kind in (DYNAMIC, TENSOR) and type(value) in (int, float):
+        return [value]
+    if kind == DYNAMIC_LIST and isinstance(value, (list, tuple)) and all(type(v) in (int, float) for v in value):
+        return list(value)
+    return []
+
+
+def _bind(kind: str, value, scalar_it):
+    """Replaces constant runtime scalars by their traced values, in planning order."""
+    if value is None:
+        return None
+    if kind in (DYNAMIC, TENSOR) and type(value) in (int, float):
+        return next(scalar_it)
+    if kind == DYNAMIC_LIST and isinstance(value, (list, tuple)) and all(type(v) in (int, float) for v in value):
+        return [next(scalar_it) for _ in value]
+    return value
+
+
+def _cast(out, dtypes):
+    if dtypes is None:
+        return out
+    if isinstance(dtypes, torch.dtype):
+        return out.astype(to_jax_dtype(dtypes)) if hasattr(out, "astype") else out
+    return type(out)(
+        o if d is None or o is None else o.astype(to_jax_dtype(d)) for o, d in zip(out, dtypes)
+    ) if isinstance(out, (list, tuple)) else out
+
+
+def _constant(value):
+    """A tensor attribute of the graph (a lifted constant) as a jax array."""
+    if isinstance(value, torch.Tensor):
+        from tpurec.dispatch import value_of
+        from tpurec.tensor import TpuTensor
+
+        if isinstance(value, TpuTensor):
+            return value_of(value)
+        return jnp.asarray(host_to_jax(value, jax.devices("cpu")[0]))
+    return value

@@ -1,0 +1,189 @@
+"""View ops of compiled graphs, as functional JAX ops.
+
+Eager execution never lowers a view: it makes a new (size, stride, offset)
+over the same storage. A compiled graph is functional (AOTAutograd's
+functionalization already turned writes through views into ``*_scatter``
+ops), so a view is just a value computed from its input, and each view op is a
+reshape, transpose, slice... of that value. All size arguments arrive here as
+concrete Python ints (symbolic sizes are resolved before tracing).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax.numpy as jnp
+import torch
+from jax import lax
+
+from tpurec.dense.registry import to_jax_dtype
+from tpurec.views import read_view, write_view
+
+aten = torch.ops.aten
+
+__all__ = ["VIEWS", "view_lowering"]
+
+
+def _dim(d: int, ndim: int) -> int:
+    return d + max(ndim, 1) if d < 0 else d
+
+
+def _shape(x, size: Sequence[int]) -> tuple[int, ...]:
+    """``size`` with a single -1 inferred from ``x``'s element count."""
+    size = [int(s) for s in size]
+    if -1 in size:
+        known = math.prod(s for s in size if s != -1)
+        size[size.index(-1)] = x.size // known if known else 0
+    return tuple(size)
+
+
+def reshape(x, size, *_):
+    return jnp.reshape(x, _shape(x, size))
+
+
+def permute(x, dims):
+    return jnp.transpose(x, [_dim(d, x.ndim) for d in dims])
+
+
+def t(x):
+    return x.T if x.ndim == 2 else x
+
+
+def transpose(x, dim0: int, dim1: int):
+    return jnp.swapaxes(x, _dim(dim0, x.ndim), _dim(dim1, x.ndim)) if x.ndim else x
+
+
+def unsqueeze(x, dim: int):
+    return jnp.expand_dims(x, _dim(dim, x.ndim + 1))
+
+
+def squeeze(x, dim=None):
+    if dim is None:
+        return jnp.squeeze(x)
+    dims = [dim] if isinstance(dim, int) else list(dim)
+    # torch ignores dims that are not of size 1; jnp.squeeze would fail on them.
+    keep = tuple(d for d in {_dim(d, x.ndim) for d in dims} if x.ndim and x.shape[d] == 1)
+    return jnp.squeeze(x, keep) if keep else x
+
+
+def expand(x, size, implicit: bool = False):
+    size = list(size)
+    lead = len(size) - x.ndim
+    shape = tuple(x.shape[i - lead] if s == -1 else s for i, s in enumerate(size))
+    return jnp.broadcast_to(x, shape)
+
+
+def slice_(x, dim: int = 0, start=None, end=None, step: int = 1):
+    d = _dim(dim, x.ndim)
+    n = x.shape[d]
+    start, end, step = slice(start, end, step).indices(n)
+    end = max(end, start)
+    return lax.slice_in_dim(x, start, end, step, axis=d)
+
+
+def select(x, dim: int, index: int):
+    d = _dim(dim, x.ndim)
+    index = index + x.shape[d] if index < 0 else index
+    return lax.index_in_dim(x, index, axis=d, keepdims=False)
+
+
+def narrow(x, dim: int, start: int, length: int):
+    return slice_(x, dim, start, start + length if start >= 0 else start + x.shape[_dim(dim, x.ndim)] + length)
+
+
+def split(x, split_size: int, dim: int = 0):
+    d = _dim(dim, x.ndim)
+    n = x.shape[d]
+    sizes = [min(split_size, n - s) for s in range(0, n, split_size)] or [0]
+    return split_with_sizes(x, sizes, dim)
+
+
+def split_with_sizes(x, split_sizes, dim: int = 0):
+    d = _dim(dim, x.ndim)
+    out, start = [], 0
+    for s in split_sizes:
+        out.append(lax.slice_in_dim(x, start, start + s, axis=d))
+        start += s
+    return out
+
+
+def unbind(x, dim: int = 0):
+    d = _dim(dim, x.ndim)
+    return [lax.index_in_dim(x, i, axis=d, keepdims=False) for i in range(x.shape[d])]
+
+
+def diagonal(x, offset: int = 0, dim1: int = 0, dim2: int = 1):
+    return jnp.diagonal(x, offset, _dim(dim1, x.ndim), _dim(dim2, x.ndim))
+
+
+def unfold(x, dimension: int, size: int, step: int):
+    d = _dim(dimension, x.ndim)
+    if x.ndim == 0:
+        return x.reshape(1)
+    count = (x.shape[d] - size) // step + 1
+    starts = [i * step for i in range(count)]
+    windows = [lax.slice_in_dim(x, s, s + size, axis=d) for s in starts]
+    # torch puts the window as a new last dim, the window index at ``dimension``.
+    return jnp.moveaxis(jnp.stack(windows, axis=d), d + 1, -1)
+
+
+def as_strided(x, size, stride, storage_offset=None):
+    """``as_strided`` over the value's contiguous layout (how functionalization emits it)."""
+    return read_view(x.reshape(-1), tuple(size), tuple(stride), storage_offset or 0)
+
+
+def as_strided_scatter(x, src, size, stride, storage_offset=None):
+    flat = write_view(x.reshape(-1), src, tuple(size), tuple(stride), storage_offset or 0)
+    return flat.reshape(x.shape)
+
+
+def view_dtype(x, dtype: torch.dtype):
+    target = to_jax_dtype(dtype)
+    if target.itemsize != x.dtype.itemsize:
+        raise NotImplementedError("view(dtype) between dtypes of different sizes is not supported on tpu")
+    return lax.bitcast_convert_type(x, target)
+
+
+def identity(x, *_, **__):
+    return x
+
+
+VIEWS: dict[torch._ops.OpOverload, Callable] = {
+    aten.view.default: reshape,
+    aten._unsafe_view.default: reshape,
+    aten.reshape.default: reshape,
+    aten._reshape_alias.default: reshape,
+    aten.view_copy.default: reshape,
+    aten.permute.default: permute,
+    aten.t.default: t,
+    aten.numpy_T.default: lambda x: jnp.transpose(x),
+    aten.transpose.int: transpose,
+    aten.unsqueeze.default: unsqueeze,
+    aten.squeeze.default: squeeze,
+    aten.squeeze.dim: squeeze,
+    aten.squeeze.dims: squeeze,
+    aten.expand.default: expand,
+    aten.expand_copy.default: expand,
+    aten.slice.Tensor: slice_,
+    aten.select.int: select,
+    aten.narrow.default: narrow,
+    aten.split.Tensor: split,
+    aten.split_with_sizes.default: split_with_sizes,
+    aten.unbind.int: unbind,
+    aten.diagonal.default: diagonal,
+    aten.unfold.default: unfold,
+    aten.as_strided.default: as_strided,
+    aten.as_strided_scatter.default: as_strided_scatter,
+    aten.view.dtype: view_dtype,
+    aten.alias.default: identity,
+    aten.detach.default: identity,
+    aten.lift_fresh.default: identity,
+    aten.lift_fresh_copy.default: identity,
+    aten._assert_tensor_metadata.default: lambda *a, **k: None,
+}
+
+
+def view_lowering(op) -> Callable | None:
+    """The functional form of view op ``op`` (also covers a few value-preserving ops)."""
+    return VIEWS.get(op)
