@@ -24,8 +24,9 @@ from tpurec.dispatch import register_factories as _register_factories  # noqa: E
 
 _register_factories()
 
-from tpurec.compile import register as _register_compile; _register_compile()  # noqa: E402,E702
+from tpurec.compile import register as _register_compile  # noqa: E402
 
+_register_compile()
 
 from tpurec.device import platform  # noqa: E402
 from tpurec.modes import get_mode, mode, set_mode  # noqa: E402
@@ -33,5 +34,11 @@ from tpurec.runtime import enable_disk_cache, reset_stats, stats, synchronize  #
 from tpurec.tensor import TpuTensor  # noqa: E402
 
 enable_disk_cache()
+
+# torch.optim picks its foreach (multi-tensor) path only for listed tensor types, as on CUDA.
+import torch.optim.optimizer as _optimizer  # noqa: E402
+
+if TpuTensor not in _optimizer._foreach_supported_types:
+    _optimizer._foreach_supported_types.append(TpuTensor)
 
 __all__ = ["platform", "stats", "reset_stats", "synchronize", "set_mode", "get_mode", "mode", "enable_disk_cache", "TpuTensor"]
