@@ -31,7 +31,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 import tpurec.sparse.ops  # noqa: F401  (registers torch.ops.tpurec.*)
 from tpurec.sparse.optimizers import SGD, EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
-from tpurec.sparse.types import Capacity, CapacityError, SparseCoreInput, StackedTable
+from tpurec.sparse.ops import touched_rows_update_cpu
+from tpurec.sparse.types import PAD_ID, Capacity, CapacityError, SparseCoreInput, StackedTable
 
 __all__ = ["EmbeddingBagCollection"]
 
@@ -106,6 +107,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self.optimizer: EmbeddingOptimizer = SGD() if optimizer is None else optimizer_from_torch(optimizer, optimizer_kwargs)
         self.num_partitions = num_partitions
         self.overflow = overflow
+        # CPU tables: update the touched rows in place instead of calling the
+        # functional gradient op (same math; False forces the op, for tests).
+        self.cpu_in_place = True
         self._stacks: list[StackedTable] = stack_tables(self._embedding_bag_configs, stack=stack)
         self._fixed_capacities = capacities
         self._auto_capacities: dict[str, Capacity] = {}
@@ -213,8 +217,20 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         op = getattr(torch.ops.tpurec, self.optimizer.op_name)
         weight = self.stacked_weight(index)
         slots = [getattr(self, f"stacked_{s}_{index}") for s in self.optimizer.slots]
+        hyperparameters = self.optimizer.hyperparameters(self._steps[index])
         with torch.no_grad():
-            updated = op(*csr, grad_output, weight.detach(), *slots, **self.optimizer.hyperparameters(self._steps[index]))
+            if weight.device.type == "cpu" and self.cpu_in_place:
+                # Same kernel math, but only the touched rows come back and are
+                # written in place: no new table per step.
+                ids, *rows = touched_rows_update_cpu(
+                    self.optimizer.op_name, [*csr, grad_output, weight.detach(), *slots], hyperparameters
+                )
+                valid = ids != PAD_ID
+                index_rows = ids[valid].long()
+                for target, value in zip([weight, *slots], rows):
+                    target.index_copy_(0, index_rows, value[valid].to(target.dtype))
+                return
+            updated = op(*csr, grad_output, weight.detach(), *slots, **hyperparameters)
             updated = updated if isinstance(updated, (tuple, list)) else (updated,)
             for target, value in zip([weight, *slots], updated):
                 target.copy_(value)

@@ -29,13 +29,12 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import torch
 
-from tpurec.dense.registry import lower, to_torch_dtype
+from tpurec.dense.registry import lower
 from tpurec.sparse.kernels import reference
 
-__all__ = ["OP_NAMES", "SCHEMAS", "jitted_kernel"]
+__all__ = ["OP_NAMES", "SCHEMAS", "jitted_kernel", "touched_rows_update_cpu"]
 
 _CSR = "Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, Tensor gains"
 
@@ -73,12 +72,28 @@ def jitted_kernel(name: str) -> Callable:
 
 
 def _to_jax(t: torch.Tensor) -> jax.Array:
-    return jnp.asarray(t.detach().contiguous().numpy())
+    # DLPack: zero-copy on CPU (tables are large; a copy per step would dominate).
+    return jax.dlpack.from_dlpack(t.detach().contiguous())
 
 
 def _to_torch(a: jax.Array, like: torch.Tensor) -> torch.Tensor:
-    # np.array copies: the result must not alias JAX's (read-only) buffer.
-    return torch.from_numpy(np.array(a)).to(to_torch_dtype(a.dtype)).to(like.dtype)
+    # Zero-copy too: XLA never aliases an output to a (non-donated) input, so the
+    # result shares memory with no argument of the op.
+    return torch.from_dlpack(a).to(like.dtype)
+
+
+_ROWS_JIT = jax.jit(reference.touched_rows_update, static_argnames=("op_name",))
+
+
+def touched_rows_update_cpu(op_name: str, tensors: list[torch.Tensor], hyperparameters: dict[str, float]) -> list[torch.Tensor]:
+    """Gradient op ``op_name`` on CPU tensors, returning only the touched rows.
+
+    ``tensors`` are the op's tensor arguments (CSR, grad_output, table, slots).
+    Returns ``[row_ids, table_rows, *slot_rows]``: the caller scatters them in
+    place, which on CPU saves allocating and copying whole tables each step.
+    """
+    out = _ROWS_JIT(*(_to_jax(t) for t in tensors), op_name=op_name, **hyperparameters)
+    return [torch.from_dlpack(o) for o in out]
 
 
 def _make_cpu_kernel(name: str) -> Callable:

@@ -30,6 +30,8 @@ __all__ = [
     "sparse_dense_matmul_grad_with_adagrad",
     "sparse_dense_matmul_grad_with_rowwise_adagrad",
     "sparse_dense_matmul_grad_with_adam",
+    "touched_rows_update",
+    "OPTIMIZER_ROWS",
 ]
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -39,9 +41,10 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 def _valid(row_pointers: jax.Array, embedding_ids: jax.Array) -> jax.Array:
     num_partitions = row_pointers.shape[0]
     size = embedding_ids.shape[0] // num_partitions
-    position = jnp.arange(embedding_ids.shape[0], dtype=jnp.int32)
-    partition_end = jnp.repeat(row_pointers, size, total_repeat_length=embedding_ids.shape[0])
-    return (position < partition_end) & (embedding_ids != PAD_ID)
+    # Partition p holds entries [p * size, row_pointers[p]).
+    position = jnp.arange(size, dtype=jnp.int32)[None, :] + (jnp.arange(num_partitions, dtype=jnp.int32) * size)[:, None]
+    valid = position < row_pointers[:, None]
+    return valid.reshape(-1) & (embedding_ids != PAD_ID)
 
 
 def sparse_dense_matmul(row_pointers, embedding_ids, sample_ids, gains, table, *, batch_size: int):
@@ -67,14 +70,12 @@ def _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, 
     """Per touched row: (row ids padded with PAD_ID, summed gradient rows)."""
     n = embedding_ids.shape[0]
     valid = _valid(row_pointers, embedding_ids)
-    batch_size = grad_output.shape[0]
     grads = jnp.take(grad_output, jnp.where(valid, sample_ids, 0), axis=0)
     grads = grads * jnp.where(valid, gains, 0).astype(grad_output.dtype)[:, None]
     ids = jnp.where(valid, embedding_ids, PAD_ID)
     # Sort-based unique, so the kernel does not depend on the input order.
     unique_ids, inverse = jnp.unique(ids, size=n, fill_value=PAD_ID, return_inverse=True)
     row_grads = jax.ops.segment_sum(grads, inverse.reshape(-1), num_segments=n)
-    del batch_size
     return unique_ids, row_grads.astype(table.dtype)
 
 
@@ -87,16 +88,76 @@ def _scatter(x, unique_ids, rows):
     return x.at[unique_ids].set(rows.astype(x.dtype), mode="drop")
 
 
+def _sgd_rows(g, w, *, learning_rate):
+    return (w - learning_rate * g,)
+
+
+def _adagrad_rows(g, w, m, *, learning_rate, eps):
+    m = m + g * g
+    return w - learning_rate * g / (jnp.sqrt(m) + eps), m
+
+
+def _rowwise_adagrad_rows(g, w, m, *, learning_rate, eps, weight_decay):
+    g = g + weight_decay * w
+    m = m + jnp.mean(g * g, axis=1)
+    return w - (learning_rate / (jnp.sqrt(m) + eps))[:, None] * g, m
+
+
+def _adam_rows(g, w, m1, m2, *, learning_rate, beta1, beta2, eps, weight_decay, step):
+    m1 = beta1 * m1 + (1.0 - beta1) * g
+    m2 = beta2 * m2 + (1.0 - beta2) * g * g
+    m1_hat = m1 / (1.0 - beta1**step)
+    m2_hat = m2 / (1.0 - beta2**step)
+    return w - learning_rate * (m1_hat / (jnp.sqrt(m2_hat) + eps) + weight_decay * w), m1, m2
+
+
+OPTIMIZER_ROWS = {
+    "sparse_dense_matmul_grad_with_sgd": _sgd_rows,
+    "sparse_dense_matmul_grad_with_adagrad": _adagrad_rows,
+    "sparse_dense_matmul_grad_with_rowwise_adagrad": _rowwise_adagrad_rows,
+    "sparse_dense_matmul_grad_with_adam": _adam_rows,
+}
+"""Gradient op name -> the optimizer on gathered rows: ``(g, w, *slots, **hp) -> (w, *slots)``."""
+
+
+def _touched_rows(op_name, row_pointers, embedding_ids, sample_ids, gains, grad_output, table, slots, hyperparameters):
+    ids, g = _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, table)
+    gathered = [_gather(x, ids) for x in (table, *slots)]
+    return ids, OPTIMIZER_ROWS[op_name](g, *gathered, **hyperparameters)
+
+
+def touched_rows_update(row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *slots, op_name: str, **hyperparameters):
+    """The optimizer step on the touched rows only, without the scatter.
+
+    For callers that update the table in place (the CPU path of the modules):
+    same math as gradient op ``op_name``.
+
+    Returns:
+        ``(row_ids, new_table_rows, *new_slot_rows)``; unused entries of
+        ``row_ids`` are ``PAD_ID``.
+    """
+    TRACE_COUNTS[f"touched_rows_update/{op_name}"] += 1
+    ids, rows = _touched_rows(op_name, row_pointers, embedding_ids, sample_ids, gains, grad_output, table, slots, hyperparameters)
+    return (ids, *rows)
+
+
+def _grad_op(op_name, csr, grad_output, table, slots, hyperparameters):
+    TRACE_COUNTS[op_name] += 1
+    ids, rows = _touched_rows(op_name, *csr, grad_output, table, slots, hyperparameters)
+    out = tuple(_scatter(x, ids, r) for x, r in zip((table, *slots), rows))
+    return out if len(out) > 1 else out[0]
+
+
 def sparse_dense_matmul_grad_with_sgd(row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *, learning_rate):
     """SGD on the touched rows (FBGEMM EXACT_SGD): ``w -= lr * g``.
 
     Returns:
         The updated table.
     """
-    TRACE_COUNTS["sparse_dense_matmul_grad_with_sgd"] += 1
-    ids, g = _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, table)
-    w = _gather(table, ids)
-    return _scatter(table, ids, w - learning_rate * g)
+    return _grad_op(
+        "sparse_dense_matmul_grad_with_sgd", (row_pointers, embedding_ids, sample_ids, gains), grad_output, table, (),
+        {"learning_rate": learning_rate},
+    )
 
 
 def sparse_dense_matmul_grad_with_adagrad(
@@ -107,12 +168,10 @@ def sparse_dense_matmul_grad_with_adagrad(
     Returns:
         ``(table, accumulator)`` updated.
     """
-    TRACE_COUNTS["sparse_dense_matmul_grad_with_adagrad"] += 1
-    ids, g = _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, table)
-    w, m = _gather(table, ids), _gather(accumulator, ids)
-    m = m + g * g
-    w = w - learning_rate * g / (jnp.sqrt(m) + eps)
-    return _scatter(table, ids, w), _scatter(accumulator, ids, m)
+    return _grad_op(
+        "sparse_dense_matmul_grad_with_adagrad", (row_pointers, embedding_ids, sample_ids, gains), grad_output, table,
+        (accumulator,), {"learning_rate": learning_rate, "eps": eps},
+    )
 
 
 def sparse_dense_matmul_grad_with_rowwise_adagrad(
@@ -126,13 +185,10 @@ def sparse_dense_matmul_grad_with_rowwise_adagrad(
     Returns:
         ``(table, accumulator)`` updated; ``accumulator`` is ``[rows]``.
     """
-    TRACE_COUNTS["sparse_dense_matmul_grad_with_rowwise_adagrad"] += 1
-    ids, g = _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, table)
-    w, m = _gather(table, ids), _gather(accumulator, ids)
-    g = g + weight_decay * w
-    m = m + jnp.mean(g * g, axis=1)
-    w = w - (learning_rate / (jnp.sqrt(m) + eps))[:, None] * g
-    return _scatter(table, ids, w), _scatter(accumulator, ids, m)
+    return _grad_op(
+        "sparse_dense_matmul_grad_with_rowwise_adagrad", (row_pointers, embedding_ids, sample_ids, gains), grad_output,
+        table, (accumulator,), {"learning_rate": learning_rate, "eps": eps, "weight_decay": weight_decay},
+    )
 
 
 def sparse_dense_matmul_grad_with_adam(
@@ -160,12 +216,8 @@ def sparse_dense_matmul_grad_with_adam(
     Returns:
         ``(table, momentum1, momentum2)`` updated.
     """
-    TRACE_COUNTS["sparse_dense_matmul_grad_with_adam"] += 1
-    ids, g = _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, table)
-    w, m1, m2 = _gather(table, ids), _gather(momentum1, ids), _gather(momentum2, ids)
-    m1 = beta1 * m1 + (1.0 - beta1) * g
-    m2 = beta2 * m2 + (1.0 - beta2) * g * g
-    m1_hat = m1 / (1.0 - beta1**step)
-    m2_hat = m2 / (1.0 - beta2**step)
-    w = w - learning_rate * (m1_hat / (jnp.sqrt(m2_hat) + eps) + weight_decay * w)
-    return _scatter(table, ids, w), _scatter(momentum1, ids, m1), _scatter(momentum2, ids, m2)
+    return _grad_op(
+        "sparse_dense_matmul_grad_with_adam", (row_pointers, embedding_ids, sample_ids, gains), grad_output, table,
+        (momentum1, momentum2),
+        {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay, "step": step},
+    )
