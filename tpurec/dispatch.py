@@ -76,9 +76,9 @@ def _run(program: runtime.Program, *inputs, now: bool = False) -> list:
 
 
 def _store(storage: Storage, array) -> None:
-    storage.array = array
     if fused.is_pending(array):
-        fused.track(storage)
+        fused.track(storage, replaced=storage.array)
+    storage.array = array
 
 
 def _fresh(array, index: int, dtype: torch.dtype | None = None) -> TpuTensor:

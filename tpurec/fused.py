@@ -46,6 +46,8 @@ class _Window:
     def __init__(self) -> None:
         self.nodes: list[_Node] = []
         self.storages: weakref.WeakSet = weakref.WeakSet()
+        # Buffers that storages dropped for a pending value: donated if nobody else holds them.
+        self.replaced: dict[int, jax.Array] = {}
 
 
 _window = _Window()
@@ -83,9 +85,16 @@ def record(program: runtime.Program, inputs: tuple) -> list:
     return [Pending(node, i, aval) for i, aval in enumerate(program.out_avals)]
 
 
-def track(storage) -> None:
-    """Remembers a storage whose array is pending, so the flush fills it in."""
+def track(storage, replaced=None) -> None:
+    """Remembers a storage whose array becomes pending, so the flush fills it in.
+
+    Args:
+        storage: the storage.
+        replaced: the concrete array it held before, a candidate for donation.
+    """
     _window.storages.add(storage)
+    if isinstance(replaced, jax.Array):
+        _window.replaced[id(replaced)] = replaced
 
 
 def resolve(value):
@@ -105,7 +114,8 @@ def flush(reason: str) -> None:
     if not window.nodes:
         return
     nodes, storages = window.nodes, [s for s in window.storages if isinstance(s.array, Pending)]
-    window.nodes, window.storages = [], weakref.WeakSet()
+    replaced = window.replaced
+    window.nodes, window.storages, window.replaced = [], weakref.WeakSet(), {}
     counters = runtime.counters()
     counters.sync_points[reason] += 1
 
@@ -131,7 +141,13 @@ def flush(reason: str) -> None:
     # Sorted, so the key does not depend on the order the weak set yields storages.
     outputs = sorted({(node_index[id(s.array.node)], s.array.index) for s in storages})
     seen = {where: k for k, where in enumerate(outputs)}
-    key = (tuple(wiring), tuple(outputs))
+    from tpurec.tensor import holders
+
+    donate = tuple(
+        k for k, x in enumerate(external)
+        if isinstance(x, jax.Array) and id(x) in replaced and holders(x) == 0 and not x.is_deleted()
+    )
+    key = (tuple(wiring), tuple(outputs), donate)
 
     program = _fused_programs.get(key)
     if program is None:
@@ -139,7 +155,8 @@ def flush(reason: str) -> None:
         raws = [n.program.raw for n in nodes]
         plan = [w[1] for w in wiring]
 
-        def fused(ext):
+        def fused(donated, kept):
+            ext = _merge(donated, kept, donate)
             results = []
             for raw, sources in zip(raws, plan):
                 args = []
@@ -153,12 +170,26 @@ def flush(reason: str) -> None:
                 results.append(raw(*args))
             return [results[j][i] for j, i in outputs]
 
-        program = _fused_programs[key] = runtime.Program(fused)
+        program = _fused_programs[key] = runtime.Program(fused, donate_argnums=(0,))
     else:
         counters.cache_hits += 1
     counters.fused_graphs += 1
     counters.fused_ops += len(nodes)
-    values = program(external)
+    counters.donated_buffers += len(donate)
+    donated_set = set(donate)
+    values = program(
+        [x for k, x in enumerate(external) if k in donated_set],
+        [x for k, x in enumerate(external) if k not in donated_set],
+    )
     for storage in storages:
         p = storage.array
         p.value = storage.array = values[seen[(node_index[id(p.node)], p.index)]]
+
+
+def _merge(donated: list, kept: list, donate: tuple) -> list:
+    """The external inputs in their original order, from the donated and kept lists."""
+    merged, d, k = [], iter(donated), iter(kept)
+    wanted = set(donate)
+    for position in range(len(donated) + len(kept)):
+        merged.append(next(d) if position in wanted else next(k))
+    return merged

@@ -28,6 +28,7 @@ class Stats:
         compile_seconds: time spent tracing and compiling (or loading from disk).
         fused_graphs: graphs run by the fused mode.
         fused_ops: ops in those graphs.
+        donated_buffers: input buffers a fused graph reused for its outputs (in-place updates).
         sync_points: fused-mode flushes by reason.
         ops_by_name: ATen ops dispatched to the tpu device, by overload name.
     """
@@ -40,6 +41,7 @@ class Stats:
     compile_seconds: float = 0.0
     fused_graphs: int = 0
     fused_ops: int = 0
+    donated_buffers: int = 0
     sync_points: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     ops_by_name: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 

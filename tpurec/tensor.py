@@ -13,6 +13,25 @@ from tpurec.views import contiguous_strides, is_full
 __all__ = ["Storage", "TpuTensor", "wrap", "host_to_jax", "jax_to_host"]
 
 
+# How many storages hold each concrete jax.Array (by id): the fused mode donates
+# an input buffer only when no storage holds it any more.
+_holders: dict[int, int] = {}
+
+
+def _release(array) -> None:
+    if isinstance(array, jax.Array):
+        left = _holders.get(id(array), 0) - 1
+        if left > 0:
+            _holders[id(array)] = left
+        else:
+            _holders.pop(id(array), None)
+
+
+def holders(array) -> int:
+    """How many tpu storages hold ``array``."""
+    return _holders.get(id(array), 0)
+
+
 class Storage:
     """The memory behind one or more tpu tensors (a base and its views).
 
@@ -20,11 +39,26 @@ class Storage:
     written in place; every view sees the new value.
     """
 
-    __slots__ = ("array", "index", "__weakref__")
+    __slots__ = ("_array", "index", "__weakref__")
 
     def __init__(self, array: jax.Array, index: int) -> None:
+        self._array = None
         self.array = array
         self.index = index
+
+    @property
+    def array(self):
+        return self._array
+
+    @array.setter
+    def array(self, new) -> None:
+        _release(self._array)
+        if isinstance(new, jax.Array):
+            _holders[id(new)] = _holders.get(id(new), 0) + 1
+        self._array = new
+
+    def __del__(self) -> None:
+        _release(self._array)
 
     @property
     def device(self) -> torch.device:
