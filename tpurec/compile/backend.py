@@ -53,11 +53,14 @@ def _count_build() -> None:
 class _Variant:
     """The jitted program of a graph for one set of input shapes."""
 
-    __slots__ = ("jitted", "ran")
+    __slots__ = ("jitted", "ran", "static_outs")
 
-    def __init__(self, jitted) -> None:
-        self.jitted = jitted
+    def __init__(self) -> None:
+        self.jitted = None
         self.ran = False
+        # Non-tensor outputs (SymInts saved for backward): sizes, fixed per shape, so
+        # they are taken from the trace instead of coming back as device arrays.
+        self.static_outs: dict[int, Any] = {}
 
 
 _serial = 0
@@ -101,10 +104,10 @@ class CompiledGraph:
         key = ("tpurec.compile", self.serial, signature)
         variant = runtime.programs.get(key, lambda: self._build(signature))
         seeds = [rng.next_seed_and_counter() for _ in self.program.random_nodes]
-        outs = self._execute(variant, inputs, seeds)
+        arrays = iter(self._execute(variant, inputs, seeds))
         return [
-            wrap(o, index, d) if t else o
-            for o, t, d in zip(outs, self.tensor_out, self.out_dtypes)
+            wrap(next(arrays), index, d) if t else variant.static_outs[i]
+            for i, (t, d) in enumerate(zip(self.tensor_out, self.out_dtypes))
         ]
 
     def _inputs(self, args: Sequence[Any]):
@@ -134,26 +137,31 @@ class CompiledGraph:
     def _build(self, signature: tuple) -> _Variant:
         if self.seen_shapes:
             log.warning(
-                "tpurec.compile: recompiling %s for new input shapes %s (already compiled for %s): "
-                "a dynamic dim took a new value",
+                "tpurec.compile: recompiling %s (variant %d): a dynamic dim took a new value: %s",
                 self.name,
-                _shapes(signature),
-                [_shapes(s) for s in self.seen_shapes[-3:]],
+                len(self.seen_shapes) + 1,
+                _changes(self.seen_shapes[-1], signature),
             )
         self.seen_shapes.append(signature)
         _count_build()
         program = self.program
         statics = {i: s[1] for i, s in enumerate(signature) if s[0] == "scalar"}
 
+        variant = _Variant()
+        tensor_out = self.tensor_out
+
         def run(arrays, scalars, seeds):
             it = iter(arrays)
             inputs = [statics[i] if i in statics else next(it) for i in range(len(signature))]
-            return program.trace(inputs, scalars, seeds)
+            outs = program.trace(inputs, scalars, seeds)
+            variant.static_outs = {i: o for i, (o, t) in enumerate(zip(outs, tensor_out)) if not t}
+            return [o for o, t in zip(outs, tensor_out) if t]
 
         options = {}
         if not any(s[0] != "scalar" for s in signature):
             options["out_shardings"] = jax.sharding.SingleDeviceSharding(jax_device(self.device_index))
-        return _Variant(jax.jit(run, **options))
+        variant.jitted = jax.jit(run, **options)
+        return variant
 
     def _execute(self, variant: _Variant, inputs: list, seeds: list) -> list:
         counters = runtime.counters()
@@ -174,8 +182,14 @@ class CompiledGraph:
             counters.compile_seconds += time.perf_counter() - start
 
 
-def _shapes(signature: tuple) -> list:
-    return [s[1] if s[0] == "scalar" else s[0] for s in signature]
+def _changes(old: tuple, new: tuple) -> str:
+    """Which inputs changed between two shape signatures, e.g. "input 2: 8 -> 16"."""
+
+    def show(s):
+        return s[1] if s[0] == "scalar" else s[0]
+
+    diffs = [f"input {i}: {show(a)} -> {show(b)}" for i, (a, b) in enumerate(zip(old, new)) if a != b]
+    return "; ".join(diffs) or "input signature changed"
 
 
 def _example_device(example_inputs) -> int:

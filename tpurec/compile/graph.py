@@ -231,17 +231,17 @@ class GraphProgram:
                     out = _cast(out, step.dtypes)
                 return out
             args = [
-                _bind(step.kinds[i] if i < len(step.kinds) else STATIC, load(a), scalar_it)
+                _bind(step.kinds[i] if i < len(step.kinds) else STATIC, a, scalar_it, load)
                 for i, a in enumerate(node.args)
             ]
-            kwargs = {k: _bind(step.kw_kinds.get(k, STATIC), load(a), scalar_it) for k, a in node.kwargs.items()}
+            kwargs = {k: _bind(step.kw_kinds.get(k, STATIC), a, scalar_it, load) for k, a in node.kwargs.items()}
             if step.random:
                 kwargs["key"] = rng.key_from(*next(seed_it))
             return _cast(step.fn(*args, **kwargs), step.dtypes)
         except CompileError:
             raise
         except Exception as e:
-            raise CompileError(f"tpurec: lowering {describe_node(node)} failed: {type(e).__name__}: {e}") from e
+            raise CompileError(f"tpurec: lowering failed: {type(e).__name__}: {e}\n  in {describe_node(node)}") from e
 
 
 def _dynamic_values(kind: str, value) -> list:
@@ -255,15 +255,19 @@ def _dynamic_values(kind: str, value) -> list:
     return []
 
 
-def _bind(kind: str, value, scalar_it):
-    """Replaces constant runtime scalars by their traced values, in planning order."""
-    if value is None:
-        return None
-    if kind in (DYNAMIC, TENSOR) and type(value) in (int, float):
-        return next(scalar_it)
-    if kind == DYNAMIC_LIST and isinstance(value, (list, tuple)) and all(type(v) in (int, float) for v in value):
-        return [next(scalar_it) for _ in value]
-    return value
+def _bind(kind: str, value, scalar_it, load: Callable):
+    """One argument's value: graph constants that travel as runtime scalars are
+    replaced by their traced values (in planning order); the rest is loaded.
+
+    Decided on the graph's own argument, before loading, exactly as in
+    ``_dynamic_values``: a size computed by another node is static, not a constant.
+    """
+    n = len(_dynamic_values(kind, value))
+    if n == 0:
+        return load(value)
+    if isinstance(value, (list, tuple)):
+        return [next(scalar_it) for _ in range(n)]
+    return next(scalar_it)
 
 
 def _cast(out, dtypes):

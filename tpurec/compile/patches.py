@@ -9,8 +9,10 @@ tensor on a device, like a CUDA tensor; these patches say so:
 
 1. Dynamo wraps TpuTensors as tensors (fake tensors on device "tpu").
 2. AOTAutograd accepts a TpuTensor where its trace saw a plain tensor.
-3. Dynamo never traces the runtime core (dispatch, tensor, views, lowerings):
-   after a graph break, eager tpu ops run untraced.
+3. Dynamo never traces the runtime core (dispatch, tensor, views, lowerings)
+   nor JAX: after a graph break, eager tpu ops run untraced. (Dynamo's skip
+   lists are per file, not recursive, so JAX itself must be listed too, as
+   numpy already is.)
 
 Each patch is idempotent and touches only TpuTensor values.
 """
@@ -18,7 +20,6 @@ Each patch is idempotent and touches only TpuTensor values.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
@@ -27,7 +28,11 @@ from tpurec.tensor import TpuTensor
 __all__ = ["apply"]
 
 # Modules Dynamo must not trace: they run eager tpu execution or build programs.
-_RUNTIME_MODULES = (
+_SKIPPED_MODULES = (
+    "jax",
+    "jaxlib",
+    "ml_dtypes",
+    "opt_einsum",
     "tpurec.compile",
     "tpurec.dense",
     "tpurec.device",
@@ -72,15 +77,9 @@ def _accept_tpu_tangents() -> None:
 def _skip_runtime_modules() -> None:
     from torch._dynamo import trace_rules
 
-    for name in _RUNTIME_MODULES:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            continue  # an optional module (fused mode) not present in this checkout
-        origin = spec.origin
-        path = os.path.dirname(origin) + os.sep if origin.endswith("__init__.py") else origin
-        if path not in trace_rules.SKIP_DIRS:
-            trace_rules.SKIP_DIRS.append(path)
-    trace_rules._recompile_re()
+    for name in _SKIPPED_MODULES:
+        if importlib.util.find_spec(name) is not None:  # optional modules may be absent
+            trace_rules.add(name)
 
 
 def apply() -> None:
