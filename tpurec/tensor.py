@@ -18,8 +18,9 @@ __all__ = ["Storage", "TpuTensor", "wrap", "host_to_jax", "jax_to_host"]
 _holders: dict[int, int] = {}
 
 
-def _release(array) -> None:
-    if isinstance(array, jax.Array):
+def _release(array, _array_type=jax.Array) -> None:
+    # The default argument keeps the type alive for __del__ at interpreter exit.
+    if isinstance(array, _array_type) and _holders is not None:
         left = _holders.get(id(array), 0) - 1
         if left > 0:
             _holders[id(array)] = left
