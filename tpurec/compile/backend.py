@@ -41,7 +41,9 @@ __all__ = ["CompiledGraph", "compile_graph", "decompositions", "tpu_backend"]
 
 def _count_build() -> None:
     counters = runtime.counters()
-    # Older runtimes count programs by hand; newer ones count XLA compilations
+    if hasattr(counters, "programs_built"):
+        counters.programs_built += 1
+    # Older runtimes count compilations by hand; newer ones count XLA compilations
     # through jax.monitoring, which sees ours too.
     if hasattr(counters, "compilations"):
         counters.compilations += 1
@@ -89,7 +91,9 @@ class CompiledGraph:
         self.out_dtypes = [
             o.meta["val"].dtype if t else None for o, t in zip(self.program.output_node.args[0], self.tensor_out)
         ]
-        self.seen_shapes: list[tuple] = []
+        # One program per input-shape signature. Kept here, not in the runtime's
+        # cache, so that the programs die with the graph (torch._dynamo.reset()).
+        self.variants: dict[tuple, _Variant] = {}
         # AOTAutograd passes the argument list itself (we free it early). An instance
         # attribute, so that functools.wraps carries it through AOTAutograd's wrappers.
         self._boxed_call = True
@@ -101,8 +105,11 @@ class CompiledGraph:
             args = tuple(boxed)
             boxed.clear()
         inputs, signature, index = self._inputs(args)
-        key = ("tpurec.compile", self.serial, signature)
-        variant = runtime.programs.get(key, lambda: self._build(signature))
+        variant = self.variants.get(signature)
+        if variant is None:
+            variant = self.variants[signature] = self._build(signature)
+        else:
+            runtime.counters().cache_hits += 1
         seeds = [rng.next_seed_and_counter() for _ in self.program.random_nodes]
         arrays = iter(self._execute(variant, inputs, seeds))
         return [
@@ -135,14 +142,13 @@ class CompiledGraph:
         return inputs, tuple(signature), index
 
     def _build(self, signature: tuple) -> _Variant:
-        if self.seen_shapes:
+        if self.variants:
             log.warning(
                 "tpurec.compile: recompiling %s (variant %d): a dynamic dim took a new value: %s",
                 self.name,
-                len(self.seen_shapes) + 1,
-                _changes(self.seen_shapes[-1], signature),
+                len(self.variants) + 1,
+                _changes(list(self.variants)[-1], signature),
             )
-        self.seen_shapes.append(signature)
         _count_build()
         program = self.program
         statics = {i: s[1] for i, s in enumerate(signature) if s[0] == "scalar"}
