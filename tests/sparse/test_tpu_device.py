@@ -8,9 +8,10 @@ import torch
 from torchrec import EmbeddingBagCollection as TorchrecEBC
 
 import tpurec.sparse as sp
-from helpers import make_tables, random_kjt
+from helpers import make_tables, random_kjt, tpu_device_missing
 
-pytest.importorskip("tpurec.tensor")
+_MISSING = tpu_device_missing()
+pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
 
 
 @pytest.mark.parametrize("optimizer", [sp.SGD(0.1), sp.RowWiseAdagrad(0.1), sp.Adam(0.1)], ids=lambda o: type(o).__name__)
