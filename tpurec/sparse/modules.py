@@ -28,7 +28,6 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-import tpurec.sparse.ops  # noqa: F401  (registers torch.ops.tpurec.*)
 from tpurec.sparse.optimizers import SGD, EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
 from tpurec.sparse.ops import touched_rows_update_cpu

@@ -28,7 +28,6 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import torch
 
 from tpurec.dense.registry import lower
