@@ -1,0 +1,288 @@
+"""Reductions: sum/mean/prod, min/max family, arg-reductions, var/std,
+logsumexp, norms, boolean reductions, scans.
+
+Like torch's CPU kernels, low-precision floats accumulate in float32 and are
+rounded once at the end; integer/bool sums and products accumulate in int64.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from tpurec.dense._util import dims, float_for, is_float, jdtype, norm_dim
+from tpurec.dense.registry import lower
+
+aten = torch.ops.aten
+
+
+def _acc_dtype(dtype) -> jnp.dtype:
+    """The dtype torch accumulates ``dtype`` in (float32 for bf16/f16)."""
+    dt = jnp.dtype(dtype)
+    if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return jnp.dtype(jnp.float32)
+    return dt
+
+
+def _int_sum_dtype(x, dtype) -> jnp.dtype:
+    """Result dtype of sum/prod: explicit dtype, else int64 for ints/bool."""
+    if dtype is not None:
+        return jdtype(dtype)
+    return jnp.dtype(x.dtype) if is_float(x.dtype) else jnp.dtype(jnp.int64)
+
+
+def _reduce(fn, x, dim, keepdim: bool, out_dtype):
+    axes = dims(dim, x.ndim)
+    acc = _acc_dtype(out_dtype)
+    return fn(x.astype(acc), axis=axes, keepdims=keepdim).astype(out_dtype)
+
+
+@lower(aten.sum.default)
+def sum_default(x, *, dtype=None):
+    return _reduce(jnp.sum, x, None, False, _int_sum_dtype(x, dtype))
+
+
+@lower(aten.sum.dim_IntList)
+def sum_dim(x, dim=None, keepdim: bool = False, *, dtype=None):
+    return _reduce(jnp.sum, x, dim, keepdim, _int_sum_dtype(x, dtype))
+
+
+@lower(aten.prod.default)
+def prod_default(x, *, dtype=None):
+    return _reduce(jnp.prod, x, None, False, _int_sum_dtype(x, dtype))
+
+
+@lower(aten.prod.dim_int)
+def prod_dim(x, dim: int, keepdim: bool = False, *, dtype=None):
+    return _reduce(jnp.prod, x, [dim], keepdim, _int_sum_dtype(x, dtype))
+
+
+@lower(aten.mean.default)
+def mean_default(x, *, dtype=None):
+    return _reduce(jnp.mean, x, None, False, jdtype(dtype, x.dtype))
+
+
+@lower(aten.mean.dim)
+def mean_dim(x, dim=None, keepdim: bool = False, *, dtype=None):
+    return _reduce(jnp.mean, x, dim, keepdim, jdtype(dtype, x.dtype))
+
+
+@lower(aten.amax.default)
+def amax(x, dim=(), keepdim: bool = False):
+    return jnp.max(x, axis=dims(dim, x.ndim), keepdims=keepdim)
+
+
+@lower(aten.amin.default)
+def amin(x, dim=(), keepdim: bool = False):
+    return jnp.min(x, axis=dims(dim, x.ndim), keepdims=keepdim)
+
+
+@lower(aten.max.default)
+def max_default(x):
+    return jnp.max(x)
+
+
+@lower(aten.min.default)
+def min_default(x):
+    return jnp.min(x)
+
+
+def _arg(fn, x, dim, keepdim):
+    if dim is None:
+        out = fn(x.reshape(-1))
+        return out.reshape((1,) * x.ndim) if keepdim else out
+    if x.ndim == 0:
+        norm_dim(dim, 0)
+        return jnp.zeros((), jnp.int64)
+    return fn(x, axis=norm_dim(dim, x.ndim), keepdims=keepdim)
+
+
+@lower(aten.argmax.default)
+def argmax(x, dim=None, keepdim: bool = False):
+    return _arg(jnp.argmax, x, dim, keepdim).astype(jnp.int64)
+
+
+@lower(aten.argmin.default)
+def argmin(x, dim=None, keepdim: bool = False):
+    return _arg(jnp.argmin, x, dim, keepdim).astype(jnp.int64)
+
+
+@lower(aten.max.dim)
+def max_dim(x, dim: int, keepdim: bool = False):
+    idx = argmax(x, dim, True)
+    d = norm_dim(dim, x.ndim)
+    vals = jnp.take_along_axis(x, idx, axis=d) if x.ndim else x
+    if not keepdim and x.ndim:
+        vals, idx = jnp.squeeze(vals, d), jnp.squeeze(idx, d)
+    return vals, idx
+
+
+@lower(aten.min.dim)
+def min_dim(x, dim: int, keepdim: bool = False):
+    idx = argmin(x, dim, True)
+    d = norm_dim(dim, x.ndim)
+    vals = jnp.take_along_axis(x, idx, axis=d) if x.ndim else x
+    if not keepdim and x.ndim:
+        vals, idx = jnp.squeeze(vals, d), jnp.squeeze(idx, d)
+    return vals, idx
+
+
+def _var(x, dim, correction, keepdim):
+    """(var, mean) with torch's ``correction`` (a traced Scalar, default 1)."""
+    axes = dims(dim, x.ndim)
+    out = float_for(x.dtype)
+    xf = x.astype(_acc_dtype(out))
+    n = 1
+    for a in axes:
+        n *= x.shape[a]
+    mean = jnp.mean(xf, axis=axes, keepdims=True)
+    ssq = jnp.sum(jnp.square(xf - mean), axis=axes, keepdims=keepdim)
+    c = 1 if correction is None else correction
+    var = ssq / jnp.maximum(n - c, 0)
+    if not keepdim:
+        mean = jnp.squeeze(mean, axes)
+    return var, mean, out
+
+
+@lower(aten.var.correction)
+def var(x, dim=None, *, correction=None, keepdim: bool = False):
+    v, _, out = _var(x, dim, correction, keepdim)
+    return v.astype(out)
+
+
+@lower(aten.std.correction)
+def std(x, dim=None, *, correction=None, keepdim: bool = False):
+    v, _, out = _var(x, dim, correction, keepdim)
+    return jnp.sqrt(v).astype(out)
+
+
+@lower(aten.var_mean.correction)
+def var_mean(x, dim=None, *, correction=None, keepdim: bool = False):
+    v, m, out = _var(x, dim, correction, keepdim)
+    return v.astype(out), m.astype(out)
+
+
+@lower(aten.std_mean.correction)
+def std_mean(x, dim=None, *, correction=None, keepdim: bool = False):
+    v, m, out = _var(x, dim, correction, keepdim)
+    return jnp.sqrt(v).astype(out), m.astype(out)
+
+
+@lower(aten.logsumexp.default)
+def logsumexp(x, dim, keepdim: bool = False):
+    out = float_for(x.dtype)
+    xf = x.astype(_acc_dtype(out))
+    return jax.nn.logsumexp(xf, axis=dims(dim, x.ndim), keepdims=keepdim).astype(out)
+
+
+def vector_norm(x, ord, axes, keepdim: bool, out_dtype):
+    """The ``ord``-norm over ``axes``; ``ord`` may be a traced scalar, so the
+    special orders (inf, -inf, 0, 2) are selected with ``where``, not ``if``."""
+    a = jnp.abs(x.astype(_acc_dtype(out_dtype)))
+
+    def red(fn, v):
+        return fn(v, axis=axes, keepdims=keepdim)
+
+    if isinstance(ord, (int, float)):  # static order: pick the kernel in Python
+        o = float(ord)
+        if o == 2:
+            r = jnp.sqrt(red(jnp.sum, a * a))
+        elif o == jnp.inf:
+            r = red(jnp.max, a)
+        elif o == -jnp.inf:
+            r = red(jnp.min, a)
+        elif o == 0:
+            r = red(jnp.sum, (a != 0).astype(a.dtype))
+        elif o == 1:
+            r = red(jnp.sum, a)
+        else:
+            r = red(jnp.sum, a**o) ** (1 / o)
+        return r.astype(out_dtype)
+    o = jnp.asarray(ord, a.dtype)
+    safe = jnp.where((o == 0) | jnp.isinf(o), jnp.ones_like(o), o)
+    general = red(jnp.sum, a**safe) ** (1 / safe)
+    r = jnp.where(
+        o == 2,
+        jnp.sqrt(red(jnp.sum, a * a)),
+        jnp.where(
+            o == jnp.inf,
+            red(jnp.max, a),
+            jnp.where(o == -jnp.inf, red(jnp.min, a), jnp.where(o == 0, red(jnp.sum, (a != 0).astype(a.dtype)), general)),
+        ),
+    )
+    return r.astype(out_dtype)
+
+
+@lower(aten.linalg_vector_norm.default)
+def linalg_vector_norm(x, ord=2, dim=None, keepdim: bool = False, *, dtype=None):
+    out = jdtype(dtype, float_for(x.dtype))
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        raise NotImplementedError("linalg_vector_norm: complex inputs")
+    return vector_norm(x, ord, dims(dim, x.ndim), keepdim, out)
+
+
+@lower(aten.norm.Scalar, aten.norm.ScalarOpt_dtype)
+def norm_all(x, p=2, *, dtype=None):
+    return vector_norm(x, 2 if p is None else p, dims(None, x.ndim), False, jdtype(dtype, float_for(x.dtype)))
+
+
+@lower(aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype)
+def norm_dim_(x, p, dim, keepdim: bool = False, *, dtype=None):
+    return vector_norm(x, 2 if p is None else p, dims(dim, x.ndim), keepdim, jdtype(dtype, float_for(x.dtype)))
+
+
+def _bool_reduce(fn, x, dim, keepdim):
+    out = jnp.uint8 if x.dtype == jnp.uint8 else jnp.bool_  # torch keeps uint8
+    return fn(x != 0, axis=dims(dim, x.ndim), keepdims=keepdim).astype(out)
+
+
+@lower(aten.any.default)
+def any_default(x):
+    return _bool_reduce(jnp.any, x, None, False)
+
+
+@lower(aten.any.dim, aten.any.dims)
+def any_dim(x, dim=None, keepdim: bool = False):
+    return _bool_reduce(jnp.any, x, dim, keepdim)
+
+
+@lower(aten.all.default)
+def all_default(x):
+    return _bool_reduce(jnp.all, x, None, False)
+
+
+@lower(aten.all.dim, aten.all.dims)
+def all_dim(x, dim=None, keepdim: bool = False):
+    return _bool_reduce(jnp.all, x, dim, keepdim)
+
+
+@lower(aten.count_nonzero.dim_IntList, aten.count_nonzero.default)
+def count_nonzero(x, dim=None):
+    return jnp.sum(x != 0, axis=dims(dim, x.ndim)).astype(jnp.int64)
+
+
+def _scan(fn, x, dim: int, dtype):
+    out = _int_sum_dtype(x, dtype)
+    if x.ndim == 0:
+        return x.astype(out)
+    return fn(x.astype(_acc_dtype(out)), axis=norm_dim(dim, x.ndim)).astype(out)
+
+
+@lower(aten.cumsum.default)
+def cumsum(x, dim: int, *, dtype=None):
+    return _scan(jnp.cumsum, x, dim, dtype)
+
+
+@lower(aten.cumprod.default)
+def cumprod(x, dim: int, *, dtype=None):
+    return _scan(jnp.cumprod, x, dim, dtype)
+
+
+@lower(aten.logcumsumexp.default)
+def logcumsumexp(x, dim: int):
+    if x.ndim == 0:
+        return x
+    out = float_for(x.dtype)
+    xf = x.astype(_acc_dtype(out))
+    return jax.lax.cumlogsumexp(xf, axis=norm_dim(dim, x.ndim)).astype(out)
