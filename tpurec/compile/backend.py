@@ -218,17 +218,21 @@ def compile_graph(name: str) -> Callable:
 
 
 def decompositions() -> dict:
-    """PyTorch's core ATen decompositions, minus every op the lowering table covers.
+    """PyTorch's decompositions, minus every op we lower ourselves.
 
     Our own lowering of an op is preferred: it is what eager runs, so compiled
-    and eager results agree, and it is usually one fused XLA op.
+    and eager results agree, and it is usually one fused XLA op. The core ATen
+    set is taken first, then the rest of ``torch._decomp``'s table, which eager
+    falls back to as well (an op eager runs through a decomposition must not
+    fail compiled).
     """
-    from torch._decomp import core_aten_decompositions
+    from torch._decomp import core_aten_decompositions, decomposition_table
 
-    from tpurec.compile.views import view_lowering
+    from tpurec.compile.graph import handled_without_lowering
 
-    table = core_aten_decompositions()
-    return {op: fn for op, fn in table.items() if get_lowering(op) is None and view_lowering(op) is None}
+    table = {op: fn for op, fn in decomposition_table.items() if isinstance(op, torch._ops.OpOverload)}
+    table.update(core_aten_decompositions())
+    return {op: fn for op, fn in table.items() if get_lowering(op) is None and not handled_without_lowering(op)}
 
 
 _backend = None

@@ -45,7 +45,7 @@ from tpurec.tensor import host_to_jax
 
 aten = torch.ops.aten
 
-__all__ = ["GraphProgram", "CompileError", "describe_node"]
+__all__ = ["GraphProgram", "CompileError", "describe_node", "handled_without_lowering"]
 
 
 class CompileError(RuntimeError):
@@ -114,6 +114,11 @@ _SIZE_QUERIES: dict[Any, Callable] = {
 
 def _contiguous_stride(shape, dim: int) -> int:
     return math.prod(max(n, 1) for n in shape[dim + 1:]) if dim >= 0 else _contiguous_stride(shape, dim + len(shape))
+
+
+def handled_without_lowering(op) -> bool:
+    """Ops the interpreter runs itself (views, allocations, size queries): never decomposed."""
+    return view_lowering(op) is not None or op in _SPECIAL or op in _SIZE_QUERIES
 
 
 # --- planning ----------------------------------------------------------------
