@@ -93,3 +93,19 @@ def test_ops_without_lowering_run_through_decompositions():
     got.backward()
     torch.testing.assert_close(got.cpu(), want.detach(), rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(tpu.gn.weight.grad.cpu(), cpu.gn.weight.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_inference_under_no_grad():
+    from models import TransformerBlock, transformer_batch
+
+    torch.manual_seed(0)
+    model = TransformerBlock().to("tpu").eval()
+    x, y = (t.to("tpu") for t in transformer_batch())
+    with torch.no_grad():
+        want = model(x, y)
+        tpurec.reset_stats()
+        compiled = torch.compile(model, backend="tpu")
+        got = [compiled(x, y) for _ in range(3)]
+    assert tpurec.stats()["cache_hits"] >= 2
+    for g in got:
+        torch.testing.assert_close(g.cpu(), want.cpu(), rtol=1e-6, atol=1e-7)
