@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from tpurec.dense.registry import call_lowering, get_lowering
 
@@ -44,6 +44,29 @@ def to_torch(x) -> torch.Tensor:
     return torch.from_numpy(np.array(a))
 
 
+# In-place ops whose functional form is not "the name without _, same overload".
+_SPECIAL_FUNCTIONAL = {
+    "normal_.default": "normal_functional.default",
+    "bernoulli_.float": "bernoulli.p",
+}
+
+
+def _functional_of(func) -> torch._ops.OpOverload | None:
+    """The lowered functional overload behind an in-place op, if any."""
+    name = func._schema.name.split("::")[1]
+    if not name.endswith("_") or name.endswith("__") or not func._schema.is_mutable:
+        return None
+    if not func._schema.arguments or func._schema.arguments[0].alias_info is None:
+        return None  # an out= variant or similar: not the core's write-back path
+    target = _SPECIAL_FUNCTIONAL.get(f"{name}.{func._overloadname}", f"{name[:-1]}.{func._overloadname}")
+    packet_name, overload = target.split(".")
+    packet = getattr(torch.ops.aten, packet_name, None)
+    op = getattr(packet, overload, None) if packet is not None else None
+    if op is None or get_lowering(op) is None:
+        return None
+    return op
+
+
 def _signature(func, args, kwargs) -> tuple:
     def key(v):
         if isinstance(v, torch.Tensor):
@@ -66,6 +89,11 @@ class LoweringChecker(TorchDispatchMode):
     """Runs each lowered ATen call through its lowering too and compares."""
 
     def __init__(self, tol=None, nondeterministic_outputs: dict | None = None):
+        """
+        Args:
+            tol: dtype -> assert_close kwargs (DEFAULT_TOL when None).
+            nondeterministic_outputs: see ``self.loose``.
+        """
         super().__init__()
         self.tol = tol
         # op -> output positions whose values are implementation-defined (e.g.
@@ -77,6 +105,9 @@ class LoweringChecker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        functional = _functional_of(func)
+        if functional is not None:
+            return self._check_inplace(func, functional, args, kwargs)
         out = func(*args, **kwargs)
         lowering = get_lowering(func)
         if lowering is None or func._schema.is_mutable:
@@ -101,6 +132,30 @@ class LoweringChecker(TorchDispatchMode):
             self.refused.append(Record(func, False, str(e)))
         except Exception as e:  # recorded, reported by the test
             self.records.append(Record(func, False, f"{type(e).__name__}: {e}"))
+        return out
+
+    def _check_inplace(self, func, functional, args, kwargs):
+        """``x.add_(y)``: the runtime runs ``add.Tensor`` and writes the result
+        back into ``x``; check that the functional lowering on the inputs
+        equals what torch wrote."""
+        before_args, before_kwargs = tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, (args, kwargs))
+        out = func(*args, **kwargs)
+        sig = _signature(functional, before_args, before_kwargs)
+        if sig in self.seen:
+            return out
+        self.seen.add(sig)
+        try:
+            lowering = get_lowering(functional)
+            if lowering.random:
+                self._check_random(functional, before_args, before_kwargs, args[0])
+            else:
+                got = call_lowering(functional, before_args, before_kwargs)
+                self._compare(functional, args[0], got)
+            self.records.append(Record(functional, True))
+        except NotImplementedError as e:
+            self.refused.append(Record(functional, False, str(e)))
+        except Exception as e:
+            self.records.append(Record(functional, False, f"(via {func}) {type(e).__name__}: {e}"))
         return out
 
     def _tol(self, dtype):
@@ -128,6 +183,7 @@ class LoweringChecker(TorchDispatchMode):
         a = call_lowering(func, args, kwargs, key=key)
         b = call_lowering(func, args, kwargs, key=key)
         refs = list(ref) if isinstance(ref, (tuple, list)) else [ref]
+        refs = [r for r in refs if isinstance(r, torch.Tensor)]
         a = list(a) if isinstance(a, (tuple, list)) else [a]
         b = list(b) if isinstance(b, (tuple, list)) else [b]
         for r, x, y in zip(refs, a, b):

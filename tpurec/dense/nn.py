@@ -61,6 +61,19 @@ def log_softmax(x, dim: int, half_to_float: bool):
     return _softmax_impl(jax.nn.log_softmax, x, dim, half_to_float)
 
 
+@lower(aten._safe_softmax.default)
+def safe_softmax(x, dim: int, dtype=None):
+    """Softmax whose fully-masked (all -inf) rows give 0, not NaN (attention)."""
+    if dtype is not None:
+        x = x.astype(to_jax_dtype(dtype))
+    out = softmax(x, dim, False)
+    if x.ndim == 0:
+        return out
+    d = norm_dim(dim, x.ndim)
+    masked = jnp.all(x == -jnp.inf, axis=d, keepdims=True)
+    return jnp.where(masked, jnp.zeros((), out.dtype), out)
+
+
 @lower(aten._softmax_backward_data.default)
 def softmax_backward(grad, output, dim: int, input_dtype):
     acc = _acc(grad.dtype)
