@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import tpurec
-from models import MLP, mlp_batch
+from compile_models import MLP, mlp_batch
 
 
 def _grads(model):

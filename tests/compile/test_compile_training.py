@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import tpurec
-from models import train
+from compile_models import train
 
 
 def _max_rel(a, b):

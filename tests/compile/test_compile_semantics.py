@@ -62,7 +62,7 @@ def test_compiled_optimizer_step():
 
 
 def test_compiled_model_in_fused_mode():
-    from models import train
+    from compile_models import train
 
     eager = train("mlp", "tpu", 5, compiled=False)
     with tpurec.mode("fused"):
@@ -96,7 +96,7 @@ def test_ops_without_lowering_run_through_decompositions():
 
 
 def test_inference_under_no_grad():
-    from models import TransformerBlock, transformer_batch
+    from compile_models import TransformerBlock, transformer_batch
 
     torch.manual_seed(0)
     model = TransformerBlock().to("tpu").eval()
