@@ -58,13 +58,20 @@ def _functional_of(func) -> torch._ops.OpOverload | None:
         return None
     if not func._schema.arguments or func._schema.arguments[0].alias_info is None:
         return None  # an out= variant or similar: not the core's write-back path
-    target = _SPECIAL_FUNCTIONAL.get(f"{name}.{func._overloadname}", f"{name[:-1]}.{func._overloadname}")
-    packet_name, overload = target.split(".")
-    packet = getattr(torch.ops.aten, packet_name, None)
-    op = getattr(packet, overload, None) if packet is not None else None
-    if op is None or get_lowering(op) is None:
+    special = _SPECIAL_FUNCTIONAL.get(f"{name}.{func._overloadname}")
+    if special:
+        packet_name, overload = special.split(".")
+        return getattr(getattr(torch.ops.aten, packet_name), overload)
+    packet = getattr(torch.ops.aten, name[:-1], None)
+    if packet is None:
         return None
-    return op
+    # Same argument types, e.g. pow_.Scalar -> pow.Tensor_Scalar (not pow.Scalar).
+    want = [str(a.type) for a in func._schema.arguments]
+    for overload in packet.overloads():
+        op = getattr(packet, overload)
+        if [str(a.type) for a in op._schema.arguments] == want and not op._schema.is_mutable:
+            return op if get_lowering(op) is not None else None
+    return None
 
 
 def _signature(func, args, kwargs) -> tuple:
