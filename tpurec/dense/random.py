@@ -102,7 +102,7 @@ def random_to(x, to: int, *, generator=None, key):
     return _int_range(key, x.shape, x.dtype, 0, to)
 
 
-@lower(aten.random.__getattr__("from"), random=True)
+@lower(getattr(aten.random, "from"), random=True)
 def random_from(x, from_: int, to: int | None, *, generator=None, key):
     return _int_range(key, x.shape, x.dtype, from_, _default_high(x.dtype) if to is None else to)
 
