@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from tpurec import fused, modes, rng, runtime
 from tpurec.dense.registry import (
@@ -36,7 +36,7 @@ from tpurec.dense.registry import (
     to_jax_dtype,
 )
 from tpurec.device import jax_device
-from tpurec.errors import unsupported_op
+from tpurec.errors import lowering_failed, unsupported_op
 from tpurec.tensor import Storage, TpuTensor, host_to_jax, jax_to_host, wrap
 from tpurec.views import contiguous_strides, read_view, write_view
 
@@ -289,7 +289,12 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
         return entry
 
     program = runtime.programs.get(key, build)
-    outs = _run(program, *call.inputs)
+    try:
+        outs = _run(program, *call.inputs)
+    except Exception as error:
+        if program.ran or program.out_avals is not None:
+            raise
+        raise lowering_failed(func, error) from error
     if targets is not None:
         for t, new in zip(targets, outs):
             _store(t._storage, new)
@@ -542,11 +547,48 @@ def _fallback(func, args, kwargs):
     raise unsupported_op(func)
 
 
+# Ops whose output shape depends on input values: XLA needs static shapes, so
+# they run on the host (a sync point in fused mode) and their result comes back.
+_DATA_DEPENDENT = {
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten._unique2.default,
+    aten.unique_dim.default,
+    aten.unique_consecutive.default,
+    aten.bincount.default,
+    aten.repeat_interleave.Tensor,
+}
+
+
+def _has_bool_index(func, args) -> bool:
+    return func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
+        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (args[1] or ())
+    )
+
+
+def _on_host(func, args, kwargs):
+    """Runs ``func`` on CPU copies of its tpu inputs and moves the results back."""
+    index = next(a._storage.index for a in tree_flatten((args, kwargs))[0] if isinstance(a, TpuTensor))
+    to_host = lambda x: jax_to_host(value_of(x, "data-dependent op")) if isinstance(x, TpuTensor) else x  # noqa: E731
+    host_args, host_kwargs = tree_map(to_host, (args, kwargs))
+    out = func(*host_args, **host_kwargs)
+    device = jax_device(index)
+    back = lambda x: wrap(host_to_jax(x, device), index) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    if func._schema.is_mutable:
+        targets, returns = _mutated(func, args, kwargs)
+        for t, h in zip(targets, _mutated(func, host_args, host_kwargs)[0]):
+            _copy_(t, h)
+        return returns
+    return tree_map(back, out)
+
+
 def dispatch(func, args: tuple, kwargs: dict):
     runtime.counters().ops_by_name[func.__name__] += 1
     special = _SPECIAL.get(func)
     if special is not None:
         return special(*args, **kwargs)
+    if func in _DATA_DEPENDENT or _has_bool_index(func, args):
+        return _on_host(func, args, kwargs)
     if func.is_view:
         return _view(func, args, kwargs)
     if func._schema.is_mutable:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["unsupported_op"]
+import os
+import traceback
+
+__all__ = ["unsupported_op", "lowering_failed", "user_frame"]
 
 REPORT = "report it as an issue on the tpurec project, naming the op and the input shapes"
 
@@ -15,3 +18,34 @@ def unsupported_op(func, why: str = "it has no lowering and no decomposition") -
         f"Work around it by running this step on CPU (move its inputs with .cpu() and the result back "
         f"with .to('tpu')), or {REPORT}."
     )
+
+
+_LIBRARY_DIRS = tuple(
+    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
+    for m in __import__("importlib").import_module("sys").modules.values()
+    if getattr(m, "__name__", "") in ("torch", "jax", "jaxlib", "tpurec", "torchrec", "numpy") and getattr(m, "__file__", None)
+)
+
+
+def user_frame() -> str | None:
+    """``file:line`` of the innermost caller outside torch, jax and tpurec, if any."""
+    dirs = _LIBRARY_DIRS or ()
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if frame.filename.startswith("<") or any(path.startswith(d) for d in dirs) or "/torch/" in path or "/tpurec/" in path:
+            continue
+        return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}: {frame.line}'
+    return None
+
+
+def lowering_failed(func, error: Exception) -> Exception:
+    """The error for a lowering (or its XLA compilation) that failed on these inputs."""
+    name = func._schema.name + (f".{func._overloadname}" if func._overloadname != "default" else "")
+    where = user_frame()
+    text = (
+        f"tpurec: lowering the ATen op '{name}' for the tpu device failed: {type(error).__name__}: {error}"
+        + (f"\n  called from {where}" if where else "")
+        + f"\nIf the inputs are valid for PyTorch on CPU, this is a tpurec bug: {REPORT}."
+    )
+    kind = NotImplementedError if isinstance(error, NotImplementedError) else RuntimeError
+    return kind(text)

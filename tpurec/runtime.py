@@ -121,10 +121,11 @@ class Program:
             return self.jitted(*args)
         start = time.perf_counter()
         try:
-            return self.jitted(*args)
+            out = self.jitted(*args)
         finally:
-            self.ran = True
             _stats.compile_seconds += time.perf_counter() - start
+        self.ran = True
+        return out
 
 
 class ProgramCache:

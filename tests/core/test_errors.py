@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import tpurec  # noqa: F401
+import tpurec
 
 
 def test_op_without_lowering_names_the_overload():
@@ -23,3 +23,41 @@ def test_error_leaves_state_unchanged():
     with pytest.raises(NotImplementedError):
         torch.ops.aten._fft_r2c(x, [0], 0, True)
     assert torch.equal(x.cpu(), before)
+
+
+@pytest.fixture
+def broken_sinh(monkeypatch):
+    from tpurec.dense.registry import LOWERINGS, Lowering, get_lowering
+
+    op = torch.ops.aten.sinh.default
+    get_lowering(op)
+
+    def broken(x):
+        raise TypeError("boom")
+
+    monkeypatch.setitem(LOWERINGS, op, Lowering(op, broken))
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused", "debug"])
+def test_lowering_failure_names_op_and_user_line(broken_sinh, mode):
+    x = torch.ones(3, device="tpu")
+    with tpurec.mode(mode):
+        with pytest.raises(RuntimeError, match=r"(?s)aten::sinh.*boom.*test_errors.py.*torch.sinh\(x\)"):
+            torch.sinh(x)
+    assert x.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_data_dependent_ops_run_on_the_host():
+    host = torch.tensor([[1.0, -2.0, 3.0], [-4.0, 5.0, -6.0]])
+    dev = host.to("tpu")
+    assert torch.equal(torch.nonzero(dev).cpu(), torch.nonzero(host))
+    assert torch.equal(dev[dev > 0].cpu(), host[host > 0])
+    assert torch.equal(torch.unique(dev.abs()).cpu(), torch.unique(host.abs()))
+    host[host < 0] = 0.0
+    dev[dev < 0] = 0.0
+    assert torch.equal(dev.cpu(), host)
+    with tpurec.mode("fused"):
+        tpurec.reset_stats()
+        picked = (dev * 2)[dev > 1]
+        assert picked.tolist() == [6.0, 10.0]
+    assert tpurec.stats()["sync_points"]["data-dependent op"] == 1
