@@ -16,11 +16,11 @@ import torch
 from torch.testing._internal.common_methods_invocations import op_db
 from torch.utils._pytree import tree_flatten
 
-from harness import DEFAULT_TOL, TRANSCENDENTAL_TOL, LoweringChecker
+from dense_harness import DEFAULT_TOL, TRANSCENDENTAL_TOL, LoweringChecker
 
 aten = torch.ops.aten
 f32, f64, bf16, i64, b8 = torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool
-T = "loose"  # see TRANSCENDENTAL_TOL in harness.py
+T = "loose"  # see TRANSCENDENTAL_TOL in dense_harness.py
 MAX_SAMPLES = 3
 
 

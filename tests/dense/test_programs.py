@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from harness import DEFAULT_TOL, TRANSCENDENTAL_TOL, LoweringChecker
+from dense_harness import DEFAULT_TOL, TRANSCENDENTAL_TOL, LoweringChecker
 from tpurec.dense.registry import call_lowering
 
 aten = torch.ops.aten

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from harness import to_torch
+from dense_harness import to_torch
 from tpurec.dense.registry import call_lowering
 
 aten = torch.ops.aten
