@@ -187,6 +187,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             caps = {st.name: self._auto_capacities.get(st.name, Capacity(8)) for st in self._stacks}
             return preprocess_kjt(features, self._stacks, self.num_partitions, caps, is_weighted=self._is_weighted)
 
+    # Preprocessing is host code (numpy over the KJT): under torch.compile the
+    # lookup runs outside the graph, in the current tpurec mode, and the dense
+    # parts around it compile.
+    @torch.compiler.disable
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pooled embeddings of ``features``.
 
