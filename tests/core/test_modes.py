@@ -18,6 +18,8 @@ def train(mode, steps=20, warm=None, foreach=None):
         torch.nn.Linear(13, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
     ).to("tpu")
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, foreach=foreach)
+    forward = torch.compile(model, backend="tpu") if mode == "compiled" else model
+    mode = "eager" if mode == "compiled" else mode
     g = torch.Generator().manual_seed(3)
     x = torch.randn(128, 13, generator=g).to("tpu")
     y = torch.rand(128, 1, generator=g).round().to("tpu")
@@ -27,7 +29,7 @@ def train(mode, steps=20, warm=None, foreach=None):
             if step == warm:
                 tpurec.reset_stats()
             optimizer.zero_grad()
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(forward(x), y)
             loss.backward()
             optimizer.step()
             losses.append(loss.item())
@@ -36,10 +38,16 @@ def train(mode, steps=20, warm=None, foreach=None):
 
 def test_modes_give_the_same_losses():
     eager = train("eager")
-    for mode in ("fused", "debug"):
+    for mode in ("fused", "debug", "compiled"):
         other = train(mode)
         for a, b in zip(other, eager):
             assert abs(a - b) <= 1e-5 * abs(b), (mode, a, b)
+
+
+def test_compiled_warm_loop_makes_no_compilations():
+    train("compiled", steps=55, warm=5)
+    stats = tpurec.stats()
+    assert stats["compilations"] == 0 and stats["cache_hits"] > 0, stats
 
 
 @pytest.mark.parametrize("foreach", [False, True])
@@ -108,11 +116,12 @@ USER_SCRIPT = textwrap.dedent(
     import json, torch, tpurec
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to("tpu")
+    forward = torch.compile(model, backend="tpu") if COMPILE else model
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = torch.randn(32, 8).to("tpu"), torch.randn(32, 1).to("tpu")
     for step in range(6):
         opt.zero_grad()
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss = torch.nn.functional.mse_loss(forward(x), y)
         loss.backward()
         opt.step()
         print("loss", loss.item())
@@ -123,9 +132,10 @@ USER_SCRIPT = textwrap.dedent(
 )
 
 
-def _run_user_script(env_extra):
+def _run_user_script(env_extra, compile=False):
     env = dict(os.environ, **env_extra)
-    out = subprocess.run([sys.executable, "-c", USER_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    script = f"COMPILE = {compile}\n" + USER_SCRIPT
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -135,4 +145,12 @@ def test_unchanged_user_script_runs_fused_and_second_process_compiles_nothing(tm
     first = _run_user_script(env)
     assert first["mode"] == "fused" and first["fused_graphs"] >= 6 and first["compilations"] > 0
     second = _run_user_script(env)
+    assert second["compilations"] == 0 and second["disk_hits"] > 0, second
+
+
+def test_second_process_reuses_compiled_mode_programs_from_disk(tmp_path):
+    env = {"TPUREC_CACHE_DIR": str(tmp_path / "cache")}
+    first = _run_user_script(env, compile=True)
+    assert first["compilations"] > 0
+    second = _run_user_script(env, compile=True)
     assert second["compilations"] == 0 and second["disk_hits"] > 0, second
