@@ -561,9 +561,15 @@ _DATA_DEPENDENT = {
 
 
 def _has_bool_index(func, args) -> bool:
-    return func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default) and any(
-        isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (args[1] or ())
-    )
+    """Reading through a boolean mask, or writing per-element values through one."""
+    if func is aten.index.Tensor:
+        pass
+    elif func in (aten.index_put.default, aten.index_put_.default):
+        if args[2].numel() <= 1:  # a broadcast value: the lowering keeps shapes static (a where)
+            return False
+    else:
+        return False
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (args[1] or ()))
 
 
 def _on_host(func, args, kwargs):
