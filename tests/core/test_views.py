@@ -79,3 +79,13 @@ def test_inplace_chain_on_noncontiguous():
         v.clamp_(min=10, max=40)
         v.sub_(v * 0.5)
     assert torch.equal(dev.cpu(), host)
+
+
+def test_full_copy_shares_the_buffer_and_later_writes_stay_separate():
+    a = torch.arange(4.0).to("tpu")
+    b = torch.zeros(4, device="tpu")
+    b.copy_(a)
+    assert b._storage.array is a._storage.array
+    a.add_(1)
+    b.mul_(2)
+    assert a.tolist() == [1.0, 2.0, 3.0, 4.0] and b.tolist() == [0.0, 2.0, 4.0, 6.0]
