@@ -103,6 +103,12 @@ class TpuTensor(torch.Tensor):
 
         return dispatch(func, args, kwargs or {})
 
+    def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=None):
+        # AOTAutograd traced a plain tensor where a tpu tensor arrives: for the compiler they are the same.
+        if expected_type is not None and expected_type is not torch.Tensor:
+            return None
+        return self
+
     @property
     def data(self):
         return self.detach()

@@ -1,15 +1,14 @@
-"""What Dynamo and AOTAutograd need to see tpu tensors as ordinary tensors.
+"""What Dynamo needs to see tpu tensors as ordinary tensors.
 
 A tpu tensor is a Python wrapper subclass with its own ``__torch_dispatch__``
 (tpurec/tensor.py). Out of the box, torch.compile treats such a subclass as
 an opaque Python object: Dynamo would trace *into* ``__torch_dispatch__`` and
-the runtime core, and AOTAutograd would reject a TpuTensor tangent because it
-expected a plain tensor. For the compiler a tpu tensor is exactly a dense
-tensor on a device, like a CUDA tensor; these patches say so:
+the runtime core. For the compiler a tpu tensor is exactly a dense tensor on
+a device, like a CUDA tensor; these patches say so (AOTAutograd's tangent
+check is answered by ``TpuTensor.__coerce_same_metadata_as_tangent__``):
 
 1. Dynamo wraps TpuTensors as tensors (fake tensors on device "tpu").
-2. AOTAutograd accepts a TpuTensor where its trace saw a plain tensor.
-3. Dynamo never traces the runtime core (dispatch, tensor, views, lowerings)
+2. Dynamo never traces the runtime core (dispatch, tensor, views, lowerings)
    nor JAX: after a graph break, eager tpu ops run untraced. (Dynamo's skip
    lists are per file, not recursive, so JAX itself must be listed too, as
    numpy already is.)
@@ -63,17 +62,6 @@ def _wrap_tpu_tensors_as_tensors() -> None:
     builder.VariableBuilder._wrap = _wrap
 
 
-def _accept_tpu_tangents() -> None:
-    # AOTAutograd compares a runtime tangent's type with the traced one (torch.Tensor);
-    # this hook is how a subclass says "I am that tensor".
-    def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=None):
-        if expected_type is not None and expected_type is not torch.Tensor:
-            return None
-        return self
-
-    TpuTensor.__coerce_same_metadata_as_tangent__ = __coerce_same_metadata_as_tangent__
-
-
 def _skip_runtime_modules() -> None:
     from torch._dynamo import trace_rules
 
@@ -89,5 +77,4 @@ def apply() -> None:
         return
     _applied = True
     _wrap_tpu_tensors_as_tensors()
-    _accept_tpu_tangents()
     _skip_runtime_modules()
