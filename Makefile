@@ -15,8 +15,10 @@ $(STAMP): requirements.lock requirements-test.lock pyproject.toml
 train: $(STAMP)
 	$(PY) examples/quickstart.py
 
+# The whole suite, then the device tests again with fused mode as the default.
 test: $(STAMP)
 	$(PY) -m pytest -q
+	TPUREC_MODE=fused $(PY) -m pytest -q tests/core tests/sparse/test_tpu_device.py tests/sparse/test_dlrm.py tests/dense/test_programs.py
 
 clean:
 	rm -rf $(VENV)

@@ -16,6 +16,7 @@ learning rate reuses the same compiled program.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import jax
@@ -61,10 +62,10 @@ def _compile(key, fn, index: int | None = None) -> runtime.Program:
     return runtime.programs.get(key, lambda: runtime.Program(fn, **_placed(index)))
 
 
-def _run(program: runtime.Program, *inputs, now: bool = False) -> list:
-    """Runs (eager, debug) or records (fused) ``program``; returns its outputs."""
+def _run(program: runtime.Program, *inputs, now: bool = False, device: int = 0) -> list:
+    """Runs (eager, debug) or records (fused) ``program`` on ``tpu:device``; returns its outputs."""
     if not now and modes.get_mode() == "fused":
-        return fused.record(program, inputs)
+        return fused.record(program, inputs, device)
     if any(fused.is_pending(x) for x in inputs):
         inputs = tuple(fused.resolve(x) for x in inputs)
     outs = program(*inputs)
@@ -290,7 +291,7 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
 
     program = runtime.programs.get(key, build)
     try:
-        outs = _run(program, *call.inputs)
+        outs = _run(program, *call.inputs, device=index)
     except Exception as error:
         if program.ran or program.out_avals is not None:
             raise
@@ -346,7 +347,7 @@ def _new_storage(size, stride, dtype, index) -> TpuTensor:
     jdtype = to_jax_dtype(dtype)
     program = _compile(("zeros", shape, jdtype, index), lambda: [jnp.zeros(shape, jdtype)], index)
     storage = Storage(None, index)
-    _store(storage, _run(program)[0])
+    _store(storage, _run(program, device=index)[0])
     return TpuTensor(storage, size, stride, 0, dtype)
 
 
@@ -398,7 +399,7 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     if index != self._storage.index:
         values = jax.device_put(value_of(self, "transfer between devices"), jax_device(index))
         return _to_copy(wrap(values, index, self.dtype), dtype=dtype)
-    return _fresh(_run(_cast_program(self._key, dtype), self._storage.array)[0], index, dtype)
+    return _fresh(_run(_cast_program(self._key, dtype), self._storage.array, device=index)[0], index, dtype)
 
 
 def _copy_program(dst_key, src_key):
@@ -431,7 +432,8 @@ def _copy_(dst, src, non_blocking=False):
             source = host_to_jax(src, device)
         shape = tuple(source.shape)
         source_key = (shape, src.dtype, shape, contiguous_strides(shape), 0)
-    _store(dst._storage, _run(_copy_program(dst._key, source_key), dst._storage.array, source)[0])
+    program = _copy_program(dst._key, source_key)
+    _store(dst._storage, _run(program, dst._storage.array, source, device=dst._storage.index)[0])
     return dst
 
 
@@ -593,6 +595,24 @@ def _on_host(func, args, kwargs):
 
 
 def dispatch(func, args: tuple, kwargs: dict):
+    if torch._C._current_autograd_node() is None:
+        return _dispatch(func, args, kwargs)
+    # Inside the autograd engine an exception cannot travel back to the caller:
+    # PyTorch's Python device guard runs (noexcept) while it unwinds and the
+    # process aborts. So a failing op runs on the host instead, with a warning.
+    try:
+        return _dispatch(func, args, kwargs)
+    except Exception as error:  # noqa: BLE001 (re-raising here would abort the interpreter)
+        warnings.warn(
+            f"tpurec: {func} failed on the tpu device during backward ({type(error).__name__}: {error}); "
+            "it ran on the host instead",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return _on_host(func, args, kwargs)
+
+
+def _dispatch(func, args: tuple, kwargs: dict):
     runtime.counters().ops_by_name[func.__name__] += 1
     special = _SPECIAL.get(func)
     if special is not None:

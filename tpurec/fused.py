@@ -44,6 +44,7 @@ class _Node:
 
 class _Window:
     def __init__(self) -> None:
+        self.device = 0  # one window, one device: a node for another device flushes first
         self.nodes: list[_Node] = []
         self.storages: weakref.WeakSet = weakref.WeakSet()
         # Buffers that storages dropped for a pending value: donated if nobody else holds them.
@@ -73,16 +74,20 @@ def _abstract(value):
     return value
 
 
-def record(program: runtime.Program, inputs: tuple) -> list:
-    """Records ``program(*inputs)``; returns its outputs as Pending values."""
+def record(program: runtime.Program, inputs: tuple, device: int = 0) -> list:
+    """Records ``program(*inputs)`` for ``tpu:device``; returns its outputs as Pending values."""
+    if _window.nodes and device != _window.device:
+        flush("device change")
+        inputs = tuple(resolve(x) for x in inputs)
     if len(_window.nodes) >= max_ops():
         flush("graph size limit")
         inputs = tuple(resolve(x) for x in inputs)
+    _window.device = device
     if program.out_avals is None:
         program.out_avals = jax.eval_shape(program.raw, *map(_abstract, inputs))
     node = _Node(program, inputs)
     _window.nodes.append(node)
-    return [Pending(node, i, aval) for i, aval in enumerate(program.out_avals)]
+    return [None if aval is None else Pending(node, i, aval) for i, aval in enumerate(program.out_avals)]
 
 
 def track(storage, replaced=None) -> None:
@@ -114,6 +119,7 @@ def flush(reason: str) -> None:
     if not window.nodes:
         return
     nodes, storages = window.nodes, [s for s in window.storages if isinstance(s.array, Pending)]
+    device = window.device
     replaced = window.replaced
     window.nodes, window.storages, window.replaced = [], weakref.WeakSet(), {}
     counters = runtime.counters()
@@ -147,7 +153,7 @@ def flush(reason: str) -> None:
         k for k, x in enumerate(external)
         if isinstance(x, jax.Array) and id(x) in replaced and holders(x) == 0 and not x.is_deleted()
     )
-    key = (tuple(wiring), tuple(outputs), donate)
+    key = (tuple(wiring), tuple(outputs), donate, device)
 
     program = _fused_programs.get(key)
     if program is None:
@@ -170,7 +176,10 @@ def flush(reason: str) -> None:
                 results.append(raw(*args))
             return [results[j][i] for j, i in outputs]
 
-        program = _fused_programs[key] = runtime.Program(fused, donate_argnums=(0,))
+        from tpurec.device import jax_device
+
+        placed = jax.sharding.SingleDeviceSharding(jax_device(device))
+        program = _fused_programs[key] = runtime.Program(fused, donate_argnums=(0,), out_shardings=placed)
     else:
         counters.cache_hits += 1
     counters.fused_graphs += 1

@@ -166,12 +166,12 @@ def wrap(array: jax.Array, index: int, dtype: torch.dtype | None = None) -> TpuT
 
 def host_to_jax(t: torch.Tensor, device: jax.Device) -> jax.Array:
     """Copies a CPU tensor to ``device`` (exact for every supported dtype)."""
-    t = t.detach().resolve_conj().resolve_neg().contiguous()
-    if t.dtype == torch.bfloat16:
-        raw = t.view(torch.int16).numpy().view(jnp.bfloat16)
-    else:
-        to_jax_dtype(t.dtype)  # raises for unsupported dtypes
-        raw = t.numpy()
+    t = t.detach().resolve_conj().resolve_neg()
+    to_jax_dtype(t.dtype)  # raises for unsupported dtypes
+    # A private copy: XLA:CPU may alias host memory, and the caller may write
+    # to ``t`` before a deferred (fused) program reads it.
+    t = t.clone(memory_format=torch.contiguous_format)
+    raw = t.view(torch.int16).numpy().view(jnp.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
     return jax.device_put(raw, device)
 
 

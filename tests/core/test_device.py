@@ -28,7 +28,7 @@ def test_set_device_and_index_mapping():
         torch.tpu.set_device(3)
         t = torch.ones(2, device="tpu")
         assert t.device == torch.device("tpu", 3)
-        assert t._storage.array.devices() == {jax.devices()[3]}
+        assert t.jax().devices() == {jax.devices()[3]}
     finally:
         torch.tpu.set_device(0)
     u = torch.zeros(2, device="tpu:5")
@@ -72,3 +72,16 @@ def _run_snippet(code: str) -> subprocess.CompletedProcess:
 def test_nothing_aborts_the_interpreter(snippet):
     result = _run_snippet("import torch, tpurec\n" + snippet)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_fused_mode_keeps_each_device_in_its_own_graph():
+    with tpurec.mode("fused"):
+        torch.tpu.synchronize()
+        tpurec.reset_stats()
+        a = torch.ones(3, device="tpu:0") * 2
+        b = torch.ones(3, device="tpu:1") * 3
+        c = b + 1
+        assert a.jax().devices() == {jax.devices()[0]}
+        assert c.jax().devices() == {jax.devices()[1]}
+        assert a.tolist() == [2.0] * 3 and c.tolist() == [4.0] * 3
+    assert tpurec.stats()["sync_points"].get("device change", 0) == 1
