@@ -38,7 +38,7 @@ from tpurec.dense.registry import (
 )
 from tpurec.device import jax_device
 from tpurec.errors import lowering_failed, unsupported_op
-from tpurec.tensor import Storage, TpuTensor, host_to_jax, jax_to_host, wrap
+from tpurec.tensor import Storage, TpuTensor, host_array, host_to_jax, jax_to_host, wrap
 from tpurec.views import contiguous_strides, read_view, write_view
 
 aten = torch.ops.aten
@@ -116,17 +116,16 @@ def value_of(t: TpuTensor, reason: str = "value needed") -> jax.Array:
 
 
 class _Call:
-    """One op call split into runtime inputs and a hashable static structure."""
+    """One op call split into runtime inputs (``inputs``) and the device they live on."""
 
-    __slots__ = ("inputs", "key", "index", "targets")
+    __slots__ = ("inputs", "index")
 
     def __init__(self) -> None:
         self.inputs: list = []
-        self.key: list = []
         self.index: int | None = None
-        self.targets: list = []
 
     def tensor(self, t) -> tuple:
+        """Records tensor ``t``; returns how the program rebuilds it."""
         if isinstance(t, TpuTensor):
             if self.index is None:
                 self.index = t._storage.index
@@ -138,9 +137,10 @@ class _Call:
             self.inputs.append(t._storage.array)
             return ("t",) + t._key
         if isinstance(t, torch.Tensor):
-            if t.dim() == 0 and t.device.type in ("cpu", "meta") and t.device.type != "meta":
-                # A CPU 0-dim tensor is a scalar operand, as on CUDA.
-                self.inputs.append(host_to_jax(t, jax.devices("cpu")[0]).reshape(()))
+            if t.dim() == 0 and t.device.type == "cpu":
+                # A CPU 0-dim tensor is a scalar operand, as on CUDA; as a numpy value
+                # JAX moves it to wherever the program runs.
+                self.inputs.append(host_array(t))
                 return ("s", t.dtype)
             raise RuntimeError(
                 f"Expected all tensors to be on the same device, but found a {t.device} tensor "

@@ -10,7 +10,7 @@ import torch
 from tpurec.dense.registry import to_jax_dtype, to_torch_dtype
 from tpurec.views import contiguous_strides, is_full
 
-__all__ = ["Storage", "TpuTensor", "wrap", "host_to_jax", "jax_to_host"]
+__all__ = ["Storage", "TpuTensor", "wrap", "host_array", "host_to_jax", "jax_to_host"]
 
 
 # How many storages hold each concrete jax.Array (by id): the fused mode donates
@@ -166,13 +166,19 @@ def wrap(array: jax.Array, index: int, dtype: torch.dtype | None = None) -> TpuT
 
 def host_to_jax(t: torch.Tensor, device: jax.Device) -> jax.Array:
     """Copies a CPU tensor to ``device`` (exact for every supported dtype)."""
+    return jax.device_put(host_array(t), device)
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A private numpy copy of CPU tensor ``t`` with the matching dtype.
+
+    Private, because XLA:CPU may alias host memory and the caller may write to
+    ``t`` before a deferred (fused) program reads it.
+    """
     t = t.detach().resolve_conj().resolve_neg()
     to_jax_dtype(t.dtype)  # raises for unsupported dtypes
-    # A private copy: XLA:CPU may alias host memory, and the caller may write
-    # to ``t`` before a deferred (fused) program reads it.
     t = t.clone(memory_format=torch.contiguous_format)
-    raw = t.view(torch.int16).numpy().view(jnp.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
-    return jax.device_put(raw, device)
+    return t.view(torch.int16).numpy().view(jnp.bfloat16) if t.dtype == torch.bfloat16 else t.numpy()
 
 
 def jax_to_host(array: jax.Array) -> torch.Tensor:
