@@ -320,3 +320,15 @@ def test_num_sparsecores():
     if jax.default_backend() != "tpu":
         with pytest.raises(ValueError):
             tpu.num_sparsecores()
+
+
+def test_the_op_set_picks_the_kernel_of_the_platform():
+    from tpurec.dense.registry import get_lowering
+    from tpurec.sparse import ops
+
+    for name in ops.OP_NAMES:
+        assert ops.kernel_for(name, "tpu") is getattr(tpu, name)
+        assert ops.kernel_for(name, "cpu") is getattr(reference, name)
+        assert ops.kernel_for(name, "gpu") is getattr(reference, name)
+        # The lowering table entry (what the tpu device runs) goes through kernel_for.
+        assert get_lowering(getattr(torch.ops.tpurec, name).default).fn.__name__ == name

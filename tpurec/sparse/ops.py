@@ -31,9 +31,9 @@ import jax
 import torch
 
 from tpurec.dense.registry import lower
-from tpurec.sparse.kernels import reference
+from tpurec.sparse.kernels import reference, tpu
 
-__all__ = ["OP_NAMES", "SCHEMAS", "jitted_kernel", "touched_rows_update_cpu"]
+__all__ = ["OP_NAMES", "SCHEMAS", "jitted_kernel", "kernel_for", "touched_rows_update_cpu"]
 
 _CSR = "Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, Tensor gains"
 
@@ -119,12 +119,31 @@ def _make_fake_kernel(name: str) -> Callable:
     return fake_kernel
 
 
+def kernel_for(name: str, platform: str | None = None) -> Callable:
+    """The JAX kernel of op ``name`` for an XLA platform (default: the one in use).
+
+    TPU: the jax-tpu-embedding primitives (SparseCore custom calls); CPU and GPU:
+    the reference kernel.
+    """
+    platform = platform or jax.default_backend()
+    return getattr(tpu if platform == "tpu" else reference, name)
+
+
+def _platform_lowering(name: str) -> Callable:
+    def lowering(*args, **kwargs):
+        # Picked at trace time: a program is compiled for one platform.
+        return kernel_for(name)(*args, **kwargs)
+
+    lowering.__name__ = name
+    return lowering
+
+
 def _register() -> None:
     for name, schema in SCHEMAS.items():
         _lib.define(name + schema)
         _lib.impl(name, _make_cpu_kernel(name), "CPU")
         torch.library.register_fake(f"tpurec::{name}", _make_fake_kernel(name), lib=_lib)
-        lower(getattr(torch.ops.tpurec, name).default)(getattr(reference, name))
+        lower(getattr(torch.ops.tpurec, name).default)(_platform_lowering(name))
 
 
 _register()
