@@ -204,7 +204,18 @@ struct Optimizer {
   virtual ~Optimizer() = default;
   // g: the summed gradient of row `row` (dim floats; may be modified).
   virtual void Apply(int64_t row, float* g) const = 0;
+  // Starts loading the state of a row that will be updated soon.
+  virtual void Prefetch(int64_t row) const = 0;
 };
+
+// Table rows are random accesses over a large table: fetching a few rows
+// ahead hides much of the memory latency.
+constexpr int64_t kPrefetchDistance = 8;
+
+void PrefetchRow(const float* base, int64_t row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(base + row * dim);
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(p + b, 1);
+}
 
 ffi::Error UpdateTouchedRows(const Csr& csr, const float* grad_output, int64_t batch, int64_t rows, int64_t dim,
                              const Optimizer& opt) {
@@ -242,6 +253,7 @@ ffi::Error UpdateTouchedRows(const Csr& csr, const float* grad_output, int64_t b
       const int32_t id = csr.ids[idx[j]];
       std::fill(g.begin(), g.end(), 0.0f);
       for (; j < k && csr.ids[idx[j]] == id; ++j) {
+        if (kPrefetchDistance && j + kPrefetchDistance < k) opt.Prefetch(csr.ids[idx[j + kPrefetchDistance]]);
         const float gain = csr.gains[idx[j]];
         const float* __restrict__ go = grad_output + static_cast<int64_t>(csr.samples[idx[j]]) * dim;
         float* __restrict__ acc = g.data();
@@ -300,6 +312,7 @@ struct Sgd final : Optimizer {
     float* __restrict__ wr = w + row * dim;
     for (int64_t d = 0; d < dim; ++d) wr[d] = wr[d] - lr * g[d];
   }
+  void Prefetch(int64_t row) const override { PrefetchRow(w, row, dim); }
 };
 
 ffi::Error GradSgd(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples,
@@ -329,6 +342,10 @@ struct Adagrad final : Optimizer {
       wr[d] = wr[d] - lr * g[d] / (std::sqrt(mr[d]) + eps);
     }
   }
+  void Prefetch(int64_t row) const override {
+    PrefetchRow(w, row, dim);
+    PrefetchRow(m, row, dim);
+  }
 };
 
 ffi::Error GradAdagrad(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples,
@@ -357,14 +374,22 @@ struct RowwiseAdagrad final : Optimizer {
   float lr, eps, wd;
   void Apply(int64_t row, float* g) const override {
     float* __restrict__ wr = w + row * dim;
-    float sum = 0.0f;
-    for (int64_t d = 0; d < dim; ++d) {
-      g[d] = g[d] + wd * wr[d];
-      sum += g[d] * g[d];
-    }
+    for (int64_t d = 0; d < dim; ++d) g[d] = g[d] + wd * wr[d];
+    // Eight partial sums: a single running sum is a serial add chain that the
+    // compiler may not reorder (no fast-math); XLA's reduction is not serial either.
+    float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t d = 0;
+    for (; d + 8 <= dim; d += 8)
+      for (int k = 0; k < 8; ++k) part[k] += g[d + k] * g[d + k];
+    for (; d < dim; ++d) part[0] += g[d] * g[d];
+    const float sum = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
     m[row] = m[row] + sum / static_cast<float>(dim);
     const float scale = lr / (std::sqrt(m[row]) + eps);
-    for (int64_t d = 0; d < dim; ++d) wr[d] = wr[d] - scale * g[d];
+    for (d = 0; d < dim; ++d) wr[d] = wr[d] - scale * g[d];
+  }
+  void Prefetch(int64_t row) const override {
+    PrefetchRow(w, row, dim);
+    __builtin_prefetch(m + row, 1);
   }
 };
 
@@ -406,6 +431,11 @@ struct Adam final : Optimizer {
       const float m1_hat = m1r[d] / bc1, m2_hat = m2r[d] / bc2;
       wr[d] = wr[d] - lr * (m1_hat / (std::sqrt(m2_hat) + eps) + wd * wr[d]);
     }
+  }
+  void Prefetch(int64_t row) const override {
+    PrefetchRow(w, row, dim);
+    PrefetchRow(m1, row, dim);
+    PrefetchRow(m2, row, dim);
   }
 };
 
