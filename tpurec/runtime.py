@@ -12,7 +12,7 @@ from typing import Any, Callable
 import jax
 from jax import monitoring
 
-__all__ = ["Stats", "stats", "reset_stats", "ProgramCache", "Program", "programs", "enable_disk_cache"]
+__all__ = ["Stats", "stats", "reset_stats", "ProgramCache", "Program", "programs", "cache_root", "enable_disk_cache"]
 
 
 @dataclasses.dataclass
@@ -153,24 +153,35 @@ class ProgramCache:
 programs = ProgramCache()
 
 
-def default_cache_dir() -> str:
+def cache_root() -> str | None:
+    """tpurec's persistent cache folder (``$TPUREC_CACHE_DIR``, default ``~/.cache/tpurec``).
+
+    Holds ``xla/`` (compiled programs) and ``native/`` (built kernels).
+    ``TPUREC_CACHE_DIR=off`` turns persistence off: None.
+    """
+    root = os.environ.get("TPUREC_CACHE_DIR")
+    if root and root.lower() in ("off", "none", "0"):
+        return None
+    if root:
+        return root
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tpurec", "xla")
+    return os.path.join(base, "tpurec")
 
 
 def enable_disk_cache(path: str | None = None) -> str | None:
     """Turns on XLA's persistent compilation cache, shared by all processes.
 
     Args:
-        path: the folder; defaults to ``$TPUREC_CACHE_DIR`` or
-            ``~/.cache/tpurec/xla``. ``TPUREC_CACHE_DIR=off`` disables it.
+        path: the folder; defaults to ``xla/`` under :func:`cache_root`.
 
     Returns:
-        The folder in use, or None when disabled.
+        The folder in use, or None when persistence is off.
     """
-    path = path or os.environ.get("TPUREC_CACHE_DIR") or default_cache_dir()
-    if path.lower() in ("off", "none", "0"):
-        return None
+    if path is None:
+        root = cache_root()
+        if root is None:
+            return None
+        path = os.path.join(root, "xla")
     os.makedirs(path, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", path)
     # Cache every program: eager mode compiles many small ones, each cheap but numerous.

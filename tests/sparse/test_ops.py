@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -12,6 +13,7 @@ import tpurec.sparse as sp
 from helpers import random_kjt
 from tpurec.dense.registry import call_lowering, get_lowering
 from tpurec.sparse.kernels import reference
+from tpurec.sparse.kernels import native
 from tpurec.sparse.ops import OP_NAMES, kernel_for
 
 TABLES = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=12, feature_names=["a", "b"])]
@@ -83,9 +85,10 @@ def test_sgd_grad_matches_dense_gradient():
 
 def test_every_op_has_a_lowering_and_traces_with_fake_tensors():
     for name in OP_NAMES:
-        # On XLA:CPU the lowering runs the reference kernel (test_tpu_kernel checks the TPU choice).
+        # On XLA:CPU the lowering runs the native kernel (test_tpu_kernel checks the TPU choice).
         assert get_lowering(getattr(torch.ops.tpurec, name).default) is not None
-        assert kernel_for(name) is getattr(reference, name)
+        assert kernel_for(name) is getattr(native, name)
+        assert kernel_for(name, table_dtype=jnp.float64) is getattr(reference, name)
     _, csr = _batch()
     with FakeTensorMode() as mode:
         fake = [mode.from_tensor(t) for t in csr]

@@ -28,10 +28,11 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 import torch
 
-from tpurec.dense.registry import lower
-from tpurec.sparse.kernels import reference, tpu
+from tpurec.dense.registry import lower, to_jax_dtype
+from tpurec.sparse.kernels import native, reference, tpu
 
 __all__ = ["OP_NAMES", "SCHEMAS", "jitted_kernel", "kernel_for", "touched_rows_update_cpu"]
 
@@ -59,14 +60,15 @@ OP_NAMES: tuple[str, ...] = tuple(SCHEMAS)
 _STATIC = {"sparse_dense_matmul": ("batch_size",)}
 
 _lib = torch.library.Library("tpurec", "FRAGMENT")
-_JITTED: dict[str, Callable] = {}
+_JITTED: dict[tuple[str, Callable], Callable] = {}
 
 
-def jitted_kernel(name: str) -> Callable:
-    """The cached ``jax.jit`` of op ``name``'s reference kernel (for CPU tensors)."""
-    fn = _JITTED.get(name)
+def jitted_kernel(name: str, table_dtype: torch.dtype = torch.float32) -> Callable:
+    """The cached ``jax.jit`` of op ``name``'s XLA:CPU kernel (for CPU tensors)."""
+    kernel = kernel_for(name, "cpu", to_jax_dtype(table_dtype))
+    fn = _JITTED.get((name, kernel))
     if fn is None:
-        fn = _JITTED[name] = jax.jit(getattr(reference, name), static_argnames=_STATIC.get(name, ()))
+        fn = _JITTED[(name, kernel)] = jax.jit(kernel, static_argnames=_STATIC.get(name, ()))
     return fn
 
 
@@ -98,7 +100,7 @@ def touched_rows_update_cpu(op_name: str, tensors: list[torch.Tensor], hyperpara
 def _make_cpu_kernel(name: str) -> Callable:
     def cpu_kernel(*tensors: torch.Tensor, **kwargs):
         like = tensors[4] if name == "sparse_dense_matmul" else tensors[5]
-        out = jitted_kernel(name)(*(_to_jax(t) for t in tensors), **kwargs)
+        out = jitted_kernel(name, like.dtype)(*(_to_jax(t) for t in tensors), **kwargs)
         if isinstance(out, tuple):
             return tuple(_to_torch(o, t) for o, t in zip(out, tensors[5:]))
         return _to_torch(out, like)
@@ -119,20 +121,28 @@ def _make_fake_kernel(name: str) -> Callable:
     return fake_kernel
 
 
-def kernel_for(name: str, platform: str | None = None) -> Callable:
+def kernel_for(name: str, platform: str | None = None, table_dtype=jnp.float32) -> Callable:
     """The JAX kernel of op ``name`` for an XLA platform (default: the one in use).
 
-    TPU: the jax-tpu-embedding primitives (SparseCore custom calls); CPU and GPU:
-    the reference kernel.
+    TPU: the jax-tpu-embedding primitives (SparseCore custom calls); CPU: the
+    native FFI kernel (float32 tables); otherwise the reference kernel.
     """
     platform = platform or jax.default_backend()
-    return getattr(tpu if platform == "tpu" else reference, name)
+    if platform == "tpu":
+        return getattr(tpu, name)
+    if platform == "cpu" and jnp.dtype(table_dtype) == jnp.float32:
+        return getattr(native, name)
+    return getattr(reference, name)
+
+
+def _table_of(name: str, args: tuple):
+    return args[4] if name == "sparse_dense_matmul" else args[5]
 
 
 def _platform_lowering(name: str) -> Callable:
     def lowering(*args, **kwargs):
         # Picked at trace time: a program is compiled for one platform.
-        return kernel_for(name)(*args, **kwargs)
+        return kernel_for(name, table_dtype=_table_of(name, args).dtype)(*args, **kwargs)
 
     lowering.__name__ = name
     return lowering

@@ -87,8 +87,12 @@ def _flags() -> list[str]:
 
 
 def _cache_dir() -> Path:
-    root = os.environ.get("TPUREC_CACHE_DIR")
-    return (Path(root) if root else Path.home() / ".cache" / "tpurec") / "native"
+    from tpurec.runtime import cache_root
+
+    root = cache_root()
+    if root is None:  # persistence off: build once per user in the temp folder
+        return Path(tempfile.gettempdir()) / f"tpurec-native-{os.getuid()}"
+    return Path(root) / "native"
 
 
 def _compiler_version(cxx: str) -> str:
