@@ -454,10 +454,22 @@ def _resize_(self, size, memory_format=None):
     )
 
 
+def _allclose(self, other, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:
+    return bool(torch.isclose(self, other, rtol, atol, equal_nan).all())
+
+
+def _equal(self, other) -> bool:
+    # Like the CPU kernel: False for different shapes, never a broadcast.
+    return self.shape == other.shape and bool(torch.eq(self, other).all())
+
+
 _SPECIAL = {
+    aten.allclose.default: _allclose,
+    aten.equal.default: _equal,
     aten.copy_.default: _copy_,
     aten._to_copy.default: _to_copy,
     aten._local_scalar_dense.default: _local_scalar_dense,
+    torch.ops.prims.item.default: _local_scalar_dense,
     aten.empty_like.default: _empty_like,
     aten.new_empty.default: _new_empty,
     aten.new_empty_strided.default: _new_empty_strided,
@@ -479,7 +491,10 @@ def _functional_variant(func):
         return _functional_cache[func]
     found = None
     name, overload = func._schema.name.split("::")[1], func._overloadname
-    if name.endswith("_"):
+    if name.startswith("__i") and name.endswith("__"):  # x &= y -> __and__
+        packet = getattr(aten, "__" + name[3:], None)
+        found = getattr(packet, overload, None) if packet is not None else None
+    elif name.endswith("_"):
         packet = getattr(aten, _FUNCTIONAL_NAMES.get(name, name[:-1]), None)
         if packet is not None:
             found = getattr(packet, overload, None) or getattr(packet, "default", None)

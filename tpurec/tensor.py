@@ -140,6 +140,11 @@ class TpuTensor(torch.Tensor):
         body = text[: text.rfind(")")] if text.endswith(")") else text
         return body + ", " + ", ".join([suffix] + extras) + ")"
 
+    def __reduce_ex__(self, protocol):
+        # torch.save / pickle: the values as a CPU tensor plus the device, so a
+        # checkpoint loads back onto tpu (like CUDA tensors) with weights_only too.
+        return (_rebuild_tpu_tensor, (self.detach().cpu(), str(self.device), self.requires_grad))
+
     def numpy(self, *, force: bool = False):
         raise TypeError(
             f"can't convert {self.device} device type tensor to numpy. "
@@ -154,6 +159,13 @@ class TpuTensor(torch.Tensor):
         from tpurec.dispatch import value_of
 
         return value_of(self)
+
+
+def _rebuild_tpu_tensor(values: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
+    return values.to(device).requires_grad_(requires_grad)
+
+
+torch.serialization.add_safe_globals([_rebuild_tpu_tensor])
 
 
 def wrap(array: jax.Array, index: int, dtype: torch.dtype | None = None) -> TpuTensor:

@@ -98,3 +98,45 @@ def test_tensor_ops_match_cpu(op):
     got = fns[op](a.to("tpu"), idx.to("tpu"))
     assert got.dtype == expected.dtype
     torch.testing.assert_close(got.cpu(), expected)
+
+
+# per_sample_weights exist only for mode="sum" in PyTorch.
+@pytest.mark.parametrize("mode,weighted", [("sum", False), ("sum", True), ("mean", False), ("max", False)])
+def test_embedding_bag_forward_and_backward(mode, weighted):
+    torch.manual_seed(0)
+    cpu = torch.nn.EmbeddingBag(20, 6, mode=mode, padding_idx=3)
+    dev = torch.nn.EmbeddingBag(20, 6, mode=mode, padding_idx=3).to("tpu")
+    dev.load_state_dict(cpu.state_dict())
+    indices = torch.tensor([1, 2, 3, 5, 5, 9, 0, 3, 19])
+    offsets = torch.tensor([0, 2, 2, 6])  # bag 2 is empty; index 3 is padding
+    weights = torch.rand(9) if weighted else None
+    out_cpu = cpu(indices, offsets, per_sample_weights=weights)
+    out_dev = dev(indices.to("tpu"), offsets.to("tpu"), per_sample_weights=None if weights is None else weights.to("tpu"))
+    torch.testing.assert_close(out_dev.cpu(), out_cpu)
+    g = torch.randn_like(out_cpu)
+    out_cpu.backward(g)
+    out_dev.backward(g.to("tpu"))
+    torch.testing.assert_close(dev.weight.grad.cpu(), cpu.weight.grad)
+
+
+def test_embedding_bag_include_last_offset_and_sample_weight_grad():
+    torch.manual_seed(1)
+    weight = torch.randn(12, 4, requires_grad=True)
+    indices = torch.tensor([0, 4, 4, 7, 11, 2])
+    offsets = torch.tensor([0, 3, 3, 6])
+    psw = torch.rand(6, requires_grad=True)
+    ref = torch.nn.functional.embedding_bag(indices, weight, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True)
+    ref.square().sum().backward()
+    w_dev = weight.detach().to("tpu").requires_grad_()
+    p_dev = psw.detach().to("tpu").requires_grad_()
+    out = torch.nn.functional.embedding_bag(indices.to("tpu"), w_dev, offsets.to("tpu"), mode="sum", per_sample_weights=p_dev, include_last_offset=True)
+    out.square().sum().backward()
+    torch.testing.assert_close(out.cpu(), ref.detach())
+    torch.testing.assert_close(w_dev.grad.cpu(), weight.grad)
+    torch.testing.assert_close(p_dev.grad.cpu(), psw.grad)
+
+
+def test_allclose_and_equal():
+    x = torch.randn(5, device="tpu")
+    assert torch.allclose(x, x + 1e-9) and not torch.allclose(x, x + 1)
+    assert torch.equal(x, x.clone()) and not torch.equal(x, x[:4])

@@ -52,3 +52,16 @@ def test_module_to_dtype_on_device_keeps_values():
     for p, b in zip(model.parameters(), before):
         assert p.dtype == torch.float64 and p.device.type == "tpu"
         torch.testing.assert_close(p.cpu(), b.double())
+
+
+def test_torch_save_and_load_of_a_tpu_state_dict(tmp_path):
+    model = mlp().to("tpu")
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": model.state_dict(), "step": 3}, path)
+    loaded = torch.load(path)  # weights_only=True, the default
+    assert loaded["step"] == 3
+    for key, value in model.state_dict().items():
+        assert loaded["model"][key].device == torch.device("tpu", 0)
+        assert torch.equal(loaded["model"][key].cpu(), value.cpu())
+    fresh = mlp()
+    fresh.load_state_dict({k: v.cpu() for k, v in loaded["model"].items()})

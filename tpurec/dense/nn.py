@@ -418,3 +418,91 @@ def glu_backward(grad, x, dim: int):
     g = grad.astype(acc)
     s = jax.nn.sigmoid(b)
     return jnp.concatenate([g * s, g * a * s * (1 - s)], axis=d).astype(x.dtype)
+
+
+# --- embedding bags (nn.EmbeddingBag) ----------------------------------------------------------
+#
+# Shapes follow PyTorch's meta kernel: offset2bag [N], bag_size [len(offsets)],
+# max_indices [B, D] in max mode and [0] otherwise. The backward recomputes bag
+# membership from indices and offsets, so it does not depend on the CPU kernel's
+# mode-specific auxiliary outputs.
+
+_SUM, _MEAN, _MAX = 0, 1, 2
+
+
+def _bags(indices, offsets, include_last_offset: bool, padding_idx: int):
+    """(bag of each index, number of bags, which indices count)."""
+    n = indices.shape[0]
+    num_bags = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+    offset2bag = jnp.searchsorted(offsets, jnp.arange(n, dtype=offsets.dtype), side="right") - 1
+    valid = (offset2bag >= 0) & (offset2bag < num_bags)
+    if padding_idx >= 0:
+        valid = valid & (indices != padding_idx)
+    return jnp.clip(offset2bag, 0, max(num_bags - 1, 0)), num_bags, valid
+
+
+@lower(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def embedding_bag(
+    weight, indices, offsets, scale_grad_by_freq: bool = False, mode: int = 0, sparse: bool = False,
+    per_sample_weights=None, include_last_offset: bool = False, padding_idx: int = -1,
+):
+    acc = _acc(weight.dtype)
+    bag, num_bags, valid = _bags(indices, offsets, include_last_offset, padding_idx)
+    rows = jnp.take(weight, indices, axis=0).astype(acc)
+    counts = jax.ops.segment_sum(valid.astype(jnp.int64), bag, num_segments=num_bags)
+    bag_size = jnp.zeros((offsets.shape[0],), jnp.int64).at[:num_bags].set(counts)
+    if mode == _MAX:
+        masked = jnp.where(valid[:, None], rows, -jnp.inf)
+        best = jax.ops.segment_max(masked, bag, num_segments=num_bags)
+        # The first index reaching the maximum, per bag and column (as the CPU kernel picks).
+        position = jnp.where(valid[:, None] & (masked == best[bag]), jnp.arange(indices.shape[0])[:, None], indices.shape[0])
+        first = jax.ops.segment_min(position, bag, num_segments=num_bags)
+        empty = (counts == 0)[:, None]
+        max_indices = jnp.where(empty, -1, jnp.take(indices, jnp.clip(first, 0, max(indices.shape[0] - 1, 0))))
+        out = jnp.where(empty, 0, best)
+        return out.astype(weight.dtype), bag, bag_size, max_indices.astype(jnp.int64)
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.astype(acc)[:, None]
+    out = jax.ops.segment_sum(jnp.where(valid[:, None], rows, 0), bag, num_segments=num_bags)
+    if mode == _MEAN:
+        out = out / jnp.maximum(counts, 1).astype(acc)[:, None]
+    return out.astype(weight.dtype), bag, bag_size, jnp.zeros((0,), jnp.int64)
+
+
+@lower(aten._embedding_bag_backward.default)
+def embedding_bag_backward(
+    grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights: int, scale_grad_by_freq: bool,
+    mode: int, sparse: bool, per_sample_weights=None, padding_idx: int = -1,
+):
+    acc = _acc(grad.dtype)
+    g = grad.astype(acc)
+    d = g.shape[-1]
+    num_bags = g.shape[0]
+    include_last_offset = offsets.shape[0] == num_bags + 1
+    if mode == _MAX:
+        idx = maximum_indices.reshape(-1)
+        cols = jnp.tile(jnp.arange(d), num_bags)
+        keep = idx >= 0
+        out = jnp.zeros((num_weights, d), acc).at[jnp.where(keep, idx, 0), cols].add(jnp.where(keep, g.reshape(-1), 0))
+        return out.astype(grad.dtype)
+    bag, _, valid = _bags(indices, offsets, include_last_offset, padding_idx)
+    rows = g[bag]
+    if mode == _MEAN:
+        counts = jax.ops.segment_sum(valid.astype(acc), bag, num_segments=num_bags)
+        rows = rows / jnp.maximum(counts, 1)[bag][:, None]
+    if per_sample_weights is not None:
+        rows = rows * per_sample_weights.astype(acc)[:, None]
+    if scale_grad_by_freq:
+        freq = jnp.zeros((num_weights,), acc).at[indices].add(valid.astype(acc))
+        rows = rows / jnp.maximum(freq[indices], 1)[:, None]
+    rows = jnp.where(valid[:, None], rows, 0)
+    return jnp.zeros((num_weights, d), acc).at[indices].add(rows).astype(grad.dtype)
+
+
+@lower(aten._embedding_bag_per_sample_weights_backward.default)
+def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode: int, padding_idx: int = -1):
+    acc = _acc(grad.dtype)
+    include_last_offset = offsets.shape[0] == grad.shape[0] + 1
+    bag, _, valid = _bags(indices, offsets, include_last_offset, padding_idx)
+    dots = jnp.sum(grad.astype(acc)[bag] * jnp.take(weight, indices, axis=0).astype(acc), axis=-1)
+    return jnp.where(valid, dots, 0).astype(grad.dtype)
