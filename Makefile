@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test bench clean
+.PHONY: train quickstart test clean
 
 $(STAMP): requirements.lock requirements-test.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -12,7 +12,11 @@ $(STAMP): requirements.lock requirements-test.lock pyproject.toml
 	$(PY) -m pip install --no-deps -e .
 	touch $(STAMP)
 
+# The main job: TorchRec's DLRM on synthetic click data, on the tpu device.
 train: $(STAMP)
+	$(PY) examples/dlrm/train.py
+
+quickstart: $(STAMP)
 	$(PY) examples/quickstart.py
 
 # The whole suite, then the device tests again with fused mode as the default.

@@ -1,0 +1,36 @@
+"""The README's examples run and learn."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(script, *args):
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True, timeout=600, cwd=ROOT
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_dlrm_example_learns_without_recompiling(mode):
+    text = run("examples/dlrm/train.py", "--steps", "60", "--batch", "256", "--log-every", "20", "--mode", mode)
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", text)]
+    assert losses[-1] < losses[0] - 0.05, text
+    auc = float(re.search(r"held-out AUC (\d+\.\d+)", text).group(1))
+    assert auc > 0.7, text
+    assert re.search(r"\b0 compilations after warm-up", text), text
+
+
+def test_quickstart_runs_tpu_and_cpu_side_by_side():
+    text = run("examples/quickstart.py", "--steps", "20")
+    rows = re.findall(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)$", text, flags=re.M)
+    assert rows and float(rows[-1][1]) < float(rows[0][1])
+    assert abs(float(rows[-1][1]) - float(rows[-1][2])) <= 1e-4 * float(rows[-1][2])
