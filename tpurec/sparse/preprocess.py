@@ -190,6 +190,17 @@ def read_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackedTable], is_weighted
     return batch_size, out
 
 
+def _sort_order(part, ids, samples, num_partitions: int, num_rows: int, num_samples: int) -> np.ndarray:
+    """Order by (partition, id, sample).
+
+    One int64 key and a plain argsort are several times faster than ``lexsort``
+    over three keys; entries with equal keys are duplicates that get merged.
+    """
+    if num_partitions * num_rows * num_samples < 2**62:
+        return np.argsort((part * num_rows + ids) * num_samples + samples)
+    return np.lexsort((samples, ids, part))
+
+
 def _stack_csr(
     stack: StackedTable,
     features: Mapping[str, FeatureBatch],
@@ -215,7 +226,7 @@ def _stack_csr(
     gains = np.concatenate(gains_l) if gains_l else np.zeros(0, np.float64)
     P = num_partitions
     part = ids % P
-    order = np.lexsort((samples, ids, part))
+    order = _sort_order(part, ids, samples, P, stack.num_rows, max(stack.num_slots * batch_size, 1))
     ids, samples, gains, part = ids[order], samples[order], gains[order], part[order]
     n = ids.shape[0]
 
