@@ -417,8 +417,40 @@ def _option_inputs(
     return batch * world_size, [float(x) for x in option.input_lengths]
 
 
-class TpuPerfEstimator(ShardEstimator):
-    """Fills ``shard.perf`` of sharding options from :class:`TpuCostModel`.
+class _TpuShardEstimator(ShardEstimator):
+    """What both TPU estimators share: the cost model and the walk over shards."""
+
+    def __init__(
+        self,
+        topology: Topology,
+        constraints: Optional[Dict[str, ParameterConstraints]] = None,
+        tpu_topology: Optional[TpuTopology] = None,
+        config: Optional[TpuEstimatorConfig] = None,
+    ) -> None:
+        if tpu_topology is None:
+            raise ValueError(f"{type(self).__name__} needs the TpuTopology (tpu_topology=...)")
+        self._topology = topology
+        self._constraints = constraints
+        self.model = TpuCostModel(tpu_topology, config)
+
+    def estimate(
+        self,
+        sharding_options: List[ShardingOption],
+        sharder_data_map: Optional[SharderDataMap] = None,
+    ) -> None:
+        """Sets the estimate on every shard of every option, in place."""
+        w = self._topology.world_size
+        for option in sharding_options:
+            batch, pfs = _option_inputs(option, self._constraints, w)
+            for shard in option.shards:
+                self._fill(shard, option, batch, pfs)
+
+    def _fill(self, shard, option: ShardingOption, batch: float, pfs: List[float]) -> None:
+        raise NotImplementedError
+
+
+class TpuPerfEstimator(_TpuShardEstimator):
+    """Fills ``shard.perf`` (ms) of sharding options from :class:`TpuCostModel`.
 
     Args:
         topology: TorchRec topology (from :meth:`TpuTopology.to_torchrec`).
@@ -434,37 +466,14 @@ class TpuPerfEstimator(ShardEstimator):
                                          estimator=[est, TpuStorageEstimator(...)])
     """
 
-    def __init__(
-        self,
-        topology: Topology,
-        constraints: Optional[Dict[str, ParameterConstraints]] = None,
-        tpu_topology: Optional[TpuTopology] = None,
-        config: Optional[TpuEstimatorConfig] = None,
-    ) -> None:
-        if tpu_topology is None:
-            raise ValueError("TpuPerfEstimator needs the TpuTopology (tpu_topology=...)")
-        self._topology = topology
-        self._constraints = constraints
-        self.model = TpuCostModel(tpu_topology, config)
-
-    def estimate(
-        self,
-        sharding_options: List[ShardingOption],
-        sharder_data_map: Optional[SharderDataMap] = None,
-    ) -> None:
-        """Sets ``shard.perf`` (ms) on every shard of every option, in place."""
-        w = self._topology.world_size
-        for option in sharding_options:
-            batch, pfs = _option_inputs(option, self._constraints, w)
-            rows = option.tensor.shape[0]
-            elem = option.tensor.element_size()
-            for shard in option.shards:
-                shard.perf = self.model.shard_perf(
-                    option.sharding_type, batch, pfs, rows, shard.size[1], elem, option.is_pooled
-                )
+    def _fill(self, shard, option: ShardingOption, batch: float, pfs: List[float]) -> None:
+        shard.perf = self.model.shard_perf(
+            option.sharding_type, batch, pfs, option.tensor.shape[0], shard.size[1],
+            option.tensor.element_size(), option.is_pooled,
+        )
 
 
-class TpuStorageEstimator(ShardEstimator):
+class TpuStorageEstimator(_TpuShardEstimator):
     """Fills ``shard.storage`` (HBM bytes) from :class:`TpuCostModel`.
 
     Args:
@@ -479,39 +488,9 @@ class TpuStorageEstimator(ShardEstimator):
         est = TpuStorageEstimator(tpu.to_torchrec(), tpu_topology=tpu)
     """
 
-    def __init__(
-        self,
-        topology: Topology,
-        constraints: Optional[Dict[str, ParameterConstraints]] = None,
-        tpu_topology: Optional[TpuTopology] = None,
-        config: Optional[TpuEstimatorConfig] = None,
-    ) -> None:
-        if tpu_topology is None:
-            raise ValueError("TpuStorageEstimator needs the TpuTopology (tpu_topology=...)")
-        self._topology = topology
-        self._constraints = constraints
-        self.model = TpuCostModel(tpu_topology, config)
-
-    def estimate(
-        self,
-        sharding_options: List[ShardingOption],
-        sharder_data_map: Optional[SharderDataMap] = None,
-    ) -> None:
-        """Sets ``shard.storage`` on every shard of every option, in place."""
-        w = self._topology.world_size
-        for option in sharding_options:
-            batch, pfs = _option_inputs(option, self._constraints, w)
-            rows = option.tensor.shape[0]
-            elem = option.tensor.element_size()
-            for shard in option.shards:
-                hbm = self.model.shard_hbm_bytes(
-                    option.sharding_type,
-                    batch,
-                    pfs,
-                    rows,
-                    shard.size[0],
-                    shard.size[1],
-                    elem,
-                    option.is_pooled,
-                )
-                shard.storage = Storage(hbm=hbm, ddr=0, ssd=0)
+    def _fill(self, shard, option: ShardingOption, batch: float, pfs: List[float]) -> None:
+        hbm = self.model.shard_hbm_bytes(
+            option.sharding_type, batch, pfs, option.tensor.shape[0], shard.size[0], shard.size[1],
+            option.tensor.element_size(), option.is_pooled,
+        )
+        shard.storage = Storage(hbm=hbm, ddr=0, ssd=0)
