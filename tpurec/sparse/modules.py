@@ -19,6 +19,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Literal, Mapping, Sequence
 
@@ -28,6 +29,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
+from tpurec import modes
 from tpurec.sparse.optimizers import SGD, EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
 from tpurec.sparse.ops import touched_rows_update_cpu
@@ -118,6 +120,13 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         # Output order (torchrec's): tables in order, features in order -> (stack, slot).
         where = {s.feature: (i, s.slot) for i, st in enumerate(self._stacks) for s in st.features}
         self._output_slots: list[tuple[int, int]] = [where[f] for t in self._embedding_bag_configs for f in t.feature_names]
+        # (stack, first slot, end slot) runs covering _output_slots in order.
+        self._output_runs: list[tuple[int, int, int]] = []
+        for i, slot in self._output_slots:
+            if self._output_runs and self._output_runs[-1][0] == i and self._output_runs[-1][2] == slot:
+                self._output_runs[-1] = (i, self._output_runs[-1][1], slot + 1)
+            else:
+                self._output_runs.append((i, slot, slot + 1))
         configs = {t.name: t for t in self._embedding_bag_configs}
         for i, st in enumerate(self._stacks):
             weight = torch.empty(st.num_rows, st.embedding_dim, dtype=torch.float32)
@@ -212,7 +221,13 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 self.stacked_weight(i), *arrays, self, i, st.num_slots * batch.batch_size
             )
             stack_outputs.append(out.view(st.num_slots, batch.batch_size, st.embedding_dim))
-        values = torch.cat([stack_outputs[i][slot] for i, slot in self._output_slots], dim=1)
+        # One [batch, slots * dim] block per run of consecutive slots: a transpose per
+        # run, not a select per feature (whose backward would add up full-size zeros).
+        blocks = [
+            stack_outputs[i][first:last].transpose(0, 1).reshape(batch.batch_size, -1)
+            for i, first, last in self._output_runs
+        ]
+        values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
 
     def _apply_optimizer(self, index: int, csr: tuple[torch.Tensor, ...], grad_output: torch.Tensor) -> None:
@@ -233,10 +248,14 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 for target, value in zip([weight, *slots], rows):
                     target.index_copy_(0, index_rows, value[valid].to(target.dtype))
                 return
-            updated = op(*csr, grad_output, weight.detach(), *slots, **hyperparameters)
-            updated = updated if isinstance(updated, (tuple, list)) else (updated,)
-            for target, value in zip([weight, *slots], updated):
-                target.copy_(value)
+            # One fused program for the update and the write-back: the old table and
+            # slot buffers are donated to it, so the update happens in place even in
+            # eager mode (no copy of whole tables per step).
+            with modes.mode("fused") if weight.device.type == "tpu" else contextlib.nullcontext():
+                updated = op(*csr, grad_output, weight.detach(), *slots, **hyperparameters)
+                updated = updated if isinstance(updated, (tuple, list)) else (updated,)
+                for target, value in zip([weight, *slots], updated):
+                    target.copy_(value)
 
     # --- checkpoints ----------------------------------------------------------------
 
