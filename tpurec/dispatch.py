@@ -426,6 +426,10 @@ def _copy_(dst, src, non_blocking=False):
         source, source_key = src._storage.array, src._key
     else:
         device = jax_device(dst._storage.index)
+        if not isinstance(src, TpuTensor) and dst.is_full and src.dtype == dst.dtype and src.shape == dst.shape:
+            # A whole host tensor into a whole tpu tensor (``.to("tpu")``): the transfer is the copy.
+            _store(dst._storage, host_to_jax(src, device))
+            return dst
         if isinstance(src, TpuTensor):
             source = jax.device_put(value_of(src, "transfer between devices"), device)
         else:
