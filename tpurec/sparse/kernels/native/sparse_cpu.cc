@@ -159,8 +159,22 @@ ffi::Error MakeCsr(ffi::Buffer<ffi::S32>& rp, ffi::Buffer<ffi::S32>& ids, ffi::B
 constexpr int64_t kMinParallelWork = 1 << 15;
 
 // ---------------------------------------------------------------------------
-// Forward: each thread owns a block of output rows and scans all entries, so
-// output rows are written by one thread only (no atomics, no private copies).
+// Forward: each thread owns a block of output rows, so output rows are written
+// by one thread only (no atomics, no private copies), and every output row sums
+// its entries in input order (the reference's order). A thread first collects
+// the indices of its valid entries in one branch-free scan, then accumulates
+// them in that order: within a partition entries are sorted by id, so table
+// reads walk the table forward. Table rows (random reads over a large table)
+// and output rows (random over the thread's block) are prefetched a few entries
+// ahead.
+
+constexpr int64_t kForwardPrefetch = 16;
+
+template <int kWrite>
+void PrefetchLines(const float* row, int64_t dim) {
+  const char* p = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(p + b, kWrite);
+}
 
 ffi::Error SparseDenseMatmul(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples,
                              ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> table,
@@ -181,16 +195,36 @@ ffi::Error SparseDenseMatmul(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids
   ParallelFor(threads, threads, [&](int64_t t) {
     const int64_t lo = t * block, hi = std::min(batch, lo + block);
     if (lo >= hi) return;
+    const uint64_t span = static_cast<uint64_t>(hi - lo);
     std::memset(o + lo * dim, 0, sizeof(float) * (hi - lo) * dim);
+    thread_local std::vector<int32_t> mine;  // reused across calls (pool threads are persistent)
+    if (static_cast<int64_t>(mine.size()) < n) mine.resize(n);
+    int32_t* __restrict__ m = mine.data();
+    const int32_t* __restrict__ all_ids = csr.ids;
+    const int32_t* __restrict__ all_samples = csr.samples;
+    int64_t k = 0;
     for (int64_t p = 0; p < csr.partitions; ++p) {
       for (int64_t i = csr.Begin(p), end = csr.End(p); i < end; ++i) {
-        const int64_t s = csr.samples[i], id = csr.ids[i];
-        if (s < lo || s >= hi || id < 0 || id >= rows) continue;
-        const float g = csr.gains[i];
-        const float* __restrict__ src = w + id * dim;
-        float* __restrict__ dst = o + s * dim;
-        for (int64_t d = 0; d < dim; ++d) dst[d] += g * src[d];
+        m[k] = static_cast<int32_t>(i);
+        k += (static_cast<uint64_t>(all_samples[i] - lo) < span) &
+             (static_cast<uint64_t>(static_cast<int64_t>(all_ids[i])) < static_cast<uint64_t>(rows));
       }
+    }
+    for (int64_t j = 0; j < std::min(k, kForwardPrefetch); ++j) {
+      PrefetchLines<0>(w + all_ids[m[j]] * dim, dim);
+      PrefetchLines<1>(o + all_samples[m[j]] * dim, dim);
+    }
+    for (int64_t j = 0; j < k; ++j) {
+      if (j + kForwardPrefetch < k) {
+        const int64_t q = m[j + kForwardPrefetch];
+        PrefetchLines<0>(w + all_ids[q] * dim, dim);
+        PrefetchLines<1>(o + all_samples[q] * dim, dim);
+      }
+      const int64_t i = m[j];
+      const float g = csr.gains[i];
+      const float* __restrict__ src = w + all_ids[i] * dim;
+      float* __restrict__ dst = o + all_samples[i] * dim;
+      for (int64_t d = 0; d < dim; ++d) dst[d] += g * src[d];
     }
   });
   return ffi::Error::Success();
