@@ -108,24 +108,24 @@ def argmin(x, dim=None, keepdim: bool = False):
     return _arg(jnp.argmin, x, dim, keepdim).astype(jnp.int64)
 
 
-@lower(aten.max.dim)
-def max_dim(x, dim: int, keepdim: bool = False):
-    idx = argmax(x, dim, True)
+def _extreme_along(arg, x, dim: int, keepdim: bool):
+    """(values, indices) of max/min along ``dim``, from the matching arg-function."""
+    idx = arg(x, dim, True)
     d = norm_dim(dim, x.ndim)
     vals = jnp.take_along_axis(x, idx, axis=d) if x.ndim else x
     if not keepdim and x.ndim:
         vals, idx = jnp.squeeze(vals, d), jnp.squeeze(idx, d)
     return vals, idx
+
+
+@lower(aten.max.dim)
+def max_dim(x, dim: int, keepdim: bool = False):
+    return _extreme_along(argmax, x, dim, keepdim)
 
 
 @lower(aten.min.dim)
 def min_dim(x, dim: int, keepdim: bool = False):
-    idx = argmin(x, dim, True)
-    d = norm_dim(dim, x.ndim)
-    vals = jnp.take_along_axis(x, idx, axis=d) if x.ndim else x
-    if not keepdim and x.ndim:
-        vals, idx = jnp.squeeze(vals, d), jnp.squeeze(idx, d)
-    return vals, idx
+    return _extreme_along(argmin, x, dim, keepdim)
 
 
 def _var(x, dim, correction, keepdim):
