@@ -196,3 +196,69 @@ def test_duplicate_ids_with_huge_weights_stay_finite_like_torchrec():
     torch.testing.assert_close(ours, theirs, atol=0, rtol=1e-5)
     batch = sp.preprocess_kjt(kjt, tables, 2, sp.Capacity(8))
     assert np.isfinite(batch.stacks["t0"].gains).all()
+
+
+# --- item 7: argument checks of the torch.ops.tpurec ops -------------------------------------------
+
+
+def _csr_args(partitions: int = 2, size: int = 8, rows: int = 6, dim: int = 4, batch: int = 3):
+    rp = torch.tensor([p * size + 2 for p in range(partitions)], dtype=torch.int32)
+    ids = torch.full((partitions * size,), sp.PAD_ID, dtype=torch.int32)
+    samples = torch.full((partitions * size,), sp.PAD_ID, dtype=torch.int32)
+    gains = torch.zeros(partitions * size)
+    for p in range(partitions):
+        ids[p * size : p * size + 2] = torch.tensor([p, p + partitions], dtype=torch.int32)
+        samples[p * size : p * size + 2] = torch.tensor([0, batch - 1], dtype=torch.int32)
+        gains[p * size : p * size + 2] = 1.0
+    table = torch.randn(rows, dim)
+    return [rp, ids, samples, gains], table, torch.randn(batch, dim)
+
+
+def _bad_calls():
+    """(description, op name, tensor arguments, kwargs, error type, message pattern)."""
+    csr, table, grad = _csr_args()
+    rp, ids, samples, gains = csr
+    fwd = "sparse_dense_matmul"
+    calls = [
+        ("int64 ids", fwd, [rp, ids.long() + 2**32, samples, gains, table], {"batch_size": 3}, TypeError, r"embedding_ids must be int32, got int64"),
+        ("float ids", fwd, [rp, ids.float(), samples, gains, table], {"batch_size": 3}, TypeError, r"embedding_ids must be int32, got float32"),
+        ("int64 row pointers", fwd, [rp.long(), ids, samples, gains, table], {"batch_size": 3}, TypeError, r"row_pointers must be int32"),
+        ("float64 gains", fwd, [rp, ids, samples, gains.double(), table], {"batch_size": 3}, TypeError, r"gains must be float32"),
+        ("int table", fwd, [rp, ids, samples, gains, table.long()], {"batch_size": 3}, TypeError, r"table must be a floating point tensor"),
+        ("2-D ids", fwd, [rp, ids.view(2, -1), samples, gains, table], {"batch_size": 3}, ValueError, r"embedding_ids must be 1-D"),
+        ("ids not a multiple of partitions", fwd, [torch.tensor([2, 8, 10], dtype=torch.int32), ids, samples, gains, table], {"batch_size": 3}, ValueError, r"embedding_ids has 16 entries, not a multiple of the 3 partitions"),
+        ("short samples", fwd, [rp, ids, samples[:-1], gains, table], {"batch_size": 3}, ValueError, r"sample_ids has 15 entries, embedding_ids has 16"),
+        ("1-D table", fwd, [rp, ids, samples, gains, table[:, 0]], {"batch_size": 3}, ValueError, r"table must be 2-D"),
+        ("negative batch", fwd, [rp, ids, samples, gains, table], {"batch_size": -1}, ValueError, r"batch_size must be >= 0"),
+        ("grad of the wrong dim", "sparse_dense_matmul_grad_with_sgd", [*csr, grad[:, :3], table], {"learning_rate": 0.1}, ValueError, r"grad_output must be \[batch, 4\]"),
+        ("adagrad slot shape", "sparse_dense_matmul_grad_with_adagrad", [*csr, grad, table, torch.zeros(6)], {"learning_rate": 0.1, "eps": 1e-8}, ValueError, r"accumulator must have the table's shape \(6, 4\)"),
+        ("rowwise slot shape", "sparse_dense_matmul_grad_with_rowwise_adagrad", [*csr, grad, table, torch.zeros(6, 4)], {"learning_rate": 0.1, "eps": 1e-8, "weight_decay": 0.0}, ValueError, r"accumulator must be \[rows\]"),
+        ("adam slot shape", "sparse_dense_matmul_grad_with_adam", [*csr, grad, table, torch.zeros(6, 4), torch.zeros(5, 4)], {"learning_rate": 0.1, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.0, "step": 1.0}, ValueError, r"momentum2 must have the table's shape"),
+    ]
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["cpu", "eager", "fused"])
+@pytest.mark.parametrize("case", range(len(_bad_calls())), ids=[c[0].replace(" ", "_") for c in _bad_calls()])
+def test_op_argument_checks(case, mode):
+    import tpurec
+
+    _, name, tensors, kwargs, error, pattern = _bad_calls()[case]
+    op = getattr(torch.ops.tpurec, name)
+    if mode != "cpu":
+        tensors = [t.to("tpu") for t in tensors]
+    with tpurec.mode(mode if mode != "cpu" else "eager"):
+        with pytest.raises(error, match=rf"torch.ops.tpurec.{name}: {pattern}"):
+            op(*tensors, **kwargs)
+
+
+def test_valid_direct_calls_still_run_on_every_path():
+    csr, table, grad = _csr_args()
+    want = torch.ops.tpurec.sparse_dense_matmul(*csr, table, batch_size=3)
+    got = torch.ops.tpurec.sparse_dense_matmul(*[t.to("tpu") for t in csr], table.to("tpu"), batch_size=3)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-6, rtol=0)
+    expected = torch.zeros(3, 4)
+    for p in range(2):
+        expected[0] += table[p]
+        expected[2] += table[p + 2]
+    torch.testing.assert_close(want, expected, atol=1e-6, rtol=0)
