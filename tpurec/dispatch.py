@@ -37,7 +37,7 @@ from tpurec.dense.registry import (
     to_jax_dtype,
 )
 from tpurec.device import jax_device
-from tpurec.errors import lowering_failed, unsupported_op
+from tpurec.errors import ArgumentError, lowering_failed, unsupported_op
 from tpurec.tensor import Storage, TpuTensor, host_array, host_to_jax, jax_to_host, wrap
 from tpurec.views import contiguous_strides, read_view, write_view
 
@@ -293,7 +293,7 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
     try:
         outs = _run(program, *call.inputs, device=index)
     except Exception as error:
-        if program.ran or program.out_avals is not None:
+        if program.ran or program.out_avals is not None or isinstance(error, ArgumentError):
             raise
         raise lowering_failed(func, error) from error
     if targets is not None:

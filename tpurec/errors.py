@@ -5,7 +5,22 @@ from __future__ import annotations
 import os
 import traceback
 
-__all__ = ["unsupported_op", "lowering_failed", "user_frame"]
+__all__ = ["ArgumentError", "ArgumentTypeError", "ArgumentValueError", "unsupported_op", "lowering_failed", "user_frame"]
+
+
+
+class ArgumentError(Exception):
+    """Base of the errors a lowering raises for arguments it refuses (a user error,
+    not a lowering bug): they reach the caller unchanged instead of being wrapped."""
+
+
+class ArgumentValueError(ArgumentError, ValueError):
+    """An argument of the wrong rank, size or value."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of the wrong dtype."""
+
 
 REPORT = "report it as an issue on the tpurec project, naming the op and the input shapes"
 

@@ -224,7 +224,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         # One [batch, slots * dim] block per run of consecutive slots: a transpose per
         # run, not a select per feature (whose backward would add up full-size zeros).
         blocks = [
-            stack_outputs[i][first:last].transpose(0, 1).reshape(batch.batch_size, -1)
+            stack_outputs[i][first:last].transpose(0, 1).reshape(batch.batch_size, (last - first) * self._stacks[i].embedding_dim)
             for i, first, last in self._output_runs
         ]
         values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)

@@ -34,7 +34,7 @@ import torch
 from tpurec.dense.registry import lower, to_jax_dtype
 from tpurec.sparse.kernels import native, reference, tpu
 
-__all__ = ["OP_NAMES", "SCHEMAS", "jitted_kernel", "kernel_for", "touched_rows_update_cpu"]
+__all__ = ["OP_NAMES", "SCHEMAS", "check_arguments", "jitted_kernel", "kernel_for", "touched_rows_update_cpu"]
 
 _CSR = "Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, Tensor gains"
 
@@ -97,8 +97,99 @@ def touched_rows_update_cpu(op_name: str, tensors: list[torch.Tensor], hyperpara
     return [torch.from_dlpack(o) for o in out]
 
 
+# Tensor arguments of each op after the four CSR arrays, and the shape each must have:
+# "table" = the table's shape, "rows" = [table rows], "grad" = [batch, table dim].
+_STATE_ARGUMENTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "sparse_dense_matmul": (("table", "table"),),
+    "sparse_dense_matmul_grad_with_sgd": (("grad_output", "grad"), ("table", "table")),
+    "sparse_dense_matmul_grad_with_adagrad": (("grad_output", "grad"), ("table", "table"), ("accumulator", "table")),
+    "sparse_dense_matmul_grad_with_rowwise_adagrad": (
+        ("grad_output", "grad"), ("table", "table"), ("accumulator", "rows"),
+    ),
+    "sparse_dense_matmul_grad_with_adam": (
+        ("grad_output", "grad"), ("table", "table"), ("momentum1", "table"), ("momentum2", "table"),
+    ),
+}
+_FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+
+
+def _dtype_name(x) -> str:
+    """``"int32"``, ``"float32"``, ... for a torch tensor, a numpy/JAX array or a tracer."""
+    dtype = x.dtype
+    if isinstance(dtype, torch.dtype):
+        return str(dtype).removeprefix("torch.")
+    return str(jnp.dtype(dtype))
+
+
+def check_arguments(name: str, tensors, kwargs) -> None:
+    """Checks the dtypes, ranks and sizes of a call of ``torch.ops.tpurec.<name>``.
+
+    Runs on torch tensors (CPU and fake kernels) and on JAX arrays or tracers
+    (the lowering), so every platform refuses the same calls with the same
+    words. Only metadata is read: nothing waits for device data. Ids are never
+    cast: an int64 id of ``2**32 + 1`` must not silently read row 1.
+
+    Args:
+        name: the op name (a key of :data:`SCHEMAS`).
+        tensors: the tensor arguments, in schema order.
+        kwargs: the keyword arguments (``batch_size`` is checked).
+
+    Raises:
+        TypeError: a tensor has the wrong dtype.
+        ValueError: a tensor has the wrong rank or size, or ``batch_size`` < 0.
+    """
+    from tpurec.errors import ArgumentTypeError, ArgumentValueError
+
+    op = f"torch.ops.tpurec.{name}"
+    expected = 4 + len(_STATE_ARGUMENTS[name])
+    if len(tensors) != expected:
+        raise ArgumentValueError(f"{op} takes {expected} tensor arguments, got {len(tensors)}")
+    row_pointers, embedding_ids, sample_ids, gains = tensors[:4]
+    state = dict(zip((n for n, _ in _STATE_ARGUMENTS[name]), tensors[4:]))
+    csr_dtypes = (("row_pointers", "int32"), ("embedding_ids", "int32"), ("sample_ids", "int32"), ("gains", "float32"))
+    for (arg, want), x in zip(csr_dtypes, tensors[:4]):
+        if _dtype_name(x) != want:
+            hint = (
+                "; ids are rows of the stacked table, below 2**31 - 1: convert with .to(torch.int32) after checking "
+                "they fit (preprocess_kjt builds valid CSR input)"
+                if want == "int32" else "; convert with .to(torch.float32)"
+            )
+            raise ArgumentTypeError(f"{op}: {arg} must be {want}, got {_dtype_name(x)}{hint}")
+        if len(x.shape) != 1:
+            raise ArgumentValueError(f"{op}: {arg} must be 1-D, got shape {tuple(x.shape)}")
+    partitions, entries = row_pointers.shape[0], embedding_ids.shape[0]
+    if partitions < 1:
+        raise ArgumentValueError(f"{op}: row_pointers needs one entry per partition (at least 1), got 0")
+    if entries % partitions:
+        raise ArgumentValueError(
+            f"{op}: embedding_ids has {entries} entries, not a multiple of the {partitions} partitions of row_pointers"
+        )
+    for arg, x in (("sample_ids", sample_ids), ("gains", gains)):
+        if x.shape[0] != entries:
+            raise ArgumentValueError(f"{op}: {arg} has {x.shape[0]} entries, embedding_ids has {entries}; they must match")
+    table = state["table"]
+    for arg, x in state.items():
+        if _dtype_name(x) not in _FLOAT_NAMES:
+            raise ArgumentTypeError(f"{op}: {arg} must be a floating point tensor, got {_dtype_name(x)}")
+    if len(table.shape) != 2:
+        raise ArgumentValueError(f"{op}: table must be 2-D [rows, dim], got shape {tuple(table.shape)}")
+    rows, dim = table.shape
+    for arg, kind in _STATE_ARGUMENTS[name]:
+        x = state[arg]
+        if kind == "table" and tuple(x.shape) != (rows, dim):
+            raise ArgumentValueError(f"{op}: {arg} must have the table's shape {(rows, dim)}, got {tuple(x.shape)}")
+        if kind == "rows" and tuple(x.shape) != (rows,):
+            raise ArgumentValueError(f"{op}: {arg} must be [rows] = {(rows,)} (one entry per table row), got {tuple(x.shape)}")
+        if kind == "grad" and (len(x.shape) != 2 or x.shape[1] != dim):
+            raise ArgumentValueError(f"{op}: {arg} must be [batch, {dim}] (the table's dim), got shape {tuple(x.shape)}")
+    batch_size = kwargs.get("batch_size")
+    if batch_size is not None and batch_size < 0:
+        raise ArgumentValueError(f"{op}: batch_size must be >= 0, got {batch_size}")
+
+
 def _make_cpu_kernel(name: str) -> Callable:
     def cpu_kernel(*tensors: torch.Tensor, **kwargs):
+        check_arguments(name, tensors, kwargs)
         like = tensors[4] if name == "sparse_dense_matmul" else tensors[5]
         out = jitted_kernel(name, like.dtype)(*(_to_jax(t) for t in tensors), **kwargs)
         if isinstance(out, tuple):
@@ -111,6 +202,7 @@ def _make_cpu_kernel(name: str) -> Callable:
 
 def _make_fake_kernel(name: str) -> Callable:
     def fake_kernel(*tensors: torch.Tensor, **kwargs):
+        check_arguments(name, tensors, kwargs)
         if name == "sparse_dense_matmul":
             table = tensors[4]
             return table.new_empty((kwargs["batch_size"], table.shape[1]))
@@ -141,6 +233,7 @@ def _table_of(name: str, args: tuple):
 
 def _platform_lowering(name: str) -> Callable:
     def lowering(*args, **kwargs):
+        check_arguments(name, args, kwargs)
         # Picked at trace time: a program is compiled for one platform.
         return kernel_for(name, table_dtype=_table_of(name, args).dtype)(*args, **kwargs)
 

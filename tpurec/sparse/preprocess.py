@@ -39,6 +39,8 @@ __all__ = ["stack_tables", "preprocess_kjt", "suggest_capacities", "FeatureBatch
 
 Overflow = Literal["error", "drop"]
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
+
 
 def stack_tables(tables: Sequence[EmbeddingBagConfig], stack: bool = True) -> list[StackedTable]:
     """Groups tables into stacked tables (one per embedding dim).
@@ -105,11 +107,45 @@ def _tables_of(tables: Sequence[EmbeddingBagConfig] | Sequence[StackedTable]) ->
     return stack_tables(tables)  # type: ignore[arg-type]
 
 
+_FLOAT_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def read_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackedTable], is_weighted: bool | None = None) -> tuple[int, dict[str, FeatureBatch]]:
     """Validates ``kjt`` against the tables and splits it per feature.
 
-    Every check runs before anything is returned, so a bad batch changes no
-    state anywhere. Errors are ``ValueError`` naming the feature and the value.
+    This is the one place where a batch is validated: every rule below runs
+    before anything is returned, so a rejected batch changes no state anywhere.
+    Each failure is a ``ValueError`` (never a crash, never a silent fix) naming
+    the offending feature and value. The rules, in the order they are checked
+    (a native reimplementation must check the same rules in the same order so
+    that it reports the same feature):
+
+    1. Keys are unique (a duplicate key is named; torchrec would silently
+       drop one of the blocks).
+    2. Every key is a feature of some table; every table feature is a key.
+    3. One batch size for all features (no variable stride per key).
+    4. ``values`` is a 1-D integer tensor (floating, complex and bool ids are
+       rejected, naming the first feature); ``lengths`` is a 1-D integer tensor
+       with ``len(keys) * stride`` entries. If the KJT was built from offsets,
+       they start at 0 (a batch of size 0 has no offsets to check).
+    5. No bag length is negative (the first feature, in key order, with a
+       negative length is named).
+    6. No bag length exceeds ``len(values)``: checked *before* anything is
+       summed, so that the per-feature sums below cannot overflow int64 and
+       wrap around (such a batch used to pass the total check and crash).
+    7. The lengths add up to ``len(values)``; if not, the first feature whose
+       running end passes ``len(values)`` is named (or the last feature, if
+       the lengths fall short).
+    8. If a ``weights`` tensor is present (weighted tables or not, as torchrec
+       splits it per feature either way) it is 1-D, of a floating dtype
+       torchrec accepts (float16, bfloat16, float32, float64), and has one
+       entry per id; otherwise the first feature without a matching weight is
+       named. Weighted tables (``is_weighted=True``) require weights.
+       Weights are converted to float32.
+    9. Every id of a feature is in ``[0, num_embeddings)`` of its table (the
+       first bad id is named with its feature and table).
+
+    An empty batch (stride 0, every key present, no bags) is valid.
 
     Args:
         kjt: the batch (CPU tensors).
@@ -119,35 +155,72 @@ def read_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackedTable], is_weighted
 
     Returns:
         ``(batch_size, {feature: FeatureBatch})``.
+
+    Raises:
+        ValueError: the batch breaks one of the rules above.
     """
     slots = {s.feature: s for st in stacks for s in st.features}
     keys = list(kjt.keys())
+    # Rule 1: unique keys.
+    seen: set[str] = set()
+    duplicates = [k for k in keys if k in seen or seen.add(k)]
+    if duplicates:
+        raise ValueError(
+            f"feature '{duplicates[0]}' appears more than once in the KeyedJaggedTensor keys {keys}; "
+            "each feature must appear once"
+        )
+    # Rule 2: the keys are exactly the tables' features.
     unknown = [k for k in keys if k not in slots]
     if unknown:
         raise ValueError(f"features {unknown} of the KeyedJaggedTensor are not in any table (known features: {sorted(slots)})")
     missing = [f for f in slots if f not in keys]
     if missing:
         raise ValueError(f"features {missing} used by the tables are missing from the KeyedJaggedTensor (keys: {keys})")
+    # Rule 3: one stride.
     if kjt.variable_stride_per_key():
         raise ValueError("variable batch size per feature (VBE) is not supported: every feature needs the same stride")
+    # Rule 4: dtypes, ranks, sizes.
     values_t, lengths_t = kjt.values(), kjt.lengths()
+    if values_t.dim() != 1:
+        raise ValueError(f"values of features {keys} must be a 1-D tensor of ids, got shape {tuple(values_t.shape)}")
     if values_t.dtype.is_floating_point or values_t.dtype.is_complex or values_t.dtype == torch.bool:
         first = values_t[0].item() if values_t.numel() else None
         raise ValueError(
             f"ids of features {keys} must be integers, got dtype {values_t.dtype} (first value of feature "
             f"'{keys[0]}': {first})"
         )
+    if lengths_t.dim() != 1 or lengths_t.dtype.is_floating_point or lengths_t.dtype.is_complex or lengths_t.dtype == torch.bool:
+        raise ValueError(
+            f"lengths of features {keys} must be a 1-D integer tensor, got dtype {lengths_t.dtype} and shape "
+            f"{tuple(lengths_t.shape)}"
+        )
+    offsets_t = kjt.offsets_or_none()
+    if offsets_t is not None and offsets_t.numel() and int(offsets_t[0]) != 0:
+        raise ValueError(f"offsets of features {keys} must start at 0, got {int(offsets_t[0])} (feature '{keys[0]}')")
     values = values_t.detach().cpu().numpy().astype(np.int64, copy=False)
     lengths = lengths_t.detach().cpu().numpy().astype(np.int64, copy=False)
     n_keys = len(keys)
     batch_size = kjt.stride()
     if lengths.shape[0] != n_keys * batch_size:
-        raise ValueError(f"lengths has {lengths.shape[0]} entries, expected {n_keys} features x batch {batch_size}")
+        raise ValueError(
+            f"lengths has {lengths.shape[0]} entries, expected {n_keys} features x batch {batch_size} "
+            f"(features {keys})"
+        )
     lengths = lengths.reshape(n_keys, batch_size)
+    # Rule 5: no negative lengths.
     negative = np.nonzero((lengths < 0).any(axis=1))[0]
     if negative.size:
         k = negative[0]
         raise ValueError(f"feature '{keys[k]}' has a negative bag length {lengths[k].min()}")
+    # Rule 6: no length above len(values), before summing (sums then stay far below 2**63).
+    too_long = np.nonzero((lengths > values.shape[0]).any(axis=1))[0]
+    if too_long.size:
+        k = too_long[0]
+        raise ValueError(
+            f"feature '{keys[k]}' has a bag length {int(lengths[k].max())} but values has only "
+            f"{values.shape[0]} ids in all"
+        )
+    # Rule 7: lengths add up to len(values).
     per_key = lengths.sum(axis=1)
     ends = np.cumsum(per_key)
     total = int(ends[-1]) if n_keys else 0
@@ -158,24 +231,32 @@ def read_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackedTable], is_weighted
             f"lengths sum to {total} but values has {values.shape[0]} ids "
             f"(feature '{keys[k]}' lengths sum to {int(per_key[k])}, ending at {int(ends[k])})"
         )
+    # Rule 8: weights.
     weights_t = kjt.weights_or_none()
     use_weights = weights_t is not None if is_weighted is None else is_weighted
+    if use_weights and weights_t is None:
+        raise ValueError(f"the tables are weighted but the KeyedJaggedTensor of features {keys} has no weights")
     weights = None
-    if use_weights:
-        if weights_t is None:
-            raise ValueError(f"the tables are weighted but the KeyedJaggedTensor of features {keys} has no weights")
-        if not weights_t.dtype.is_floating_point:
-            raise ValueError(f"weights of features {keys} must be floating point, got {weights_t.dtype}")
-        weights = weights_t.detach().cpu().numpy().astype(np.float32, copy=False)
-        if weights.shape[0] != values.shape[0]:
-            k = int(np.searchsorted(ends, min(weights.shape[0], values.shape[0]), side="right"))
-            k = min(k, n_keys - 1)
+    if weights_t is not None:
+        if weights_t.dtype not in _FLOAT_WEIGHT_DTYPES:
             raise ValueError(
-                f"weights has {weights.shape[0]} entries but values has {values.shape[0]} ids "
-                f"(first feature without matching weights: '{keys[k]}')"
+                f"weights of features {keys} must be float16, bfloat16, float32 or float64, got {weights_t.dtype}"
             )
+        if weights_t.dim() != 1 or weights_t.shape[0] != values.shape[0]:
+            n_weights = weights_t.shape[0] if weights_t.dim() == 1 else weights_t.numel()
+            k = int(np.searchsorted(ends, min(n_weights, values.shape[0]), side="right"))
+            k = min(k, n_keys - 1)
+            entries = f"{n_weights} entries" if weights_t.dim() == 1 else f"shape {tuple(weights_t.shape)}"
+            raise ValueError(
+                f"weights has {entries} but values has {values.shape[0]} ids (first feature without matching "
+                f"weights: '{keys[k]}'); give one weight per id"
+            )
+        if use_weights:
+            # numpy has no bfloat16: widen in torch first (exact for every float dtype accepted).
+            weights = weights_t.detach().cpu().to(torch.float32).numpy()
     starts = ends - per_key
     out: dict[str, FeatureBatch] = {}
+    # Rule 9: ids in range.
     for k, key in enumerate(keys):
         ids = values[starts[k] : ends[k]]
         slot = slots[key]
@@ -236,8 +317,19 @@ def _stack_csr(
         new_pair[0] = True
         new_pair[1:] = (ids[1:] != ids[:-1]) | (samples[1:] != samples[:-1])
         starts = np.nonzero(new_pair)[0]
-        gains = np.add.reduceat(gains, starts)
-        ids, samples, part = ids[starts], samples[starts], part[starts]
+        merged = np.add.reduceat(gains, starts)
+        # A sum of finite float32 gains may pass float32's range (float64 holds it):
+        # such a pair keeps its entries unmerged, so the kernel adds gain * row
+        # products, which stay finite as in torchrec, instead of using an inf gain.
+        unrepresentable = np.isfinite(merged) & (np.abs(merged) > _FLOAT32_MAX)
+        if unrepresentable.any():
+            split = unrepresentable[np.cumsum(new_pair) - 1]
+            keep = new_pair | split
+            gains = np.where(split, gains, merged[np.cumsum(new_pair) - 1])[keep]
+            ids, samples, part = ids[keep], samples[keep], part[keep]
+        else:
+            gains = merged
+            ids, samples, part = ids[starts], samples[starts], part[starts]
     n = ids.shape[0]
     new_id = np.empty(n, bool)
     if n:

@@ -70,8 +70,13 @@ def _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, 
     """Per touched row: (row ids padded with PAD_ID, summed gradient rows)."""
     n = embedding_ids.shape[0]
     valid = _valid(row_pointers, embedding_ids)
-    grads = jnp.take(grad_output, jnp.where(valid, sample_ids, 0), axis=0)
-    grads = grads * jnp.where(valid, gains, 0).astype(grad_output.dtype)[:, None]
+    if grad_output.shape[0] == 0:
+        # An empty batch has no output rows, so no entry can carry a gradient.
+        valid = jnp.zeros_like(valid)
+        grads = jnp.zeros((n, grad_output.shape[1]), grad_output.dtype)
+    else:
+        grads = jnp.take(grad_output, jnp.where(valid, sample_ids, 0), axis=0)
+        grads = grads * jnp.where(valid, gains, 0).astype(grad_output.dtype)[:, None]
     ids = jnp.where(valid, embedding_ids, PAD_ID)
     # Sort-based unique, so the kernel does not depend on the input order.
     unique_ids, inverse = jnp.unique(ids, size=n, fill_value=PAD_ID, return_inverse=True)

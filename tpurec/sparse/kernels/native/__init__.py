@@ -159,12 +159,18 @@ def _ensure_registered() -> None:
 
 
 def _csr(row_pointers, embedding_ids, sample_ids, gains):
-    return (
-        jnp.asarray(row_pointers, jnp.int32),
-        jnp.asarray(embedding_ids, jnp.int32),
-        jnp.asarray(sample_ids, jnp.int32),
-        jnp.asarray(gains, jnp.float32),
-    )
+    """The CSR operands, refusing (not casting) other dtypes: an int64 id of
+    ``2**32 + 1`` cast to int32 would silently read row 1."""
+    arrays = {"row_pointers": row_pointers, "embedding_ids": embedding_ids, "sample_ids": sample_ids, "gains": gains}
+    out = []
+    for (name, a), want in zip(arrays.items(), (jnp.int32, jnp.int32, jnp.int32, jnp.float32)):
+        a = jnp.asarray(a)
+        if a.dtype != want:
+            raise TypeError(f"native kernels take {jnp.dtype(want)} {name}, got {a.dtype}; convert it after checking the values fit")
+        if a.ndim != 1:
+            raise ValueError(f"native kernels take a 1-D {name}, got shape {a.shape}")
+        out.append(a)
+    return tuple(out)
 
 
 def _check_f32(**arrays) -> None:

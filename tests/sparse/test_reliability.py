@@ -1,0 +1,264 @@
+"""Regression tests of issue 8: batches that crashed or misbehaved, empty batches,
+weight dtypes, duplicate keys, stray weights, optimizer-state loads, op argument
+checks, float32 gain overflow, inference, checkpoints."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection as TorchrecEBC
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+
+import tpurec.sparse as sp
+from helpers import make_tables, random_kjt
+
+
+def _two_feature_tables() -> list[EmbeddingBagConfig]:
+    return [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0", "f1", "f2"])]
+
+
+def _state(ebc: sp.EmbeddingBagCollection) -> list[torch.Tensor]:
+    """Every tensor a rejected batch must leave alone: tables and slots (copied to the host)."""
+    return [t.detach().cpu().clone() for t in [*ebc.parameters(), *ebc.buffers()]]
+
+
+def _assert_unchanged(ebc: sp.EmbeddingBagCollection, before: list[torch.Tensor], steps: list[int]) -> None:
+    for a, b in zip(_state(ebc), before):
+        assert torch.equal(a, b)
+    assert ebc._steps == steps
+
+
+# --- item 1: lengths whose sum wraps around int64 ------------------------------------------------
+
+
+def test_wrapping_lengths_do_not_crash_the_interpreter():
+    # Before the fix this segfaulted in np.repeat: run it in a child so a crash fails the test.
+    code = textwrap.dedent(
+        """
+        import torch
+        import tpurec.sparse as sp
+        from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+        tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])]
+        kjt = KeyedJaggedTensor(keys=["f0"], values=torch.tensor([1, 2, 3]),
+                                lengths=torch.tensor([2**63 - 1, 2**63 - 1, 5]))
+        for call in (lambda: sp.preprocess_kjt(kjt, tables, 2, sp.Capacity(8)),
+                     lambda: sp.EmbeddingBagCollection(tables)(kjt)):
+            try:
+                call()
+            except ValueError as e:
+                assert "feature 'f0'" in str(e), e
+                print("rejected:", e)
+            else:
+                raise SystemExit("accepted a batch whose lengths wrap around")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
+    assert result.stdout.count("rejected:") == 2
+
+
+def test_huge_lengths_blame_the_right_feature():
+    kjt = KeyedJaggedTensor(
+        keys=["f0", "f1", "f2"], values=torch.tensor([1, 2, 3, 4, 5]), lengths=torch.tensor([2**62] * 4 + [5, 0])
+    )
+    with pytest.raises(ValueError, match=r"feature 'f0' has a bag length 4611686018427387904 but values has only 5"):
+        sp.preprocess_kjt(kjt, _two_feature_tables())
+    # The first too-long feature is named, even when an earlier one is fine.
+    kjt = KeyedJaggedTensor(
+        keys=["f0", "f1", "f2"], values=torch.tensor([1, 2, 3, 4, 5]), lengths=torch.tensor([1, 0, 2**62, 2**62, 2, 2])
+    )
+    with pytest.raises(ValueError, match=r"feature 'f1'"):
+        sp.preprocess_kjt(kjt, _two_feature_tables())
+
+
+# --- item 2: batches of size 0 -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", ["cpu", "tpu"])
+@pytest.mark.parametrize("optimizer", [sp.SGD(0.1), sp.Adam(0.1)], ids=["sgd", "adam"])
+def test_empty_batch_matches_torchrec_and_changes_no_row(device, optimizer):
+    tables = make_tables()
+    ref = TorchrecEBC(tables)
+    ebc = sp.from_torchrec(ref, optimizer=optimizer, device=device, num_partitions=2)
+    keys = [f for t in tables for f in t.feature_names]
+    empty = KeyedJaggedTensor(keys=keys, values=torch.zeros(0, dtype=torch.long), lengths=torch.zeros(0, dtype=torch.int32))
+    before = _state(ebc)
+    out = ebc(empty)
+    theirs = ref(empty)
+    assert out.values().shape == theirs.values().shape == (0, sum(t.embedding_dim * len(t.feature_names) for t in tables))
+    assert out.keys() == theirs.keys() and out.length_per_key() == theirs.length_per_key()
+    out.values().sum().backward()
+    for a, b in zip(_state(ebc), before):
+        assert torch.equal(a, b)
+    # A normal batch afterwards still works and matches torchrec.
+    kjt = random_kjt(tables, 3, np.random.default_rng(0))
+    torch.testing.assert_close(ebc(kjt).values().cpu(), ref(kjt).values(), atol=1e-6, rtol=0)
+
+
+def test_empty_batch_through_preprocess_kjt_has_empty_partitions():
+    tables = make_tables()
+    keys = [f for t in tables for f in t.feature_names]
+    empty = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.zeros(0, dtype=torch.long), lengths=torch.zeros(0, dtype=torch.long))
+    batch = sp.preprocess_kjt(empty, tables, num_partitions=2, capacities=sp.Capacity(8))
+    assert batch.batch_size == 0
+    for csr in batch.stacks.values():
+        assert (csr.embedding_ids == sp.PAD_ID).all()
+        assert csr.row_pointers.tolist() == [0, 8]
+
+
+# --- item 3: every float weight dtype -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+def test_weight_dtypes_match_torchrec(dtype):
+    tables = make_tables(dims=(4, 4, 4))
+    ref = TorchrecEBC(tables, is_weighted=True)
+    ebc = sp.from_torchrec(ref, optimizer=sp.SGD())
+    kjt = random_kjt(tables, 3, np.random.default_rng(0), weighted=True)
+    weights = kjt.weights().to(dtype)
+    ours = ebc(KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values(), kjt.lengths(), weights=weights))
+    # torchrec's EmbeddingBag wants float32 weights; the low-precision weights, widened, are the reference.
+    theirs = ref(KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values(), kjt.lengths(), weights=weights.float()))
+    torch.testing.assert_close(ours.values(), theirs.values(), atol=1e-6, rtol=0)
+
+
+def test_bfloat16_weights_do_not_hide_the_real_error():
+    tables = make_tables(dims=(4, 4, 4))
+    kjt = random_kjt(tables, 2, np.random.default_rng(0), lengths=1)
+    values = kjt.values().clone()
+    values[0] = 1000
+    bad = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), values, kjt.lengths(), weights=torch.ones(values.numel(), dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"feature 'f0' has id 1000"):
+        sp.preprocess_kjt(bad, tables, is_weighted=True)
+
+
+def test_integer_weights_are_rejected():
+    tables = make_tables()
+    kjt = random_kjt(tables, 2, np.random.default_rng(0), lengths=1)
+    bad = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values(), kjt.lengths(), weights=torch.ones(kjt.values().numel(), dtype=torch.int64))
+    with pytest.raises(ValueError, match=r"weights .* must be float16, bfloat16, float32 or float64"):
+        sp.preprocess_kjt(bad, tables, is_weighted=True)
+
+
+# --- item 4: duplicate keys and stray weights ------------------------------------------------------
+
+
+def test_duplicate_keys_are_rejected_naming_the_key():
+    tables = _two_feature_tables()
+    ebc = sp.EmbeddingBagCollection(tables, optimizer=sp.Adagrad(0.1))
+    kjt = KeyedJaggedTensor(keys=["f0", "f1", "f0", "f2"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
+    before = _state(ebc)
+    with pytest.raises(ValueError, match=r"feature 'f0' appears more than once"):
+        ebc(kjt)
+    _assert_unchanged(ebc, before, [0])
+
+
+@pytest.mark.parametrize("n_weights", [2, 4])
+def test_stray_weights_of_the_wrong_length_are_rejected(n_weights):
+    tables = _two_feature_tables()
+    ebc = sp.EmbeddingBagCollection(tables, optimizer=sp.Adagrad(0.1))  # unweighted
+    kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1]), weights=torch.ones(n_weights))
+    before = _state(ebc)
+    with pytest.raises(ValueError, match=rf"weights has {n_weights} entries but values has 3 ids \(first feature without matching weights: 'f2'\)"):
+        ebc(kjt)
+    _assert_unchanged(ebc, before, [0])
+    with pytest.raises(Exception):  # torchrec refuses it too (with a split_with_sizes RuntimeError)
+        TorchrecEBC(tables)(kjt)
+
+
+def test_offsets_must_start_at_zero():
+    tables = _two_feature_tables()
+    kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.tensor([1, 2, 3]), offsets=torch.tensor([1, 2, 3, 3]))
+    with pytest.raises(ValueError, match=r"offsets .* must start at 0"):
+        sp.preprocess_kjt(kjt, tables)
+
+
+# --- item 8: duplicate ids whose weights sum past float32 ----------------------------------------
+
+
+def test_duplicate_ids_with_huge_weights_stay_finite_like_torchrec():
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0", "f1"])]
+    ref = TorchrecEBC(tables, is_weighted=True)
+    ebc = sp.from_torchrec(ref, optimizer=sp.SGD(), num_partitions=2)
+    kjt = KeyedJaggedTensor(
+        keys=["f0", "f1"], values=torch.tensor([3, 3, 3, 1, 2]), lengths=torch.tensor([3, 0, 1, 1]),
+        weights=torch.tensor([3e38, 3e38, -2e38, 1.0, 0.5]),
+    )
+    theirs = ref(kjt).values()
+    ours = ebc(kjt).values()
+    assert torch.isfinite(theirs).all() and torch.isfinite(ours).all()
+    # Same products, summed in another order: allow float32 rounding relative to ~1e38.
+    torch.testing.assert_close(ours, theirs, atol=0, rtol=1e-5)
+    batch = sp.preprocess_kjt(kjt, tables, 2, sp.Capacity(8))
+    assert np.isfinite(batch.stacks["t0"].gains).all()
+
+
+# --- item 7: argument checks of the torch.ops.tpurec ops -------------------------------------------
+
+
+def _csr_args(partitions: int = 2, size: int = 8, rows: int = 6, dim: int = 4, batch: int = 3):
+    rp = torch.tensor([p * size + 2 for p in range(partitions)], dtype=torch.int32)
+    ids = torch.full((partitions * size,), sp.PAD_ID, dtype=torch.int32)
+    samples = torch.full((partitions * size,), sp.PAD_ID, dtype=torch.int32)
+    gains = torch.zeros(partitions * size)
+    for p in range(partitions):
+        ids[p * size : p * size + 2] = torch.tensor([p, p + partitions], dtype=torch.int32)
+        samples[p * size : p * size + 2] = torch.tensor([0, batch - 1], dtype=torch.int32)
+        gains[p * size : p * size + 2] = 1.0
+    table = torch.randn(rows, dim)
+    return [rp, ids, samples, gains], table, torch.randn(batch, dim)
+
+
+def _bad_calls():
+    """(description, op name, tensor arguments, kwargs, error type, message pattern)."""
+    csr, table, grad = _csr_args()
+    rp, ids, samples, gains = csr
+    fwd = "sparse_dense_matmul"
+    calls = [
+        ("int64 ids", fwd, [rp, ids.long() + 2**32, samples, gains, table], {"batch_size": 3}, TypeError, r"embedding_ids must be int32, got int64"),
+        ("float ids", fwd, [rp, ids.float(), samples, gains, table], {"batch_size": 3}, TypeError, r"embedding_ids must be int32, got float32"),
+        ("int64 row pointers", fwd, [rp.long(), ids, samples, gains, table], {"batch_size": 3}, TypeError, r"row_pointers must be int32"),
+        ("float64 gains", fwd, [rp, ids, samples, gains.double(), table], {"batch_size": 3}, TypeError, r"gains must be float32"),
+        ("int table", fwd, [rp, ids, samples, gains, table.long()], {"batch_size": 3}, TypeError, r"table must be a floating point tensor"),
+        ("2-D ids", fwd, [rp, ids.view(2, -1), samples, gains, table], {"batch_size": 3}, ValueError, r"embedding_ids must be 1-D"),
+        ("ids not a multiple of partitions", fwd, [torch.tensor([2, 8, 10], dtype=torch.int32), ids, samples, gains, table], {"batch_size": 3}, ValueError, r"embedding_ids has 16 entries, not a multiple of the 3 partitions"),
+        ("short samples", fwd, [rp, ids, samples[:-1], gains, table], {"batch_size": 3}, ValueError, r"sample_ids has 15 entries, embedding_ids has 16"),
+        ("1-D table", fwd, [rp, ids, samples, gains, table[:, 0]], {"batch_size": 3}, ValueError, r"table must be 2-D"),
+        ("negative batch", fwd, [rp, ids, samples, gains, table], {"batch_size": -1}, ValueError, r"batch_size must be >= 0"),
+        ("grad of the wrong dim", "sparse_dense_matmul_grad_with_sgd", [*csr, grad[:, :3], table], {"learning_rate": 0.1}, ValueError, r"grad_output must be \[batch, 4\]"),
+        ("adagrad slot shape", "sparse_dense_matmul_grad_with_adagrad", [*csr, grad, table, torch.zeros(6)], {"learning_rate": 0.1, "eps": 1e-8}, ValueError, r"accumulator must have the table's shape \(6, 4\)"),
+        ("rowwise slot shape", "sparse_dense_matmul_grad_with_rowwise_adagrad", [*csr, grad, table, torch.zeros(6, 4)], {"learning_rate": 0.1, "eps": 1e-8, "weight_decay": 0.0}, ValueError, r"accumulator must be \[rows\]"),
+        ("adam slot shape", "sparse_dense_matmul_grad_with_adam", [*csr, grad, table, torch.zeros(6, 4), torch.zeros(5, 4)], {"learning_rate": 0.1, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.0, "step": 1.0}, ValueError, r"momentum2 must have the table's shape"),
+    ]
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["cpu", "eager", "fused"])
+@pytest.mark.parametrize("case", range(len(_bad_calls())), ids=[c[0].replace(" ", "_") for c in _bad_calls()])
+def test_op_argument_checks(case, mode):
+    import tpurec
+
+    _, name, tensors, kwargs, error, pattern = _bad_calls()[case]
+    op = getattr(torch.ops.tpurec, name)
+    if mode != "cpu":
+        tensors = [t.to("tpu") for t in tensors]
+    with tpurec.mode(mode if mode != "cpu" else "eager"):
+        with pytest.raises(error, match=rf"torch.ops.tpurec.{name}: {pattern}"):
+            op(*tensors, **kwargs)
+
+
+def test_valid_direct_calls_still_run_on_every_path():
+    csr, table, grad = _csr_args()
+    want = torch.ops.tpurec.sparse_dense_matmul(*csr, table, batch_size=3)
+    got = torch.ops.tpurec.sparse_dense_matmul(*[t.to("tpu") for t in csr], table.to("tpu"), batch_size=3)
+    torch.testing.assert_close(got.cpu(), want, atol=1e-6, rtol=0)
+    expected = torch.zeros(3, 4)
+    for p in range(2):
+        expected[0] += table[p]
+        expected[2] += table[p + 2]
+    torch.testing.assert_close(want, expected, atol=1e-6, rtol=0)
