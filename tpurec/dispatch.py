@@ -308,30 +308,92 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
 # --- view ops ----------------------------------------------------------------
 
 
+# (op, base dtype/size/stride/offset, static arguments) -> the outputs' metadata,
+# or None when the op copies for this layout (reshape of a permuted tensor,
+# to(dtype) with a new dtype, ...). The dtype is part of the key: the same view
+# of an int64 and a float32 tensor of one shape are different entries.
 _view_cache: dict = {}
+
+
+def _meta_base(base: TpuTensor) -> torch.Tensor:
+    """A meta tensor with ``base``'s dtype, size, stride and offset over a big enough storage."""
+    shape, dtype, size, stride, offset = base._key
+    room = max(math.prod(shape), offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1)
+    return torch.empty(room, dtype=dtype, device="meta").as_strided(size, stride, offset)
+
+
+def _view_metas(func, args, kwargs) -> list | None:
+    """Size, stride and offset of each output of view op ``func``, or None when it copies here.
+
+    Whether an op aliases is decided by the strides, as PyTorch does, not by its
+    schema: ``reshape``, ``to``, ``contiguous``, ``flatten``... return views only
+    when the layout allows, and below autograd (inside decompositions) they
+    arrive here with their aliasing schema either way.
+    """
+    base = args[0]
+    static = tuple(_static(a) for a in args[1:]), tuple((k, _static(v)) for k, v in kwargs.items())
+    key = (func, base._key[1:], static)
+    if key in _view_cache:
+        return _view_cache[key]
+    meta_base = _meta_base(base)
+    storage = meta_base.untyped_storage()
+    out = func(meta_base, *args[1:], **kwargs)
+    outs = _flatten_out(out)
+    aliased = all(
+        o.dtype == base.dtype and o.untyped_storage()._cdata == storage._cdata for o in outs
+    )
+    metas = [(tuple(o.size()), tuple(o.stride()), o.storage_offset()) for o in outs] if aliased else None
+    _view_cache[key] = metas
+    return metas
 
 
 def _view(func, args, kwargs):
     """A view op: new tensors over the same storage, with metadata from the meta kernel."""
     base = args[0]
-    static = tuple(_static(a) for a in args[1:]), tuple((k, _static(v)) for k, v in kwargs.items())
-    key = (func, base._key[2:], static)
-    metas = _view_cache.get(key)
+    metas = _view_metas(func, args, kwargs)
     if metas is None:
-        shape, dtype, size, stride, offset = base._key
-        room = max(math.prod(shape), offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1)
-        meta_storage = torch.empty(room, dtype=dtype, device="meta")
-        meta_base = meta_storage.as_strided(size, stride, offset)
-        out = func(meta_base, *args[1:], **kwargs)
-        metas = _view_cache[key] = [(tuple(o.size()), tuple(o.stride()), o.storage_offset(), o.dtype) for o in _flatten_out(out)]
-    for _, _, _, dtype in metas:
-        if dtype != base.dtype:
-            raise NotImplementedError(f"{func}: views that change the dtype are not supported on tpu")
-    views = [TpuTensor(base._storage, size, stride, offset, base.dtype) for size, stride, offset, _ in metas]
+        return _view_that_copies(func, args, kwargs)
+    views = [TpuTensor(base._storage, size, stride, offset, base.dtype) for size, stride, offset in metas]
     returns = func._schema.returns
     if len(returns) == 1 and not isinstance(returns[0].type, torch._C.ListType):
         return views[0]
     return views if isinstance(returns[0].type, torch._C.ListType) else tuple(views)
+
+
+def _view_that_copies(func, args, kwargs):
+    """An aliasing-schema op whose result cannot be a view of this input: computed as a copy.
+
+    Composite ops (reshape, to, contiguous, flatten, ...) run their own
+    decomposition, which clones or casts first; the rest are views whose
+    result changes the dtype, which a storage of one dtype cannot hold.
+    """
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    raise NotImplementedError(
+        f"tpurec: {func} would return a view with a different dtype ({args[0].dtype} storage); "
+        "views that reinterpret the bytes are not supported on tpu. Use .to(dtype) to convert the values instead."
+    )
+
+
+def _set_metadata(t: TpuTensor, size, stride, offset: int, storage: Storage | None = None) -> None:
+    """Makes ``t`` itself (not a new tensor) have this size, stride, offset and storage."""
+    new = TpuTensor(storage or t._storage, size, stride, offset, t.dtype)
+    with torch._C._DisableTorchDispatch():
+        # set_data copies the TensorImpl metadata and keeps t's autograd state and identity.
+        torch._C.TensorBase.data.__set__(t, new)
+    t._storage = new._storage
+    t._key = new._key
+
+
+def _inplace_view(func, args, kwargs):
+    """``squeeze_``, ``unsqueeze_``, ``t_``, ``transpose_``, ``as_strided_``...: ``self`` changes shape."""
+    self = args[0]
+    meta = _meta_base(self)
+    func(meta, *args[1:], **kwargs)
+    _set_metadata(self, tuple(meta.size()), tuple(meta.stride()), meta.storage_offset())
+    return self
 
 
 # --- special ops -------------------------------------------------------------
@@ -449,13 +511,68 @@ def _detach(self):
     return TpuTensor(self._storage, self.size(), self.stride(), self.storage_offset(), self.dtype)
 
 
+def _grow_program(shape: tuple, length: int):
+    def grow(storage):
+        flat = storage.reshape(-1)
+        return [jnp.concatenate([flat, jnp.zeros((length - flat.shape[0],), flat.dtype)])]
+
+    return _compile(("grow", shape, length), grow)
+
+
 def _resize_(self, size, memory_format=None):
-    if tuple(size) == tuple(self.size()):
+    """``resize_`` as on CPU: the new size with contiguous strides, the storage grown if needed.
+
+    Growing gives ``self`` a new, larger storage that starts with the old
+    values and continues with zeros (PyTorch leaves them uninitialised). Other
+    views of the old storage keep the old storage: PyTorch reallocates in place,
+    but a tpu storage's shape is part of every program that reads it.
+    """
+    if any(n < 0 for n in size):
+        raise ValueError(f"resize_: sizes must be non-negative, got {tuple(size)}")
+    if tuple(size) == tuple(self.size()) and memory_format is None:
         return self
-    raise NotImplementedError(
-        f"resize_ of a tpu tensor from {tuple(self.size())} to {tuple(size)} is not supported; "
-        "allocate a new tensor instead (for out= arguments, pass one of the right shape)"
+    meta = _meta_base(self)
+    meta.resize_(size, memory_format=memory_format)
+    new_size, new_stride, offset = tuple(meta.size()), tuple(meta.stride()), meta.storage_offset()
+    needed = offset + sum((n - 1) * s for n, s in zip(new_size, new_stride)) + 1 if all(new_size) else 0
+    storage_shape = self._key[0]
+    storage = None
+    if needed > math.prod(storage_shape):
+        index = self._storage.index
+        grown = _run(_grow_program(storage_shape, needed), self._storage.array, device=index)[0]
+        storage = Storage(None, index)
+        _store(storage, grown)
+    _set_metadata(self, new_size, new_stride, offset, storage)
+    return self
+
+
+def _native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """``native_batch_norm``: in eval mode with running statistics, the saved statistics are empty, as on CPU.
+
+    The op mutates the running statistics in training mode although its schema
+    does not say so, so it is no table entry: training (and eval without running
+    statistics, which normalises with the batch's own) goes through its decomposition.
+    """
+    if not training and running_mean is not None and running_var is not None:
+        return aten._native_batch_norm_legit_no_training.default(input, weight, bias, running_mean, running_var, momentum, eps)
+    return _fallback(aten.native_batch_norm.default, (input, weight, bias, running_mean, running_var, training, momentum, eps), {})
+
+
+def _native_batch_norm_legit(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """``_native_batch_norm_legit``: the functional lowering, then the running statistics written back."""
+    out, mean, invstd, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
+        input, weight, bias, running_mean, running_var, training, momentum, eps
     )
+    if training:
+        running_mean.copy_(new_mean)
+        running_var.copy_(new_var)
+    return out, mean, invstd
+
+
+def _batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    """``_batch_norm_with_update``: training-mode batch norm; the reserve space is empty, as on CPU."""
+    out, mean, invstd = _native_batch_norm_legit(input, weight, bias, running_mean, running_var, True, momentum, eps)
+    return out, mean, invstd, torch.empty((0,), dtype=torch.uint8, device=input.device)
 
 
 def _allclose(self, other, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:
@@ -479,6 +596,9 @@ _SPECIAL = {
     aten.new_empty_strided.default: _new_empty_strided,
     aten.detach.default: _detach,
     aten.resize_.default: _resize_,
+    aten.native_batch_norm.default: _native_batch_norm,
+    aten._native_batch_norm_legit.default: _native_batch_norm_legit,
+    aten._batch_norm_with_update.default: _batch_norm_with_update,
     aten.lift_fresh.default: lambda self: self,
 }
 
@@ -502,7 +622,10 @@ def _functional_variant(func):
         packet = getattr(aten, _FUNCTIONAL_NAMES.get(name, name[:-1]), None)
         if packet is not None:
             found = getattr(packet, overload, None) or getattr(packet, "default", None)
-    else:
+    elif all(a.kwarg_only for a in func._schema.arguments if a.alias_info and a.alias_info.is_write):
+        # An out= variant. (Ops that write a positional argument, such as
+        # _native_batch_norm_legit's running statistics, have no such twin: an
+        # overload with the other arguments' names would drop the writes.)
         packet = getattr(aten, name, None)
         wanted = [a.name for a in func._schema.arguments if not (a.alias_info and a.alias_info.is_write)]
         if packet is not None:
@@ -613,8 +736,22 @@ def _on_host(func, args, kwargs):
     return tree_map(back, out)
 
 
+# A backward op that ran on the host under TPUREC_HOST_FALLBACK=error: raised by
+# the next op outside the autograd engine (raising inside it aborts the process).
+_pending_fallback_error: str | None = None
+
+
+def _raise_pending_fallback() -> None:
+    global _pending_fallback_error
+    message, _pending_fallback_error = _pending_fallback_error, None
+    raise RuntimeError(message)
+
+
 def dispatch(func, args: tuple, kwargs: dict):
+    global _pending_fallback_error
     if torch._C._current_autograd_node() is None:
+        if _pending_fallback_error is not None:
+            _raise_pending_fallback()
         return _dispatch(func, args, kwargs)
     # Inside the autograd engine an exception cannot travel back to the caller:
     # PyTorch's Python device guard runs (noexcept) while it unwinds and the
@@ -622,12 +759,16 @@ def dispatch(func, args: tuple, kwargs: dict):
     try:
         return _dispatch(func, args, kwargs)
     except Exception as error:  # noqa: BLE001 (re-raising here would abort the interpreter)
-        warnings.warn(
+        runtime.counters().host_fallbacks[func.__name__] += 1
+        message = (
             f"tpurec: {func} failed on the tpu device during backward ({type(error).__name__}: {error}); "
-            "it ran on the host instead",
-            RuntimeWarning,
-            stacklevel=2,
+            "it ran on the host instead"
         )
+        if modes.host_fallback_policy() == "error":
+            if _pending_fallback_error is None:
+                _pending_fallback_error = message + " (TPUREC_HOST_FALLBACK=error)"
+        else:
+            warnings.warn(message, RuntimeWarning, stacklevel=2)
         return _on_host(func, args, kwargs)
 
 
@@ -637,9 +778,12 @@ def _dispatch(func, args: tuple, kwargs: dict):
     if special is not None:
         return special(*args, **kwargs)
     if func in _DATA_DEPENDENT or _has_bool_index(func, args):
+        runtime.counters().host_ops[func.__name__] += 1
         return _on_host(func, args, kwargs)
     if func.is_view:
         return _view(func, args, kwargs)
+    if torch.Tag.inplace_view in func.tags:
+        return _inplace_view(func, args, kwargs)
     if func._schema.is_mutable:
         return _run_mutating(func, args, kwargs)
     lowering = get_lowering(func)

@@ -67,5 +67,24 @@ def mode(name: str) -> Iterator[None]:
         set_mode(previous)
 
 
+HOST_FALLBACK_POLICIES = ("warn", "error")
+
+
+def host_fallback_policy() -> str:
+    """What an op that fails on the device during backward does (``TPUREC_HOST_FALLBACK``).
+
+    ``warn`` (default): it runs on the host with a RuntimeWarning. ``error``: it
+    still runs on the host (an exception cannot cross the autograd engine
+    without aborting the process), and the next tpu op outside the engine
+    raises a RuntimeError naming it.
+    """
+    value = os.environ.get("TPUREC_HOST_FALLBACK", "warn").strip().lower()
+    if value not in HOST_FALLBACK_POLICIES:
+        raise ValueError(
+            f"TPUREC_HOST_FALLBACK={value!r} is not a policy; use one of {', '.join(HOST_FALLBACK_POLICIES)}"
+        )
+    return value
+
+
 def check_nan() -> bool:
     return os.environ.get("TPUREC_CHECK_NAN", "0") not in ("", "0", "false", "False")

@@ -31,6 +31,9 @@ class Stats:
         donated_buffers: input buffers a fused graph reused for its outputs (in-place updates).
         sync_points: fused-mode flushes by reason.
         ops_by_name: ATen ops dispatched to the tpu device, by overload name.
+        host_fallbacks: ops that failed on the device during backward and ran on the
+            host instead (``TPUREC_HOST_FALLBACK``), by overload name.
+        host_ops: data-dependent ops (nonzero, masked_select, unique...) run on the host by design.
     """
 
     compile_requests: int = 0
@@ -44,6 +47,8 @@ class Stats:
     donated_buffers: int = 0
     sync_points: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     ops_by_name: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    host_fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    host_ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
     def as_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -51,6 +56,8 @@ class Stats:
         d["ops_per_fused_graph"] = self.fused_ops / self.fused_graphs if self.fused_graphs else 0.0
         d["sync_points"] = dict(self.sync_points)
         d["ops_by_name"] = dict(self.ops_by_name)
+        d["host_fallbacks"] = dict(self.host_fallbacks)
+        d["host_ops"] = dict(self.host_ops)
         return d
 
 
