@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from torchrec.distributed.planner.types import PlannerError, PlannerErrorType
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
 
 __all__ = [
     "OPTIMIZER_SLOTS",
@@ -13,7 +14,10 @@ __all__ = [
     "TpuEstimatorConfig",
     "TpuPlannerConfig",
     "TpuPlanningError",
+    "as_table_spec",
 ]
+
+DTYPES: Dict[str, DataType] = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16}
 
 # Optimizer state per table row, as (slots proportional to the embedding
 # dimension, fixed slots per row). Adagrad keeps one accumulator per element;
@@ -165,3 +169,32 @@ class TpuPlanningError(PlannerError):
         self.needed_bytes_per_chip = needed_bytes_per_chip
         self.available_bytes_per_chip = available_bytes_per_chip
         super().__init__(message, error_type=error_type)
+
+
+def as_table_spec(table: Union["TableSpec", BaseEmbeddingConfig, Dict[str, Any]]) -> TableSpec:
+    """A :class:`TableSpec` from a spec, a TorchRec embedding config or a dict.
+
+    TorchRec configs carry no pooling factor; they are planned with 1.0.
+
+    Args:
+        table: the table.
+
+    Returns:
+        The spec.
+
+    Raises:
+        TypeError: ``table`` is none of these.
+    """
+    if isinstance(table, TableSpec):
+        return table
+    if isinstance(table, dict):
+        return TableSpec(**table)
+    if isinstance(table, BaseEmbeddingConfig):
+        dt = {v: k for k, v in DTYPES.items()}.get(table.data_type, "fp32")
+        return TableSpec(
+            table.name, table.num_embeddings, table.embedding_dim, 1.0, list(table.feature_names), dt
+        )
+    raise TypeError(
+        f"Cannot read a table from {type(table).__name__}; pass a TableSpec, a TorchRec "
+        f"EmbeddingBagConfig/EmbeddingConfig or a dict of TableSpec fields"
+    )
