@@ -199,3 +199,17 @@ def test_perf_model_adds_latency_once_per_group():
     busiest = sum(o.shards[0].perf.total for o in options)
     rate = TpuPerfModel(trec, tpu).rate(options)
     assert rate == pytest.approx(busiest + 3 * TpuEstimatorConfig().ici_latency_s * 1000)
+
+
+def test_psum_scatter_row_wise_output_costs_a_dense_reduce_scatter():
+    topo = TpuTopology.from_name("v6e-64")
+    sparse = TpuCostModel(topo)
+    dense = TpuCostModel(topo, TpuEstimatorConfig(row_wise_output="psum_scatter"))
+    assert dense.work(RW, 55296, [1.0, 3.0], 40_000_000, 128).out_rows == 2 * 55296
+    ps, pd = sparse.shard_perf(RW, 55296, [1.0], 40_000_000, 128), dense.shard_perf(RW, 55296, [1.0], 40_000_000, 128)
+    # 63/64 of a 55296 x 128 fp32 buffer at the ring rate, vs 864 sparse rows.
+    expected = 63 / 64 * 55296 * 128 * 4 / topo.ring_bw_per_chip * 1000
+    assert pd.bwd_comms == pytest.approx(expected, rel=1e-6)
+    assert pd.bwd_comms > 5 * ps.bwd_comms
+    with pytest.raises(ValueError, match="row_wise_output"):
+        TpuEstimatorConfig(row_wise_output="dense")

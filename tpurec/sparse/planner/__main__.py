@@ -34,6 +34,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--tables", required=True, help="JSON table list (see examples/planner/)")
     p.add_argument("--batch-size", type=int, required=True, help="GLOBAL batch size")
     p.add_argument("--optimizer", default="adagrad", choices=sorted(OPTIMIZER_SLOTS))
+    p.add_argument(
+        "--row-wise-output",
+        default="sparse",
+        choices=["sparse", "psum_scatter"],
+        help="row-wise outputs as SparseCore partial sums (sparse) or a dense reduce-scatter "
+        "(psum_scatter, what tpurec.shard runs)",
+    )
     p.add_argument("--reserved-hbm", type=float, default=0.1, help="HBM fraction kept for the dense model")
     p.add_argument("--timeout", type=int, default=45, help="search budget, seconds")
     p.add_argument("--sharding-types", default=None, help="comma-separated TorchRec sharding types to allow")
@@ -44,7 +51,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     shape = tuple(int(x) for x in args.slice_shape.split("x")) if args.slice_shape else None
     topo = TpuTopology.from_name(args.topology, num_slices=args.slices, slice_shape=shape)
     cfg = TpuPlannerConfig(
-        estimator=TpuEstimatorConfig(optimizer=args.optimizer),
+        estimator=TpuEstimatorConfig(optimizer=args.optimizer, row_wise_output=args.row_wise_output),
         sharding_types=args.sharding_types.split(",") if args.sharding_types else None,
         reserved_hbm_fraction=args.reserved_hbm,
         timeout_seconds=args.timeout,

@@ -15,7 +15,14 @@
 
 Sharding types are modelled as SparseCores run them: row-wise means MOD
 sharding (``id % num_partitions``), where each device sends back only the
-partial sums of samples that hit its rows, not a dense reduce-scatter.
+partial sums of samples that hit its rows, not a dense reduce-scatter
+(``TpuEstimatorConfig(row_wise_output="psum_scatter")`` models the dense
+reduce-scatter ``tpurec.shard`` runs instead).
+
+Shard estimates hold bandwidth and compute only: the fixed start-up cost of a
+collective is paid once per sharding group per step (one collective carries
+all tables of the group), added by :class:`TpuPerfModel` when the planner
+rates a plan and by the report.
 """
 
 from __future__ import annotations
@@ -343,7 +350,11 @@ class TpuCostModel:
         if sharding_type in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value):
             g = w if sharding_type == ShardingType.ROW_WISE.value else topo.devices_per_slice
             ids = ids_total / g
-            if is_pooled:
+            if is_pooled and self.config.row_wise_output == "psum_scatter":
+                # Dense reduce-scatter: every shard holds a partial sum for
+                # every (sample, feature) of the global batch.
+                out = float(bags)
+            elif is_pooled:
                 # MOD sharding: a sample sends one partial sum per partition it hits.
                 # A shard holds 1/g of the rows, so a sample with ``pf`` ids
                 # hits it with probability 1 - (1 - 1/g)^pf; that expectation
@@ -398,15 +409,23 @@ class TpuCostModel:
                 bwd_compute=bwd * _MS,
                 bwd_comms=self.all_reduce_seconds(table_bytes, self.topo.num_slices > 1, latency=False) * _MS,
             )
-        out_bytes = wk.out_rows * (self.padded_dim(dim) * cfg.grad_bytes + (4 if wk.group > 1 else 0))
+        dense_rs = wk.group > 1 and is_pooled and cfg.row_wise_output == "psum_scatter"
+        out_bytes = wk.out_rows * (
+            self.padded_dim(dim) * cfg.grad_bytes + (4 if wk.group > 1 and not dense_rs else 0)
+        )
         if wk.group > 1 and self.topo.num_slices > 1:
             # Partial sums combine inside the slice (ICI); only one row per
             # sample leaves it over DCN, spread over the group's devices.
-            ici = self.all_to_all_seconds(out_bytes, cross_slice=False, latency=False)
+            if dense_rs:
+                ici = self.reduce_scatter_seconds(out_bytes, cross_slice=False, latency=False)
+            else:
+                ici = self.all_to_all_seconds(out_bytes, cross_slice=False, latency=False)
             dcn_bytes = global_batch * len(pooling_factors) * self.padded_dim(dim) * cfg.grad_bytes / wk.group
             if not is_pooled:
                 dcn_bytes = wk.out_rows * self.padded_dim(dim) * cfg.grad_bytes
             out_comm = ici + self._dcn_seconds(dcn_bytes)
+        elif dense_rs:
+            out_comm = self.reduce_scatter_seconds(out_bytes, wk.cross_slice, latency=False)
         else:
             out_comm = self.all_to_all_seconds(out_bytes, wk.cross_slice, latency=False)
         ids_comm = self.all_to_all_seconds(wk.in_ids_comm * cfg.id_bytes, wk.cross_slice, latency=False)

@@ -32,6 +32,8 @@ __all__ = ["TableReport", "StepEstimate", "PlanReport", "RecordedEmbeddingStats"
 
 _GiB = 1024**3
 
+_ROW_SHARDED = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+
 _SHORT = {
     ShardingType.DATA_PARALLEL.value: "DP",
     ShardingType.TABLE_WISE.value: "TW",
@@ -356,6 +358,7 @@ def build_report(
         float(local_batch * world),
         id_bytes=config.estimator.id_bytes,
         grad_bytes=config.estimator.grad_bytes,
+        row_wise_output=config.estimator.row_wise_output,
     )
     tables: List[TableReport] = []
     chip_hbm = [0.0] * tpu.num_chips
@@ -393,6 +396,23 @@ def build_report(
     estimate = _step(label, _per_rank(options, world), max(chip_hbm), latency_ms=latency_ms)
     bound = _hbm_bound(options, tpu, local_batch * world, model)
     notes: List[str] = []
+    if any(o.sharding_type in _ROW_SHARDED for o in options):
+        # The other way of returning row-wise outputs, for comparison.
+        other = "psum_scatter" if config.estimator.row_wise_output == "sparse" else "sparse"
+        alt = options_distribution_bytes(
+            options,
+            world,
+            float(local_batch * world),
+            id_bytes=config.estimator.id_bytes,
+            grad_bytes=config.estimator.grad_bytes,
+            row_wise_output=other,
+        )
+        notes.append(
+            f"row-wise outputs are estimated as {config.estimator.row_wise_output!r}: the busiest device "
+            f"sends {_bytes(dist.total.summary()['output'])} of outputs per step; as {other!r} it would "
+            f"send {_bytes(alt.total.summary()['output'])} (tpurec.shard runs 'psum_scatter'; "
+            f"--row-wise-output chooses)"
+        )
     if tpu.sparsecore_note:
         notes.append(
             f"{tpu.sparsecore_note}; gathers are modelled at "

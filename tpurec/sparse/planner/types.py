@@ -87,6 +87,11 @@ class TpuEstimatorConfig:
         ici_latency_s: fixed cost of one ICI collective.
         dcn_latency_s: fixed cost of one collective crossing DCN.
         grad_bytes: bytes per element of activations and gradients.
+        row_wise_output: how row-wise shards return pooled rows:
+            ``"sparse"`` (SparseCore: each shard sends only the partial sums
+            of samples that hit its rows) or ``"psum_scatter"`` (a dense
+            reduce-scatter of every sample's partial sum, as
+            ``tpurec.shard`` runs it today).
 
     Example::
 
@@ -107,11 +112,16 @@ class TpuEstimatorConfig:
     ici_latency_s: float = 5e-6
     dcn_latency_s: float = 50e-6
     grad_bytes: int = 4
+    row_wise_output: str = "sparse"
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_SLOTS:
             raise ValueError(
                 f"Unknown optimizer {self.optimizer!r}; known: {sorted(OPTIMIZER_SLOTS)}"
+            )
+        if self.row_wise_output not in ("sparse", "psum_scatter"):
+            raise ValueError(
+                f"row_wise_output must be 'sparse' or 'psum_scatter', got {self.row_wise_output!r}"
             )
 
 
