@@ -138,3 +138,78 @@ def test_estimators_need_tpu_topology():
 def test_unknown_optimizer_rejected():
     with pytest.raises(ValueError):
         TpuEstimatorConfig(optimizer="adadelta")
+
+
+def test_row_wise_output_rows_are_per_shard_once():
+    """v5p-128, global batch 55296, one id per sample: 1/64 of the samples hit each shard = 864 rows."""
+    model = TpuCostModel(TpuTopology.from_name("v5p-128"))
+    wk = model.work(RW, 55296, [1.0], 40_000_000, 128)
+    assert wk.group == 64
+    assert wk.out_rows == pytest.approx(864.0)
+
+
+def test_row_wise_output_rows_match_simulated_mod_sharding():
+    """Samples whose ids hit shard 0 under id % g, counted on random ids, vs the model."""
+    import torch
+
+    g, batch, pfs = 8, 20000, [3, 1, 12]
+    model = TpuCostModel(TpuTopology.from_name("v5p-16"))
+    wk = model.work(RW, batch, [float(x) for x in pfs], 1_000_000, 64)
+    gen = torch.Generator().manual_seed(0)
+    hits = sum(
+        int(((torch.randint(0, 1_000_000, (batch, pf), generator=gen) % g) == 0).any(dim=1).sum()) for pf in pfs
+    )
+    assert wk.out_rows == pytest.approx(hits, rel=0.03)
+
+
+def test_shard_comms_carry_no_per_table_latency():
+    """A 1-byte transfer costs bandwidth only; start-up is counted once per group elsewhere."""
+    model = TpuCostModel(TpuTopology.from_name("v6e-64"))
+    assert model.all_to_all_seconds(1.0, False, latency=False) < 1e-9
+    assert model.all_to_all_seconds(1.0, False) == pytest.approx(model.config.ici_latency_s, rel=1e-3)
+    tiny = model.shard_perf(TW, 64, [1.0], 10, 8)
+    # Before: three 5 us start-ups per table (15 us); now well under one.
+    assert tiny.fwd_comms + tiny.bwd_comms < 0.1 * model.config.ici_latency_s * 1000
+
+
+def test_collective_latency_once_per_sharding_group():
+    one = TpuCostModel(TpuTopology.from_name("v6e-64"))
+    lat = one.config.ici_latency_s
+    assert one.collective_latency_seconds([TW] * 20) == pytest.approx(3 * lat)
+    assert one.collective_latency_seconds([TW, RW, "data_parallel", TW]) == pytest.approx(7 * lat)
+    two = TpuCostModel(TpuTopology.from_name("v6e-64", num_slices=2))
+    dcn = two.config.dcn_latency_s
+    assert two.collective_latency_seconds([TWRW]) == pytest.approx(3 * lat + 2 * dcn)
+    assert two.collective_latency_seconds([TW]) == pytest.approx(3 * lat + 3 * dcn)
+
+
+def test_perf_model_adds_latency_once_per_group():
+    from tpurec.sparse.planner import TpuPerfModel
+
+    tpu = TpuTopology.from_name("v5p-16")
+    trec = tpu.to_torchrec()
+    tables = [TableSpec(f"t{i}", 1000, 16, 1.0) for i in range(6)]
+    cons = {t.name: ParameterConstraints(pooling_factors=[1.0], sharding_types=[TW]) for t in tables}
+    est = [TpuPerfEstimator(trec, cons, tpu_topology=tpu), TpuStorageEstimator(trec, cons, tpu_topology=tpu)]
+    options = EmbeddingEnumerator(trec, batch_size=64, constraints=cons, estimator=est).enumerate(
+        tables_to_module(tables), tpu_sharders(tpu)
+    )
+    for i, o in enumerate(options):
+        o.shards[0].rank = 0  # all on one device: its perf sums
+    busiest = sum(o.shards[0].perf.total for o in options)
+    rate = TpuPerfModel(trec, tpu).rate(options)
+    assert rate == pytest.approx(busiest + 3 * TpuEstimatorConfig().ici_latency_s * 1000)
+
+
+def test_psum_scatter_row_wise_output_costs_a_dense_reduce_scatter():
+    topo = TpuTopology.from_name("v6e-64")
+    sparse = TpuCostModel(topo)
+    dense = TpuCostModel(topo, TpuEstimatorConfig(row_wise_output="psum_scatter"))
+    assert dense.work(RW, 55296, [1.0, 3.0], 40_000_000, 128).out_rows == 2 * 55296
+    ps, pd = sparse.shard_perf(RW, 55296, [1.0], 40_000_000, 128), dense.shard_perf(RW, 55296, [1.0], 40_000_000, 128)
+    # 63/64 of a 55296 x 128 fp32 buffer at the ring rate, vs 864 sparse rows.
+    expected = 63 / 64 * 55296 * 128 * 4 / topo.ring_bw_per_chip * 1000
+    assert pd.bwd_comms == pytest.approx(expected, rel=1e-6)
+    assert pd.bwd_comms > 5 * ps.bwd_comms
+    with pytest.raises(ValueError, match="row_wise_output"):
+        TpuEstimatorConfig(row_wise_output="dense")

@@ -164,3 +164,33 @@ def test_mlperf_plans_under_60s(name, slices):
     _, report = _check(result, tpu)
     assert len(report.tables) == 26
     assert report.torchrec_default is not None
+
+
+def test_report_prints_torchrec_stats_and_distribution_bytes():
+    tpu = TpuTopology.from_name("v6e-8")
+    sp, report = plan(SMALL[1:], tpu, batch_size=2048)
+    text = str(report)
+    # TorchRec's own per-rank table (EmbeddingStats), one row per rank.
+    assert "Planner Statistics" in text and report.torchrec_stats
+    rank_rows = [ln for ln in report.torchrec_stats if ln.strip("# ").split(" ")[0].isdigit()]
+    assert len(rank_rows) == tpu.world_size
+    assert "dist/dev" in text and "bytes one device sends per step" in text
+    assert report.distribution_bytes["distribution_max_per_device"] > 0
+    # Start-up latency: once per collective of each sharding group present.
+    from tpurec.sparse.planner import TpuCostModel
+
+    expected = TpuCostModel(tpu).collective_latency_seconds(report.sharding_types) * 1000
+    assert report.collective_latency_ms == pytest.approx(expected)
+    assert report.estimate.comms_ms >= report.collective_latency_ms
+    doc = json.loads(report.to_json())
+    assert doc["torchrec_stats"] == report.torchrec_stats
+
+
+def test_v5e_plan_says_there_is_no_sparsecore():
+    _, report = plan(SMALL[1:], "v5e-8", batch_size=1024)
+    text = str(report)
+    assert "NOTE: v5e has no SparseCore" in text
+    assert any("no SparseCore" in n for n in report.notes)
+    assert "tpurec model (TensorCore gather)" in text
+    _, v5p = plan(SMALL[1:], "v5p-8", batch_size=1024)
+    assert "no SparseCore" not in str(v5p)

@@ -80,3 +80,24 @@ def test_to_torchrec():
     two = TpuTopology.from_name("v6e-256", num_slices=2).to_torchrec()
     assert two.world_size == 512 and two.intra_group_size == 256
     assert two.inter_host_bw < two.intra_host_bw
+
+
+def test_published_v5p_slice_limit():
+    """cloud.google.com/tpu/docs/v5p: largest schedulable slice 6144 chips, 16x16x24."""
+    t = TpuTopology.from_name("v5p-12288")
+    assert t.num_chips == 6144 and t.slice_shape == (16, 16, 24) and t.name == "v5p-12288"
+    with pytest.raises(ValueError, match="at most 6144"):
+        TpuTopology("v5p", (16, 16, 32))
+
+
+def test_published_dcn_figures():
+    # v5e docs: 6.4 Tbps DCN per 256-chip pod = 25 Gb/s per chip; v5p docs: 50 Gb/s per chip.
+    assert TPU_GENERATIONS["v5e"].dcn_bw_per_chip == pytest.approx(6.4e12 / 256 / 8)
+    assert TPU_GENERATIONS["v5p"].dcn_bw_per_chip == pytest.approx(50e9 / 8)
+
+
+def test_no_sparsecore_statement():
+    v5e = TpuTopology.from_name("v5e-16")
+    assert "v5e has no SparseCore" in v5e.sparsecore_note
+    assert v5e.describe()["sparsecore_note"] == v5e.sparsecore_note
+    assert TpuTopology.from_name("v5p-16").sparsecore_note is None

@@ -11,15 +11,38 @@ Example::
     sharding_plan, report = plan(load_tables("examples/planner/mlperf_dlrm_dcnv2.json"),
                                  "v5p-128", batch_size=55296)
     print(report)
+
+The CLI's ``--json`` file loads back with ``load_plan(path)``;
+``validate_plan(plan, model, num_devices)`` checks a plan against a model and
+a mesh; ``distribution_bytes(plan, tables, num_devices, batch)`` counts what
+each device sends per step to distribute inputs and outputs.
 """
 
+from tpurec.sparse.planner.comms import (
+    DistributionBytes,
+    PlanDistributionBytes,
+    distribution_bytes,
+)
 from tpurec.sparse.planner.estimators import (
     TpuCostModel,
     TpuPerfEstimator,
+    TpuPerfModel,
     TpuStorageEstimator,
 )
+from tpurec.sparse.planner.plan_io import (
+    load_plan,
+    plan_from_json,
+    plan_to_json,
+    save_plan,
+    validate_plan,
+)
 from tpurec.sparse.planner.planner import PlanResult, load_tables, plan, tables_to_module
-from tpurec.sparse.planner.report import PlanReport, StepEstimate, TableReport
+from tpurec.sparse.planner.report import (
+    PlanReport,
+    RecordedEmbeddingStats,
+    StepEstimate,
+    TableReport,
+)
 from tpurec.sparse.planner.sharder import (
     TpuEmbeddingBagCollectionSharder,
     TpuEmbeddingCollectionSharder,
@@ -35,8 +58,11 @@ from tpurec.sparse.planner.types import (
 )
 
 __all__ = [
+    "DistributionBytes",
+    "PlanDistributionBytes",
     "PlanReport",
     "PlanResult",
+    "RecordedEmbeddingStats",
     "StepEstimate",
     "TPU_GENERATIONS",
     "TableReport",
@@ -47,13 +73,20 @@ __all__ = [
     "TpuEstimatorConfig",
     "TpuGeneration",
     "TpuPerfEstimator",
+    "TpuPerfModel",
     "TpuPlannerConfig",
     "TpuPlanningError",
     "TpuStorageEstimator",
     "TpuTopology",
+    "distribution_bytes",
+    "load_plan",
     "load_tables",
     "plan",
+    "plan_from_json",
+    "plan_to_json",
+    "save_plan",
     "tables_to_module",
     "tpu_sharders",
     "tpu_sharding_types",
+    "validate_plan",
 ]

@@ -9,10 +9,10 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from typing import List, Optional
 
+from tpurec.sparse.planner.plan_io import save_plan
 from tpurec.sparse.planner.planner import load_tables, plan
 from tpurec.sparse.planner.topology import TpuTopology
 from tpurec.sparse.planner.types import (
@@ -21,28 +21,6 @@ from tpurec.sparse.planner.types import (
     TpuPlannerConfig,
     TpuPlanningError,
 )
-
-
-def _plan_json(sharding_plan: object) -> dict:
-    """The TorchRec plan as JSON: module -> table -> sharding type, kernel, ranks, shards."""
-    out: dict = {}
-    for path, module_plan in sharding_plan.plan.items():  # type: ignore[attr-defined]
-        tables = {}
-        for name, ps in module_plan.items():
-            shards = None
-            if ps.sharding_spec is not None:
-                shards = [
-                    {"sizes": list(s.shard_sizes), "offsets": list(s.shard_offsets), "placement": str(s.placement)}
-                    for s in ps.sharding_spec.shards
-                ]
-            tables[name] = {
-                "sharding_type": ps.sharding_type,
-                "compute_kernel": ps.compute_kernel,
-                "ranks": ps.ranks,
-                "shards": shards,
-            }
-        out[path or "<root>"] = tables
-    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -56,17 +34,24 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--tables", required=True, help="JSON table list (see examples/planner/)")
     p.add_argument("--batch-size", type=int, required=True, help="GLOBAL batch size")
     p.add_argument("--optimizer", default="adagrad", choices=sorted(OPTIMIZER_SLOTS))
+    p.add_argument(
+        "--row-wise-output",
+        default="sparse",
+        choices=["sparse", "psum_scatter"],
+        help="row-wise outputs as SparseCore partial sums (sparse) or a dense reduce-scatter "
+        "(psum_scatter, what tpurec.shard runs)",
+    )
     p.add_argument("--reserved-hbm", type=float, default=0.1, help="HBM fraction kept for the dense model")
     p.add_argument("--timeout", type=int, default=45, help="search budget, seconds")
     p.add_argument("--sharding-types", default=None, help="comma-separated TorchRec sharding types to allow")
-    p.add_argument("--json", dest="json_out", default=None, help="write report + plan JSON here")
+    p.add_argument("--json", dest="json_out", default=None, help="write report + plan JSON here (load_plan() reads it back)")
     p.add_argument("--no-torchrec-compare", action="store_true", help="skip TorchRec's default estimators")
     args = p.parse_args(argv)
 
     shape = tuple(int(x) for x in args.slice_shape.split("x")) if args.slice_shape else None
     topo = TpuTopology.from_name(args.topology, num_slices=args.slices, slice_shape=shape)
     cfg = TpuPlannerConfig(
-        estimator=TpuEstimatorConfig(optimizer=args.optimizer),
+        estimator=TpuEstimatorConfig(optimizer=args.optimizer, row_wise_output=args.row_wise_output),
         sharding_types=args.sharding_types.split(",") if args.sharding_types else None,
         reserved_hbm_fraction=args.reserved_hbm,
         timeout_seconds=args.timeout,
@@ -79,9 +64,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     print(result.report)
     if args.json_out:
-        doc = {"report": result.report.to_dict(), "plan": _plan_json(result.plan)}
-        with open(args.json_out, "w") as f:
-            json.dump(doc, f, indent=1)
+        # Read back with tpurec.sparse.planner.load_plan(path).
+        save_plan(result.plan, args.json_out, report=result.report)
         print(f"wrote {args.json_out}")
     return 0
 

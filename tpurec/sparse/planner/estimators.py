@@ -15,18 +15,26 @@
 
 Sharding types are modelled as SparseCores run them: row-wise means MOD
 sharding (``id % num_partitions``), where each device sends back only the
-partial sums of samples that hit its rows, not a dense reduce-scatter.
+partial sums of samples that hit its rows, not a dense reduce-scatter
+(``TpuEstimatorConfig(row_wise_output="psum_scatter")`` models the dense
+reduce-scatter ``tpurec.shard`` runs instead).
+
+Shard estimates hold bandwidth and compute only: the fixed start-up cost of a
+collective is paid once per sharding group per step (one collective carries
+all tables of the group), added by :class:`TpuPerfModel` when the planner
+rates a plan and by the report.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional, Tuple
 
 from torchrec.distributed.planner.types import (
     ParameterConstraints,
     Perf,
+    PerfModel,
     SharderDataMap,
     ShardEstimator,
     ShardingOption,
@@ -42,6 +50,7 @@ __all__ = [
     "ShardWork",
     "TpuCostModel",
     "TpuPerfEstimator",
+    "TpuPerfModel",
     "TpuStorageEstimator",
     "expected_unique",
 ]
@@ -191,47 +200,113 @@ class TpuCostModel:
 
     # ---- collectives --------------------------------------------------- #
 
-    def all_to_all_seconds(self, bytes_per_device: float, cross_slice: bool) -> float:
+    def all_to_all_seconds(
+        self, bytes_per_device: float, cross_slice: bool, latency: bool = True
+    ) -> float:
         """All-to-all where each device sends (or receives) ``bytes_per_device``.
 
         Inside a slice the rate is the torus' per-chip all-to-all bandwidth
         (injection- or bisection-bound). Across ``S`` slices, (S-1)/S of the
         bytes also cross DCN at the chip's DCN bandwidth.
+
+        Args:
+            bytes_per_device: bytes each device sends.
+            cross_slice: whether the collective spans slices (adds DCN).
+            latency: add the fixed start-up cost of one collective. Shard
+                estimates leave it out: one collective carries every table of
+                a sharding group, so :meth:`collective_latency_seconds` adds it
+                once per plan instead of once per table.
+
+        Returns:
+            Seconds.
         """
         if bytes_per_device <= 0:
             return 0.0
         dpc = self.topo.devices_per_chip
-        t = self.config.ici_latency_s
+        t = self.config.ici_latency_s if latency else 0.0
         if self.topo.chips_per_slice > 1:
             t += bytes_per_device * dpc / self.topo.all_to_all_bw_per_chip
         s = self.topo.num_slices
         if cross_slice and s > 1:
-            t += self.config.dcn_latency_s
+            t += self.config.dcn_latency_s if latency else 0.0
             t += bytes_per_device * dpc * (s - 1) / s / self.topo.dcn_bw_per_chip
         return t
 
-    def reduce_scatter_seconds(self, bytes_per_device: float, cross_slice: bool) -> float:
+    def reduce_scatter_seconds(
+        self, bytes_per_device: float, cross_slice: bool, latency: bool = True
+    ) -> float:
         """Reduce-scatter of a ``bytes_per_device`` buffer over all devices.
 
         Hierarchical: a ring reduce-scatter over ICI inside the slice, then one
         over DCN on the 1/devices_per_slice piece each device is left with.
+
+        Args:
+            bytes_per_device: bytes of the buffer each device contributes.
+            cross_slice: whether the collective spans slices (adds DCN).
+            latency: add the fixed start-up cost (see :meth:`all_to_all_seconds`).
+
+        Returns:
+            Seconds.
         """
         if bytes_per_device <= 0:
             return 0.0
         dpc = self.topo.devices_per_chip
         p = self.topo.devices_per_slice
-        t = self.config.ici_latency_s
+        t = self.config.ici_latency_s if latency else 0.0
         if self.topo.chips_per_slice > 1:
             t += bytes_per_device * dpc * (p - 1) / p / self.topo.ring_bw_per_chip
         s = self.topo.num_slices
         if cross_slice and s > 1:
-            t += self.config.dcn_latency_s
+            t += self.config.dcn_latency_s if latency else 0.0
             t += bytes_per_device / p * dpc * (s - 1) / s / self.topo.dcn_bw_per_chip
         return t
 
-    def all_reduce_seconds(self, bytes_per_device: float, cross_slice: bool) -> float:
+    def all_reduce_seconds(
+        self, bytes_per_device: float, cross_slice: bool, latency: bool = True
+    ) -> float:
         """All-reduce = reduce-scatter + all-gather (same cost each way)."""
-        return 2.0 * self.reduce_scatter_seconds(bytes_per_device, cross_slice)
+        return 2.0 * self.reduce_scatter_seconds(bytes_per_device, cross_slice, latency)
+
+    def collectives_per_step(self, sharding_type: str) -> Tuple[int, int]:
+        """Collectives one sharding group runs per training step: (ICI, DCN).
+
+        TorchRec (and ``tpurec.shard``) give every sharding type of a module
+        one input distribution and one output distribution that carry all of
+        its tables. Sharded groups run the ids all-to-all and the pooled
+        output collective forward, and the output-gradient collective
+        backward (3); data-parallel tables share one gradient all-reduce (1).
+        Collectives leave the slice on multislice jobs (row groups of
+        table-row-wise tables stay inside it, so only their output
+        combination crosses DCN).
+
+        Args:
+            sharding_type: TorchRec sharding type value.
+
+        Returns:
+            (collectives on ICI, collectives that also cross DCN).
+        """
+        multislice = self.topo.num_slices > 1
+        if sharding_type == ShardingType.DATA_PARALLEL.value:
+            return 1, 1 if multislice else 0
+        if sharding_type == ShardingType.TABLE_ROW_WISE.value:
+            return 3, 2 if multislice else 0
+        return 3, 3 if multislice else 0
+
+    def collective_latency_seconds(self, sharding_types: Iterable[str]) -> float:
+        """Fixed start-up cost of a plan's collectives, once per sharding group.
+
+        Args:
+            sharding_types: sharding types present in the plan (repeats are
+                one group).
+
+        Returns:
+            Seconds every device waits on collective start-up per step.
+        """
+        t = 0.0
+        for st in set(sharding_types):
+            ici, dcn = self.collectives_per_step(st)
+            t += ici * self.config.ici_latency_s + dcn * self.config.dcn_latency_s
+        return t
 
     # ---- per sharding type --------------------------------------------- #
 
@@ -275,10 +350,19 @@ class TpuCostModel:
         if sharding_type in (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value):
             g = w if sharding_type == ShardingType.ROW_WISE.value else topo.devices_per_slice
             ids = ids_total / g
-            if is_pooled:
+            if is_pooled and self.config.row_wise_output == "psum_scatter":
+                # Dense reduce-scatter: every shard holds a partial sum for
+                # every (sample, feature) of the global batch.
+                out = float(bags)
+            elif is_pooled:
                 # MOD sharding: a sample sends one partial sum per partition it hits.
-                hit = sum(global_batch * -math.expm1(pf * math.log1p(-1.0 / g)) if g > 1 else global_batch for pf in pooling_factors)
-                out = hit / g
+                # A shard holds 1/g of the rows, so a sample with ``pf`` ids
+                # hits it with probability 1 - (1 - 1/g)^pf; that expectation
+                # over the global batch is already per shard (no further /g).
+                out = sum(
+                    global_batch * -math.expm1(pf * math.log1p(-1.0 / g)) if g > 1 else global_batch
+                    for pf in pooling_factors
+                )
             else:
                 out = ids
             return ShardWork(ids, math.ceil(rows / g), dim, out, ids * (w - 1) / w, g, multislice)
@@ -323,20 +407,28 @@ class TpuCostModel:
                 fwd_compute=fwd * _MS,
                 fwd_comms=0.0,
                 bwd_compute=bwd * _MS,
-                bwd_comms=self.all_reduce_seconds(table_bytes, self.topo.num_slices > 1) * _MS,
+                bwd_comms=self.all_reduce_seconds(table_bytes, self.topo.num_slices > 1, latency=False) * _MS,
             )
-        out_bytes = wk.out_rows * (self.padded_dim(dim) * cfg.grad_bytes + (4 if wk.group > 1 else 0))
+        dense_rs = wk.group > 1 and is_pooled and cfg.row_wise_output == "psum_scatter"
+        out_bytes = wk.out_rows * (
+            self.padded_dim(dim) * cfg.grad_bytes + (4 if wk.group > 1 and not dense_rs else 0)
+        )
         if wk.group > 1 and self.topo.num_slices > 1:
             # Partial sums combine inside the slice (ICI); only one row per
             # sample leaves it over DCN, spread over the group's devices.
-            ici = self.all_to_all_seconds(out_bytes, cross_slice=False)
+            if dense_rs:
+                ici = self.reduce_scatter_seconds(out_bytes, cross_slice=False, latency=False)
+            else:
+                ici = self.all_to_all_seconds(out_bytes, cross_slice=False, latency=False)
             dcn_bytes = global_batch * len(pooling_factors) * self.padded_dim(dim) * cfg.grad_bytes / wk.group
             if not is_pooled:
                 dcn_bytes = wk.out_rows * self.padded_dim(dim) * cfg.grad_bytes
             out_comm = ici + self._dcn_seconds(dcn_bytes)
+        elif dense_rs:
+            out_comm = self.reduce_scatter_seconds(out_bytes, wk.cross_slice, latency=False)
         else:
-            out_comm = self.all_to_all_seconds(out_bytes, wk.cross_slice)
-        ids_comm = self.all_to_all_seconds(wk.in_ids_comm * cfg.id_bytes, wk.cross_slice)
+            out_comm = self.all_to_all_seconds(out_bytes, wk.cross_slice, latency=False)
+        ids_comm = self.all_to_all_seconds(wk.in_ids_comm * cfg.id_bytes, wk.cross_slice, latency=False)
         bwd = self.backward_seconds(wk.ids, dim, wk.rows, wk.out_rows, elem_bytes)
         return Perf(
             fwd_compute=fwd * _MS,
@@ -349,7 +441,8 @@ class TpuCostModel:
         s = self.topo.num_slices
         if s <= 1 or bytes_per_device <= 0:
             return 0.0
-        return self.config.dcn_latency_s + (
+        # No start-up latency: collective_latency_seconds counts it per group.
+        return (
             bytes_per_device * self.topo.devices_per_chip * (s - 1) / s / self.topo.dcn_bw_per_chip
         )
 
@@ -494,3 +587,43 @@ class TpuStorageEstimator(_TpuShardEstimator):
             option.tensor.element_size(), option.is_pooled,
         )
         shard.storage = Storage(hbm=hbm, ddr=0, ssd=0)
+
+
+class TpuPerfModel(PerfModel):
+    """Rates a whole plan for TorchRec's planner: busiest device + collective start-up.
+
+    Shard estimates carry only bandwidth and compute; the fixed start-up cost
+    of each collective is paid once per sharding group present in the plan
+    (:meth:`TpuCostModel.collective_latency_seconds`), so a plan that adds a
+    sharding group pays for its collectives once, not once per table.
+
+    Args:
+        topology: TorchRec topology (from :meth:`TpuTopology.to_torchrec`).
+        tpu_topology: the TPU job the topology came from.
+        config: cost model knobs.
+
+    Example::
+
+        tpu = TpuTopology.from_name("v6e-64")
+        perf_model = TpuPerfModel(tpu.to_torchrec(), tpu)
+        EmbeddingShardingPlanner(..., performance_model=perf_model)
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        tpu_topology: TpuTopology,
+        config: Optional[TpuEstimatorConfig] = None,
+    ) -> None:
+        self._topology = topology
+        self.model = TpuCostModel(tpu_topology, config)
+
+    def rate(self, plan: List[ShardingOption]) -> float:
+        """Estimated step time of ``plan``'s embeddings, ms."""
+        perfs = [0.0] * self._topology.world_size
+        for option in plan:
+            for shard in option.shards:
+                if shard.rank is not None and shard.perf is not None:
+                    perfs[shard.rank] += shard.perf.total
+        latency = self.model.collective_latency_seconds(o.sharding_type for o in plan)
+        return max(perfs) + latency * _MS

@@ -23,7 +23,6 @@ import torch
 from torch import nn
 from torchrec.distributed.planner.enumerators import EmbeddingEnumerator
 from torchrec.distributed.planner.partitioners import GreedyPerfPartitioner
-from torchrec.distributed.planner.perf_models import NoopPerfModel
 from torchrec.distributed.planner.planners import EmbeddingShardingPlanner
 from torchrec.distributed.planner.proposers import (
     DynamicProgrammingProposer,
@@ -41,22 +40,24 @@ from torchrec.distributed.planner.types import (
     ShardingOption,
 )
 from torchrec.distributed.types import ShardingPlan
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
-from tpurec.sparse.planner.estimators import TpuPerfEstimator, TpuStorageEstimator
-from tpurec.sparse.planner.report import PlanReport, build_report
+from tpurec.sparse.planner.estimators import TpuPerfEstimator, TpuPerfModel, TpuStorageEstimator
+from tpurec.sparse.planner.report import PlanReport, RecordedEmbeddingStats, build_report
 from tpurec.sparse.planner.sharder import tpu_sharders
 from tpurec.sparse.planner.topology import TpuTopology
 from tpurec.sparse.planner.types import (
+    DTYPES,
     TableSpec,
+    as_table_spec,
     TpuPlannerConfig,
     TpuPlanningError,
 )
 
 __all__ = ["PlanResult", "plan", "load_tables", "tables_to_module"]
 
-_DTYPES = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16}
+_DTYPES = DTYPES
 _GiB = 1024**3
 
 TablesOrModule = Union[nn.Module, Sequence[Union[TableSpec, EmbeddingBagConfig, Dict[str, Any]]]]
@@ -118,15 +119,7 @@ def load_tables(path_or_obj: Union[str, Dict[str, Any], List[Any]]) -> List[Tabl
     return specs
 
 
-def _as_spec(t: Union[TableSpec, EmbeddingBagConfig, Dict[str, Any]]) -> TableSpec:
-    if isinstance(t, TableSpec):
-        return t
-    if isinstance(t, dict):
-        return TableSpec(**t)
-    if isinstance(t, EmbeddingBagConfig):
-        dt = {v: k for k, v in _DTYPES.items()}.get(t.data_type, "fp32")
-        return TableSpec(t.name, t.num_embeddings, t.embedding_dim, 1.0, list(t.feature_names), dt)
-    raise TypeError(f"Cannot plan a table given as {type(t).__name__}")
+_as_spec = as_table_spec
 
 
 def tables_to_module(tables: Sequence[TableSpec]) -> EmbeddingBagCollection:
@@ -309,6 +302,7 @@ def plan(
             available_bytes_per_chip=available_per_chip,
         )
 
+    torchrec_stats = RecordedEmbeddingStats()
     planner = EmbeddingShardingPlanner(
         topology=trec_topology,
         batch_size=local_batch,
@@ -316,8 +310,8 @@ def plan(
         storage_reservation=reservation,
         proposer=_proposers(cfg.proposers),
         partitioner=GreedyPerfPartitioner(),
-        performance_model=NoopPerfModel(topology=trec_topology),
-        stats=[],
+        performance_model=TpuPerfModel(trec_topology, tpu, cfg.estimator),
+        stats=[torchrec_stats],
         constraints=merged,
         debug=False,
         timeout_seconds=cfg.timeout_seconds,
@@ -347,5 +341,6 @@ def plan(
         available_hbm_per_chip=available_per_chip,
         planning_seconds=elapsed,
         num_proposals=planner._num_proposals,
+        torchrec_stats=torchrec_stats.lines,
     )
     return PlanResult(sharding_plan, report, options)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
+from torchrec.distributed.planner.stats import EmbeddingStats
 from torchrec.distributed.planner.types import (
     ParameterConstraints,
     Perf,
@@ -21,13 +23,16 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.types import ShardingType
 
+from tpurec.sparse.planner.comms import options_distribution_bytes
 from tpurec.sparse.planner.estimators import TpuCostModel, expected_unique
 from tpurec.sparse.planner.topology import TpuTopology
 from tpurec.sparse.planner.types import TpuPlannerConfig
 
-__all__ = ["TableReport", "StepEstimate", "PlanReport", "build_report"]
+__all__ = ["TableReport", "StepEstimate", "PlanReport", "RecordedEmbeddingStats", "build_report"]
 
 _GiB = 1024**3
+
+_ROW_SHARDED = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
 
 _SHORT = {
     ShardingType.DATA_PARALLEL.value: "DP",
@@ -57,6 +62,7 @@ class TableReport:
     fwd_compute_ms: float
     bwd_compute_ms: float
     comms_ms: float
+    dist_bytes_per_device: float = 0.0
 
 
 @dataclass
@@ -99,6 +105,9 @@ class PlanReport:
     planning_seconds: float
     num_proposals: int
     notes: List[str] = field(default_factory=list)
+    collective_latency_ms: float = 0.0
+    distribution_bytes: Dict[str, float] = field(default_factory=dict)
+    torchrec_stats: List[str] = field(default_factory=list)
 
     @property
     def max_hbm_per_chip(self) -> float:
@@ -124,6 +133,8 @@ class PlanReport:
             f"{t['chips']} chips, {t['devices']} devices, {t['hosts']} hosts, "
             f"{t['sparsecores_per_device']} SparseCores/device"
         )
+        if t.get("sparsecore_note"):
+            lines.append(f"NOTE: {t['sparsecore_note']}")
         lines.append(
             f"global batch {self.batch_size} ({self.local_batch_size}/device), optimizer "
             f"{self.optimizer}, planned in {self.planning_seconds:.1f} s ({self.num_proposals} proposals)"
@@ -131,7 +142,7 @@ class PlanReport:
         lines.append("")
         hdr = (
             f"{'table':<14}{'rows':>12}{'dim':>5}{'pf':>6} {'type':<5}{'shards':>7} {'ranks':<16}"
-            f"{'HBM/shard':>11}{'fwd ms':>9}{'bwd ms':>9}{'comm ms':>9}"
+            f"{'HBM/shard':>11}{'fwd ms':>9}{'bwd ms':>9}{'comm ms':>9}{'dist/dev':>10}"
         )
         lines.append(hdr)
         lines.append("-" * len(hdr))
@@ -141,6 +152,7 @@ class PlanReport:
                 f"{_SHORT.get(r.sharding_type, r.sharding_type):<5}{r.num_shards:>7} "
                 f"{_ranks_repr(r.ranks, r.slices):<16}{_gib(r.hbm_bytes_max_shard):>11}"
                 f"{r.fwd_compute_ms:>9.3f}{r.bwd_compute_ms:>9.3f}{r.comms_ms:>9.3f}"
+                f"{_bytes(r.dist_bytes_per_device):>10}"
             )
         lines.append("")
         hbm = self.hbm_bytes_per_chip
@@ -152,6 +164,15 @@ class PlanReport:
         lines.append(
             "sharding types: " + ", ".join(f"{_SHORT.get(k, k)} {v}" for k, v in sorted(self.sharding_types.items()))
         )
+        d = self.distribution_bytes
+        if d:
+            lines.append(
+                "bytes one device sends per step (busiest device; input all_to_all, output "
+                "all_to_all/psum_scatter, output grads, DP all-reduce): "
+                f"ids {_bytes(d['input_ids'])}, outputs {_bytes(d['output'])}, "
+                f"output grads {_bytes(d['output_grad'])}, all distribution "
+                f"{_bytes(d['distribution_max_per_device'])}; DP grads {_bytes(d['dense_grad'])}"
+            )
         lines.append("")
         lines.append("per-step embedding time, busiest device (ms):")
         lines.append(f"  {'':<34}{'fwd comp':>10}{'bwd comp':>10}{'comms':>10}{'total':>10}{'  HBM/chip':>11}")
@@ -168,8 +189,17 @@ class PlanReport:
             lines.append(
                 f"  tpurec estimate / HBM bound = {self.estimate.total_ms / self.hbm_bound.total_ms:.1f}x"
             )
+        if self.collective_latency_ms:
+            lines.append(
+                f"  comms include {self.collective_latency_ms:.3f} ms collective start-up, once per "
+                f"collective of each sharding group"
+            )
         for n in self.notes:
             lines.append(f"  note: {n}")
+        if self.torchrec_stats:
+            lines.append("")
+            lines.append("TorchRec's planner stats (EmbeddingStats), same plan, tpurec's estimates:")
+            lines.extend(self.torchrec_stats)
         return "\n".join(lines)
 
 
@@ -179,6 +209,14 @@ def _gib(b: Optional[float]) -> str:
     if b >= _GiB / 10:
         return f"{b / _GiB:.2f}G"
     return f"{b / 1024**2:.1f}M"
+
+
+def _bytes(b: float) -> str:
+    """Bytes with a binary unit that keeps 3-4 digits."""
+    for unit, size in (("G", 1024**3), ("M", 1024**2), ("K", 1024)):
+        if b >= size:
+            return f"{b / size:.1f}{unit}"
+    return f"{b:.0f}B"
 
 
 def _ranks_repr(ranks: List[int], slices: List[int]) -> str:
@@ -201,7 +239,14 @@ def _per_rank(options: List[ShardingOption], world: int, perf_attr: str = "perf"
     return perfs
 
 
-def _step(source: str, perfs: List[Perf], hbm_per_chip: Optional[float] = None, note: str = "") -> StepEstimate:
+def _step(
+    source: str,
+    perfs: List[Perf],
+    hbm_per_chip: Optional[float] = None,
+    note: str = "",
+    latency_ms: float = 0.0,
+) -> StepEstimate:
+    """The busiest rank's step; ``latency_ms`` (paid by every rank) is added to its comms."""
     totals = [p.fwd_compute + p.bwd_compute + p.fwd_comms + p.bwd_comms for p in perfs]
     r = max(range(len(totals)), key=lambda i: totals[i])
     p = perfs[r]
@@ -209,8 +254,8 @@ def _step(source: str, perfs: List[Perf], hbm_per_chip: Optional[float] = None, 
         source=source,
         fwd_compute_ms=p.fwd_compute,
         bwd_compute_ms=p.bwd_compute,
-        comms_ms=p.fwd_comms + p.bwd_comms,
-        total_ms=totals[r],
+        comms_ms=p.fwd_comms + p.bwd_comms + latency_ms,
+        total_ms=totals[r] + latency_ms,
         critical_rank=r,
         max_hbm_bytes_per_chip=hbm_per_chip,
         note=note,
@@ -284,6 +329,7 @@ def build_report(
     available_hbm_per_chip: float,
     planning_seconds: float,
     num_proposals: int,
+    torchrec_stats: Optional[List[str]] = None,
 ) -> PlanReport:
     """Assemble a :class:`PlanReport` from the chosen sharding options.
 
@@ -299,12 +345,21 @@ def build_report(
         available_hbm_per_chip: HBM per chip left for embeddings.
         planning_seconds: wall time of planning.
         num_proposals: proposals the planner evaluated.
+        torchrec_stats: lines of TorchRec's ``EmbeddingStats`` table.
 
     Returns:
         The report.
     """
     model = TpuCostModel(tpu, config.estimator)
     world = tpu.world_size
+    dist = options_distribution_bytes(
+        options,
+        world,
+        float(local_batch * world),
+        id_bytes=config.estimator.id_bytes,
+        grad_bytes=config.estimator.grad_bytes,
+        row_wise_output=config.estimator.row_wise_output,
+    )
     tables: List[TableReport] = []
     chip_hbm = [0.0] * tpu.num_chips
     kinds: Dict[str, int] = {}
@@ -333,12 +388,36 @@ def build_report(
                 fwd_compute_ms=busiest.fwd_compute,
                 bwd_compute_ms=busiest.bwd_compute,
                 comms_ms=busiest.fwd_comms + busiest.bwd_comms,
+                dist_bytes_per_device=dist.tables[o.name].max_per_device,
             )
         )
     label = "tpurec SparseCore model" if tpu.sparsecores_per_device else "tpurec model (TensorCore gather)"
-    estimate = _step(label, _per_rank(options, world), max(chip_hbm))
+    latency_ms = model.collective_latency_seconds(o.sharding_type for o in options) * 1000.0
+    estimate = _step(label, _per_rank(options, world), max(chip_hbm), latency_ms=latency_ms)
     bound = _hbm_bound(options, tpu, local_batch * world, model)
     notes: List[str] = []
+    if any(o.sharding_type in _ROW_SHARDED for o in options):
+        # The other way of returning row-wise outputs, for comparison.
+        other = "psum_scatter" if config.estimator.row_wise_output == "sparse" else "sparse"
+        alt = options_distribution_bytes(
+            options,
+            world,
+            float(local_batch * world),
+            id_bytes=config.estimator.id_bytes,
+            grad_bytes=config.estimator.grad_bytes,
+            row_wise_output=other,
+        )
+        notes.append(
+            f"row-wise outputs are estimated as {config.estimator.row_wise_output!r}: the busiest device "
+            f"sends {_bytes(dist.total.summary()['output'])} of outputs per step; as {other!r} it would "
+            f"send {_bytes(alt.total.summary()['output'])} (tpurec.shard runs 'psum_scatter'; "
+            f"--row-wise-output chooses)"
+        )
+    if tpu.sparsecore_note:
+        notes.append(
+            f"{tpu.sparsecore_note}; gathers are modelled at "
+            f"{config.estimator.tensorcore_gather_efficiency:.0%} of HBM bandwidth"
+        )
     trec: Optional[StepEstimate] = None
     if config.compare_torchrec_default:
         try:
@@ -363,4 +442,49 @@ def build_report(
         planning_seconds=planning_seconds,
         num_proposals=num_proposals,
         notes=notes,
+        collective_latency_ms=latency_ms,
+        distribution_bytes=dist.total.summary(),
+        torchrec_stats=list(torchrec_stats or []),
     )
+
+
+class RecordedEmbeddingStats(EmbeddingStats):
+    """TorchRec's ``EmbeddingStats`` that keeps the table it logs.
+
+    TorchRec writes its per-rank stats table (HBM, perf, input/output sizes,
+    shards per rank) to a logger; this records those lines in ``lines`` so
+    the plan report can print them next to tpurec's own figures.
+
+    Example::
+
+        stats = RecordedEmbeddingStats()
+        EmbeddingShardingPlanner(..., stats=[stats]).plan(module, sharders)
+        print("\n".join(stats.lines))
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: List[str] = []
+
+    def log(self, *args: Any, **kwargs: Any) -> None:
+        """Runs TorchRec's ``log`` and records the lines it emits."""
+        records: List[str] = []
+
+        class _Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                records.append(record.getMessage())
+
+        stats_logger = logging.getLogger(EmbeddingStats.__module__)
+        handler = _Keep(level=logging.INFO)
+        old_level, old_propagate = stats_logger.level, stats_logger.propagate
+        stats_logger.addHandler(handler)
+        # Record at INFO without echoing to the root logger.
+        stats_logger.setLevel(logging.INFO)
+        stats_logger.propagate = False
+        try:
+            super().log(*args, **kwargs)
+        finally:
+            stats_logger.removeHandler(handler)
+            stats_logger.setLevel(old_level)
+            stats_logger.propagate = old_propagate
+        self.lines = records

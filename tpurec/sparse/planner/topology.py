@@ -133,7 +133,10 @@ TPU_GENERATIONS: Dict[str, TpuGeneration] = {
         sparsecores_per_chip=0,  # no SparseCore: lookups on the TensorCore
         devices_per_chip=1,
         chips_per_host=8,
-        dcn_bw_per_chip=50e9 / 8,  # assumption: as v5p
+        # cloud.google.com/tpu/docs/v5e: "Data center network bandwidth per
+        # Pod 6.4 Tbps" over 256 chips = 25 Gb/s per chip (also: 2 x 100 Gbps
+        # NICs per 8-chip host).
+        dcn_bw_per_chip=25e9 / 8,
         name_counts_cores=False,
         sources=("cloud.google.com/tpu/docs/v5e",),
     ),
@@ -144,11 +147,15 @@ TPU_GENERATIONS: Dict[str, TpuGeneration] = {
         bf16_flops_per_chip=459e12,
         ici_bw_per_chip=1200 * _GB,
         torus_rank=3,
-        max_chips_per_slice=8960,
+        # cloud.google.com/tpu/docs/v5p: a pod has 8960 chips, but "the largest
+        # job that can be scheduled is a 96 cube (6144 chip) job" (16x16x24).
+        max_chips_per_slice=6144,
         sparsecores_per_chip=4,  # jax-tpu-embedding NUM_SC_PER_DEVICE_MAP
         devices_per_chip=1,
         chips_per_host=4,
-        dcn_bw_per_chip=50e9 / 8,  # 50 Gb/s per chip (DESIGN.md, v5p docs)
+        # cloud.google.com/tpu/docs/v5p: "Data center network (DCN) bandwidth
+        # per chip (Gbps) 50".
+        dcn_bw_per_chip=50e9 / 8,
         name_counts_cores=True,
         sources=("cloud.google.com/tpu/docs/v5p", "jax-tpu-embedding"),
     ),
@@ -204,6 +211,14 @@ def _generation(name: str) -> TpuGeneration:
     return TPU_GENERATIONS[key]
 
 
+# Slice shapes Cloud TPU offers whose chip count is not a power of two.
+# cloud.google.com/tpu/docs/v5p: "The maximum v5p shape is 16x16x24 (6144
+# chips, 96 cubes)".
+_PUBLISHED_SHAPES: Dict[Tuple[str, int], Tuple[int, ...]] = {
+    ("v5p", 6144): (16, 16, 24),
+}
+
+
 def default_slice_shape(generation: str, chips: int) -> Tuple[int, ...]:
     """The usual slice shape of ``chips`` chips (power of two) for a generation.
 
@@ -223,6 +238,9 @@ def default_slice_shape(generation: str, chips: int) -> Tuple[int, ...]:
         default_slice_shape("v5p", 64)  # (4, 4, 4)
     """
     gen = _generation(generation)
+    published = _PUBLISHED_SHAPES.get((gen.name, chips))
+    if published is not None:
+        return published
     if chips < 1 or chips & (chips - 1):
         raise ValueError(
             f"{chips} chips is not a power of two; pass slice_shape explicitly"
@@ -374,6 +392,22 @@ class TpuTopology:
     @property
     def sparsecores_per_chip(self) -> int:
         return self.gen.sparsecores_per_chip
+
+    @property
+    def sparsecore_note(self) -> Optional[str]:
+        """A plain statement when the generation has no SparseCore, else ``None``.
+
+        v5e chips have none (cloud.google.com/tpu/docs/v5e lists one
+        TensorCore per chip and no SparseCore), so embedding lookups and
+        updates run as gathers and scatters on the TensorCore.
+        """
+        if self.sparsecores_per_chip:
+            return None
+        return (
+            f"{self.gen.name} has no SparseCore: embedding lookups and updates run as "
+            f"gathers/scatters on the TensorCore, and SparseCore figures (partitions, "
+            f"MOD row sharding per SparseCore) do not apply"
+        )
 
     def slice_of(self, rank: int) -> int:
         """Slice index of a device rank (ranks are numbered slice-major)."""
@@ -547,6 +581,7 @@ class TpuTopology:
             "devices": self.world_size,
             "devices_per_chip": self.devices_per_chip,
             "sparsecores_per_device": self.sparsecores_per_device,
+            "sparsecore_note": self.sparsecore_note,
             "hbm_gib_per_chip": self.hbm_per_chip / _GiB,
             "hbm_gbps_per_chip": self.gen.hbm_bw_per_chip / 1e9,
             "ici_links_per_chip": self.gen.ici_links_per_chip,

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from torchrec.distributed.planner.types import PlannerError, PlannerErrorType
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
 
 __all__ = [
     "OPTIMIZER_SLOTS",
@@ -13,7 +14,10 @@ __all__ = [
     "TpuEstimatorConfig",
     "TpuPlannerConfig",
     "TpuPlanningError",
+    "as_table_spec",
 ]
+
+DTYPES: Dict[str, DataType] = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16}
 
 # Optimizer state per table row, as (slots proportional to the embedding
 # dimension, fixed slots per row). Adagrad keeps one accumulator per element;
@@ -83,6 +87,11 @@ class TpuEstimatorConfig:
         ici_latency_s: fixed cost of one ICI collective.
         dcn_latency_s: fixed cost of one collective crossing DCN.
         grad_bytes: bytes per element of activations and gradients.
+        row_wise_output: how row-wise shards return pooled rows:
+            ``"sparse"`` (SparseCore: each shard sends only the partial sums
+            of samples that hit its rows) or ``"psum_scatter"`` (a dense
+            reduce-scatter of every sample's partial sum, as
+            ``tpurec.shard`` runs it today).
 
     Example::
 
@@ -103,11 +112,16 @@ class TpuEstimatorConfig:
     ici_latency_s: float = 5e-6
     dcn_latency_s: float = 50e-6
     grad_bytes: int = 4
+    row_wise_output: str = "sparse"
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_SLOTS:
             raise ValueError(
                 f"Unknown optimizer {self.optimizer!r}; known: {sorted(OPTIMIZER_SLOTS)}"
+            )
+        if self.row_wise_output not in ("sparse", "psum_scatter"):
+            raise ValueError(
+                f"row_wise_output must be 'sparse' or 'psum_scatter', got {self.row_wise_output!r}"
             )
 
 
@@ -165,3 +179,32 @@ class TpuPlanningError(PlannerError):
         self.needed_bytes_per_chip = needed_bytes_per_chip
         self.available_bytes_per_chip = available_bytes_per_chip
         super().__init__(message, error_type=error_type)
+
+
+def as_table_spec(table: Union["TableSpec", BaseEmbeddingConfig, Dict[str, Any]]) -> TableSpec:
+    """A :class:`TableSpec` from a spec, a TorchRec embedding config or a dict.
+
+    TorchRec configs carry no pooling factor; they are planned with 1.0.
+
+    Args:
+        table: the table.
+
+    Returns:
+        The spec.
+
+    Raises:
+        TypeError: ``table`` is none of these.
+    """
+    if isinstance(table, TableSpec):
+        return table
+    if isinstance(table, dict):
+        return TableSpec(**table)
+    if isinstance(table, BaseEmbeddingConfig):
+        dt = {v: k for k, v in DTYPES.items()}.get(table.data_type, "fp32")
+        return TableSpec(
+            table.name, table.num_embeddings, table.embedding_dim, 1.0, list(table.feature_names), dt
+        )
+    raise TypeError(
+        f"Cannot read a table from {type(table).__name__}; pass a TableSpec, a TorchRec "
+        f"EmbeddingBagConfig/EmbeddingConfig or a dict of TableSpec fields"
+    )

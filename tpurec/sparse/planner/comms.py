@@ -1,0 +1,362 @@
+"""Bytes each device sends per training step to distribute a plan's inputs and outputs.
+
+Where :class:`~tpurec.sparse.planner.estimators.TpuCostModel` turns traffic
+into time, this module counts the traffic itself, collective by collective, as
+``tpurec.shard`` runs a plan (issue 9, item 3; DESIGN.md "Distributed = JAX's
+runtime"):
+
+* input distribution: one ``all_to_all`` per sharding group moves every id
+  (with its sample id and gain, ``id_bytes`` in all) from the device whose
+  local batch holds it to the shard(s) owning its row;
+* output distribution, forward: table- and column-wise shards return pooled
+  rows to the batch owners with ``all_to_all``; row-wise shards combine
+  partial sums with ``psum_scatter`` (reduce-scatter) over their row group;
+* output gradients, backward: the transposed collectives (``all_to_all``
+  back to the shards; ``all_gather`` for row-wise);
+* data-parallel tables: one gradient all-reduce (ring: each device sends
+  ``2 (P-1)/P`` of the table).
+
+Counts are payload bytes a device sends to *other* devices (the chunk it keeps
+is free), with ids at their expected count (``capacity_factor`` scales them
+to the padded static capacity the program really ships). Ids are assumed
+uniform over rows, as the cost model assumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Sequence, Union
+
+from torchrec.distributed.planner.types import ShardingOption
+from torchrec.distributed.types import ShardingPlan, ShardingType
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+
+from tpurec.sparse.planner.types import TableSpec, as_table_spec
+
+__all__ = [
+    "DistributionBytes",
+    "PlanDistributionBytes",
+    "TablePlacement",
+    "distribution_bytes",
+    "options_distribution_bytes",
+    "placement_distribution_bytes",
+]
+
+_DP = ShardingType.DATA_PARALLEL.value
+_ROW_SHARDED = (ShardingType.ROW_WISE.value, ShardingType.TABLE_ROW_WISE.value)
+_OWNER_SHARDED = (
+    ShardingType.TABLE_WISE.value,
+    ShardingType.COLUMN_WISE.value,
+    ShardingType.TABLE_COLUMN_WISE.value,
+)
+ROW_WISE_OUTPUTS = ("psum_scatter", "sparse")
+
+
+@dataclass
+class DistributionBytes:
+    """Bytes each device sends per step, by collective; lists are indexed by rank.
+
+    Args:
+        input_ids: forward ``all_to_all`` of ids (+ sample ids and gains).
+        output: forward pooled rows to the batch owners (``all_to_all``) or
+            row-wise partial sums (``psum_scatter``).
+        output_grad: backward, the output gradients back to the shards.
+        dense_grad: data-parallel gradient all-reduce.
+    """
+
+    input_ids: List[float]
+    output: List[float]
+    output_grad: List[float]
+    dense_grad: List[float]
+
+    @classmethod
+    def zeros(cls, world_size: int) -> "DistributionBytes":
+        """All-zero counts for ``world_size`` devices."""
+        return cls(*([0.0] * world_size for _ in range(4)))
+
+    def add_(self, other: "DistributionBytes") -> "DistributionBytes":
+        """Adds ``other`` in place; returns self."""
+        for name in ("input_ids", "output", "output_grad", "dense_grad"):
+            mine, theirs = getattr(self, name), getattr(other, name)
+            for r, b in enumerate(theirs):
+                mine[r] += b
+        return self
+
+    @property
+    def per_device(self) -> List[float]:
+        """Input plus output distribution (both directions) per device, bytes."""
+        return [a + b + c for a, b, c in zip(self.input_ids, self.output, self.output_grad)]
+
+    @property
+    def max_per_device(self) -> float:
+        """The busiest device's input + output distribution bytes."""
+        return max(self.per_device, default=0.0)
+
+    def summary(self) -> Dict[str, float]:
+        """Busiest device's bytes per collective kind, and of all distribution."""
+        return {
+            "input_ids": max(self.input_ids, default=0.0),
+            "output": max(self.output, default=0.0),
+            "output_grad": max(self.output_grad, default=0.0),
+            "dense_grad": max(self.dense_grad, default=0.0),
+            "distribution_max_per_device": self.max_per_device,
+        }
+
+
+@dataclass
+class PlanDistributionBytes:
+    """A plan's distribution bytes: in total, per sharding group, per table.
+
+    Args:
+        total: all tables together.
+        by_sharding_type: per sharding group (one set of collectives each).
+        tables: per table.
+    """
+
+    total: DistributionBytes
+    by_sharding_type: Dict[str, DistributionBytes] = field(default_factory=dict)
+    tables: Dict[str, DistributionBytes] = field(default_factory=dict)
+
+
+@dataclass
+class TablePlacement:
+    """Where one table's shards live, and what it is fed.
+
+    Args:
+        name: table name.
+        sharding_type: TorchRec sharding type value.
+        rows: rows of the whole table.
+        dim: columns of the whole table.
+        pooling_factors: ids per sample of each feature looked up in it.
+        shard_ranks: rank of each shard (every rank for data-parallel).
+        shard_dims: columns of each shard.
+    """
+
+    name: str
+    sharding_type: str
+    rows: int
+    dim: int
+    pooling_factors: List[float]
+    shard_ranks: List[int]
+    shard_dims: List[int]
+
+
+def placement_distribution_bytes(
+    table: TablePlacement,
+    world_size: int,
+    batch_size: float,
+    id_bytes: int = 12,
+    grad_bytes: int = 4,
+    capacity_factor: float = 1.0,
+    row_wise_output: str = "psum_scatter",
+) -> DistributionBytes:
+    """Bytes each device sends per step for one table.
+
+    Args:
+        table: the table's placement.
+        world_size: devices in the mesh.
+        batch_size: GLOBAL batch (each device owns ``batch_size / world_size``).
+        id_bytes: bytes per distributed id (int32 id, int32 sample id, f32 gain).
+        grad_bytes: bytes per element of pooled outputs and their gradients.
+        capacity_factor: static id capacity over expected ids.
+        row_wise_output: ``"psum_scatter"`` (dense reduce-scatter of every
+            sample's partial sum, what ``tpurec.shard`` runs) or ``"sparse"``
+            (only the samples a shard's rows are hit by, with a 4-byte index
+            each, as SparseCores combine them and the cost model assumes).
+
+    Returns:
+        Per-rank bytes.
+
+    Raises:
+        ValueError: unknown sharding type or ``row_wise_output``, or a rank
+            outside the mesh.
+    """
+    if row_wise_output not in ROW_WISE_OUTPUTS:
+        raise ValueError(f"row_wise_output must be one of {ROW_WISE_OUTPUTS}, got {row_wise_output!r}")
+    w = world_size
+    out = DistributionBytes.zeros(w)
+    bad = [r for r in table.shard_ranks if not 0 <= r < w]
+    if bad:
+        raise ValueError(f"table {table.name!r}: ranks {bad} are outside a mesh of {w} devices")
+    local_batch = batch_size / w
+    features = len(table.pooling_factors)
+    local_ids = local_batch * sum(table.pooling_factors) * capacity_factor
+    st = table.sharding_type
+    if st == _DP:
+        # Ring all-reduce of the whole gradient: 2 (P-1)/P of it per device.
+        for r in range(w):
+            out.dense_grad[r] = 2.0 * (w - 1) / w * table.rows * table.dim * grad_bytes
+        return out
+    if st in _OWNER_SHARDED:
+        for owner, shard_dim in zip(table.shard_ranks, table.shard_dims):
+            # Every id of the table's features reaches every shard owner
+            # (column shards all need every id).
+            for d in range(w):
+                if d != owner:
+                    out.input_ids[d] += local_ids * id_bytes
+                    # Backward: each batch owner returns its rows' gradients.
+                    out.output_grad[d] += local_batch * features * shard_dim * grad_bytes
+            # Forward: the owner sends every other device its samples' rows.
+            out.output[owner] += (batch_size - local_batch) * features * shard_dim * grad_bytes
+        return out
+    if st in _ROW_SHARDED:
+        group = sorted(set(table.shard_ranks))
+        g = len(group)
+        dim = max(table.shard_dims) if table.shard_dims else table.dim
+        for d in range(w):
+            # MOD sharding spreads ids evenly over the group; ids for the
+            # device's own shard stay put.
+            out.input_ids[d] += local_ids * id_bytes * ((g - 1) / g if d in group else 1.0)
+        row = features * dim * grad_bytes
+        for d in group:
+            if row_wise_output == "psum_scatter":
+                # Reduce-scatter of a [batch, features * dim] partial-sum
+                # buffer over the group: each member sends (g-1)/g of it.
+                fwd = (g - 1) / g * batch_size * row
+                if g < w:
+                    # Table-row-wise: the group's reduced rows then go to their
+                    # batch owners outside the device.
+                    fwd += batch_size / g * (w - 1) / w * row
+            else:
+                hit = sum(
+                    batch_size * (1.0 - (1.0 - 1.0 / g) ** pf) if g > 1 else batch_size
+                    for pf in table.pooling_factors
+                )
+                fwd = hit * (w - 1) / w * (dim * grad_bytes + 4)
+            out.output[d] += fwd
+            # all_gather (the transpose) sends as much as the reduce-scatter.
+            out.output_grad[d] += fwd
+        return out
+    raise ValueError(
+        f"table {table.name!r}: sharding type {st!r} is not one tpurec runs; "
+        f"choose from {[_DP, *_OWNER_SHARDED, *_ROW_SHARDED]}"
+    )
+
+
+def _sum_placements(
+    placements: Sequence[TablePlacement], world_size: int, batch_size: float, **kwargs: Any
+) -> PlanDistributionBytes:
+    result = PlanDistributionBytes(DistributionBytes.zeros(world_size))
+    for p in placements:
+        b = placement_distribution_bytes(p, world_size, batch_size, **kwargs)
+        result.tables[p.name] = b
+        result.total.add_(b)
+        group = result.by_sharding_type.setdefault(p.sharding_type, DistributionBytes.zeros(world_size))
+        group.add_(b)
+    return result
+
+
+def placements_from_options(options: Sequence[ShardingOption]) -> List[TablePlacement]:
+    """Table placements of TorchRec sharding options (shards with ranks)."""
+    placements = []
+    for o in options:
+        placements.append(
+            TablePlacement(
+                name=o.name,
+                sharding_type=o.sharding_type,
+                rows=int(o.tensor.shape[0]),
+                dim=int(o.tensor.shape[1]),
+                pooling_factors=[float(x) for x in o.input_lengths],
+                shard_ranks=[int(s.rank) for s in o.shards if s.rank is not None],
+                shard_dims=[int(s.size[1]) for s in o.shards if s.rank is not None],
+            )
+        )
+    return placements
+
+
+TableLike = Union[TableSpec, BaseEmbeddingConfig, Dict[str, Any]]
+
+
+def distribution_bytes(
+    sharding_plan: ShardingPlan,
+    tables: Union[Sequence[TableLike], Mapping[str, TableLike]],
+    world_size: int,
+    batch_size: int,
+    *,
+    id_bytes: int = 12,
+    grad_bytes: int = 4,
+    capacity_factor: float = 1.0,
+    row_wise_output: str = "psum_scatter",
+) -> PlanDistributionBytes:
+    """Bytes each device sends per training step to run ``sharding_plan``.
+
+    Args:
+        sharding_plan: a TorchRec plan (from :func:`plan`, :func:`load_plan`
+            or TorchRec's planner).
+        tables: the planned tables (:class:`TableSpec`, TorchRec configs or
+            dicts; TorchRec configs count 1 id per sample and feature), by
+            name or as a list.
+        world_size: devices in the mesh.
+        batch_size: GLOBAL batch size.
+        id_bytes: bytes per distributed id (id, sample id, gain).
+        grad_bytes: bytes per element of pooled outputs and gradients.
+        capacity_factor: static id capacity over expected ids (the program
+            pads id buffers to it).
+        row_wise_output: see :func:`placement_distribution_bytes`.
+
+    Returns:
+        Totals, per sharding group and per table; lists are per rank.
+
+    Raises:
+        ValueError: a planned table is missing from ``tables``, a rank lies
+            outside the mesh, or a sharding type is unknown.
+
+    Example::
+
+        sp, report = plan(load_tables("examples/planner/mlperf_dlrm_dcnv2.json"), "v6e-64", 55296)
+        comm = distribution_bytes(sp, load_tables("examples/planner/mlperf_dlrm_dcnv2.json"), 64, 55296)
+        comm.total.max_per_device  # bytes the busiest device sends per step
+    """
+    if isinstance(tables, Mapping):
+        specs = {name: as_table_spec(t) for name, t in tables.items()}
+    else:
+        specs = {s.name: s for s in (as_table_spec(t) for t in tables)}
+    placements: List[TablePlacement] = []
+    for module_path, module_plan in sharding_plan.plan.items():
+        for name, ps in module_plan.items():  # type: ignore[attr-defined]
+            spec = specs.get(name)
+            if spec is None:
+                raise ValueError(
+                    f"plan table {name!r} (module {module_path!r}) is not among the tables given "
+                    f"({sorted(specs)}); pass every planned table"
+                )
+            pfs = [float(spec.pooling_factor)] * len(spec.features())
+            if ps.sharding_type == _DP or ps.sharding_spec is None:
+                ranks = list(ps.ranks) if ps.ranks else list(range(world_size))
+                dims = [spec.embedding_dim] * len(ranks)
+            else:
+                shards = ps.sharding_spec.shards  # type: ignore[attr-defined]
+                ranks = [int(s.placement.rank()) for s in shards]
+                dims = [int(s.shard_sizes[1]) for s in shards]
+            placements.append(
+                TablePlacement(name, ps.sharding_type, spec.num_embeddings, spec.embedding_dim, pfs, ranks, dims)
+            )
+    return _sum_placements(
+        placements,
+        world_size,
+        float(batch_size),
+        id_bytes=id_bytes,
+        grad_bytes=grad_bytes,
+        capacity_factor=capacity_factor,
+        row_wise_output=row_wise_output,
+    )
+
+
+def options_distribution_bytes(
+    options: Sequence[ShardingOption],
+    world_size: int,
+    batch_size: float,
+    id_bytes: int = 12,
+    grad_bytes: int = 4,
+    row_wise_output: str = "psum_scatter",
+) -> PlanDistributionBytes:
+    """:func:`distribution_bytes` of TorchRec sharding options (the planner's own result)."""
+    return _sum_placements(
+        placements_from_options(options),
+        world_size,
+        batch_size,
+        id_bytes=id_bytes,
+        grad_bytes=grad_bytes,
+        row_wise_output=row_wise_output,
+    )
+
