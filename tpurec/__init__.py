@@ -41,4 +41,16 @@ import torch.optim.optimizer as _optimizer  # noqa: E402
 if TpuTensor not in _optimizer._foreach_supported_types:
     _optimizer._foreach_supported_types.append(TpuTensor)
 
-__all__ = ["platform", "stats", "reset_stats", "synchronize", "set_mode", "get_mode", "mode", "enable_disk_cache", "TpuTensor"]
+
+
+def shard(model, plan=None, mesh=None, **kwargs):
+    """Shards ``model``'s embeddings by ``plan`` over ``mesh`` and makes its dense part data-parallel.
+
+    See :func:`tpurec.sparse.sharding.shard` (imported on first use).
+    """
+    from tpurec.sparse.sharding import shard as _shard
+
+    return _shard(model, plan, mesh, **kwargs)
+
+
+__all__ = ["shard", "platform", "stats", "reset_stats", "synchronize", "set_mode", "get_mode", "mode", "enable_disk_cache", "TpuTensor"]

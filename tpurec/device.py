@@ -21,7 +21,8 @@ def platform() -> str:
 
 
 def _devices() -> list:
-    return jax.devices()
+    # This process's devices: with several processes, tpu:0 is each one's first.
+    return jax.local_devices()
 
 
 def jax_device(index: int | None) -> jax.Device:

@@ -10,6 +10,7 @@ import time
 from typing import Any, Callable
 
 import jax
+import numpy as np
 from jax import monitoring
 
 __all__ = ["Stats", "stats", "reset_stats", "ProgramCache", "Program", "programs", "cache_root", "enable_disk_cache"]
@@ -112,7 +113,7 @@ class Program:
     The fused mode calls ``raw`` inside a larger trace; eager calls ``jitted``.
     """
 
-    __slots__ = ("raw", "jitted", "serial", "ran", "out_avals", "metas")
+    __slots__ = ("raw", "jitted", "serial", "ran", "out_avals", "metas", "_options", "_spmd")
 
     def __init__(self, raw: Callable, **jit_options) -> None:
         self.raw = raw
@@ -121,18 +122,70 @@ class Program:
         self.ran = False
         self.out_avals = None
         self.metas = None
+        self._options = jit_options
+        self._spmd = None
 
     def __call__(self, *args):
         _stats.executions += 1
+        jitted = self.jitted
+        if _mesh_arrays_exist:
+            args, on_mesh = _onto_common_mesh(args)
+            if on_mesh:
+                # Global arrays decide where the program runs: XLA partitions it
+                # over their mesh (SPMD) instead of pinning it to one device.
+                if self._spmd is None:
+                    options = {k: v for k, v in self._options.items() if k != "out_shardings"}
+                    self._spmd = jax.jit(self.raw, **options)
+                jitted = self._spmd
         if self.ran:
-            return self.jitted(*args)
+            return jitted(*args)
         start = time.perf_counter()
         try:
-            out = self.jitted(*args)
+            out = jitted(*args)
         finally:
             _stats.compile_seconds += time.perf_counter() - start
         self.ran = True
         return out
+
+
+# Set by tpurec.sparse.sharding once a global (mesh) array may reach a program:
+# until then programs skip the per-call look at their inputs' shardings.
+_mesh_arrays_exist = False
+
+
+def mesh_arrays_in_use() -> None:
+    """Tells programs that inputs may be global arrays laid out on a mesh."""
+    global _mesh_arrays_exist
+    _mesh_arrays_exist = True
+
+
+def _is_global(x) -> bool:
+    return isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding) and len(x.sharding.device_set) > 1
+
+
+def _onto_common_mesh(args: tuple) -> tuple[tuple, bool]:
+    """Replicates single-device inputs onto the mesh of the global inputs, if any.
+
+    A program mixing both (a loss scale made on ``tpu:0`` times a batch-sharded
+    activation) could not run otherwise: jit needs all inputs on one device set.
+    """
+    leaves = jax.tree.leaves(args)
+    mesh_sharding = next((x.sharding for x in leaves if _is_global(x)), None)
+    if mesh_sharding is None:
+        return args, False
+    replicated = jax.sharding.NamedSharding(mesh_sharding.mesh, jax.sharding.PartitionSpec())
+
+    def place(x):
+        if not isinstance(x, jax.Array) or _is_global(x):
+            return x
+        if jax.process_count() == 1:
+            return jax.device_put(x, replicated)
+        # Several processes: every process holds the same local value; each
+        # builds its own devices' copies of it.
+        host = np.asarray(x)
+        return jax.make_array_from_callback(host.shape, replicated, lambda index: host[index])
+
+    return jax.tree.map(place, args), True
 
 
 class ProgramCache:
@@ -202,6 +255,6 @@ def synchronize() -> None:
     from tpurec import fused
 
     fused.flush("synchronize")
-    for device in jax.devices():
+    for device in jax.local_devices():
         jax.device_put(0, device).block_until_ready()
     jax.effects_barrier()

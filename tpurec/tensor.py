@@ -195,6 +195,15 @@ def host_array(t: torch.Tensor) -> np.ndarray:
 
 def jax_to_host(array: jax.Array) -> torch.Tensor:
     """Copies a jax.Array into a new CPU tensor."""
+    if isinstance(array, jax.Array) and not array.is_fully_addressable:
+        # A global array spanning several processes: a replicated one (a loss)
+        # has every value here; a sharded one does not.
+        if not array.is_fully_replicated:
+            raise RuntimeError(
+                "this tensor is sharded over devices of several processes; only replicated values can be read "
+                "on one process (gather it first, e.g. with jax.experimental.multihost_utils.process_allgather)"
+            )
+        array = array.addressable_data(0)
     raw = np.asarray(array)
     if raw.dtype == jnp.bfloat16:
         return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16)

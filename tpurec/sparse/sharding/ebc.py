@@ -1,0 +1,532 @@
+"""A tpurec EmbeddingBagCollection sharded over a device mesh.
+
+Per step (see DESIGN.md, "Sharded execution"):
+
+* host, per process: the local batch is validated (``read_kjt``) and each of
+  its ids is routed to the shards holding its row: fixed-capacity
+  ``[local devices, devices, capacity]`` arrays per group (source device,
+  destination device, entry), made global arrays on the mesh;
+* forward program (SPMD, ``shard_map``): ``all_to_all`` moves the entries to
+  their owners, each device runs the lookup kernel (the native XLA:CPU kernel
+  on CPU, SparseCore on TPU) on its local stack, and pooled rows return to the
+  batch owners (``all_to_all``; ``psum_scatter`` for row-wise tables);
+  data-parallel tables are looked up locally;
+* backward program: the same collectives reversed bring each shard the
+  gradients of its pooled rows, and every shard applies the fused optimizer to
+  its rows in place (buffers donated). Data-parallel replicas all-gather the
+  batch's entries and gradients and apply the same update.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+from tpurec import runtime
+from tpurec.sparse.ops import kernel_for
+from tpurec.sparse.optimizers import EmbeddingOptimizer
+from tpurec.sparse.preprocess import read_kjt, stack_tables
+from tpurec.sparse.sharding.layout import Layout
+from tpurec.sparse.sharding.specs import TableSharding
+from tpurec.sparse.types import PAD_ID, CapacityError
+from tpurec.tensor import wrap
+
+__all__ = ["ShardedEmbeddingBagCollection"]
+
+_ALIGN = 8
+
+
+def _global_from_host(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """A global array with ``host``'s values (every process passes the same ``host``)."""
+    if jax.process_count() == 1:
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def host_values(array: jax.Array) -> np.ndarray:
+    """All values of a (possibly multi-process) global array, on this host."""
+    if array.is_fully_addressable:
+        return np.asarray(array)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+class _ShardedLookup(torch.autograd.Function):
+    """The sharded forward program; its backward runs the sharded fused optimizer."""
+
+    @staticmethod
+    def forward(ctx, anchor, module, batch):
+        out, saved = module._run_forward(batch)
+        ctx.module, ctx.saved = module, saved
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ctx.module._run_backward(ctx.saved, grad_output)
+        # The tables are updated in place: they get no .grad (a dense optimizer skips them).
+        return None, None, None
+
+
+class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
+    """An EmbeddingBagCollection whose tables are sharded ``jax.Array`` s on a mesh.
+
+    Built by :func:`tpurec.shard` from a tpurec ``EmbeddingBagCollection`` and a
+    plan; takes the same ``KeyedJaggedTensor`` (each process passes its local
+    batch, split evenly over its devices) and returns the same ``KeyedTensor``,
+    whose values are a batch-sharded global ``[batch, sum of dims]`` tpu tensor.
+
+    Args:
+        source: the unsharded module (tables, optimizer state and settings are copied).
+        shardings: table name -> :class:`TableSharding`.
+        mesh: the device mesh (rank ``r`` of the plan is ``mesh.devices.flat[r]``).
+        capacity: entries each source device may send each destination per
+            group and step; None grows it on demand to powers of two (a growth
+            compiles the programs again).
+        overflow: ``"error"`` (raise :class:`CapacityError`) or ``"drop"`` (count
+            the dropped entries in ``dropped``).
+
+    Example::
+
+        sharded = ShardedEmbeddingBagCollection(ebc, table_shardings(configs, plan, 8), mesh)
+        kt = sharded(kjt)
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        shardings: Mapping[str, TableSharding],
+        mesh: Mesh,
+        capacity: int | None = None,
+        overflow: Literal["error", "drop"] = "error",
+    ) -> None:
+        super().__init__()
+        if overflow not in ("error", "drop"):
+            raise ValueError(f"overflow must be 'error' or 'drop', got {overflow!r}")
+        if capacity is not None and capacity <= 0:
+            raise ValueError(f"capacity must be a positive number of entries, got {capacity}")
+        configs: list[EmbeddingBagConfig] = list(source.embedding_bag_configs())
+        self._embedding_bag_configs = configs
+        self._is_weighted = source.is_weighted()
+        self.optimizer: EmbeddingOptimizer = source.optimizer
+        self.mesh = mesh
+        self.axis = tuple(mesh.axis_names)
+        self.layout = Layout(configs, dict(shardings), mesh.devices.size)
+        self.fixed_capacity = None if capacity is None else -(-capacity // _ALIGN) * _ALIGN
+        self.overflow = overflow
+        self.dropped = 0
+        self._capacities = [_ALIGN] * (len(self.layout.groups) + len(self.layout.dp_groups))
+        self._step = max(getattr(source, "_steps", [0]) or [0])
+        self._stacks = stack_tables(configs, stack=False)
+        self._embedding_names = [n for names in get_embedding_names_by_table(configs) for n in names]
+        self._length_per_key = [t.embedding_dim for t in configs for _ in t.feature_names]
+
+        # Which mesh positions this process feeds: its local batch is split over them in order.
+        me = jax.process_index()
+        positions = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == me]
+        if not positions or positions != list(range(positions[0], positions[0] + len(positions))):
+            raise ValueError(
+                f"process {me}'s devices must be a contiguous run of the mesh's devices (mesh positions {positions}); "
+                "order the mesh by process"
+            )
+        self._first_device, self._local_devices = positions[0], len(positions)
+        self._sharded = NamedSharding(mesh, P(self.axis))
+        self._replicated = NamedSharding(mesh, P())
+
+        host_tables = {c.name: source.table_weight(c.name).detach().cpu().numpy().astype(np.float32) for c in configs}
+        opt_state = source.optimizer_state_dict()["state"]
+        host_slots = {
+            c.name: {s: opt_state[f"embedding_bags.{c.name}.weight"][s].detach().cpu().numpy().astype(np.float32)
+                     for s in self.optimizer.slots}
+            for c in configs
+        }
+        self._load_host_tables(host_tables, host_slots, register=True)
+        runtime.mesh_arrays_in_use()
+
+    # --- state ------------------------------------------------------------------
+
+    def _load_host_tables(
+        self, tables: Mapping[str, np.ndarray], slots: Mapping[str, Mapping[str, np.ndarray]], register: bool = False
+    ) -> None:
+        """Lays full host tables (and optimizer slots) out on the mesh."""
+        L, D = self.layout, self.layout.num_devices
+        kinds = self.optimizer.slots
+
+        def blank(rows: int, width: int, kind: str | None) -> np.ndarray:
+            return np.zeros((rows,) if kind == "row" else (rows, width), np.float32)
+
+        arrays: dict[str, jax.Array] = {}
+        for g, grp in enumerate(L.groups):
+            R, w = grp.rows_per_device, grp.width
+            stacks = {None: blank(D * R, w, None), **{s: blank(D * R, w, k) for s, k in kinds.items()}}
+            for p, offset in grp.offsets.items():
+                start = p.device * R + offset
+                rows = slice(p.row_offset, p.row_offset + p.rows)
+                stacks[None][start : start + p.rows] = tables[p.table][rows, p.col_offset : p.col_offset + p.cols]
+                for s, k in kinds.items():
+                    value = slots[p.table][s]
+                    stacks[s][start : start + p.rows] = value[rows] if k == "row" else value[rows, p.col_offset : p.col_offset + p.cols]
+            arrays[f"shard_weight_{g}"] = _global_from_host(stacks[None], self._sharded)
+            for s in kinds:
+                arrays[f"shard_{s}_{g}"] = _global_from_host(stacks[s], self._sharded)
+        for g, dg in enumerate(L.dp_groups):
+            stacks = {None: blank(dg.num_rows, dg.width, None), **{s: blank(dg.num_rows, dg.width, k) for s, k in kinds.items()}}
+            for name, offset in dg.offsets.items():
+                n = tables[name].shape[0]
+                stacks[None][offset : offset + n] = tables[name]
+                for s in kinds:
+                    stacks[s][offset : offset + n] = slots[name][s]
+            arrays[f"dp_weight_{g}"] = _global_from_host(stacks[None], self._replicated)
+            for s in kinds:
+                arrays[f"dp_{s}_{g}"] = _global_from_host(stacks[s], self._replicated)
+        for name, array in arrays.items():
+            if register:
+                tensor = wrap(array, 0)
+                if "weight" in name:
+                    self.register_parameter(name, nn.Parameter(tensor))
+                else:
+                    self.register_buffer(name, tensor, persistent=False)
+            else:
+                getattr(self, name)._storage.array = array
+
+    def _arrays(self, prefix: str, count: int) -> tuple[list[jax.Array], list[list[jax.Array]]]:
+        from tpurec.dispatch import value_of
+
+        weights = [value_of(getattr(self, f"{prefix}_weight_{g}")) for g in range(count)]
+        slots = [[value_of(getattr(self, f"{prefix}_{s}_{g}")) for s in self.optimizer.slots] for g in range(count)]
+        return weights, slots
+
+    def table_weight(self, name: str) -> np.ndarray:
+        """Table ``name``'s full ``[rows, dim]`` values on the host (a copy)."""
+        return self.full_tables()[0][name]
+
+    def full_tables(self) -> tuple[dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
+        """Every table and optimizer slot, assembled from the shards on the host.
+
+        Returns:
+            ``(tables, slots)``: table name -> ``[rows, dim]``; table name ->
+            slot name -> ``[rows]`` (row-wise slots) or ``[rows, dim]``. For a
+            column-wise table a row-wise slot comes from its first column shard.
+        """
+        L = self.layout
+        kinds = self.optimizer.slots
+        tables = {c.name: np.zeros((c.num_embeddings, c.embedding_dim), np.float32) for c in self._embedding_bag_configs}
+        dims = {c.name: c.embedding_dim for c in self._embedding_bag_configs}
+        slots = {
+            c.name: {s: np.zeros((c.num_embeddings,) if k == "row" else (c.num_embeddings, c.embedding_dim), np.float32) for s, k in kinds.items()}
+            for c in self._embedding_bag_configs
+        }
+        weights, slot_arrays = self._arrays("shard", len(L.groups))
+        for g, grp in enumerate(L.groups):
+            R = grp.rows_per_device
+            w_host = host_values(weights[g])
+            s_host = [host_values(a) for a in slot_arrays[g]]
+            for p, offset in grp.offsets.items():
+                start = p.device * R + offset
+                rows = slice(p.row_offset, p.row_offset + p.rows)
+                tables[p.table][rows, p.col_offset : p.col_offset + p.cols] = w_host[start : start + p.rows]
+                for (s, k), value in zip(kinds.items(), s_host):
+                    if k == "row":
+                        if p.col_offset == 0:
+                            slots[p.table][s][rows] = value[start : start + p.rows]
+                    else:
+                        slots[p.table][s][rows, p.col_offset : p.col_offset + p.cols] = value[start : start + p.rows]
+        weights, slot_arrays = self._arrays("dp", len(L.dp_groups))
+        for g, dg in enumerate(L.dp_groups):
+            w_host = host_values(weights[g])
+            s_host = [host_values(a) for a in slot_arrays[g]]
+            for name, offset in dg.offsets.items():
+                n = tables[name].shape[0]
+                tables[name][:] = w_host[offset : offset + n, : dims[name]]
+                for s, value in zip(kinds, s_host):
+                    slots[name][s][:] = value[offset : offset + n]
+        return tables, slots
+
+    # --- torchrec interface ---------------------------------------------------------
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._embedding_bag_configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    # --- host side: route ids to their shards --------------------------------------
+
+    def distribute_input(self, features: KeyedJaggedTensor) -> dict[str, Any]:
+        """Validates this process's batch and builds the global entry arrays.
+
+        Nothing changes on a bad batch except (with automatic capacities) a
+        larger capacity for the next batches.
+
+        Returns:
+            ``{"per_device": samples per device, "groups": [(rows, samples, gains)],
+            "dp": [(rows, samples, gains)]}`` with global arrays.
+        """
+        L, D = self.layout, self.layout.num_devices
+        local_batch, feats = read_kjt(features, self._stacks, is_weighted=self._is_weighted)
+        n_local = self._local_devices
+        if local_batch % n_local:
+            raise ValueError(
+                f"the local batch of {local_batch} samples does not split evenly over this process's {n_local} devices; "
+                f"use a multiple of {n_local}"
+            )
+        b = local_batch // n_local
+        first = self._first_device
+        n_groups = len(L.groups)
+        parts: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n_groups + len(L.dp_groups))]
+        for cfg in self._embedding_bag_configs:
+            for f in cfg.feature_names:
+                fb = feats[f]
+                samples = np.repeat(np.arange(local_batch, dtype=np.int64), fb.lengths)
+                gains = np.ones(fb.ids.shape[0], np.float64) if fb.weights is None else fb.weights.astype(np.float64)
+                if cfg.pooling == PoolingType.MEAN:
+                    gains = gains / np.repeat(fb.lengths, fb.lengths)
+                src, within = samples // b + first, samples % b
+                if cfg.name in L.dp_group_of:
+                    g = L.dp_group_of[cfg.name]
+                    dg = L.dp_groups[g]
+                    k = dg.slots.index((cfg.name, f))
+                    rows = dg.offsets[cfg.name] + fb.ids
+                    # Sample ids are global (source-major), so replicas can all-gather them.
+                    out = (src * len(dg.slots) + k) * b + within
+                    parts[n_groups + g].append((src - first, np.zeros_like(src), rows, out, gains))
+                    continue
+                place = L.placements[cfg.name]
+                block = np.searchsorted(place.row_starts, fb.ids, side="right") - 1
+                for c, g in enumerate(place.group_of_block):
+                    dst = place.device[c][block]
+                    rows = place.base[c][block] + fb.ids
+                    out = (src * L.groups[g].num_slots + place.slot[c][f][block]) * b + within
+                    parts[g].append((src - first, dst, rows, out, gains))
+        packed_groups, packed_dp = [], []
+        needs = []
+        for j, chunks in enumerate(parts):
+            destinations = D if j < n_groups else 1
+            if chunks:
+                src, dst, rows, out, gains = (np.concatenate(x) for x in zip(*chunks))
+            else:
+                src = dst = rows = out = np.zeros(0, np.int64)
+                gains = np.zeros(0, np.float64)
+            key = src * destinations + dst
+            counts = np.bincount(key, minlength=n_local * destinations)
+            needs.append(int(counts.max()) if counts.size else 0)
+            packed = (key, rows, out, gains, counts, destinations)
+            (packed_groups if j < n_groups else packed_dp).append(packed)
+        capacities = self._capacities_for(needs)
+        dropped = 0
+        result_groups, result_dp = [], []
+        for j, (key, rows, out, gains, counts, destinations) in enumerate(packed_groups + packed_dp):
+            C = capacities[j]
+            order = np.argsort(key, kind="stable")
+            key, rows, out, gains = key[order], rows[order], out[order], gains[order]
+            starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+            position = np.arange(key.shape[0]) - starts[key]
+            keep = position < C
+            dropped += int((~keep).sum())
+            flat = key[keep] * C + position[keep]
+            shape = (n_local, D, C) if destinations == D else (n_local, C)
+            size = int(np.prod(shape))
+            r = np.full(size, PAD_ID, np.int32)
+            s = np.full(size, PAD_ID, np.int32)
+            v = np.zeros(size, np.float32)
+            r[flat], s[flat], v[flat] = rows[keep], out[keep], gains[keep]
+            arrays = tuple(self._to_global(x.reshape(shape)) for x in (r, s, v))
+            (result_groups if j < len(packed_groups) else result_dp).append(arrays)
+        self.dropped += dropped
+        return {"per_device": b, "groups": result_groups, "dp": result_dp}
+
+    def _capacities_for(self, needs: list[int]) -> list[int]:
+        """Per-group capacities for a batch needing ``needs`` entries (all processes agree)."""
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            needs = [int(x) for x in np.max(multihost_utils.process_allgather(np.array(needs, np.int64)), axis=0)]
+        if self.fixed_capacity is not None:
+            over = [n for n in needs if n > self.fixed_capacity]
+            if over and self.overflow == "error":
+                raise CapacityError(
+                    f"a device sends up to {max(over)} entries to one shard this step but capacity={self.fixed_capacity}; "
+                    "raise capacity, or pass overflow='drop' to drop (and count) the extra entries"
+                )
+            return [self.fixed_capacity] * len(needs)
+        for j, n in enumerate(needs):
+            if n > self._capacities[j]:
+                self._capacities[j] = max(_ALIGN, 2 ** math.ceil(math.log2(n)))
+        return list(self._capacities)
+
+    def _to_global(self, local: np.ndarray) -> jax.Array:
+        if jax.process_count() == 1:
+            return jax.device_put(local, self._sharded)
+        return jax.make_array_from_process_local_data(self._sharded, local)
+
+    # --- programs -------------------------------------------------------------------
+
+    def _kernel(self, name: str):
+        return kernel_for(name)
+
+    def _forward_fn(self, weights, dp_weights, groups, dp, b: int):
+        """The forward program: ids to owners, lookups, pooled rows back to batch owners."""
+        L, D, axis = self.layout, self.layout.num_devices, self.axis
+        lookup = self._kernel("sparse_dense_matmul")
+        dest = jnp.asarray(L.dest_columns, jnp.int32)
+
+        def body(weights, dp_weights, groups, dp):
+            received, flats = [], []
+            for grp, table, (rows, samples, gains) in zip(L.groups, weights, groups):
+                K, K2 = grp.num_slots, grp.num_a2a
+                # [1, dest, C] -> [source, 1, C]: every device gets the entries of its shards.
+                rows, samples, gains = (jax.lax.all_to_all(x, axis, 1, 0, tiled=True).reshape(-1) for x in (rows, samples, gains))
+                received.append((rows, samples, gains))
+                rp = jnp.full((1,), rows.shape[0], jnp.int32)
+                pooled = lookup(rp, rows, samples, gains, table, batch_size=D * K * b).reshape(D, K, b, grp.width)
+                if K2:
+                    back = jax.lax.all_to_all(pooled[:, :K2], axis, 0, 0, tiled=True)
+                    flats.append(back.transpose(2, 0, 1, 3).reshape(b, -1))
+                if K > K2:
+                    summed = jax.lax.psum_scatter(pooled[:, K2:], axis, scatter_dimension=0, tiled=True)
+                    flats.append(summed[0].transpose(1, 0, 2).reshape(b, -1))
+            me = jax.lax.axis_index(axis)
+            for dg, table, (rows, samples, gains) in zip(L.dp_groups, dp_weights, dp):
+                K = len(dg.slots)
+                rows, samples, gains = rows.reshape(-1), samples.reshape(-1), gains.reshape(-1)
+                local = jnp.where(rows == PAD_ID, PAD_ID, samples - me * K * b)
+                rp = jnp.full((1,), rows.shape[0], jnp.int32)
+                pooled = lookup(rp, rows, local, gains, table, batch_size=K * b).reshape(K, b, dg.width)
+                flats.append(pooled.transpose(1, 0, 2).reshape(b, -1))
+            values = jnp.concatenate(flats, axis=1)
+            out = jnp.zeros((b, L.total_dim + 1), values.dtype).at[:, dest].add(values)[:, : L.total_dim]
+            return out, received
+
+        spec = P(self.axis)
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=([spec] * len(weights), [P()] * len(dp_weights), [(spec,) * 3] * len(groups), [(spec,) * 3] * len(dp)),
+            out_specs=(spec, [(spec,) * 3] * len(groups)),
+            check_vma=False,
+        )
+        return fn(weights, dp_weights, groups, dp)
+
+    def _backward_fn(self, grad, weights, slots, dp_weights, dp_slots, received, dp, hyper, b: int):
+        """The backward program: gradients back to the shards, fused optimizer on each."""
+        L, D, axis = self.layout, self.layout.num_devices, self.axis
+        update = self._kernel(self.optimizer.op_name)
+        dest = jnp.asarray(L.dest_columns, jnp.int32)
+        segments = np.cumsum(L.segments)[:-1].tolist()
+
+        def body(grad, weights, slots, dp_weights, dp_slots, received, dp, hyper):
+            extended = jnp.concatenate([grad, jnp.zeros((b, 1), grad.dtype)], axis=1)
+            pieces = jnp.split(extended[:, dest], segments, axis=1) if segments else [extended[:, dest]]
+            it = iter(pieces)
+            new_w, new_s = [], []
+            for grp, table, table_slots, (rows, samples, gains) in zip(L.groups, weights, slots, received):
+                K, K2, w = grp.num_slots, grp.num_a2a, grp.width
+                a2a, rs = next(it), next(it)
+                blocks = []
+                if K2:
+                    sent = a2a.reshape(b, D, K2, w).transpose(1, 2, 0, 3)
+                    blocks.append(jax.lax.all_to_all(sent, axis, 0, 0, tiled=True))
+                if K > K2:
+                    mine = rs.reshape(b, K - K2, w).transpose(1, 0, 2)
+                    blocks.append(jax.lax.all_gather(mine, axis, axis=0, tiled=False))
+                g = jnp.concatenate(blocks, axis=1).reshape(D * K * b, w)
+                rp = jnp.full((1,), rows.shape[0], jnp.int32)
+                out = update(rp, rows, samples, gains, g, table, *table_slots, **hyper)
+                out = out if isinstance(out, (tuple, list)) else (out,)
+                new_w.append(out[0])
+                new_s.append(list(out[1:]))
+            new_dw, new_ds = [], []
+            for dg, table, table_slots, (rows, samples, gains) in zip(L.dp_groups, dp_weights, dp_slots, dp):
+                K, w = len(dg.slots), dg.width
+                mine = next(it).reshape(b, K, w).transpose(1, 0, 2)
+                # Every replica sees the whole batch's entries and gradients: the same update everywhere.
+                g = jax.lax.all_gather(mine, axis, axis=0, tiled=True).reshape(D * K * b, w)
+                rows, samples, gains = (jax.lax.all_gather(x.reshape(-1), axis, axis=0, tiled=True) for x in (rows, samples, gains))
+                rp = jnp.full((1,), rows.shape[0], jnp.int32)
+                out = update(rp, rows, samples, gains, g, table, *table_slots, **hyper)
+                out = out if isinstance(out, (tuple, list)) else (out,)
+                new_dw.append(out[0])
+                new_ds.append(list(out[1:]))
+            return new_w, new_s, new_dw, new_ds
+
+        spec = P(self.axis)
+        n_slots = len(self.optimizer.slots)
+        fn = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(
+                spec,
+                [spec] * len(weights),
+                [[spec] * n_slots] * len(slots),
+                [P()] * len(dp_weights),
+                [[P()] * n_slots] * len(dp_slots),
+                [(spec,) * 3] * len(received),
+                [(spec,) * 3] * len(dp),
+                {k: P() for k in hyper},
+            ),
+            out_specs=([spec] * len(weights), [[spec] * n_slots] * len(slots), [P()] * len(dp_weights), [[P()] * n_slots] * len(dp_slots)),
+            check_vma=False,
+        )
+        return fn(grad, weights, slots, dp_weights, dp_slots, received, dp, hyper)
+
+    def _run_forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, tuple]:
+        L = self.layout
+        weights, _ = self._arrays("shard", len(L.groups))
+        dp_weights, _ = self._arrays("dp", len(L.dp_groups))
+        b = batch["per_device"]
+        program = self._programs(b)[0]
+        out, received = program(weights, dp_weights, batch["groups"], batch["dp"])
+        return wrap(out, 0), (received, batch["dp"], b)
+
+    def _run_backward(self, saved: tuple, grad_output: torch.Tensor) -> None:
+        from tpurec.dispatch import value_of
+
+        received, dp, b = saved
+        L = self.layout
+        grad = value_of(grad_output.contiguous(), "sharded embedding backward")
+        weights, slots = self._arrays("shard", len(L.groups))
+        dp_weights, dp_slots = self._arrays("dp", len(L.dp_groups))
+        self._step += 1
+        hyper = {k: float(v) for k, v in self.optimizer.hyperparameters(self._step).items()}
+        program = self._programs(b)[1]
+        new_w, new_s, new_dw, new_ds = program(grad, weights, slots, dp_weights, dp_slots, received, dp, hyper)
+        for prefix, ws, ss in (("shard", new_w, new_s), ("dp", new_dw, new_ds)):
+            for g, (w, s) in enumerate(zip(ws, ss)):
+                getattr(self, f"{prefix}_weight_{g}")._storage.array = w
+                for name, value in zip(self.optimizer.slots, s):
+                    getattr(self, f"{prefix}_{name}_{g}")._storage.array = value
+
+    def _programs(self, b: int) -> tuple[runtime.Program, runtime.Program]:
+        """The forward and backward programs for ``b`` samples per device (cached)."""
+        cache = self.__dict__.setdefault("_program_cache", {})
+        if b not in cache:
+            cache[b] = (
+                runtime.Program(lambda *a: self._forward_fn(*a, b=b)),
+                runtime.Program(lambda *a: self._backward_fn(*a, b=b), donate_argnums=(1, 2, 3, 4)),
+            )
+        return cache[b]
+
+    # --- forward ----------------------------------------------------------------------
+
+    @torch.compiler.disable
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """Pooled embeddings of this process's batch ``features``.
+
+        Returns:
+            ``KeyedTensor`` over the global batch (all processes' samples, in
+            process order), batch-sharded on the mesh.
+        """
+        batch = self.distribute_input(features)
+        anchor = next(self.parameters())
+        values = _ShardedLookup.apply(anchor, self, batch)
+        return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)

@@ -1,0 +1,215 @@
+"""``tpurec.shard``: a model's embeddings sharded by a plan, its dense part data-parallel.
+
+Example::
+
+    import tpurec, tpurec.sparse as sparse
+    model = sparse.from_torchrec(torchrec_dlrm, capacities=sparse.Capacity(1024)).to("tpu")
+    model = tpurec.shard(model, plan)          # all tpu devices, one mesh axis
+    loss = loss_fn(model(dense, kjt), labels)  # batch split over the devices
+    loss.backward(); optimizer.step()          # XLA all-reduces the dense gradients
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import jax
+import numpy as np
+import torch
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from torch import nn
+
+from tpurec import runtime
+from tpurec.sparse.modules import EmbeddingBagCollection
+from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
+from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
+from tpurec.sparse.sharding.specs import TableSharding, module_plans, table_shardings
+from tpurec.tensor import TpuTensor, host_array, wrap
+
+__all__ = ["shard", "default_mesh", "distribute_batch", "replicate"]
+
+
+def default_mesh() -> Mesh:
+    """All devices of every process on one mesh axis named ``"devices"``, ordered by process."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return Mesh(np.array(devices), ("devices",))
+
+
+def _is_global(t: torch.Tensor) -> bool:
+    return isinstance(t, TpuTensor) and runtime._is_global(t._storage.array)
+
+
+def distribute_batch(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+    """This process's batch ``tensor`` as a global batch-sharded tpu tensor.
+
+    The first dim is the batch; each process passes its own samples, which are
+    split evenly over its devices (in one process: the whole batch over the mesh).
+
+    Args:
+        tensor: a CPU or tpu tensor ``[local batch, ...]``.
+        mesh: the mesh the model was sharded on.
+
+    Returns:
+        A tpu tensor ``[global batch, ...]`` sharded on its first dim.
+    """
+    if _is_global(tensor):
+        return tensor
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a tensor, got {type(tensor).__name__}")
+    local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    if tensor.dim() == 0 or tensor.shape[0] % local_devices:
+        raise ValueError(
+            f"a batch tensor of shape {tuple(tensor.shape)} does not split evenly over this process's "
+            f"{local_devices} devices; its first dim must be a multiple of {local_devices}"
+        )
+    host = host_array(tensor.detach().cpu())
+    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
+    if jax.process_count() == 1:
+        array = jax.device_put(host, sharding)
+    else:
+        array = jax.make_array_from_process_local_data(sharding, host)
+    return wrap(array, 0, tensor.dtype)
+
+
+def replicate(tensor: torch.Tensor, mesh: Mesh) -> None:
+    """Makes tpu tensor ``tensor`` hold a copy of its values on every mesh device (in place)."""
+    from tpurec.dispatch import value_of
+
+    if _is_global(tensor):
+        return
+    if not isinstance(tensor, TpuTensor) or not tensor.is_full:
+        raise ValueError("only whole tpu tensors (not views) can be replicated onto a mesh; move the model to 'tpu' first")
+    value = value_of(tensor, "replicate onto the mesh")
+    sharding = NamedSharding(mesh, P())
+    if jax.process_count() == 1:
+        tensor._storage.array = jax.device_put(value, sharding)
+    else:
+        host = np.asarray(value)
+        tensor._storage.array = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def _check_mesh(mesh: Any) -> None:
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    known = set(jax.devices())
+    strangers = [d for d in mesh.devices.flat if d not in known]
+    if strangers:
+        raise ValueError(f"mesh devices {strangers} are not devices of the tpu platform ({jax.default_backend()})")
+
+
+def _planned(ebc: EmbeddingBagCollection, mesh: Mesh, batch_size: int) -> Any:
+    """A plan from the TPU planner for ``ebc`` on a topology with the mesh's device count."""
+    from tpurec.sparse.planner import plan as tpu_plan
+
+    devices = mesh.devices.size
+    kind = str(getattr(mesh.devices.flat[0], "device_kind", "")).lower()
+    generation = next((g for g in ("v7x", "v6e", "v5e", "v5p", "v4") if g.replace("x", "") in kind.replace(" ", "")), "v5p")
+    # Accelerator names count TensorCores on v4/v5p (two per chip, one device), chips elsewhere.
+    name = f"{generation}-{devices * 2 if generation in ('v4', 'v5p') else devices}"
+    result, _report = tpu_plan(ebc.embedding_bag_configs(), name, batch_size=batch_size)
+    return module_plans(result)[""]
+
+
+def shard(
+    model: nn.Module,
+    plan: Any = None,
+    mesh: Mesh | None = None,
+    *,
+    optimizer: EmbeddingOptimizer | type | None = None,
+    optimizer_kwargs: dict[str, Any] | None = None,
+    capacity: int | None = None,
+    overflow: Literal["error", "drop"] = "error",
+    planner_batch_size: int = 4096,
+) -> nn.Module:
+    """Shards every tpurec ``EmbeddingBagCollection`` of ``model`` and makes the rest data-parallel.
+
+    Embedding tables and their optimizer slots become sharded global arrays laid
+    out as the plan says; the ids of each step travel to their shards and the
+    pooled rows back with collectives inside one SPMD program. Every other
+    parameter and buffer is replicated on the mesh; tensor arguments of
+    ``model``'s forward are split over the mesh along their first (batch) dim,
+    so XLA partitions the dense layers and all-reduces their gradients.
+
+    Args:
+        model: a model on ``tpu`` holding tpurec ``EmbeddingBagCollection`` s
+            (e.g. from ``tpurec.sparse.from_torchrec(...).to("tpu")``), or one
+            such collection.
+        plan: a torchrec ``ShardingPlan`` (module path -> table plans, e.g. from
+            ``EmbeddingShardingPlanner``, ``construct_module_sharding_plan`` or
+            ``tpurec.sparse.planner.load_plan``), or one module's table plan.
+            None asks the TPU planner.
+        mesh: a ``jax.sharding.Mesh``; plan rank ``r`` is ``mesh.devices.flat[r]``.
+            Default: every device, ordered by process.
+        optimizer: a fused embedding optimizer replacing the collections' own.
+        optimizer_kwargs: its keyword arguments when ``optimizer`` is a torch class.
+        capacity: entries a device may send one shard per step (None: grow on demand).
+        overflow: ``"error"`` or ``"drop"`` when a batch exceeds ``capacity``.
+        planner_batch_size: global batch size the planner assumes (``plan=None``).
+
+    Returns:
+        ``model`` with its collections replaced by :class:`ShardedEmbeddingBagCollection`
+        (the sharded collection itself when ``model`` is one).
+
+    Raises:
+        ValueError, TypeError: a bad plan or mesh; raised before anything changes.
+
+    Example::
+
+        plan = construct_module_sharding_plan(torchrec_ebc, {"t0": table_wise(rank=0), "t1": row_wise()},
+                                              local_size=8, world_size=8, device_type="tpu")
+        sharded = tpurec.shard(model, {"sparse_arch.embedding_bag_collection": plan})
+    """
+    mesh = default_mesh() if mesh is None else mesh
+    _check_mesh(mesh)
+    ebcs = {path: m for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
+    if not ebcs:
+        raise ValueError("the model has no tpurec EmbeddingBagCollection to shard (convert it with tpurec.sparse.from_torchrec)")
+    for path, ebc in ebcs.items():
+        if ebc.device.type != "tpu":
+            raise ValueError(f"EmbeddingBagCollection '{path}' is on {ebc.device}; move the model to 'tpu' first")
+    embedding_optimizer = None if optimizer is None else optimizer_from_torch(optimizer, optimizer_kwargs)
+
+    # Every check first: a bad plan must leave the model untouched.
+    if plan is None:
+        per_module = {path: _planned(ebc, mesh, planner_batch_size) for path, ebc in ebcs.items()}
+    else:
+        per_module = module_plans(plan)
+        strangers = [path for path in per_module if path not in ebcs]
+        if strangers:
+            raise ValueError(
+                f"the plan names modules {strangers} that are not tpurec EmbeddingBagCollections of the model "
+                f"(they are: {sorted(ebcs)})"
+            )
+        unplanned = [path for path in ebcs if path not in per_module]
+        if unplanned:
+            raise ValueError(f"the plan has no entry for the EmbeddingBagCollections {unplanned} of the model")
+    specs: dict[str, dict[str, TableSharding]] = {
+        path: table_shardings(ebcs[path].embedding_bag_configs(), per_module[path], mesh.devices.size) for path in ebcs
+    }
+    inside = {id(p) for ebc in ebcs.values() for p in ebc.parameters()} | {id(b) for ebc in ebcs.values() for b in ebc.buffers()}
+    dense = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in inside]
+    off_device = [tuple(t.shape) for t in dense if t.device.type != "tpu"]
+    if off_device:
+        raise ValueError(f"parameters/buffers of shapes {off_device} are not on 'tpu'; move the model to 'tpu' first")
+
+    sharded = {}
+    for path, ebc in ebcs.items():
+        if embedding_optimizer is not None:
+            ebc.optimizer = embedding_optimizer
+        sharded[path] = ShardedEmbeddingBagCollection(ebc, specs[path], mesh, capacity=capacity, overflow=overflow)
+    if "" in sharded:
+        return sharded[""]
+    for path, new in sharded.items():
+        parent_path, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), name, new)
+    runtime.mesh_arrays_in_use()
+    for t in dense:
+        replicate(t, mesh)
+
+    def split_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        place = lambda x: distribute_batch(x, mesh) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        return tuple(place(a) for a in args), {k: place(v) for k, v in kwargs.items()}
+
+    model.register_forward_pre_hook(split_batch, with_kwargs=True)
+    model.mesh = mesh
+    return model
