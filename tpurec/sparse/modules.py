@@ -206,7 +206,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         """The KJT keys this collection looks up."""
         return [s.feature for st in self._stacks for s in st.features]
 
-    def prefetch(self, features: KeyedJaggedTensor) -> None:
+    def prefetch(self, features: KeyedJaggedTensor, batch: SparseCoreInput | None = None) -> None:
         """Preprocesses ``features`` and starts moving its CSR arrays to the tables' device.
 
         Safe to call from another thread while a step runs (it changes no
@@ -215,8 +215,11 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
         Args:
             features: a KJT with the tables' features (CPU).
+            batch: ``features`` already preprocessed by :meth:`preprocess`
+                (None: preprocess here).
         """
-        batch = self.preprocess(features)
+        if batch is None:
+            batch = self.preprocess(features)
         device = self.device
         arrays: list[list[Any]] = []
         for st in self._stacks:
