@@ -3,8 +3,16 @@
 The DESIGN configuration by default: batch 2048, 26 tables x 100k rows x dim 64,
 4 ids per bag, dense arch 13-512-256-64, over arch 512-256-1, row-wise Adagrad
 for the tables and Adagrad for the dense part. Both sides train the same
-model from the same weights on the same batches; the JSON has the median step
-time, samples/s, the ratio, and the largest loss difference seen.
+model (``torchrec.models.dlrm.DLRMTrain``) from the same weights on the same
+batches; the JSON has the median step time, samples/s, the ratio, and the
+largest loss difference seen. tpurec runs its steps through
+:class:`tpurec.sparse.TrainPipeline` (``--no-pipeline``: the plain loop), in
+each of ``--modes`` (eager, fused, compiled = ``torch.compile(backend="tpu")``).
+
+``--breakdown`` adds per-phase medians (read, preprocess, transfer, sparse
+forward, dense forward+backward, sparse update, dense optimizer) for tpurec
+(eager, synchronized after each phase) and the matching phases of torchrec;
+``--plot DIR`` writes them as a PNG bar chart.
 """
 
 from __future__ import annotations
@@ -12,11 +20,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from torchrec.models.dlrm import DLRM
+from torchrec.datasets.utils import Batch
+from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad
 
@@ -25,27 +36,37 @@ import tpurec.sparse as sparse
 
 
 DENSE_LR = 0.005  # small enough that random labels do not blow the logits up
+PHASES = ("read", "preprocess", "transfer", "sparse_forward", "dense_forward_backward", "sparse_update", "dense_optimizer")
 
 
-def _batches(n: int, batch: int, tables: int, rows: int, ids_per_bag: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
+def _make_batch(rng: np.random.Generator, batch: int, tables: int, rows: int, ids_per_bag: int) -> Batch:
     keys = [f"f{i}" for i in range(tables)]
+    values = torch.from_numpy(rng.integers(0, rows, size=batch * tables * ids_per_bag))
+    lengths = torch.full((batch * tables,), ids_per_bag, dtype=torch.int64)
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)
+    dense = torch.from_numpy(rng.standard_normal((batch, 13)).astype(np.float32))
+    labels = torch.from_numpy(rng.integers(0, 2, batch).astype(np.float32))
+    return Batch(dense_features=dense, sparse_features=kjt, labels=labels)
+
+
+def _batches(n: int, batch: int, tables: int, rows: int, ids_per_bag: int, seed: int = 0) -> Iterator[Batch]:
+    """Synthetic batches, generated lazily (reading is part of a step's host work)."""
+    rng = np.random.default_rng(seed)
     for _ in range(n):
-        values = torch.from_numpy(rng.integers(0, rows, size=batch * tables * ids_per_bag))
-        lengths = torch.full((batch * tables,), ids_per_bag, dtype=torch.int64)
-        kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=values, lengths=lengths)
-        dense = torch.from_numpy(rng.standard_normal((batch, 13)).astype(np.float32))
-        labels = torch.from_numpy(rng.integers(0, 2, batch).astype(np.float32))
-        yield dense, kjt, labels
+        yield _make_batch(rng, batch, tables, rows, ids_per_bag)
 
 
-def _time(model, optimizer, batches, device: str, warmup: int) -> tuple[list[float], list[float]]:
+def _time_plain(model, optimizer, batches, device: str, warmup: int) -> tuple[list[float], list[float]]:
     times, losses = [], []
-    for step, (dense, kjt, labels) in enumerate(batches):
+    it = iter(batches)
+    for step in range(10**9):
         start = time.perf_counter()
+        try:
+            b = next(it)
+        except StopIteration:
+            break
         optimizer.zero_grad()
-        logits = model(dense.to(device), kjt).squeeze(-1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(device))
+        loss, _ = model(Batch(b.dense_features.to(device), b.sparse_features, b.labels.to(device)))
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -53,6 +74,140 @@ def _time(model, optimizer, batches, device: str, warmup: int) -> tuple[list[flo
         if step + 1 == warmup:
             tpurec.reset_stats()
     return times[warmup:], losses
+
+
+def _time_pipeline(pipeline: sparse.TrainPipeline, batches, warmup: int) -> tuple[list[float], list[float]]:
+    times, losses = [], []
+    it = iter(batches)
+    for step in range(10**9):
+        start = time.perf_counter()
+        try:
+            loss, _, _ = pipeline.progress(it)
+        except StopIteration:
+            break
+        losses.append(loss.item())
+        times.append(time.perf_counter() - start)
+        if step + 1 == warmup:
+            tpurec.reset_stats()
+    pipeline.close()
+    return times[warmup:], losses
+
+
+def _phase_times(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    next_batch: Callable[[], Batch],
+    embeddings: torch.nn.Module,
+    steps: int,
+    warmup: int,
+    device: str,
+) -> dict[str, float]:
+    """Median ms per phase; the device is synchronized at every phase boundary.
+
+    Sparse forward ends in a forward hook of the embedding module; the dense
+    backward ends when the gradient of the pooled embeddings is ready (a tensor
+    hook); the rest of the backward is the fused sparse update.
+    """
+    on_tpu = device != "cpu"
+    sync = torch.tpu.synchronize if on_tpu else (lambda: None)
+    marks: dict[str, float] = {}
+
+    def grad_hook(grad: torch.Tensor) -> None:
+        sync()
+        marks["dense_backward_end"] = time.perf_counter()
+
+    def forward_hook(module, inputs, output) -> None:
+        sync()
+        marks["sparse_forward_end"] = time.perf_counter()
+        if output.values().requires_grad:
+            output.values().register_hook(grad_hook)
+
+    handle = embeddings.register_forward_hook(forward_hook)
+    samples: dict[str, list[float]] = {p: [] for p in PHASES}
+    try:
+        for step in range(warmup + steps):
+            t0 = time.perf_counter()
+            b = next_batch()
+            t_read = time.perf_counter()
+            if on_tpu:
+                csr = embeddings.preprocess(b.sparse_features)
+                t_pre = time.perf_counter()
+                embeddings.prefetch(b.sparse_features, csr)
+                b = Batch(b.dense_features.to(device), b.sparse_features, b.labels.to(device))
+                sync()
+            else:
+                t_pre = t_read  # torchrec reads the KJT inside its forward
+            t_transfer = time.perf_counter()
+            optimizer.zero_grad()
+            loss, _ = model(b)
+            sync()
+            t_forward = time.perf_counter()
+            loss.backward()
+            sync()
+            t_backward = time.perf_counter()
+            optimizer.step()
+            sync()
+            t_end = time.perf_counter()
+            loss.item()
+            if step < warmup:
+                continue
+            dense_fwd = t_forward - marks["sparse_forward_end"]
+            dense_bwd = marks["dense_backward_end"] - t_forward
+            values = {
+                "read": t_read - t0,
+                "preprocess": t_pre - t_read,
+                "transfer": t_transfer - t_pre,
+                "sparse_forward": marks["sparse_forward_end"] - t_transfer,
+                "dense_forward_backward": dense_fwd + dense_bwd,
+                "sparse_update": t_backward - marks["dense_backward_end"],
+                "dense_optimizer": t_end - t_backward,
+            }
+            for k, v in values.items():
+                samples[k].append(v * 1e3)
+    finally:
+        handle.remove()
+    out = {k: round(statistics.median(v), 3) for k, v in samples.items()}
+    out["total"] = round(sum(out.values()), 3)
+    return out
+
+
+def _plot(result: dict, directory: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    breakdown = result.get("breakdown")
+    if breakdown:
+        fig, ax = plt.subplots(figsize=(8, 3.5))
+        names = list(breakdown)
+        left = np.zeros(len(names))
+        for phase in PHASES:
+            widths = np.array([breakdown[n][phase] for n in names])
+            ax.barh(names, widths, left=left, label=phase.replace("_", " "))
+            left += widths
+        ax.set_xlabel("ms per step (phases synchronized)")
+        ax.set_title("DLRM training step by phase")
+        ax.legend(fontsize=7, loc="lower right")
+        fig.tight_layout()
+        path = out / "dlrm_breakdown.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(str(path))
+    fig, ax = plt.subplots(figsize=(6, 3))
+    runs = {k: v["step_ms"] for k, v in result.items() if isinstance(v, dict) and "step_ms" in v}
+    ax.bar(list(runs), list(runs.values()))
+    ax.set_ylabel("median step ms")
+    ax.set_title(f"DLRM step, batch {result['config']['batch']}")
+    fig.tight_layout()
+    path = out / "dlrm_steps.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    written.append(str(path))
+    return written
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -64,7 +219,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ids-per-bag", type=int, default=4)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--modes", nargs="+", default=["fused", "eager"])
+    parser.add_argument("--modes", nargs="+", default=["fused", "compiled", "eager"], choices=["fused", "compiled", "eager"])
+    parser.add_argument("--no-pipeline", action="store_true", help="plain loop instead of sparse.TrainPipeline")
+    parser.add_argument("--breakdown", action="store_true", help="per-phase times of tpurec (eager) and torchrec")
+    parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
     args = parser.parse_args(argv)
 
     configs = [
@@ -73,15 +231,19 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     layers = {"dense_in_features": 13, "dense_arch_layer_sizes": [512, 256, args.dim], "over_arch_layer_sizes": [512, 256, 1]}
     torch.manual_seed(0)
-    reference = DLRM(
-        embedding_bag_collection=FusedEmbeddingBagCollection(configs, optimizer_type=RowWiseAdagrad, optimizer_kwargs={"lr": 0.05}),
-        **layers,
+    reference = DLRMTrain(
+        DLRM(
+            embedding_bag_collection=FusedEmbeddingBagCollection(
+                configs, optimizer_type=RowWiseAdagrad, optimizer_kwargs={"lr": 0.05}
+            ),
+            **layers,
+        )
     )
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}  # before training changes it
     total = args.steps + args.warmup
     make_batches = lambda: _batches(total, args.batch, args.tables, args.rows, args.ids_per_bag)  # noqa: E731
 
-    peer_times, peer_losses = _time(
+    peer_times, peer_losses = _time_plain(
         reference, torch.optim.Adagrad(reference.parameters(), lr=DENSE_LR), make_batches(), "cpu", args.warmup
     )
     result = {
@@ -90,23 +252,52 @@ def main(argv: list[str] | None = None) -> dict:
         "platform": tpurec.platform(),
         "torchrec_cpu": {"step_ms": statistics.median(peer_times) * 1e3, "samples_per_s": args.batch / statistics.median(peer_times)},
     }
-    for mode in args.modes:
-        ours = DLRM(embedding_bag_collection=EmbeddingBagCollection(configs), **layers)
+
+    def build():
+        ours = DLRMTrain(DLRM(embedding_bag_collection=EmbeddingBagCollection(configs), **layers))
         ours.load_state_dict(state)
         ours = sparse.from_torchrec(
             ours,
             optimizer=sparse.RowWiseAdagrad(learning_rate=0.05),
             capacities=sparse.Capacity(args.batch * args.tables * args.ids_per_bag),
         ).to("tpu")
-        dense_params = [p for p in ours.parameters() if p.requires_grad]
-        with tpurec.mode(mode):
-            times, losses = _time(ours, torch.optim.Adagrad(dense_params, lr=DENSE_LR), make_batches(), "tpu", args.warmup)
+        return ours, torch.optim.Adagrad([p for p in ours.parameters() if p.requires_grad], lr=DENSE_LR)
+
+    for mode in args.modes:
+        ours, optimizer = build()
+        step_model = torch.compile(ours, backend="tpu") if mode == "compiled" else ours
+        with tpurec.mode("eager" if mode == "compiled" else mode):
+            if args.no_pipeline:
+                times, losses = _time_plain(step_model, optimizer, make_batches(), "tpu", args.warmup)
+            else:
+                pipeline = sparse.TrainPipeline(step_model, optimizer, torch.device("tpu"))
+                times, losses = _time_pipeline(pipeline, make_batches(), args.warmup)
         median = statistics.median(times)
         result[f"tpurec_{mode}"] = {
             "step_ms": median * 1e3,
+            "step_ms_range": [min(times) * 1e3, max(times) * 1e3],
             "samples_per_s": args.batch / median,
             "speedup_vs_torchrec_cpu": statistics.median(peer_times) / median,
             "max_loss_difference": max(abs(a - b) for a, b in zip(losses, peer_losses)),
             "compilations_after_warmup": tpurec.stats()["compilations"],
+            "pipeline": not args.no_pipeline,
         }
+
+    if args.breakdown:
+        rng = np.random.default_rng(1)
+        next_batch = lambda: _make_batch(rng, args.batch, args.tables, args.rows, args.ids_per_bag)  # noqa: E731
+        reference.load_state_dict(state)
+        result["breakdown"] = {
+            "torchrec_cpu": _phase_times(
+                reference, torch.optim.Adagrad(reference.parameters(), lr=DENSE_LR), next_batch,
+                reference.model.sparse_arch.embedding_bag_collection, args.steps, args.warmup, "cpu",
+            )
+        }
+        ours, optimizer = build()
+        with tpurec.mode("eager"):
+            result["breakdown"]["tpurec_eager_synchronized"] = _phase_times(
+                ours, optimizer, next_batch, ours.model.sparse_arch.embedding_bag_collection, args.steps, args.warmup, "tpu"
+            )
+    if args.plot:
+        result["plots"] = _plot(result, args.plot)
     return result

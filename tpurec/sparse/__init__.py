@@ -13,6 +13,7 @@ from tpurec.sparse import ops  # noqa: F401  (registers torch.ops.tpurec.*)
 from tpurec.sparse.convert import from_torchrec
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.optimizers import SGD, Adagrad, Adam, EmbeddingOptimizer, RowWiseAdagrad, optimizer_from_torch
+from tpurec.sparse.pipeline import TrainPipeline
 from tpurec.sparse.preprocess import preprocess_kjt, read_kjt, stack_tables, suggest_capacities
 from tpurec.sparse.types import (
     PAD_ID,
@@ -46,4 +47,5 @@ __all__ = [
     "optimizer_from_torch",
     "EmbeddingBagCollection",
     "from_torchrec",
+    "TrainPipeline",
 ]

@@ -23,6 +23,7 @@ import contextlib
 import math
 from typing import Any, Literal, Mapping, Sequence
 
+import jax
 import torch
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -115,6 +116,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._fixed_capacities = capacities
         self._auto_capacities: dict[str, Capacity] = {}
         self._steps: list[int] = [0] * len(self._stacks)
+        # id(kjt) -> (kjt, its CSR, per stack the CSR arrays already sent to the
+        # tables' device): filled by prefetch() (TrainPipeline's worker thread),
+        # taken by forward() of that same KJT object.
+        self._prefetched: dict[int, tuple[KeyedJaggedTensor, SparseCoreInput, list[list[torch.Tensor | Any]]]] = {}
         self._embedding_names: list[str] = [n for names in get_embedding_names_by_table(self._embedding_bag_configs) for n in names]
         self._length_per_key: list[int] = [t.embedding_dim for t in self._embedding_bag_configs for _ in t.feature_names]
         # Output order (torchrec's): tables in order, features in order -> (stack, slot).
@@ -196,6 +201,55 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             caps = {st.name: self._auto_capacities.get(st.name, Capacity(8)) for st in self._stacks}
             return preprocess_kjt(features, self._stacks, self.num_partitions, caps, is_weighted=self._is_weighted)
 
+    @property
+    def feature_names(self) -> list[str]:
+        """The KJT keys this collection looks up."""
+        return [s.feature for st in self._stacks for s in st.features]
+
+    def prefetch(self, features: KeyedJaggedTensor, batch: SparseCoreInput | None = None) -> None:
+        """Preprocesses ``features`` and starts moving its CSR arrays to the tables' device.
+
+        Safe to call from another thread while a step runs (it changes no
+        parameter or optimizer state). The next ``forward`` of this same KJT
+        object uses the result instead of preprocessing again.
+
+        Args:
+            features: a KJT with the tables' features (CPU).
+            batch: ``features`` already preprocessed by :meth:`preprocess`
+                (None: preprocess here).
+        """
+        if batch is None:
+            batch = self.preprocess(features)
+        device = self.device
+        arrays: list[list[Any]] = []
+        for st in self._stacks:
+            csr = batch.stacks[st.name].arrays()
+            if device.type == "tpu":
+                from tpurec.device import jax_device
+
+                target = jax_device(device.index)
+                arrays.append([jax.device_put(a, target) for a in csr])  # asynchronous copies
+            else:
+                arrays.append([torch.from_numpy(a).to(device) for a in csr])
+        self._prefetched[id(features)] = (features, batch, arrays)
+
+    def clear_prefetched(self) -> None:
+        """Drops batches prepared by :meth:`prefetch` that no step used."""
+        self._prefetched.clear()
+
+    def _take_prefetched(self, features: KeyedJaggedTensor) -> tuple[SparseCoreInput, list[list[torch.Tensor]]] | None:
+        entry = self._prefetched.pop(id(features), None)
+        if entry is None or entry[0] is not features:
+            return None
+        _, batch, arrays = entry
+        device = self.device
+        if device.type == "tpu":
+            from tpurec.tensor import wrap
+
+            index = device.index if device.index is not None else torch.tpu.current_device()
+            arrays = [[wrap(a, index) for a in stack] for stack in arrays]
+        return batch, arrays
+
     # Preprocessing is host code (numpy over the KJT): under torch.compile the
     # lookup runs outside the graph, in the current tpurec mode, and the dense
     # parts around it compile.
@@ -211,12 +265,15 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             ``KeyedTensor`` with one ``[batch, dim]`` block per feature, in
             torchrec's order.
         """
-        batch = self.preprocess(features)
+        prefetched = self._take_prefetched(features)
+        batch = self.preprocess(features) if prefetched is None else prefetched[0]
         device = self.device
         stack_outputs = []
         for i, st in enumerate(self._stacks):
-            csr = batch.stacks[st.name]
-            arrays = [torch.from_numpy(a).to(device) for a in csr.arrays()]
+            if prefetched is not None:
+                arrays = prefetched[1][i]
+            else:
+                arrays = [torch.from_numpy(a).to(device) for a in batch.stacks[st.name].arrays()]
             out = _FusedLookup.apply(
                 self.stacked_weight(i), *arrays, self, i, st.num_slots * batch.batch_size
             )

@@ -1,4 +1,10 @@
-"""KeyedJaggedTensor -> SparseCore CSR input, on the host (numpy, vectorized).
+"""KeyedJaggedTensor -> SparseCore CSR input, on the host.
+
+The numpy code here is the reference. :func:`preprocess_kjt` runs the native
+C++ version (:mod:`tpurec.sparse.kernels.native.preprocess`, identical output)
+when it can; ``TPUREC_PREPROCESS=numpy`` forces the reference,
+``TPUREC_PREPROCESS=native`` requires the native build (default ``auto``: native
+if it builds, else numpy with a warning).
 
 Example::
 
@@ -16,6 +22,8 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import os
+import warnings
 from collections import OrderedDict
 from typing import Iterable, Literal, Mapping, Sequence
 
@@ -278,7 +286,9 @@ def _sort_order(part, ids, samples, num_partitions: int, num_rows: int, num_samp
     over three keys; entries with equal keys are duplicates that get merged.
     """
     if num_partitions * num_rows * num_samples < 2**62:
-        return np.argsort((part * num_rows + ids) * num_samples + samples)
+        # Stable: duplicates of one bag keep KJT order, so their (weighted) gains
+        # are summed in a defined order (the native preprocessing sums the same way).
+        return np.argsort((part * num_rows + ids) * num_samples + samples, kind="stable")
     return np.lexsort((samples, ids, part))
 
 
@@ -386,6 +396,45 @@ def _capacity_for(capacities: Capacity | Mapping[str, Capacity] | None, stack: S
     raise ValueError(f"no capacity for stacked table '{stack.name}' (given: {sorted(capacities)})")
 
 
+_NATIVE_FAILED = False
+
+
+def _native_enabled() -> bool:
+    choice = os.environ.get("TPUREC_PREPROCESS", "auto")
+    if choice not in ("auto", "native", "numpy"):
+        raise ValueError(f"TPUREC_PREPROCESS must be 'auto', 'native' or 'numpy', got {choice!r}")
+    return choice == "native" or (choice == "auto" and not _NATIVE_FAILED)
+
+
+def _preprocess_native(
+    kjt: KeyedJaggedTensor,
+    stacks: Sequence[StackedTable],
+    num_partitions: int,
+    capacities: Capacity | Mapping[str, Capacity] | None,
+    is_weighted: bool | None,
+    overflow: Overflow,
+) -> SparseCoreInput | None:
+    """The native path, or None when the numpy reference must run (see its module)."""
+    global _NATIVE_FAILED
+    from tpurec.sparse.kernels.native import NativeBuildError
+    from tpurec.sparse.kernels.native.preprocess import preprocess_native
+
+    try:
+        per_stack = {st.name: _capacity_for(capacities, st) for st in stacks}
+    except ValueError:
+        return None  # the reference raises it, after validating the batch
+    if any(c is None for c in per_stack.values()):
+        return None  # sizing buffers to the batch: reference path
+    try:
+        return preprocess_native(kjt, stacks, num_partitions, per_stack, is_weighted, overflow)  # type: ignore[arg-type]
+    except NativeBuildError as e:
+        if os.environ.get("TPUREC_PREPROCESS") == "native":
+            raise
+        _NATIVE_FAILED = True
+        warnings.warn(f"native preprocessing unavailable, using numpy: {e}", RuntimeWarning, stacklevel=3)
+        return None
+
+
 def preprocess_kjt(
     kjt: KeyedJaggedTensor,
     tables: Sequence[EmbeddingBagConfig] | Sequence[StackedTable],
@@ -423,6 +472,10 @@ def preprocess_kjt(
     if overflow not in ("error", "drop"):
         raise ValueError(f"overflow must be 'error' or 'drop', got {overflow!r}")
     stacks = _tables_of(tables)
+    if _native_enabled():
+        batch = _preprocess_native(kjt, stacks, num_partitions, capacities, is_weighted, overflow)
+        if batch is not None:
+            return batch
     batch_size, features = read_kjt(kjt, stacks, is_weighted)
     csrs = {
         st.name: _stack_csr(st, features, batch_size, num_partitions, _capacity_for(capacities, st), overflow)

@@ -2,9 +2,11 @@
 
 Same signatures and semantics as :mod:`tpurec.sparse.kernels.reference`
 (float32 tables only); threads own partitions ``id % P`` (DESIGN.md, contract 4).
-``sparse_cpu.cc`` is compiled with g++ on first use into a cache directory
+``sparse_cpu.cc`` (the kernels) and ``preprocess_cpu.cc`` (KJT -> CSR
+preprocessing, see :mod:`tpurec.sparse.kernels.native.preprocess`) are compiled
+with g++ into one library on first use, into a cache directory
 (``$TPUREC_CACHE_DIR/native`` or ``~/.cache/tpurec/native``), keyed by a hash
-of the source, compiler and flags.
+of the sources, compiler and flags.
 
 The gradient ops alias their table/slot outputs to the inputs
 (``input_output_aliases``): only touched rows are written, and with the inputs
@@ -41,6 +43,7 @@ __all__ = [
     "NativeBuildError",
     "TRACE_COUNTS",
     "library_path",
+    "load_library",
     "sparse_dense_matmul",
     "sparse_dense_matmul_grad_with_sgd",
     "sparse_dense_matmul_grad_with_adagrad",
@@ -49,6 +52,7 @@ __all__ = [
 ]
 
 _SOURCE = Path(__file__).with_name("sparse_cpu.cc")
+_PREPROCESS_SOURCE = Path(__file__).with_name("preprocess_cpu.cc")
 # Symbol in the .so -> FFI target name.
 _TARGETS = {
     "TpurecSparseDenseMatmul": "tpurec_sparse_dense_matmul",
@@ -108,7 +112,8 @@ def library_path() -> Path:
     flags = _flags()
     include = jax.ffi.include_dir()
     key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), _compiler_version(cxx).encode(), " ".join(flags).encode(), jax.__version__.encode()):
+    sources = [src.read_bytes() for src in (_SOURCE, _PREPROCESS_SOURCE)]
+    for part in (*sources, _compiler_version(cxx).encode(), " ".join(flags).encode(), jax.__version__.encode()):
         key.update(part)
         key.update(b"\0")
     if "-march=native" in flags:
@@ -125,7 +130,7 @@ def library_path() -> Path:
             return out
         fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
         os.close(fd)
-        cmd = [cxx, *flags, "-isystem", include, str(_SOURCE), "-o", tmp]
+        cmd = [cxx, *flags, "-isystem", include, str(_SOURCE), str(_PREPROCESS_SOURCE), "-o", tmp]
         try:
             result = subprocess.run(cmd, capture_output=True, text=True)
             if result.returncode != 0:
@@ -141,6 +146,17 @@ def library_path() -> Path:
 
 _LOCK = threading.Lock()
 _LOADED: ctypes.CDLL | None = None
+
+
+def load_library() -> ctypes.CDLL:
+    """Builds (if needed) and loads the native library; registers its FFI targets once.
+
+    Returns:
+        The loaded library (its plain C functions are callable through ctypes).
+    """
+    _ensure_registered()
+    assert _LOADED is not None
+    return _LOADED
 
 
 def _ensure_registered() -> None:

@@ -1,0 +1,221 @@
+"""A training pipeline that hides host work behind the device step.
+
+:class:`TrainPipeline` has TorchRec's ``progress(dataloader_iter)`` shape
+(``torchrec.distributed.train_pipeline.TrainPipelineBase``): each call runs one
+training step and returns the model's output. While the device runs step
+``i``, a background thread reads batch ``i + 1`` from the iterator,
+preprocesses its KeyedJaggedTensors into SparseCore CSR for every tpurec
+:class:`~tpurec.sparse.EmbeddingBagCollection` of the model, and starts the
+host-to-device transfer of its tensors and CSR arrays. The loop waits on the
+host only when the data is late.
+
+The model follows TorchRec's training-module convention: ``model(batch)``
+returns ``(losses, output)`` (for example ``torchrec.models.dlrm.DLRMTrain``
+over a ``torchrec.datasets.utils.Batch``). Batches may be tensors,
+KeyedJaggedTensors, dataclasses, tuples, lists and dicts of them; tensors move
+to ``device``, KeyedJaggedTensors stay on the host (their CSR moves instead).
+
+Example::
+
+    from torchrec.models.dlrm import DLRM, DLRMTrain
+    model = sparse.from_torchrec(DLRMTrain(DLRM(...)), capacities=sparse.Capacity(4096)).to("tpu")
+    pipeline = sparse.TrainPipeline(model, torch.optim.Adagrad(dense_params), torch.device("tpu"))
+    batches = iter(loader)
+    while True:
+        try:
+            loss, logits, labels = pipeline.progress(batches)
+        except StopIteration:
+            break
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+from typing import Any, Generic, Iterator, TypeVar
+
+import torch
+from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+__all__ = ["TrainPipeline"]
+
+In = TypeVar("In")
+Out = TypeVar("Out")
+
+
+@dataclasses.dataclass
+class _OnDevice:
+    """A tensor whose transfer was started by the worker thread (wrapped on the main thread)."""
+
+    array: Any  # jax.Array
+    index: int
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass
+class _Failure:
+    error: BaseException
+
+
+_END = object()
+
+
+def _map_batch(batch: Any, fn_tensor, fn_kjt) -> Any:
+    """Rebuilds ``batch`` with ``fn_tensor`` applied to its tensors and ``fn_kjt`` to its KJTs."""
+    if isinstance(batch, KeyedJaggedTensor):
+        return fn_kjt(batch)
+    if isinstance(batch, (torch.Tensor, _OnDevice)):
+        return fn_tensor(batch)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        return dataclasses.replace(
+            batch, **{f.name: _map_batch(getattr(batch, f.name), fn_tensor, fn_kjt) for f in dataclasses.fields(batch) if f.init}
+        )
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_map_batch(x, fn_tensor, fn_kjt) for x in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_map_batch(x, fn_tensor, fn_kjt) for x in batch)
+    if isinstance(batch, dict):
+        return {k: _map_batch(v, fn_tensor, fn_kjt) for k, v in batch.items()}
+    return batch
+
+
+class TrainPipeline(Generic[In, Out]):
+    """Overlaps reading, preprocessing and transferring batch ``i + 1`` with step ``i``.
+
+    Works in every tpurec mode (eager, fused, debug) and with
+    ``torch.compile(..., backend="tpu")`` models: the step itself is the
+    caller's model and optimizer, unchanged; only where its input comes from
+    changes. Losses equal those of the plain loop over the same batches.
+
+    Args:
+        model: ``model(batch) -> (losses, output)``; ``losses`` are summed and
+            back-propagated when the model is in training mode.
+        optimizer: the dense optimizer (embedding tables update in the backward).
+        device: where tensors of a batch go (``"tpu"``, ``"tpu:N"`` or ``"cpu"``).
+        prefetch: batches prepared ahead of the running step (>= 1).
+
+    Raises:
+        ValueError: ``prefetch`` below 1.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | str, *, prefetch: int = 1) -> None:
+        if prefetch < 1:
+            raise ValueError(f"prefetch must be >= 1 (batches prepared ahead), got {prefetch}")
+        from tpurec.sparse.modules import EmbeddingBagCollection
+
+        self._model = model
+        self._optimizer = optimizer
+        self._device = torch.device(device)
+        self._prefetch = prefetch
+        self._collections = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
+        self._queue: queue.Queue | None = None
+        self._worker: threading.Thread | None = None
+        self._iterator: Iterator[In] | None = None
+        self._stop = threading.Event()
+        self._exhausted = False
+
+    # --- worker thread --------------------------------------------------------------
+
+    def _to_device(self, t: torch.Tensor) -> Any:
+        if self._device.type != "tpu":
+            return t.to(self._device, non_blocking=True)
+        from tpurec.device import jax_device
+        from tpurec.tensor import host_to_jax
+
+        if t.device.type != "cpu":
+            return t  # already on a device: the step moves it if needed
+        index = self._device.index if self._device.index is not None else torch.tpu.current_device()
+        return _OnDevice(host_to_jax(t, jax_device(index)), index, t.dtype)  # starts the async copy
+
+    def _prefetch_kjt(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        keys = set(kjt.keys())
+        for ebc in self._collections:
+            if ebc.feature_names and set(ebc.feature_names) == keys:
+                ebc.prefetch(kjt)
+        return kjt
+
+    def _work(self, iterator: Iterator[In], out: queue.Queue) -> None:
+        while not self._stop.is_set():
+            try:
+                batch = next(iterator)
+                item: Any = _map_batch(batch, self._to_device, self._prefetch_kjt)
+            except StopIteration:
+                item = _END
+            except BaseException as e:  # handed to the main thread, raised by progress()
+                item = _Failure(e)
+            while not self._stop.is_set():
+                try:
+                    out.put(item, timeout=0.1)
+                    break
+                except queue.Full:
+                    continue
+            if item is _END or isinstance(item, _Failure):
+                return
+
+    def _connect(self, dataloader_iter: Iterator[In]) -> None:
+        self.close()
+        self._stop = threading.Event()
+        self._iterator = dataloader_iter
+        self._exhausted = False
+        self._queue = queue.Queue(maxsize=self._prefetch)
+        self._worker = threading.Thread(
+            target=self._work, args=(dataloader_iter, self._queue), name="tpurec-train-pipeline", daemon=True
+        )
+        self._worker.start()
+
+    # --- public API -----------------------------------------------------------------
+
+    def progress(self, dataloader_iter: Iterator[In]) -> Out:
+        """Runs one training step on the next batch of ``dataloader_iter``.
+
+        The first call (or a call with a new iterator) starts the worker that
+        prepares batches ahead.
+
+        Returns:
+            The model's output for this step.
+
+        Raises:
+            StopIteration: the iterator is exhausted.
+        """
+        if self._iterator is not dataloader_iter or self._queue is None:
+            self._connect(dataloader_iter)
+        if self._exhausted:
+            raise StopIteration
+        assert self._queue is not None
+        item = self._queue.get()
+        if item is _END:
+            self._exhausted = True
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self._exhausted = True
+            raise item.error
+
+        from tpurec.tensor import wrap
+
+        batch = _map_batch(item, lambda t: wrap(t.array, t.index, t.dtype) if isinstance(t, _OnDevice) else t, lambda k: k)
+        training = self._model.training
+        if training:
+            self._optimizer.zero_grad()
+        losses, output = self._model(batch)
+        if training:
+            torch.sum(losses, dim=0).backward() if losses.dim() else losses.backward()
+            self._optimizer.step()
+        return output
+
+    def close(self) -> None:
+        """Stops the worker thread (batches it prepared are dropped)."""
+        self._stop.set()
+        if self._worker is not None:
+            self._worker.join(timeout=10)
+        self._worker = None
+        self._queue = None
+        self._iterator = None
+        for ebc in self._collections:
+            ebc.clear_prefetched()
+
+    def __del__(self) -> None:
+        try:
+            self._stop.set()
+        except Exception:
+            pass
