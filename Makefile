@@ -12,9 +12,13 @@ $(STAMP): requirements.lock requirements-test.lock pyproject.toml
 	$(PY) -m pip install --no-deps -e .
 	touch $(STAMP)
 
-# The main job: TorchRec's DLRM on synthetic click data, on the tpu device.
+# The main job: TorchRec's DLRM on synthetic click data, on the tpu device (dlrm_main.py's
+# flags; override with `make train TRAIN_FLAGS="--interaction_type dcn ..."`).
+TRAIN_FLAGS ?= --batch_size 512 --num_embeddings 10000 --embedding_dim 16 --dense_arch_layer_sizes 64,16 \
+	--over_arch_layer_sizes 64,32,1 --adagrad --learning_rate 0.05 --limit_train_batches 300 \
+	--limit_val_batches 8 --limit_test_batches 8 --validation_freq_within_epoch 100
 train: $(STAMP)
-	$(PY) examples/dlrm/train.py
+	$(PY) examples/dlrm/train.py $(TRAIN_FLAGS)
 
 quickstart: $(STAMP)
 	$(PY) examples/quickstart.py

@@ -1,128 +1,78 @@
-"""Train TorchRec's DLRM on the "tpu" device, on synthetic click data.
+"""Train TorchRec's DLRM (original, DCN or projection) on the "tpu" device.
 
-The model is plain TorchRec (``torchrec.models.dlrm.DLRM`` over an
-``EmbeddingBagCollection``); ``tpurec.sparse.from_torchrec`` swaps in the
-SparseCore-shaped embedding module with a fused row-wise Adagrad, and the model
-moves with ``.to("tpu")``. The data has a learnable signal: each click is drawn
-from a hidden logistic model over the dense features and hidden per-id scores,
-so the loss falls well below log(2) and the AUC rises above 0.5.
+The flags are TorchRec's ``dlrm_main.py``'s (a command line written for it
+runs here with only the script name changed) plus tpurec's own; see
+``--help`` and docs/dlrm_training.md. Without a data path it trains on
+synthetic click data with a learnable rule.
 
-Run with ``make train`` or ``.venv/bin/python examples/dlrm/train.py --help``.
+    .venv/bin/python examples/dlrm/train.py --interaction_type dcn --adagrad --learning_rate 0.05
+
+Bad input (missing or malformed data, ids outside their tables, inconsistent
+layer sizes, unknown flags) prints one line and exits with status 2.
 """
 
 from __future__ import annotations
 
-import argparse
-import time
+import os
+import sys
 
-import numpy as np
-import torch
-from torchmetrics.functional.classification import binary_auroc
-from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
-from torchrec.models.dlrm import DLRM
+# The script's modules live next to it, in the ``dlrm`` package of examples/.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import tpurec
-import tpurec.sparse as sparse
+import torch  # noqa: E402
 
-DENSE_FEATURES = 13
+import tpurec  # noqa: E402
+from dlrm import data, flags, loop  # noqa: E402
+from dlrm import model as model_lib  # noqa: E402
 
-
-class SyntheticClicks:
-    """Batches of (dense features, KJT of ids, labels) from a fixed hidden model."""
-
-    def __init__(self, num_tables: int, rows: int, ids_per_bag: int, seed: int = 0) -> None:
-        rng = np.random.default_rng(seed)
-        self.keys = [f"cat_{i}" for i in range(num_tables)]
-        self.rows, self.ids_per_bag = rows, ids_per_bag
-        self.dense_weight = rng.normal(size=DENSE_FEATURES) / np.sqrt(DENSE_FEATURES)
-        self.id_scores = rng.normal(size=(num_tables, rows)) / np.sqrt(num_tables)
-        self.rng = rng
-
-    def batch(self, size: int) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
-        rng = self.rng
-        dense = rng.normal(size=(size, DENSE_FEATURES)).astype(np.float32)
-        logit = dense @ self.dense_weight
-        lengths, values = [], []
-        for t in range(len(self.keys)):
-            # Bags of 1..ids_per_bag ids, skewed towards small ids as real categorical data is.
-            n = rng.integers(1, self.ids_per_bag + 1, size=size)
-            ids = np.minimum(rng.zipf(1.3, size=n.sum()) - 1, self.rows - 1)
-            bag = np.repeat(np.arange(size), n)
-            logit += np.bincount(bag, weights=self.id_scores[t, ids], minlength=size) / n
-            lengths.append(n)
-            values.append(ids)
-        labels = (rng.random(size) < 1 / (1 + np.exp(-2 * logit))).astype(np.float32)
-        kjt = KeyedJaggedTensor.from_lengths_sync(
-            keys=self.keys,
-            values=torch.from_numpy(np.concatenate(values)),
-            lengths=torch.from_numpy(np.concatenate(lengths)),
-        )
-        return torch.from_numpy(dense), kjt, torch.from_numpy(labels)
+PROG = "train.py"
 
 
-def build_model(keys: list[str], rows: int, dim: int, device: str, capacity: int) -> torch.nn.Module:
-    tables = [EmbeddingBagConfig(name=f"t_{k}", embedding_dim=dim, num_embeddings=rows, feature_names=[k]) for k in keys]
-    model = DLRM(
-        embedding_bag_collection=EmbeddingBagCollection(tables=tables),
-        dense_in_features=DENSE_FEATURES,
-        dense_arch_layer_sizes=[64, dim],
-        over_arch_layer_sizes=[64, 32, 1],
-    )
-    model = sparse.from_torchrec(
-        model, optimizer=sparse.RowWiseAdagrad(learning_rate=0.05), capacities=sparse.Capacity(capacity)
-    )
-    return model.to(device)
+def print_sharding_plan(cfg: flags.Config) -> None:
+    """Prints tpurec's TPU sharding plan for the tables (TorchRec's planner)."""
+    from tpurec.sparse.planner import plan
+
+    topology = cfg.topology or f"v5p-{2 * max(cfg.num_devices, 4)}"
+    try:
+        _, report = plan(model_lib.table_configs(cfg), topology, batch_size=cfg.batch_size * cfg.num_devices)
+    except ValueError as e:
+        raise flags.ConfigError(f"--print_sharding_plan: {str(e).splitlines()[0]}") from None
+    print(report)
+
+
+def run(argv: list[str] | None = None) -> loop.RunResult:
+    """Parses ``argv``, builds data and model, trains, and prints the results."""
+    cfg = flags.parse_args(argv)
+    loaders = data.make_loaders(cfg)
+    multi_hot_source = getattr(loaders["train"].source, "sparse", None)
+    ids_per_sample = sum(c.shape[1] for c in multi_hot_source) if isinstance(multi_hot_source, list) else None
+    if cfg.print_sharding_plan:
+        print_sharding_plan(cfg)
+    model = model_lib.build_model(cfg, "tpu", max_ids_per_sample=ids_per_sample)
+    model = loop.place_model(model, cfg)
+    optimizer = model_lib.dense_optimizer(cfg, model)
+    rows = sum(cfg.table_rows)
+    print(f"{cfg.interaction_type} DLRM on tpu (XLA:{tpurec.platform().upper()}), mode {cfg.mode}: "
+          f"{len(cfg.table_rows)} tables, {rows:,} rows x dim {cfg.embedding_dim}, batch {cfg.batch_size}, "
+          f"{cfg.embedding_optimizer} embeddings / {'adagrad' if cfg.adagrad else 'sgd'} dense at lr {cfg.learning_rate}")
+    result = loop.train(cfg, model, optimizer, loaders)
+    final = result.final
+    compiled = "n/a" if result.compilations_after_warmup is None else str(result.compilations_after_warmup)
+    print(f"held-out AUC {final.auc:.4f}, normalized entropy {final.normalized_entropy:.4f} ({final.samples} test samples); "
+          f"{len(result.history.losses)} steps, last loss {result.history.losses[-1]:.4f}; "
+          f"{result.samples_per_second:,.0f} samples/s after warm-up; {compiled} compilations after warm-up")
+    return result
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--batch", type=int, default=512)
-    parser.add_argument("--tables", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=10_000)
-    parser.add_argument("--dim", type=int, default=16)
-    parser.add_argument("--ids-per-bag", type=int, default=4)
-    parser.add_argument("--device", default="tpu")
-    parser.add_argument("--mode", choices=tpurec.modes.MODES, default="fused")
-    parser.add_argument("--log-every", type=int, default=25)
-    args = parser.parse_args()
-
-    torch.manual_seed(0)
-    data = SyntheticClicks(args.tables, args.rows, args.ids_per_bag)
-    # Tables of one dim share a stack, and every bag has at most ids_per_bag ids:
-    # a batch never needs more than this (static, so no batch recompiles).
-    model = build_model(data.keys, args.rows, args.dim, args.device, capacity=args.batch * args.tables * args.ids_per_bag)
-    dense_optimizer = torch.optim.Adagrad([p for p in model.parameters() if p.requires_grad], lr=0.05)
-    held_out = [data.batch(args.batch) for _ in range(8)]
-
-    print(f"DLRM on {args.device} (XLA:{tpurec.platform().upper()}), mode {args.mode}: "
-          f"{args.tables} tables x {args.rows} rows x dim {args.dim}, batch {args.batch}")
-    losses, start = [], None
-    with tpurec.mode(args.mode):
-        for step in range(args.steps):
-            if step == 10:  # after warm-up: count compilations and time the steady state
-                tpurec.reset_stats()
-                start = time.perf_counter()
-            dense, kjt, labels = data.batch(args.batch)
-            dense_optimizer.zero_grad()
-            logits = model(dense.to(args.device), kjt).squeeze(-1)
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.to(args.device))
-            loss.backward()
-            dense_optimizer.step()
-            losses.append(loss.item())
-            if (step + 1) % args.log_every == 0 or step == 0:
-                window = losses[-args.log_every:]
-                print(f"step {step + 1:>5}  loss {sum(window) / len(window):.4f}")
-        elapsed = time.perf_counter() - start if start else float("nan")
-        stats = tpurec.stats()
-        with torch.no_grad():
-            scores = torch.cat([torch.sigmoid(model(d.to(args.device), k).squeeze(-1)).cpu() for d, k, _ in held_out])
-            labels = torch.cat([y for _, _, y in held_out])
-    steady = max(args.steps - 10, 1)
-    print(f"held-out AUC {binary_auroc(scores, labels.long()).item():.4f}; "
-          f"{steady * args.batch / elapsed:,.0f} samples/s after warm-up; "
-          f"{stats['compilations']} compilations after warm-up")
+    """Entry point: bad input exits with status 2 and one line, like argparse."""
+    try:
+        run(sys.argv[1:])
+    except flags.ConfigError as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":
+    torch.set_num_threads(max(torch.get_num_threads(), 1))
     main()

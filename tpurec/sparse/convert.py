@@ -63,7 +63,12 @@ def _convert(module: nn.Module, optimizer: EmbeddingOptimizer | None, kwargs: Ma
     )
     with torch.no_grad():
         for cfg in module.embedding_bag_configs():
-            new.table_weight(cfg.name).copy_(module.embedding_bags[cfg.name].weight.detach())
+            source = module.embedding_bags[cfg.name].weight
+            # Tables built on "meta" have no values: the new module's own
+            # initialisation (the config's init_fn, else torchrec's uniform
+            # range) materialises them, so a large model is never held twice.
+            if source.device.type != "meta":
+                new.table_weight(cfg.name).copy_(source.detach())
         if isinstance(module, FusedEmbeddingBagCollection):
             slots = new.optimizer_state_dict()["state"]
             for name, states in _fused_slots(module).items():
@@ -82,7 +87,8 @@ def from_torchrec(
 ) -> nn.Module:
     """Replaces every torchrec (Fused)EmbeddingBagCollection in ``model``.
 
-    Weights are copied; the optimizer comes from ``apply_optimizer_in_backward``
+    Weights are copied (tables on ``meta`` are initialised instead, from
+    their configs, directly in the new module); the optimizer comes from ``apply_optimizer_in_backward``
     on the tables or from the fused module's settings (and its FBGEMM slots),
     else from ``optimizer``. The model is changed in place and returned (a bare
     EBC is returned converted).
@@ -108,6 +114,8 @@ def from_torchrec(
         if dev is None:
             weights = [m.weight for m in module.embedding_bags.values()]
             dev = weights[0].device if weights else None
+            if dev is not None and dev.type == "meta":
+                dev = None  # materialised on the host; pass device= to place them
         return {"device": dev, "num_partitions": num_partitions, "capacities": capacities}
 
     if isinstance(model, kinds):
