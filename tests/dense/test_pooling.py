@@ -78,8 +78,9 @@ def test_max_pool_ties_and_nan_pick_torchs_index():
 def test_backward_stays_on_device(pool):
     x = torch.randn(1, 2, 6, 6, 6) if pool == "max3d" else torch.randn(2, 3, 7, 5)
     xt = x.to("tpu").requires_grad_()
-    with warnings.catch_warnings():
-        warnings.filterwarnings("error", category=RuntimeWarning)
+    with warnings.catch_warnings(record=True) as caught:  # raising inside backward would abort
+        warnings.simplefilter("always", RuntimeWarning)
         out = F.max_pool3d(xt, 2) if pool == "max3d" else F.adaptive_avg_pool2d(xt, 3)
         out.sum().backward()
+    assert not [w for w in caught if "ran on the host" in str(w.message)]
     assert xt.grad.shape == x.shape

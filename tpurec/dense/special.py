@@ -1,0 +1,210 @@
+"""Special functions through ``jax.scipy.special``: polygamma, erfcx, Bessel
+functions of order 0/1, ndtr/ndtri/log_ndtr, zeta, entr, xlog1py, igamma(c),
+and the orthogonal polynomial families.
+
+Integer inputs compute in the default float dtype (torch's INT_TO_FLOAT
+promotion); bfloat16/float16 compute in float32 and round once. Their
+gradients are torch's own formulas over ops that have lowerings, so they stay
+on the device too.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import jax.scipy.special as jss
+import numpy as np
+import torch
+from jax import lax
+
+from tpurec.dense._util import Kind, promote
+from tpurec.dense.registry import lower
+
+aten = torch.ops.aten
+
+
+def _unary(fn):
+    """An INT_TO_FLOAT unary op computing ``fn`` in float32 or wider."""
+
+    def lowering(x):
+        comp, res = promote(x, kind=Kind.INT_TO_FLOAT)
+        wide = jnp.promote_types(comp, jnp.float32)
+        return fn(x.astype(wide)).astype(res)
+
+    return lowering
+
+
+def _binary(fn):
+    """An INT_TO_FLOAT binary op (Tensor/Scalar overloads) computing ``fn`` in float32 or wider."""
+
+    def lowering(x, y):
+        comp, res = promote(x, y, kind=Kind.INT_TO_FLOAT)
+        wide = jnp.promote_types(comp, jnp.float32)
+        return fn(jnp.asarray(x).astype(wide), jnp.asarray(y).astype(wide)).astype(res)
+
+    return lowering
+
+
+def _spherical_j0(x):
+    # sin(x)/x with the series 1 - x^2/6 near 0, where the quotient loses accuracy
+    small = jnp.abs(x) < 1e-3
+    safe = jnp.where(small, jnp.ones_like(x), x)
+    return jnp.where(small, 1 - x * x / 6, jnp.sin(safe) / safe)
+
+
+def _bessel_j(order: int):
+    def fn(x):
+        # bessel_jn gives orders 0..v stacked on a new leading axis; J_n(-x) = (-1)^n J_n(x).
+        # Its backward recurrence overflows to NaN in float32 and divides by zero at
+        # x = 0, so it runs in float64 with J_0(0) = 1, J_1(0) = 0 set explicitly.
+        ax = jnp.abs(x).astype(jnp.float64)
+        out = jss.bessel_jn(jnp.where(ax == 0, 1.0, ax), v=order)[order]
+        out = jnp.where(ax == 0, 1.0 if order == 0 else 0.0, out).astype(x.dtype)
+        return out if order % 2 == 0 else jnp.sign(x) * out
+
+    return fn
+
+
+_UNARY = {
+    aten.i0.default: jss.i0,
+    aten.special_i0e.default: jss.i0e,
+    aten.special_i1.default: jss.i1,
+    aten.special_i1e.default: jss.i1e,
+    aten.special_modified_bessel_i0.default: jss.i0,
+    aten.special_modified_bessel_i1.default: jss.i1,
+    aten.special_erfcx.default: jss.erfcx,
+    aten.special_ndtri.default: jss.ndtri,
+    aten.special_ndtr.default: jss.ndtr,
+    aten.special_log_ndtr.default: jss.log_ndtr,
+    aten.special_entr.default: jss.entr,
+    aten.special_spherical_bessel_j0.default: _spherical_j0,
+    aten.special_bessel_j0.default: _bessel_j(0),
+    aten.special_bessel_j1.default: _bessel_j(1),
+}
+
+for _op, _fn in _UNARY.items():
+    lower(_op)(_unary(_fn))
+
+
+def _zeta(x, q):
+    return jss.zeta(x, q)
+
+
+def _xlog1py(x, y):
+    return jss.xlog1py(x, y)
+
+
+for _packet, _fn in (
+    (aten.special_zeta, _zeta),
+    (aten.special_xlog1py, _xlog1py),
+    (aten.igamma, jss.gammainc),
+    (aten.igammac, jss.gammaincc),
+):
+    for _name in ("default", "self_scalar", "other_scalar"):
+        if _name in _packet.overloads():
+            lower(getattr(_packet, _name))(_binary(_fn))
+
+
+@lower(aten.polygamma.default)
+def polygamma(n: int, x):
+    if n < 0:
+        raise ValueError(f"polygamma: the order n must be non-negative, got {n}")
+    return _unary(lambda v: jss.digamma(v) if n == 0 else _polygamma_any_sign(n, v))(x)
+
+
+def _polygamma_any_sign(n: int, x):
+    """psi^(n)(x) for n >= 1, negative x included.
+
+    ``jss.polygamma`` goes through the Hurwitz zeta function, which is NaN or
+    wrong for negative arguments; torch's is not. The recurrence
+    psi^(n)(x) = psi^(n)(x + 1) + (-1)^(n+1) n! / x^(n+1) shifts each negative
+    element by m = ceil(-x) steps to where the zeta form is accurate.
+    """
+    shift = jnp.where(x < 0, jnp.ceil(-x), 0.0)
+    top = jnp.max(shift, initial=0.0)
+
+    def body(carry):
+        k, total = carry
+        term = jnp.where(k < shift, (x + k) ** -(n + 1), 0.0)
+        return k + 1, total + term
+
+    _, total = lax.while_loop(lambda c: c[0] < top, body, (jnp.zeros((), x.dtype), jnp.zeros_like(x)))
+    sign = 1.0 if n % 2 == 1 else -1.0  # (-1)^(n+1)
+    return jss.polygamma(n, x + shift) + sign * float(np.prod(np.arange(1, n + 1))) * total
+
+
+@lower(aten.mvlgamma.default)
+def mvlgamma(x, p: int):
+    comp, res = promote(x, kind=Kind.INT_TO_FLOAT)
+    wide = jnp.promote_types(comp, jnp.float32)
+    return jss.multigammaln(x.astype(wide), p).astype(res)
+
+
+# --- orthogonal polynomials: three-term recurrences up to the largest degree -------
+#
+# The degree ``n`` is a tensor (it broadcasts with ``x``), so the recurrence runs
+# to the largest degree present and each element keeps the term of its own
+# degree. Negative degrees give 0, as in torch.
+
+
+def _recurrence(x, n, p0, p1, step):
+    """P_n(x) for P_0 = p0, P_1 = p1, P_{k+1} = step(k, x, P_k, P_{k-1})."""
+    x, n = jnp.broadcast_arrays(x, n)
+    degree = jnp.trunc(n).astype(jnp.int64)  # torch truncates a float degree toward zero
+    top = jnp.max(degree, initial=1)
+
+    def body(carry):
+        k, prev, cur, out = carry
+        nxt = step(k, x, cur, prev)
+        out = jnp.where(degree == k + 1, nxt, out)
+        return k + 1, cur, nxt, out
+
+    out = jnp.where(degree == 0, p0, jnp.where(degree == 1, p1, jnp.zeros_like(x)))
+    _, _, _, out = lax.while_loop(lambda c: c[0] < top, body, (jnp.ones((), jnp.int64), p0, p1, out))
+    return jnp.where(degree < 0, jnp.zeros_like(x), out)
+
+
+def _poly(p1_fn, step, shift: bool = False):
+    def lowering(x, n):
+        comp, res = promote(x, n, kind=Kind.INT_TO_FLOAT)
+        wide = jnp.promote_types(comp, jnp.float32)
+        xv = jnp.asarray(x).astype(wide)
+        if shift:  # shifted polynomials: P*(x) = P(2x - 1)
+            xv = 2 * xv - 1
+        nv = jnp.asarray(n).astype(wide)
+        ones = jnp.ones(jnp.broadcast_shapes(xv.shape, nv.shape), wide)
+        xb = xv * ones
+        return _recurrence(xb, nv, ones, p1_fn(xb), step).astype(res)
+
+    return lowering
+
+
+_chebyshev_step = lambda k, x, cur, prev: 2 * x * cur - prev  # noqa: E731
+_POLYNOMIALS = {
+    "chebyshev_polynomial_t": (lambda x: x, _chebyshev_step),
+    "chebyshev_polynomial_u": (lambda x: 2 * x, _chebyshev_step),
+    "chebyshev_polynomial_v": (lambda x: 2 * x - 1, _chebyshev_step),
+    "chebyshev_polynomial_w": (lambda x: 2 * x + 1, _chebyshev_step),
+    "hermite_polynomial_h": (lambda x: 2 * x, lambda k, x, cur, prev: 2 * x * cur - 2 * k * prev),
+    "hermite_polynomial_he": (lambda x: x, lambda k, x, cur, prev: x * cur - k * prev),
+    "laguerre_polynomial_l": (
+        lambda x: 1 - x,
+        lambda k, x, cur, prev: ((2 * k + 1 - x) * cur - k * prev) / (k + 1),
+    ),
+    "legendre_polynomial_p": (
+        lambda x: x,
+        lambda k, x, cur, prev: ((2 * k + 1) * x * cur - k * prev) / (k + 1),
+    ),
+}
+
+for _name, (_p1, _step) in _POLYNOMIALS.items():
+    _variants = [(_name, False)]
+    if _name.startswith("chebyshev"):
+        _variants.append(("shifted_" + _name, True))
+    for _variant, _shift in _variants:
+        _packet = getattr(aten, "special_" + _variant)
+        for _overload in ("default", "x_scalar", "n_scalar"):
+            if _overload in _packet.overloads():
+                lower(getattr(_packet, _overload))(_poly(_p1, _step, _shift))
+
+del jax
