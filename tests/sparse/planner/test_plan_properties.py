@@ -90,3 +90,64 @@ def test_row_wise_output_rows_bracket_the_batch(topology, pfs, batch):
     assert g * wk.out_rows >= bags * (1 - 1e-9)
     assert g * wk.out_rows <= batch * sum(max(1.0, pf) for pf in pfs) * (1 + 1e-9)
     assert wk.out_rows <= bags * (1 + 1e-9)
+
+
+@st.composite
+def sharding_plans(draw):
+    """Random valid plans over random tables: (plan, {name: (rows, dim)}, devices)."""
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec, ShardMetadata
+    from torchrec.distributed.types import (
+        BoundsCheckMode,
+        EmbeddingModuleShardingPlan,
+        ParameterSharding,
+        ShardingPlan,
+    )
+
+    devices = draw(st.sampled_from([1, 2, 4, 8]))
+    shapes, module = {}, EmbeddingModuleShardingPlan()
+    for i in range(draw(st.integers(1, 6))):
+        rows, dim = draw(st.integers(1, 1000)), draw(st.sampled_from([8, 16, 32]))
+        name = f"t{i}"
+        shapes[name] = (rows, dim)
+        kind = draw(st.sampled_from(["data_parallel", "table_wise", "row_wise", "column_wise"]))
+        extra = {}
+        if draw(st.booleans()):
+            extra = {"enforce_hbm": draw(st.booleans()),
+                     "bounds_check_mode": draw(st.sampled_from(list(BoundsCheckMode)))}
+        if kind == "data_parallel":
+            module[name] = ParameterSharding(kind, "dense", list(range(devices)), None, **extra)
+            continue
+        if kind == "table_wise":
+            r = draw(st.integers(0, devices - 1))
+            pieces = [((0, 0), (rows, dim), r)]
+        elif kind == "row_wise":
+            cuts = sorted(draw(st.sets(st.integers(1, max(1, rows - 1)), max_size=devices - 1))) if rows > 1 else []
+            edges = [0, *cuts, rows]
+            pieces = [((a, 0), (b - a, dim), k % devices) for k, (a, b) in enumerate(zip(edges, edges[1:]))]
+        else:
+            parts = draw(st.sampled_from([1, 2]))
+            w = dim // parts
+            pieces = [((0, k * w), (rows, w), draw(st.integers(0, devices - 1))) for k in range(parts)]
+        shards = [ShardMetadata(list(o), list(s), f"rank:{r}/tpu:{r}") for o, s, r in pieces]
+        module[name] = ParameterSharding(kind, "fused", [p[2] for p in pieces], EnumerableShardingSpec(shards),
+                                         **extra)
+    return ShardingPlan({draw(st.sampled_from(["", "sparse.ebc"])): module}), shapes, devices
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=sharding_plans())
+def test_any_plan_round_trips_and_validates(case, tmp_path_factory):
+    from tpurec.sparse.planner import load_plan, save_plan
+
+    sp, shapes, devices = case
+    path = tmp_path_factory.mktemp("plans") / "p.json"
+    save_plan(sp, path)
+    assert load_plan(path) == sp
+    validate_plan(sp, shapes, devices)
+    # One device fewer than a rank in use: a clear error, the plan untouched.
+    used = max(r for m in sp.plan.values() for ps in m.values() for r in (ps.ranks or [0]))
+    if used > 0:
+        before = plan_to_json(sp)
+        with pytest.raises(ValueError, match="outside the mesh"):
+            validate_plan(sp, shapes, used)
+        assert plan_to_json(sp) == before
