@@ -161,6 +161,8 @@ def test_validate_accepts_a_matching_plan_in_every_table_form():
         (lambda p: setattr(p.plan[""]["a"], "ranks", [0]) or setattr(
             p.plan[""]["a"], "sharding_spec", _spec([((0, 0), (100, 16), "rank:5/tpu:1")])), SMALL_TABLES, 2,
          "shard 0 is placed on rank:5/tpu:1, outside the mesh of 2 devices"),
+        (lambda p: setattr(p.plan[""]["a"], "sharding_spec", _spec([((0,), (100,), "rank:1/tpu:1")])),
+         SMALL_TABLES, 2, "shards are 2-D"),
     ],
 )
 def test_validate_rejects_with_a_clear_message_and_changes_nothing(mutate, tables, devices, needle):

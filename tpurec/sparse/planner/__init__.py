@@ -20,8 +20,10 @@ each device sends per step to distribute inputs and outputs.
 
 from tpurec.sparse.planner.comms import (
     DistributionBytes,
+    HloCollective,
     PlanDistributionBytes,
     distribution_bytes,
+    hlo_collectives,
 )
 from tpurec.sparse.planner.estimators import (
     TpuCostModel,
@@ -59,6 +61,7 @@ from tpurec.sparse.planner.types import (
 
 __all__ = [
     "DistributionBytes",
+    "HloCollective",
     "PlanDistributionBytes",
     "PlanReport",
     "PlanResult",
@@ -79,6 +82,7 @@ __all__ = [
     "TpuStorageEstimator",
     "TpuTopology",
     "distribution_bytes",
+    "hlo_collectives",
     "load_plan",
     "load_tables",
     "plan",

@@ -24,6 +24,7 @@ uniform over rows, as the cost model assumes.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Sequence, Union
 
@@ -35,9 +36,11 @@ from tpurec.sparse.planner.types import TableSpec, as_table_spec
 
 __all__ = [
     "DistributionBytes",
+    "HloCollective",
     "PlanDistributionBytes",
     "TablePlacement",
     "distribution_bytes",
+    "hlo_collectives",
     "options_distribution_bytes",
     "placement_distribution_bytes",
 ]
@@ -360,3 +363,108 @@ def options_distribution_bytes(
         row_wise_output=row_wise_output,
     )
 
+
+
+# ---- what a compiled program's collectives move (from its HLO) ------------ #
+
+_HLO_ELEM_BYTES = {
+    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
+    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+    "s32": 4, "u32": 4, "f32": 4,
+    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+}
+_HLO_COLLECTIVES = ("all-to-all", "reduce-scatter", "all-gather", "all-reduce", "collective-permute")
+_HLO_LINE = re.compile(
+    r"=\s*(?P<shape>\(.*?\)|[a-z0-9]+\[[0-9,]*\](?:\{[^}]*\})?)\s+(?P<op>"
+    + "|".join(_HLO_COLLECTIVES)
+    + r")(?:-start)?\("
+)
+_HLO_ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+
+
+@dataclass
+class HloCollective:
+    """One collective of an HLO module.
+
+    Args:
+        kind: ``all-to-all``, ``reduce-scatter``, ``all-gather``,
+            ``all-reduce`` or ``collective-permute``.
+        result_bytes: bytes of its result on one device.
+        group_size: devices in each of its replica groups.
+        sent_bytes: bytes one device sends to others (optimal algorithm:
+            all-to-all and reduce-scatter send all but the kept chunk,
+            all-gather sends its chunk to every other member, all-reduce is a
+            reduce-scatter plus an all-gather).
+    """
+
+    kind: str
+    result_bytes: int
+    group_size: int
+    sent_bytes: float
+
+
+def _shape_bytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in _HLO_ARRAY.findall(shape):
+        if dtype not in _HLO_ELEM_BYTES:
+            continue  # tokens, opaque
+        n = 1
+        for d in dims.split(","):
+            if d:
+                n *= int(d)
+        total += n * _HLO_ELEM_BYTES[dtype]
+    return total
+
+
+def _group_size(line: str, num_devices: int) -> int:
+    m = re.search(r"replica_groups=\{(\{[0-9,]*\})", line)
+    if m:
+        members = [x for x in m.group(1).strip("{}").split(",") if x]
+        return len(members) or num_devices
+    m = re.search(r"replica_groups=\[([0-9,]+)\]<=", line)
+    if m:
+        # Iota form [groups, size]<=[...]: the last dimension is the group size.
+        return int(m.group(1).split(",")[-1])
+    return num_devices
+
+
+def hlo_collectives(hlo_text: str, num_devices: int) -> List[HloCollective]:
+    """The collectives written in an HLO module's text, with the bytes each device sends.
+
+    Use the HLO of the lowered program (``jax.jit(f).lower(...).as_text(dialect="hlo")``):
+    it holds the collectives the program asks for on every backend (XLA:CPU
+    later rewrites some, TPU keeps them). A collective inside a loop body is
+    counted once.
+
+    Args:
+        hlo_text: HLO module text.
+        num_devices: devices of the program (for collectives without
+            explicit replica groups).
+
+    Returns:
+        The collectives in program order.
+
+    Example::
+
+        text = jax.jit(step).lower(*args).as_text(dialect="hlo")
+        sum(c.sent_bytes for c in hlo_collectives(text, 8) if c.kind == "all-to-all")
+    """
+    found = []
+    for line in hlo_text.splitlines():
+        m = _HLO_LINE.search(line)
+        if not m:
+            continue
+        kind = m.group("op")
+        size = _shape_bytes(m.group("shape"))
+        n = _group_size(line, num_devices)
+        frac = (n - 1) / n if n > 0 else 0.0
+        if kind in ("all-to-all", "all-gather"):
+            sent = size * frac
+        elif kind == "reduce-scatter":
+            sent = size * (n - 1)
+        elif kind == "all-reduce":
+            sent = 2.0 * size * frac
+        else:
+            sent = float(size)
+        found.append(HloCollective(kind, size, n, sent))
+    return found

@@ -359,6 +359,11 @@ def _validate_table(where: str, ps: ParameterSharding, shape: Tuple[int, int], n
             raise ValueError(
                 f"{where}: shard {i} is placed on {s.placement}, outside the mesh of {num_devices} devices"
             )
+        if len(s.shard_offsets) != 2 or len(s.shard_sizes) != 2:
+            raise ValueError(
+                f"{where}: shard {i} has offsets {list(s.shard_offsets)} and sizes {list(s.shard_sizes)}; "
+                f"embedding table shards are 2-D (rows, columns)"
+            )
         (r0, c0), (nr, nc) = s.shard_offsets, s.shard_sizes
         if r0 < 0 or c0 < 0 or nr < 0 or nc < 0 or r0 + nr > rows or c0 + nc > dim:
             raise ValueError(
