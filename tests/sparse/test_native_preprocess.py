@@ -123,8 +123,17 @@ def test_rejected_batches_fall_back_to_the_reference_messages():
         (torch.tensor([1, 2, 3]), [4, -1, 0, 0]),  # a negative length balanced by a longer one
         (torch.tensor([1, 2, 3]), [2**62, 2**62, 2**62, 2**62]),  # would wrap an int64 sum
     ]
-    for values, lengths in cases:
-        kjt = KeyedJaggedTensor(keys=["f0", "f1"], values=values, lengths=torch.tensor(lengths))
+    kjts = [KeyedJaggedTensor(keys=["f0", "f1"], values=v, lengths=torch.tensor(n)) for v, n in cases]
+    kjts += [
+        # duplicate key, offsets not starting at 0, weights of a dtype torchrec does not take
+        KeyedJaggedTensor(keys=["f0", "f0"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 1, 0])),
+        KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor([1, 2, 3]), offsets=torch.tensor([1, 2, 2, 3, 3])),
+        KeyedJaggedTensor(
+            keys=["f0", "f1"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 1, 0]),
+            weights=torch.ones(2).to(torch.float8_e4m3fn),
+        ),
+    ]
+    for kjt in kjts:
         assert preprocess_native(kjt, stacks, 2, caps, None, "error") is None
         with pytest.raises(ValueError):
             sp.preprocess_kjt(kjt, tables, 2, sp.Capacity(8))
@@ -247,8 +256,5 @@ def test_random_kjts_native_equals_numpy(case):
             lambda: sp.preprocess_kjt(kjt, tables, num_partitions, capacity, is_weighted=is_weighted, overflow=overflow)
         )[1] == error
         return
-    # Native declines only weights that the tables ignore (the reference's rule decides).
-    if native is None:
-        assert is_weighted is False and kjt.weights_or_none() is not None
-        return
+    assert native is not None, "native declined a batch the reference accepts"
     assert_identical(native, reference)

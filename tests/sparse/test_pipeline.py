@@ -166,3 +166,54 @@ def test_errors_of_the_iterator_surface_in_progress_and_bad_prefetch():
         pipeline.progress(it)
     with pytest.raises(ValueError, match="prefetch must be >= 1"):
         sparse.TrainPipeline(model, optimizer, "tpu", prefetch=0)
+
+
+def _run_bench(args: list[str], tmp_path) -> dict:
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TPUREC_CACHE_DIR": os.environ.get("TPUREC_CACHE_DIR", str(tmp_path / "cache"))}
+    done = subprocess.run(
+        [sys.executable, "-m", "tpurec.bench", *args], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout)
+
+
+@pytest.mark.slow
+def test_bench_dlrm_cli_pipeline_breakdown_and_plots(tmp_path):
+    out = _run_bench(
+        ["dlrm", "--batch", "64", "--tables", "3", "--rows", "200", "--dim", "8", "--steps", "2", "--warmup", "1",
+         "--breakdown", "--plot", str(tmp_path / "plots")],
+        tmp_path,
+    )
+    for mode in ("fused", "compiled", "eager"):
+        run = out[f"tpurec_{mode}"]
+        assert run["pipeline"] is True and run["compilations_after_warmup"] == 0
+        assert run["max_loss_difference"] < 1e-3  # same model, weights and batches as torchrec
+    for side in ("torchrec_cpu", "tpurec_eager_synchronized"):
+        phases = out["breakdown"][side]
+        assert set(phases) == {"read", "preprocess", "transfer", "sparse_forward", "dense_forward_backward",
+                               "sparse_update", "dense_optimizer", "total"}
+        assert all(v >= 0 for v in phases.values()) and phases["total"] > 0
+    assert out["breakdown"]["tpurec_eager_synchronized"]["preprocess"] > 0
+    for path in out["plots"]:
+        assert open(path, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_bench_embeddings_cli_sweep(tmp_path):
+    out = _run_bench(
+        ["embeddings", "--dims", "8", "16", "--pooling", "1", "3", "--tables", "2", "--rows", "100", "--batch", "16",
+         "--iters", "1", "--skip-reference", "--plot", str(tmp_path / "plots")],
+        tmp_path,
+    )
+    assert out["copy_bandwidth_gb_s"] > 0
+    assert [(r["dim"], r["ids_per_bag"]) for r in out["runs"]] == [(8, 1), (8, 3), (16, 1), (16, 3)]
+    for run in out["runs"]:
+        assert run["entries"] <= 2 * 16 * run["ids_per_bag"]
+        for impl in ("native", "fbgemm_tbe", "torchrec_ebc"):
+            assert run[impl]["forward_ms"] > 0 and run[impl]["train_bandwidth_fraction"] >= 0
+    assert len(out["plots"]) == 2

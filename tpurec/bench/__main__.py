@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-BENCHMARKS = {"dlrm": "tpurec.bench.dlrm", "modes": "tpurec.bench.modes", "sparse": "tpurec.bench.sparse"}
+BENCHMARKS = {"dlrm": "tpurec.bench.dlrm", "embeddings": "tpurec.bench.embeddings", "modes": "tpurec.bench.modes", "sparse": "tpurec.bench.sparse"}
 
 
 def main(argv: list[str] | None = None) -> None:

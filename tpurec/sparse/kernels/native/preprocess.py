@@ -39,6 +39,7 @@ __all__ = ["preprocess_native"]
 
 _OK, _INVALID, _OVERFLOW = 0, 1, 2
 _ID_DTYPES = (torch.int64, torch.int32)
+_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -108,20 +109,25 @@ def preprocess_native(
     if kjt.variable_stride_per_key():
         return None
     values_t, lengths_t, weights_t = kjt.values(), kjt.lengths(), kjt.weights_or_none()
-    if values_t.dtype not in _ID_DTYPES or lengths_t.dtype not in _ID_DTYPES:
+    if values_t.dtype not in _ID_DTYPES or lengths_t.dtype not in _ID_DTYPES or values_t.dim() != 1 or lengths_t.dim() != 1:
         return None
+    offsets_t = kjt.offsets_or_none()
+    if offsets_t is not None and offsets_t.numel() and int(offsets_t[0]) != 0:
+        return None  # offsets must start at 0: the reference says so
     batch_size = kjt.stride()
     num_keys = len(keys)
     if batch_size <= 0 or lengths_t.numel() != num_keys * batch_size:
         return None
     if any(st.num_slots * batch_size >= PAD_ID for st in stacks):
         return None
-    if weights_t is not None and is_weighted is False:
-        return None  # weights the tables do not use: the reference's rule applies
+    if weights_t is not None and (
+        weights_t.dtype not in _WEIGHT_DTYPES or weights_t.dim() != 1 or weights_t.shape[0] != values_t.shape[0]
+    ):
+        return None  # weights are checked even when the tables ignore them (the reference names the error)
     use_weights = weights_t is not None if is_weighted is None else is_weighted
     weights = None
     if use_weights:
-        if weights_t is None or not weights_t.dtype.is_floating_point or weights_t.numel() != values_t.numel():
+        if weights_t is None:
             return None
         weights = np.ascontiguousarray(weights_t.detach().cpu().to(torch.float32).numpy())
 
