@@ -106,6 +106,8 @@ def evaluate(model: nn.Module, forward: Callable, loader: Loader, device: str, s
                     bar.update(1)
     finally:
         model.train()
+    if metrics.samples == 0:
+        raise ConfigError(f"the {stage} set is empty: check the data and --limit_{stage}_batches")
     return metrics.compute()
 
 

@@ -319,3 +319,19 @@ def test_make_train_reaches_auc_075_within_3_minutes(tmp_path):
     assert re.search(r"\b0 compilations after warm-up", out.stdout), out.stdout
     assert "Epoch 0: 100%" in out.stderr  # the tqdm bar
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_print_sharding_plan_lists_every_table(capsys):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("dlrm_train_script", SCRIPT)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    cfg = flags.parse_args([*SMALL, "--print_sharding_plan", "--topology", "v5p-8"])
+    script.print_sharding_plan(cfg)
+    text = capsys.readouterr().out
+    assert "v5p-8" in text
+    for name, rows in zip(cfg.feature_names, cfg.table_rows):
+        assert re.search(rf"t_{name}\s+{rows}\s+8\b", text), text
+    with pytest.raises(flags.ConfigError, match="--print_sharding_plan"):
+        script.print_sharding_plan(flags.parse_args([*SMALL, "--topology", "not-a-tpu"]))
