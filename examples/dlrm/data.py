@@ -24,9 +24,11 @@ than from a lookup table, so a 40M-row table needs no 40M x size array.
 
 from __future__ import annotations
 
+import atexit
 import glob
 import os
 import re
+import shutil
 import tempfile
 import zipfile
 from typing import Iterable, Iterator
@@ -182,7 +184,7 @@ class InMemoryCriteo:
         try:
             self.pipe = InMemoryBinaryCriteoIterDataPipe(
                 stage, dense[pick], sparse[pick], labels[pick], batch_size=batch_size, rank=0, world_size=1,
-                drop_last=False, shuffle_batches=cfg.shuffle_batches,
+                drop_last=False, shuffle_batches=cfg.shuffle_batches, mmap_mode=cfg.mmap_mode,
                 hashes=cfg.table_rows if cfg.hash_ids else None,
             )
         except (ValueError, OSError, EOFError) as e:
@@ -316,6 +318,7 @@ def tsv_to_npy_dir(spec: str) -> str:
     for f in files:
         check_tsv(f)
     out = tempfile.mkdtemp(prefix="tpurec_criteo_")
+    atexit.register(shutil.rmtree, out, ignore_errors=True)
     for day, f in enumerate(files):
         stem = os.path.join(out, f"day_{day}")
         BinaryCriteoUtils.tsv_to_npys(f, f"{stem}_dense.npy", f"{stem}_sparse.npy", f"{stem}_labels.npy")

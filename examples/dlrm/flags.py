@@ -3,9 +3,8 @@
 The flags carry the names and meanings of TorchRec's ``dlrm_main.py`` (so a
 command line written for it runs here unchanged apart from the script name),
 plus tpurec's own (``--mode``, ``--num_devices``, ``--checkpoint_dir``, ...).
-Flags of ``dlrm_main.py`` that tune CUDA or the host data loader
-(``--pin_memory``, ``--mmap_mode``, ``--allow_tf32``) are accepted and have no
-effect here.
+Flags of ``dlrm_main.py`` that tune CUDA (``--pin_memory``, ``--allow_tf32``)
+are accepted and have no effect here.
 
 Bad input is reported by :class:`ConfigError`: ``train.py`` prints its one-line
 message and exits with status 2, as argparse does for a bad flag.
@@ -57,6 +56,7 @@ class Config:
     eps: float
     adagrad: bool
     shuffle_batches: bool
+    mmap_mode: bool
     multi_hot_sizes: list[int] | None
     multi_hot_distribution_type: str
     in_memory_binary_criteo_path: str | None
@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--undersampling_rate", type=float, default=None, help="accepted for compatibility; not supported (must be unset)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
     p.add_argument("--pin_memory", action="store_true", help="accepted; no effect on tpu")
-    p.add_argument("--mmap_mode", action="store_true", help="accepted; the npy files are memory-mapped by numpy on demand anyway")
+    p.add_argument("--mmap_mode", action="store_true", help="keep the npy files on disk (memory-mapped) instead of loading them")
     p.add_argument("--in_memory_binary_criteo_path", type=str, default=None, help="directory of day_N_{dense,sparse,labels}.npy files")
     p.add_argument("--synthetic_multi_hot_criteo_path", type=str, default=None, help="directory of MLPerf v2 synthetic multi-hot files (day_N_sparse_multi_hot.npz)")
     p.add_argument("--learning_rate", type=float, default=15.0, help="learning rate (dense and embedding optimizers)")
@@ -245,6 +245,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         eps=a.eps,
         adagrad=a.adagrad,
         shuffle_batches=a.shuffle_batches,
+        mmap_mode=a.mmap_mode,
         multi_hot_sizes=multi_hot,
         multi_hot_distribution_type=a.multi_hot_distribution_type,
         in_memory_binary_criteo_path=a.in_memory_binary_criteo_path,

@@ -99,11 +99,15 @@ def evaluate(model: nn.Module, forward: Callable, loader: Loader, device: str, s
     metrics = HeldOutMetrics()
     try:
         with torch.no_grad():
-            for batch in tqdm(loader.epoch_batches(0), total=len(loader), desc=f"Evaluating {stage} set", leave=False, file=sys.stderr):
-                logits = forward(batch.dense_features.to(device), batch.sparse_features).squeeze(-1)
-                metrics.update(logits, batch.labels)
+            with tqdm(total=len(loader), desc=f"Evaluating {stage} set", leave=False, file=sys.stderr) as bar:
+                for batch in loader.epoch_batches(0):
+                    logits = forward(batch.dense_features.to(device), batch.sparse_features).squeeze(-1)
+                    metrics.update(logits, batch.labels)
+                    bar.update(1)
     finally:
         model.train()
+    if metrics.samples == 0:
+        raise ConfigError(f"the {stage} set is empty: check the data and --limit_{stage}_batches")
     return metrics.compute()
 
 
@@ -253,33 +257,38 @@ def train(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, loade
             bar = tqdm(total=total, initial=skip, desc=f"Epoch {epoch}", file=sys.stderr, dynamic_ncols=True)
             window_start, window_samples = time.perf_counter(), 0
             step_in_epoch = skip
-            while True:
-                if global_step - run_start == WARMUP_STEPS:
-                    tpurec.synchronize()
-                    tpurec.reset_stats()
-                    timer.update(start=time.perf_counter(), samples=0, eval_compilations=0, eval_seconds=0.0)
-                trace.before_step(global_step)
-                try:
-                    loss = pipeline.progress(batches)
-                except StopIteration:
-                    break
-                pending.append(loss)
-                global_step += 1
-                step_in_epoch += 1
-                window_samples += cfg.batch_size
-                if timer["start"] is not None:
-                    timer["samples"] += cfg.batch_size
-                bar.update(1)
-                trace.after_step(global_step)
-                if len(pending) >= cfg.loss_every:
-                    read_losses(keep_newest=True)
-                    now = time.perf_counter()
-                    window = history.losses[-cfg.loss_every:]
-                    bar.set_postfix(loss=f"{sum(window) / len(window):.4f}",
-                                    samples_per_s=f"{window_samples / max(now - window_start, 1e-9):,.0f}")
-                    window_start, window_samples = now, 0
-                if cfg.validation_freq_within_epoch and step_in_epoch % cfg.validation_freq_within_epoch == 0 and step_in_epoch < total:
-                    validate(epoch, step_in_epoch)
+            try:
+                while True:
+                    if global_step - run_start == WARMUP_STEPS:
+                        tpurec.synchronize()
+                        tpurec.reset_stats()
+                        timer.update(start=time.perf_counter(), samples=0, eval_compilations=0, eval_seconds=0.0)
+                    trace.before_step(global_step)
+                    try:
+                        loss = pipeline.progress(batches)
+                    except StopIteration:
+                        break
+                    pending.append(loss)
+                    global_step += 1
+                    step_in_epoch += 1
+                    window_samples += cfg.batch_size
+                    if timer["start"] is not None:
+                        timer["samples"] += cfg.batch_size
+                    bar.update(1)
+                    trace.after_step(global_step)
+                    if len(pending) >= cfg.loss_every:
+                        read_losses(keep_newest=True)
+                        now = time.perf_counter()
+                        window = history.losses[-cfg.loss_every:]
+                        bar.set_postfix(loss=f"{sum(window) / len(window):.4f}",
+                                        samples_per_s=f"{window_samples / max(now - window_start, 1e-9):,.0f}")
+                        window_start, window_samples = now, 0
+                    if cfg.validation_freq_within_epoch and step_in_epoch % cfg.validation_freq_within_epoch == 0 and step_in_epoch < total:
+                        validate(epoch, step_in_epoch)
+            except BaseException:
+                bar.leave = False  # clear the bar, so an error is the last line the user sees
+                bar.close()
+                raise
             bar.close()
             trace.after_step(global_step, force=True)
             read_losses(keep_newest=False)

@@ -19,7 +19,13 @@ import sys
 # The script's modules live next to it, in the ``dlrm`` package of examples/.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import logging  # noqa: E402
+
 import torch  # noqa: E402
+
+# torchrec's KeyedJaggedTensor asks torch.fx whether it is tracing, and torch warns
+# about that question on every first use: noise for the user of a training script.
+logging.getLogger("torch.fx._symbolic_trace").setLevel(logging.ERROR)
 
 import tpurec  # noqa: E402
 from dlrm import data, flags, loop  # noqa: E402
