@@ -183,8 +183,15 @@ def _fake_outputs(signature: _Signature, fn: Callable, values: list[Any], op_nam
         raise ValueError(f"{op_name}: a jax_op needs at least one tensor argument (it decides the device)")
 
     specs = signature.map_tensors(values, _abstract)
+    is_array = [t or tl for t, tl in zip(signature.tensor, signature.tensor_list)]
+
+    def with_arrays(arrays):
+        # Only tensors are abstract: ints, bools and strings stay Python values, as in the real program.
+        it = iter(arrays)
+        return signature.call(fn, [next(it) if a else v for v, a in zip(specs, is_array)])
+
     try:
-        avals = jax.eval_shape(lambda arrays: signature.call(fn, arrays), specs)
+        avals = jax.eval_shape(with_arrays, [v for v, a in zip(specs, is_array) if a])
     except Exception as error:
         raise ValueError(f"{op_name}: the JAX function failed on inputs {_describe(specs)}: {error}") from error
     outs = [tensors[0].new_empty(tuple(a.shape), dtype=to_torch_dtype(a.dtype)) for a in _as_tuple(avals)]
