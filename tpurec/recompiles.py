@@ -2,7 +2,8 @@
 
 Every new XLA program (an eager op program, a fused window, a compiled graph
 variant) is compared with the programs of the same *family* (the same ATen op,
-the fused windows of one device, the graphs Dynamo made for one frame). When
+the fused windows of one device synced from one line of user code, the
+graphs Dynamo made for one frame). When
 the family is warm (one of its programs has been reused at least once, so the
 loop reached a steady state) the new program is a **recompilation**: it is
 reported with
@@ -132,12 +133,13 @@ def compiling(owner: Any) -> Iterator[None]:
 
 
 def _note(owner: Any, origin: tuple, seconds: float, from_disk: bool) -> None:
-    family, key = _family_and_key(origin)
+    user_line = _user_line()
+    family, key = _family_and_key(origin, user_line)
     entries = _families[family]
     live = [(k, o) for k, ref in entries if (o := ref()) is not None]
     entries[:] = [(k, weakref.ref(o)) for k, o in live]
     if live and any(getattr(o, "reused", False) for _, o in live):
-        report = _explain(origin, key, [k for k, _ in live])
+        report = _explain(origin, key, [k for k, _ in live], user_line)
         report.seconds, report.from_disk = seconds, from_disk
         runtime.counters().recompile_reports.append(report)
         if logging_enabled():
@@ -145,13 +147,20 @@ def _note(owner: Any, origin: tuple, seconds: float, from_disk: bool) -> None:
     entries.append((key, weakref.ref(owner)))
 
 
-def _family_and_key(origin: tuple) -> tuple[Any, Any]:
+def _family_and_key(origin: tuple, user_line: str) -> tuple[Any, Any]:
+    """Which programs a new one is compared with, and its key.
+
+    Fused windows are grouped by the line of their sync point too: a window is a
+    recompilation of what the *same code* compiled before (another loop's windows,
+    or the first steps of this one, are warm-up, not recompilations). Op programs
+    are grouped by op only: the same op runs from many lines.
+    """
     kind = origin[0]
     if kind == "op":
         key = origin[1]
         return ("op", key[0]), key
     if kind == "fused":
-        return ("fused", origin[2]), origin[1]
+        return ("fused", origin[2], user_line), origin[1]
     graph, signature = origin[1], origin[2]
     compile_id = getattr(graph, "compile_id", None)
     frame = compile_id[0] if compile_id else id(graph)
@@ -182,7 +191,7 @@ _HINT_FUSED = (
 )
 
 
-def _explain(origin: tuple, key: Any, existing: list) -> Recompilation:
+def _explain(origin: tuple, key: Any, existing: list, user_line: str) -> Recompilation:
     kind = origin[0]
     if kind == "op":
         changes, hint = _nearest(key, existing, _op_changes)
@@ -201,7 +210,7 @@ def _explain(origin: tuple, key: Any, existing: list) -> Recompilation:
             changes = changes + [f"Dynamo guard failed: {dynamo}"]
     if not changes:
         changes = ["the cache key changed in a way tpurec cannot describe"]
-    return Recompilation(program, changes[0], changes, _user_line(), hint)
+    return Recompilation(program, changes[0], changes, user_line, hint)
 
 
 def _nearest(key: Any, existing: list, differ) -> tuple[list[str], str]:
@@ -254,7 +263,7 @@ def _spec_changes(name: str, old: tuple, new: tuple) -> tuple[list[str], str]:
         return [f"dtype of the scalar tensor {name} changed from {old[1]} to {new[1]}"], _HINT_DTYPE
     if tag in ("d", "dl"):
         return [f"Python type of {name} changed from {old[1]} to {new[1]}"], _HINT_STATIC
-    return [f"static argument {name} changed from {_show(old[1])} to {_show(new[1])}"], _HINT_STATIC
+    return [f"static value of {name} changed from {_show(old[1])} to {_show(new[1])}"], _HINT_STATIC
 
 
 def _spec_kind(spec: tuple) -> str:
