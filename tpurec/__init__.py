@@ -28,12 +28,18 @@ from tpurec.compile import register as _register_compile  # noqa: E402
 
 _register_compile()
 
+from tpurec import library  # noqa: E402,F401
+from tpurec import memory as _memory  # noqa: E402
+from tpurec.device import TpuModule as _TpuModule  # noqa: E402
 from tpurec.device import platform  # noqa: E402
 from tpurec.modes import get_mode, mode, set_mode  # noqa: E402
+from tpurec.profiler import profile  # noqa: E402
+from tpurec.recompiles import explain_recompiles  # noqa: E402
 from tpurec.runtime import enable_disk_cache, reset_stats, stats, synchronize  # noqa: E402
 from tpurec.tensor import TpuTensor  # noqa: E402
 
 enable_disk_cache()
+_memory.install(_TpuModule)  # torch.tpu.memory_allocated() and friends
 
 # torch.optim picks its foreach (multi-tensor) path only for listed tensor types, as on CUDA.
 import torch.optim.optimizer as _optimizer  # noqa: E402
@@ -53,4 +59,7 @@ def shard(model, plan=None, mesh=None, **kwargs):
     return _shard(model, plan, mesh, **kwargs)
 
 
-__all__ = ["shard", "platform", "stats", "reset_stats", "synchronize", "set_mode", "get_mode", "mode", "enable_disk_cache", "TpuTensor"]
+__all__ = [
+    "shard", "platform", "stats", "reset_stats", "synchronize", "set_mode", "get_mode", "mode", "enable_disk_cache",
+    "TpuTensor", "library", "profile", "explain_recompiles",
+]

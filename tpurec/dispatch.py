@@ -24,7 +24,9 @@ import jax.numpy as jnp
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from tpurec import fused, modes, rng, runtime
+import torch.autograd.profiler as _torch_profiler
+
+from tpurec import fused, modes, profiler, rng, runtime
 from tpurec.dense.registry import (
     DYNAMIC,
     DYNAMIC_LIST,
@@ -722,6 +724,11 @@ def _has_bool_index(func, args) -> bool:
 
 def _on_host(func, args, kwargs):
     """Runs ``func`` on CPU copies of its tpu inputs and moves the results back."""
+    with profiler.record(f"tpurec::host_fallback {func}"):  # tpurec.profiler hook
+        return _on_host_run(func, args, kwargs)
+
+
+def _on_host_run(func, args, kwargs):
     index = next(a._storage.index for a in tree_flatten((args, kwargs))[0] if isinstance(a, TpuTensor))
     to_host = lambda x: jax_to_host(value_of(x, "data-dependent op")) if isinstance(x, TpuTensor) else x  # noqa: E731
     host_args, host_kwargs = tree_map(to_host, (args, kwargs))
@@ -748,6 +755,13 @@ def _raise_pending_fallback() -> None:
 
 
 def dispatch(func, args: tuple, kwargs: dict):
+    if _torch_profiler._is_profiler_enabled:  # tpurec.profiler hook: a dispatch range per op
+        with profiler.record("tpurec::dispatch"):
+            return _dispatch_checked(func, args, kwargs)
+    return _dispatch_checked(func, args, kwargs)
+
+
+def _dispatch_checked(func, args: tuple, kwargs: dict):
     global _pending_fallback_error
     if torch._C._current_autograd_node() is None:
         if _pending_fallback_error is not None:

@@ -16,7 +16,7 @@ import weakref
 
 import jax
 
-from tpurec import runtime
+from tpurec import profiler, runtime
 
 __all__ = ["Pending", "record", "flush", "is_pending", "pending_ops"]
 
@@ -124,7 +124,12 @@ def flush(reason: str) -> None:
     window.nodes, window.storages, window.replaced = [], weakref.WeakSet(), {}
     counters = runtime.counters()
     counters.sync_points[reason] += 1
+    with profiler.record(f"tpurec::sync ({reason})"):  # tpurec.profiler hook
+        _flush(nodes, storages, device, replaced, counters)
 
+
+def _flush(nodes: list, storages: list, device: int, replaced: dict, counters: runtime.Stats) -> None:
+    """Builds (or reuses) the program of one window of ``nodes``, runs it and fills in ``storages``."""
     node_index = {id(n): j for j, n in enumerate(nodes)}
     external: list = []
     external_index: dict[int, int] = {}
@@ -180,6 +185,7 @@ def flush(reason: str) -> None:
 
         placed = jax.sharding.SingleDeviceSharding(jax_device(device))
         program = _fused_programs[key] = runtime.Program(fused, donate_argnums=(0,), out_shardings=placed)
+        program.origin = ("fused", key, device)  # for recompilation diagnostics
     else:
         counters.cache_hits += 1
     counters.fused_graphs += 1

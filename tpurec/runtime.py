@@ -35,6 +35,8 @@ class Stats:
         host_fallbacks: ops that failed on the device during backward and ran on the
             host instead (``TPUREC_HOST_FALLBACK``), by overload name.
         host_ops: data-dependent ops (nonzero, masked_select, unique...) run on the host by design.
+        recompile_reports: recompilations of warm programs (tpurec/recompiles.py); ``as_dict``
+            gives their number (``recompilations``) and reasons (``recompile_reasons``).
     """
 
     compile_requests: int = 0
@@ -50,9 +52,13 @@ class Stats:
     ops_by_name: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     host_fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     host_ops: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    recompile_reports: list = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
+        d = dataclasses.asdict(dataclasses.replace(self, recompile_reports=[]))
+        del d["recompile_reports"]
+        d["recompilations"] = len(self.recompile_reports)
+        d["recompile_reasons"] = dict(collections.Counter(r.reason for r in self.recompile_reports))
         d["compilations"] = self.compile_requests - self.disk_hits
         d["ops_per_fused_graph"] = self.fused_ops / self.fused_graphs if self.fused_graphs else 0.0
         d["sync_points"] = dict(self.sync_points)
@@ -113,7 +119,10 @@ class Program:
     The fused mode calls ``raw`` inside a larger trace; eager calls ``jitted``.
     """
 
-    __slots__ = ("raw", "jitted", "serial", "ran", "out_avals", "metas", "_options", "_spmd")
+    # origin/reused/__weakref__: for recompilation diagnostics (tpurec/recompiles.py).
+    __slots__ = (
+        "raw", "jitted", "serial", "ran", "out_avals", "metas", "_options", "_spmd", "origin", "reused", "__weakref__",
+    )
 
     def __init__(self, raw: Callable, **jit_options) -> None:
         self.raw = raw
@@ -124,6 +133,8 @@ class Program:
         self.metas = None
         self._options = jit_options
         self._spmd = None
+        self.origin = None  # ("op", cache key) or ("fused", key, device): what this program is
+        self.reused = False
 
     def __call__(self, *args):
         _stats.executions += 1
@@ -138,10 +149,15 @@ class Program:
                     self._spmd = jax.jit(self.raw, **options)
                 jitted = self._spmd
         if self.ran:
+            self.reused = True  # ran twice: its family is warm (recompilation diagnostics)
+            if _torch_profiler._is_profiler_enabled:  # tpurec.profiler hook: an execute range
+                with _profiler.record(f"tpurec::execute {_profiler.program_label(self.origin)}"):
+                    return jitted(*args)
             return jitted(*args)
         start = time.perf_counter()
         try:
-            out = jitted(*args)
+            with _recompiles.compiling(self):  # tpurec hook: compile range + recompilation diagnostics
+                out = jitted(*args)
         finally:
             _stats.compile_seconds += time.perf_counter() - start
         self.ran = True
@@ -199,6 +215,7 @@ class ProgramCache:
         if entry is None:
             _stats.programs_built += 1
             entry = self._programs[key] = build()
+            entry.origin = ("op", key)
         else:
             _stats.cache_hits += 1
         return entry
@@ -254,7 +271,15 @@ def synchronize() -> None:
     """Runs pending fused work and waits for every computation on the tpu devices."""
     from tpurec import fused
 
-    fused.flush("synchronize")
-    for device in jax.local_devices():
-        jax.device_put(0, device).block_until_ready()
-    jax.effects_barrier()
+    with _profiler.record("tpurec::sync (synchronize)"):  # tpurec.profiler hook
+        fused.flush("synchronize")
+        for device in jax.local_devices():
+            jax.device_put(0, device).block_until_ready()
+        jax.effects_barrier()
+
+
+# At the end: these import this module.
+import torch.autograd.profiler as _torch_profiler  # noqa: E402
+
+from tpurec import profiler as _profiler  # noqa: E402
+from tpurec import recompiles as _recompiles  # noqa: E402

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from tpurec import memory as _memory
+from tpurec import profiler as _profiler
 from tpurec.dense.registry import to_jax_dtype, to_torch_dtype
 from tpurec.views import contiguous_strides, is_full
 
@@ -18,14 +20,15 @@ __all__ = ["Storage", "TpuTensor", "wrap", "host_array", "host_to_jax", "jax_to_
 _holders: dict[int, int] = {}
 
 
-def _release(array, _array_type=jax.Array) -> None:
-    # The default argument keeps the type alive for __del__ at interpreter exit.
+def _release(array, _array_type=jax.Array, _freed=_memory.freed) -> None:
+    # The default arguments keep the type and the hook alive for __del__ at interpreter exit.
     if isinstance(array, _array_type) and _holders is not None:
         left = _holders.get(id(array), 0) - 1
         if left > 0:
             _holders[id(array)] = left
         else:
             _holders.pop(id(array), None)
+            _freed(array)  # tpurec.memory hook: live-buffer accounting
 
 
 def holders(array) -> int:
@@ -44,8 +47,8 @@ class Storage:
 
     def __init__(self, array: jax.Array, index: int) -> None:
         self._array = None
+        self.index = index  # before the array: memory accounting reads it
         self.array = array
-        self.index = index
 
     @property
     def array(self):
@@ -55,7 +58,10 @@ class Storage:
     def array(self, new) -> None:
         _release(self._array)
         if isinstance(new, jax.Array):
-            _holders[id(new)] = _holders.get(id(new), 0) + 1
+            held = _holders.get(id(new), 0)
+            _holders[id(new)] = held + 1
+            if not held:
+                _memory.allocated(new, self.index)  # tpurec.memory hook: live-buffer accounting
         self._array = new
 
     def __del__(self) -> None:
@@ -204,7 +210,8 @@ def jax_to_host(array: jax.Array) -> torch.Tensor:
                 "on one process (gather it first, e.g. with jax.experimental.multihost_utils.process_allgather)"
             )
         array = array.addressable_data(0)
-    raw = np.asarray(array)
+    with _profiler.record("tpurec::sync (to host)"):  # tpurec.profiler hook: waits for the device
+        raw = np.asarray(array)
     if raw.dtype == jnp.bfloat16:
         return torch.from_numpy(raw.view(np.int16).copy()).view(torch.bfloat16)
     return torch.from_numpy(raw.copy())

@@ -25,7 +25,7 @@ import jax
 import torch
 import torch.fx
 
-from tpurec import rng, runtime
+from tpurec import profiler, recompiles, rng, runtime
 from tpurec.compile.graph import CompileError, GraphProgram
 from tpurec.dense.registry import get_lowering
 from tpurec.device import jax_device
@@ -55,11 +55,14 @@ def _count_build() -> None:
 class _Variant:
     """The jitted program of a graph for one set of input shapes."""
 
-    __slots__ = ("jitted", "ran", "static_outs")
+    # origin/reused/__weakref__: for recompilation diagnostics (tpurec/recompiles.py).
+    __slots__ = ("jitted", "ran", "static_outs", "origin", "reused", "__weakref__")
 
     def __init__(self) -> None:
         self.jitted = None
         self.ran = False
+        self.origin = None
+        self.reused = False
         # Non-tensor outputs (SymInts saved for backward): sizes, fixed per shape, so
         # they are taken from the trace instead of coming back as device arrays.
         self.static_outs: dict[int, Any] = {}
@@ -82,6 +85,7 @@ class CompiledGraph:
         _serial += 1
         self.serial = _serial
         self.name = f"{name}#{self.serial}"
+        self.compile_id = recompiles.current_compile_id()  # Dynamo's (frame, compile): groups recompilations
         self.program = GraphProgram(gm)
         self.device_index = _example_device(example_inputs)
         self.tensor_out = [
@@ -154,6 +158,7 @@ class CompiledGraph:
         statics = {i: s[1] for i, s in enumerate(signature) if s[0] == "scalar"}
 
         variant = _Variant()
+        variant.origin = ("graph", self, signature)
         tensor_out = self.tensor_out
 
         def run(arrays, scalars, seeds):
@@ -174,10 +179,13 @@ class CompiledGraph:
         counters.executions += 1
         arrays = [v for v in inputs if not isinstance(v, (int, float, bool))]
         if variant.ran:
-            return variant.jitted(arrays, self.program.constants, seeds)
+            variant.reused = True  # ran twice: its family is warm (recompilation diagnostics)
+            with profiler.record(f"tpurec::execute {profiler.program_label(variant.origin)}"):  # profiler hook
+                return variant.jitted(arrays, self.program.constants, seeds)
         start = time.perf_counter()
         try:
-            return variant.jitted(arrays, self.program.constants, seeds)
+            with recompiles.compiling(variant):  # tpurec hook: compile range + recompilation diagnostics
+                return variant.jitted(arrays, self.program.constants, seeds)
         except CompileError:
             raise
         except Exception as e:
