@@ -1,10 +1,12 @@
 """One tpurec.shard training step on 8 CPU devices; prints the collectives its programs hold.
 
 Run as a script: XLA must dump HLO (``--xla_dump_to``) from the start. The
-plan puts one table-wise table on every device and one row-wise table over all
-eight; every sample looks up ``POOLING`` ids in each table-wise table and, in
-the row-wise table, one id in each device's row block, so every device sends
-every other exactly the same number of ids and the static capacity is exact.
+plan puts one table-wise table on every device, one row-wise table over all
+eight and one data-parallel table; every sample looks up ``POOLING`` ids in
+each table-wise table, in the row-wise table one id in each device's row
+block, and ``DP_POOLING`` ids in the data-parallel one, so every device sends
+every other exactly the same number of ids and the static capacity (16) is
+exact.
 Prints JSON: ``{"collectives": [[kind, sent_bytes], ...]}`` per device.
 """
 
@@ -24,7 +26,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torchrec import EmbeddingBagCollection as TorchrecEBC  # noqa: E402
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor  # noqa: E402
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise  # noqa: E402
+from torchrec.distributed.sharding_plan import (  # noqa: E402
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
 from torchrec.distributed.types import ShardingPlan  # noqa: E402
 
 import tpurec  # noqa: E402
@@ -32,6 +39,7 @@ import tpurec.sparse as sp  # noqa: E402
 from tpurec.sparse.planner import hlo_collectives, plan_to_json  # noqa: E402
 
 DEVICES, LOCAL_BATCH, POOLING, DIM, TW_ROWS, RW_ROWS = 8, 4, 3, 8, 50, 64
+DP_POOLING, DP_DIM, DP_ROWS = 4, 16, 30
 
 
 def main() -> None:
@@ -40,10 +48,14 @@ def main() -> None:
     tables = [
         EmbeddingBagConfig(name=f"tw{i}", num_embeddings=TW_ROWS, embedding_dim=DIM, feature_names=[f"f{i}"])
         for i in range(DEVICES)
-    ] + [EmbeddingBagConfig(name="rw", num_embeddings=RW_ROWS, embedding_dim=DIM, feature_names=["g"])]
+    ] + [
+        EmbeddingBagConfig(name="rw", num_embeddings=RW_ROWS, embedding_dim=DIM, feature_names=["g"]),
+        EmbeddingBagConfig(name="dp", num_embeddings=DP_ROWS, embedding_dim=DP_DIM, feature_names=["h"]),
+    ]
     meta = TorchrecEBC(tables=tables, device=torch.device("meta"))
     generators = {f"tw{i}": table_wise(rank=i) for i in range(DEVICES)}
     generators["rw"] = row_wise()
+    generators["dp"] = data_parallel()
     module_plan = construct_module_sharding_plan(
         meta, generators, local_size=DEVICES, world_size=DEVICES, device_type="cpu"
     )
@@ -62,10 +74,13 @@ def main() -> None:
     block = RW_ROWS // DEVICES
     tw_ids = rng.integers(0, TW_ROWS, (DEVICES, batch, POOLING))
     rw_ids = np.arange(DEVICES)[None, :] * block + rng.integers(0, block, (batch, DEVICES))
-    values = np.concatenate([tw_ids.reshape(-1), rw_ids.reshape(-1)])
-    lengths = np.concatenate([np.full(DEVICES * batch, POOLING), np.full(batch, DEVICES)])
+    dp_ids = rng.integers(0, DP_ROWS, (batch, DP_POOLING))
+    values = np.concatenate([tw_ids.reshape(-1), rw_ids.reshape(-1), dp_ids.reshape(-1)])
+    lengths = np.concatenate(
+        [np.full(DEVICES * batch, POOLING), np.full(batch, DEVICES), np.full(batch, DP_POOLING)]
+    )
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=[f"f{i}" for i in range(DEVICES)] + ["g"],
+        keys=[f"f{i}" for i in range(DEVICES)] + ["g", "h"],
         values=torch.from_numpy(values).long(),
         lengths=torch.from_numpy(lengths).int(),
     )
@@ -79,7 +94,8 @@ def main() -> None:
     shutil.rmtree(DUMP, ignore_errors=True)
     json.dump(
         {"collectives": found, "plan": plan_to_json(plan), "batch": batch, "rw_pooling": DEVICES,
-         "tw_pooling": POOLING, "dim": DIM, "tw_rows": TW_ROWS, "rw_rows": RW_ROWS, "capacity": capacity},
+         "tw_pooling": POOLING, "dim": DIM, "tw_rows": TW_ROWS, "rw_rows": RW_ROWS, "capacity": capacity,
+         "dp_pooling": DP_POOLING, "dp_dim": DP_DIM, "dp_rows": DP_ROWS},
         sys.stdout,
     )
 

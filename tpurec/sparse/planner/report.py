@@ -168,7 +168,7 @@ class PlanReport:
         if d:
             lines.append(
                 "bytes one device sends per step (busiest device; input all_to_all, output "
-                "all_to_all/psum_scatter, output grads, DP all-reduce): "
+                "all_to_all/psum_scatter, output grads; DP: all-gather of entries and gradients): "
                 f"ids {_bytes(d['input_ids'])}, outputs {_bytes(d['output'])}, "
                 f"output grads {_bytes(d['output_grad'])}, all distribution "
                 f"{_bytes(d['distribution_max_per_device'])}; DP grads {_bytes(d['dense_grad'])}"
@@ -412,6 +412,21 @@ def build_report(
             f"sends {_bytes(dist.total.summary()['output'])} of outputs per step; as {other!r} it would "
             f"send {_bytes(alt.total.summary()['output'])} (tpurec.shard runs 'psum_scatter'; "
             f"--row-wise-output chooses)"
+        )
+    if any(o.sharding_type == ShardingType.DATA_PARALLEL.value for o in options):
+        dense = options_distribution_bytes(
+            [o for o in options if o.sharding_type == ShardingType.DATA_PARALLEL.value],
+            world,
+            float(local_batch * world),
+            id_bytes=config.estimator.id_bytes,
+            grad_bytes=config.estimator.grad_bytes,
+            data_parallel_grad="all_reduce",
+        )
+        notes.append(
+            f"data-parallel gradients are estimated as a dense all-reduce "
+            f"({_bytes(dense.total.summary()['dense_grad'])} per device per step); tpurec.shard "
+            f"all-gathers the batch's entries and gradients instead "
+            f"({_bytes(dist.total.summary()['dense_grad'])})"
         )
     if tpu.sparsecore_note:
         notes.append(
