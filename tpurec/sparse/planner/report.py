@@ -414,19 +414,22 @@ def build_report(
             f"--row-wise-output chooses)"
         )
     if any(o.sharding_type == ShardingType.DATA_PARALLEL.value for o in options):
-        dense = options_distribution_bytes(
-            [o for o in options if o.sharding_type == ShardingType.DATA_PARALLEL.value],
-            world,
-            float(local_batch * world),
-            id_bytes=config.estimator.id_bytes,
-            grad_bytes=config.estimator.grad_bytes,
-            data_parallel_grad="all_reduce",
-        )
+        dp_options = [o for o in options if o.sharding_type == ShardingType.DATA_PARALLEL.value]
+        volumes = {
+            mode: options_distribution_bytes(
+                dp_options,
+                world,
+                float(local_batch * world),
+                id_bytes=config.estimator.id_bytes,
+                grad_bytes=config.estimator.grad_bytes,
+                data_parallel_grad=mode,
+            ).total.summary()["dense_grad"]
+            for mode in ("all_reduce", "all_gather")
+        }
         notes.append(
-            f"data-parallel gradients are estimated as a dense all-reduce "
-            f"({_bytes(dense.total.summary()['dense_grad'])} per device per step); tpurec.shard "
-            f"all-gathers the batch's entries and gradients instead "
-            f"({_bytes(dist.total.summary()['dense_grad'])})"
+            f"data-parallel gradients are estimated as {config.estimator.data_parallel_grad!r}; per device "
+            f"per step a dense all-reduce sends {_bytes(volumes['all_reduce'])}, tpurec.shard's all-gather "
+            f"of entries and gradients {_bytes(volumes['all_gather'])} (--data-parallel-grad chooses)"
         )
     if tpu.sparsecore_note:
         notes.append(
