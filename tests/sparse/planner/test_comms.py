@@ -237,21 +237,18 @@ def test_hlo_collective_parsing_forms():
     assert got[3].group_size == 8 and got[3].sent_bytes == pytest.approx(128 * 7 / 8)
 
 
-def test_planner_bytes_equal_what_tpurec_shard_programs_move():
-    """tpurec.shard runs one step of a table-wise + row-wise plan on 8 CPU devices; the collectives
-    XLA receives (HLO dump) send, per device, exactly what distribution_bytes counts."""
+def _run_sharded_step(scenario: str):
+    """Runs _sharded_step_hlo.py (its own process: XLA dumps HLO from the start); (bytes by kind, doc)."""
     import json
     import os
     import subprocess
     import sys
 
-    from tpurec.sparse.planner import plan_from_json
-
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(os.path.dirname(here)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
-        [sys.executable, os.path.join(here, "_sharded_step_hlo.py")],
+        [sys.executable, os.path.join(here, "_sharded_step_hlo.py"), scenario],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -259,11 +256,17 @@ def test_planner_bytes_equal_what_tpurec_shard_programs_move():
     sent = {}
     for kind, nbytes in doc["collectives"]:
         sent[kind] = sent.get(kind, 0.0) + nbytes
+    return sent, doc
 
-    tables = [TableSpec(f"tw{i}", doc["tw_rows"], doc["dim"], float(doc["tw_pooling"]), [f"f{i}"]) for i in range(8)]
-    tables.append(TableSpec("rw", doc["rw_rows"], doc["dim"], float(doc["rw_pooling"]), ["g"]))
-    tables.append(TableSpec("dp", doc["dp_rows"], doc["dp_dim"], float(doc["dp_pooling"]), ["h"]))
-    comm = distribution_bytes(plan_from_json(doc["plan"]), tables, world_size=8, batch_size=doc["batch"])
+
+def test_planner_bytes_equal_what_tpurec_shard_programs_move():
+    """tpurec.shard runs one step of a balanced TW + RW + DP plan on 8 CPU devices; the collectives
+    XLA receives (HLO dump) send, per device, exactly what distribution_bytes counts."""
+    from tpurec.sparse.planner import executed_distribution_bytes, plan_from_json
+
+    sent, doc = _run_sharded_step("balanced")
+    plan, tables = plan_from_json(doc["plan"]), doc["tables"]
+    comm = distribution_bytes(plan, tables, world_size=8, batch_size=doc["batch"])
     tw, rw = comm.by_sharding_type["table_wise"], comm.by_sharding_type["row_wise"]
     assert set(sent) == {"all-to-all", "reduce-scatter", "all-gather"}
     for d in range(8):  # SPMD: every device runs the same collectives
@@ -272,3 +275,23 @@ def test_planner_bytes_equal_what_tpurec_shard_programs_move():
         assert sent["all-gather"] == pytest.approx(rw.output_grad[d] + comm.total.dense_grad[d])
         assert sent["all-to-all"] == pytest.approx(comm.total.input_ids[d] + tw.output[d] + tw.output_grad[d])
         assert sum(sent.values()) == pytest.approx(comm.total.per_device[d] + comm.total.dense_grad[d])
+    # Balanced and exactly filled: the buffer model agrees with the payload.
+    executed = executed_distribution_bytes(plan, tables, 8, doc["batch"], capacity=doc["capacity"])
+    assert executed["total"] == pytest.approx(sum(sent.values()))
+
+
+def test_executed_bytes_match_a_padded_mixed_plan():
+    """TW, CW, TWRW, RW and DP tables of two widths, random ids, capacity 32: the static buffers
+    tpurec.shard sends are what executed_distribution_bytes counts, kind by kind."""
+    from tpurec.sparse.planner import executed_distribution_bytes, plan_from_json
+
+    sent, doc = _run_sharded_step("mixed")
+    plan = plan_from_json(doc["plan"])
+    ex = executed_distribution_bytes(plan, doc["tables"], 8, doc["batch"], capacity=doc["capacity"])
+    assert sent["all-to-all"] == pytest.approx(ex["ids_all_to_all"] + ex["output_all_to_all"] + ex["grad_all_to_all"])
+    assert sent["reduce-scatter"] == pytest.approx(ex["output_psum_scatter"])
+    assert sent["all-gather"] == pytest.approx(ex["grad_all_gather"] + ex["data_parallel_all_gather"])
+    assert sum(sent.values()) == pytest.approx(ex["total"])
+    # The payload is smaller: padding to the capacity and to the busiest device's slots.
+    payload = distribution_bytes(plan, doc["tables"], 8, doc["batch"])
+    assert max(payload.total.per_device) + max(payload.total.dense_grad) < ex["total"]

@@ -28,6 +28,7 @@ uniform over rows, as the cost model assumes.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Sequence, Union
@@ -44,6 +45,7 @@ __all__ = [
     "PlanDistributionBytes",
     "TablePlacement",
     "distribution_bytes",
+    "executed_distribution_bytes",
     "hlo_collectives",
     "options_distribution_bytes",
     "placement_distribution_bytes",
@@ -506,3 +508,130 @@ def hlo_collectives(hlo_text: str, num_devices: int) -> List[HloCollective]:
             sent = float(size)
         found.append(HloCollective(kind, size, n, sent))
     return found
+
+
+# ---- what tpurec.shard's programs send, static buffers included ----------- #
+
+_ALIGN = 8  # tpurec.shard rounds id capacities up to a multiple of 8
+
+
+@dataclass
+class _ExecShard:
+    rank: int
+    row_offset: int
+    rows: int
+    cols: int
+
+
+def executed_distribution_bytes(
+    sharding_plan: ShardingPlan,
+    tables: Union[Sequence[TableLike], Mapping[str, TableLike]],
+    world_size: int,
+    batch_size: int,
+    *,
+    capacity: Union[int, None] = None,
+    capacity_factor: float = 1.0,
+    id_bytes: int = 12,
+    grad_bytes: int = 4,
+) -> Dict[str, float]:
+    """Bytes every device sends per step in ``tpurec.shard``'s programs, padding included.
+
+    ``tpurec.shard`` lays a plan out in groups of equal shard width; each
+    group's collectives move static buffers: ids in ``[devices, capacity]``
+    blocks to every device, pooled rows in ``[devices, slots, batch, width]``
+    blocks with as many slots as the busiest device owns, row-wise tables
+    with one full-width shard per device by ``psum_scatter`` (``all_gather``
+    back); data-parallel tables of one width all-gather their entries and
+    pooled gradients. The programs are SPMD, so every device sends the same.
+    :func:`distribution_bytes` counts the payload; this counts the buffers.
+
+    Args:
+        sharding_plan: the plan (one module's tables are laid out together).
+        tables: the planned tables (as for :func:`distribution_bytes`).
+        world_size: devices in the mesh.
+        batch_size: GLOBAL batch size.
+        capacity: the fixed per-destination id capacity passed to
+            ``tpurec.shard`` (rounded up to a multiple of 8 as it does); None:
+            the expected ids of the busiest destination times
+            ``capacity_factor``, rounded up to a power of two as
+            ``tpurec.shard`` grows it.
+        capacity_factor: margin over the expected ids when ``capacity`` is None.
+        id_bytes: bytes per id entry (row, sample, gain).
+        grad_bytes: bytes per pooled element.
+
+    Returns:
+        Bytes per device by collective: ``ids_all_to_all``,
+        ``output_all_to_all``, ``output_psum_scatter``, ``grad_all_to_all``,
+        ``grad_all_gather``, ``data_parallel_all_gather``, and ``total``.
+
+    Raises:
+        ValueError: a planned table is missing from ``tables``, or the plan
+            has several modules (pass one module's plan at a time).
+    """
+    if isinstance(tables, Mapping):
+        specs = {name: as_table_spec(t) for name, t in tables.items()}
+    else:
+        specs = {s.name: s for s in (as_table_spec(t) for t in tables)}
+    if len(sharding_plan.plan) != 1:
+        raise ValueError(
+            f"the plan has {len(sharding_plan.plan)} modules; each module is laid out on its own, "
+            f"pass one module's plan at a time"
+        )
+    (module_plan,) = sharding_plan.plan.values()
+    d, b = world_size, batch_size / world_size
+
+    def rounded(need: float) -> int:
+        if capacity is not None:
+            # A fixed capacity is rounded up to a multiple of 8.
+            return max(_ALIGN, -(-int(capacity) // _ALIGN) * _ALIGN)
+        # Grown on demand: the next power of two (at least 8).
+        return max(_ALIGN, 2 ** math.ceil(math.log2(max(need * capacity_factor, 1.0))))
+
+    # width -> per-destination expected ids, a2a slots per device, psum_scatter slots
+    groups: Dict[int, Dict[str, Any]] = {}
+    dp_groups: Dict[int, Dict[str, float]] = {}
+    for name, ps in module_plan.items():  # type: ignore[attr-defined]
+        spec = specs.get(name)
+        if spec is None:
+            raise ValueError(f"plan table {name!r} is not among the tables given ({sorted(specs)})")
+        features = len(spec.features())
+        local_ids = b * spec.pooling_factor * features
+        if ps.sharding_type == _DP:
+            g = dp_groups.setdefault(spec.embedding_dim, {"ids": 0.0, "slots": 0})
+            g["ids"] += local_ids
+            g["slots"] += features
+            continue
+        shards = [
+            _ExecShard(int(s.placement.rank()), int(s.shard_offsets[0]), int(s.shard_sizes[0]), int(s.shard_sizes[1]))
+            for s in ps.sharding_spec.shards  # type: ignore[union-attr]
+        ]
+        reduce_scattered = (
+            ps.sharding_type == ShardingType.ROW_WISE.value
+            and len({s.rank for s in shards}) == len(shards)
+            and all(s.cols == spec.embedding_dim for s in shards)
+        )
+        for s in shards:
+            grp = groups.setdefault(s.cols, {"ids": [0.0] * d, "a2a": [0] * d, "rs": 0})
+            # Ids of this shard's row block (uniform ids over rows) reach its device.
+            grp["ids"][s.rank] += local_ids * s.rows / spec.num_embeddings
+            if not reduce_scattered:
+                grp["a2a"][s.rank] += features
+        if reduce_scattered:
+            groups[spec.embedding_dim]["rs"] += features
+    out = {k: 0.0 for k in (
+        "ids_all_to_all", "output_all_to_all", "output_psum_scatter", "grad_all_to_all", "grad_all_gather",
+        "data_parallel_all_gather",
+    )}
+    for width, grp in groups.items():
+        cap = rounded(max(grp["ids"]))
+        out["ids_all_to_all"] += (d - 1) * cap * id_bytes
+        a2a_slots = max(grp["a2a"])
+        out["output_all_to_all"] += (d - 1) * a2a_slots * b * width * grad_bytes
+        out["grad_all_to_all"] += (d - 1) * a2a_slots * b * width * grad_bytes
+        out["output_psum_scatter"] += (d - 1) * grp["rs"] * b * width * grad_bytes
+        out["grad_all_gather"] += (d - 1) * grp["rs"] * b * width * grad_bytes
+    for width, dpg in dp_groups.items():
+        cap = rounded(dpg["ids"])
+        out["data_parallel_all_gather"] += (d - 1) * (cap * id_bytes + dpg["slots"] * b * width * grad_bytes)
+    out["total"] = sum(out.values())
+    return out
