@@ -295,3 +295,19 @@ def test_executed_bytes_match_a_padded_mixed_plan():
     # The payload is smaller: padding to the capacity and to the busiest device's slots.
     payload = distribution_bytes(plan, doc["tables"], 8, doc["batch"])
     assert max(payload.total.per_device) + max(payload.total.dense_grad) < ex["total"]
+
+
+def test_executed_bytes_reject_unusable_plans():
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
+
+    from tpurec.sparse.planner import executed_distribution_bytes
+
+    tables = [TableSpec("t", 10, 8)]
+    no_spec = ShardingPlan({"": EmbeddingModuleShardingPlan({"t": ParameterSharding("table_wise", "fused", [0])})})
+    with pytest.raises(ValueError, match="no shard metadata"):
+        executed_distribution_bytes(no_spec, tables, 2, 8)
+    two = ShardingPlan({"a": EmbeddingModuleShardingPlan(), "b": EmbeddingModuleShardingPlan()})
+    with pytest.raises(ValueError, match="one module's plan at a time"):
+        executed_distribution_bytes(two, tables, 2, 8)
+    with pytest.raises(ValueError, match="not among the tables"):
+        executed_distribution_bytes(no_spec, [TableSpec("u", 10, 8)], 2, 8)

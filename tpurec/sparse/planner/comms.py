@@ -601,6 +601,8 @@ def executed_distribution_bytes(
             g["ids"] += local_ids
             g["slots"] += features
             continue
+        if ps.sharding_spec is None:
+            raise ValueError(f"plan table {name!r} ({ps.sharding_type}) has no shard metadata (sharding_spec)")
         shards = [
             _ExecShard(int(s.placement.rank()), int(s.shard_offsets[0]), int(s.shard_sizes[0]), int(s.shard_sizes[1]))
             for s in ps.sharding_spec.shards  # type: ignore[union-attr]
