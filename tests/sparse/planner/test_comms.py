@@ -29,8 +29,11 @@ def _simulate(p: TablePlacement, world: int, batch: int, seed: int = 0, row_wise
     group = sorted(set(p.shard_ranks))
     owner_of_sample = torch.arange(batch) // b
     if p.sharding_type == "data_parallel":
+        # Every replica gathers every other device's entries and pooled-row gradients.
         for r in range(world):
-            out.dense_grad[r] = 2 * (world - 1) / world * p.rows * p.dim * GRAD_BYTES
+            others = [d for d in range(world) if d != r]
+            out.dense_grad[r] = len(others) * (b * sum(int(x) for x in p.pooling_factors) * ID_BYTES
+                                               + b * features * p.dim * GRAD_BYTES)
         return out
     for f, pf in enumerate(p.pooling_factors):
         ids = torch.randint(0, p.rows, (batch, int(pf)), generator=gen)
@@ -49,15 +52,22 @@ def _simulate(p: TablePlacement, world: int, batch: int, seed: int = 0, row_wise
             for d in range(world):
                 out.input_ids[d] += int(sent[owner_of_sample == d].sum()) * ID_BYTES
             for d in group:
-                if row_wise_output == "psum_scatter":
-                    fwd = (g - 1) / g * batch * p.dim * GRAD_BYTES
-                    if g < world:
-                        fwd += batch / g * (world - 1) / world * p.dim * GRAD_BYTES
+                if row_wise_output == "psum_scatter" and g == world:
+                    # psum_scatter of a [batch, dim] buffer, all_gather back.
+                    out.output[d] += (g - 1) / g * batch * p.dim * GRAD_BYTES
+                    out.output_grad[d] += (g - 1) / g * batch * p.dim * GRAD_BYTES
+                elif row_wise_output == "psum_scatter":
+                    # Table-row-wise: each shard's partial rows go to the other batch owners,
+                    # and every other batch owner returns its samples' gradients.
+                    out.output[d] += int((owner_of_sample != d).sum()) * p.dim * GRAD_BYTES
+                    for s in range(world):
+                        if s != d:
+                            out.output_grad[s] += b * p.dim * GRAD_BYTES
                 else:
                     hit = (dest == d).any(dim=1) & (owner_of_sample != d)
                     fwd = int(hit.sum()) * (p.dim * GRAD_BYTES + 4)
-                out.output[d] += fwd
-                out.output_grad[d] += fwd
+                    out.output[d] += fwd
+                    out.output_grad[d] += fwd
     assert features == len(p.pooling_factors)
     return out
 
@@ -103,10 +113,16 @@ def test_row_wise_sparse_partial_sums_match_simulation():
            rel=0.03, row_wise_output="sparse")
 
 
-def test_data_parallel_only_all_reduces_gradients():
-    got = placement_distribution_bytes(TablePlacement("t", "data_parallel", 10, 4, [1.0], [0, 1], [4, 4]), 2, 8)
+def test_data_parallel_only_exchanges_gradients():
+    placement = TablePlacement("t", "data_parallel", 10, 4, [1.0], [0, 1], [4, 4])
+    got = placement_distribution_bytes(placement, 2, 8)
     assert got.per_device == [0.0, 0.0]
-    assert got.dense_grad == [10 * 4 * 4.0, 10 * 4 * 4.0]  # 2 (P-1)/P x table bytes, P=2
+    # all_gather: the other device's 4 entries (12 B) and 4 pooled-row gradients (4 x 4 B).
+    assert got.dense_grad == [4 * 12 + 4 * 16.0] * 2
+    dense = placement_distribution_bytes(placement, 2, 8, data_parallel_grad="all_reduce")
+    assert dense.dense_grad == [10 * 4 * 4.0, 10 * 4 * 4.0]  # 2 (P-1)/P x table bytes, P=2
+    with pytest.raises(ValueError, match="data_parallel_grad"):
+        placement_distribution_bytes(placement, 2, 8, data_parallel_grad="ring")
 
 
 def test_bad_inputs_are_clear():
@@ -221,21 +237,18 @@ def test_hlo_collective_parsing_forms():
     assert got[3].group_size == 8 and got[3].sent_bytes == pytest.approx(128 * 7 / 8)
 
 
-def test_planner_bytes_equal_what_tpurec_shard_programs_move():
-    """tpurec.shard runs one step of a table-wise + row-wise plan on 8 CPU devices; the collectives
-    XLA receives (HLO dump) send, per device, exactly what distribution_bytes counts."""
+def _run_sharded_step(scenario: str):
+    """Runs _sharded_step_hlo.py (its own process: XLA dumps HLO from the start); (bytes by kind, doc)."""
     import json
     import os
     import subprocess
     import sys
 
-    from tpurec.sparse.planner import plan_from_json
-
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(os.path.dirname(here)))
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
-        [sys.executable, os.path.join(here, "_sharded_step_hlo.py")],
+        [sys.executable, os.path.join(here, "_sharded_step_hlo.py"), scenario],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -243,14 +256,58 @@ def test_planner_bytes_equal_what_tpurec_shard_programs_move():
     sent = {}
     for kind, nbytes in doc["collectives"]:
         sent[kind] = sent.get(kind, 0.0) + nbytes
+    return sent, doc
 
-    tables = [TableSpec(f"tw{i}", doc["tw_rows"], doc["dim"], float(doc["tw_pooling"]), [f"f{i}"]) for i in range(8)]
-    tables.append(TableSpec("rw", doc["rw_rows"], doc["dim"], float(doc["rw_pooling"]), ["g"]))
-    comm = distribution_bytes(plan_from_json(doc["plan"]), tables, world_size=8, batch_size=doc["batch"])
+
+def test_planner_bytes_equal_what_tpurec_shard_programs_move():
+    """tpurec.shard runs one step of a balanced TW + RW + DP plan on 8 CPU devices; the collectives
+    XLA receives (HLO dump) send, per device, exactly what distribution_bytes counts."""
+    from tpurec.sparse.planner import executed_distribution_bytes, plan_from_json
+
+    sent, doc = _run_sharded_step("balanced")
+    plan, tables = plan_from_json(doc["plan"]), doc["tables"]
+    comm = distribution_bytes(plan, tables, world_size=8, batch_size=doc["batch"])
     tw, rw = comm.by_sharding_type["table_wise"], comm.by_sharding_type["row_wise"]
     assert set(sent) == {"all-to-all", "reduce-scatter", "all-gather"}
     for d in range(8):  # SPMD: every device runs the same collectives
         assert sent["reduce-scatter"] == pytest.approx(rw.output[d])  # 7/8 x 32 x 8 x 4 = 896
-        assert sent["all-gather"] == pytest.approx(rw.output_grad[d])
+        # The row-wise gradients' all_gather, and the data-parallel table's entries + gradients.
+        assert sent["all-gather"] == pytest.approx(rw.output_grad[d] + comm.total.dense_grad[d])
         assert sent["all-to-all"] == pytest.approx(comm.total.input_ids[d] + tw.output[d] + tw.output_grad[d])
-        assert sum(sent.values()) == pytest.approx(comm.total.per_device[d])
+        assert sum(sent.values()) == pytest.approx(comm.total.per_device[d] + comm.total.dense_grad[d])
+    # Balanced and exactly filled: the buffer model agrees with the payload.
+    executed = executed_distribution_bytes(plan, tables, 8, doc["batch"], capacity=doc["capacity"])
+    assert executed["total"] == pytest.approx(sum(sent.values()))
+
+
+def test_executed_bytes_match_a_padded_mixed_plan():
+    """TW, CW, TWRW, RW and DP tables of two widths, random ids, capacity 32: the static buffers
+    tpurec.shard sends are what executed_distribution_bytes counts, kind by kind."""
+    from tpurec.sparse.planner import executed_distribution_bytes, plan_from_json
+
+    sent, doc = _run_sharded_step("mixed")
+    plan = plan_from_json(doc["plan"])
+    ex = executed_distribution_bytes(plan, doc["tables"], 8, doc["batch"], capacity=doc["capacity"])
+    assert sent["all-to-all"] == pytest.approx(ex["ids_all_to_all"] + ex["output_all_to_all"] + ex["grad_all_to_all"])
+    assert sent["reduce-scatter"] == pytest.approx(ex["output_psum_scatter"])
+    assert sent["all-gather"] == pytest.approx(ex["grad_all_gather"] + ex["data_parallel_all_gather"])
+    assert sum(sent.values()) == pytest.approx(ex["total"])
+    # The payload is smaller: padding to the capacity and to the busiest device's slots.
+    payload = distribution_bytes(plan, doc["tables"], 8, doc["batch"])
+    assert max(payload.total.per_device) + max(payload.total.dense_grad) < ex["total"]
+
+
+def test_executed_bytes_reject_unusable_plans():
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan
+
+    from tpurec.sparse.planner import executed_distribution_bytes
+
+    tables = [TableSpec("t", 10, 8)]
+    no_spec = ShardingPlan({"": EmbeddingModuleShardingPlan({"t": ParameterSharding("table_wise", "fused", [0])})})
+    with pytest.raises(ValueError, match="no shard metadata"):
+        executed_distribution_bytes(no_spec, tables, 2, 8)
+    two = ShardingPlan({"a": EmbeddingModuleShardingPlan(), "b": EmbeddingModuleShardingPlan()})
+    with pytest.raises(ValueError, match="one module's plan at a time"):
+        executed_distribution_bytes(two, tables, 2, 8)
+    with pytest.raises(ValueError, match="not among the tables"):
+        executed_distribution_bytes(no_spec, [TableSpec("u", 10, 8)], 2, 8)

@@ -213,3 +213,22 @@ def test_psum_scatter_row_wise_output_costs_a_dense_reduce_scatter():
     assert pd.bwd_comms > 5 * ps.bwd_comms
     with pytest.raises(ValueError, match="row_wise_output"):
         TpuEstimatorConfig(row_wise_output="dense")
+
+
+def test_data_parallel_all_gather_prices_what_tpurec_shard_runs():
+    topo = TpuTopology.from_name("v6e-64")
+    reduce_ = TpuCostModel(topo)
+    gather = TpuCostModel(topo, TpuEstimatorConfig(data_parallel_grad="all_gather"))
+    dp = "data_parallel"
+    # A 3-row table in a 55296 batch: gathering every entry costs far more than all-reducing 3 rows.
+    tiny_r, tiny_g = reduce_.shard_perf(dp, 55296, [1.0], 3, 128), gather.shard_perf(dp, 55296, [1.0], 3, 128)
+    assert tiny_g.bwd_comms > 100 * tiny_r.bwd_comms
+    # Every device sends (P-1) x (its 864 entries x 12 B + 864 pooled gradients x 128 x 4 B).
+    sent = 63 * (864 * 12 + 864 * 128 * 4)
+    assert tiny_g.bwd_comms == pytest.approx(sent / topo.ring_bw_per_chip * 1000, rel=1e-6)
+    # A 1M-row table with one id per sample: the dense all-reduce is the costly one.
+    big_r, big_g = reduce_.shard_perf(dp, 55296, [1.0], 1_000_000, 128), gather.shard_perf(dp, 55296, [1.0], 1_000_000, 128)
+    assert big_g.bwd_comms < big_r.bwd_comms / 10
+    assert gather.collectives_per_step(dp) == (4, 0) and reduce_.collectives_per_step(dp) == (1, 0)
+    with pytest.raises(ValueError, match="data_parallel_grad"):
+        TpuEstimatorConfig(data_parallel_grad="ring")

@@ -23,6 +23,7 @@ from tpurec.sparse.planner.comms import (
     HloCollective,
     PlanDistributionBytes,
     distribution_bytes,
+    executed_distribution_bytes,
     hlo_collectives,
 )
 from tpurec.sparse.planner.estimators import (
@@ -82,6 +83,7 @@ __all__ = [
     "TpuStorageEstimator",
     "TpuTopology",
     "distribution_bytes",
+    "executed_distribution_bytes",
     "hlo_collectives",
     "load_plan",
     "load_tables",

@@ -41,6 +41,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         help="row-wise outputs as SparseCore partial sums (sparse) or a dense reduce-scatter "
         "(psum_scatter, what tpurec.shard runs)",
     )
+    p.add_argument(
+        "--data-parallel-grad",
+        default="all_reduce",
+        choices=["all_reduce", "all_gather"],
+        help="data-parallel gradients as a dense all-reduce (TorchRec) or an all-gather of the batch's "
+        "entries and gradients (what tpurec.shard runs)",
+    )
     p.add_argument("--reserved-hbm", type=float, default=0.1, help="HBM fraction kept for the dense model")
     p.add_argument("--timeout", type=int, default=45, help="search budget, seconds")
     p.add_argument("--sharding-types", default=None, help="comma-separated TorchRec sharding types to allow")
@@ -51,7 +58,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     shape = tuple(int(x) for x in args.slice_shape.split("x")) if args.slice_shape else None
     topo = TpuTopology.from_name(args.topology, num_slices=args.slices, slice_shape=shape)
     cfg = TpuPlannerConfig(
-        estimator=TpuEstimatorConfig(optimizer=args.optimizer, row_wise_output=args.row_wise_output),
+        estimator=TpuEstimatorConfig(
+            optimizer=args.optimizer,
+            row_wise_output=args.row_wise_output,
+            data_parallel_grad=args.data_parallel_grad,
+        ),
         sharding_types=args.sharding_types.split(",") if args.sharding_types else None,
         reserved_hbm_fraction=args.reserved_hbm,
         timeout_seconds=args.timeout,

@@ -9,12 +9,16 @@ runtime"):
   (with its sample id and gain, ``id_bytes`` in all) from the device whose
   local batch holds it to the shard(s) owning its row;
 * output distribution, forward: table- and column-wise shards return pooled
-  rows to the batch owners with ``all_to_all``; row-wise shards combine
-  partial sums with ``psum_scatter`` (reduce-scatter) over their row group;
+  rows to the batch owners with ``all_to_all``; row-wise tables with one
+  shard on every device combine partial sums with ``psum_scatter``
+  (reduce-scatter); other row groups (table-row-wise) send each shard's
+  partial sums with ``all_to_all``;
 * output gradients, backward: the transposed collectives (``all_to_all``
   back to the shards; ``all_gather`` for row-wise);
-* data-parallel tables: one gradient all-reduce (ring: each device sends
-  ``2 (P-1)/P`` of the table).
+* data-parallel tables: every replica all-gathers the batch's entries and
+  pooled gradients and applies the same update (``data_parallel_grad=
+  "all_reduce"`` counts TorchRec's dense ring all-reduce instead:
+  ``2 (P-1)/P`` of the table per device).
 
 Counts are payload bytes a device sends to *other* devices (the chunk it keeps
 is free), with ids at their expected count (``capacity_factor`` scales them
@@ -24,6 +28,7 @@ uniform over rows, as the cost model assumes.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Sequence, Union
@@ -40,6 +45,7 @@ __all__ = [
     "PlanDistributionBytes",
     "TablePlacement",
     "distribution_bytes",
+    "executed_distribution_bytes",
     "hlo_collectives",
     "options_distribution_bytes",
     "placement_distribution_bytes",
@@ -53,6 +59,7 @@ _OWNER_SHARDED = (
     ShardingType.TABLE_COLUMN_WISE.value,
 )
 ROW_WISE_OUTPUTS = ("psum_scatter", "sparse")
+DATA_PARALLEL_GRADS = ("all_gather", "all_reduce")
 
 
 @dataclass
@@ -64,7 +71,9 @@ class DistributionBytes:
         output: forward pooled rows to the batch owners (``all_to_all``) or
             row-wise partial sums (``psum_scatter``).
         output_grad: backward, the output gradients back to the shards.
-        dense_grad: data-parallel gradient all-reduce.
+        dense_grad: data-parallel tables' gradient exchange (all-gather of
+            entries and pooled gradients as ``tpurec.shard`` runs it, or a
+            dense all-reduce).
     """
 
     input_ids: List[float]
@@ -152,6 +161,7 @@ def placement_distribution_bytes(
     grad_bytes: int = 4,
     capacity_factor: float = 1.0,
     row_wise_output: str = "psum_scatter",
+    data_parallel_grad: str = "all_gather",
 ) -> DistributionBytes:
     """Bytes each device sends per step for one table.
 
@@ -166,16 +176,26 @@ def placement_distribution_bytes(
             sample's partial sum, what ``tpurec.shard`` runs) or ``"sparse"``
             (only the samples a shard's rows are hit by, with a 4-byte index
             each, as SparseCores combine them and the cost model assumes).
+            Table-row-wise groups (and row-wise tables not on every device)
+            return partial sums with ``all_to_all``, as ``tpurec.shard`` does.
+        data_parallel_grad: ``"all_gather"`` (every replica gathers the
+            batch's entries and pooled gradients, what ``tpurec.shard`` runs)
+            or ``"all_reduce"`` (ring all-reduce of the dense table gradient,
+            TorchRec's data parallelism, which the cost model prices).
 
     Returns:
         Per-rank bytes.
 
     Raises:
-        ValueError: unknown sharding type or ``row_wise_output``, or a rank
-            outside the mesh.
+        ValueError: unknown sharding type, ``row_wise_output`` or
+            ``data_parallel_grad``, or a rank outside the mesh.
     """
     if row_wise_output not in ROW_WISE_OUTPUTS:
         raise ValueError(f"row_wise_output must be one of {ROW_WISE_OUTPUTS}, got {row_wise_output!r}")
+    if data_parallel_grad not in DATA_PARALLEL_GRADS:
+        raise ValueError(
+            f"data_parallel_grad must be one of {DATA_PARALLEL_GRADS}, got {data_parallel_grad!r}"
+        )
     w = world_size
     out = DistributionBytes.zeros(w)
     bad = [r for r in table.shard_ranks if not 0 <= r < w]
@@ -186,9 +206,14 @@ def placement_distribution_bytes(
     local_ids = local_batch * sum(table.pooling_factors) * capacity_factor
     st = table.sharding_type
     if st == _DP:
-        # Ring all-reduce of the whole gradient: 2 (P-1)/P of it per device.
         for r in range(w):
-            out.dense_grad[r] = 2.0 * (w - 1) / w * table.rows * table.dim * grad_bytes
+            if data_parallel_grad == "all_gather":
+                # tpurec.shard: every replica all-gathers the batch's entries
+                # and pooled gradients and applies the same sparse update.
+                out.dense_grad[r] = (w - 1) * (local_ids * id_bytes + local_batch * features * table.dim * grad_bytes)
+            else:
+                # Ring all-reduce of the whole gradient: 2 (P-1)/P of it per device.
+                out.dense_grad[r] = 2.0 * (w - 1) / w * table.rows * table.dim * grad_bytes
         return out
     if st in _OWNER_SHARDED:
         for owner, shard_dim in zip(table.shard_ranks, table.shard_dims):
@@ -211,24 +236,34 @@ def placement_distribution_bytes(
             # device's own shard stay put.
             out.input_ids[d] += local_ids * id_bytes * ((g - 1) / g if d in group else 1.0)
         row = features * dim * grad_bytes
+        # tpurec.shard reduce-scatters only row-wise tables with one full-width
+        # shard on every device; other row groups (table-row-wise) return each
+        # shard's partial sums to the batch owners with all_to_all.
+        reduce_scatter = g == w and len(table.shard_ranks) == w
         for d in group:
-            if row_wise_output == "psum_scatter":
+            if row_wise_output == "psum_scatter" and reduce_scatter:
                 # Reduce-scatter of a [batch, features * dim] partial-sum
-                # buffer over the group: each member sends (g-1)/g of it.
-                fwd = (g - 1) / g * batch_size * row
-                if g < w:
-                    # Table-row-wise: the group's reduced rows then go to their
-                    # batch owners outside the device.
-                    fwd += batch_size / g * (w - 1) / w * row
+                # buffer over the mesh: each device sends (w-1)/w of it.
+                fwd = (w - 1) / w * batch_size * row
+                bwd = fwd  # its transpose, all_gather, sends as much
+            elif row_wise_output == "psum_scatter":
+                fwd = (batch_size - local_batch) * row
+                bwd = 0.0  # counted below, at the batch owners that send
             else:
                 hit = sum(
                     batch_size * (1.0 - (1.0 - 1.0 / g) ** pf) if g > 1 else batch_size
                     for pf in table.pooling_factors
                 )
                 fwd = hit * (w - 1) / w * (dim * grad_bytes + 4)
+                bwd = fwd
             out.output[d] += fwd
-            # all_gather (the transpose) sends as much as the reduce-scatter.
-            out.output_grad[d] += fwd
+            out.output_grad[d] += bwd
+        if row_wise_output == "psum_scatter" and not reduce_scatter:
+            # Backward all_to_all: each batch owner returns its samples'
+            # gradients to every shard on another device.
+            for d in range(w):
+                others = sum(1 for s in table.shard_ranks if s != d)
+                out.output_grad[d] += others * local_batch * row
         return out
     raise ValueError(
         f"table {table.name!r}: sharding type {st!r} is not one tpurec runs; "
@@ -280,6 +315,7 @@ def distribution_bytes(
     grad_bytes: int = 4,
     capacity_factor: float = 1.0,
     row_wise_output: str = "psum_scatter",
+    data_parallel_grad: str = "all_gather",
 ) -> PlanDistributionBytes:
     """Bytes each device sends per training step to run ``sharding_plan``.
 
@@ -296,6 +332,7 @@ def distribution_bytes(
         capacity_factor: static id capacity over expected ids (the program
             pads id buffers to it).
         row_wise_output: see :func:`placement_distribution_bytes`.
+        data_parallel_grad: see :func:`placement_distribution_bytes`.
 
     Returns:
         Totals, per sharding group and per table; lists are per rank.
@@ -342,6 +379,7 @@ def distribution_bytes(
         grad_bytes=grad_bytes,
         capacity_factor=capacity_factor,
         row_wise_output=row_wise_output,
+        data_parallel_grad=data_parallel_grad,
     )
 
 
@@ -352,6 +390,7 @@ def options_distribution_bytes(
     id_bytes: int = 12,
     grad_bytes: int = 4,
     row_wise_output: str = "psum_scatter",
+    data_parallel_grad: str = "all_gather",
 ) -> PlanDistributionBytes:
     """:func:`distribution_bytes` of TorchRec sharding options (the planner's own result)."""
     return _sum_placements(
@@ -361,6 +400,7 @@ def options_distribution_bytes(
         id_bytes=id_bytes,
         grad_bytes=grad_bytes,
         row_wise_output=row_wise_output,
+        data_parallel_grad=data_parallel_grad,
     )
 
 
@@ -468,3 +508,132 @@ def hlo_collectives(hlo_text: str, num_devices: int) -> List[HloCollective]:
             sent = float(size)
         found.append(HloCollective(kind, size, n, sent))
     return found
+
+
+# ---- what tpurec.shard's programs send, static buffers included ----------- #
+
+_ALIGN = 8  # tpurec.shard rounds id capacities up to a multiple of 8
+
+
+@dataclass
+class _ExecShard:
+    rank: int
+    row_offset: int
+    rows: int
+    cols: int
+
+
+def executed_distribution_bytes(
+    sharding_plan: ShardingPlan,
+    tables: Union[Sequence[TableLike], Mapping[str, TableLike]],
+    world_size: int,
+    batch_size: int,
+    *,
+    capacity: Union[int, None] = None,
+    capacity_factor: float = 1.0,
+    id_bytes: int = 12,
+    grad_bytes: int = 4,
+) -> Dict[str, float]:
+    """Bytes every device sends per step in ``tpurec.shard``'s programs, padding included.
+
+    ``tpurec.shard`` lays a plan out in groups of equal shard width; each
+    group's collectives move static buffers: ids in ``[devices, capacity]``
+    blocks to every device, pooled rows in ``[devices, slots, batch, width]``
+    blocks with as many slots as the busiest device owns, row-wise tables
+    with one full-width shard per device by ``psum_scatter`` (``all_gather``
+    back); data-parallel tables of one width all-gather their entries and
+    pooled gradients. The programs are SPMD, so every device sends the same.
+    :func:`distribution_bytes` counts the payload; this counts the buffers.
+
+    Args:
+        sharding_plan: the plan (one module's tables are laid out together).
+        tables: the planned tables (as for :func:`distribution_bytes`).
+        world_size: devices in the mesh.
+        batch_size: GLOBAL batch size.
+        capacity: the fixed per-destination id capacity passed to
+            ``tpurec.shard`` (rounded up to a multiple of 8 as it does); None:
+            the expected ids of the busiest destination times
+            ``capacity_factor``, rounded up to a power of two as
+            ``tpurec.shard`` grows it.
+        capacity_factor: margin over the expected ids when ``capacity`` is None.
+        id_bytes: bytes per id entry (row, sample, gain).
+        grad_bytes: bytes per pooled element.
+
+    Returns:
+        Bytes per device by collective: ``ids_all_to_all``,
+        ``output_all_to_all``, ``output_psum_scatter``, ``grad_all_to_all``,
+        ``grad_all_gather``, ``data_parallel_all_gather``, and ``total``.
+
+    Raises:
+        ValueError: a planned table is missing from ``tables``, or the plan
+            has several modules (pass one module's plan at a time).
+    """
+    if isinstance(tables, Mapping):
+        specs = {name: as_table_spec(t) for name, t in tables.items()}
+    else:
+        specs = {s.name: s for s in (as_table_spec(t) for t in tables)}
+    if len(sharding_plan.plan) != 1:
+        raise ValueError(
+            f"the plan has {len(sharding_plan.plan)} modules; each module is laid out on its own, "
+            f"pass one module's plan at a time"
+        )
+    (module_plan,) = sharding_plan.plan.values()
+    d, b = world_size, batch_size / world_size
+
+    def rounded(need: float) -> int:
+        if capacity is not None:
+            # A fixed capacity is rounded up to a multiple of 8.
+            return max(_ALIGN, -(-int(capacity) // _ALIGN) * _ALIGN)
+        # Grown on demand: the next power of two (at least 8).
+        return max(_ALIGN, 2 ** math.ceil(math.log2(max(need * capacity_factor, 1.0))))
+
+    # width -> per-destination expected ids, a2a slots per device, psum_scatter slots
+    groups: Dict[int, Dict[str, Any]] = {}
+    dp_groups: Dict[int, Dict[str, float]] = {}
+    for name, ps in module_plan.items():  # type: ignore[attr-defined]
+        spec = specs.get(name)
+        if spec is None:
+            raise ValueError(f"plan table {name!r} is not among the tables given ({sorted(specs)})")
+        features = len(spec.features())
+        local_ids = b * spec.pooling_factor * features
+        if ps.sharding_type == _DP:
+            g = dp_groups.setdefault(spec.embedding_dim, {"ids": 0.0, "slots": 0})
+            g["ids"] += local_ids
+            g["slots"] += features
+            continue
+        if ps.sharding_spec is None:
+            raise ValueError(f"plan table {name!r} ({ps.sharding_type}) has no shard metadata (sharding_spec)")
+        shards = [
+            _ExecShard(int(s.placement.rank()), int(s.shard_offsets[0]), int(s.shard_sizes[0]), int(s.shard_sizes[1]))
+            for s in ps.sharding_spec.shards  # type: ignore[union-attr]
+        ]
+        reduce_scattered = (
+            ps.sharding_type == ShardingType.ROW_WISE.value
+            and len({s.rank for s in shards}) == len(shards)
+            and all(s.cols == spec.embedding_dim for s in shards)
+        )
+        for s in shards:
+            grp = groups.setdefault(s.cols, {"ids": [0.0] * d, "a2a": [0] * d, "rs": 0})
+            # Ids of this shard's row block (uniform ids over rows) reach its device.
+            grp["ids"][s.rank] += local_ids * s.rows / spec.num_embeddings
+            if not reduce_scattered:
+                grp["a2a"][s.rank] += features
+        if reduce_scattered:
+            groups[spec.embedding_dim]["rs"] += features
+    out = {k: 0.0 for k in (
+        "ids_all_to_all", "output_all_to_all", "output_psum_scatter", "grad_all_to_all", "grad_all_gather",
+        "data_parallel_all_gather",
+    )}
+    for width, grp in groups.items():
+        cap = rounded(max(grp["ids"]))
+        out["ids_all_to_all"] += (d - 1) * cap * id_bytes
+        a2a_slots = max(grp["a2a"])
+        out["output_all_to_all"] += (d - 1) * a2a_slots * b * width * grad_bytes
+        out["grad_all_to_all"] += (d - 1) * a2a_slots * b * width * grad_bytes
+        out["output_psum_scatter"] += (d - 1) * grp["rs"] * b * width * grad_bytes
+        out["grad_all_gather"] += (d - 1) * grp["rs"] * b * width * grad_bytes
+    for width, dpg in dp_groups.items():
+        cap = rounded(dpg["ids"])
+        out["data_parallel_all_gather"] += (d - 1) * (cap * id_bytes + dpg["slots"] * b * width * grad_bytes)
+    out["total"] = sum(out.values())
+    return out

@@ -287,7 +287,9 @@ class TpuCostModel:
         """
         multislice = self.topo.num_slices > 1
         if sharding_type == ShardingType.DATA_PARALLEL.value:
-            return 1, 1 if multislice else 0
+            # all_gather mode gathers ids, sample ids, gains and gradients: 4.
+            n = 4 if self.config.data_parallel_grad == "all_gather" else 1
+            return n, n if multislice else 0
         if sharding_type == ShardingType.TABLE_ROW_WISE.value:
             return 3, 2 if multislice else 0
         return 3, 3 if multislice else 0
@@ -399,6 +401,18 @@ class TpuCostModel:
             + self.csr_seconds(wk.ids)
             + self.output_seconds(wk.out_rows, dim)
         )
+        if sharding_type == ShardingType.DATA_PARALLEL.value and cfg.data_parallel_grad == "all_gather":
+            # tpurec.shard: every replica all-gathers the batch's entries and
+            # pooled gradients, then applies the whole batch's sparse update.
+            gathered = self.topo.world_size * (wk.ids * cfg.id_bytes + wk.out_rows * self.padded_dim(dim) * cfg.grad_bytes)
+            bwd = self.backward_seconds(wk.ids * self.topo.world_size, dim, rows, wk.out_rows * self.topo.world_size, elem_bytes)
+            return Perf(
+                fwd_compute=fwd * _MS,
+                fwd_comms=0.0,
+                bwd_compute=bwd * _MS,
+                # An all-gather sends what a reduce-scatter of its result does.
+                bwd_comms=self.reduce_scatter_seconds(gathered, self.topo.num_slices > 1, latency=False) * _MS,
+            )
         if sharding_type == ShardingType.DATA_PARALLEL.value:
             table_bytes = rows * self.padded_dim(dim) * cfg.grad_bytes
             bwd = self.backward_seconds(wk.ids, dim, rows, wk.out_rows, elem_bytes)
@@ -484,7 +498,7 @@ class TpuCostModel:
         # Pooled (partial-sum) outputs and their gradients.
         acts = 2 * wk.out_rows * dim * cfg.grad_bytes
         dense_grad = 0
-        if sharding_type == ShardingType.DATA_PARALLEL.value:
+        if sharding_type == ShardingType.DATA_PARALLEL.value and cfg.data_parallel_grad == "all_reduce":
             dense_grad = rows * dim * cfg.grad_bytes
         return int(weights + slots + csr + acts + dense_grad)
 

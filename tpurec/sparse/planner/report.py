@@ -168,7 +168,7 @@ class PlanReport:
         if d:
             lines.append(
                 "bytes one device sends per step (busiest device; input all_to_all, output "
-                "all_to_all/psum_scatter, output grads, DP all-reduce): "
+                "all_to_all/psum_scatter, output grads; DP: all-gather of entries and gradients): "
                 f"ids {_bytes(d['input_ids'])}, outputs {_bytes(d['output'])}, "
                 f"output grads {_bytes(d['output_grad'])}, all distribution "
                 f"{_bytes(d['distribution_max_per_device'])}; DP grads {_bytes(d['dense_grad'])}"
@@ -412,6 +412,24 @@ def build_report(
             f"sends {_bytes(dist.total.summary()['output'])} of outputs per step; as {other!r} it would "
             f"send {_bytes(alt.total.summary()['output'])} (tpurec.shard runs 'psum_scatter'; "
             f"--row-wise-output chooses)"
+        )
+    if any(o.sharding_type == ShardingType.DATA_PARALLEL.value for o in options):
+        dp_options = [o for o in options if o.sharding_type == ShardingType.DATA_PARALLEL.value]
+        volumes = {
+            mode: options_distribution_bytes(
+                dp_options,
+                world,
+                float(local_batch * world),
+                id_bytes=config.estimator.id_bytes,
+                grad_bytes=config.estimator.grad_bytes,
+                data_parallel_grad=mode,
+            ).total.summary()["dense_grad"]
+            for mode in ("all_reduce", "all_gather")
+        }
+        notes.append(
+            f"data-parallel gradients are estimated as {config.estimator.data_parallel_grad!r}; per device "
+            f"per step a dense all-reduce sends {_bytes(volumes['all_reduce'])}, tpurec.shard's all-gather "
+            f"of entries and gradients {_bytes(volumes['all_gather'])} (--data-parallel-grad chooses)"
         )
     if tpu.sparsecore_note:
         notes.append(

@@ -92,6 +92,11 @@ class TpuEstimatorConfig:
             of samples that hit its rows) or ``"psum_scatter"`` (a dense
             reduce-scatter of every sample's partial sum, as
             ``tpurec.shard`` runs it today).
+        data_parallel_grad: how data-parallel tables get their gradients:
+            ``"all_reduce"`` (TorchRec: a dense all-reduce of the table
+            gradient, then a dense update) or ``"all_gather"`` (as
+            ``tpurec.shard`` runs it: every replica gathers the batch's
+            entries and pooled gradients and applies the sparse update).
 
     Example::
 
@@ -113,6 +118,7 @@ class TpuEstimatorConfig:
     dcn_latency_s: float = 50e-6
     grad_bytes: int = 4
     row_wise_output: str = "sparse"
+    data_parallel_grad: str = "all_reduce"
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_SLOTS:
@@ -122,6 +128,10 @@ class TpuEstimatorConfig:
         if self.row_wise_output not in ("sparse", "psum_scatter"):
             raise ValueError(
                 f"row_wise_output must be 'sparse' or 'psum_scatter', got {self.row_wise_output!r}"
+            )
+        if self.data_parallel_grad not in ("all_reduce", "all_gather"):
+            raise ValueError(
+                f"data_parallel_grad must be 'all_reduce' or 'all_gather', got {self.data_parallel_grad!r}"
             )
 
 
