@@ -5,7 +5,9 @@
 training step and returns the model's output. While the device runs step
 ``i``, a background thread reads batch ``i + 1`` from the iterator,
 preprocesses its KeyedJaggedTensors into SparseCore CSR for every tpurec
-:class:`~tpurec.sparse.EmbeddingBagCollection` of the model, and starts the
+:class:`~tpurec.sparse.EmbeddingBagCollection` of the model (any module with
+its ``prefetch(kjt)`` / ``clear_prefetched()`` / ``feature_names`` protocol),
+and starts the
 host-to-device transfer of its tensors and CSR arrays. The loop waits on the
 host only when the data is late.
 
@@ -102,13 +104,17 @@ class TrainPipeline(Generic[In, Out]):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | str, *, prefetch: int = 1) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1 (batches prepared ahead), got {prefetch}")
-        from tpurec.sparse.modules import EmbeddingBagCollection
-
         self._model = model
         self._optimizer = optimizer
         self._device = torch.device(device)
         self._prefetch = prefetch
-        self._collections = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
+        # Embedding modules that can take a batch's KJT ahead of time: tpurec's
+        # EmbeddingBagCollection, or any module with the same prefetch /
+        # clear_prefetched / feature_names protocol (e.g. a sharded collection).
+        self._collections = [
+            m for m in model.modules()
+            if all(hasattr(m, a) for a in ("prefetch", "clear_prefetched", "feature_names"))
+        ]
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._iterator: Iterator[In] | None = None
