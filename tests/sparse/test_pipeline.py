@@ -231,3 +231,23 @@ def test_prefetched_batches_a_model_never_uses_do_not_pile_up():
     with_prefetch = ebc(newest).values().cpu()
     assert id(newest) not in ebc._prefetched
     assert torch.equal(with_prefetch, ebc(newest).values().cpu())
+
+
+def test_fused_mode_dispatches_one_program_per_step_without_reading_values():
+    batches = make_batches(6, seed=4)
+    model, optimizer = make_model()
+    pipeline = sparse.TrainPipeline(model, optimizer, "tpu")
+    it = iter(batches)
+    outputs = []
+    with tpurec.mode("fused"):
+        for step in range(6):
+            if step == 2:
+                tpurec.reset_stats()
+            outputs.append(pipeline.progress(it)[0])  # no value read inside the loop
+        stats = tpurec.stats()
+    assert stats["executions"] == 4 and stats["sync_points"] == {"step": 4}
+    assert stats["compilations"] == 0
+    model, optimizer = make_model()
+    with tpurec.mode("fused"):
+        expected = plain_losses(model, optimizer, batches, "tpu")
+    assert [o.item() for o in outputs] == expected

@@ -178,6 +178,9 @@ class TrainPipeline(Generic[In, Out]):
         The first call (or a call with a new iterator) starts the worker that
         prepares batches ahead.
 
+        In fused mode the step is dispatched as one program at the end of the
+        call (asynchronously: reading a value of the output waits for it).
+
         Returns:
             The model's output for this step.
 
@@ -207,6 +210,15 @@ class TrainPipeline(Generic[In, Out]):
         if training:
             torch.sum(losses, dim=0).backward() if losses.dim() else losses.backward()
             self._optimizer.step()
+        if self._device.type == "tpu":
+            from tpurec import fused, modes
+
+            if modes.get_mode() == "fused":
+                # The step's recorded ops go out now as one program, without
+                # waiting for it: the host moves on to the next batch while the
+                # device runs, and every step is the same (cached) program even
+                # if the caller reads no value.
+                fused.flush("step")
         return output
 
     def close(self) -> None:
