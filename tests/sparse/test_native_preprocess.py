@@ -213,7 +213,7 @@ def random_case(draw):
     if draw(st.booleans()):
         weights = draw(
             st.lists(
-                st.floats(-4, 4, width=32, allow_subnormal=False) | st.sampled_from([0.1, 1 / 3, -0.0]),
+                st.floats(-4, 4, width=32, allow_subnormal=False) | st.sampled_from([0.1, 1 / 3, -0.0, 3e38, -2e38]),
                 min_size=len(values), max_size=len(values),
             )
         )

@@ -217,3 +217,37 @@ def test_bench_embeddings_cli_sweep(tmp_path):
         for impl in ("native", "fbgemm_tbe", "torchrec_ebc"):
             assert run[impl]["forward_ms"] > 0 and run[impl]["train_bandwidth_fraction"] >= 0
     assert len(out["plots"]) == 2
+
+
+def test_prefetched_batches_a_model_never_uses_do_not_pile_up():
+    model, _ = make_model()
+    ebc = next(m for m in model.modules() if isinstance(m, sparse.EmbeddingBagCollection))
+    batches = make_batches(12, seed=3)
+    for b in batches:
+        ebc.prefetch(b.sparse_features)
+    assert len(ebc._prefetched) == 8  # the newest ones
+    # The newest is still used by forward, and gives what preprocessing inline gives.
+    newest = batches[-1].sparse_features
+    with_prefetch = ebc(newest).values().cpu()
+    assert id(newest) not in ebc._prefetched
+    assert torch.equal(with_prefetch, ebc(newest).values().cpu())
+
+
+def test_fused_mode_dispatches_one_program_per_step_without_reading_values():
+    batches = make_batches(6, seed=4)
+    model, optimizer = make_model()
+    pipeline = sparse.TrainPipeline(model, optimizer, "tpu")
+    it = iter(batches)
+    outputs = []
+    with tpurec.mode("fused"):
+        for step in range(6):
+            if step == 2:
+                tpurec.reset_stats()
+            outputs.append(pipeline.progress(it)[0])  # no value read inside the loop
+        stats = tpurec.stats()
+    assert stats["executions"] == 4 and stats["sync_points"] == {"step": 4}
+    assert stats["compilations"] == 0
+    model, optimizer = make_model()
+    with tpurec.mode("fused"):
+        expected = plain_losses(model, optimizer, batches, "tpu")
+    assert [o.item() for o in outputs] == expected

@@ -57,6 +57,10 @@ class _FusedLookup(torch.autograd.Function):
         return (None,) * 8
 
 
+_MAX_PREFETCHED = 8
+"""Batches :meth:`EmbeddingBagCollection.prefetch` keeps for forward (a pipeline needs 1-2)."""
+
+
 class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
     """Pooled embedding lookups on SparseCore-shaped ops, with a fused optimizer.
 
@@ -232,6 +236,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             else:
                 arrays.append([torch.from_numpy(a).to(device) for a in csr])
         self._prefetched[id(features)] = (features, batch, arrays)
+        # A model that hands a different KJT object to this module never takes
+        # its prefetched batches: keep only the newest few, not every batch.
+        while len(self._prefetched) > _MAX_PREFETCHED:
+            self._prefetched.pop(next(iter(self._prefetched)))
 
     def clear_prefetched(self) -> None:
         """Drops batches prepared by :meth:`prefetch` that no step used."""

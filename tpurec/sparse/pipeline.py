@@ -5,7 +5,9 @@
 training step and returns the model's output. While the device runs step
 ``i``, a background thread reads batch ``i + 1`` from the iterator,
 preprocesses its KeyedJaggedTensors into SparseCore CSR for every tpurec
-:class:`~tpurec.sparse.EmbeddingBagCollection` of the model, and starts the
+:class:`~tpurec.sparse.EmbeddingBagCollection` of the model (any module with
+its ``prefetch(kjt)`` / ``clear_prefetched()`` / ``feature_names`` protocol),
+and starts the
 host-to-device transfer of its tensors and CSR arrays. The loop waits on the
 host only when the data is late.
 
@@ -102,13 +104,17 @@ class TrainPipeline(Generic[In, Out]):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | str, *, prefetch: int = 1) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1 (batches prepared ahead), got {prefetch}")
-        from tpurec.sparse.modules import EmbeddingBagCollection
-
         self._model = model
         self._optimizer = optimizer
         self._device = torch.device(device)
         self._prefetch = prefetch
-        self._collections = [m for m in model.modules() if isinstance(m, EmbeddingBagCollection)]
+        # Embedding modules that can take a batch's KJT ahead of time: tpurec's
+        # EmbeddingBagCollection, or any module with the same prefetch /
+        # clear_prefetched / feature_names protocol (e.g. a sharded collection).
+        self._collections = [
+            m for m in model.modules()
+            if all(hasattr(m, a) for a in ("prefetch", "clear_prefetched", "feature_names"))
+        ]
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._iterator: Iterator[In] | None = None
@@ -172,6 +178,9 @@ class TrainPipeline(Generic[In, Out]):
         The first call (or a call with a new iterator) starts the worker that
         prepares batches ahead.
 
+        In fused mode the step is dispatched as one program at the end of the
+        call (asynchronously: reading a value of the output waits for it).
+
         Returns:
             The model's output for this step.
 
@@ -201,6 +210,15 @@ class TrainPipeline(Generic[In, Out]):
         if training:
             torch.sum(losses, dim=0).backward() if losses.dim() else losses.backward()
             self._optimizer.step()
+        if self._device.type == "tpu":
+            from tpurec import fused, modes
+
+            if modes.get_mode() == "fused":
+                # The step's recorded ops go out now as one program, without
+                # waiting for it: the host moves on to the next batch while the
+                # device runs, and every step is the same (cached) program even
+                # if the caller reads no value.
+                fused.flush("step")
         return output
 
     def close(self) -> None:

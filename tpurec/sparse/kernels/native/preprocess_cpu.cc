@@ -9,7 +9,8 @@
 //     sort by id alone gives that order and keeps duplicates in KJT order;
 //   * duplicate (id, sample) pairs merged, gains summed in double exactly the
 //     way numpy's np.add.reduceat sums a run (first + pairwise sum of the
-//     rest), then rounded to float;
+//     rest), then rounded to float; a run whose finite sum passes float32's
+//     range stays unmerged;
 //   * capacity check ("error"), or keeping the first max_unique distinct ids
 //     and then the first max_ids entries of each partition ("drop").
 //
@@ -20,7 +21,9 @@
 // the documented ValueError / CapacityError. Nothing here keeps state.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <cstdlib>
 #include <memory>
 #include <thread>
@@ -295,14 +298,25 @@ int TpurecPreprocessStack(const int64_t* values, const float* weights, const int
           g = ReduceatSum(run.data(), static_cast<int64_t>(run.size()));
         }
       }
-      if (q != prev_q) ++distinct;
-      prev_q = q;
-      ++merged;
-      if (distinct <= max_unique && kept < max_ids) {
-        ids_out[kept] = static_cast<int32_t>(q * P + p);
-        samples_out[kept] = sample;
-        gains_out[kept] = static_cast<float>(g);
-        ++kept;
+      auto emit = [&](float gain) {
+        if (q != prev_q) ++distinct;
+        prev_q = q;
+        ++merged;
+        if (distinct <= max_unique && kept < max_ids) {
+          ids_out[kept] = static_cast<int32_t>(q * P + p);
+          samples_out[kept] = sample;
+          gains_out[kept] = gain;
+          ++kept;
+        }
+      };
+      if (j - i > 1 && std::isfinite(g) && std::fabs(g) > static_cast<double>(std::numeric_limits<float>::max())) {
+        // The summed gain does not fit a float32: keep the run's entries
+        // unmerged so the kernel adds finite gain * row products (the
+        // reference's rule, as torchrec stays finite).
+        const double* gains_p = gains.get() + begin;
+        for (int64_t k = i; k < j; ++k) emit(static_cast<float>(gains_p[part[k] & 0xffffffffu]));
+      } else {
+        emit(static_cast<float>(g));
       }
       i = j;
     }
