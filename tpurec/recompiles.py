@@ -162,9 +162,32 @@ def _family_and_key(origin: tuple, user_line: str) -> tuple[Any, Any]:
     if kind == "fused":
         return ("fused", origin[2], user_line), origin[1]
     graph, signature = origin[1], origin[2]
+    return ("graph", _graph_lineage(graph)), (graph, signature)
+
+
+# (Dynamo frame id, graph kind) -> the lineage token of the graphs Dynamo compiled for it since its compile 0.
+_lineages: dict[tuple, object] = {}
+
+
+def _graph_lineage(graph: Any) -> object:
+    """A token shared by the graphs of one kind that Dynamo compiled for one frame.
+
+    Dynamo numbers frames from 0 again after ``torch._dynamo.reset()``: a frame's
+    compile 0 starts a new lineage, so a new model is never compared with an old one.
+    """
+    token = getattr(graph, "lineage", None)
+    if token is not None:
+        return token
     compile_id = getattr(graph, "compile_id", None)
-    frame = compile_id[0] if compile_id else id(graph)
-    return ("graph", frame, graph.name.split("#")[0]), (graph, signature)
+    if compile_id is None:
+        token = object()
+    else:
+        key = (compile_id[0], graph.name.split("#")[0])
+        if compile_id[1] == 0 or key not in _lineages:
+            _lineages[key] = object()
+        token = _lineages[key]
+    graph.lineage = token
+    return token
 
 
 # --- explaining a difference ---------------------------------------------------------
