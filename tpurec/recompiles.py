@@ -36,12 +36,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import linecache
 import logging
 import os
 import sys
 import sysconfig
 import time
-import traceback
 import weakref
 from typing import Any, Iterator
 
@@ -491,12 +491,14 @@ def _user_line() -> str:
     if node is not None:
         # The autograd engine runs backward ops on its own thread, with no user frame on the stack.
         return f"the backward pass (autograd node {node.name()}), started by .backward() in the user's code"
-    for frame in reversed(traceback.extract_stack()):
-        filename = os.path.abspath(frame.filename)
-        if filename.startswith(_LIBRARY_DIRS) or filename.startswith("<"):
-            continue
-        code = f": {frame.line.strip()}" if frame.line else ""
-        return f"{frame.filename}:{frame.lineno} in {frame.name}{code}"
+    # Walks the frames without reading source lines (traceback.extract_stack would read them all).
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not (filename.startswith(_LIBRARY_DIRS) or frame.f_code.co_filename.startswith("<")):
+            code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" + (f": {code}" if code else "")
+        frame = frame.f_back
     return "(no user frame on the stack)"
 
 
