@@ -106,7 +106,8 @@ def explain_recompiles() -> list[Recompilation]:
 
 # family -> [(key, weak reference to the owner: a runtime.Program or a compiled graph variant)]
 _families: dict[Any, list] = collections.defaultdict(list)
-_guard_failures_seen = 0
+# Dynamo's guard_failures: code object -> how many of its reasons were already reported.
+_guard_failures_seen: dict = {}
 
 
 @contextlib.contextmanager
@@ -456,14 +457,17 @@ def _graph_changes(old: tuple, new: tuple) -> tuple[int, list[str], str]:
 
 def _new_guard_failures() -> str:
     """Dynamo guard failures recorded since the last call (why Dynamo traced again)."""
-    global _guard_failures_seen
     try:
         from torch._dynamo.utils import guard_failures
     except ImportError:
         return ""
-    reasons = [r for code_reasons in list(guard_failures.values()) for r in code_reasons]
-    fresh = reasons[_guard_failures_seen:] if len(reasons) >= _guard_failures_seen else reasons
-    _guard_failures_seen = len(reasons)
+    fresh: list = []
+    for code, reasons in list(guard_failures.items()):
+        seen = _guard_failures_seen.get(code, 0)
+        if len(reasons) < seen:  # torch._dynamo.reset() cleared them
+            seen = 0
+        fresh += reasons[seen:]
+        _guard_failures_seen[code] = len(reasons)
     return "; ".join(" ".join(str(r).split()) for r in fresh[-2:])
 
 
