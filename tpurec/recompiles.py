@@ -448,6 +448,8 @@ def _graph_changes(old: tuple, new: tuple) -> tuple[int, list[str], str]:
         else:
             changes.append(f"input {i}: shape {_show(x[0])} -> {_show(y[0])}")
             hint = hint or _HINT_SHAPE
+    # Tensor shapes first: a changed size value only mirrors them (the dynamic dim's value).
+    changes.sort(key=lambda c: "size value" in c)
     if len(a) != len(b):
         changes.append(f"the graph takes {len(b)} inputs instead of {len(a)}")
     if not same_graph and not changes:
