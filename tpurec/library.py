@@ -215,7 +215,7 @@ def _describe(specs: Sequence[Any]) -> str:
 
 def _host_kernel(signature: _Signature, fn: Callable) -> Callable:
     """The op on CPU tensors: ``fn`` under ``jax.jit`` on XLA:CPU, one program per static arguments."""
-    from tpurec.tensor import host_array
+    from tpurec.tensor import host_array, jax_to_host
 
     cpu = jax.devices("cpu")[0]
     cache: dict[tuple, Callable] = {}
@@ -235,7 +235,7 @@ def _host_kernel(signature: _Signature, fn: Callable) -> Callable:
             program = cache[statics] = jax.jit(run)
         converted = signature.map_tensors(values, lambda t: jax.device_put(host_array(t), cpu))
         dynamic = [v for v, r in zip(converted, runtime_value) if r]
-        outs = [torch.from_numpy(np.asarray(o).copy()) for o in _as_tuple(program(dynamic))]
+        outs = [jax_to_host(o) for o in _as_tuple(program(dynamic))]
         if signature.returns_list:
             return outs
         return outs[0] if signature.num_outputs == 1 else tuple(outs)

@@ -36,12 +36,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import linecache
 import logging
 import os
 import sys
 import sysconfig
 import time
-import traceback
 import weakref
 from typing import Any, Iterator
 
@@ -106,7 +106,8 @@ def explain_recompiles() -> list[Recompilation]:
 
 # family -> [(key, weak reference to the owner: a runtime.Program or a compiled graph variant)]
 _families: dict[Any, list] = collections.defaultdict(list)
-_guard_failures_seen = 0
+# Dynamo's guard_failures: code object -> how many of its reasons were already reported.
+_guard_failures_seen: dict = {}
 
 
 @contextlib.contextmanager
@@ -162,9 +163,32 @@ def _family_and_key(origin: tuple, user_line: str) -> tuple[Any, Any]:
     if kind == "fused":
         return ("fused", origin[2], user_line), origin[1]
     graph, signature = origin[1], origin[2]
+    return ("graph", _graph_lineage(graph)), (graph, signature)
+
+
+# (Dynamo frame id, graph kind) -> the lineage token of the graphs Dynamo compiled for it since its compile 0.
+_lineages: dict[tuple, object] = {}
+
+
+def _graph_lineage(graph: Any) -> object:
+    """A token shared by the graphs of one kind that Dynamo compiled for one frame.
+
+    Dynamo numbers frames from 0 again after ``torch._dynamo.reset()``: a frame's
+    compile 0 starts a new lineage, so a new model is never compared with an old one.
+    """
+    token = getattr(graph, "lineage", None)
+    if token is not None:
+        return token
     compile_id = getattr(graph, "compile_id", None)
-    frame = compile_id[0] if compile_id else id(graph)
-    return ("graph", frame, graph.name.split("#")[0]), (graph, signature)
+    if compile_id is None:
+        token = object()
+    else:
+        key = (compile_id[0], graph.name.split("#")[0])
+        if compile_id[1] == 0 or key not in _lineages:
+            _lineages[key] = object()
+        token = _lineages[key]
+    graph.lineage = token
+    return token
 
 
 # --- explaining a difference ---------------------------------------------------------
@@ -424,6 +448,8 @@ def _graph_changes(old: tuple, new: tuple) -> tuple[int, list[str], str]:
         else:
             changes.append(f"input {i}: shape {_show(x[0])} -> {_show(y[0])}")
             hint = hint or _HINT_SHAPE
+    # Tensor shapes first: a changed size value only mirrors them (the dynamic dim's value).
+    changes.sort(key=lambda c: "size value" in c)
     if len(a) != len(b):
         changes.append(f"the graph takes {len(b)} inputs instead of {len(a)}")
     if not same_graph and not changes:
@@ -433,14 +459,17 @@ def _graph_changes(old: tuple, new: tuple) -> tuple[int, list[str], str]:
 
 def _new_guard_failures() -> str:
     """Dynamo guard failures recorded since the last call (why Dynamo traced again)."""
-    global _guard_failures_seen
     try:
         from torch._dynamo.utils import guard_failures
     except ImportError:
         return ""
-    reasons = [r for code_reasons in list(guard_failures.values()) for r in code_reasons]
-    fresh = reasons[_guard_failures_seen:] if len(reasons) >= _guard_failures_seen else reasons
-    _guard_failures_seen = len(reasons)
+    fresh: list = []
+    for code, reasons in list(guard_failures.items()):
+        seen = _guard_failures_seen.get(code, 0)
+        if len(reasons) < seen:  # torch._dynamo.reset() cleared them
+            seen = 0
+        fresh += reasons[seen:]
+        _guard_failures_seen[code] = len(reasons)
     return "; ".join(" ".join(str(r).split()) for r in fresh[-2:])
 
 
@@ -468,12 +497,14 @@ def _user_line() -> str:
     if node is not None:
         # The autograd engine runs backward ops on its own thread, with no user frame on the stack.
         return f"the backward pass (autograd node {node.name()}), started by .backward() in the user's code"
-    for frame in reversed(traceback.extract_stack()):
-        filename = os.path.abspath(frame.filename)
-        if filename.startswith(_LIBRARY_DIRS) or filename.startswith("<"):
-            continue
-        code = f": {frame.line.strip()}" if frame.line else ""
-        return f"{frame.filename}:{frame.lineno} in {frame.name}{code}"
+    # Walks the frames without reading source lines (traceback.extract_stack would read them all).
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = os.path.abspath(frame.f_code.co_filename)
+        if not (filename.startswith(_LIBRARY_DIRS) or frame.f_code.co_filename.startswith("<")):
+            code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" + (f": {code}" if code else "")
+        frame = frame.f_back
     return "(no user frame on the stack)"
 
 

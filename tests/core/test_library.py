@@ -136,6 +136,11 @@ def test_two_outputs_on_tpu_cpu_and_fake_tensors():
     torch.testing.assert_close(largest.cpu(), x.max(0).values)
     host_total, _ = sum_and_max(x)  # CPU tensors run the same function on XLA:CPU
     torch.testing.assert_close(host_total, x.sum(1))
+    half = x.bfloat16()
+    for device in ("cpu", "tpu"):
+        half_total, half_max = sum_and_max(half.to(device))
+        assert half_total.dtype == torch.bfloat16 and half_total.device.type == device
+        torch.testing.assert_close(half_max.cpu(), half.max(1).values)
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():

@@ -105,3 +105,18 @@ def test_profile_writes_the_torch_trace_and_xlas_device_trace(tmp_path):
     with pytest.raises(ValueError, match="not a folder"):
         with tpurec.profile(str(tmp_path / "torch_trace.json")):
             pass
+
+
+def test_compiled_graphs_have_compile_and_execute_ranges():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2).to("tpu")
+    compiled = torch.compile(model, backend="tpu")
+    x = torch.randn(3, 4).to("tpu")
+    with torch.profiler.profile() as prof:
+        for _ in range(2):
+            compiled(x).sum().backward()
+    counts = {e.key: e.count for e in prof.key_averages()}
+    for kind in ("forward", "backward"):
+        assert counts.get(f"tpurec::compile {kind} graph") == 1, counts
+        assert counts.get(f"tpurec::execute {kind} graph") == 1, counts
+    torch._dynamo.reset()

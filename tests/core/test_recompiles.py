@@ -65,12 +65,11 @@ def test_eager_op_reports_static_argument_and_shape_changes_with_the_users_line(
         torch.ones(6, 4, device="tpu").sum(dim=dim)  # the last one: a new static value
     for rows in (6, 6, 6, 5):
         torch.ones(rows, 4, device="tpu").sum(dim=0)  # the last one: a new shape
-    reports = [r for r in tpurec.explain_recompiles() if r.program == "op aten.sum.dim_IntList"]
-    assert len(reports) == 2, [str(r) for r in tpurec.explain_recompiles()]
-    static, shape = reports
-    assert static.reason == "static value of argument 1 (dim) changed from [0] to [1]", static
+    # Op programs are grouped by op: earlier tests' sums may make the first [6, 4] sum a recompilation too.
+    reports = {r.reason: r for r in tpurec.explain_recompiles() if r.program == "op aten.sum.dim_IntList"}
+    static = reports["static value of argument 1 (dim) changed from [0] to [1]"]
+    shape = reports["shape of argument 0 (self) changed from [6, 4] to [5, 4]"]
     assert "sum(dim=dim)" in static.user_line and "static" in static.hint
-    assert shape.reason == "shape of argument 0 (self) changed from [6, 4] to [5, 4]", shape
     assert str(shape).startswith("tpurec: recompiled op aten.sum.dim_IntList")
 
 
@@ -87,6 +86,7 @@ def test_a_new_fused_window_structure_is_explained():
 
 
 def test_compiled_graph_recompilation_names_the_input_and_dynamos_guard():
+    torch._dynamo.reset()  # Dynamo remembers dims it saw change (automatic dynamic) per code object
     model = _mlp()
     compiled = torch.compile(model, backend="tpu")
     batches = [_batch(16 if step < 4 else 15)[0] for step in range(6)]  # allocated before: only the graph compiles
@@ -94,10 +94,28 @@ def test_compiled_graph_recompilation_names_the_input_and_dynamos_guard():
     with torch.no_grad():
         for x in batches:
             compiled(x)
-    (report,) = tpurec.explain_recompiles()
+    reports = tpurec.explain_recompiles()
+    assert len(reports) == 1, [str(r) for r in reports]
+    report = reports[0]
     assert report.program.startswith("inference graph"), report
-    assert "shape [16, 13] -> [15, 13]" in report.reason, report
+    assert "shape [16, 13] -> [15, 13]" in report.reason, report  # against the static graph's program
     assert any("Dynamo guard failed" in c and "expected 16, actual 15" in c for c in report.changes), report
+    torch._dynamo.reset()
+
+
+def test_a_dynamic_graph_recompiles_its_xla_program_per_size_and_says_so():
+    torch._dynamo.reset()
+    compiled = torch.compile(_mlp(), backend="tpu", dynamic=True)  # one symbolic graph, one XLA program per size
+    batches = [_batch(16 if step < 3 else 15)[0] for step in range(5)]
+    tpurec.reset_stats()
+    with torch.no_grad():
+        for x in batches:
+            compiled(x)
+    reports = tpurec.explain_recompiles()
+    assert len(reports) == 1, [str(r) for r in reports]
+    assert "shape [16, 13] -> [15, 13]" in reports[0].reason, reports[0]
+    assert any("size value 16 -> 15" in c for c in reports[0].changes)
+    assert not any("Dynamo guard" in c for c in reports[0].changes)  # Dynamo did not trace again
     torch._dynamo.reset()
 
 
