@@ -47,7 +47,7 @@ def _canonical_fn(module: ShardedEmbeddingBagCollection):
     def fn(weights, slots, dp_weights, dp_slots):
         out: dict[str, dict[str, jax.Array]] = {}
         for cfg in configs:
-            rows, dim = cfg.num_embeddings, cfg.embedding_dim
+            rows = cfg.num_embeddings
             pad = _padded_rows(rows, D) - rows
             values: dict[str, jax.Array] = {}
             if cfg.name in L.dp_group_of:
@@ -62,26 +62,21 @@ def _canonical_fn(module: ShardedEmbeddingBagCollection):
                 blocks: dict[str, list[jax.Array]] = {"weight": [], **{s: [] for s in kinds}}
                 for c0 in column_blocks:
                     cells = sorted((p for p in pieces if p.col_offset == c0), key=lambda p: p.row_offset)
-                    g = next(i for i, grp in enumerate(L.groups) if p_in(grp, cells[0]))
+                    g = next(i for i, grp in enumerate(L.groups) if cells[0] in grp.offsets)
                     grp = L.groups[g]
                     index = np.concatenate([p.device * grp.rows_per_device + grp.offsets[p] + np.arange(p.rows) for p in cells])
                     blocks["weight"].append(jnp.take(weights[g], index, axis=0))
                     for (s, kind), stack in zip(kinds.items(), slots[g]):
-                        if kind == "row" and c0 == 0 or kind != "row":
+                        # A row-wise slot is kept once per column shard: take the first.
+                        if kind != "row" or c0 == 0:
                             blocks[s].append(jnp.take(stack, index, axis=0))
                 values["weight"] = jnp.concatenate(blocks["weight"], axis=1)
                 for s, kind in kinds.items():
                     values[s] = blocks[s][0] if kind == "row" else jnp.concatenate(blocks[s], axis=1)
             out[cfg.name] = {k: jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1)) for k, v in values.items()}
-            del dim
         return out
 
     return fn
-
-
-def p_in(group, piece) -> bool:
-    """``piece`` is stored in ``group``."""
-    return piece in group.offsets
 
 
 def _stacked_fn(module: ShardedEmbeddingBagCollection):
