@@ -194,3 +194,21 @@ def test_without_a_plan_the_tpu_planner_shards_a_collection():
     tables_now, _ = sharded.full_tables()
     for name, value in tables_now.items():
         np.testing.assert_allclose(value, reference.table_weight(name).detach().cpu().numpy(), atol=1e-6, rtol=0)
+
+
+def test_state_dict_has_the_unsharded_keys_and_loads_back():
+    reference, sharded = _models(sp.Adagrad(learning_rate=0.1))
+    plan = _plan({"t0": table_wise(rank=2), "t1": row_wise(), "t2": column_wise(ranks=[1, 6]), "t3": data_parallel(),
+                  "t4": table_row_wise(host_index=1)})
+    sharded = tpurec.shard(sharded, plan)
+    want = reference.state_dict()
+    got = sharded.state_dict()
+    assert set(got) == set(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key].cpu(), value.cpu(), atol=0, rtol=0)
+    torch.manual_seed(5)
+    other = DLRM(embedding_bag_collection=TorchrecEBC(TABLES), **LAYERS).state_dict()
+    sharded.load_state_dict(other)
+    tables, _ = sharded.sparse_arch.embedding_bag_collection.full_tables()
+    for cfg in TABLES:
+        np.testing.assert_array_equal(tables[cfg.name], other[f"sparse_arch.embedding_bag_collection.embedding_bags.{cfg.name}.weight"].numpy())
