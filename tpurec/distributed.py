@@ -108,10 +108,6 @@ def initialize(
     if "cpu" in platforms.split(","):
         # XLA:CPU collectives between processes need an implementation; gloo ships with jaxlib.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        # Asynchronous dispatch on XLA:CPU hung about one run in three in the 2-process
-        # test (a dense op of the forward never returned; see jax-ml/jax#25861):
-        # programs with collectives run one after the other instead.
-        jax.config.update("jax_cpu_enable_async_dispatch", False)
     kwargs = dict(settings or {})
     if local_device_ids is not None:
         kwargs["local_device_ids"] = local_device_ids

@@ -33,13 +33,8 @@ def _kjt(features, lo: int, hi: int):
     )
 
 
-def main(out: str) -> None:
-    import tpurec
-    import tpurec.distributed
-
-    if "RANK" in os.environ:
-        tpurec.distributed.initialize()
-    import jax
+def build(plan_kind: str = "mixed"):
+    """The sharded DLRM (seeded) under the mixed plan, or every table row-wise."""
     import torch
     from torchrec import EmbeddingBagCollection as TorchrecEBC
     from torchrec import EmbeddingBagConfig
@@ -54,25 +49,39 @@ def main(out: str) -> None:
     from torchrec.distributed.types import ShardingPlan
     from torchrec.models.dlrm import DLRM
 
+    import tpurec
     import tpurec.sparse as sp
-    from tpurec.sparse.sharding import distribute_batch
 
     tables = [
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=rows, feature_names=[f"f{i}"])
         for i, rows in enumerate((40, 23, 17, 30, 64))
     ]
     meta = TorchrecEBC(tables=tables, device=torch.device("meta"))
-    module_plan = construct_module_sharding_plan(
-        meta,
+    generators = (
         {"t0": table_wise(rank=6), "t1": row_wise(), "t2": column_wise(ranks=[1, 5]), "t3": data_parallel(),
-         "t4": table_row_wise(host_index=0)},
-        local_size=4, world_size=8, device_type="cpu",
+         "t4": table_row_wise(host_index=0)}
+        if plan_kind == "mixed" else {t.name: row_wise() for t in tables}
     )
+    module_plan = construct_module_sharding_plan(meta, generators, local_size=4, world_size=8, device_type="cpu")
     torch.manual_seed(0)
     model = DLRM(embedding_bag_collection=TorchrecEBC(tables), dense_in_features=5, dense_arch_layer_sizes=[16, 8],
                  over_arch_layer_sizes=[16, 1])
     model = sp.from_torchrec(model, optimizer=sp.Adagrad(learning_rate=0.1)).to("tpu")
-    model = tpurec.shard(model, ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan}))
+    return tables, tpurec.shard(model, ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan}))
+
+
+def main(out: str, checkpoint_dir: str | None = None) -> None:
+    import tpurec
+    import tpurec.distributed
+
+    if "RANK" in os.environ:
+        tpurec.distributed.initialize()
+    import jax
+    import torch
+
+    from tpurec.sparse.sharding import checkpoint, distribute_batch
+
+    tables, model = build()
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
 
     rank, count = jax.process_index(), jax.process_count()
@@ -93,6 +102,8 @@ def main(out: str) -> None:
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
+    if checkpoint_dir:
+        checkpoint.save(model, checkpoint_dir)  # every process writes its own shards
     full, slots = model.sparse_arch.embedding_bag_collection.full_tables()
     dense_state = {k: v.cpu().numpy() for k, v in model.state_dict().items() if "embedding_bag_collection" not in k}
     if rank == 0:
@@ -108,4 +119,4 @@ if __name__ == "__main__":
 
     # A hung collective must fail the test with the stacks, not stall it.
     faulthandler.dump_traceback_later(float(os.environ.get("TPUREC_TEST_HANG_SECONDS", "400")), exit=True)
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
