@@ -87,16 +87,20 @@ def _step(model, optimizer, kjt, dense, labels) -> float:
     return loss.item()
 
 
-def _train_and_compare(plan: ShardingPlan, optimizer: sp.EmbeddingOptimizer, steps: int = 10, capacity: int | None = None):
+def _train_and_compare(
+    plan: ShardingPlan, optimizer: sp.EmbeddingOptimizer, steps: int = 10, capacity: int | None = None, compiled: bool = False
+):
     reference, sharded = _models(optimizer)
     sharded = tpurec.shard(sharded, plan, capacity=capacity)
     ebc = sharded.sparse_arch.embedding_bag_collection
     assert isinstance(ebc, ShardedEmbeddingBagCollection)
     dense_ref = torch.optim.Adagrad(reference.parameters(), lr=0.05)
     dense_sharded = torch.optim.Adagrad(sharded.parameters(), lr=0.05)
+    # Compiled: the dense arch is one graph; the sharded lookup runs outside it (host routing).
+    forward = torch.compile(sharded, backend="tpu") if compiled else sharded
     for step, (kjt, dense, labels) in enumerate(_batches(steps)):
         want = _step(reference, dense_ref, kjt, dense, labels)
-        got = _step(sharded, dense_sharded, kjt, dense, labels)
+        got = _step(forward, dense_sharded, kjt, dense, labels)
         assert abs(want - got) < 1e-5, (step, want, got)
     tables, slots = ebc.full_tables()
     reference_ebc = reference.sparse_arch.embedding_bag_collection
@@ -158,3 +162,53 @@ def test_mixed_plan_in_fused_mode_with_rowwise_adagrad():
     })
     with tpurec.mode("fused"):
         _train_and_compare(plan, sp.RowWiseAdagrad(learning_rate=0.1), steps=4)
+
+
+def test_mixed_plan_compiled():
+    plan = _plan({
+        "t0": table_wise(rank=2),
+        "t1": row_wise(),
+        "t2": column_wise(ranks=[1, 6]),
+        "t3": data_parallel(),
+        "t4": table_row_wise(host_index=1),
+    })
+    _train_and_compare(plan, sp.Adagrad(learning_rate=0.1), steps=4, compiled=True)
+
+
+def test_without_a_plan_the_tpu_planner_shards_a_collection():
+    tables = make_tables(dims=(8, 16), rows=(1000, 50), features=(("f0",), ("f1",)))
+    torch.manual_seed(0)
+    reference = sp.EmbeddingBagCollection(tables, optimizer=sp.SGD(learning_rate=0.1), device="tpu")
+    source = sp.EmbeddingBagCollection(tables, optimizer=sp.SGD(learning_rate=0.1), device="tpu")
+    source.load_state_dict(reference.state_dict())
+    sharded = tpurec.shard(source)  # the model is the collection: the sharded collection comes back
+    assert isinstance(sharded, ShardedEmbeddingBagCollection)
+    assert set(sharded.layout.shardings) == {"t0", "t1"}
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        kjt = random_kjt(tables, 16, rng)
+        want, got = reference(kjt).values(), sharded(kjt).values()
+        torch.testing.assert_close(got.cpu(), want.cpu(), atol=1e-6, rtol=0)
+        (want * want).sum().backward()
+        (got * got).sum().backward()
+    tables_now, _ = sharded.full_tables()
+    for name, value in tables_now.items():
+        np.testing.assert_allclose(value, reference.table_weight(name).detach().cpu().numpy(), atol=1e-6, rtol=0)
+
+
+def test_state_dict_has_the_unsharded_keys_and_loads_back():
+    reference, sharded = _models(sp.Adagrad(learning_rate=0.1))
+    plan = _plan({"t0": table_wise(rank=2), "t1": row_wise(), "t2": column_wise(ranks=[1, 6]), "t3": data_parallel(),
+                  "t4": table_row_wise(host_index=1)})
+    sharded = tpurec.shard(sharded, plan)
+    want = reference.state_dict()
+    got = sharded.state_dict()
+    assert set(got) == set(want)
+    for key, value in want.items():
+        torch.testing.assert_close(got[key].cpu(), value.cpu(), atol=0, rtol=0)
+    torch.manual_seed(5)
+    other = DLRM(embedding_bag_collection=TorchrecEBC(TABLES), **LAYERS).state_dict()
+    sharded.load_state_dict(other)
+    tables, _ = sharded.sparse_arch.embedding_bag_collection.full_tables()
+    for cfg in TABLES:
+        np.testing.assert_array_equal(tables[cfg.name], other[f"sparse_arch.embedding_bag_collection.embedding_bags.{cfg.name}.weight"].numpy())

@@ -252,6 +252,34 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     slots[name][s][:] = value[offset : offset + n]
         return tables, slots
 
+    # --- state dict: torchrec's keys, whole tables ---------------------------------------
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        # The unsharded collection's keys and shapes, so state dicts move between
+        # sharded and unsharded models (sharded checkpoints: see checkpoint.py).
+        tables, _ = self.full_tables()
+        for name, value in tables.items():
+            destination[prefix + f"embedding_bags.{name}.weight"] = torch.from_numpy(value)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        tables, slots = self.full_tables()
+        expected = set()
+        for cfg in self._embedding_bag_configs:
+            key = prefix + f"embedding_bags.{cfg.name}.weight"
+            expected.add(key)
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            value = state_dict[key]
+            if tuple(value.shape) != tables[cfg.name].shape:
+                error_msgs.append(f"size mismatch for {key}: checkpoint {tuple(value.shape)}, model {tables[cfg.name].shape}")
+                continue
+            tables[cfg.name] = value.detach().cpu().numpy().astype(np.float32)
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
+        if not error_msgs:
+            self._load_host_tables(tables, slots)
+
     # --- torchrec interface ---------------------------------------------------------
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:

@@ -10,8 +10,8 @@ of a group holds one (shard, feature) pair's ``[batch_per_device, width]``
 rows for every source device, so the kernel's output row of an entry is
 ``(source * slots + k) * batch_per_device + sample``. The first
 ``a2a_slots`` slots return to the batch owners with ``all_to_all``; the rest
-(row-wise tables spread one shard per device over the whole mesh) with
-``psum_scatter``. The batch owner then adds the received blocks into its
+(row-wise tables, at most one full-width shard per device; a device without
+one adds zeros) with ``psum_scatter``. The batch owner then adds the received blocks into its
 ``[batch_per_device, sum of dims]`` output through one static column map
 (``dest_columns``); its transpose is the gather that sends gradients back.
 """
