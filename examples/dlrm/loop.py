@@ -52,7 +52,7 @@ class PlainPipeline:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: str, forward: Callable | None = None) -> None:
         self.model, self.optimizer, self.device = model, optimizer, device
-        self.forward = forward or model
+        self.forward = model if forward is None else forward
 
     def progress(self, batches: Iterator[Batch]) -> torch.Tensor:
         """Trains on the next batch of ``batches``.

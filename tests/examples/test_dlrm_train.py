@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "dlrm", "train.py")
@@ -60,16 +61,36 @@ def write_criteo_npy(directory: str, days: int = 2, rows: int = 100, table_rows:
 # --- the first 20 steps match TorchRec on CPU with FBGEMM's fused optimizer --------------
 
 
-@pytest.mark.parametrize("interaction", ["original", "dcn", "projection"])
-def test_first_20_steps_match_torchrec_fbgemm(interaction):
-    cfg = flags.parse_args([*SMALL, "--interaction_type", interaction, "--adagrad", "--learning_rate", "0.05", "--limit_train_batches", "20"])
+FBGEMM_OPTIMIZERS = {  # --embedding_optimizer -> TorchRec's fused (FBGEMM) optimizer and its kwargs
+    "sgd": (torch.optim.SGD, lambda cfg: {"lr": cfg.learning_rate}),
+    "adagrad": (torch.optim.Adagrad, lambda cfg: {"lr": cfg.learning_rate, "eps": cfg.eps}),
+    "rowwise_adagrad": (TorchrecRowWiseAdagrad, lambda cfg: {"lr": cfg.learning_rate, "eps": cfg.eps}),
+}  # FBGEMM's CPU kernels have no Adam ("not supported in CPU mode"): --embedding_optimizer adam has no CPU peer
+
+
+@pytest.mark.parametrize(
+    "interaction,optimizer_flags",
+    [
+        ("original", ["--adagrad"]),
+        ("dcn", ["--adagrad"]),
+        ("projection", ["--adagrad"]),
+        ("original", []),  # dlrm_main's default: SGD for both
+        ("original", ["--adagrad", "--embedding_optimizer", "rowwise_adagrad"]),
+    ],
+    ids=["original", "dcn", "projection", "original-sgd", "original-rowwise_adagrad"],
+)
+def test_first_20_steps_match_torchrec_fbgemm(interaction, optimizer_flags):
+    cfg = flags.parse_args([*SMALL, "--interaction_type", interaction, "--learning_rate", "0.05", *optimizer_flags, "--limit_train_batches", "20"])
     ours = model_lib.build_model(cfg, "tpu")
-    tables = model_lib.table_configs(cfg)
+    fused_type, fused_kwargs = FBGEMM_OPTIMIZERS[cfg.embedding_optimizer]
     reference = model_lib.build_torchrec_model(
-        cfg, FusedEmbeddingBagCollection(tables, optimizer_type=torch.optim.Adagrad, optimizer_kwargs={"lr": cfg.learning_rate, "eps": cfg.eps})
+        cfg, FusedEmbeddingBagCollection(model_lib.table_configs(cfg), optimizer_type=fused_type, optimizer_kwargs=fused_kwargs(cfg))
     )
     reference.load_state_dict({k: v.cpu() for k, v in ours.state_dict().items()})  # same init
-    ref_optimizer = torch.optim.Adagrad(reference.parameters(), lr=cfg.learning_rate, eps=cfg.eps)
+    if cfg.adagrad:
+        ref_optimizer = torch.optim.Adagrad(reference.parameters(), lr=cfg.learning_rate, eps=cfg.eps)
+    else:
+        ref_optimizer = torch.optim.SGD(reference.parameters(), lr=cfg.learning_rate)
     pipeline = loop.make_pipeline(ours, model_lib.dense_optimizer(cfg, ours), cfg, "tpu")
     loader = data.make_loaders(cfg)["train"]
     ours_losses, ref_losses = [], []
@@ -86,6 +107,11 @@ def test_first_20_steps_match_torchrec_fbgemm(interaction):
     assert len(ours_losses) == 20
     assert ref_losses[-1] < ref_losses[0]  # it trains
     np.testing.assert_allclose(ours_losses, ref_losses, rtol=1e-4, atol=0)
+    # The tables moved identically too (so the fused optimizers agree, not only the losses).
+    state = ours.state_dict()
+    for key, value in reference.state_dict().items():
+        if "embedding_bags" in key:
+            torch.testing.assert_close(state[key].cpu(), value, rtol=0, atol=1e-4)
 
 
 # --- resume: 10 steps, stop, 10 more == 20 steps ------------------------------------------
