@@ -92,11 +92,14 @@ def test_first_20_steps_match_torchrec_fbgemm(interaction, optimizer_flags):
     else:
         ref_optimizer = torch.optim.SGD(reference.parameters(), lr=cfg.learning_rate)
     pipeline = loop.make_pipeline(ours, model_lib.dense_optimizer(cfg, ours), cfg, "tpu")
-    loader = data.make_loaders(cfg)["train"]
+    batches = list(data.make_loaders(cfg)["train"].epoch_batches(0))
     ours_losses, ref_losses = [], []
     with tpurec.mode(cfg.mode):
-        for batch in loader.epoch_batches(0):
-            ours_losses.append(pipeline.progress(iter([batch])))
+        stream = iter(batches)
+        for _ in batches:  # the script's step: TrainPipeline over one iterator
+            ours_losses.append(pipeline.progress(stream))
+        pipeline.close()
+        for batch in batches:
             ref_optimizer.zero_grad()
             logits = reference(batch.dense_features, batch.sparse_features).squeeze(-1)
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
@@ -112,6 +115,27 @@ def test_first_20_steps_match_torchrec_fbgemm(interaction, optimizer_flags):
     for key, value in reference.state_dict().items():
         if "embedding_bags" in key:
             torch.testing.assert_close(state[key].cpu(), value, rtol=0, atol=1e-4)
+
+
+def test_two_devices_train_like_one(tmp_path):
+    """--num_devices 2 (tpurec.shard, per-device batch 16) == one device with batch 32."""
+    assert torch.tpu.device_count() >= 2  # tests/conftest.py makes 8 host devices
+    runs = []
+    for extra in (["--batch_size", "32"], ["--batch_size", "16", "--num_devices", "2"]):
+        cfg = flags.parse_args([*SMALL, *extra, "--adagrad", "--learning_rate", "0.05", "--limit_train_batches", "10"])
+        model = loop.place_model(model_lib.build_model(cfg, "tpu"), cfg)
+        pipeline = loop.make_pipeline(model, model_lib.dense_optimizer(cfg, model), cfg, "tpu")
+        loaders = data.make_loaders(cfg)
+        with tpurec.mode(cfg.mode):
+            stream = loaders["train"].epoch_batches(0)
+            losses = [float(pipeline.progress(stream)) for _ in range(10)]
+            pipeline.close()
+            auc = loop.evaluate(model, model, loaders["test"], "tpu", "test").auc
+        runs.append((losses, auc))
+    (one, auc_one), (two, auc_two) = runs
+    assert one[-1] < one[0]
+    np.testing.assert_allclose(two, one, rtol=1e-4, atol=0)
+    assert abs(auc_two - auc_one) < 1e-4
 
 
 # --- resume: 10 steps, stop, 10 more == 20 steps ------------------------------------------
@@ -282,7 +306,8 @@ BAD_INPUTS = {
     "ids_beyond_table": (lambda tmp: ["--in_memory_binary_criteo_path", "@big_ids"], "feature cat_3 has id 50, outside its table of 50 rows"),
     "dense_arch_not_embedding_dim": (lambda tmp: ["--dense_arch_layer_sizes", "16,12"], "must equal --embedding_dim (8)"),
     "unknown_interaction": (lambda tmp: ["--interaction_type", "transformer"], "unknown --interaction_type 'transformer'"),
-    "several_devices": (lambda tmp: ["--num_devices", "2"], "--num_devices 2"),
+    "more_devices_than_visible": (lambda tmp: ["--num_devices", "64"], "--num_devices 64 but only"),
+    "sharded_checkpoint": (lambda tmp: ["--num_devices", "2", "--checkpoint_dir", tmp], "checkpoints of sharded tables"),
 }
 
 
