@@ -197,29 +197,29 @@ class RunResult:
 
 
 class StepTrace:
-    """``--profile_dir``: a JAX trace of three steps, started two steps into the
-    run (after the first compilations)."""
+    """``--profile_dir``: ``tpurec.profile`` (a torch profiler trace plus XLA's
+    device trace) of three steps, started two steps into the run (after the
+    first compilations)."""
 
     FIRST, STEPS = 2, 3
 
     def __init__(self, directory: str | None, run_start: int) -> None:
         self.directory, self.first = directory, run_start + self.FIRST
-        self.active = False
+        self.stack: contextlib.ExitStack | None = None
 
     def before_step(self, global_step: int) -> None:
         if self.directory and global_step == self.first:
-            import jax
-
-            jax.profiler.start_trace(self.directory)
-            self.active = True
+            self.stack = contextlib.ExitStack()
+            try:
+                self.stack.enter_context(tpurec.profile(self.directory))
+            except ValueError as e:
+                self.stack = None
+                raise ConfigError(f"--profile_dir: {e}") from None
 
     def after_step(self, global_step: int, force: bool = False) -> None:
-        if self.active and (force or global_step >= self.first + self.STEPS):
-            import jax
-
-            tpurec.synchronize()
-            jax.profiler.stop_trace()
-            self.active = False
+        if self.stack is not None and (force or global_step >= self.first + self.STEPS):
+            self.stack.close()  # waits for the steps' device work, then writes the traces
+            self.stack = None
 
 
 def plot(path: str, history: History) -> None:

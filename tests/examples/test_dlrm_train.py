@@ -359,6 +359,17 @@ def test_dlrm_main_readme_dcn_command_line_runs_and_prints_auc(tmp_path):
     assert re.search(r"AUROC over test set: \d\.\d+", out.stdout), out.stdout
 
 
+@pytest.mark.slow
+def test_profile_dir_writes_torch_and_xla_traces(tmp_path):
+    import json
+
+    out = run_script(*SMALL, "--adagrad", "--learning_rate", "0.05", "--profile_dir", str(tmp_path / "trace"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    events = json.loads((tmp_path / "trace" / "torch_trace.json").read_text())["traceEvents"]
+    assert events
+    assert list((tmp_path / "trace" / "plugins" / "profile").rglob("*.xplane.pb"))
+
+
 def _make_train_command() -> list[str]:
     """The command `make train` runs (from `make -n`), with this interpreter."""
     text = subprocess.run(["make", "-s", "-n", "train"], capture_output=True, text=True, cwd=ROOT, check=True).stdout
