@@ -39,7 +39,8 @@ def embedding_collections(model: nn.Module) -> dict[str, sparse.EmbeddingBagColl
     return {name: m for name, m in model.named_modules() if isinstance(m, sparse.EmbeddingBagCollection)}
 
 
-def save(directory: str, model: nn.Module, dense_optimizer: torch.optim.Optimizer, progress: dict[str, Any]) -> str:
+def save(directory: str, model: nn.Module, dense_optimizer: torch.optim.Optimizer, progress: dict[str, Any],
+         numpy_state: Any = None) -> str:
     """Writes the checkpoint of ``model`` and its optimizers to ``directory``.
 
     Args:
@@ -47,6 +48,7 @@ def save(directory: str, model: nn.Module, dense_optimizer: torch.optim.Optimize
         model: the model.
         dense_optimizer: the dense optimizer.
         progress: where the run is and its history (JSON-like).
+        numpy_state: numpy's global generator state to resume with (default: the current one).
 
     Returns:
         The checkpoint's path.
@@ -57,7 +59,7 @@ def save(directory: str, model: nn.Module, dense_optimizer: torch.optim.Optimize
         "embedding_optimizers": {name: _to_host(m.optimizer_state_dict()) for name, m in embedding_collections(model).items()},
         "dense_optimizer": _to_host(dense_optimizer.state_dict()),
         "progress": progress,
-        "numpy_random_state": np.random.get_state(),
+        "numpy_random_state": np.random.get_state() if numpy_state is None else numpy_state,
     }
     path = os.path.join(directory, FILE_NAME)
     tmp = f"{path}.tmp.{os.getpid()}"

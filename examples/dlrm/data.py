@@ -184,7 +184,9 @@ class InMemoryCriteo:
         try:
             self.pipe = InMemoryBinaryCriteoIterDataPipe(
                 stage, dense[pick], sparse[pick], labels[pick], batch_size=batch_size, rank=0, world_size=1,
-                drop_last=False, shuffle_batches=cfg.shuffle_batches, mmap_mode=cfg.mmap_mode,
+                # Only training batches shuffle: held-out metrics do not depend on the order,
+                # and numpy's global generator then serves the training data alone.
+                drop_last=False, shuffle_batches=cfg.shuffle_batches and stage == "train", mmap_mode=cfg.mmap_mode,
                 hashes=cfg.table_rows if cfg.hash_ids else None,
             )
         except (ValueError, OSError, EOFError) as e:
@@ -238,7 +240,7 @@ class MultiHotCriteo:
             part = slice(0, half) if stage == "val" else slice(half, None)
             self.dense, self.labels = self.dense[part], self.labels[part]
             self.sparse = [c[part] for c in self.sparse]
-        self.batch_size, self.shuffle, self.source = batch_size, cfg.shuffle_batches, directory
+        self.batch_size, self.shuffle, self.source = batch_size, cfg.shuffle_batches and stage == "train", directory
 
     def __len__(self) -> int:
         return -(-len(self.dense) // self.batch_size)
@@ -416,7 +418,9 @@ class Loader:
 def make_loaders(cfg: Config) -> dict[str, Loader]:
     """The train, val and test loaders the flags ask for."""
     limits = {"train": cfg.limit_train_batches, "val": cfg.limit_val_batches, "test": cfg.limit_test_batches}
-    sizes = {"train": cfg.batch_size, "val": cfg.test_batch_size, "test": cfg.test_batch_size}
+    # --batch_size is per device (dlrm_main.py's per-rank batch): one process feeds all of them.
+    sizes = {"train": cfg.batch_size * cfg.num_devices, "val": cfg.test_batch_size * cfg.num_devices,
+             "test": cfg.test_batch_size * cfg.num_devices}
     loaders = {}
     tsv_dir = tsv_to_npy_dir(cfg.tsv_criteo_path) if cfg.tsv_criteo_path else None
     for stage in STAGES:

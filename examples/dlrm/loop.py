@@ -1,8 +1,8 @@
 """The training loop: steps, progress bar, validation, checkpoints, profile, plot.
 
-One training step goes through :func:`make_pipeline`'s ``progress(iterator)``
-(the shape of TorchRec's ``TrainPipeline.progress``), so a pipelined
-implementation plugs in at that one function. The loss stays on the device;
+One training step goes through :func:`make_pipeline`'s ``progress(iterator)``:
+``tpurec.sparse.TrainPipeline`` (TorchRec's ``TrainPipeline.progress`` shape),
+which prepares the next batch on the host while the device runs this one. The loss stays on the device;
 it is read every ``--loss_every`` steps, all but the newest step's, so the host
 never waits for the step it has just dispatched.
 """
@@ -22,6 +22,7 @@ from torchrec.datasets.utils import Batch
 from tqdm import tqdm
 
 import tpurec
+import tpurec.sparse as sparse
 from dlrm import checkpoint
 from dlrm.data import Loader
 from dlrm.flags import Config, ConfigError
@@ -39,8 +40,13 @@ def end_step() -> None:
         fused.flush("step")
 
 
-class PlainPipeline:
-    """One training step per ``progress`` call, like TorchRec's ``TrainPipeline``.
+class PipelinedStep:
+    """One training step per ``progress`` call through ``tpurec.sparse.TrainPipeline``.
+
+    The pipeline reads, preprocesses and transfers batch ``i + 1`` on a worker
+    thread while step ``i`` runs; :class:`TrainStep` wraps the model to give it
+    the ``model(batch) -> (loss, output)`` shape (TorchRec's ``DLRMTrain``) the
+    pipeline expects.
 
     Args:
         model: the model (its tables update themselves in the backward).
@@ -52,7 +58,9 @@ class PlainPipeline:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: str, forward: Callable | None = None) -> None:
         self.model, self.optimizer, self.device = model, optimizer, device
-        self.forward = forward or model
+        self.forward = model if forward is None else forward
+        self.train_module = TrainStep(model, self.forward)
+        self.pipeline = sparse.TrainPipeline(self.train_module, optimizer, device)
 
     def progress(self, batches: Iterator[Batch]) -> torch.Tensor:
         """Trains on the next batch of ``batches``.
@@ -63,34 +71,92 @@ class PlainPipeline:
         Raises:
             StopIteration: ``batches`` is exhausted.
         """
-        batch = next(batches)
-        self.optimizer.zero_grad()
-        logits = self.forward(batch.dense_features.to(self.device), batch.sparse_features).squeeze(-1)
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels.to(self.device))
-        loss.backward()
-        self.optimizer.step()
+        loss, _logits, _labels = self.pipeline.progress(batches)
         end_step()
-        return loss.detach()
+        return loss
+
+    def close(self) -> None:
+        """Stops the pipeline's worker (at the end of an epoch)."""
+        self.pipeline.close()
 
 
-def make_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, device: str) -> PlainPipeline:
-    """The training pipeline: the one place where a pipelined step (overlapping
-    the next batch's host preprocessing with this step) plugs in."""
+class ReplayableBatches:
+    """An epoch's batch iterator that remembers numpy's global generator state
+    before each read: TorchRec's Criteo readers shuffle with it, and the
+    pipeline reads ahead, so a checkpoint after step ``s`` must store the state
+    from before batch ``s`` was read, not the current one."""
+
+    def __init__(self, batches: Iterator[Batch], first: int = 0) -> None:
+        self.batches, self.read = batches, first
+        self.states: dict[int, Any] = {}
+
+    def __iter__(self) -> "ReplayableBatches":
+        return self
+
+    def __next__(self) -> Batch:
+        state = np.random.get_state()
+        batch = next(self.batches)
+        self.states[self.read] = state
+        self.states.pop(self.read - 16, None)
+        self.read += 1
+        return batch
+
+    def state_before(self, index: int) -> Any:
+        """numpy's generator state from just before batch ``index`` was read."""
+        return self.states[index] if index < self.read else np.random.get_state()
+
+
+def make_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, device: str) -> PipelinedStep:
+    """The training step: the one place where the step's machinery is chosen."""
     forward = torch.compile(model, backend="tpu") if cfg.mode == "compile" else model
-    return PlainPipeline(model, optimizer, device, forward)
+    return PipelinedStep(model, optimizer, device, forward)
 
 
 def place_model(model: nn.Module, cfg: Config) -> nn.Module:
-    """Places ``model`` on ``--num_devices`` devices (one place for sharding)."""
+    """Places ``model`` on ``--num_devices`` devices: one device as it is, several
+    through ``tpurec.shard`` (tables sharded by tpurec's TPU planner, the dense
+    part data-parallel; ``--batch_size`` is per device, as in ``dlrm_main.py``)."""
     available = torch.tpu.device_count()
     if cfg.num_devices > available:
-        raise ConfigError(f"--num_devices {cfg.num_devices} but only {available} tpu device(s) are visible")
-    if cfg.num_devices > 1:
-        raise ConfigError(
-            f"--num_devices {cfg.num_devices}: training on several devices needs tpurec's sharding (tpurec.shard), "
-            "which this script does not use yet; run with --num_devices 1"
-        )
-    return model
+        raise ConfigError(f"--num_devices {cfg.num_devices} but only {available} tpu device(s) are visible"
+                          + (" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)" if tpurec.platform() == "cpu" else ""))
+    if cfg.num_devices == 1:
+        return model
+    if cfg.checkpoint_dir:
+        raise ConfigError(f"--checkpoint_dir with --num_devices {cfg.num_devices}: checkpoints of sharded tables are not "
+                          "supported by this script yet; train on one device to checkpoint")
+    if cfg.mode == "compile":
+        raise ConfigError("--mode compile with --num_devices > 1 is not supported yet; use --mode fused or eager")
+    import jax
+    from jax.sharding import Mesh
+
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))[: cfg.num_devices]
+    mesh = Mesh(np.array(devices), ("devices",))
+    try:
+        return tpurec.shard(model, mesh=mesh, planner_batch_size=cfg.batch_size * cfg.num_devices)
+    except ValueError as e:
+        raise ConfigError(f"--num_devices {cfg.num_devices}: {str(e).splitlines()[0]}") from None
+
+
+class TrainStep(nn.Module):
+    """``model(batch) -> (loss, (loss, logits, labels))``, TorchRec's ``DLRMTrain``
+    convention; on a mesh the labels are split like the model's inputs."""
+
+    def __init__(self, model: nn.Module, forward: Callable) -> None:
+        super().__init__()
+        self.model = model
+        self.forward_fn = forward
+
+    def forward(self, batch: Batch) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        logits = self.forward_fn(batch.dense_features, batch.sparse_features).squeeze(-1)
+        labels = batch.labels
+        mesh = getattr(self.model, "mesh", None)
+        if mesh is not None:
+            from tpurec.sparse.sharding.model import distribute_batch
+
+            labels = distribute_batch(labels, mesh)
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.float())
+        return loss, (loss.detach(), logits.detach(), labels.detach())
 
 
 def evaluate(model: nn.Module, forward: Callable, loader: Loader, device: str, stage: str) -> EvalResult:
@@ -131,29 +197,29 @@ class RunResult:
 
 
 class StepTrace:
-    """``--profile_dir``: a JAX trace of three steps, started two steps into the
-    run (after the first compilations)."""
+    """``--profile_dir``: ``tpurec.profile`` (a torch profiler trace plus XLA's
+    device trace) of three steps, started two steps into the run (after the
+    first compilations)."""
 
     FIRST, STEPS = 2, 3
 
     def __init__(self, directory: str | None, run_start: int) -> None:
         self.directory, self.first = directory, run_start + self.FIRST
-        self.active = False
+        self.stack: contextlib.ExitStack | None = None
 
     def before_step(self, global_step: int) -> None:
         if self.directory and global_step == self.first:
-            import jax
-
-            jax.profiler.start_trace(self.directory)
-            self.active = True
+            self.stack = contextlib.ExitStack()
+            try:
+                self.stack.enter_context(tpurec.profile(self.directory))
+            except ValueError as e:
+                self.stack = None
+                raise ConfigError(f"--profile_dir: {e}") from None
 
     def after_step(self, global_step: int, force: bool = False) -> None:
-        if self.active and (force or global_step >= self.first + self.STEPS):
-            import jax
-
-            tpurec.synchronize()
-            jax.profiler.stop_trace()
-            self.active = False
+        if self.stack is not None and (force or global_step >= self.first + self.STEPS):
+            self.stack.close()  # waits for the steps' device work, then writes the traces
+            self.stack = None
 
 
 def plot(path: str, history: History) -> None:
@@ -223,22 +289,23 @@ def train(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, loade
         del pending[: len(ready)]
         history.losses.extend(float(t) for t in ready)
 
-    def save(epoch: int, step_in_epoch: int) -> None:
+    def save(epoch: int, step_in_epoch: int, batches: ReplayableBatches | None) -> None:
         if cfg.checkpoint_dir:
             read_losses(keep_newest=False)
+            numpy_state = batches.state_before(step_in_epoch) if batches is not None else np.random.get_state()
             checkpoint.save(cfg.checkpoint_dir, model, optimizer, {
                 "epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step,
                 "history": dataclasses.asdict(history),
-            })
+            }, numpy_state=numpy_state)
 
-    def validate(epoch: int, step_in_epoch: int) -> None:
+    def validate(epoch: int, step_in_epoch: int, batches: ReplayableBatches | None) -> None:
         before, began = tpurec.stats()["compilations"], time.perf_counter()
         result = evaluate(model, pipeline.forward, loaders["val"], device, "val")
         history.val.append({"step": global_step, "auc": result.auc, "ne": result.normalized_entropy})
         lr = f", lr {cfg.learning_rate}" if cfg.print_lr else ""
         tqdm.write(f"AUROC over val set: {result.auc:.6f}, NE {result.normalized_entropy:.4f} "
                    f"(epoch {epoch}, step {global_step}{lr}).", file=sys.stdout)
-        save(epoch, step_in_epoch)
+        save(epoch, step_in_epoch, batches)
         timer["eval_compilations"] += tpurec.stats()["compilations"] - before
         timer["eval_seconds"] += time.perf_counter() - began
 
@@ -248,12 +315,13 @@ def train(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, loade
             skip = start_step if epoch == start_epoch else 0
             if skip >= total:
                 continue  # this epoch was finished before the checkpoint
-            batches = loaders["train"].epoch_batches(epoch)
-            for _ in range(skip):  # replay the data order (and its shuffling) up to the checkpoint
-                next(batches)
-            if numpy_state is not None:
+            source = loaders["train"].epoch_batches(epoch)
+            for _ in range(skip):  # replay the data order up to the checkpoint
+                next(source)
+            if numpy_state is not None:  # then the shuffling from there on
                 np.random.set_state(numpy_state)
                 numpy_state = None
+            batches = ReplayableBatches(source, first=skip)
             bar = tqdm(total=total, initial=skip, desc=f"Epoch {epoch}", file=sys.stderr, dynamic_ncols=True)
             window_start, window_samples = time.perf_counter(), 0
             step_in_epoch = skip
@@ -271,9 +339,9 @@ def train(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, loade
                     pending.append(loss)
                     global_step += 1
                     step_in_epoch += 1
-                    window_samples += cfg.batch_size
+                    window_samples += cfg.batch_size * cfg.num_devices
                     if timer["start"] is not None:
-                        timer["samples"] += cfg.batch_size
+                        timer["samples"] += cfg.batch_size * cfg.num_devices
                     bar.update(1)
                     trace.after_step(global_step)
                     if len(pending) >= cfg.loss_every:
@@ -284,15 +352,17 @@ def train(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, loade
                                         samples_per_s=f"{window_samples / max(now - window_start, 1e-9):,.0f}")
                         window_start, window_samples = now, 0
                     if cfg.validation_freq_within_epoch and step_in_epoch % cfg.validation_freq_within_epoch == 0 and step_in_epoch < total:
-                        validate(epoch, step_in_epoch)
+                        validate(epoch, step_in_epoch, batches)
             except BaseException:
+                pipeline.close()
                 bar.leave = False  # clear the bar, so an error is the last line the user sees
                 bar.close()
                 raise
             bar.close()
+            pipeline.close()
             trace.after_step(global_step, force=True)
             read_losses(keep_newest=False)
-            validate(epoch, step_in_epoch)
+            validate(epoch, step_in_epoch, None)
             start_step = 0
         read_losses(keep_newest=False)
         tpurec.synchronize()

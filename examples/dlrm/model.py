@@ -66,7 +66,10 @@ def dense_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     The tables are updated inside the backward (fused) and get no gradient, so
     they are left out.
     """
-    tables = {id(p) for m in model.modules() if isinstance(m, sparse.EmbeddingBagCollection) for p in m.parameters()}
+    from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
+
+    kinds = (sparse.EmbeddingBagCollection, ShardedEmbeddingBagCollection)
+    tables = {id(p) for m in model.modules() if isinstance(m, kinds) for p in m.parameters()}
     params = [p for p in model.parameters() if p.requires_grad and id(p) not in tables]
     if cfg.adagrad:
         return torch.optim.Adagrad(params, lr=cfg.learning_rate, eps=cfg.eps)

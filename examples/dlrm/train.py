@@ -13,15 +13,12 @@ layer sizes, unknown flags) prints one line and exits with status 2.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
 # The script's modules live next to it, in the ``dlrm`` package of examples/.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import logging  # noqa: E402
-
-import torch  # noqa: E402
 
 # torchrec's KeyedJaggedTensor asks torch.fx whether it is tracing, and torch warns
 # about that question on every first use: noise for the user of a training script.
@@ -80,5 +77,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    torch.set_num_threads(max(torch.get_num_threads(), 1))
     main()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "dlrm", "train.py")
@@ -60,22 +61,45 @@ def write_criteo_npy(directory: str, days: int = 2, rows: int = 100, table_rows:
 # --- the first 20 steps match TorchRec on CPU with FBGEMM's fused optimizer --------------
 
 
-@pytest.mark.parametrize("interaction", ["original", "dcn", "projection"])
-def test_first_20_steps_match_torchrec_fbgemm(interaction):
-    cfg = flags.parse_args([*SMALL, "--interaction_type", interaction, "--adagrad", "--learning_rate", "0.05", "--limit_train_batches", "20"])
+FBGEMM_OPTIMIZERS = {  # --embedding_optimizer -> TorchRec's fused (FBGEMM) optimizer and its kwargs
+    "sgd": (torch.optim.SGD, lambda cfg: {"lr": cfg.learning_rate}),
+    "adagrad": (torch.optim.Adagrad, lambda cfg: {"lr": cfg.learning_rate, "eps": cfg.eps}),
+    "rowwise_adagrad": (TorchrecRowWiseAdagrad, lambda cfg: {"lr": cfg.learning_rate, "eps": cfg.eps}),
+}  # FBGEMM's CPU kernels have no Adam ("not supported in CPU mode"): --embedding_optimizer adam has no CPU peer
+
+
+@pytest.mark.parametrize(
+    "interaction,optimizer_flags",
+    [
+        ("original", ["--adagrad"]),
+        ("dcn", ["--adagrad"]),
+        ("projection", ["--adagrad"]),
+        ("original", []),  # dlrm_main's default: SGD for both
+        ("original", ["--adagrad", "--embedding_optimizer", "rowwise_adagrad"]),
+    ],
+    ids=["original", "dcn", "projection", "original-sgd", "original-rowwise_adagrad"],
+)
+def test_first_20_steps_match_torchrec_fbgemm(interaction, optimizer_flags):
+    cfg = flags.parse_args([*SMALL, "--interaction_type", interaction, "--learning_rate", "0.05", *optimizer_flags, "--limit_train_batches", "20"])
     ours = model_lib.build_model(cfg, "tpu")
-    tables = model_lib.table_configs(cfg)
+    fused_type, fused_kwargs = FBGEMM_OPTIMIZERS[cfg.embedding_optimizer]
     reference = model_lib.build_torchrec_model(
-        cfg, FusedEmbeddingBagCollection(tables, optimizer_type=torch.optim.Adagrad, optimizer_kwargs={"lr": cfg.learning_rate, "eps": cfg.eps})
+        cfg, FusedEmbeddingBagCollection(model_lib.table_configs(cfg), optimizer_type=fused_type, optimizer_kwargs=fused_kwargs(cfg))
     )
     reference.load_state_dict({k: v.cpu() for k, v in ours.state_dict().items()})  # same init
-    ref_optimizer = torch.optim.Adagrad(reference.parameters(), lr=cfg.learning_rate, eps=cfg.eps)
+    if cfg.adagrad:
+        ref_optimizer = torch.optim.Adagrad(reference.parameters(), lr=cfg.learning_rate, eps=cfg.eps)
+    else:
+        ref_optimizer = torch.optim.SGD(reference.parameters(), lr=cfg.learning_rate)
     pipeline = loop.make_pipeline(ours, model_lib.dense_optimizer(cfg, ours), cfg, "tpu")
-    loader = data.make_loaders(cfg)["train"]
+    batches = list(data.make_loaders(cfg)["train"].epoch_batches(0))
     ours_losses, ref_losses = [], []
     with tpurec.mode(cfg.mode):
-        for batch in loader.epoch_batches(0):
-            ours_losses.append(pipeline.progress(iter([batch])))
+        stream = iter(batches)
+        for _ in batches:  # the script's step: TrainPipeline over one iterator
+            ours_losses.append(pipeline.progress(stream))
+        pipeline.close()
+        for batch in batches:
             ref_optimizer.zero_grad()
             logits = reference(batch.dense_features, batch.sparse_features).squeeze(-1)
             loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, batch.labels)
@@ -86,6 +110,32 @@ def test_first_20_steps_match_torchrec_fbgemm(interaction):
     assert len(ours_losses) == 20
     assert ref_losses[-1] < ref_losses[0]  # it trains
     np.testing.assert_allclose(ours_losses, ref_losses, rtol=1e-4, atol=0)
+    # The tables moved identically too (so the fused optimizers agree, not only the losses).
+    state = ours.state_dict()
+    for key, value in reference.state_dict().items():
+        if "embedding_bags" in key:
+            torch.testing.assert_close(state[key].cpu(), value, rtol=0, atol=1e-4)
+
+
+def test_two_devices_train_like_one(tmp_path):
+    """--num_devices 2 (tpurec.shard, per-device batch 16) == one device with batch 32."""
+    assert torch.tpu.device_count() >= 2  # tests/conftest.py makes 8 host devices
+    runs = []
+    for extra in (["--batch_size", "32"], ["--batch_size", "16", "--num_devices", "2"]):
+        cfg = flags.parse_args([*SMALL, *extra, "--adagrad", "--learning_rate", "0.05", "--limit_train_batches", "10"])
+        model = loop.place_model(model_lib.build_model(cfg, "tpu"), cfg)
+        pipeline = loop.make_pipeline(model, model_lib.dense_optimizer(cfg, model), cfg, "tpu")
+        loaders = data.make_loaders(cfg)
+        with tpurec.mode(cfg.mode):
+            stream = loaders["train"].epoch_batches(0)
+            losses = [float(pipeline.progress(stream)) for _ in range(10)]
+            pipeline.close()
+            auc = loop.evaluate(model, model, loaders["test"], "tpu", "test").auc
+        runs.append((losses, auc))
+    (one, auc_one), (two, auc_two) = runs
+    assert one[-1] < one[0]
+    np.testing.assert_allclose(two, one, rtol=1e-4, atol=0)
+    assert abs(auc_two - auc_one) < 1e-4
 
 
 # --- resume: 10 steps, stop, 10 more == 20 steps ------------------------------------------
@@ -96,8 +146,16 @@ def _history(directory: str) -> dict:
 
 
 @pytest.mark.slow
-def test_resume_10_plus_10_equals_20(tmp_path):
-    common = [*SMALL, "--adagrad", "--learning_rate", "0.05", "--embedding_optimizer", "rowwise_adagrad", "--loss_every", "3"]
+@pytest.mark.parametrize("source", ["synthetic", "criteo_npy_shuffled"])
+def test_resume_10_plus_10_equals_20(tmp_path, source):
+    common = [*SMALL, "--adagrad", "--learning_rate", "0.05", "--embedding_optimizer", "rowwise_adagrad", "--loss_every", "3",
+              "--validation_freq_within_epoch", "4"]
+    if source == "criteo_npy_shuffled":
+        # TorchRec's reader shuffles each batch with numpy's global generator: the
+        # checkpoint must carry that state from before the first unread batch.
+        write_criteo_npy(str(tmp_path), days=3, rows=400, table_rows=[20] * 26)
+        common[1] = ",".join(["20"] * 26)  # --num_embeddings_per_feature: 26 Criteo features
+        common += ["--in_memory_binary_criteo_path", str(tmp_path), "--shuffle_batches"]
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     for args in (["--limit_train_batches", "20", "--checkpoint_dir", straight],
                  ["--limit_train_batches", "10", "--checkpoint_dir", split],
@@ -112,6 +170,7 @@ def test_resume_10_plus_10_equals_20(tmp_path):
     wb = torch.load(os.path.join(split, checkpoint.FILE_NAME), weights_only=False)
     for key, value in wa["model"].items():
         torch.testing.assert_close(wb["model"][key], value, rtol=0, atol=1e-6)
+    assert [v["step"] for v in _history(split)["val"]] == [4, 8, 10, 12, 16, 20]
     slots_a = wa["embedding_optimizers"]["sparse_arch.embedding_bag_collection"]
     slots_b = wb["embedding_optimizers"]["sparse_arch.embedding_bag_collection"]
     assert slots_a["steps"] == slots_b["steps"] == [20]
@@ -256,7 +315,8 @@ BAD_INPUTS = {
     "ids_beyond_table": (lambda tmp: ["--in_memory_binary_criteo_path", "@big_ids"], "feature cat_3 has id 50, outside its table of 50 rows"),
     "dense_arch_not_embedding_dim": (lambda tmp: ["--dense_arch_layer_sizes", "16,12"], "must equal --embedding_dim (8)"),
     "unknown_interaction": (lambda tmp: ["--interaction_type", "transformer"], "unknown --interaction_type 'transformer'"),
-    "several_devices": (lambda tmp: ["--num_devices", "2"], "--num_devices 2"),
+    "more_devices_than_visible": (lambda tmp: ["--num_devices", "64"], "--num_devices 64 but only"),
+    "sharded_checkpoint": (lambda tmp: ["--num_devices", "2", "--checkpoint_dir", tmp], "checkpoints of sharded tables"),
 }
 
 
@@ -297,6 +357,17 @@ def test_dlrm_main_readme_dcn_command_line_runs_and_prints_auc(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert re.search(r"AUROC over val set: \d\.\d+", out.stdout), out.stdout
     assert re.search(r"AUROC over test set: \d\.\d+", out.stdout), out.stdout
+
+
+@pytest.mark.slow
+def test_profile_dir_writes_torch_and_xla_traces(tmp_path):
+    import json
+
+    out = run_script(*SMALL, "--adagrad", "--learning_rate", "0.05", "--profile_dir", str(tmp_path / "trace"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    events = json.loads((tmp_path / "trace" / "torch_trace.json").read_text())["traceEvents"]
+    assert events
+    assert list((tmp_path / "trace" / "plugins" / "profile").rglob("*.xplane.pb"))
 
 
 def _make_train_command() -> list[str]:

@@ -310,3 +310,20 @@ def test_cpu_in_place_path_equals_gradient_op(optimizer):
         b(kjt).values().pow(2).sum().backward()
     for x, y in zip([*a.parameters(), *a.buffers()], [*b.parameters(), *b.buffers()]):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=1e-6)
+
+
+def test_from_torchrec_materialises_meta_tables_from_their_configs():
+    """Tables built on "meta" (as dlrm_main.py builds them) get the configs' initialisers."""
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=6, feature_names=["f0"], init_fn=lambda w: torch.nn.init.constant_(w, 0.25)),
+        EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=5, feature_names=["f1"]),
+    ]
+    meta = TorchrecEBC(tables=tables, device=torch.device("meta"))
+    converted = sp.from_torchrec(meta, optimizer=sp.SGD(0.1), device="tpu")
+    assert converted.device.type == "tpu"
+    w0, w1 = converted.table_weight("t0").cpu(), converted.table_weight("t1").cpu()
+    assert torch.equal(w0, torch.full((6, 4), 0.25))
+    bound = tables[1].get_weight_init_max()  # torchrec's default: uniform(-1/sqrt(rows), 1/sqrt(rows))
+    assert w1.abs().max() <= bound and w1.std() > 0
+    host = sp.from_torchrec(TorchrecEBC(tables=tables, device=torch.device("meta")), optimizer=sp.SGD(0.1))
+    assert host.device.type == "cpu"  # no device given: materialised on the host, not left on meta
