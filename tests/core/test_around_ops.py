@@ -75,9 +75,9 @@ def _mlp_losses(device: str, mode: str | None = None, steps: int = 10) -> tuple[
 def test_mlp_trains_under_autocast_bf16_with_grad_scaler(mode):
     expected, expected_scale = _mlp_losses("cpu")
     actual, scale = _mlp_losses("tpu", mode)
-    # bfloat16 matmuls: CPU (oneDNN) and XLA round a few products differently, so
-    # the losses agree to bf16 precision (eps 7.8e-3), not float32's.
-    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=5e-3, atol=0)
+    # Same casts as CPU autocast for this model (linear in bf16, mse_loss in float32), and
+    # addmm rounds to bf16 once, after the bias, as oneDNN does: losses agree to float32 noise.
+    torch.testing.assert_close(torch.tensor(actual), torch.tensor(expected), rtol=1e-4, atol=0)
     assert scale == expected_scale  # the scale grew at the same steps (powers of two: exact)
     assert actual[-1] < actual[0]
 
