@@ -24,6 +24,10 @@ from tpurec.dispatch import register_factories as _register_factories  # noqa: E
 
 _register_factories()
 
+from tpurec.amp import register as _register_autocast  # noqa: E402
+
+_register_autocast()
+
 from tpurec.compile import register as _register_compile  # noqa: E402
 
 _register_compile()

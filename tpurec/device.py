@@ -110,6 +110,15 @@ class TpuModule:
     def platform() -> str:
         return platform()
 
+    @staticmethod
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        """Lower-precision dtypes ``torch.autocast("tpu", dtype=...)`` accepts, as on CUDA."""
+        return [torch.bfloat16, torch.float16]
+
+    @staticmethod
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        return True
+
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):
     def is_available(self) -> bool:

@@ -26,7 +26,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import torch.autograd.profiler as _torch_profiler
 
-from tpurec import fused, modes, profiler, rng, runtime
+from tpurec import amp, fused, modes, profiler, rng, runtime
+from tpurec.composites import COMPOSITES
 from tpurec.dense.registry import (
     DYNAMIC,
     DYNAMIC_LIST,
@@ -355,11 +356,25 @@ def _view(func, args, kwargs):
     metas = _view_metas(func, args, kwargs)
     if metas is None:
         return _view_that_copies(func, args, kwargs)
+    _check_in_storage(base, metas)
     views = [TpuTensor(base._storage, size, stride, offset, base.dtype) for size, stride, offset in metas]
     returns = func._schema.returns
     if len(returns) == 1 and not isinstance(returns[0].type, torch._C.ListType):
         return views[0]
     return views if isinstance(returns[0].type, torch._C.ListType) else tuple(views)
+
+
+def _check_in_storage(base: TpuTensor, metas: list) -> None:
+    """Views (``as_strided``) must stay inside the storage, as PyTorch checks on CPU and CUDA."""
+    storage_numel = math.prod(base._key[0])
+    for size, stride, offset in metas:
+        needed = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else 0
+        if needed > storage_numel:
+            raise RuntimeError(
+                f"setStorage: sizes {list(size)}, strides {list(stride)}, storage offset {offset} need a storage of "
+                f"{needed} elements, but this tpu tensor's storage has {storage_numel}; a tpu tensor made with "
+                ".to('tpu') holds only its own elements, not the rest of a CPU view's storage"
+            )
 
 
 def _view_that_copies(func, args, kwargs):
@@ -393,7 +408,9 @@ def _inplace_view(func, args, kwargs):
     """``squeeze_``, ``unsqueeze_``, ``t_``, ``transpose_``, ``as_strided_``...: ``self`` changes shape."""
     self = args[0]
     meta = _meta_base(self)
-    func(meta, *args[1:], **kwargs)
+    to_meta = lambda x: _meta_base(x) if isinstance(x, TpuTensor) else x  # noqa: E731 (resize_as_'s template)
+    func(meta, *tree_map(to_meta, args[1:]), **tree_map(to_meta, kwargs))
+    _check_in_storage(self, [(tuple(meta.size()), tuple(meta.stride()), meta.storage_offset())])
     _set_metadata(self, tuple(meta.size()), tuple(meta.stride()), meta.storage_offset())
     return self
 
@@ -577,6 +594,25 @@ def _batch_norm_with_update(input, weight, bias, running_mean, running_var, mome
     return out, mean, invstd, torch.empty((0,), dtype=torch.uint8, device=input.device)
 
 
+def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    """``embedding``: the lowering, but ``sparse=True`` with a gradient is refused up front.
+
+    A sparse (COO) gradient has no tpu layout, and the failure would otherwise
+    surface inside the autograd engine, where it cannot be raised cleanly.
+    """
+    if sparse and weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError(
+            "tpurec: nn.Embedding(sparse=True) / F.embedding(sparse=True) is not supported on the tpu device: "
+            "sparse gradients have no tpu layout. Use sparse=False (a dense gradient; optimizers give the same "
+            "result), or tpurec.sparse for large embedding tables."
+        )
+    return execute(aten.embedding.default, get_lowering(aten.embedding.default), (weight, indices, padding_idx, scale_grad_by_freq, sparse), {})[0]
+
+
+def _pin_tpu_tensor(self, device=None):
+    raise RuntimeError(f"cannot pin a {self.device} tensor: only CPU tensors can be pinned (as for CUDA tensors)")
+
+
 def _allclose(self, other, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:
     return bool(torch.isclose(self, other, rtol, atol, equal_nan).all())
 
@@ -601,6 +637,11 @@ _SPECIAL = {
     aten.native_batch_norm.default: _native_batch_norm,
     aten._native_batch_norm_legit.default: _native_batch_norm_legit,
     aten._batch_norm_with_update.default: _batch_norm_with_update,
+    aten.embedding.default: _embedding,
+    aten.is_pinned.default: lambda self, device=None: False,
+    aten._pin_memory.default: _pin_tpu_tensor,
+    aten._amp_foreach_non_finite_check_and_unscale_.default: amp.non_finite_check_and_unscale_,
+    aten._amp_update_scale_.default: amp.update_scale_,
     aten.lift_fresh.default: lambda self: self,
 }
 
@@ -687,7 +728,7 @@ def _fallback(func, args, kwargs):
     """Ops without a lowering: a decomposition into ops that have one, or a clear error."""
     from torch._decomp import decomposition_table
 
-    decomposition = decomposition_table.get(func)
+    decomposition = COMPOSITES.get(func) or decomposition_table.get(func)
     if decomposition is not None:
         return decomposition(*args, **kwargs)
     if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
@@ -703,6 +744,7 @@ _DATA_DEPENDENT = {
     aten.nonzero.default,
     aten.masked_select.default,
     aten._unique2.default,
+    aten._unique.default,
     aten.unique_dim.default,
     aten.unique_consecutive.default,
     aten.bincount.default,
@@ -855,6 +897,18 @@ _FACTORIES = [
 _library = None
 
 
+def _pin_cpu_memory(self: torch.Tensor, device=None) -> torch.Tensor:
+    """``pin_memory()`` of a CPU tensor for the tpu device: a contiguous copy (``is_pinned()`` stays False)."""
+    target = torch.device(device) if device is not None else torch.device("tpu")
+    if target.type != "tpu":
+        raise RuntimeError(
+            f"tpurec: pin_memory(device={str(target)!r}) is not available in a process using the tpu device; "
+            "pin for 'tpu' (or leave device unset)"
+        )
+    with torch._C._DisableTorchDispatch():
+        return self.clone(memory_format=torch.contiguous_format)
+
+
 def register_factories() -> None:
     """Registers PrivateUse1 kernels for ATen factories (``torch.zeros(..., device="tpu")``)."""
     global _library
@@ -865,6 +919,12 @@ def register_factories() -> None:
         packet, _, overload = name.partition(".")
         func = getattr(getattr(aten, packet), overload or "default")
         _library.impl(name, _factory(func), "PrivateUse1")
+    # pin_memory() on a CPU tensor asks PrivateUse1 (the accelerator) for a pinned
+    # allocator, which a Python backend cannot provide. JAX stages host memory for
+    # transfers itself, so "pinning" for tpu is a contiguous private copy.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": on purpose
+        _library.impl("_pin_memory", _pin_cpu_memory, "CPU")
     # Reached with Python dispatch excluded, e.g. by torch.tensor(data, device="tpu").
     _library.impl("_copy_from", lambda src, dst, non_blocking=False: _copy_(dst, src), "PrivateUse1")
     _library.impl("_copy_from_and_resize", lambda src, dst: _copy_(dst, src), "PrivateUse1")

@@ -147,9 +147,14 @@ class TpuTensor(torch.Tensor):
         return body + ", " + ", ".join([suffix] + extras) + ")"
 
     def __reduce_ex__(self, protocol):
-        # torch.save / pickle: the values as a CPU tensor plus the device, so a
-        # checkpoint loads back onto tpu (like CUDA tensors) with weights_only too.
-        return (_rebuild_tpu_tensor, (self.detach().cpu(), str(self.device), self.requires_grad))
+        # torch.save / pickle: the values as a CPU tensor plus the device, rebuilt by
+        # PyTorch's own (weights_only-safe) function, as for other storage-less
+        # backends. So torch.load honours map_location, and with
+        # map_location="cpu" a tpu checkpoint loads in a process without tpurec.
+        return (
+            torch._utils._rebuild_device_tensor_from_cpu_tensor,
+            (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad),
+        )
 
     def numpy(self, *, force: bool = False):
         raise TypeError(
@@ -168,10 +173,49 @@ class TpuTensor(torch.Tensor):
 
 
 def _rebuild_tpu_tensor(values: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
-    return values.to(device).requires_grad_(requires_grad)
+    """Loads checkpoints written before tpu tensors used PyTorch's rebuild function."""
+    return values.to(torch._utils._get_restore_location(device)).requires_grad_(requires_grad)
 
 
 torch.serialization.add_safe_globals([_rebuild_tpu_tensor])
+
+_torch_restore_location = torch._utils._get_restore_location
+
+
+def _restore_location(device: str):
+    """``torch._utils._get_restore_location``, also for a callable ``map_location``.
+
+    PyTorch refuses callables for tensors rebuilt from CPU values; here the
+    callable is asked as for a storage (``map_location(storage, "tpu:0")``) with
+    an empty CPU storage: the device of what it returns is where the tensor goes,
+    and ``None`` keeps the saved device, as torch.load does for storages.
+    """
+    map_location = torch.serialization._serialization_tls.map_location
+    if map_location is None or isinstance(map_location, (dict, str, torch.device)):
+        return _torch_restore_location(device)
+    moved = map_location(torch.UntypedStorage(0), device)
+    return device if moved is None else str(moved.device)
+
+
+torch._utils._get_restore_location = _restore_location
+
+
+def _never_tag(storage) -> None:
+    return None  # saving: tpu tensors are written as CPU values (see TpuTensor.__reduce_ex__)
+
+
+def _keep_on_host(storage, location: str):
+    """Loading with ``map_location="tpu..."``: the CPU values behind a tpu tensor stay on the host.
+
+    A tpu tensor holds no PyTorch storage; ``_rebuild_device_tensor_from_cpu_tensor``
+    moves the rebuilt tensor to its device. Storages of tensors saved on CPU also
+    stay on CPU (PyTorch would move them; a storage cannot live on tpu).
+    """
+    return storage if location.startswith("tpu") else None
+
+
+# Priority 11: right after CPU's (10), before PyTorch's PrivateUse1 handler (23), which would fail.
+torch.serialization.register_package(11, _never_tag, _keep_on_host)
 
 
 def wrap(array: jax.Array, index: int, dtype: torch.dtype | None = None) -> TpuTensor:

@@ -9,10 +9,19 @@ import torch
 import tpurec
 
 
+# An op with a CPU kernel only and no lowering: stays unsupported whatever lowerings are added.
+@torch.library.custom_op("tpurec_test::cpu_only_negate", mutates_args=())
+def _cpu_only_negate(x: torch.Tensor) -> torch.Tensor:
+    return -x
+
+
+_cpu_only_negate.register_fake(lambda x: torch.empty_like(x))
+
+
 def test_op_without_lowering_names_the_overload():
     x = torch.ones(4, device="tpu")
-    with pytest.raises(NotImplementedError, match=r"aten::_fft_r2c.*not supported on the tpu device.*report"):
-        torch.ops.aten._fft_r2c(x, [0], 0, True)
+    with pytest.raises(NotImplementedError, match=r"tpurec_test::cpu_only_negate.*not supported on the tpu device.*report"):
+        torch.ops.tpurec_test.cpu_only_negate(x)
 
 
 def test_numpy_refuses_like_cuda():
@@ -24,7 +33,7 @@ def test_error_leaves_state_unchanged():
     x = torch.arange(4.0).to("tpu")
     before = x.cpu().clone()
     with pytest.raises(NotImplementedError):
-        torch.ops.aten._fft_r2c(x, [0], 0, True)
+        torch.ops.tpurec_test.cpu_only_negate(x)
     assert torch.equal(x.cpu(), before)
 
 

@@ -112,6 +112,16 @@ def test_inplace_shape_ops_change_the_tensor_itself(name):
     assert torch.equal(dev.cpu(), host)
 
 
+def test_as_strided_outside_the_storage_raises_instead_of_reading_zeros():
+    dev = torch.arange(10.0, device="tpu")
+    assert dev.as_strided((2, 2), (1, 2), 6).cpu().tolist() == [[6.0, 8.0], [7.0, 9.0]]
+    with pytest.raises(RuntimeError, match="storage offset 10 need a storage of 14 elements"):
+        dev.as_strided((2, 2), (1, 2), 10)
+    with pytest.raises(RuntimeError, match="storage"):
+        dev.as_strided_((4,), (3,), 1)  # needs 11 elements
+    assert dev.shape == (10,) and dev.stride() == (1,)  # unchanged after the error
+
+
 def test_squeeze_then_matmul_has_the_squeezed_shape():
     x = torch.ones(1, 3, device="tpu")
     x.squeeze_()

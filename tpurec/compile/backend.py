@@ -240,6 +240,9 @@ def decompositions() -> dict:
 
     table = {op: fn for op, fn in decomposition_table.items() if isinstance(op, torch._ops.OpOverload)}
     table.update(core_aten_decompositions())
+    from tpurec.composites import COMPOSITES
+
+    table.update(COMPOSITES)
     return {op: fn for op, fn in table.items() if get_lowering(op) is None and not handled_without_lowering(op)}
 
 

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import torch
 import torch.fx
+from torch._dynamo.exc import ShortenTraceback
 
 from tpurec import rng
 from tpurec.compile.views import view_lowering
@@ -48,8 +49,16 @@ aten = torch.ops.aten
 __all__ = ["GraphProgram", "CompileError", "describe_node", "handled_without_lowering"]
 
 
-class CompileError(RuntimeError):
-    """A graph op could not be lowered; the message names the ATen op and the user's line."""
+class CompileError(ShortenTraceback):
+    """A graph op could not be lowered; the message names the ATen op and the user's line.
+
+    A RuntimeError. Dynamo re-raises ``ShortenTraceback`` errors from a backend as
+    they are, so users see this message itself instead of a ``BackendCompilerFailed``
+    wrapper, as in eager mode.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, first_useful_frame=None)
 
 
 def describe_node(node: torch.fx.Node) -> str:

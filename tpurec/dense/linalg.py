@@ -27,18 +27,22 @@ def _acc(dtype) -> jnp.dtype:
     return dt
 
 
-def matmul(a, b):
-    """``a @ b`` with torch's accumulation dtype and precision."""
+def matmul(a, b, rounded: bool = True):
+    """``a @ b`` with torch's accumulation dtype and precision.
+
+    ``rounded=False`` keeps the accumulation dtype (float32 for bf16/f16 inputs),
+    for ops that add to the product before rounding once, as ATen's addmm does.
+    """
     if a.dtype != b.dtype:
         raise TypeError(f"expected both operands to have the same dtype, got {a.dtype} and {b.dtype}")
     precision = _PRECISION.get(torch.get_float32_matmul_precision(), lax.Precision.HIGHEST)
     out = jnp.matmul(a, b, precision=precision, preferred_element_type=_acc(a.dtype))
-    return out.astype(a.dtype)
+    return out.astype(a.dtype) if rounded else out
 
 
-def _scaled_add(x, prod, beta, alpha):
-    """beta * x + alpha * prod; beta == 0 ignores x entirely (NaNs included)."""
-    dt = prod.dtype
+def _scaled_add(x, prod, beta, alpha, dt=None):
+    """beta * x + alpha * prod in dtype ``dt`` (default: prod's); beta == 0 ignores x entirely (NaNs included)."""
+    dt = prod.dtype if dt is None else dt
     acc = _acc(dt)
     p = prod.astype(acc) * cast(alpha, acc)
     if not is_float(dt):
@@ -70,7 +74,8 @@ def mv(a, v):
 
 @lower(aten.addmm.default)
 def addmm(x, a, b, *, beta=1, alpha=1):
-    return _scaled_add(x, matmul(a, b), beta, alpha)
+    # One rounding of the bf16/f16 result, after the bias is added (as ATen/oneDNN).
+    return _scaled_add(x, matmul(a, b, rounded=False), beta, alpha, a.dtype)
 
 
 @lower(aten._addmm_activation.default)

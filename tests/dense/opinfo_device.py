@@ -1,0 +1,430 @@
+"""torch's OpInfo database run through the tpu device, against PyTorch CPU.
+
+For each ``op_db`` entry that supports float32 on CPU, the first
+``MAX_SAMPLES`` samples are run twice: on CPU (the reference) and with every
+tensor moved to ``tpu``. Forward outputs are compared (shape, dtype, values
+within ``TOL``); for entries with autograd, the gradients of the sample's
+inputs under a fixed random cotangent are compared too. Everything runs in the
+calling process, one entry after another, so state leaking between ops (caches,
+pending errors) shows up as failures.
+
+An op that fails on the device during backward and quietly runs on the host
+counts as a failure (``TPUREC_HOST_FALLBACK=error`` and the
+``host_fallbacks`` counter). Data-dependent ops (``nonzero``, ``masked_select``,
+``unique``...) run on the host by design and are reported, not failed.
+
+Known failures live in ``opinfo_known_failures.txt`` (one line per entry and
+phase, with the reason). An entry that fails and is not listed, or that is
+listed and passes, fails the run: the list cannot go stale.
+
+Command line (``make coverage``)::
+
+    python tests/dense/opinfo_device.py --doc docs/ops.md      # whole database
+    python tests/dense/opinfo_device.py --update-known          # rewrite the list
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import pathlib
+import sys
+import time
+import types
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import torch  # noqa: E402
+from torch.testing._internal.common_methods_invocations import op_db  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
+from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
+
+import tpurec  # noqa: E402
+from tpurec import dispatch, runtime  # noqa: E402
+
+MAX_SAMPLES = 3
+# float32, tpu vs CPU: XLA:CPU's vectorised transcendental functions and its
+# reduction order differ from ATen's by a few ulp, which compound over a sample.
+TOL = dict(rtol=1e-4, atol=1e-5)
+KNOWN_FAILURES = pathlib.Path(__file__).with_name("opinfo_known_failures.txt")
+PHASES = ("forward", "backward")
+# The backward status of an entry whose forward fails: counted as failing, listed once (forward).
+BLOCKED = "blocked: forward fails"
+
+
+def entry_name(op) -> str:
+    """``name`` or ``name.variant``: how entries are named in the list and in docs/ops.md."""
+    return op.name + (f".{op.variant_test_name}" if op.variant_test_name else "")
+
+
+def float32_entries() -> list:
+    """The ``op_db`` entries that run in float32 on CPU, in database order."""
+    return [op for op in op_db if op.supports_dtype(torch.float32, "cpu")]
+
+
+@dataclasses.dataclass
+class Result:
+    """The outcome of one entry.
+
+    ``forward``/``backward`` are ``"pass"``, ``"n/a"`` (no sample ran on CPU,
+    or no differentiable output) or a one-line failure reason.
+    """
+
+    name: str
+    forward: str = "n/a"
+    backward: str = "n/a"
+    host_ops: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    def status(self, phase: str) -> str:
+        return getattr(self, phase)
+
+
+class Mismatch(AssertionError):
+    """Values, shapes or dtypes differ from CPU."""
+
+
+def _first_line(error: BaseException, limit: int = 160) -> str:
+    text = " ".join(str(error).split())
+    # tpurec's own errors start with the op name; keep that part.
+    return f"{type(error).__name__}: {text[:limit]}"
+
+
+def _to_device(x, device: str):
+    if isinstance(x, torch.Tensor):
+        moved = x.detach().to(device)
+        return moved.requires_grad_(x.requires_grad) if moved.is_floating_point() or moved.is_complex() else moved
+    return x
+
+
+def _compare(expected, actual, what: str, values: bool = True) -> None:
+    """``actual`` (from tpu) equals ``expected`` (CPU) within ``TOL``; raises Mismatch otherwise."""
+    exp_leaves, exp_spec = tree_flatten(expected)
+    act_leaves, act_spec = tree_flatten(actual)
+    if len(exp_leaves) != len(act_leaves):
+        raise Mismatch(f"{what}: {len(act_leaves)} results, CPU gives {len(exp_leaves)}")
+    for i, (e, a) in enumerate(zip(exp_leaves, act_leaves)):
+        if isinstance(e, torch.Tensor):
+            if not isinstance(a, torch.Tensor):
+                raise Mismatch(f"{what}[{i}]: got {type(a).__name__}, CPU gives a tensor")
+            if a.device.type != "tpu":
+                raise Mismatch(f"{what}[{i}]: result on {a.device}, expected tpu")
+            a = a.detach().cpu()
+            e = e.detach()
+            if a.shape != e.shape or a.dtype != e.dtype:
+                raise Mismatch(f"{what}[{i}]: {tuple(a.shape)} {a.dtype}, CPU gives {tuple(e.shape)} {e.dtype}")
+            if values:
+                try:
+                    torch.testing.assert_close(a, e, equal_nan=True, **(TOL if e.is_floating_point() else {}))
+                except AssertionError as error:
+                    detail = [line for line in str(error).splitlines() if "Greatest" in line or "Mismatched" in line]
+                    raise Mismatch(f"{what}[{i}]: wrong values ({'; '.join(detail)[:120]})") from None
+        elif values and e != a and not (isinstance(e, float) and e != e and a != a):
+            raise Mismatch(f"{what}[{i}]: {a!r}, CPU gives {e!r}")
+
+
+def _run(op, sample, seed: int):
+    torch.manual_seed(seed)
+    torch.tpu.manual_seed(seed)
+    return op(sample.input, *sample.args, **sample.kwargs)
+
+
+def _cloned(sample):
+    """A copy of ``sample`` whose tensors are fresh (in-place random ops write into their input)."""
+    clone = lambda x: x.detach().clone() if isinstance(x, torch.Tensor) else x  # noqa: E731
+    return types.SimpleNamespace(**{k: tree_map(clone, getattr(sample, k)) for k in ("input", "args", "kwargs")})
+
+
+class _RandomOpSeen(TorchDispatchMode):
+    """Notes whether any ATen op PyTorch tags ``nondeterministic_seeded`` ran."""
+
+    seen = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            self.seen = True
+        return func(*args, **(kwargs or {}))
+
+
+def _is_random(op, sample) -> bool:
+    """The op draws random numbers (CPU and tpu generators differ: only shapes and dtypes compare)."""
+    watcher = _RandomOpSeen()
+    try:
+        with watcher:
+            _run(op, _cloned(sample), 0)
+    except Exception:  # noqa: BLE001
+        return False
+    return watcher.seen
+
+
+def _compare_cpu(a, b) -> None:
+    for x, y in zip(tree_flatten(a)[0], tree_flatten(b)[0]):
+        if isinstance(x, torch.Tensor):
+            if not torch.equal(x.detach(), y.detach()) and not (x.isnan().any() and torch.allclose(x, y, equal_nan=True)):
+                raise Mismatch("random")
+
+
+def _differentiable(outputs) -> list[torch.Tensor]:
+    return [o for o in tree_flatten(outputs)[0] if isinstance(o, torch.Tensor) and o.requires_grad]
+
+
+def _grad_inputs(sample) -> list[torch.Tensor]:
+    leaves = tree_flatten((sample.input, sample.args, sample.kwargs))[0]
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _grads(outputs, inputs, cotangents):
+    grads = torch.autograd.grad(_differentiable(outputs), inputs, cotangents, allow_unused=True)
+    return [torch.zeros_like(i) if g is None else g for g, i in zip(grads, inputs)]
+
+
+def _fallbacks() -> int:
+    return sum(runtime.counters().host_fallbacks.values())
+
+
+def _host_fallback_names(before: dict) -> list[str]:
+    now = runtime.counters().host_fallbacks
+    return sorted(name for name, n in now.items() if n > before.get(name, 0))
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """No warnings, and TPUREC_HOST_FALLBACK=error (restored afterwards: other tests expect the default)."""
+    previous = os.environ.get("TPUREC_HOST_FALLBACK")
+    os.environ["TPUREC_HOST_FALLBACK"] = "error"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop("TPUREC_HOST_FALLBACK", None)
+        else:
+            os.environ["TPUREC_HOST_FALLBACK"] = previous
+
+
+def check_entry(
+    op,
+    mode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    wrap: Callable[[Callable], Callable] | None = None,
+    max_samples: int = MAX_SAMPLES,
+) -> Result:
+    """Runs entry ``op`` through the tpu device; returns its Result.
+
+    Args:
+        op: the OpInfo entry.
+        mode: a context to run the device side in (``lambda: tpurec.mode("fused")``).
+        wrap: turns the op into what runs on the device (``torch.compile``); None runs it as is.
+        max_samples: how many of the entry's samples to check.
+    """
+    device_op = op if wrap is None else wrap(op)
+    result = Result(entry_name(op))
+    start = time.perf_counter()
+    host_ops_before = dict(runtime.counters().host_ops)
+    forward: list[str] = []
+    backward: list[str] = []
+    with _quiet():
+        try:
+            samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=op.supports_autograd))[:max_samples]
+        except Exception as error:  # noqa: BLE001
+            samples = []
+            forward.append(f"sample generation failed: {_first_line(error)}")
+        for sample in samples:
+            try:
+                expected = _run(op, sample, 0)
+            except Exception:  # noqa: BLE001 (a sample CPU rejects says nothing about tpu)
+                continue
+            # Random ops, and ops returning uninitialised memory (new_empty...): only shapes and dtypes compare.
+            random = _is_random(op, sample) or "empty" in op.name
+            device_sample = types.SimpleNamespace(
+                **{k: tree_map(lambda x: _to_device(x, "tpu"), getattr(sample, k)) for k in ("input", "args", "kwargs")}
+            )
+            fallbacks_before = dict(runtime.counters().host_fallbacks)
+            try:
+                with mode():
+                    actual = _run(device_op, device_sample, 0)
+                    _compare(expected, actual, "output", values=not random)
+                forward.append("pass")
+            except Exception as error:  # noqa: BLE001
+                dispatch._pending_fallback_error = None
+                forward.append(_first_line(error) if isinstance(error, Mismatch) else f"error: {_first_line(error)}")
+                if op.supports_autograd and not random:
+                    backward.append(BLOCKED)
+                continue
+            inputs = _grad_inputs(sample)
+            outs = _differentiable(expected)
+            if not (op.supports_autograd and inputs and outs) or random:
+                continue
+            cotangents = [torch.randn_like(o) for o in outs]
+            try:
+                expected_grads = _grads(expected, inputs, cotangents)
+            except Exception:  # noqa: BLE001
+                continue
+            try:
+                with mode():
+                    device_inputs = _grad_inputs(device_sample)
+                    grads = _grads(actual, device_inputs, [c.to("tpu") for c in cotangents])
+                    _compare(expected_grads, grads, "input grad")
+                fell_back = _host_fallback_names(fallbacks_before)
+                if fell_back:
+                    raise Mismatch(f"host fallback in backward: {', '.join(fell_back)}")
+                backward.append("pass")
+            except Exception as error:  # noqa: BLE001
+                fell_back = _host_fallback_names(fallbacks_before)
+                dispatch._pending_fallback_error = None
+                if fell_back and not (isinstance(error, Mismatch) and "host fallback" in str(error)):
+                    error = Mismatch(f"host fallback in backward: {', '.join(fell_back)}")
+                backward.append(_first_line(error) if isinstance(error, Mismatch) else f"error: {_first_line(error)}")
+    dispatch._pending_fallback_error = None
+    result.forward = _summary(forward)
+    result.backward = _summary(backward)
+    now = runtime.counters().host_ops
+    result.host_ops = tuple(sorted(n for n, k in now.items() if k > host_ops_before.get(n, 0)))
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _summary(outcomes: list[str]) -> str:
+    failures = [o for o in outcomes if o not in ("pass", BLOCKED)] or [o for o in outcomes if o == BLOCKED]
+    if failures:
+        return failures[0].replace("Mismatch: ", "")
+    return "pass" if outcomes else "n/a"
+
+
+# --- the known-failure list ----------------------------------------------------
+
+
+def load_known(path: pathlib.Path = KNOWN_FAILURES) -> dict[tuple[str, str], str]:
+    """``{(entry, phase): reason}`` from the checked-in list (``entry<TAB>phase<TAB>reason`` lines)."""
+    known: dict[tuple[str, str], str] = {}
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        parts = line.split("\t")
+        if len(parts) != 3 or parts[1] not in PHASES or not parts[2].strip():
+            raise ValueError(f"{path}:{number}: expected 'entry<TAB>forward|backward<TAB>reason', got {line!r}")
+        known[(parts[0], parts[1])] = parts[2]
+    return known
+
+
+def surprises(result: Result, known: dict[tuple[str, str], str]) -> list[str]:
+    """Why ``result`` disagrees with the known-failure list (empty when it agrees)."""
+    problems = []
+    for phase in PHASES:
+        status = result.status(phase)
+        listed = (result.name, phase) in known
+        if status == BLOCKED:
+            continue
+        if status not in ("pass", "n/a") and not listed:
+            problems.append(f"{result.name} {phase} fails and is not a known failure: {status}")
+        if status == "pass" and listed:
+            problems.append(
+                f"{result.name} {phase} passes but is listed as a known failure "
+                f"({known[(result.name, phase)]}); remove it from {KNOWN_FAILURES.name}"
+            )
+    return problems
+
+
+def write_known(results: Iterable[Result], path: pathlib.Path = KNOWN_FAILURES) -> None:
+    lines = [
+        "# OpInfo entries that fail through the tpu device (float32, tpu vs CPU), one line per entry and phase:",
+        "# entry<TAB>forward|backward<TAB>reason. Written by `python tests/dense/opinfo_device.py --update-known`;",
+        "# an entry listed here that passes fails the run, so fix the op, then delete its line.",
+    ]
+    for r in results:
+        for phase in PHASES:
+            status = r.status(phase)
+            if status not in ("pass", "n/a", BLOCKED):
+                lines.append(f"{r.name}\t{phase}\t{' '.join(status.split())}")
+    path.write_text("\n".join(lines) + "\n")
+
+
+# --- docs/ops.md -----------------------------------------------------------------
+
+
+def write_doc(results: list[Result], path: pathlib.Path, seconds: float) -> None:
+    from tpurec.dense.registry import LOWERINGS, get_lowering
+
+    get_lowering(torch.ops.aten.add.Tensor)  # loads every lowering family
+    fwd = [r for r in results if r.forward != "n/a"]
+    bwd = [r for r in results if r.backward != "n/a"]
+    fwd_pass = sum(r.forward == "pass" for r in fwd)
+    bwd_pass = sum(r.backward == "pass" for r in bwd)
+    both = sum(r.forward == "pass" and r.backward in ("pass", "n/a") for r in fwd)
+    wrong = sum("wrong values" in r.forward or "wrong values" in r.backward for r in results)
+    fallback = sum("host fallback" in r.backward for r in results)
+    host = sorted({n for r in results if r.forward == "pass" for n in r.host_ops})
+    lines = [
+        "# ATen coverage of the tpu device",
+        "",
+        "Written by `make coverage` (`python tests/dense/opinfo_device.py --doc docs/ops.md`): every entry of",
+        f"torch's `op_db` that runs in float32 on CPU, up to {MAX_SAMPLES} samples each, run through the `tpu` device in",
+        "one process (eager mode) and compared with PyTorch CPU: forward outputs and the gradients of the inputs",
+        f"(rtol {TOL['rtol']}, atol {TOL['atol']}). A backward op that falls back to the host counts as a failure.",
+        "",
+        "| what | count |",
+        "|---|---|",
+        f"| `op_db` entries (float32 on CPU) | {len(results)} |",
+        f"| pass forward | {fwd_pass} of {len(fwd)} |",
+        f"| pass backward (input gradients; entries with autograd, failing forward counts as failing) | {bwd_pass} of {len(bwd)} |",
+        f"| pass both (or forward-only entries passing forward) | {both} |",
+        f"| fail with wrong values (forward or backward) | {wrong} |",
+        f"| fail through a host fallback in backward | {fallback} |",
+        f"| ATen overloads in the lowering table | {len(LOWERINGS)} |",
+        f"| run time | {seconds:.0f} s |",
+        "",
+        "Data-dependent ops run on the host by design (their output shape depends on values); passing entries",
+        f"that use them: {', '.join(f'`{h}`' for h in host) or 'none'}.",
+        "",
+        "## Failing entries and why",
+        "",
+        "| entry | forward | backward |",
+        "|---|---|---|",
+    ]
+    for r in results:
+        if r.forward not in ("pass", "n/a") or r.backward not in ("pass", "n/a"):
+            cell = lambda s: s.replace("|", "\\|")  # noqa: E731
+            lines.append(f"| `{r.name}` | {cell(r.forward)} | {cell(r.backward)} |")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--doc", type=pathlib.Path, help="write the coverage report (docs/ops.md) here")
+    parser.add_argument("--update-known", action="store_true", help=f"rewrite {KNOWN_FAILURES.name} from this run")
+    parser.add_argument("--only", nargs="*", help="entry names to run (default: all)")
+    args = parser.parse_args(argv)
+    entries = float32_entries()
+    if args.only:
+        entries = [op for op in entries if entry_name(op) in set(args.only)]
+    known = {} if args.update_known or not KNOWN_FAILURES.exists() else load_known()
+    start = time.perf_counter()
+    results, problems = [], []
+    for i, op in enumerate(entries):
+        r = check_entry(op)
+        results.append(r)
+        problems += surprises(r, known)
+        print(f"[{i + 1}/{len(entries)}] {r.name}: forward {r.forward} | backward {r.backward} ({r.seconds:.1f}s)", flush=True)
+    seconds = time.perf_counter() - start
+    if args.update_known:
+        write_known(results)
+    if args.doc:
+        write_doc(results, args.doc, seconds)
+    fwd = [r for r in results if r.forward != "n/a"]
+    bwd = [r for r in results if r.backward != "n/a"]
+    print(
+        f"forward {sum(r.forward == 'pass' for r in fwd)}/{len(fwd)}, "
+        f"backward {sum(r.backward == 'pass' for r in bwd)}/{len(bwd)}, {seconds:.0f} s"
+    )
+    for p in problems:
+        print("PROBLEM:", p)
+    return 1 if problems and not args.update_known else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
