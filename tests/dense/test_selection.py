@@ -26,6 +26,8 @@ ENTRIES = [
     "nn.functional.pad.replicate",
     "nn.functional.pad.replicate_negative",
     "cdist",
+    "_segment_reduce.lengths",
+    "_segment_reduce.offsets",
 ]
 
 

@@ -284,3 +284,62 @@ def cdist_backward(grad, x1, x2, p: float, dist):
         per_pair = jnp.where((d == 0) | (diff == 0), zero, jnp.sign(diff) * safe_abs ** (p - 1) / safe_d ** (p - 1))
     return jnp.sum(grad[..., None] * per_pair, axis=-2).astype(x1.dtype)
 
+
+
+# --- segment_reduce ---------------------------------------------------------------------
+
+
+def _segment_reduce(data, reduce: str, lengths, offsets, axis: int, initial):
+    """torch's ``segment_reduce`` over 1-d ``lengths`` (or ``offsets``) along ``axis``."""
+    if reduce not in ("sum", "mean", "max", "min", "prod"):
+        raise ValueError(f"segment_reduce: reduce must be sum, mean, max, min or prod, got {reduce!r}")
+    bounds = lengths if lengths is not None else offsets
+    if bounds is None:
+        raise ValueError("segment_reduce: pass lengths or offsets")
+    if bounds.ndim != 1:
+        raise NotImplementedError("segment_reduce on the tpu device supports 1-d lengths/offsets only")
+    d = norm_dim(axis, data.ndim)
+    x = jnp.moveaxis(data, d, 0)
+    if lengths is not None:
+        ends = jnp.cumsum(lengths)
+        starts = ends - lengths
+    else:
+        starts, ends = offsets[:-1], offsets[1:]
+    segments = ends.shape[0]
+    pos = jnp.arange(x.shape[0])
+    seg = jnp.searchsorted(ends, pos, side="right")
+    seg = jnp.where((pos >= starts[jnp.clip(seg, 0, segments - 1)]) & (seg < segments), seg, segments)
+    counts = (ends - starts).reshape((segments,) + (1,) * (x.ndim - 1))
+    acc = jnp.promote_types(x.dtype, jnp.float32)
+    xa = x.astype(acc)
+    if reduce in ("sum", "mean"):
+        out = jax.ops.segment_sum(xa, seg, num_segments=segments)
+        if initial is not None:
+            out = out + jnp.asarray(initial, acc)
+        if reduce == "mean":
+            empty_value = jnp.asarray(initial, acc) if initial is not None else jnp.asarray(jnp.nan, acc)
+            out = jnp.where(counts > 0, out / jnp.where(counts > 0, counts, 1), empty_value)
+    elif reduce == "prod":
+        out = jax.ops.segment_prod(xa, seg, num_segments=segments)
+        if initial is not None:
+            out = out * jnp.asarray(initial, acc)
+    else:
+        fn = jax.ops.segment_max if reduce == "max" else jax.ops.segment_min
+        out = fn(xa, seg, num_segments=segments)  # empty segments: -inf / +inf
+        if initial is not None:
+            init = jnp.asarray(initial, acc)
+            out = jnp.maximum(out, init) if reduce == "max" else jnp.minimum(out, init)
+    return jnp.moveaxis(out.astype(data.dtype), 0, d)
+
+
+@lower(aten.segment_reduce.default)
+def segment_reduce(data, reduce: str, *, lengths=None, indices=None, offsets=None, axis: int = 0, unsafe: bool = False, initial=None):
+    if indices is not None:
+        raise NotImplementedError("segment_reduce with indices is not supported (nor by PyTorch's CPU kernel)")
+    return _segment_reduce(data, reduce, lengths, offsets, axis, initial)
+
+
+@lower(aten._segment_reduce_backward.default)
+def segment_reduce_backward(grad, output, data, reduce: str, *, lengths=None, offsets=None, axis: int = 0, initial=None):
+    _, vjp = jax.vjp(lambda v: _segment_reduce(v, reduce, lengths, offsets, axis, initial), data)
+    return vjp(grad.astype(data.dtype))[0]
