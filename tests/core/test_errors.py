@@ -10,9 +10,9 @@ import tpurec
 
 
 def test_op_without_lowering_names_the_overload():
-    x = torch.ones(4, device="tpu")
-    with pytest.raises(NotImplementedError, match=r"aten::_fft_r2c.*not supported on the tpu device.*report"):
-        torch.ops.aten._fft_r2c(x, [0], 0, True)
+    x = torch.ones(2, 2, device="tpu")  # geqrf: a LAPACK-only op with no lowering
+    with pytest.raises(NotImplementedError, match=r"aten::geqrf.*not supported on the tpu device.*report"):
+        torch.ops.aten.geqrf(x)
 
 
 def test_numpy_refuses_like_cuda():
