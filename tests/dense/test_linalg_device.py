@@ -41,6 +41,8 @@ ENTRIES = [
     "linalg.cond",
     "linalg.tensorinv",
     "linalg.tensorsolve",
+    "linalg.lstsq",
+    "linalg.lstsq.grad_oriented",
 ]
 
 
@@ -94,3 +96,15 @@ def test_singular_and_indefinite_inputs_raise_torchs_errors():
         torch.linalg.cholesky(-torch.eye(3, device="tpu"))
     info = torch.linalg.cholesky_ex(torch.diag(torch.tensor([1.0, -1.0, 1.0])).to("tpu")).info
     assert info.item() == 2
+
+
+@pytest.mark.parametrize("driver", ["gelsy", "gelsd", "gelss", "gels"])
+def test_lstsq_drivers_report_torchs_outputs(driver):
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 6, 3, dtype=torch.float64), torch.randn(2, 6, 2, dtype=torch.float64)
+    ref = torch.linalg.lstsq(a, b, driver=driver)
+    got = torch.linalg.lstsq(a.to("tpu"), b.to("tpu"), driver=driver)
+    for name in ("solution", "residuals", "rank", "singular_values"):
+        want, have = getattr(ref, name), getattr(got, name).cpu()
+        assert have.shape == want.shape and have.dtype == want.dtype, name
+        torch.testing.assert_close(have, want, rtol=1e-9, atol=1e-9, msg=name)

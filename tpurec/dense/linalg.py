@@ -411,6 +411,44 @@ def linalg_pinv(a, *, atol=None, rtol=None, hermitian: bool = False):
     return (_mH(vh) * inv[..., None, :]) @ _mH(u)
 
 
+@lower(aten.linalg_lstsq.default, static_scalars=True)
+def linalg_lstsq(a, b, rcond=None, *, driver=None):
+    """Least squares through the SVD: the minimum-norm solution, as LAPACK's gelsy/gelsd give.
+
+    Outputs follow the CPU drivers' shapes: ``gelsy`` (the default) reports the
+    rank only; ``gelsd``/``gelss`` also the squared residuals (when m > n) and the
+    singular values; ``gels`` the residuals only. Residuals are reported for
+    every m > n input (LAPACK omits them for rank-deficient ones).
+    """
+    driver = driver or "gelsy"
+    if driver not in ("gelsy", "gelsd", "gelss", "gels"):
+        raise ValueError(f"linalg.lstsq: driver must be gels, gelsy, gelsd or gelss, got {driver!r}")
+    m, n = a.shape[-2], a.shape[-1]
+    vector = b.ndim == a.ndim - 1
+    rhs = b[..., None] if vector else b
+    real = jnp.finfo(a.dtype).dtype if jnp.iscomplexobj(a) else a.dtype
+    if rcond is None or rcond < 0:
+        rcond = float(jnp.finfo(real).eps) * max(m, n)
+    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    largest = jnp.max(s, axis=-1, keepdims=True, initial=0.0)
+    keep = s > rcond * largest
+    s_inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(a.dtype)
+    a_b, rhs_b = _broadcast_batch(a, rhs)
+    u_b = jnp.broadcast_to(u, a_b.shape[:-2] + u.shape[-2:])
+    vh_b = jnp.broadcast_to(vh, a_b.shape[:-2] + vh.shape[-2:])
+    s_inv_b = jnp.broadcast_to(s_inv, a_b.shape[:-2] + s_inv.shape[-1:])
+    x = _mH(vh_b) @ (s_inv_b[..., :, None] * (_mH(u_b) @ rhs_b))
+    empty = jnp.zeros((0,), real)
+    residuals = empty
+    if m > n and driver != "gelsy":
+        residuals = jnp.sum(jnp.abs(a_b @ x - rhs_b) ** 2, axis=-2)
+        if vector:
+            residuals = residuals[..., 0]
+    rank = jnp.sum(keep, axis=-1).astype(jnp.int64) if driver != "gels" else jnp.zeros((0,), jnp.int64)
+    singular_values = s if driver in ("gelsd", "gelss") else empty
+    return (x[..., 0] if vector else x), residuals, rank, singular_values
+
+
 def _check_errors_on_host(info: torch.Tensor, api_name: str, *, is_matrix: bool) -> None:
     """``_linalg_check_errors``: reads ``info`` back (a sync point, as on CUDA) and
     raises torch's own error for a singular / non-positive-definite input."""
