@@ -36,15 +36,24 @@ def test_opinfo_through_device(name):
     assert check_opinfo(name, max_samples=3, **TOL) > 0
 
 
-def test_kthvalue_forward_through_device():
-    assert check_opinfo("kthvalue", max_samples=3, backward=False, **TOL) > 0
+@pytest.mark.parametrize("name", ["kthvalue", "mode"])
+def test_forward_through_device(name):
+    assert check_opinfo(name, max_samples=3, backward=False, **TOL) > 0
 
 
-# Its backward unsqueezes int64 indices and float values of one shape: the core's
+# Their backward unsqueezes int64 indices and float values of one shape: the core's
 # dtype-blind view cache (issue 13 item 2, another change) refuses the second.
 @pytest.mark.xfail(strict=False, reason="core view cache keyed without dtype (backward falls back to the host)")
-def test_kthvalue_backward_through_device():
-    assert check_opinfo("kthvalue", max_samples=3, **TOL) > 0
+@pytest.mark.parametrize("name", ["kthvalue", "mode"])
+def test_backward_through_device(name):
+    assert check_opinfo(name, max_samples=3, **TOL) > 0
+
+
+def test_mode_ties_pick_smallest_value_last_index():
+    x = torch.tensor([[3.0, 1.0, 3.0, 1.0, 2.0], [5.0, 5.0, 4.0, 4.0, 4.0]])
+    values, indices = torch.mode(x.to("tpu"), 1)
+    ref = torch.mode(x, 1)
+    assert values.cpu().tolist() == ref.values.tolist() and indices.cpu().tolist() == ref.indices.tolist()
 
 
 @pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 2.0, 3.0, float("inf")])

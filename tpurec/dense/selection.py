@@ -343,3 +343,28 @@ def segment_reduce(data, reduce: str, *, lengths=None, indices=None, offsets=Non
 def segment_reduce_backward(grad, output, data, reduce: str, *, lengths=None, offsets=None, axis: int = 0, initial=None):
     _, vjp = jax.vjp(lambda v: _segment_reduce(v, reduce, lengths, offsets, axis, initial), data)
     return vjp(grad.astype(data.dtype))[0]
+
+
+@lower(aten.mode.default)
+def mode(x, dim: int = -1, keepdim: bool = False):
+    """The most frequent value along ``dim`` (the smallest one among ties) and the
+    index of its last occurrence, as torch's CPU kernel returns them. Counts come
+    from an all-pairs comparison along the dim: O(n^2) in its length."""
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int64)
+    d = norm_dim(dim, x.ndim)
+    v = jnp.moveaxis(x, d, -1)
+    n = v.shape[-1]
+    equal = v[..., :, None] == v[..., None, :]
+    counts = jnp.sum(equal, axis=-1)
+    best = jnp.max(counts, axis=-1, keepdims=True)
+    if jnp.issubdtype(v.dtype, jnp.floating):
+        high = jnp.array(jnp.inf, v.dtype)
+    else:
+        high = jnp.array(jnp.iinfo(v.dtype).max if v.dtype != jnp.bool_ else True, v.dtype)
+    value = jnp.min(jnp.where(counts == best, v, high), axis=-1)
+    positions = jnp.arange(n)
+    index = jnp.max(jnp.where(v == value[..., None], positions, -1), axis=-1).astype(jnp.int64)
+    if keepdim:
+        value, index = jnp.expand_dims(value, d), jnp.expand_dims(index, d)
+    return value, index
