@@ -51,21 +51,26 @@ def test_opinfo_through_device(name):
     assert check_opinfo(name, max_samples=3, **TOL) > 0
 
 
-# Forward checked here; their backward unsqueezes an int and a float tensor of
-# one shape and hits the core's dtype-blind view cache (tpurec/dispatch.py,
-# issue 13 item 2, another change), so it falls back to the host.
-BACKWARD_BLOCKED_BY_VIEW_CACHE = ["linalg.det", "linalg.slogdet", "logdet", "linalg.svd", "linalg.svdvals", "svd", "linalg.matrix_rank"]
+FACTORIZATION_OUTPUTS = ["linalg.det", "linalg.slogdet", "logdet", "linalg.svd", "linalg.svdvals", "svd", "linalg.matrix_rank"]
 
 
-@pytest.mark.parametrize("name", BACKWARD_BLOCKED_BY_VIEW_CACHE)
-def test_opinfo_forward_through_device(name):
-    assert check_opinfo(name, max_samples=3, backward=False, **TOL) > 0
-
-
-@pytest.mark.xfail(strict=False, reason="core view cache keyed without dtype (backward falls back to the host)")
-@pytest.mark.parametrize("name", BACKWARD_BLOCKED_BY_VIEW_CACHE)
-def test_opinfo_backward_through_device(name):
+@pytest.mark.parametrize("name", FACTORIZATION_OUTPUTS)
+def test_opinfo_det_svd_through_device(name):
     assert check_opinfo(name, max_samples=3, **TOL) > 0
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten._linalg_det, torch.ops.aten._linalg_slogdet])
+def test_det_factors_the_transpose_like_torch(op):
+    """_linalg_det/_linalg_slogdet hand their LU of A^T to the backward formula:
+    factoring A instead gave transposed gradients."""
+    torch.manual_seed(0)
+    a = torch.randn(3, 5, 5, dtype=torch.float64)
+    for want, got in zip(op(a), op(a.to("tpu"))):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-12)
+    ref, dev = a.clone().requires_grad_(), a.to("tpu").requires_grad_()
+    torch.linalg.det(ref).sum().backward()
+    torch.linalg.det(dev).sum().backward()
+    torch.testing.assert_close(dev.grad.cpu(), ref.grad, rtol=1e-10, atol=1e-10)
 
 
 @pytest.mark.parametrize("uplo", ["L", "U"])

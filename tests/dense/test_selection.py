@@ -37,15 +37,7 @@ def test_opinfo_through_device(name):
 
 
 @pytest.mark.parametrize("name", ["kthvalue", "mode"])
-def test_forward_through_device(name):
-    assert check_opinfo(name, max_samples=3, backward=False, **TOL) > 0
-
-
-# Their backward unsqueezes int64 indices and float values of one shape: the core's
-# dtype-blind view cache (issue 13 item 2, another change) refuses the second.
-@pytest.mark.xfail(strict=False, reason="core view cache keyed without dtype (backward falls back to the host)")
-@pytest.mark.parametrize("name", ["kthvalue", "mode"])
-def test_backward_through_device(name):
+def test_values_and_indices_through_device(name):
     assert check_opinfo(name, max_samples=3, **TOL) > 0
 
 

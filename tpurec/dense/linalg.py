@@ -257,16 +257,21 @@ def _det_from_lu(lu, pivots):
     return diag, parity
 
 
+# torch's _linalg_det/_linalg_slogdet return the LU factors of A^T (the transposed
+# view of a row-major A is the column-major matrix LAPACK factors without a copy),
+# and their backward formulas solve with those factors accordingly; det(A^T) = det(A).
+
+
 @lower(aten._linalg_det.default)
 def linalg_det(a):
-    lu, pivots, _ = _lu(a)
+    lu, pivots, _ = _lu(_mT(a))
     diag, parity = _det_from_lu(lu, pivots)
     return parity * jnp.prod(diag, axis=-1), lu, (pivots + 1).astype(jnp.int32)
 
 
 @lower(aten._linalg_slogdet.default)
 def linalg_slogdet(a):
-    lu, pivots, _ = _lu(a)
+    lu, pivots, _ = _lu(_mT(a))
     diag, parity = _det_from_lu(lu, pivots)
     if jnp.iscomplexobj(diag):
         sign = parity * jnp.prod(diag / jnp.abs(diag), axis=-1)
