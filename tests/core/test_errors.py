@@ -30,7 +30,7 @@ def test_numpy_refuses_like_cuda():
 
 
 def test_error_leaves_state_unchanged():
-    x = torch.arange(4.0).to("tpu")
+    x = torch.arange(4.0).to("tpu").reshape(2, 2)
     before = x.cpu().clone()
     with pytest.raises(NotImplementedError):
         torch.ops.tpurec_test.cpu_only_negate(x)

@@ -48,9 +48,9 @@ def _run(op, sample, device: str, cotangents: list | None):
     leaves = [t for t in tree_flatten((inp, args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     grads = None
     if cotangents is not None and leaves:
-        outs = [t for t in _float_tensors(out) if t.requires_grad]
-        if outs:
-            total = sum((o * c.to(device)).sum() for o, c in zip(outs, cotangents))
+        pairs = [(o, c) for o, c in zip(_float_tensors(out), cotangents) if o.requires_grad]
+        if pairs:
+            total = sum((o * c.to(device)).sum() for o, c in pairs)
             grads = torch.autograd.grad(total, leaves, allow_unused=True)
     return out, grads
 

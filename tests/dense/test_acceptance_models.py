@@ -57,11 +57,11 @@ class BiGRUClassifier(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, 12)
-        self.gru = nn.GRU(12, 16, num_layers=2, bidirectional=True)
+        self.gru = nn.GRU(12, 16, num_layers=2, bidirectional=True, batch_first=True)
         self.head = nn.Linear(2 * 16, 3)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        _, h_n = self.gru(self.embed(tokens.t()))  # (T, B, E): time-major
+        _, h_n = self.gru(self.embed(tokens))
         return self.head(torch.cat([h_n[-2], h_n[-1]], dim=1))
 
 

@@ -76,3 +76,28 @@ def test_conv_padding_modes(mode):
     ref = conv(x)
     out = conv.to("tpu")(x.to("tpu"))
     torch.testing.assert_close(out.cpu(), ref, **TOL)
+
+
+# bfloat16: both sides accumulate in float32 and round once; one bf16 ulp is 2**-8
+# relative, and sums of ~100 rounded products differ by a few ulp.
+BF16_TOL = dict(rtol=1.6e-2, atol=2e-2)
+
+
+def test_opinfo_through_device_bfloat16():
+    assert check_opinfo("nn.functional.conv2d", dtype=torch.bfloat16, max_samples=3, **BF16_TOL) > 0
+
+
+def test_conv_transpose2d_bfloat16_rounds_once():
+    """Checked against float32 math on the same bf16 values: the tpu result is the
+    float32 result rounded once (torch's CPU kernel rounds before adding the bias,
+    so it is not the reference here)."""
+    torch.manual_seed(0)
+    x = torch.randn(2, 4, 5, 6).bfloat16()
+    w = torch.randn(4, 3, 3, 3).bfloat16()
+    b = torch.randn(6).bfloat16()
+    kwargs = dict(stride=(3, 2), padding=(1, 2), output_padding=(2, 1), groups=2, dilation=2)
+    exact = torch.nn.functional.conv_transpose2d(x.float(), w.float(), b.float(), **kwargs)
+    out = torch.nn.functional.conv_transpose2d(x.to("tpu"), w.to("tpu"), b.to("tpu"), **kwargs)
+    assert out.dtype == torch.bfloat16
+    # one rounding to bf16: at most half an ulp (2**-9 relative), plus float32 summation order
+    torch.testing.assert_close(out.cpu().float(), exact, rtol=2**-8, atol=1e-5)

@@ -98,7 +98,9 @@ CASES: list[tuple[str, tuple, tuple[str, ...], dict]] = [
     ("erfc", (f32,), ("erfc.default",), {"tol": T}),
     ("erfinv", (f32,), ("erfinv.default",), {"tol": T}),
     ("lgamma", (f32,), ("lgamma.default",), {"tol": T}),
-    ("digamma", (f32,), ("digamma.default",), {"tol": T}),
+    # its backward is polygamma(1, x): near the poles torch's float32 kernel is ~2e-5
+    # (relative) off the float64 value, which the lowering (evaluated in float64) matches
+    ("digamma", (f32,), ("digamma.default",), {"tol": {f32: dict(rtol=5e-5, atol=1e-5)}}),
     ("sigmoid", (f32, bf16), ("sigmoid.default", "sigmoid_backward.default"), {"tol": T}),
     ("logit", (f32,), ("logit.default",), {"tol": T}),
     # comparisons, logic, predicates
@@ -271,7 +273,7 @@ def test_lowering_matches_cpu(name, dtype, must, opts):
     if dtype not in op.supported_dtypes("cpu"):
         pytest.fail(f"{name} has no CPU {dtype} samples: fix the case list")
     backward = dtype.is_floating_point and op.supports_autograd
-    tol = TRANSCENDENTAL_TOL if opts.get("tol") == T else DEFAULT_TOL
+    tol = opts["tol"] if isinstance(opts.get("tol"), dict) else TRANSCENDENTAL_TOL if opts.get("tol") == T else DEFAULT_TOL
     checker = LoweringChecker(tol=tol, nondeterministic_outputs=LOOSE)
     torch.manual_seed(0)
     samples = list(op.sample_inputs("cpu", dtype, requires_grad=backward))[:MAX_SAMPLES]

@@ -13,14 +13,8 @@ from device_opinfo import check_opinfo
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
-# These entries squeeze/unsqueeze a float and an int64 tensor of the same shape;
-# the core's view cache (tpurec/dispatch.py, not keyed by dtype; issue 13 item 2,
-# owned by another change) then refuses the second view. The pooling itself is
-# checked by the 2d entries, which the 1d ones reduce to.
-VIEW_CACHE_BUG = pytest.mark.xfail(raises=NotImplementedError, strict=False, reason="view cache keyed without dtype")
-
 ENTRIES = [
-    pytest.param("nn.functional.max_pool1d", marks=VIEW_CACHE_BUG),
+    "nn.functional.max_pool1d",
     "nn.functional.max_pool2d",
     "nn.functional.max_pool3d",
     "max_pool2d_with_indices_backward",
@@ -30,10 +24,10 @@ ENTRIES = [
     "nn.functional.adaptive_avg_pool1d",
     "nn.functional.adaptive_avg_pool2d",
     "nn.functional.adaptive_avg_pool3d",
-    pytest.param("nn.functional.adaptive_max_pool1d", marks=VIEW_CACHE_BUG),
+    "nn.functional.adaptive_max_pool1d",
     "nn.functional.adaptive_max_pool2d",
     "nn.functional.adaptive_max_pool3d",
-    pytest.param("nn.functional.max_unpool1d", marks=VIEW_CACHE_BUG),
+    "nn.functional.max_unpool1d",
     "nn.functional.max_unpool2d",
     "nn.functional.max_unpool3d",
 ]

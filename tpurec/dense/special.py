@@ -109,7 +109,12 @@ for _packet, _fn in (
 def polygamma(n: int, x):
     if n < 0:
         raise ValueError(f"polygamma: the order n must be non-negative, got {n}")
-    return _unary(lambda v: jss.digamma(v) if n == 0 else _polygamma_any_sign(n, v))(x)
+    if n == 0:
+        return _unary(jss.digamma)(x)
+    # Near the poles (negative x) the shifted sum cancels badly in float32: evaluate
+    # in float64 and round once (polygamma is rare enough for the cost not to matter).
+    comp, res = promote(x, kind=Kind.INT_TO_FLOAT)
+    return _polygamma_any_sign(n, x.astype(jnp.float64)).astype(res)
 
 
 def _polygamma_any_sign(n: int, x):

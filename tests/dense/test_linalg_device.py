@@ -1,0 +1,115 @@
+"""Linear-algebra lowerings through the tpu device: OpInfo samples (forward and
+input gradients) vs CPU (LAPACK)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from device_opinfo import check_opinfo
+
+# Factorizations in float32: XLA:CPU and LAPACK pivot and accumulate in
+# different orders; inverse-like ops amplify that by the condition number.
+TOL = dict(rtol=1e-3, atol=1e-3)
+
+ENTRIES = [
+    "linalg.cholesky",
+    "linalg.cholesky_ex",
+    "cholesky",
+    "cholesky_solve",
+    "cholesky_inverse",
+    "linalg.inv",
+    "linalg.inv_ex",
+    "linalg.solve",
+    "linalg.solve_ex",
+    "linalg.lu_factor",
+    "linalg.lu_factor_ex",
+    "linalg.lu",
+    "linalg.lu_solve",
+    "lu_unpack",
+    "lu",
+    "lu_solve",
+    "linalg.eigvalsh",
+    "linalg.qr",
+    "qr",
+    "linalg.solve_triangular",
+    "triangular_solve",
+    "matrix_exp",
+    "linalg.pinv",
+    "linalg.pinv.hermitian",
+    "pinverse",
+    "linalg.cond",
+    "linalg.tensorinv",
+    "linalg.tensorsolve",
+    "linalg.lstsq",
+    "linalg.lstsq.grad_oriented",
+]
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_opinfo_through_device(name):
+    assert check_opinfo(name, max_samples=3, **TOL) > 0
+
+
+FACTORIZATION_OUTPUTS = ["linalg.det", "linalg.slogdet", "logdet", "linalg.svd", "linalg.svdvals", "svd", "linalg.matrix_rank"]
+
+
+@pytest.mark.parametrize("name", FACTORIZATION_OUTPUTS)
+def test_opinfo_det_svd_through_device(name):
+    assert check_opinfo(name, max_samples=3, **TOL) > 0
+
+
+@pytest.mark.parametrize("op", [torch.ops.aten._linalg_det, torch.ops.aten._linalg_slogdet])
+def test_det_factors_the_transpose_like_torch(op):
+    """_linalg_det/_linalg_slogdet hand their LU of A^T to the backward formula:
+    factoring A instead gave transposed gradients."""
+    torch.manual_seed(0)
+    a = torch.randn(3, 5, 5, dtype=torch.float64)
+    for want, got in zip(op(a), op(a.to("tpu"))):
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-12, atol=1e-12)
+    ref, dev = a.clone().requires_grad_(), a.to("tpu").requires_grad_()
+    torch.linalg.det(ref).sum().backward()
+    torch.linalg.det(dev).sum().backward()
+    torch.testing.assert_close(dev.grad.cpu(), ref.grad, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("uplo", ["L", "U"])
+def test_eigh_values_vectors_and_gauge_invariant_gradient(uplo):
+    """Eigenvectors are defined up to sign, so they are checked through A V = V diag(L)
+    and |V|, and the gradient through a sign-invariant loss."""
+    torch.manual_seed(0)
+    a = torch.randn(3, 5, 5, dtype=torch.float64)
+    a = a + a.mT
+    at = a.to("tpu").requires_grad_()
+    ac = a.clone().requires_grad_()
+    values, vectors = torch.linalg.eigh(at, UPLO=uplo)
+    ref_values, ref_vectors = torch.linalg.eigh(ac, UPLO=uplo)
+    torch.testing.assert_close(values.cpu(), ref_values, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close((a @ vectors.cpu()), vectors.cpu() * values.cpu()[..., None, :], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(vectors.abs().cpu(), ref_vectors.abs(), rtol=1e-7, atol=1e-7)
+    weights = torch.arange(1.0, 6.0, dtype=torch.float64)
+    loss = lambda v, w: (v.square() * weights.to(v.device)).sum() + w.square().sum()  # noqa: E731
+    loss(vectors, values).backward()
+    loss(ref_vectors, ref_values).backward()
+    torch.testing.assert_close(at.grad.cpu(), ac.grad, rtol=1e-7, atol=1e-7)
+
+
+def test_singular_and_indefinite_inputs_raise_torchs_errors():
+    with pytest.raises(torch.linalg.LinAlgError, match="singular"):
+        torch.linalg.inv(torch.zeros(3, 3, device="tpu"))
+    with pytest.raises(torch.linalg.LinAlgError, match="positive-definite"):
+        torch.linalg.cholesky(-torch.eye(3, device="tpu"))
+    info = torch.linalg.cholesky_ex(torch.diag(torch.tensor([1.0, -1.0, 1.0])).to("tpu")).info
+    assert info.item() == 2
+
+
+@pytest.mark.parametrize("driver", ["gelsy", "gelsd", "gelss", "gels"])
+def test_lstsq_drivers_report_torchs_outputs(driver):
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 6, 3, dtype=torch.float64), torch.randn(2, 6, 2, dtype=torch.float64)
+    ref = torch.linalg.lstsq(a, b, driver=driver)
+    got = torch.linalg.lstsq(a.to("tpu"), b.to("tpu"), driver=driver)
+    for name in ("solution", "residuals", "rank", "singular_values"):
+        want, have = getattr(ref, name), getattr(got, name).cpu()
+        assert have.shape == want.shape and have.dtype == want.dtype, name
+        torch.testing.assert_close(have, want, rtol=1e-9, atol=1e-9, msg=name)
