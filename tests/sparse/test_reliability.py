@@ -262,3 +262,70 @@ def test_valid_direct_calls_still_run_on_every_path():
         expected[0] += table[p]
         expected[2] += table[p + 2]
     torch.testing.assert_close(want, expected, atol=1e-6, rtol=0)
+
+
+# --- item 6: inference ------------------------------------------------------------------------------
+
+
+def _torchrec_dlrm(tables, seed: int = 0):
+    from torchrec.models.dlrm import DLRM
+
+    torch.manual_seed(seed)
+    return DLRM(
+        embedding_bag_collection=TorchrecEBC(tables),
+        dense_in_features=5,
+        dense_arch_layer_sizes=[8, 4],
+        over_arch_layer_sizes=[8, 1],
+    )
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+@pytest.mark.parametrize("context", [torch.inference_mode, torch.no_grad], ids=["inference_mode", "no_grad"])
+def test_serving_loop_on_tpu_matches_torchrec(context, mode):
+    import tpurec
+
+    tables = make_tables(dims=(4, 4, 4))
+    reference = _torchrec_dlrm(tables).eval()
+    model = sp.from_torchrec(_torchrec_dlrm(tables), capacities=sp.Capacity(64), num_partitions=2).to("tpu").eval()
+    ebc = model.sparse_arch.embedding_bag_collection
+    assert isinstance(ebc, sp.EmbeddingBagCollection) and ebc.optimizer is None
+    before = _state(ebc)
+    rng = np.random.default_rng(0)
+    with tpurec.mode(mode), context():
+        for _ in range(3):
+            dense = torch.from_numpy(rng.standard_normal((4, 5)).astype(np.float32))
+            kjt = random_kjt(tables, 4, rng)
+            ours = torch.sigmoid(model(dense.to("tpu"), kjt)).cpu()
+            theirs = torch.sigmoid(reference(dense, kjt))
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    for a, b in zip(_state(ebc), before):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", ["cpu", "tpu"])
+def test_backward_through_an_inference_lookup_raises_and_changes_nothing(device):
+    tables = make_tables()
+    for ebc in (sp.EmbeddingBagCollection(tables, device=device), sp.from_torchrec(TorchrecEBC(tables), device=device)):
+        assert ebc.optimizer is None and not list(ebc.buffers())
+        before = _state(ebc)
+        out = ebc(random_kjt(tables, 3, np.random.default_rng(0))).values()
+        with pytest.raises(RuntimeError, match=r"has no embedding optimizer, so it is for inference"):
+            out.sum().backward()
+        for a, b in zip(_state(ebc), before):
+            assert torch.equal(a, b)
+        assert ebc._steps == [0] * len(ebc.stacks)
+        # Detached output: a frozen lookup under a trained dense part.
+        ebc(random_kjt(tables, 3, np.random.default_rng(1))).values().detach().requires_grad_().sum().backward()
+
+
+def test_inference_mode_dense_ops_on_tpu_match_cpu():
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.LayerNorm(5))
+    x = torch.randn(4, 6)
+    want = layer(x).detach()
+    on_tpu = layer.to("tpu")
+    with torch.inference_mode():
+        got = on_tpu(x.to("tpu"))
+        assert got.is_inference()
+        got = got.to(torch.float64).cpu()  # to.dtype_layout / _to_copy reach the device whole in inference mode
+    torch.testing.assert_close(got, want.double(), atol=1e-6, rtol=0)

@@ -31,7 +31,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec import modes
-from tpurec.sparse.optimizers import SGD, EmbeddingOptimizer, optimizer_from_torch
+from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
 from tpurec.sparse.ops import touched_rows_update_cpu
 from tpurec.sparse.types import PAD_ID, Capacity, CapacityError, SparseCoreInput, StackedTable
@@ -76,8 +76,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
     Args:
         tables: torchrec table configs.
         is_weighted: the features carry per-id weights.
-        optimizer: an :class:`EmbeddingOptimizer` (default ``SGD()``), a
-            torch/torchrec optimizer class (then ``optimizer_kwargs`` apply).
+        optimizer: an :class:`EmbeddingOptimizer`, a torch/torchrec optimizer
+            class (then ``optimizer_kwargs`` apply), or None (the default): an
+            inference module, whose tables never change; a backward through
+            its lookup raises instead of silently applying some optimizer.
         optimizer_kwargs: keyword arguments of a torch optimizer class.
         device: where the tables live, e.g. ``"tpu"`` (default CPU).
         num_partitions: MOD partitions of every table.
@@ -110,7 +112,11 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             raise ValueError("EmbeddingBagCollection needs at least one table")
         self._embedding_bag_configs = list(tables)
         self._is_weighted = is_weighted
-        self.optimizer: EmbeddingOptimizer = SGD() if optimizer is None else optimizer_from_torch(optimizer, optimizer_kwargs)
+        if optimizer is None and optimizer_kwargs:
+            raise ValueError(f"optimizer_kwargs {dict(optimizer_kwargs)} given without an optimizer")
+        self.optimizer: EmbeddingOptimizer | None = (
+            None if optimizer is None else optimizer_from_torch(optimizer, optimizer_kwargs)
+        )
         self.num_partitions = num_partitions
         self.overflow = overflow
         # CPU tables: update the touched rows in place instead of calling the
@@ -147,11 +153,14 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 else:
                     rows.uniform_(cfg.get_weight_init_min(), cfg.get_weight_init_max())
             self.register_parameter(f"stacked_weight_{i}", nn.Parameter(weight))
-            for slot, shape in self.optimizer.slots.items():
+            for slot, shape in self._slot_names_and_shapes():
                 size = (st.num_rows,) if shape == "row" else (st.num_rows, st.embedding_dim)
                 self.register_buffer(f"stacked_{slot}_{i}", torch.zeros(size, dtype=torch.float32), persistent=False)
         if device is not None:
             self.to(device)
+
+    def _slot_names_and_shapes(self) -> list[tuple[str, str]]:
+        return [] if self.optimizer is None else list(self.optimizer.slots.items())
 
     # --- torchrec interface ---------------------------------------------------------
 
@@ -296,6 +305,14 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
 
     def _apply_optimizer(self, index: int, csr: tuple[torch.Tensor, ...], grad_output: torch.Tensor) -> None:
+        if self.optimizer is None:
+            tables = [t.name for t in self._stacks[index].tables]
+            raise RuntimeError(
+                f"tpurec EmbeddingBagCollection (tables {tables}) has no embedding optimizer, so it is for inference "
+                "and its tables take no gradient. To train them, build it with optimizer=... (e.g. "
+                "tpurec.sparse.RowWiseAdagrad(learning_rate=0.05)) or pass optimizer= to from_torchrec; to keep them "
+                "frozen, detach its output or run it under torch.no_grad() / torch.inference_mode()."
+            )
         self._steps[index] += 1
         op = getattr(torch.ops.tpurec, self.optimizer.op_name)
         weight = self.stacked_weight(index)
