@@ -15,6 +15,8 @@ learning rate reuses the same compiled program.
 
 from __future__ import annotations
 
+import contextlib
+
 import math
 import warnings
 from typing import Any
@@ -357,7 +359,10 @@ def _view(func, args, kwargs):
     if metas is None:
         return _view_that_copies(func, args, kwargs)
     _check_in_storage(base, metas)
-    views = [TpuTensor(base._storage, size, stride, offset, base.dtype) for size, stride, offset in metas]
+    # In inference mode a view of a normal tensor is a normal tensor (PyTorch then
+    # shares the base's version counter with it, which an inference tensor refuses).
+    with torch.inference_mode(False) if torch.is_inference_mode_enabled() and not base.is_inference() else contextlib.nullcontext():
+        views = [TpuTensor(base._storage, size, stride, offset, base.dtype) for size, stride, offset in metas]
     returns = func._schema.returns
     if len(returns) == 1 and not isinstance(returns[0].type, torch._C.ListType):
         return views[0]
@@ -836,6 +841,13 @@ def _dispatch(func, args: tuple, kwargs: dict):
     if func in _DATA_DEPENDENT or _has_bool_index(func, args):
         runtime.counters().host_ops[func.__name__] += 1
         return _on_host(func, args, kwargs)
+    if torch.is_inference_mode_enabled():
+        # inference_mode drops the autograd keys, whose kernels normally decompose
+        # CompositeImplicitAutograd ops (aten.to.dtype_layout, aten.linear, ...):
+        # here they arrive whole, so decompose them as autograd would have.
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     if func.is_view:
         return _view(func, args, kwargs)
     if torch.Tag.inplace_view in func.tags:

@@ -209,7 +209,7 @@ def test_automatic_capacities_grow_by_powers_of_two():
     from tpurec.sparse.kernels.reference import TRACE_COUNTS
 
     tables = make_tables()
-    ebc = sp.EmbeddingBagCollection(tables)
+    ebc = sp.EmbeddingBagCollection(tables, optimizer=sp.SGD())
     rng = np.random.default_rng(5)
     ebc(random_kjt(tables, 4, rng, lengths=1)).values().sum().backward()
     before = sum(TRACE_COUNTS.values())
@@ -242,7 +242,7 @@ def test_bad_input_leaves_tables_unchanged():
 def test_state_dict_round_trip_with_torchrec():
     tables = make_tables()
     ref = TorchrecEBC(tables)
-    ebc = sp.EmbeddingBagCollection(tables)
+    ebc = sp.EmbeddingBagCollection(tables, optimizer=sp.SGD())
     assert set(ebc.state_dict()) == set(ref.state_dict())
     ebc.load_state_dict(ref.state_dict())
     kjt = random_kjt(tables, 3, np.random.default_rng(0))
@@ -259,7 +259,8 @@ def test_optimizer_state_round_trip():
     a = sp.EmbeddingBagCollection(tables, optimizer=sp.Adam(0.1))
     a(random_kjt(tables, 3, np.random.default_rng(0))).values().sum().backward()
     b = sp.EmbeddingBagCollection(tables, optimizer=sp.Adam(0.1))
-    b.load_state_dict(a.state_dict())
+    with pytest.warns(UserWarning, match="restarts from zero unless load_optimizer_state_dict follows"):
+        b.load_state_dict(a.state_dict())
     b.load_optimizer_state_dict(a.optimizer_state_dict())
     kjt = random_kjt(tables, 3, np.random.default_rng(1))
     a(kjt).values().sum().backward()
@@ -289,8 +290,7 @@ def test_from_torchrec_fused_and_in_backward():
     apply_optimizer_in_backward(torch.optim.SGD, plain.parameters(), {"lr": 0.3})
     converted = sp.from_torchrec(plain)
     assert isinstance(converted.optimizer, sp.SGD) and converted.optimizer.learning_rate == 0.3
-    with pytest.raises(ValueError, match="no embedding optimizer"):
-        sp.from_torchrec(TorchrecEBC(tables))
+    assert sp.from_torchrec(TorchrecEBC(tables)).optimizer is None  # inference (see test_reliability.py)
 
 
 @pytest.mark.parametrize("optimizer", [sp.SGD(0.1), sp.Adagrad(0.1), sp.RowWiseAdagrad(0.1, weight_decay=0.01), sp.Adam(0.1)], ids=lambda o: type(o).__name__)

@@ -262,3 +262,264 @@ def test_valid_direct_calls_still_run_on_every_path():
         expected[0] += table[p]
         expected[2] += table[p + 2]
     torch.testing.assert_close(want, expected, atol=1e-6, rtol=0)
+
+
+# --- item 6: inference ------------------------------------------------------------------------------
+
+
+def _torchrec_dlrm(tables, seed: int = 0):
+    from torchrec.models.dlrm import DLRM
+
+    torch.manual_seed(seed)
+    return DLRM(
+        embedding_bag_collection=TorchrecEBC(tables),
+        dense_in_features=5,
+        dense_arch_layer_sizes=[8, 4],
+        over_arch_layer_sizes=[8, 1],
+    )
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+@pytest.mark.parametrize("context", [torch.inference_mode, torch.no_grad], ids=["inference_mode", "no_grad"])
+def test_serving_loop_on_tpu_matches_torchrec(context, mode):
+    import tpurec
+
+    tables = make_tables(dims=(4, 4, 4))
+    reference = _torchrec_dlrm(tables).eval()
+    model = sp.from_torchrec(_torchrec_dlrm(tables), capacities=sp.Capacity(64), num_partitions=2).to("tpu").eval()
+    ebc = model.sparse_arch.embedding_bag_collection
+    assert isinstance(ebc, sp.EmbeddingBagCollection) and ebc.optimizer is None
+    before = _state(ebc)
+    rng = np.random.default_rng(0)
+    with tpurec.mode(mode), context():
+        for _ in range(3):
+            dense = torch.from_numpy(rng.standard_normal((4, 5)).astype(np.float32))
+            kjt = random_kjt(tables, 4, rng)
+            ours = torch.sigmoid(model(dense.to("tpu"), kjt)).cpu()
+            theirs = torch.sigmoid(reference(dense, kjt))
+            torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+    for a, b in zip(_state(ebc), before):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", ["cpu", "tpu"])
+def test_backward_through_an_inference_lookup_raises_and_changes_nothing(device):
+    tables = make_tables()
+    for ebc in (sp.EmbeddingBagCollection(tables, device=device), sp.from_torchrec(TorchrecEBC(tables), device=device)):
+        assert ebc.optimizer is None and not list(ebc.buffers())
+        before = _state(ebc)
+        out = ebc(random_kjt(tables, 3, np.random.default_rng(0))).values()
+        with pytest.raises(RuntimeError, match=r"has no embedding optimizer, so it is for inference"):
+            out.sum().backward()
+        for a, b in zip(_state(ebc), before):
+            assert torch.equal(a, b)
+        assert ebc._steps == [0] * len(ebc.stacks)
+        # Detached output: a frozen lookup under a trained dense part.
+        ebc(random_kjt(tables, 3, np.random.default_rng(1))).values().detach().requires_grad_().sum().backward()
+
+
+def test_inference_mode_dense_ops_on_tpu_match_cpu():
+    torch.manual_seed(0)
+    layer = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.ReLU(), torch.nn.LayerNorm(5))
+    x = torch.randn(4, 6)
+    want = layer(x).detach()
+    on_tpu = layer.to("tpu")
+    with torch.inference_mode():
+        got = on_tpu(x.to("tpu"))
+        assert got.is_inference()
+        got = got.to(torch.float64).cpu()  # to.dtype_layout / _to_copy reach the device whole in inference mode
+    torch.testing.assert_close(got, want.double(), atol=1e-6, rtol=0)
+
+
+# --- item 5 and checkpoints ---------------------------------------------------------------------------
+
+OPTIMIZERS = [sp.SGD(0.1), sp.Adagrad(0.1), sp.RowWiseAdagrad(0.1, weight_decay=0.01), sp.Adam(0.05)]
+
+
+def test_loading_another_optimizers_state_changes_nothing():
+    tables = make_tables()
+    adagrad = sp.EmbeddingBagCollection(tables, optimizer=sp.Adagrad(0.1))
+    adagrad(random_kjt(tables, 3, np.random.default_rng(0))).values().sum().backward()
+    adam = sp.EmbeddingBagCollection(tables, optimizer=sp.Adam(0.1))
+    adam(random_kjt(tables, 3, np.random.default_rng(1))).values().sum().backward()
+    before = _state(adam)
+    with pytest.raises(ValueError, match=r"state is of Adagrad, but this EmbeddingBagCollection uses Adam"):
+        adam.load_optimizer_state_dict(adagrad.optimizer_state_dict())
+    # Without the optimizer name (an older state): the slot sets still differ, checked before writing.
+    state = adagrad.optimizer_state_dict()
+    del state["optimizer"]
+    with pytest.raises(ValueError, match=r"has slots \['momentum1'\], but Adam needs \['momentum1', 'momentum2'\]"):
+        adam.load_optimizer_state_dict(state)
+    _assert_unchanged(adam, before, [1, 1])
+
+
+def test_loading_tables_without_the_optimizer_state_warns():
+    tables = make_tables()
+    trained = sp.EmbeddingBagCollection(tables, optimizer=sp.Adagrad(0.1))
+    trained(random_kjt(tables, 3, np.random.default_rng(0))).values().sum().backward()
+    fresh = sp.EmbeddingBagCollection(tables, optimizer=sp.Adagrad(0.1))
+    with pytest.warns(UserWarning, match=r"not its Adagrad state .* the embedding optimizer restarts from zero"):
+        fresh.load_state_dict(trained.state_dict())
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sp.EmbeddingBagCollection(tables, optimizer=sp.SGD(0.1)).load_state_dict(trained.state_dict())  # SGD has no state
+        sp.EmbeddingBagCollection(tables).load_state_dict(trained.state_dict())  # inference
+
+
+def _dlrm_model(tables, optimizer, device, seed):
+    model = sp.from_torchrec(_torchrec_dlrm(tables, seed), optimizer=optimizer, capacities=sp.Capacity(64), num_partitions=2)
+    model = model.to(device)
+    return model, torch.optim.Adam(model.parameters(), lr=0.01)
+
+
+def _train(model, dense_optimizer, tables, device, seeds):
+    for seed in seeds:
+        rng = np.random.default_rng(seed)
+        dense = torch.from_numpy(rng.standard_normal((4, 5)).astype(np.float32)).to(device)
+        labels = torch.from_numpy(rng.integers(0, 2, (4, 1)).astype(np.float32)).to(device)
+        dense_optimizer.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, random_kjt(tables, 4, rng)), labels)
+        loss.backward()
+        dense_optimizer.step()
+
+
+def _everything(model, dense_optimizer) -> dict[str, torch.Tensor]:
+    """Tables, slots, step counts, dense parameters and dense optimizer state, flattened."""
+    from tpurec.sparse import checkpoint
+
+    state = checkpoint.state_dict(model, dense_optimizer)
+    flat: dict[str, torch.Tensor] = {}
+
+    def walk(prefix, value):
+        if isinstance(value, torch.Tensor):
+            flat[prefix] = value
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{prefix}/{i}", v)
+        elif isinstance(value, (int, float)):
+            flat[prefix] = torch.tensor(value)
+
+    walk("", {k: v for k, v in state.items() if k != "rng"})
+    return flat
+
+
+@pytest.mark.parametrize("device", ["cpu", "tpu"])
+@pytest.mark.parametrize("optimizer", OPTIMIZERS, ids=lambda o: type(o).__name__)
+def test_resume_from_checkpoint_equals_uninterrupted_run_bit_for_bit(optimizer, device, tmp_path):
+    from tpurec.sparse import checkpoint
+
+    tables = make_tables(dims=(4, 4, 4))
+    model, dense_optimizer = _dlrm_model(tables, optimizer, device, seed=0)
+    _train(model, dense_optimizer, tables, device, seeds=[0, 1])
+    path = checkpoint.save(tmp_path / "ckpt.pt", model, dense_optimizer, extra={"step": 2})
+    _train(model, dense_optimizer, tables, device, seeds=[2, 3])
+    uninterrupted = _everything(model, dense_optimizer)
+
+    resumed, resumed_optimizer = _dlrm_model(tables, optimizer, device, seed=1)  # other initial weights
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a full checkpoint load must not warn that the optimizer restarts
+        assert checkpoint.load(path, resumed, resumed_optimizer) == {"step": 2}
+    _train(resumed, resumed_optimizer, tables, device, seeds=[2, 3])
+    after = _everything(resumed, resumed_optimizer)
+    assert after.keys() == uninterrupted.keys()
+    ebc = "sparse_arch.embedding_bag_collection"
+    assert any(k.startswith(f"/embedding_optimizers/{ebc}/steps") for k in after)
+    for key, value in uninterrupted.items():
+        assert torch.equal(after[key], value), key
+
+
+def test_checkpoint_tables_load_into_torchrec(tmp_path):
+    from tpurec.sparse import checkpoint
+
+    tables = make_tables(dims=(4, 4, 4))
+    model, dense_optimizer = _dlrm_model(tables, sp.Adagrad(0.1), "cpu", seed=0)
+    _train(model, dense_optimizer, tables, "cpu", seeds=[0])
+    path = checkpoint.save(tmp_path / "ckpt.pt", model, dense_optimizer)
+    reference = _torchrec_dlrm(tables, seed=3)
+    reference.load_state_dict(torch.load(path, weights_only=True)["model"])  # strict: torchrec's key layout
+    rng = np.random.default_rng(9)
+    dense, kjt = torch.randn(4, 5), random_kjt(tables, 4, rng)
+    torch.testing.assert_close(reference(dense, kjt), model(dense, kjt), atol=1e-6, rtol=0)
+
+
+def test_bad_checkpoint_changes_nothing(tmp_path):
+    from tpurec.sparse import checkpoint
+
+    tables = make_tables(dims=(4, 4, 4))
+    adagrad, adagrad_optimizer = _dlrm_model(tables, sp.Adagrad(0.1), "cpu", seed=0)
+    _train(adagrad, adagrad_optimizer, tables, "cpu", seeds=[0])
+    path = checkpoint.save(tmp_path / "adagrad.pt", adagrad, adagrad_optimizer)
+    adam, adam_optimizer = _dlrm_model(tables, sp.Adam(0.1), "cpu", seed=1)
+    _train(adam, adam_optimizer, tables, "cpu", seeds=[1])
+    before = _everything(adam, adam_optimizer)
+    with pytest.raises(ValueError, match=r"module 'sparse_arch.embedding_bag_collection'.*state is of Adagrad"):
+        checkpoint.load(path, adam, adam_optimizer)
+    with pytest.raises(ValueError, match=r"dense optimizer state but no optimizer was passed"):
+        checkpoint.load(path, adam)
+    with pytest.raises(ValueError, match=r"not a tpurec.sparse.checkpoint/1 checkpoint"):
+        checkpoint.load_state_dict(adam, adam.state_dict())
+    after = _everything(adam, adam_optimizer)
+    for key, value in before.items():
+        assert torch.equal(after[key], value), key
+
+
+def test_save_is_atomic(tmp_path, monkeypatch):
+    from tpurec.sparse import checkpoint
+
+    tables = make_tables()
+    ebc = sp.EmbeddingBagCollection(tables, optimizer=sp.Adagrad(0.1))
+    path = checkpoint.save(tmp_path / "ckpt.pt", ebc)
+    good = path.read_bytes()
+
+    def torn_save(obj, f, *args, **kwargs):
+        f.write(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", torn_save)
+    with pytest.raises(OSError, match="disk full"):
+        checkpoint.save(path, ebc)
+    assert path.read_bytes() == good  # the previous checkpoint is intact
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # no temporary file left
+
+
+@pytest.mark.slow
+def test_resume_in_a_fresh_process_equals_uninterrupted_run(tmp_path):
+    # The saved file alone must be enough: a new interpreter (new compilations, new
+    # RNG, other initial weights) loads it and continues to the same bits.
+    from tpurec.sparse import checkpoint
+
+    tables = make_tables(dims=(4, 4, 4))
+    model, dense_optimizer = _dlrm_model(tables, sp.Adam(0.05), "tpu", seed=0)
+    _train(model, dense_optimizer, tables, "tpu", seeds=[0, 1])
+    checkpoint.save(tmp_path / "step2.pt", model, dense_optimizer)
+    _train(model, dense_optimizer, tables, "tpu", seeds=[2, 3])
+    uninterrupted = _everything(model, dense_optimizer)
+    code = textwrap.dedent(
+        f"""
+        import sys
+        sys.path.insert(0, {str(__import__("os").path.dirname(__file__))!r})
+        import tpurec.sparse as sp
+        from tpurec.sparse import checkpoint
+        import test_reliability as t
+        tables = t.make_tables(dims=(4, 4, 4))
+        model, dense_optimizer = t._dlrm_model(tables, sp.Adam(0.05), "tpu", seed=7)
+        checkpoint.load({str(tmp_path / "step2.pt")!r}, model, dense_optimizer)
+        t._train(model, dense_optimizer, tables, "tpu", seeds=[2, 3])
+        checkpoint.save({str(tmp_path / "step4.pt")!r}, model, dense_optimizer)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    resumed, resumed_optimizer = _dlrm_model(tables, sp.Adam(0.05), "tpu", seed=3)
+    checkpoint.load(tmp_path / "step4.pt", resumed, resumed_optimizer)
+    after = _everything(resumed, resumed_optimizer)
+    assert after.keys() == uninterrupted.keys()
+    for key, value in uninterrupted.items():
+        assert torch.equal(after[key], value), key

@@ -11,6 +11,7 @@ Example::
 
 from tpurec.sparse import ops  # noqa: F401  (registers torch.ops.tpurec.*)
 from tpurec.sparse.convert import from_torchrec
+from tpurec.sparse import checkpoint  # noqa: E402  (needs the modules above)
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.optimizers import SGD, Adagrad, Adam, EmbeddingOptimizer, RowWiseAdagrad, optimizer_from_torch
 from tpurec.sparse.pipeline import TrainPipeline
@@ -48,4 +49,5 @@ __all__ = [
     "EmbeddingBagCollection",
     "from_torchrec",
     "TrainPipeline",
+    "checkpoint",
 ]

@@ -23,7 +23,8 @@ from tpurec.sparse.types import Capacity
 __all__ = ["from_torchrec"]
 
 
-def _optimizer_of(module: nn.Module, default: EmbeddingOptimizer | None) -> EmbeddingOptimizer:
+def _optimizer_of(module: nn.Module, default: EmbeddingOptimizer | None) -> EmbeddingOptimizer | None:
+    """The module's embedding optimizer, else ``default``; None (inference) when neither exists."""
     if isinstance(module, FusedEmbeddingBagCollection):
         return optimizer_from_torch(module.optimizer_type(), module.optimizer_kwargs())
     found = set()
@@ -37,12 +38,7 @@ def _optimizer_of(module: nn.Module, default: EmbeddingOptimizer | None) -> Embe
     if found:
         cls, kwargs = found.pop()
         return optimizer_from_torch(cls, dict(kwargs))
-    if default is not None:
-        return default
-    raise ValueError(
-        "no embedding optimizer: use torchrec's apply_optimizer_in_backward on the tables, a "
-        "FusedEmbeddingBagCollection, or pass optimizer= to from_torchrec"
-    )
+    return default
 
 
 def _fused_slots(module: FusedEmbeddingBagCollection) -> dict[str, list[torch.Tensor]]:
@@ -90,12 +86,14 @@ def from_torchrec(
     Weights are copied (tables on ``meta`` are initialised instead, from
     their configs, directly in the new module); the optimizer comes from ``apply_optimizer_in_backward``
     on the tables or from the fused module's settings (and its FBGEMM slots),
-    else from ``optimizer``. The model is changed in place and returned (a bare
-    EBC is returned converted).
+    else from ``optimizer``. With none of them the model is converted for
+    inference: its tables never change, and a backward through the lookup
+    raises (see :class:`EmbeddingBagCollection`). The model is changed in place
+    and returned (a bare EBC is returned converted).
 
     Args:
         model: a module containing torchrec embedding bag collections.
-        optimizer: fallback optimizer for tables without one.
+        optimizer: fallback optimizer for tables without one (None: inference).
         device: device of the new tables (default: where the old ones were).
         num_partitions: MOD partitions.
         capacities: static capacities (see ``suggest_capacities``).

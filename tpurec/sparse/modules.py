@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from typing import Any, Literal, Mapping, Sequence
 
 import jax
@@ -31,7 +32,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec import modes
-from tpurec.sparse.optimizers import SGD, EmbeddingOptimizer, optimizer_from_torch
+from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
 from tpurec.sparse.ops import touched_rows_update_cpu
 from tpurec.sparse.types import PAD_ID, Capacity, CapacityError, SparseCoreInput, StackedTable
@@ -76,8 +77,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
     Args:
         tables: torchrec table configs.
         is_weighted: the features carry per-id weights.
-        optimizer: an :class:`EmbeddingOptimizer` (default ``SGD()``), a
-            torch/torchrec optimizer class (then ``optimizer_kwargs`` apply).
+        optimizer: an :class:`EmbeddingOptimizer`, a torch/torchrec optimizer
+            class (then ``optimizer_kwargs`` apply), or None (the default): an
+            inference module, whose tables never change; a backward through
+            its lookup raises instead of silently applying some optimizer.
         optimizer_kwargs: keyword arguments of a torch optimizer class.
         device: where the tables live, e.g. ``"tpu"`` (default CPU).
         num_partitions: MOD partitions of every table.
@@ -110,7 +113,11 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             raise ValueError("EmbeddingBagCollection needs at least one table")
         self._embedding_bag_configs = list(tables)
         self._is_weighted = is_weighted
-        self.optimizer: EmbeddingOptimizer = SGD() if optimizer is None else optimizer_from_torch(optimizer, optimizer_kwargs)
+        if optimizer is None and optimizer_kwargs:
+            raise ValueError(f"optimizer_kwargs {dict(optimizer_kwargs)} given without an optimizer")
+        self.optimizer: EmbeddingOptimizer | None = (
+            None if optimizer is None else optimizer_from_torch(optimizer, optimizer_kwargs)
+        )
         self.num_partitions = num_partitions
         self.overflow = overflow
         # CPU tables: update the touched rows in place instead of calling the
@@ -124,6 +131,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         # tables' device): filled by prefetch() (TrainPipeline's worker thread),
         # taken by forward() of that same KJT object.
         self._prefetched: dict[int, tuple[KeyedJaggedTensor, SparseCoreInput, list[list[torch.Tensor | Any]]]] = {}
+        # Set while tpurec.sparse.checkpoint loads the tables with their optimizer state
+        # (so load_state_dict does not warn that the optimizer restarts).
+        self._optimizer_state_follows = False
         self._embedding_names: list[str] = [n for names in get_embedding_names_by_table(self._embedding_bag_configs) for n in names]
         self._length_per_key: list[int] = [t.embedding_dim for t in self._embedding_bag_configs for _ in t.feature_names]
         # Output order (torchrec's): tables in order, features in order -> (stack, slot).
@@ -147,11 +157,14 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 else:
                     rows.uniform_(cfg.get_weight_init_min(), cfg.get_weight_init_max())
             self.register_parameter(f"stacked_weight_{i}", nn.Parameter(weight))
-            for slot, shape in self.optimizer.slots.items():
+            for slot, shape in self._slot_names_and_shapes():
                 size = (st.num_rows,) if shape == "row" else (st.num_rows, st.embedding_dim)
                 self.register_buffer(f"stacked_{slot}_{i}", torch.zeros(size, dtype=torch.float32), persistent=False)
         if device is not None:
             self.to(device)
+
+    def _slot_names_and_shapes(self) -> list[tuple[str, str]]:
+        return [] if self.optimizer is None else list(self.optimizer.slots.items())
 
     # --- torchrec interface ---------------------------------------------------------
 
@@ -296,6 +309,14 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
 
     def _apply_optimizer(self, index: int, csr: tuple[torch.Tensor, ...], grad_output: torch.Tensor) -> None:
+        if self.optimizer is None:
+            tables = [t.name for t in self._stacks[index].tables]
+            raise RuntimeError(
+                f"tpurec EmbeddingBagCollection (tables {tables}) has no embedding optimizer, so it is for inference "
+                "and its tables take no gradient. To train them, build it with optimizer=... (e.g. "
+                "tpurec.sparse.RowWiseAdagrad(learning_rate=0.05)) or pass optimizer= to from_torchrec; to keep them "
+                "frozen, detach its output or run it under torch.no_grad() / torch.inference_mode()."
+            )
         self._steps[index] += 1
         op = getattr(torch.ops.tpurec, self.optimizer.op_name)
         weight = self.stacked_weight(index)
@@ -338,7 +359,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             destination[prefix + key] = w[offset : offset + rows]
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-        expected = set()
+        # Every table is checked before any is written: a bad checkpoint changes nothing.
+        expected, writes = set(), []
         for key, i, offset, rows in self._table_keys():
             full = prefix + key
             expected.add(full)
@@ -350,27 +372,104 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             if tuple(value.shape) != tuple(target.shape):
                 error_msgs.append(f"size mismatch for {full}: checkpoint {tuple(value.shape)}, model {tuple(target.shape)}")
                 continue
-            with torch.no_grad():
-                target.copy_(value)
+            writes.append((target, value))
         if strict:
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
+        if error_msgs or (strict and missing_keys):
+            return
+        with torch.no_grad():
+            for target, value in writes:
+                target.copy_(value)
+        if writes and self.optimizer is not None and self.optimizer.slots and not self._optimizer_state_follows:
+            warnings.warn(
+                f"tpurec: loaded the tables of {prefix.rstrip('.') or 'the EmbeddingBagCollection'} but not its "
+                f"{type(self.optimizer).__name__} state (slots {list(self.optimizer.slots)} and step counts): the "
+                "embedding optimizer restarts from zero unless load_optimizer_state_dict follows. To resume "
+                "training, save and load with tpurec.sparse.checkpoint.save/load.",
+                UserWarning,
+                stacklevel=2,
+            )
 
     def optimizer_state_dict(self) -> dict[str, Any]:
         """Optimizer slots per table (views) and step counts, for checkpointing.
 
         Returns:
-            ``{"steps": [...], "state": {"embedding_bags.<t>.weight": {"momentum1": ...}}}``.
+            ``{"optimizer": "Adam", "steps": [...], "state": {"embedding_bags.<t>.weight":
+            {"momentum1": ...}}}``; ``optimizer`` is None (and every table's
+            slots empty) for an inference module.
         """
         state: dict[str, dict[str, torch.Tensor]] = {}
         for key, i, offset, rows in self._table_keys():
-            state[key] = {s: getattr(self, f"stacked_{s}_{i}")[offset : offset + rows] for s in self.optimizer.slots}
-        return {"steps": list(self._steps), "state": state}
+            state[key] = {s: getattr(self, f"stacked_{s}_{i}")[offset : offset + rows] for s, _ in self._slot_names_and_shapes()}
+        name = None if self.optimizer is None else type(self.optimizer).__name__
+        return {"optimizer": name, "steps": list(self._steps), "state": state}
+
+    def check_optimizer_state_dict(self, state_dict: Mapping[str, Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Checks that ``state_dict`` (from :meth:`optimizer_state_dict`) fits this
+        module, without writing anything.
+
+        Args:
+            state_dict: ``{"optimizer": ..., "steps": [...], "state": {...}}``.
+
+        Returns:
+            ``(slot view, value)`` pairs that :meth:`load_optimizer_state_dict` copies.
+
+        Raises:
+            ValueError: the state does not fit this module (the message says what differs).
+        """
+        mine = self.optimizer_state_dict()
+        if not isinstance(state_dict, Mapping) or "steps" not in state_dict or "state" not in state_dict:
+            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise ValueError(f"an embedding optimizer state needs 'steps' and 'state' (from optimizer_state_dict()), got {keys}")
+        theirs = state_dict.get("optimizer", mine["optimizer"])
+        if theirs != mine["optimizer"]:
+            raise ValueError(
+                f"the optimizer state is of {theirs}, but this EmbeddingBagCollection uses {mine['optimizer']}; "
+                "build the module with the optimizer the checkpoint was trained with"
+            )
+        steps = state_dict["steps"]
+        if (
+            not isinstance(steps, (list, tuple))
+            or len(steps) != len(mine["steps"])
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in steps)
+        ):
+            raise ValueError(f"steps must be {len(mine['steps'])} non-negative ints (one per stacked table), got {steps!r}")
+        state = state_dict["state"]
+        if not isinstance(state, Mapping) or set(state) != set(mine["state"]):
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"the optimizer state has tables {got}, this module has {sorted(mine['state'])}")
+        writes = []
+        for key, slots in mine["state"].items():
+            if not isinstance(state[key], Mapping) or set(state[key]) != set(slots):
+                got = sorted(state[key]) if isinstance(state[key], Mapping) else type(state[key]).__name__
+                raise ValueError(
+                    f"the optimizer state of {key} has slots {got}, but {mine['optimizer']} needs {sorted(slots)}"
+                )
+            for name, target in slots.items():
+                value = state[key][name]
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
+                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ValueError(f"slot {name} of {key}: expected shape {tuple(target.shape)}, got {got}")
+                if not value.dtype.is_floating_point:
+                    raise ValueError(f"slot {name} of {key}: expected a floating point tensor, got {value.dtype}")
+                writes.append((target, value))
+        return writes
 
     def load_optimizer_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Loads what :meth:`optimizer_state_dict` returned (copies into the slots)."""
-        mine = self.optimizer_state_dict()
-        for key, slots in mine["state"].items():
-            for name, target in slots.items():
-                with torch.no_grad():
-                    target.copy_(state_dict["state"][key][name])
+        """Loads what :meth:`optimizer_state_dict` returned (copies into the slots).
+
+        Everything is checked (:meth:`check_optimizer_state_dict`) before
+        anything is written, so a state of another optimizer, other tables or
+        other shapes leaves the module as it was.
+
+        Args:
+            state_dict: ``{"optimizer": ..., "steps": [...], "state": {...}}``.
+
+        Raises:
+            ValueError: the state does not fit this module.
+        """
+        writes = self.check_optimizer_state_dict(state_dict)
+        with torch.no_grad():
+            for target, value in writes:
+                target.copy_(value)
         self._steps = list(state_dict["steps"])

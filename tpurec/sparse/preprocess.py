@@ -474,7 +474,10 @@ def preprocess_kjt(
     stacks = _tables_of(tables)
     if _native_enabled():
         batch = _preprocess_native(kjt, stacks, num_partitions, capacities, is_weighted, overflow)
-        if batch is not None:
+        # The native code merges duplicate (sample, id) gains without the float32-range
+        # rule of _stack_csr (sums past float32 stay unmerged): a non-finite gain sends
+        # the batch to the reference, which applies it (or agrees, for inf weights).
+        if batch is not None and all(np.isfinite(csr.gains).all() for csr in batch.stacks.values()):
             return batch
     batch_size, features = read_kjt(kjt, stacks, is_weighted)
     csrs = {

@@ -118,6 +118,11 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         configs: list[EmbeddingBagConfig] = list(source.embedding_bag_configs())
         self._embedding_bag_configs = configs
         self._is_weighted = source.is_weighted()
+        if source.optimizer is None:  # an inference module (no embedding optimizer)
+            raise ValueError(
+                "sharding an EmbeddingBagCollection without an embedding optimizer is not supported: pass "
+                "optimizer= to tpurec.shard (or build the module with one)"
+            )
         self.optimizer: EmbeddingOptimizer = source.optimizer
         self.mesh = mesh
         self.axis = tuple(mesh.axis_names)
