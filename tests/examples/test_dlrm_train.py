@@ -241,6 +241,28 @@ def test_checkpoint_is_written_atomically(tmp_path, monkeypatch):
     assert restored["progress"] == {"epoch": 0}
 
 
+def test_sharded_checkpoint_is_written_atomically(tmp_path, monkeypatch):
+    """A save that crashes inside the sharded write leaves the previous checkpoint the one --resume reads."""
+    from tpurec.sparse.sharding import checkpoint as sharded
+
+    cfg = flags.parse_args([*SMALL, "--adagrad", "--num_devices", "2", "--batch_size", "16"])
+    model = loop.place_model(model_lib.build_model(cfg, "tpu"), cfg)
+    optimizer = model_lib.dense_optimizer(cfg, model)
+    first = checkpoint.save(str(tmp_path), model, optimizer, {"epoch": 0})
+    pointer = open(tmp_path / checkpoint.SHARDED_POINTER).read()
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(sharded, "save", crash)
+    with pytest.raises(OSError):
+        checkpoint.save(str(tmp_path), model, optimizer, {"epoch": 1})
+    assert open(tmp_path / checkpoint.SHARDED_POINTER).read() == pointer
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(first), checkpoint.SHARDED_POINTER])  # no leftovers
+    restored = checkpoint.load(str(tmp_path), model, optimizer)
+    assert restored["progress"] == {"epoch": 0}
+
+
 # --- data parsing on generated files -------------------------------------------------------
 
 
