@@ -122,9 +122,6 @@ def place_model(model: nn.Module, cfg: Config) -> nn.Module:
                           + (" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)" if tpurec.platform() == "cpu" else ""))
     if cfg.num_devices == 1:
         return model
-    if cfg.checkpoint_dir:
-        raise ConfigError(f"--checkpoint_dir with --num_devices {cfg.num_devices}: checkpoints of sharded tables are not "
-                          "supported by this script yet; train on one device to checkpoint")
     if cfg.mode == "compile":
         raise ConfigError("--mode compile with --num_devices > 1 is not supported yet; use --mode fused or eager")
     import jax

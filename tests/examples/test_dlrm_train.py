@@ -178,6 +178,51 @@ def test_resume_10_plus_10_equals_20(tmp_path, source):
         torch.testing.assert_close(slots_b["state"][table]["momentum1"], slots["momentum1"], rtol=0, atol=1e-6)
 
 
+def _sharded_checkpoint(directory: str) -> tuple[dict, dict]:
+    """(state.pt's contents, the Orbax tree of tables/slots/steps/dense parameters as numpy) of the newest sharded checkpoint."""
+    import orbax.checkpoint as ocp
+
+    path = checkpoint.sharded_path(directory)
+    assert path is not None and os.path.isdir(path)
+    state = torch.load(os.path.join(path, checkpoint.SHARDED_STATE), weights_only=False)
+    with ocp.StandardCheckpointer() as reader:
+        tree = reader.restore(os.path.join(path, checkpoint.SHARDED_TABLES))
+    return state, tree
+
+
+@pytest.mark.slow
+def test_two_devices_resume_10_plus_10_equals_20(tmp_path):
+    """--num_devices 2: 10 steps, a sharded checkpoint, resume, 10 more == 20 steps straight."""
+    common = [*SMALL, "--batch_size", "16", "--num_devices", "2", "--adagrad", "--learning_rate", "0.05",
+              "--embedding_optimizer", "rowwise_adagrad", "--loss_every", "3", "--validation_freq_within_epoch", "4"]
+    straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
+    for args in (["--limit_train_batches", "20", "--checkpoint_dir", straight],
+                 ["--limit_train_batches", "10", "--checkpoint_dir", split],
+                 ["--limit_train_batches", "20", "--checkpoint_dir", split, "--resume"]):
+        out = run_script(*common, *args)
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from" in out.stdout
+    (state_a, tree_a), (state_b, tree_b) = _sharded_checkpoint(straight), _sharded_checkpoint(split)
+    a, b = state_a["progress"]["history"]["losses"], state_b["progress"]["history"]["losses"]
+    assert len(a) == len(b) == 20
+    assert a[-1] < a[0]
+    np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+    assert [v["step"] for v in state_b["progress"]["history"]["val"]] == [4, 8, 10, 12, 16, 20]
+    # Tables, row-wise Adagrad slots, step counts and dense parameters end equal.
+    (collection,) = tree_a["embeddings"]
+    assert int(tree_a["embeddings"][collection]["step"]) == int(tree_b["embeddings"][collection]["step"]) == 20
+    for table, entries in tree_a["embeddings"][collection]["tables"].items():
+        assert set(entries) == {"weight", "momentum1"}
+        for key, value in entries.items():
+            np.testing.assert_allclose(tree_b["embeddings"][collection]["tables"][table][key], value, rtol=0, atol=1e-6)
+    for key, value in tree_a["dense"].items():
+        np.testing.assert_allclose(tree_b["dense"][key], value, rtol=0, atol=1e-6)
+    # The dense Adagrad state too, and only the newest checkpoint is kept.
+    for param, slots in state_a["dense_optimizer"]["state"].items():
+        torch.testing.assert_close(state_b["dense_optimizer"]["state"][param]["sum"], slots["sum"], rtol=0, atol=1e-6)
+    assert len([n for n in os.listdir(split) if n.startswith(checkpoint.SHARDED_PREFIX)]) == 1
+
+
 def test_checkpoint_is_written_atomically(tmp_path, monkeypatch):
     cfg = flags.parse_args([*SMALL, "--adagrad"])
     model = model_lib.build_model(cfg, "tpu")
@@ -192,6 +237,28 @@ def test_checkpoint_is_written_atomically(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         checkpoint.save(str(tmp_path), model, optimizer, {"epoch": 1})
     assert open(path, "rb").read() == before  # the old checkpoint is intact
+    restored = checkpoint.load(str(tmp_path), model, optimizer)
+    assert restored["progress"] == {"epoch": 0}
+
+
+def test_sharded_checkpoint_is_written_atomically(tmp_path, monkeypatch):
+    """A save that crashes inside the sharded write leaves the previous checkpoint the one --resume reads."""
+    from tpurec.sparse.sharding import checkpoint as sharded
+
+    cfg = flags.parse_args([*SMALL, "--adagrad", "--num_devices", "2", "--batch_size", "16"])
+    model = loop.place_model(model_lib.build_model(cfg, "tpu"), cfg)
+    optimizer = model_lib.dense_optimizer(cfg, model)
+    first = checkpoint.save(str(tmp_path), model, optimizer, {"epoch": 0})
+    pointer = open(tmp_path / checkpoint.SHARDED_POINTER).read()
+
+    def crash(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(sharded, "save", crash)
+    with pytest.raises(OSError):
+        checkpoint.save(str(tmp_path), model, optimizer, {"epoch": 1})
+    assert open(tmp_path / checkpoint.SHARDED_POINTER).read() == pointer
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(first), checkpoint.SHARDED_POINTER])  # no leftovers
     restored = checkpoint.load(str(tmp_path), model, optimizer)
     assert restored["progress"] == {"epoch": 0}
 
@@ -316,7 +383,8 @@ BAD_INPUTS = {
     "dense_arch_not_embedding_dim": (lambda tmp: ["--dense_arch_layer_sizes", "16,12"], "must equal --embedding_dim (8)"),
     "unknown_interaction": (lambda tmp: ["--interaction_type", "transformer"], "unknown --interaction_type 'transformer'"),
     "more_devices_than_visible": (lambda tmp: ["--num_devices", "64"], "--num_devices 64 but only"),
-    "sharded_checkpoint": (lambda tmp: ["--num_devices", "2", "--checkpoint_dir", tmp], "checkpoints of sharded tables"),
+    "resume_without_sharded_checkpoint": (lambda tmp: ["--num_devices", "2", "--checkpoint_dir", tmp, "--resume"],
+                                          "no sharded checkpoint (sharded.json)"),
 }
 
 
