@@ -183,7 +183,7 @@ def _lockstep() -> bool:
     (``jax_cpu_enable_async_dispatch`` does not apply to them), and with several
     such programs queued it may start a later one on some local devices before
     an earlier one on the others; the two processes' gloo collectives then wait
-    on each other forever (3 of 17 runs of the 2-process test hung,
+    on each other forever (5 of 28 runs of the 2-process test hung,
     docs/sharding.md). With one mesh program in flight at a time they cannot.
     """
     global _LOCKSTEP
