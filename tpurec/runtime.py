@@ -139,8 +139,11 @@ class Program:
     def __call__(self, *args):
         _stats.executions += 1
         jitted = self.jitted
+        on_mesh = False
         if _mesh_arrays_exist:
             args, on_mesh = _onto_common_mesh(args)
+            if _TRACE is not None:
+                _trace(self, args, on_mesh)
             if on_mesh:
                 # Global arrays decide where the program runs: XLA partitions it
                 # over their mesh (SPMD) instead of pinning it to one device.
@@ -148,6 +151,14 @@ class Program:
                     options = {k: v for k, v in self._options.items() if k != "out_shardings"}
                     self._spmd = jax.jit(self.raw, **options)
                 jitted = self._spmd
+        out = self._execute(jitted, args)
+        if on_mesh and _lockstep():
+            # See _lockstep: the next mesh program may start only once this one is done.
+            jax.block_until_ready(out)
+        return out
+
+    def _execute(self, jitted: Callable, args: tuple) -> Any:
+        """Runs ``jitted`` on ``args``, compiling (and accounting for it) on the first run."""
         if self.ran:
             self.reused = True  # ran twice: its family is warm (recompilation diagnostics)
             if _torch_profiler._is_profiler_enabled:  # tpurec.profiler hook: an execute range
@@ -162,6 +173,65 @@ class Program:
             _stats.compile_seconds += time.perf_counter() - start
         self.ran = True
         return out
+
+
+def _lockstep() -> bool:
+    """Mesh programs run one at a time, each finished before the next starts.
+
+    True for a multi-process job on XLA:CPU (``$TPUREC_CPU_LOCKSTEP=0`` turns it off).
+    XLA:CPU dispatches programs that span several local devices asynchronously
+    (``jax_cpu_enable_async_dispatch`` does not apply to them), and with several
+    such programs queued it may start a later one on some local devices before
+    an earlier one on the others; the two processes' gloo collectives then wait
+    on each other forever (5 of 28 runs of the 2-process test hung,
+    docs/sharding.md). With one mesh program in flight at a time they cannot.
+    """
+    global _LOCKSTEP
+    if _LOCKSTEP is None:
+        setting = os.environ.get("TPUREC_CPU_LOCKSTEP", "").strip().lower()
+        wanted = setting not in ("0", "off", "false", "no")
+        _LOCKSTEP = wanted and jax.process_count() > 1 and jax.default_backend() == "cpu"
+    return _LOCKSTEP
+
+
+_LOCKSTEP: bool | None = None
+
+
+# $TPUREC_TRACE_PROGRAMS=PREFIX: every program run on a mesh appends one line to
+# PREFIX.<pid> (thread, op, caller, input shardings). Multi-controller JAX needs
+# every process to run the same programs in the same order; diffing the files of
+# a hung multi-process job shows whether they did (docs/sharding.md).
+_TRACE = None
+if os.environ.get("TPUREC_TRACE_PROGRAMS"):
+    _TRACE = open(os.environ["TPUREC_TRACE_PROGRAMS"] + f".{os.getpid()}", "w", buffering=1)
+
+
+def _describe(x: Any) -> str:
+    """``dtype[shape]@placement`` of an array input, the type name of anything else."""
+    if not isinstance(x, jax.Array):
+        return type(x).__name__
+    sharding = x.sharding
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        where = str(sharding.spec)
+    else:
+        where = f"devices{sorted(d.id for d in sharding.device_set)}"
+    return f"{x.dtype}{list(x.shape)}@{where}"
+
+
+def _trace(program: Program, args: tuple, on_mesh: bool) -> None:
+    """Writes one line about ``program`` about to run on ``args`` to the trace file."""
+    import threading
+    import traceback
+
+    callers = [f for f in traceback.extract_stack(limit=16)[:-2] if "/tpurec/" not in f.filename]
+    caller = f"{callers[-1].filename.rsplit('/', 1)[-1]}:{callers[-1].lineno}" if callers else "?"
+    origin = program.origin
+    name = origin[1][0] if origin and origin[0] == "op" else origin
+    inputs = [_describe(a) for a in jax.tree.leaves(args)]
+    _TRACE.write(
+        f"{threading.current_thread().name} serial={program.serial} mesh={on_mesh} first={not program.ran} "
+        f"{str(name)[:80]} at {caller} {inputs}\n"
+    )
 
 
 # Set by tpurec.sparse.sharding once a global (mesh) array may reach a program:

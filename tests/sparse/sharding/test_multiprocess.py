@@ -112,3 +112,53 @@ def test_initialize_after_devices_are_in_use_is_refused():
     jax.devices()  # this test process already uses its devices
     with pytest.raises(RuntimeError, match="must run before the first tpu tensor"):
         distributed.initialize("127.0.0.1:1234", 2, 0)
+
+
+def _mesh_tensor():
+    import torch
+
+    from tpurec import runtime
+    from tpurec.sparse.sharding import default_mesh, distribute_batch
+
+    runtime.mesh_arrays_in_use()
+    return distribute_batch(torch.arange(32, dtype=torch.float32).reshape(8, 4), default_mesh())
+
+
+@pytest.mark.parametrize("setting,expected", [(None, True), ("0", False), ("off", False), ("1", True)])
+def test_multiprocess_cpu_jobs_wait_for_each_mesh_program(monkeypatch, setting, expected):
+    """On XLA:CPU with several processes each mesh program finishes before the next is dispatched
+    (docs/sharding.md: queued gloo programs deadlocked); single-device programs are not waited for."""
+    import jax
+    import torch
+
+    from tpurec import runtime
+
+    x = _mesh_tensor()
+    waited = []
+    real_wait = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda out: waited.append(out) or real_wait(out))
+    monkeypatch.setattr(jax, "process_count", lambda: 2)  # what a 2-process job reports
+    monkeypatch.setattr(runtime, "_LOCKSTEP", None)
+    if setting is None:
+        monkeypatch.delenv("TPUREC_CPU_LOCKSTEP", raising=False)
+    else:
+        monkeypatch.setenv("TPUREC_CPU_LOCKSTEP", setting)
+    y = x * 3 + 1
+    assert bool(waited) == expected
+    np.testing.assert_array_equal(y.cpu().numpy(), np.arange(32, dtype=np.float32).reshape(8, 4) * 3 + 1)
+    waited.clear()
+    (torch.ones(3, device="tpu") * 2).cpu()  # one device: nothing to keep in step
+    assert not waited
+
+
+def test_one_process_does_not_wait_for_mesh_programs(monkeypatch):
+    import jax
+
+    from tpurec import runtime
+
+    x = _mesh_tensor()
+    waited = []
+    monkeypatch.setattr(jax, "block_until_ready", lambda out: waited.append(out))
+    monkeypatch.setattr(runtime, "_LOCKSTEP", None)
+    (x * 3).cpu()
+    assert not waited and runtime._LOCKSTEP is False
