@@ -648,6 +648,10 @@ _SPECIAL = {
     aten._amp_foreach_non_finite_check_and_unscale_.default: amp.non_finite_check_and_unscale_,
     aten._amp_update_scale_.default: amp.update_scale_,
     aten.lift_fresh.default: lambda self: self,
+    # The conj bit is a flag on a CPU/CUDA tensor's key set that a tpu tensor does not carry:
+    # treated as a view, conj() returned the unconjugated values (ifft of real input was wrong).
+    # So conj materialises on tpu: is_conj() stays False and the values are conjugated.
+    aten._conj.default: lambda self: _dispatch(aten._conj_physical.default, (self,), {}),
 }
 
 

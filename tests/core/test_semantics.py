@@ -268,3 +268,38 @@ def test_bad_host_fallback_policy_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("TPUREC_HOST_FALLBACK", "sometimes")
     with pytest.raises(ValueError, match="TPUREC_HOST_FALLBACK='sometimes'"):
         modes.host_fallback_policy()
+
+
+# --- conj: tpu tensors carry no conj bit, so conj materialises -----------------
+
+
+def test_conj_conjugates_the_values_of_a_complex_tensor():
+    host = torch.tensor([[1 + 2j, -3 - 4j], [0.5j, 2.0]], dtype=torch.complex64)
+    on_tpu = host.to("tpu")
+    lazy = on_tpu.conj()
+    # conj_physical semantics: the values are conjugated in a new tensor, no conj bit.
+    assert not lazy.is_conj()
+    assert torch.equal(lazy.cpu(), host.conj().resolve_conj())
+    assert torch.equal(lazy.resolve_conj().cpu(), host.conj().resolve_conj())
+    assert torch.equal(torch.conj_physical(on_tpu).cpu(), torch.conj_physical(host))
+    assert torch.equal(on_tpu.conj().conj().cpu(), host)
+    # the input is untouched (a materialised conj is not a view that writes back)
+    assert torch.equal(on_tpu.cpu(), host)
+
+
+def test_conj_of_a_real_tensor_is_the_tensor():
+    host = torch.tensor([1.0, -2.0])
+    assert torch.equal(host.to("tpu").conj().cpu(), host)
+
+
+def test_conj_through_ifft_of_real_input_and_complex_autograd():
+    """``ifft`` of real input conjugates an rfft internally: it used to return unconjugated values."""
+    torch.manual_seed(0)
+    x = torch.randn(7)
+    torch.testing.assert_close(torch.fft.ifft(x.to("tpu")).cpu(), torch.fft.ifft(x), rtol=1e-5, atol=1e-6)
+    z_host, z = both(torch.randn(5, dtype=torch.complex64), requires_grad=True)
+    weights = torch.randn(5, dtype=torch.complex64)
+    # abs, not .real: .real is view_as_real, a byte-reinterpreting view tpu does not support
+    (z_host.conj() * weights + 1).abs().sum().backward()
+    (z.conj() * weights.to("tpu") + 1).abs().sum().backward()
+    torch.testing.assert_close(z.grad.cpu(), z_host.grad, rtol=1e-6, atol=1e-6)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import itertools
 import os
 import pathlib
 import sys
@@ -79,6 +80,8 @@ class Result:
     backward: str = "n/a"
     host_ops: tuple[str, ...] = ()
     seconds: float = 0.0
+    # Samples whose forward was compared on the device (CPU-rejected samples are not counted).
+    samples: int = 0
 
     def status(self, phase: str) -> str:
         return getattr(self, phase)
@@ -101,8 +104,12 @@ def _to_device(x, device: str):
     return x
 
 
-def _compare(expected, actual, what: str, values: bool = True) -> None:
-    """``actual`` (from tpu) equals ``expected`` (CPU) within ``TOL``; raises Mismatch otherwise."""
+def _compare(expected, actual, what: str, values: bool = True, tol: dict | None = None) -> None:
+    """``actual`` (from tpu) equals ``expected`` (CPU) within ``tol`` (default ``TOL``); raises Mismatch otherwise.
+
+    Integer and bool results must be equal; ``tol`` applies to floating and complex ones.
+    """
+    tol = TOL if tol is None else tol
     exp_leaves, exp_spec = tree_flatten(expected)
     act_leaves, act_spec = tree_flatten(actual)
     if len(exp_leaves) != len(act_leaves):
@@ -119,7 +126,8 @@ def _compare(expected, actual, what: str, values: bool = True) -> None:
                 raise Mismatch(f"{what}[{i}]: {tuple(a.shape)} {a.dtype}, CPU gives {tuple(e.shape)} {e.dtype}")
             if values:
                 try:
-                    torch.testing.assert_close(a, e, equal_nan=True, **(TOL if e.is_floating_point() else {}))
+                    inexact = e.is_floating_point() or e.is_complex()
+                    torch.testing.assert_close(a, e, equal_nan=True, **(tol if inexact else {}))
                 except AssertionError as error:
                     detail = [line for line in str(error).splitlines() if "Greatest" in line or "Mismatched" in line]
                     raise Mismatch(f"{what}[{i}]: wrong values ({'; '.join(detail)[:120]})") from None
@@ -212,6 +220,10 @@ def check_entry(
     mode: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     wrap: Callable[[Callable], Callable] | None = None,
     max_samples: int = MAX_SAMPLES,
+    dtype: torch.dtype = torch.float32,
+    tol: dict | None = None,
+    sample_filter: Callable[[object], bool] | None = None,
+    backward: bool = True,
 ) -> Result:
     """Runs entry ``op`` through the tpu device; returns its Result.
 
@@ -220,16 +232,24 @@ def check_entry(
         mode: a context to run the device side in (``lambda: tpurec.mode("fused")``).
         wrap: turns the op into what runs on the device (``torch.compile``); None runs it as is.
         max_samples: how many of the entry's samples to check.
+        dtype: the dtype of the samples.
+        tol: ``rtol``/``atol`` for floating and complex results (default ``TOL``).
+        sample_filter: keeps only the samples it returns True for (cases an entry cannot support).
+        backward: also compare input gradients (False: forward only, backward is "n/a").
     """
     device_op = op if wrap is None else wrap(op)
+    requires_grad = bool(backward and op.supports_autograd and (dtype.is_floating_point or dtype.is_complex))
     result = Result(entry_name(op))
     start = time.perf_counter()
     host_ops_before = dict(runtime.counters().host_ops)
     forward: list[str] = []
-    backward: list[str] = []
+    backward_outcomes: list[str] = []
     with _quiet():
         try:
-            samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=op.supports_autograd))[:max_samples]
+            samples = op.sample_inputs("cpu", dtype, requires_grad=requires_grad)
+            if sample_filter is not None:
+                samples = filter(sample_filter, samples)
+            samples = list(itertools.islice(samples, max_samples))
         except Exception as error:  # noqa: BLE001
             samples = []
             forward.append(f"sample generation failed: {_first_line(error)}")
@@ -247,13 +267,14 @@ def check_entry(
             try:
                 with mode():
                     actual = _run(device_op, device_sample, 0)
-                    _compare(expected, actual, "output", values=not random)
+                    _compare(expected, actual, "output", values=not random, tol=tol)
                 forward.append("pass")
+                result.samples += 1
             except Exception as error:  # noqa: BLE001
                 dispatch._pending_fallback_error = None
                 forward.append(_first_line(error) if isinstance(error, Mismatch) else f"error: {_first_line(error)}")
                 if op.supports_autograd and not random:
-                    backward.append(BLOCKED)
+                    backward_outcomes.append(BLOCKED)
                 continue
             inputs = _grad_inputs(sample)
             outs = _differentiable(expected)
@@ -268,24 +289,76 @@ def check_entry(
                 with mode():
                     device_inputs = _grad_inputs(device_sample)
                     grads = _grads(actual, device_inputs, [c.to("tpu") for c in cotangents])
-                    _compare(expected_grads, grads, "input grad")
+                    _compare(expected_grads, grads, "input grad", tol=tol)
                 fell_back = _host_fallback_names(fallbacks_before)
                 if fell_back:
                     raise Mismatch(f"host fallback in backward: {', '.join(fell_back)}")
-                backward.append("pass")
+                backward_outcomes.append("pass")
             except Exception as error:  # noqa: BLE001
                 fell_back = _host_fallback_names(fallbacks_before)
                 dispatch._pending_fallback_error = None
                 if fell_back and not (isinstance(error, Mismatch) and "host fallback" in str(error)):
                     error = Mismatch(f"host fallback in backward: {', '.join(fell_back)}")
-                backward.append(_first_line(error) if isinstance(error, Mismatch) else f"error: {_first_line(error)}")
+                backward_outcomes.append(_first_line(error) if isinstance(error, Mismatch) else f"error: {_first_line(error)}")
     dispatch._pending_fallback_error = None
     result.forward = _summary(forward)
-    result.backward = _summary(backward)
+    result.backward = _summary(backward_outcomes)
     now = runtime.counters().host_ops
     result.host_ops = tuple(sorted(n for n, k in now.items() if k > host_ops_before.get(n, 0)))
     result.seconds = time.perf_counter() - start
     return result
+
+
+_ALL_ENTRIES = {entry_name(op): op for op in op_db}
+
+
+def check_opinfo(
+    name: str,
+    dtype: torch.dtype = torch.float32,
+    max_samples: int = MAX_SAMPLES,
+    rtol: float = TOL["rtol"],
+    atol: float = TOL["atol"],
+    sample_filter: Callable[[object], bool] | None = None,
+    backward: bool = True,
+) -> int:
+    """Asserts that entry ``name`` passes forward and backward through the tpu device.
+
+    The strict form of :func:`check_entry` for tests of one lowering family: the
+    forward outputs and the input gradients must match CPU within ``rtol``/``atol``,
+    and any host fallback fails. Backward may be "n/a" only when no sample has a
+    differentiable output (or the entry has no autograd).
+
+    Args:
+        name: the entry, ``"name"`` or ``"name.variant"``.
+        dtype: the dtype of the samples.
+        max_samples: how many samples to check.
+        rtol: relative tolerance for floating and complex results.
+        atol: absolute tolerance for floating and complex results.
+        sample_filter: keeps only the samples it returns True for.
+        backward: also compare input gradients; False checks the forward only (for a
+            test that checks backward separately, e.g. as a strict xfail).
+
+    Returns:
+        How many samples were compared (callers assert it is > 0, so an entry
+        whose samples all got filtered or rejected cannot pass silently).
+
+    Raises:
+        KeyError: ``name`` is not an ``op_db`` entry.
+        AssertionError: a phase fails, with the first failure's reason.
+    """
+    if name not in _ALL_ENTRIES:
+        raise KeyError(f"{name!r} is not an op_db entry (use 'name' or 'name.variant')")
+    result = check_entry(
+        _ALL_ENTRIES[name],
+        max_samples=max_samples,
+        dtype=dtype,
+        tol=dict(rtol=rtol, atol=atol),
+        sample_filter=sample_filter,
+        backward=backward,
+    )
+    assert result.forward == "pass", f"{name} ({dtype}) forward: {result.forward}"
+    assert result.backward in ("pass", "n/a"), f"{name} ({dtype}) backward: {result.backward}"
+    return result.samples
 
 
 def _summary(outcomes: list[str]) -> str:

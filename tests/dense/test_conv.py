@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from device_opinfo import check_opinfo
+from opinfo_device import check_opinfo
 
 # float32 convolutions: XLA and oneDNN sum in different orders (weight gradients
 # sum hundreds of products of magnitude ~10, hence the absolute term).

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from device_opinfo import check_opinfo
+from opinfo_device import check_opinfo
 
 # Factorizations in float32: XLA:CPU and LAPACK pivot and accumulate in
 # different orders; inverse-like ops amplify that by the condition number.

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from device_opinfo import check_opinfo
+from opinfo_device import check_opinfo
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from device_opinfo import check_opinfo
+from opinfo_device import check_opinfo
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 

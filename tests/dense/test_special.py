@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from device_opinfo import check_opinfo
+from opinfo_device import check_opinfo
 
 # XLA's and Cephes' series / rational approximations differ by a few ulp; the
 # recurrences (polygamma shift, polynomials of degree ~10) compound that.

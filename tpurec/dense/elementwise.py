@@ -83,6 +83,8 @@ def _sign(x):
 
 for _ops, _fn in [
     ((aten.neg.default,), jnp.negative),
+    # conj on tpu materialises (dispatch routes aten._conj here): tpu tensors carry no conj bit.
+    ((aten._conj_physical.default,), jnp.conj),
     ((aten.abs.default,), jnp.abs),
     ((aten.sign.default, aten.sgn.default), _sign),
     ((aten.trunc.default,), _keep_int(jnp.trunc)),
