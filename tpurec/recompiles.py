@@ -106,7 +106,9 @@ def explain_recompiles() -> list[Recompilation]:
 
 # family -> [(key, weak reference to the owner: a runtime.Program or a compiled graph variant)]
 _families: dict[Any, list] = collections.defaultdict(list)
-# Dynamo's guard_failures: code object -> how many of its reasons were already reported.
+# Dynamo's guard_failures: code object -> (its reasons list, how many were already reported).
+# The list itself is kept: torch._dynamo.reset() clears the dict and a later failure starts a
+# new list, which a count alone cannot tell from the old one.
 _guard_failures_seen: dict = {}
 
 
@@ -465,11 +467,11 @@ def _new_guard_failures() -> str:
         return ""
     fresh: list = []
     for code, reasons in list(guard_failures.items()):
-        seen = _guard_failures_seen.get(code, 0)
-        if len(reasons) < seen:  # torch._dynamo.reset() cleared them
+        seen_list, seen = _guard_failures_seen.get(code, (None, 0))
+        if seen_list is not reasons:  # torch._dynamo.reset() cleared them
             seen = 0
         fresh += reasons[seen:]
-        _guard_failures_seen[code] = len(reasons)
+        _guard_failures_seen[code] = (reasons, len(reasons))
     return "; ".join(" ".join(str(r).split()) for r in fresh[-2:])
 
 
