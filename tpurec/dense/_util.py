@@ -78,6 +78,14 @@ def jdtype(dtype: torch.dtype | None, fallback=None):
     return to_jax_dtype(dtype)
 
 
+def acc_dtype(dtype) -> jnp.dtype:
+    """The dtype torch accumulates ``dtype`` in: float32 for bfloat16/float16, else itself."""
+    dt = jnp.dtype(dtype)
+    if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+        return jnp.dtype(jnp.float32)
+    return dt
+
+
 def is_float(dtype) -> bool:
     return jnp.issubdtype(jnp.dtype(dtype), jnp.inexact)
 

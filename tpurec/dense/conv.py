@@ -21,16 +21,10 @@ import torch
 from jax import lax
 
 from tpurec.dense.linalg import _PRECISION
+from tpurec.dense._util import acc_dtype as _acc
 from tpurec.dense.registry import lower
 
 aten = torch.ops.aten
-
-
-def _acc(dtype) -> jnp.dtype:
-    dt = jnp.dtype(dtype)
-    if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return jnp.dtype(jnp.float32)
-    return dt
 
 
 def _expand(values: Sequence[int], n: int) -> tuple[int, ...]:

@@ -13,18 +13,12 @@ import torch
 from jax import lax
 
 from tpurec.dense._util import cast, is_float
+from tpurec.dense._util import acc_dtype as _acc
 from tpurec.dense.registry import lower
 
 aten = torch.ops.aten
 
 _PRECISION = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.HIGH, "medium": lax.Precision.DEFAULT}
-
-
-def _acc(dtype) -> jnp.dtype:
-    dt = jnp.dtype(dtype)
-    if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return jnp.dtype(jnp.float32)
-    return dt
 
 
 def matmul(a, b, rounded: bool = True):

@@ -14,18 +14,12 @@ import jax.numpy as jnp
 import torch
 
 from tpurec.dense._util import cast, norm_dim
+from tpurec.dense._util import acc_dtype as _acc
 from tpurec.dense.registry import lower, to_jax_dtype
 
 aten = torch.ops.aten
 
 NONE, MEAN, SUM = 0, 1, 2
-
-
-def _acc(dtype) -> jnp.dtype:
-    dt = jnp.dtype(dtype)
-    if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return jnp.dtype(jnp.float32)
-    return dt
 
 
 def _reduce(loss, reduction: int):

@@ -25,16 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from tpurec.dense._util import acc_dtype as _acc
 from tpurec.dense.registry import lower
 
 aten = torch.ops.aten
-
-
-def _acc(dtype) -> jnp.dtype:
-    dt = jnp.dtype(dtype)
-    if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return jnp.dtype(jnp.float32)
-    return dt
 
 
 def _expand(values, n: int, default: Sequence[int] | None = None) -> tuple[int, ...]:

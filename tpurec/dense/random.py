@@ -13,16 +13,10 @@ import jax.numpy as jnp
 import torch
 
 from tpurec.dense._util import cast, default_float
+from tpurec.dense._util import acc_dtype as _acc
 from tpurec.dense.registry import lower, to_jax_dtype
 
 aten = torch.ops.aten
-
-
-def _acc(dtype) -> jnp.dtype:
-    dt = jnp.dtype(dtype)
-    if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return jnp.dtype(jnp.float32)
-    return dt
 
 
 def _uniform(key, shape, dtype, lo=0.0, hi=1.0):

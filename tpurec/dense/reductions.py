@@ -12,17 +12,10 @@ import jax.numpy as jnp
 import torch
 
 from tpurec.dense._util import dims, float_for, is_float, jdtype, norm_dim
+from tpurec.dense._util import acc_dtype as _acc_dtype
 from tpurec.dense.registry import lower
 
 aten = torch.ops.aten
-
-
-def _acc_dtype(dtype) -> jnp.dtype:
-    """The dtype torch accumulates ``dtype`` in (float32 for bf16/f16)."""
-    dt = jnp.dtype(dtype)
-    if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return jnp.dtype(jnp.float32)
-    return dt
 
 
 def _int_sum_dtype(x, dtype) -> jnp.dtype:

@@ -26,16 +26,10 @@ import numpy as np
 import torch
 from torch._decomp import decomposition_table, register_decomposition
 
+from tpurec.dense._util import acc_dtype as _acc
 from tpurec.dense.registry import lower
 
 aten = torch.ops.aten
-
-
-def _acc(dtype) -> jnp.dtype:
-    dt = jnp.dtype(dtype)
-    if dt in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-        return jnp.dtype(jnp.float32)
-    return dt
 
 
 def _with_biases(input_gates, hidden_gates, input_bias, hidden_bias):
