@@ -98,9 +98,18 @@ def _first_line(error: BaseException, limit: int = 160) -> str:
 
 
 def _to_device(x, device: str):
+    """``x`` as a user on ``device`` would pass it: tensors moved there, and a device naming cpu renamed.
+
+    Factory samples (arange, ones, signal.windows...) and ``Tensor.to`` name their device as an argument
+    (``device="cpu"``); left as is they would test CPU against CPU, so the device they name becomes ``device``.
+    """
     if isinstance(x, torch.Tensor):
         moved = x.detach().to(device)
         return moved.requires_grad_(x.requires_grad) if moved.is_floating_point() or moved.is_complex() else moved
+    if isinstance(x, torch.device) and x.type == "cpu":
+        return torch.device(device)
+    if isinstance(x, str) and x == "cpu":
+        return device
     return x
 
 
