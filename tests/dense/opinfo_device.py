@@ -113,6 +113,11 @@ def _to_device(x, device: str):
     return x
 
 
+# Sample parts that torch's API requires on the host whatever the input's device, as a user passes
+# them (``tensor_split``'s ``tensor_indices_or_sections`` must be a CPU tensor, on CUDA too).
+_HOST_ARGUMENTS: dict[str, tuple[str, ...]] = {"tensor_split": ("args",)}
+
+
 def _compare(expected, actual, what: str, values: bool = True, tol: dict | None = None) -> None:
     """``actual`` (from tpu) equals ``expected`` (CPU) within ``tol`` (default ``TOL``); raises Mismatch otherwise.
 
@@ -270,7 +275,12 @@ def check_entry(
             # Random ops, and ops returning uninitialised memory (new_empty...): only shapes and dtypes compare.
             random = _is_random(op, sample) or "empty" in op.name
             device_sample = types.SimpleNamespace(
-                **{k: tree_map(lambda x: _to_device(x, "tpu"), getattr(sample, k)) for k in ("input", "args", "kwargs")}
+                **{
+                    k: getattr(sample, k)
+                    if k in _HOST_ARGUMENTS.get(op.name, ())
+                    else tree_map(lambda x: _to_device(x, "tpu"), getattr(sample, k))
+                    for k in ("input", "args", "kwargs")
+                }
             )
             fallbacks_before = dict(runtime.counters().host_fallbacks)
             try:
