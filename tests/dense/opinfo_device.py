@@ -98,10 +98,24 @@ def _first_line(error: BaseException, limit: int = 160) -> str:
 
 
 def _to_device(x, device: str):
+    """``x`` as a user on ``device`` would pass it: tensors moved there, and a device naming cpu renamed.
+
+    Factory samples (arange, ones, signal.windows...) and ``Tensor.to`` name their device as an argument
+    (``device="cpu"``); left as is they would test CPU against CPU, so the device they name becomes ``device``.
+    """
     if isinstance(x, torch.Tensor):
         moved = x.detach().to(device)
         return moved.requires_grad_(x.requires_grad) if moved.is_floating_point() or moved.is_complex() else moved
+    if isinstance(x, torch.device) and x.type == "cpu":
+        return torch.device(device)
+    if isinstance(x, str) and x == "cpu":
+        return device
     return x
+
+
+# Sample parts that torch's API requires on the host whatever the input's device, as a user passes
+# them (``tensor_split``'s ``tensor_indices_or_sections`` must be a CPU tensor, on CUDA too).
+_HOST_ARGUMENTS: dict[str, tuple[str, ...]] = {"tensor_split": ("args",)}
 
 
 def _compare(expected, actual, what: str, values: bool = True, tol: dict | None = None) -> None:
@@ -261,7 +275,12 @@ def check_entry(
             # Random ops, and ops returning uninitialised memory (new_empty...): only shapes and dtypes compare.
             random = _is_random(op, sample) or "empty" in op.name
             device_sample = types.SimpleNamespace(
-                **{k: tree_map(lambda x: _to_device(x, "tpu"), getattr(sample, k)) for k in ("input", "args", "kwargs")}
+                **{
+                    k: getattr(sample, k)
+                    if k in _HOST_ARGUMENTS.get(op.name, ())
+                    else tree_map(lambda x: _to_device(x, "tpu"), getattr(sample, k))
+                    for k in ("input", "args", "kwargs")
+                }
             )
             fallbacks_before = dict(runtime.counters().host_fallbacks)
             try:

@@ -17,7 +17,8 @@ import tpurec
 from opinfo_device import BLOCKED, KNOWN_FAILURES, Result, check_entry, entry_name, float32_entries, load_known, surprises
 
 # Families users hit first: arithmetic, reductions, shapes and views, indexing, nn
-# layers and losses, random ops, data-dependent ops, and a few known failures.
+# layers and losses, random ops, data-dependent ops, factories (whose samples name
+# their device), and a few known failures.
 EAGER_SLICE = """
 add mul div.no_rounding_mode pow exp log tanh sigmoid clamp where lerp sum mean amax var logsumexp cumsum
 matmul mm bmm addmm nn.functional.linear cat stack reshape view transpose permute squeeze unsqueeze flatten t
@@ -26,6 +27,7 @@ softmax log_softmax nn.functional.relu nn.functional.gelu nn.functional.layer_no
 native_batch_norm _native_batch_norm_legit nn.functional.max_pool2d nn.functional.pixel_shuffle
 nn.functional.embedding nn.functional.cross_entropy nn.functional.mse_loss nn.functional.binary_cross_entropy_with_logits
 nn.functional.dropout uniform randn_like linalg.svd nn.functional.hardshrink
+arange linspace full eye scalar_tensor to randn signal.windows.hann cummax nn.functional.group_norm
 """.split()
 
 FUSED_SLICE = "add matmul sum softmax nn.functional.layer_norm reshape transpose index_select nn.functional.cross_entropy".split()

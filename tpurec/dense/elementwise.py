@@ -548,3 +548,29 @@ def fill(x, value):
 @lower(aten.zero.default)
 def zero(x):
     return jnp.zeros_like(x)
+
+
+def _real_angle(x):
+    # torch: pi for negative values, 0 otherwise (-0.0 included), NaN kept.
+    # jnp.angle would give pi for -0.0 (it is atan2(0, x)).
+    return jnp.where(jnp.isnan(x), x, jnp.where(x < 0, jnp.asarray(math.pi, x.dtype), jnp.zeros_like(x)))
+
+
+@lower(aten.angle.default)
+def angle(x):
+    if jnp.iscomplexobj(x):
+        return jnp.angle(x)
+    return _apply(_real_angle, (x,), INT_TO_FLOAT)
+
+
+@lower(torch.ops.prims.frexp.default, aten.frexp.Tensor)
+def frexp(x):
+    mantissa, exponent = jnp.frexp(x)
+    # torch (like C's frexp) gives exponent 0 for inf and NaN, and keeps them as the mantissa.
+    finite = jnp.isfinite(x)
+    return jnp.where(finite, mantissa, x), jnp.where(finite, exponent, 0).astype(jnp.int32)
+
+
+@lower(torch.ops.prims.nextafter.default, aten.nextafter.default)
+def nextafter(x, y):
+    return jnp.nextafter(x, y.astype(x.dtype))

@@ -129,6 +129,48 @@ def native_layer_norm_backward(grad, x, normalized_shape: Sequence[int], mean, r
     return gx, gweight, gbias
 
 
+def _grouped(x, n: int, c: int, hxw: int, group: int):
+    """``x`` (N, C, *) seen as (N, group, C // group, H*W): the axes group norm reduces are the last two."""
+    return x.reshape(n, group, c // group, hxw)
+
+
+@lower(aten.native_group_norm.default)
+def native_group_norm(x, weight, bias, n: int, c: int, hxw: int, group: int, eps):
+    acc = _acc(x.dtype)
+    xf = _grouped(x.astype(acc), n, c, hxw, group)
+    mean = jnp.mean(xf, axis=(2, 3), keepdims=True)
+    var = jnp.mean(jnp.square(xf - mean), axis=(2, 3), keepdims=True)
+    rstd = jax.lax.rsqrt(var + cast(eps, acc))
+    y = ((xf - mean) * rstd).reshape(n, c, hxw)
+    if weight is not None:
+        y = y * weight.astype(acc).reshape(1, c, 1)
+    if bias is not None:
+        y = y + bias.astype(acc).reshape(1, c, 1)
+    stats_shape = (n, group)
+    return y.reshape(x.shape).astype(x.dtype), mean.reshape(stats_shape).astype(x.dtype), rstd.reshape(stats_shape).astype(x.dtype)
+
+
+@lower(aten.native_group_norm_backward.default)
+def native_group_norm_backward(grad, x, mean, rstd, weight, n: int, c: int, hxw: int, group: int, output_mask):
+    acc = _acc(x.dtype)
+    g = grad.astype(acc).reshape(n, c, hxw)
+    mean = mean.astype(acc).reshape(n, group, 1, 1)
+    rstd = rstd.astype(acc).reshape(n, group, 1, 1)
+    xhat = ((_grouped(x.astype(acc), n, c, hxw, group) - mean) * rstd).reshape(n, c, hxw)
+    gw = g * weight.astype(acc).reshape(1, c, 1) if weight is not None else g
+    gx = None
+    if output_mask[0]:
+        count = (c // group) * hxw
+        gw4 = _grouped(gw, n, c, hxw, group)
+        xhat4 = _grouped(xhat, n, c, hxw, group)
+        gw_sum = jnp.sum(gw4, axis=(2, 3), keepdims=True)
+        gwx_sum = jnp.sum(gw4 * xhat4, axis=(2, 3), keepdims=True)
+        gx = (rstd / count * (count * gw4 - gw_sum - xhat4 * gwx_sum)).reshape(x.shape).astype(x.dtype)
+    gweight = jnp.sum(g * xhat, axis=(0, 2)).astype(weight.dtype) if output_mask[1] and weight is not None else None
+    gbias = jnp.sum(g, axis=(0, 2)).astype(x.dtype) if output_mask[2] else None
+    return gx, gweight, gbias
+
+
 def _bn_shape(x, v):
     """A per-channel vector broadcast against NC... input."""
     return v.reshape((1, -1) + (1,) * (x.ndim - 2))

@@ -279,3 +279,55 @@ def logcumsumexp(x, dim: int):
     out = float_for(x.dtype)
     xf = x.astype(_acc_dtype(out))
     return jax.lax.cumlogsumexp(xf, axis=norm_dim(dim, x.ndim)).astype(out)
+
+
+@lower(torch.ops.prims.var.default)
+def prims_var(x, dims_=None, correction=1, *, output_dtype=None):
+    # None and [] both mean every dim, as torch's CPU kernel for the prim does.
+    axes = dims(dims_, x.ndim)
+    out = jdtype(output_dtype) if output_dtype is not None else float_for(x.dtype)
+    xf = x.astype(_acc_dtype(float_for(x.dtype)) if not jnp.iscomplexobj(x) else x.dtype)
+    n = 1
+    for a in axes:
+        n *= x.shape[a]
+    mean = jnp.mean(xf, axis=axes, keepdims=True)
+    ssq = jnp.sum(jnp.square(jnp.abs(xf - mean)), axis=axes)
+    c = 1 if correction is None else correction
+    return (ssq / jnp.maximum(n - c, 0)).astype(out)
+
+
+def _cumulative_extreme(x, dim: int, later_wins):
+    """(values, indices) of a running max/min along ``dim``.
+
+    ``later_wins(earlier, later)`` says when the later element replaces the
+    running one. As in torch, NaN beats every number and ties go to the later
+    index; "greatest (NaN first, then value, then index)" is associative, so a
+    parallel scan gives the same result as torch's sequential loop.
+    """
+    if x.ndim == 0:
+        return x, jnp.zeros((), jnp.int64)
+    d = norm_dim(dim, x.ndim)
+    shape = [1] * x.ndim
+    shape[d] = x.shape[d]
+    idx = jnp.broadcast_to(jnp.arange(x.shape[d], dtype=jnp.int64).reshape(shape), x.shape)
+    floating = is_float(x.dtype)
+
+    def combine(a, b):
+        av, ai = a
+        bv, bi = b
+        take = later_wins(av, bv)
+        if floating:
+            take = jnp.isnan(bv) | (~jnp.isnan(av) & take)
+        return jnp.where(take, bv, av), jnp.where(take, bi, ai)
+
+    return jax.lax.associative_scan(combine, (x, idx), axis=d)
+
+
+@lower(aten.cummax.default)
+def cummax(x, dim: int):
+    return _cumulative_extreme(x, dim, lambda earlier, later: later >= earlier)
+
+
+@lower(aten.cummin.default)
+def cummin(x, dim: int):
+    return _cumulative_extreme(x, dim, lambda earlier, later: later <= earlier)
