@@ -13,6 +13,15 @@ from jax.experimental import pallas as pl
 import tpurec
 from tpurec.library import jax_op
 
+
+@pytest.fixture(autouse=True)
+def _start_in_eager_mode():
+    """These tests check eager-mode mechanics or enter the mode they test themselves, so each
+    starts in eager mode even when the suite runs with TPUREC_MODE=fused."""
+    with tpurec.mode("eager"):
+        yield
+
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

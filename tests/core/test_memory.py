@@ -7,6 +7,15 @@ import torch
 import tpurec
 from tpurec import memory
 
+
+@pytest.fixture(autouse=True)
+def _start_in_eager_mode():
+    """These tests check eager-mode mechanics or enter the mode they test themselves, so each
+    starts in eager mode even when the suite runs with TPUREC_MODE=fused."""
+    with tpurec.mode("eager"):
+        yield
+
+
 MIB = 1 << 20
 
 

@@ -15,6 +15,15 @@ import tpurec
 import tpurec.sparse as sparse
 
 
+@pytest.fixture(autouse=True)
+def _start_in_eager_mode():
+    """These tests check eager-mode mechanics or enter the mode they test themselves, so each
+    starts in eager mode even when the suite runs with TPUREC_MODE=fused."""
+    with tpurec.mode("eager"):
+        yield
+
+
+
 def _dlrm():
     torch.manual_seed(0)
     tables = [

@@ -5,9 +5,19 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 import tpurec
+
+
+@pytest.fixture(autouse=True)
+def _start_in_eager_mode():
+    """These tests check eager-mode mechanics or enter the mode they test themselves, so each
+    starts in eager mode even when the suite runs with TPUREC_MODE=fused."""
+    with tpurec.mode("eager"):
+        yield
+
 
 THIS_FILE = os.path.abspath(__file__)
 
