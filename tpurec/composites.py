@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["COMPOSITES", "native_multi_head_attention", "transformer_encoder_layer_fwd"]
+__all__ = ["COMPOSITES", "native_multi_head_attention", "register_composite", "transformer_encoder_layer_fwd"]
 
 aten = torch.ops.aten
 
@@ -119,3 +119,20 @@ COMPOSITES = {
     aten._native_multi_head_attention.default: native_multi_head_attention,
     aten._transformer_encoder_layer_fwd.default: transformer_encoder_layer_fwd,
 }
+
+
+def register_composite(op: torch._ops.OpOverload):
+    """Decorator: ``fn`` is how the tpu device runs ``op`` (eager and compiled).
+
+    tpurec keeps its decompositions here, never in ``torch._decomp``'s global
+    table: an entry there changes what every other backend (inductor
+    included) sees, and inductor refuses to start under ``CI=1`` when an op it
+    falls back on gains a decomposition.
+    """
+
+    def wrap(fn):
+        COMPOSITES[op] = fn
+        return fn
+
+    return wrap
+

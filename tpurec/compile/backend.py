@@ -237,7 +237,9 @@ def decompositions() -> dict:
     from torch._decomp import core_aten_decompositions, decomposition_table
 
     from tpurec.compile.graph import handled_without_lowering
+    from tpurec.dense.registry import _load_families
 
+    _load_families()  # the families add their composites as they load
     table = {op: fn for op, fn in decomposition_table.items() if isinstance(op, torch._ops.OpOverload)}
     table.update(core_aten_decompositions())
     from tpurec.composites import COMPOSITES

@@ -462,11 +462,9 @@ def _check_errors_on_host(info: torch.Tensor, api_name: str, *, is_matrix: bool)
 
 
 def _register_check_errors() -> None:
-    from torch._decomp import decomposition_table, register_decomposition
+    from tpurec.composites import register_composite
 
-    op = aten._linalg_check_errors.default
-    if op not in decomposition_table:
-        register_decomposition(op)(_check_errors_on_host)
+    register_composite(aten._linalg_check_errors.default)(_check_errors_on_host)
 
 
 _register_check_errors()

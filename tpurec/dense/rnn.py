@@ -14,8 +14,8 @@ matching backward ops can be lowered too:
 live on the host (``pack_padded_sequence`` puts them there), so it is a
 decomposition rather than a lowering: the row indices are computed on the host
 from the lengths and the rows are gathered on the device with one ``index``
-op. It is registered in ``torch._decomp``'s table, which the dispatcher falls
-back to for ops without a lowering.
+op. It is registered in tpurec's composite table, which the dispatcher and the
+compile backend fall back to for ops without a lowering.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
-from torch._decomp import decomposition_table, register_decomposition
 
+from tpurec.composites import register_composite
 from tpurec.dense._util import acc_dtype as _acc
 from tpurec.dense.registry import lower
 
@@ -156,5 +156,4 @@ def _pack_padded_sequence(input: torch.Tensor, lengths: torch.Tensor, batch_firs
     return data, torch.from_numpy(batch_sizes.astype(np.int64))
 
 
-if aten._pack_padded_sequence.default not in decomposition_table:
-    register_decomposition(aten._pack_padded_sequence.default)(_pack_padded_sequence)
+register_composite(aten._pack_padded_sequence.default)(_pack_padded_sequence)
