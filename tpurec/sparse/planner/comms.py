@@ -515,14 +515,6 @@ def hlo_collectives(hlo_text: str, num_devices: int) -> List[HloCollective]:
 _ALIGN = 8  # tpurec.shard rounds id capacities up to a multiple of 8
 
 
-@dataclass
-class _ExecShard:
-    rank: int
-    row_offset: int
-    rows: int
-    cols: int
-
-
 def executed_distribution_bytes(
     sharding_plan: ShardingPlan,
     tables: Union[Sequence[TableLike], Mapping[str, TableLike]],
@@ -536,7 +528,8 @@ def executed_distribution_bytes(
 ) -> Dict[str, float]:
     """Bytes every device sends per step in ``tpurec.shard``'s programs, padding included.
 
-    ``tpurec.shard`` lays a plan out in groups of equal shard width; each
+    Read from the :class:`tpurec.sparse.sharding.Layout` that ``tpurec.shard``
+    builds for the plan: shards are laid out in groups of equal width; each
     group's collectives move static buffers: ids in ``[devices, capacity]``
     blocks to every device, pooled rows in ``[devices, slots, batch, width]``
     blocks with as many slots as the busiest device owns, row-wise tables
@@ -587,53 +580,41 @@ def executed_distribution_bytes(
         # Grown on demand: the next power of two (at least 8).
         return max(_ALIGN, 2 ** math.ceil(math.log2(max(need * capacity_factor, 1.0))))
 
-    # width -> per-destination expected ids, a2a slots per device, psum_scatter slots
-    groups: Dict[int, Dict[str, Any]] = {}
-    dp_groups: Dict[int, Dict[str, float]] = {}
-    for name, ps in module_plan.items():  # type: ignore[attr-defined]
-        spec = specs.get(name)
-        if spec is None:
+    # The layout tpurec.shard builds for this plan (imported here: the sharding
+    # package brings in the device runtime, which planning alone does not need).
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    from tpurec.sparse.sharding import Layout, table_shardings
+
+    for name in module_plan:  # type: ignore[attr-defined]
+        if name not in specs:
             raise ValueError(f"plan table {name!r} is not among the tables given ({sorted(specs)})")
-        features = len(spec.features())
-        local_ids = b * spec.pooling_factor * features
-        if ps.sharding_type == _DP:
-            g = dp_groups.setdefault(spec.embedding_dim, {"ids": 0.0, "slots": 0})
-            g["ids"] += local_ids
-            g["slots"] += features
-            continue
-        if ps.sharding_spec is None:
-            raise ValueError(f"plan table {name!r} ({ps.sharding_type}) has no shard metadata (sharding_spec)")
-        shards = [
-            _ExecShard(int(s.placement.rank()), int(s.shard_offsets[0]), int(s.shard_sizes[0]), int(s.shard_sizes[1]))
-            for s in ps.sharding_spec.shards  # type: ignore[union-attr]
-        ]
-        reduce_scattered = (
-            ps.sharding_type == ShardingType.ROW_WISE.value
-            and len({s.rank for s in shards}) == len(shards)
-            and all(s.cols == spec.embedding_dim for s in shards)
+    configs = [
+        EmbeddingBagConfig(
+            num_embeddings=specs[n].num_embeddings, embedding_dim=specs[n].embedding_dim, name=n,
+            feature_names=specs[n].features(),
         )
-        for s in shards:
-            grp = groups.setdefault(s.cols, {"ids": [0.0] * d, "a2a": [0] * d, "rs": 0})
-            # Ids of this shard's row block (uniform ids over rows) reach its device.
-            grp["ids"][s.rank] += local_ids * s.rows / spec.num_embeddings
-            if not reduce_scattered:
-                grp["a2a"][s.rank] += features
-        if reduce_scattered:
-            groups[spec.embedding_dim]["rs"] += features
+        for n in module_plan  # type: ignore[attr-defined]
+    ]
+    layout = Layout(configs, table_shardings(configs, module_plan, d), d)
+    # Expected ids per device and step, uniform over each table's rows.
+    local_ids = {n: b * specs[n].pooling_factor * len(specs[n].features()) for n in specs}
     out = {k: 0.0 for k in (
         "ids_all_to_all", "output_all_to_all", "output_psum_scatter", "grad_all_to_all", "grad_all_gather",
         "data_parallel_all_gather",
     )}
-    for width, grp in groups.items():
-        cap = rounded(max(grp["ids"]))
+    for grp in layout.groups:
+        ids = [0.0] * d
+        for piece in grp.offsets:
+            ids[piece.device] += local_ids[piece.table] * piece.rows / specs[piece.table].num_embeddings
+        cap, a2a, rs = rounded(max(ids)), grp.num_a2a, len(grp.rs_slots)
         out["ids_all_to_all"] += (d - 1) * cap * id_bytes
-        a2a_slots = max(grp["a2a"])
-        out["output_all_to_all"] += (d - 1) * a2a_slots * b * width * grad_bytes
-        out["grad_all_to_all"] += (d - 1) * a2a_slots * b * width * grad_bytes
-        out["output_psum_scatter"] += (d - 1) * grp["rs"] * b * width * grad_bytes
-        out["grad_all_gather"] += (d - 1) * grp["rs"] * b * width * grad_bytes
-    for width, dpg in dp_groups.items():
-        cap = rounded(dpg["ids"])
-        out["data_parallel_all_gather"] += (d - 1) * (cap * id_bytes + dpg["slots"] * b * width * grad_bytes)
+        out["output_all_to_all"] += (d - 1) * a2a * b * grp.width * grad_bytes
+        out["grad_all_to_all"] += (d - 1) * a2a * b * grp.width * grad_bytes
+        out["output_psum_scatter"] += (d - 1) * rs * b * grp.width * grad_bytes
+        out["grad_all_gather"] += (d - 1) * rs * b * grp.width * grad_bytes
+    for dg in layout.dp_groups:
+        cap = rounded(sum(local_ids[t] for t in dg.offsets))
+        out["data_parallel_all_gather"] += (d - 1) * (cap * id_bytes + len(dg.slots) * b * dg.width * grad_bytes)
     out["total"] = sum(out.values())
     return out
