@@ -27,6 +27,7 @@ from tpurec.core import device as _device  # noqa: E402
 _OLD_PATHS = ("device", "dispatch", "errors", "fused", "memory", "modes", "recompiles", "rng", "runtime", "tensor", "views")
 for _name in _OLD_PATHS:
     _sys.modules[f"{__name__}.{_name}"] = globals()[_name] = getattr(core, _name)
+del _name
 
 _device.register()
 
