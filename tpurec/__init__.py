@@ -16,11 +16,22 @@ import jax
 # torch int64/float64 values must round-trip exactly.
 jax.config.update("jax_enable_x64", True)
 
-from tpurec import device as _device  # noqa: E402
+import sys as _sys  # noqa: E402
+
+from tpurec import core  # noqa: E402
+from tpurec.core import device as _device  # noqa: E402
+
+# The runtime modules' paths before tpurec.core (``tpurec.runtime``, ``tpurec.device``, ...)
+# keep working: each is the very same module object (one state), registered here instead of
+# as files at the old paths so that git follows every module to its new path.
+_OLD_PATHS = ("device", "dispatch", "errors", "fused", "memory", "modes", "recompiles", "rng", "runtime", "tensor", "views")
+for _name in _OLD_PATHS:
+    _sys.modules[f"{__name__}.{_name}"] = globals()[_name] = getattr(core, _name)
+del _name
 
 _device.register()
 
-from tpurec.dispatch import register_factories as _register_factories  # noqa: E402
+from tpurec.core.dispatch import register_factories as _register_factories  # noqa: E402
 
 _register_factories()
 
@@ -33,14 +44,14 @@ from tpurec.compile import register as _register_compile  # noqa: E402
 _register_compile()
 
 from tpurec import library  # noqa: E402,F401
-from tpurec import memory as _memory  # noqa: E402
-from tpurec.device import TpuModule as _TpuModule  # noqa: E402
-from tpurec.device import platform  # noqa: E402
-from tpurec.modes import get_mode, mode, set_mode  # noqa: E402
+from tpurec.core import memory as _memory  # noqa: E402
+from tpurec.core.device import TpuModule as _TpuModule  # noqa: E402
+from tpurec.core.device import platform  # noqa: E402
+from tpurec.core.modes import get_mode, mode, set_mode  # noqa: E402
+from tpurec.core.recompiles import explain_recompiles  # noqa: E402
+from tpurec.core.runtime import enable_disk_cache, reset_stats, stats, synchronize  # noqa: E402
+from tpurec.core.tensor import TpuTensor  # noqa: E402
 from tpurec.profiler import profile  # noqa: E402
-from tpurec.recompiles import explain_recompiles  # noqa: E402
-from tpurec.runtime import enable_disk_cache, reset_stats, stats, synchronize  # noqa: E402
-from tpurec.tensor import TpuTensor  # noqa: E402
 
 enable_disk_cache()
 _memory.install(_TpuModule)  # torch.tpu.memory_allocated() and friends

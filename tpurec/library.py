@@ -215,7 +215,7 @@ def _describe(specs: Sequence[Any]) -> str:
 
 def _host_kernel(signature: _Signature, fn: Callable) -> Callable:
     """The op on CPU tensors: ``fn`` under ``jax.jit`` on XLA:CPU, one program per static arguments."""
-    from tpurec.tensor import host_array, jax_to_host
+    from tpurec.core.tensor import host_array, jax_to_host
 
     cpu = jax.devices("cpu")[0]
     cache: dict[tuple, Callable] = {}

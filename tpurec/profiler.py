@@ -38,34 +38,16 @@ import contextlib
 import os
 from typing import Any, Iterator
 
+import jax
 import torch
-import torch.autograd.profiler as _torch_profiler
+
+from tpurec.core import runtime
+
+# The ranges are recorded by the runtime core (tpurec/core/profiler.py); profile() sits
+# above the core because it synchronizes the device.
+from tpurec.core.profiler import enabled, program_label, record
 
 __all__ = ["enabled", "record", "profile", "program_label"]
-
-
-def enabled() -> bool:
-    """Whether a ``torch.profiler`` (or autograd profiler) is recording now."""
-    return _torch_profiler._is_profiler_enabled
-
-
-def record(name: str) -> contextlib.AbstractContextManager:
-    """A ``record_function`` range named ``name`` while profiling, otherwise a no-op."""
-    if _torch_profiler._is_profiler_enabled:
-        return _torch_profiler.record_function(name)
-    return contextlib.nullcontext()
-
-
-def program_label(origin: Any) -> str:
-    """What kind of program an origin tuple (see ``runtime.Program.origin``) describes."""
-    if origin is None:
-        return "op"
-    kind = origin[0]
-    if kind == "fused":
-        return "fused window"
-    if kind == "graph":
-        return f"{origin[1].name.split('#')[0]} graph"
-    return "op"
 
 
 @contextlib.contextmanager
@@ -84,10 +66,6 @@ def profile(logdir: str, *, device_trace: bool = True, **profiler_options: Any) 
     Raises:
         ValueError: ``logdir`` exists and is not a folder.
     """
-    import jax
-
-    from tpurec import runtime
-
     if os.path.exists(logdir) and not os.path.isdir(logdir):
         raise ValueError(f"tpurec.profile: {logdir!r} exists and is not a folder; pass a folder for the traces")
     os.makedirs(logdir, exist_ok=True)

@@ -35,7 +35,7 @@ def end_step() -> None:
     """Marks a step boundary: in fused mode the step's recorded ops run now, as
     one program, without waiting for it (XLA dispatch is asynchronous)."""
     if tpurec.get_mode() == "fused":
-        from tpurec import fused  # the window flush behind torch.tpu.synchronize, minus the wait
+        from tpurec.core import fused  # the window flush behind torch.tpu.synchronize, minus the wait
 
         fused.flush("step")
 

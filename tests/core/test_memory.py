@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import tpurec
-from tpurec import memory
+from tpurec.core import memory
 
 
 @pytest.fixture(autouse=True)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 import tpurec
-from tpurec import dispatch
+from tpurec.core import dispatch
 
 aten = torch.ops.aten
 
@@ -263,7 +263,7 @@ def test_backward_host_fallback_raises_under_error_policy(monkeypatch):
 
 
 def test_bad_host_fallback_policy_is_a_clear_error(monkeypatch):
-    from tpurec import modes
+    from tpurec.core import modes
 
     monkeypatch.setenv("TPUREC_HOST_FALLBACK", "sometimes")
     with pytest.raises(ValueError, match="TPUREC_HOST_FALLBACK='sometimes'"):

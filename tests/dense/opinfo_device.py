@@ -45,7 +45,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
 
 import tpurec  # noqa: E402
-from tpurec import dispatch, runtime  # noqa: E402
+from tpurec.core import dispatch, runtime  # noqa: E402
 
 MAX_SAMPLES = 3
 # float32, tpu vs CPU: XLA:CPU's vectorised transcendental functions and its

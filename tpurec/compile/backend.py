@@ -25,11 +25,11 @@ import jax
 import torch
 import torch.fx
 
-from tpurec import profiler, recompiles, rng, runtime
+from tpurec.core import profiler, recompiles, rng, runtime
 from tpurec.compile.graph import CompileError, GraphProgram
 from tpurec.dense.registry import get_lowering
-from tpurec.device import jax_device
-from tpurec.tensor import TpuTensor, host_to_jax, wrap
+from tpurec.core.device import jax_device
+from tpurec.core.tensor import TpuTensor, host_to_jax, wrap
 
 log = logging.getLogger("tpurec.compile")
 
@@ -55,7 +55,7 @@ def _count_build() -> None:
 class _Variant:
     """The jitted program of a graph for one set of input shapes."""
 
-    # origin/reused/__weakref__: for recompilation diagnostics (tpurec/recompiles.py).
+    # origin/reused/__weakref__: for recompilation diagnostics (tpurec/core/recompiles.py).
     __slots__ = ("jitted", "ran", "static_outs", "origin", "reused", "__weakref__")
 
     def __init__(self) -> None:
@@ -123,7 +123,7 @@ class CompiledGraph:
 
     def _inputs(self, args: Sequence[Any]):
         """Runtime values: jax arrays for tensors, Python numbers as they are; and the shape signature."""
-        from tpurec.dispatch import value_of
+        from tpurec.core.dispatch import value_of
 
         inputs, signature = [], []
         index = self.device_index

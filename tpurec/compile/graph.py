@@ -3,7 +3,7 @@
 ``GraphProgram(gm)`` walks the graph once to plan it (which op runs how, which
 scalars travel as runtime inputs, how many random keys it needs); ``trace``
 then interprets it node by node over jax arrays, inside ``jax.jit``. Every
-ATen op is called exactly as eager execution calls it (tpurec/dispatch.py):
+ATen op is called exactly as eager execution calls it (tpurec/core/dispatch.py):
 
 * tensors become jax arrays; ``Scalar``/``float`` arguments become traced
   weakly typed scalars (runtime inputs of the program), everything else is a
@@ -31,7 +31,7 @@ import torch
 import torch.fx
 from torch._dynamo.exc import ShortenTraceback
 
-from tpurec import rng
+from tpurec.core import rng
 from tpurec.compile.views import view_lowering
 from tpurec.dense.registry import (
     DYNAMIC,
@@ -42,7 +42,7 @@ from tpurec.dense.registry import (
     get_lowering,
     to_jax_dtype,
 )
-from tpurec.tensor import host_to_jax
+from tpurec.core.tensor import host_to_jax
 
 aten = torch.ops.aten
 
@@ -174,7 +174,7 @@ def _plan_node(node: torch.fx.Node) -> _Step:
     special = _SPECIAL.get(target)
     if special is not None:
         return _Step(node, special, "special", dtypes=_meta_dtypes(node))
-    from tpurec.errors import unsupported_op
+    from tpurec.core.errors import unsupported_op
 
     raise CompileError(f"{unsupported_op(target)}\n  in {describe_node(node)}")
 
@@ -297,8 +297,8 @@ def _cast(out, dtypes):
 def _constant(value):
     """A tensor attribute of the graph (a lifted constant) as a jax array."""
     if isinstance(value, torch.Tensor):
-        from tpurec.dispatch import value_of
-        from tpurec.tensor import TpuTensor
+        from tpurec.core.dispatch import value_of
+        from tpurec.core.tensor import TpuTensor
 
         if isinstance(value, TpuTensor):
             return value_of(value)

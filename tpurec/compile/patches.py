@@ -1,7 +1,7 @@
 """What Dynamo needs to see tpu tensors as ordinary tensors.
 
 A tpu tensor is a Python wrapper subclass with its own ``__torch_dispatch__``
-(tpurec/tensor.py). Out of the box, torch.compile treats such a subclass as
+(tpurec/core/tensor.py). Out of the box, torch.compile treats such a subclass as
 an opaque Python object: Dynamo would trace *into* ``__torch_dispatch__`` and
 the runtime core. For the compiler a tpu tensor is exactly a dense tensor on
 a device, like a CUDA tensor; these patches say so (AOTAutograd's tangent
@@ -22,7 +22,7 @@ import importlib.util
 
 import torch
 
-from tpurec.tensor import TpuTensor
+from tpurec.core.tensor import TpuTensor
 
 __all__ = ["apply"]
 
@@ -33,16 +33,8 @@ _SKIPPED_MODULES = (
     "ml_dtypes",
     "opt_einsum",
     "tpurec.compile",
+    "tpurec.core",  # a package: its folder, so every runtime module in it
     "tpurec.dense",
-    "tpurec.device",
-    "tpurec.dispatch",
-    "tpurec.errors",
-    "tpurec.fused",
-    "tpurec.modes",
-    "tpurec.rng",
-    "tpurec.runtime",
-    "tpurec.tensor",
-    "tpurec.views",
 )
 
 _applied = False

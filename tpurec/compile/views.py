@@ -18,7 +18,7 @@ import torch
 from jax import lax
 
 from tpurec.dense.registry import to_jax_dtype
-from tpurec.views import read_view, write_view
+from tpurec.core.views import read_view, write_view
 
 aten = torch.ops.aten
 

@@ -31,7 +31,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from tpurec import modes
+from tpurec.core import modes
 from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
 from tpurec.sparse.ops import touched_rows_update_cpu
@@ -242,7 +242,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         for st in self._stacks:
             csr = batch.stacks[st.name].arrays()
             if device.type == "tpu":
-                from tpurec.device import jax_device
+                from tpurec.core.device import jax_device
 
                 target = jax_device(device.index)
                 arrays.append([jax.device_put(a, target) for a in csr])  # asynchronous copies
@@ -265,7 +265,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         _, batch, arrays = entry
         device = self.device
         if device.type == "tpu":
-            from tpurec.tensor import wrap
+            from tpurec.core.tensor import wrap
 
             index = device.index if device.index is not None else torch.tpu.current_device()
             arrays = [[wrap(a, index) for a in stack] for stack in arrays]

@@ -126,8 +126,8 @@ class TrainPipeline(Generic[In, Out]):
     def _to_device(self, t: torch.Tensor) -> Any:
         if self._device.type != "tpu":
             return t.to(self._device, non_blocking=True)
-        from tpurec.device import jax_device
-        from tpurec.tensor import host_to_jax
+        from tpurec.core.device import jax_device
+        from tpurec.core.tensor import host_to_jax
 
         if t.device.type != "cpu":
             return t  # already on a device: the step moves it if needed
@@ -200,7 +200,7 @@ class TrainPipeline(Generic[In, Out]):
             self._exhausted = True
             raise item.error
 
-        from tpurec.tensor import wrap
+        from tpurec.core.tensor import wrap
 
         batch = _map_batch(item, lambda t: wrap(t.array, t.index, t.dtype) if isinstance(t, _OnDevice) else t, lambda k: k)
         training = self._model.training
@@ -211,7 +211,7 @@ class TrainPipeline(Generic[In, Out]):
             torch.sum(losses, dim=0).backward() if losses.dim() else losses.backward()
             self._optimizer.step()
         if self._device.type == "tpu":
-            from tpurec import fused, modes
+            from tpurec.core import fused, modes
 
             if modes.get_mode() == "fused":
                 # The step's recorded ops go out now as one program, without

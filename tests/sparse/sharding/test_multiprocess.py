@@ -117,7 +117,7 @@ def test_initialize_after_devices_are_in_use_is_refused():
 def _mesh_tensor():
     import torch
 
-    from tpurec import runtime
+    from tpurec.core import runtime
     from tpurec.sparse.sharding import default_mesh, distribute_batch
 
     runtime.mesh_arrays_in_use()
@@ -131,7 +131,7 @@ def test_multiprocess_cpu_jobs_wait_for_each_mesh_program(monkeypatch, setting, 
     import jax
     import torch
 
-    from tpurec import runtime
+    from tpurec.core import runtime
 
     x = _mesh_tensor()
     waited = []
@@ -154,7 +154,7 @@ def test_multiprocess_cpu_jobs_wait_for_each_mesh_program(monkeypatch, setting, 
 def test_one_process_does_not_wait_for_mesh_programs(monkeypatch):
     import jax
 
-    from tpurec import runtime
+    from tpurec.core import runtime
 
     x = _mesh_tensor()
     waited = []

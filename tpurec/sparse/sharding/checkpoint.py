@@ -141,7 +141,7 @@ def _canonical_sharding(module: ShardedEmbeddingBagCollection, ndim: int) -> Nam
 
 
 def _tree(model: nn.Module) -> dict[str, Any]:
-    from tpurec.dispatch import value_of
+    from tpurec.core.dispatch import value_of
 
     tree: dict[str, Any] = {"embeddings": {}, "dense": {}}
     for path, module in _modules(model).items():

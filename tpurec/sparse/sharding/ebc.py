@@ -32,14 +32,14 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from tpurec import runtime
+from tpurec.core import runtime
 from tpurec.sparse.ops import kernel_for
 from tpurec.sparse.optimizers import EmbeddingOptimizer
 from tpurec.sparse.preprocess import read_kjt, stack_tables
 from tpurec.sparse.sharding.layout import Layout
 from tpurec.sparse.sharding.specs import TableSharding
 from tpurec.sparse.types import PAD_ID, CapacityError
-from tpurec.tensor import wrap
+from tpurec.core.tensor import wrap
 
 __all__ = ["ShardedEmbeddingBagCollection"]
 
@@ -205,7 +205,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 getattr(self, name)._storage.array = array
 
     def _arrays(self, prefix: str, count: int) -> tuple[list[jax.Array], list[list[jax.Array]]]:
-        from tpurec.dispatch import value_of
+        from tpurec.core.dispatch import value_of
 
         weights = [value_of(getattr(self, f"{prefix}_weight_{g}")) for g in range(count)]
         slots = [[value_of(getattr(self, f"{prefix}_{s}_{g}")) for s in self.optimizer.slots] for g in range(count)]
@@ -522,7 +522,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         return wrap(out, 0), (received, batch["dp"], b)
 
     def _run_backward(self, saved: tuple, grad_output: torch.Tensor) -> None:
-        from tpurec.dispatch import value_of
+        from tpurec.core.dispatch import value_of
 
         received, dp, b = saved
         L = self.layout

@@ -19,12 +19,12 @@ import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from torch import nn
 
-from tpurec import runtime
+from tpurec.core import runtime
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
 from tpurec.sparse.sharding.specs import TableSharding, module_plans, table_shardings
-from tpurec.tensor import TpuTensor, host_array, wrap
+from tpurec.core.tensor import TpuTensor, host_array, wrap
 
 __all__ = ["shard", "default_mesh", "distribute_batch", "replicate"]
 
@@ -73,7 +73,7 @@ def distribute_batch(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
 
 def replicate(tensor: torch.Tensor, mesh: Mesh) -> None:
     """Makes tpu tensor ``tensor`` hold a copy of its values on every mesh device (in place)."""
-    from tpurec.dispatch import value_of
+    from tpurec.core.dispatch import value_of
 
     if _is_global(tensor):
         return

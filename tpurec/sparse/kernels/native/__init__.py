@@ -91,7 +91,7 @@ def _flags() -> list[str]:
 
 
 def _cache_dir() -> Path:
-    from tpurec.runtime import cache_root
+    from tpurec.core.runtime import cache_root
 
     root = cache_root()
     if root is None:  # persistence off: build once per user in the temp folder

@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from tpurec.core.device import jax_device
+
 __all__ = [
     "memory_allocated",
     "max_memory_allocated",
@@ -120,16 +122,12 @@ def _index(device: Any) -> int:
         index = parsed.index if parsed.index is not None else torch.tpu.current_device()
     else:
         raise TypeError(f"device must be an int, a string or a torch.device, got {type(device).__name__}")
-    from tpurec.device import jax_device
-
     jax_device(index)  # raises RuntimeError("Invalid device ordinal ...") like CUDA
     return index
 
 
 def _platform_stats(index: int) -> dict[str, int] | None:
     """XLA's allocator statistics for ``tpu:index``, or None where the platform reports none (XLA:CPU)."""
-    from tpurec.device import jax_device
-
     try:
         stats = jax_device(index).memory_stats()
     except Exception:  # noqa: BLE001 (some PJRT plugins raise instead of returning None)
@@ -275,8 +273,6 @@ class TpuDeviceProperties:
 
 def get_device_properties(device: Any = None) -> TpuDeviceProperties:
     """The properties of a tpu device."""
-    from tpurec.device import jax_device
-
     index = _index(device)
     d = jax_device(index)
     coords = getattr(d, "coords", None)

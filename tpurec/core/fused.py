@@ -16,7 +16,9 @@ import weakref
 
 import jax
 
-from tpurec import profiler, runtime
+from tpurec.core import profiler, runtime
+from tpurec.core.device import jax_device
+from tpurec.core.tensor import holders
 
 __all__ = ["Pending", "record", "flush", "is_pending", "pending_ops"]
 
@@ -128,6 +130,10 @@ def flush(reason: str) -> None:
         _flush(nodes, storages, device, replaced, counters)
 
 
+# synchronize() (in runtime, a layer below) runs the pending window first.
+runtime.flush_pending_work_with(flush)
+
+
 def _flush(nodes: list, storages: list, device: int, replaced: dict, counters: runtime.Stats) -> None:
     """Builds (or reuses) the program of one window of ``nodes``, runs it and fills in ``storages``."""
     node_index = {id(n): j for j, n in enumerate(nodes)}
@@ -152,8 +158,6 @@ def _flush(nodes: list, storages: list, device: int, replaced: dict, counters: r
     # Sorted, so the key does not depend on the order the weak set yields storages.
     outputs = sorted({(node_index[id(s.array.node)], s.array.index) for s in storages})
     seen = {where: k for k, where in enumerate(outputs)}
-    from tpurec.tensor import holders
-
     donate = tuple(
         k for k, x in enumerate(external)
         if isinstance(x, jax.Array) and id(x) in replaced and holders(x) == 0 and not x.is_deleted()
@@ -180,8 +184,6 @@ def _flush(nodes: list, storages: list, device: int, replaced: dict, counters: r
                         args.append(results[j][i])
                 results.append(raw(*args))
             return [results[j][i] for j, i in outputs]
-
-        from tpurec.device import jax_device
 
         placed = jax.sharding.SingleDeviceSharding(jax_device(device))
         program = _fused_programs[key] = runtime.Program(fused, donate_argnums=(0,), out_shardings=placed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -11,7 +12,10 @@ from typing import Any, Callable
 
 import jax
 import numpy as np
+import torch.autograd.profiler as _torch_profiler
 from jax import monitoring
+
+from tpurec.core import profiler as _profiler
 
 __all__ = ["Stats", "stats", "reset_stats", "ProgramCache", "Program", "programs", "cache_root", "enable_disk_cache"]
 
@@ -35,7 +39,7 @@ class Stats:
         host_fallbacks: ops that failed on the device during backward and ran on the
             host instead (``TPUREC_HOST_FALLBACK``), by overload name.
         host_ops: data-dependent ops (nonzero, masked_select, unique...) run on the host by design.
-        recompile_reports: recompilations of warm programs (tpurec/recompiles.py); ``as_dict``
+        recompile_reports: recompilations of warm programs (tpurec/core/recompiles.py); ``as_dict``
             gives their number (``recompilations``) and reasons (``recompile_reasons``).
     """
 
@@ -110,6 +114,44 @@ monitoring.register_event_listener(_on_event)
 monitoring.register_event_duration_secs_listener(_on_duration)
 
 
+# --- hooks that the layers above install at import -------------------------------
+# tpurec.core.recompiles and tpurec.core.fused import this module, so it reaches them
+# through these slots instead of importing them.
+
+
+def _no_observer(program: Any) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
+
+
+def _no_pending_work(reason: str) -> None:
+    return None
+
+
+_compile_observer: Callable[[Any], contextlib.AbstractContextManager] = _no_observer
+_flush_pending_work: Callable[[str], None] = _no_pending_work
+
+
+def observe_compilations(observer: Callable[[Any], contextlib.AbstractContextManager]) -> None:
+    """Sets what wraps each new program's first run (its compilation).
+
+    Args:
+        observer: called with the program; returns a context manager around the run
+            (``tpurec.core.recompiles.compiling``: a profiler range and the recompilation check).
+    """
+    global _compile_observer
+    _compile_observer = observer
+
+
+def flush_pending_work_with(flush: Callable[[str], None]) -> None:
+    """Sets what :func:`synchronize` runs before it waits (``tpurec.core.fused.flush``).
+
+    Args:
+        flush: called with the sync reason; runs deferred work.
+    """
+    global _flush_pending_work
+    _flush_pending_work = flush
+
+
 _serials = itertools.count()
 
 
@@ -119,7 +161,7 @@ class Program:
     The fused mode calls ``raw`` inside a larger trace; eager calls ``jitted``.
     """
 
-    # origin/reused/__weakref__: for recompilation diagnostics (tpurec/recompiles.py).
+    # origin/reused/__weakref__: for recompilation diagnostics (tpurec/core/recompiles.py).
     __slots__ = (
         "raw", "jitted", "serial", "ran", "out_avals", "metas", "_options", "_spmd", "origin", "reused", "__weakref__",
     )
@@ -167,7 +209,7 @@ class Program:
             return jitted(*args)
         start = time.perf_counter()
         try:
-            with _recompiles.compiling(self):  # tpurec hook: compile range + recompilation diagnostics
+            with _compile_observer(self):  # tpurec hook: compile range + recompilation diagnostics
                 out = jitted(*args)
         finally:
             _stats.compile_seconds += time.perf_counter() - start
@@ -339,17 +381,8 @@ def enable_disk_cache(path: str | None = None) -> str | None:
 
 def synchronize() -> None:
     """Runs pending fused work and waits for every computation on the tpu devices."""
-    from tpurec import fused
-
     with _profiler.record("tpurec::sync (synchronize)"):  # tpurec.profiler hook
-        fused.flush("synchronize")
+        _flush_pending_work("synchronize")
         for device in jax.local_devices():
             jax.device_put(0, device).block_until_ready()
         jax.effects_barrier()
-
-
-# At the end: these import this module.
-import torch.autograd.profiler as _torch_profiler  # noqa: E402
-
-from tpurec import profiler as _profiler  # noqa: E402
-from tpurec import recompiles as _recompiles  # noqa: E402

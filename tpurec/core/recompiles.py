@@ -47,7 +47,7 @@ from typing import Any, Iterator
 
 import torch
 
-from tpurec import profiler, runtime
+from tpurec.core import profiler, runtime
 
 __all__ = ["Recompilation", "explain_recompiles", "compiling", "logging_enabled"]
 
@@ -133,6 +133,10 @@ def compiling(owner: Any) -> Iterator[None]:
         _note(owner, origin, seconds, runtime.counters().disk_hits > disk_hits)
     except Exception as error:  # noqa: BLE001 (diagnostics must never break a run)
         log.debug("tpurec: recompilation check failed: %r", error)
+
+
+# Every program's first run (in runtime, a layer below) goes through compiling().
+runtime.observe_compilations(compiling)
 
 
 def _note(owner: Any, origin: tuple, seconds: float, from_disk: bool) -> None:

@@ -20,6 +20,8 @@ import contextlib
 import os
 from typing import Iterator
 
+from tpurec.core import fused
+
 __all__ = ["MODES", "set_mode", "get_mode", "mode"]
 
 MODES = ("eager", "fused", "debug")
@@ -50,8 +52,6 @@ def set_mode(name: str) -> None:
     if name not in MODES:
         raise ValueError(f"{name!r} is not a tpurec mode; use one of {', '.join(MODES)}")
     if name != _current:
-        from tpurec import fused
-
         fused.flush("mode switch")
     _current = name
 

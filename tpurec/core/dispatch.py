@@ -28,8 +28,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import torch.autograd.profiler as _torch_profiler
 
-from tpurec import amp, fused, modes, profiler, rng, runtime
+from tpurec import amp
 from tpurec.composites import COMPOSITES
+from tpurec.core import fused, modes, profiler, rng, runtime
 from tpurec.dense.registry import (
     DYNAMIC,
     DYNAMIC_LIST,
@@ -41,10 +42,10 @@ from tpurec.dense.registry import (
     get_lowering,
     to_jax_dtype,
 )
-from tpurec.device import jax_device
-from tpurec.errors import ArgumentError, lowering_failed, unsupported_op
-from tpurec.tensor import Storage, TpuTensor, host_array, host_to_jax, jax_to_host, wrap
-from tpurec.views import contiguous_strides, read_view, write_view
+from tpurec.core.device import jax_device
+from tpurec.core.errors import ArgumentError, lowering_failed, unsupported_op
+from tpurec.core.tensor import Storage, TpuTensor, host_array, host_to_jax, install_dispatcher, jax_to_host, wrap
+from tpurec.core.views import contiguous_strides, read_view, write_view
 
 aten = torch.ops.aten
 
@@ -868,6 +869,10 @@ def _dispatch(func, args: tuple, kwargs: dict):
     if len(returns) == 1:
         return outs
     return tuple(outs)
+
+
+# TpuTensor lives a layer below this module: it reaches the dispatcher through this hook.
+install_dispatcher(dispatch, value_of)
 
 
 # --- factories: ops without tensor inputs reach the PrivateUse1 kernel ---------

@@ -12,6 +12,8 @@ import threading
 import jax
 import torch
 
+from tpurec.core import rng, runtime
+
 __all__ = ["platform", "jax_device", "TpuModule", "register"]
 
 
@@ -78,32 +80,22 @@ class TpuModule:
 
     @staticmethod
     def synchronize(device=None) -> None:
-        from tpurec import runtime
-
         runtime.synchronize()
 
     @staticmethod
     def manual_seed(seed: int) -> None:
-        from tpurec import rng
-
         rng.manual_seed(seed)
 
     @staticmethod
     def manual_seed_all(seed: int) -> None:
-        from tpurec import rng
-
         rng.manual_seed(seed)
 
     @staticmethod
     def get_rng_state(device=None) -> torch.Tensor:
-        from tpurec import rng
-
         return rng.get_state()
 
     @staticmethod
     def set_rng_state(state: torch.Tensor, device=None) -> None:
-        from tpurec import rng
-
         rng.set_state(state)
 
     @staticmethod

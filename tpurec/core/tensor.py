@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
-from tpurec import memory as _memory
-from tpurec import profiler as _profiler
+from tpurec.core import memory as _memory
+from tpurec.core import profiler as _profiler
+from tpurec.core.views import contiguous_strides, is_full
 from tpurec.dense.registry import to_jax_dtype, to_torch_dtype
-from tpurec.views import contiguous_strides, is_full
 
-__all__ = ["Storage", "TpuTensor", "wrap", "host_array", "host_to_jax", "jax_to_host"]
+__all__ = ["Storage", "TpuTensor", "wrap", "host_array", "host_to_jax", "jax_to_host", "install_dispatcher"]
+
+
+# The op dispatcher (tpurec.core.dispatch) sits a layer above this module and imports it;
+# it installs itself here at import, so tpu tensors reach it without an upward import.
+_dispatch: Callable[[Any, tuple, dict], Any] | None = None
+_value_of: Callable[..., jax.Array] | None = None
+
+
+def install_dispatcher(dispatch: Callable[[Any, tuple, dict], Any], value_of: Callable[..., jax.Array]) -> None:
+    """Connects tpu tensors to the op dispatcher.
+
+    Args:
+        dispatch: runs one ATen op on tpu tensors (``TpuTensor.__torch_dispatch__``).
+        value_of: a tensor's values as one concrete jax.Array (printing, ``TpuTensor.jax()``).
+    """
+    global _dispatch, _value_of
+    _dispatch, _value_of = dispatch, value_of
 
 
 # How many storages hold each concrete jax.Array (by id): the fused mode donates
@@ -105,9 +124,7 @@ class TpuTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from tpurec.dispatch import dispatch
-
-        return dispatch(func, args, kwargs or {})
+        return _dispatch(func, args, kwargs or {})
 
     def __coerce_same_metadata_as_tangent__(self, expected_metadata, expected_type=None):
         # AOTAutograd traced a plain tensor where a tpu tensor arrives: for the compiler they are the same.
@@ -133,9 +150,7 @@ class TpuTensor(torch.Tensor):
         return is_full(shape, size, stride, offset)
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        from tpurec.dispatch import value_of
-
-        host = jax_to_host(value_of(self, "print"))
+        host = jax_to_host(_value_of(self, "print"))
         text = repr(host)
         suffix = f"device='{self.device}'"
         extras = []
@@ -167,9 +182,7 @@ class TpuTensor(torch.Tensor):
 
     def jax(self) -> jax.Array:
         """The tensor's values as a jax.Array on its device (no copy when possible)."""
-        from tpurec.dispatch import value_of
-
-        return value_of(self)
+        return _value_of(self)
 
 
 def _rebuild_tpu_tensor(values: torch.Tensor, device: str, requires_grad: bool) -> torch.Tensor:
@@ -177,7 +190,8 @@ def _rebuild_tpu_tensor(values: torch.Tensor, device: str, requires_grad: bool) 
     return values.to(torch._utils._get_restore_location(device)).requires_grad_(requires_grad)
 
 
-torch.serialization.add_safe_globals([_rebuild_tpu_tensor])
+# Under its own name and the one older checkpoints recorded (the module's path before tpurec.core).
+torch.serialization.add_safe_globals([_rebuild_tpu_tensor, (_rebuild_tpu_tensor, "tpurec.tensor._rebuild_tpu_tensor")])
 
 _torch_restore_location = torch._utils._get_restore_location
 
