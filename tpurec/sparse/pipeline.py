@@ -6,10 +6,11 @@ training step and returns the model's output. While the device runs step
 ``i``, a background thread reads batch ``i + 1`` from the iterator,
 preprocesses its KeyedJaggedTensors into SparseCore CSR for every tpurec
 :class:`~tpurec.sparse.EmbeddingBagCollection` of the model (any module with
-its ``prefetch(kjt)`` / ``clear_prefetched()`` / ``feature_names`` protocol),
-and starts the
-host-to-device transfer of its tensors and CSR arrays. The loop waits on the
-host only when the data is late.
+its ``prefetch(kjt)`` / ``clear_prefetched()`` / ``feature_names`` protocol,
+e.g. the sharded collections of ``tpurec.shard``, which route the ids to their
+shards), and starts the host-to-device transfer of its tensors and CSR arrays
+(for a sharded model, straight onto its mesh, split along the batch dim). The
+loop waits on the host only when the data is late.
 
 The model follows TorchRec's training-module convention: ``model(batch)``
 returns ``(losses, output)`` (for example ``torchrec.models.dlrm.DLRMTrain``

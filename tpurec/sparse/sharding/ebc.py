@@ -5,7 +5,9 @@ Per step (see DESIGN.md, "Sharded execution"):
 * host, per process: the local batch is validated (``read_kjt``) and each of
   its ids is routed to the shards holding its row: fixed-capacity
   ``[local devices, devices, capacity]`` arrays per group (source device,
-  destination device, entry), made global arrays on the mesh;
+  destination device, entry), made global arrays on the mesh. Under
+  :class:`~tpurec.sparse.TrainPipeline` this runs in :meth:`prefetch` on the
+  pipeline's worker thread for batch ``i + 1`` while step ``i`` runs;
 * forward program (SPMD, ``shard_map``): ``all_to_all`` moves the entries to
   their owners, each device runs the lookup kernel (the native XLA:CPU kernel
   on CPU, SparseCore on TPU) on its local stack, and pooled rows return to the
@@ -674,6 +676,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     @torch.compiler.disable
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pooled embeddings of this process's batch ``features``.
+
+        Uses what :meth:`prefetch` prepared when ``features`` is the KJT object
+        it was given; otherwise validates and routes the batch here.
 
         Returns:
             ``KeyedTensor`` over the global batch (all processes' samples, in
