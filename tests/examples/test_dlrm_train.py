@@ -146,6 +146,22 @@ def _history(directory: str) -> dict:
 
 
 @pytest.mark.slow
+def test_two_devices_compiled_trains_like_fused():
+    """--num_devices 2 --mode compile: the sharded model's dense part compiled, through the pipeline."""
+    runs = {}
+    for mode in ("fused", "compile"):
+        cfg = flags.parse_args([*SMALL, "--batch_size", "16", "--num_devices", "2", "--adagrad", "--learning_rate", "0.05",
+                                "--limit_train_batches", "6", "--mode", mode])
+        model = loop.place_model(model_lib.build_model(cfg, "tpu"), cfg)
+        pipeline = loop.make_pipeline(model, model_lib.dense_optimizer(cfg, model), cfg, "tpu")
+        with tpurec.mode("eager" if mode == "compile" else mode):
+            stream = data.make_loaders(cfg)["train"].epoch_batches(0)
+            runs[mode] = [float(pipeline.progress(stream)) for _ in range(6)]
+            pipeline.close()
+    assert runs["fused"][-1] < runs["fused"][0]
+    np.testing.assert_allclose(runs["compile"], runs["fused"], rtol=1e-5, atol=0)
+
+
 @pytest.mark.parametrize("source", ["synthetic", "criteo_npy_shuffled"])
 def test_resume_10_plus_10_equals_20(tmp_path, source):
     common = [*SMALL, "--adagrad", "--learning_rate", "0.05", "--embedding_optimizer", "rowwise_adagrad", "--loss_every", "3",
