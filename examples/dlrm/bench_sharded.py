@@ -13,7 +13,10 @@ preprocess and transfer inside the step) and once through the pipeline (the
 worker prepares batch ``i + 1`` while step ``i`` runs), in alternating rounds;
 each step reads its loss (``.item()``), so a step's time includes waiting for
 the device. Prints JSON: median step times, their ratio, the largest loss
-difference between the two loops (0: identical) and the machine load.
+difference between the two loops (0: identical), the host time of preparing
+one batch's ids alone (``sparse_host_prepare_ms``: validation, routing, packing
+and the copies to the mesh, the most the pipeline can hide) and the machine
+load. ``--dense-only`` adds the pipeline moving only the dense tensors ahead.
 
 On CPU the devices are XLA host devices (``--xla_force_host_platform_device_count``,
 set here before JAX starts); they share the machine's cores with the pipeline's
@@ -43,6 +46,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilations)")
     p.add_argument("--rounds", type=int, default=2, help="plain/pipeline rounds, alternating which goes first")
     p.add_argument("--modes", nargs="+", default=["fused", "eager"], choices=["fused", "eager", "compiled"])
+    p.add_argument("--dense-only", action="store_true",
+                   help="also time the pipeline moving only the dense tensors (the ids routed in the step)")
     args = p.parse_args(argv)
     if args.batch % args.devices:
         p.error(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
@@ -123,9 +128,13 @@ def main(argv: list[str] | None = None) -> dict:
             losses.append(loss.item())
         return times, losses
 
-    def pipelined(mode: str) -> tuple[list[float], list[float]]:
+    def pipelined(mode: str, sparse_prefetch: bool = True) -> tuple[list[float], list[float]]:
         model, optimizer = build(mode)
         pipeline = sparse.TrainPipeline(model, optimizer, torch.device("tpu"))
+        if not sparse_prefetch:
+            # What the pipeline did before the sharded collection took prefetch():
+            # only tensors move ahead (to one device); routing runs in the step.
+            pipeline._collections, pipeline._mesh = [], None
         times, losses = [], []
         it = batches()
         for _ in _timed(times):
@@ -145,24 +154,46 @@ def main(argv: list[str] | None = None) -> dict:
         "load_average_before": os.getloadavg(),
     }
     for mode in args.modes:
-        timed: dict[str, list[float]] = {"plain": [], "pipeline": []}
+        loops = {
+            "plain": lambda: plain(mode),
+            "pipeline": lambda: pipelined(mode),
+            "pipeline_dense_only": lambda: pipelined(mode, sparse_prefetch=False),
+        }
+        if not args.dense_only:
+            del loops["pipeline_dense_only"]
+        timed: dict[str, list[float]] = {name: [] for name in loops}
         loss_gap = 0.0
         with tpurec.mode("fused" if mode == "compiled" else mode):
             for r in range(args.rounds):
-                order = ("plain", "pipeline") if r % 2 == 0 else ("pipeline", "plain")
-                runs = {name: (plain if name == "plain" else pipelined)(mode) for name in order}
+                order = list(loops) if r % 2 == 0 else list(reversed(loops))
+                runs = {name: loops[name]() for name in order}
                 for name, (times, _) in runs.items():
                     timed[name] += times[args.warmup:]
-                loss_gap = max(loss_gap, max(abs(a - b) for a, b in zip(runs["plain"][1], runs["pipeline"][1])))
-        plain_ms = statistics.median(timed["plain"]) * 1e3
-        pipe_ms = statistics.median(timed["pipeline"]) * 1e3
-        result[mode] = {
-            "plain_step_ms": round(plain_ms, 2),
-            "pipeline_step_ms": round(pipe_ms, 2),
-            "speedup": round(plain_ms / pipe_ms, 3),
+                for name, (_, losses) in runs.items():
+                    loss_gap = max(loss_gap, max(abs(a - b) for a, b in zip(runs["plain"][1], losses)))
+        ms = {name: statistics.median(times) * 1e3 for name, times in timed.items()}
+        result[mode] = {f"{name}_step_ms": round(value, 2) for name, value in ms.items()}
+        result[mode].update({
+            "speedup": round(ms["plain"] / ms["pipeline"], 3),
             "max_loss_difference": loss_gap,
-            "samples_per_s_pipeline": round(args.batch / pipe_ms * 1e3),
-        }
+            "samples_per_s_pipeline": round(args.batch / ms["pipeline"] * 1e3),
+        })
+        if "pipeline_dense_only" in ms:
+            result[mode]["speedup_dense_only"] = round(ms["plain"] / ms["pipeline_dense_only"], 3)
+    # What the pipeline can hide at most: the host work of one batch for the
+    # sharded collection (validate, route, pack, copy to the mesh), alone.
+    model, _ = build("eager")
+    ebc = model.model.sparse_arch.embedding_bag_collection
+    prepare = []
+    for b in batches():
+        start = time.perf_counter()
+        ebc.prefetch(b.sparse_features)
+        for arrays in ebc._prefetched[id(b.sparse_features)].batch["groups"] + ebc._prefetched[id(b.sparse_features)].batch["dp"]:
+            for a in arrays:
+                a.block_until_ready()
+        prepare.append(time.perf_counter() - start)
+        ebc.clear_prefetched()
+    result["sparse_host_prepare_ms"] = round(statistics.median(prepare) * 1e3, 2)
     result["load_average_after"] = os.getloadavg()
     print(json.dumps(result, indent=1))
     return result
