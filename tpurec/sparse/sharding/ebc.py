@@ -372,8 +372,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._prefetched[id(features)] = entry
         # A model that hands a different KJT object to this module never takes
         # its prefetched batches: keep only the newest few, not every batch.
-        while len(self._prefetched) > _MAX_PREFETCHED:
-            self._prefetched.pop(next(iter(self._prefetched)))
+        # (A snapshot of the keys: the step's thread may pop one meanwhile.)
+        for key in list(self._prefetched)[:-_MAX_PREFETCHED]:
+            self._prefetched.pop(key, None)
 
     def clear_prefetched(self) -> None:
         """Drops batches prepared by :meth:`prefetch` that no step used."""
