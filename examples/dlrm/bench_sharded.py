@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     import tpurec
     import tpurec.sparse as sparse
-    from tpurec import fused
+    from tpurec.core import fused
 
     D = args.devices
     if torch.tpu.device_count() < D:
