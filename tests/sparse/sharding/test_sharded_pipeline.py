@@ -232,3 +232,31 @@ def test_prefetch_gives_what_the_inline_path_gives_and_does_not_pile_up():
     ebc.clear_prefetched()
     assert not ebc._prefetched
     assert ebc.feature_names == ["f0", "f1", "f2", "f3", "f4"]
+
+
+@pytest.mark.slow
+def test_bench_sharded_cli_times_both_loops_on_identical_losses():
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    done = subprocess.run(
+        [sys.executable, str(root / "examples" / "dlrm" / "bench_sharded.py"), "--devices", "4", "--batch", "64",
+         "--tables", "4", "--rows", "100", "--dim", "8", "--steps", "2", "--warmup", "1", "--rounds", "1",
+         "--modes", "fused", "--dense-only"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout)
+    run = out["fused"]
+    assert run["max_loss_difference"] == 0.0  # the same steps, whichever loop runs them
+    assert run["plain_step_ms"] > 0 and run["pipeline_step_ms"] > 0 and run["pipeline_dense_only_step_ms"] > 0
+    assert run["speedup"] == pytest.approx(run["plain_step_ms"] / run["pipeline_step_ms"], rel=1e-2)
+    assert out["sparse_host_prepare_ms"] > 0 and len(out["load_average_before"]) == 3
+    bad = subprocess.run([sys.executable, str(root / "examples" / "dlrm" / "bench_sharded.py"), "--batch", "10"],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert bad.returncode == 2 and "must be a multiple of --devices 8" in bad.stderr
