@@ -122,8 +122,6 @@ def place_model(model: nn.Module, cfg: Config) -> nn.Module:
                           + (" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)" if tpurec.platform() == "cpu" else ""))
     if cfg.num_devices == 1:
         return model
-    if cfg.mode == "compile":
-        raise ConfigError("--mode compile with --num_devices > 1 is not supported yet; use --mode fused or eager")
     import jax
     from jax.sharding import Mesh
 

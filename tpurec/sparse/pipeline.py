@@ -6,10 +6,11 @@ training step and returns the model's output. While the device runs step
 ``i``, a background thread reads batch ``i + 1`` from the iterator,
 preprocesses its KeyedJaggedTensors into SparseCore CSR for every tpurec
 :class:`~tpurec.sparse.EmbeddingBagCollection` of the model (any module with
-its ``prefetch(kjt)`` / ``clear_prefetched()`` / ``feature_names`` protocol),
-and starts the
-host-to-device transfer of its tensors and CSR arrays. The loop waits on the
-host only when the data is late.
+its ``prefetch(kjt)`` / ``clear_prefetched()`` / ``feature_names`` protocol,
+e.g. the sharded collections of ``tpurec.shard``, which route the ids to their
+shards), and starts the host-to-device transfer of its tensors and CSR arrays
+(for a sharded model, straight onto its mesh, split along the batch dim). The
+loop waits on the host only when the data is late.
 
 The model follows TorchRec's training-module convention: ``model(batch)``
 returns ``(losses, output)`` (for example ``torchrec.models.dlrm.DLRMTrain``
@@ -82,6 +83,13 @@ def _map_batch(batch: Any, fn_tensor, fn_kjt) -> Any:
     return batch
 
 
+def _mesh_of(model: torch.nn.Module) -> Any:
+    """The ``jax.sharding.Mesh`` ``model`` was sharded on by ``tpurec.shard`` (None if it was not)."""
+    from jax.sharding import Mesh
+
+    return next((m.mesh for m in model.modules() if isinstance(getattr(m, "mesh", None), Mesh)), None)
+
+
 class TrainPipeline(Generic[In, Out]):
     """Overlaps reading, preprocessing and transferring batch ``i + 1`` with step ``i``.
 
@@ -115,6 +123,14 @@ class TrainPipeline(Generic[In, Out]):
             m for m in model.modules()
             if all(hasattr(m, a) for a in ("prefetch", "clear_prefetched", "feature_names"))
         ]
+        # A model sharded by tpurec.shard: its batch tensors go straight to the
+        # mesh, split along the batch dim, as the model's own input hook would
+        # place them (not to one device first and then over the mesh).
+        self._mesh = _mesh_of(model) if self._device.type == "tpu" else None
+        if self._mesh is not None:
+            from tpurec.sparse.sharding.model import local_device_count
+
+            self._local_devices = local_device_count(self._mesh)
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._iterator: Iterator[In] | None = None
@@ -127,10 +143,15 @@ class TrainPipeline(Generic[In, Out]):
         if self._device.type != "tpu":
             return t.to(self._device, non_blocking=True)
         from tpurec.core.device import jax_device
-        from tpurec.core.tensor import host_to_jax
+        from tpurec.core.tensor import host_array, host_to_jax
 
         if t.device.type != "cpu":
             return t  # already on a device: the step moves it if needed
+        if self._mesh is not None and t.dim() > 0 and t.shape[0] % self._local_devices == 0:
+            from tpurec.sparse.sharding.model import batch_sharded_array
+
+            # Global arrays are wrapped on tpu:0, as tpurec.shard's input hook does.
+            return _OnDevice(batch_sharded_array(host_array(t), self._mesh), 0, t.dtype)
         index = self._device.index if self._device.index is not None else torch.tpu.current_device()
         return _OnDevice(host_to_jax(t, jax_device(index)), index, t.dtype)  # starts the async copy
 

@@ -70,7 +70,63 @@ def build(plan_kind: str = "mixed"):
     return tables, tpurec.shard(model, ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan}))
 
 
+def _batches(tables):
+    """The global batches: (per-feature (lengths, ids), dense, labels), the same in every process."""
+    import torch
+
+    rng = np.random.default_rng(0)
+    for _ in range(STEPS):
+        features = {}
+        for t in tables:
+            ls = rng.integers(0, 5, GLOBAL_BATCH)
+            features[t.feature_names[0]] = (ls, rng.integers(0, t.num_embeddings, int(ls.sum())))
+        dense = torch.from_numpy(rng.standard_normal((GLOBAL_BATCH, 5)).astype(np.float32))
+        labels = torch.from_numpy(rng.integers(0, 2, GLOBAL_BATCH).astype(np.float32))
+        yield features, dense, labels
+
+
+def _pipelined(tables, model, optimizer, lo: int, hi: int) -> list[float]:
+    """The same steps through tpurec.sparse.TrainPipeline (this process's samples ``[lo, hi)``)."""
+    import torch
+
+    import tpurec.sparse as sp
+    from tpurec.sparse.sharding import distribute_batch
+
+    class Train(torch.nn.Module):
+        def __init__(self, model):
+            super().__init__()
+            self.model = model
+
+        def forward(self, batch):
+            dense, kjt, labels = batch
+            logits = self.model(dense, kjt).squeeze(-1)
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, distribute_batch(labels, self.model.mesh))
+            return loss, loss.detach()
+
+    local = ((dense[lo:hi], _kjt(features, lo, hi), labels[lo:hi]) for features, dense, labels in _batches(tables))
+    pipeline = sp.TrainPipeline(Train(model), optimizer, "tpu")
+    losses = []
+    while True:
+        try:
+            losses.append(pipeline.progress(local).item())
+        except StopIteration:
+            break
+    pipeline.close()
+    return losses
+
+
+def _results(model, losses: list[float], prefix: str = "") -> dict[str, np.ndarray]:
+    full, slots = model.sparse_arch.embedding_bag_collection.full_tables()
+    arrays = {f"{prefix}losses": np.array(losses)}
+    arrays.update({f"{prefix}table/{k}": v for k, v in full.items()})
+    arrays.update({f"{prefix}slot/{k}/{s}": v for k, d in slots.items() for s, v in d.items()})
+    arrays.update({f"{prefix}dense/{k}": v.cpu().numpy() for k, v in model.state_dict().items() if "embedding_bag_collection" not in k})
+    return arrays
+
+
 def main(out: str, checkpoint_dir: str | None = None) -> None:
+    """Trains STEPS steps in the plain loop (then saves the checkpoint), then the same steps
+    from the same start through TrainPipeline; process 0 writes both results (``pipeline/...``)."""
     import tpurec
     import tpurec.distributed
 
@@ -87,15 +143,8 @@ def main(out: str, checkpoint_dir: str | None = None) -> None:
     rank, count = jax.process_index(), jax.process_count()
     local = GLOBAL_BATCH // count
     lo, hi = rank * local, (rank + 1) * local
-    rng = np.random.default_rng(0)
     losses = []
-    for _ in range(STEPS):
-        features = {}
-        for t in tables:
-            ls = rng.integers(0, 5, GLOBAL_BATCH)
-            features[t.feature_names[0]] = (ls, rng.integers(0, t.num_embeddings, int(ls.sum())))
-        dense = torch.from_numpy(rng.standard_normal((GLOBAL_BATCH, 5)).astype(np.float32))
-        labels = torch.from_numpy(rng.integers(0, 2, GLOBAL_BATCH).astype(np.float32))
+    for features, dense, labels in _batches(tables):
         optimizer.zero_grad()
         logits = model(dense[lo:hi], _kjt(features, lo, hi)).squeeze(-1)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, distribute_batch(labels[lo:hi], model.mesh))
@@ -104,13 +153,14 @@ def main(out: str, checkpoint_dir: str | None = None) -> None:
         losses.append(loss.item())
     if checkpoint_dir:
         checkpoint.save(model, checkpoint_dir)  # every process writes its own shards
-    full, slots = model.sparse_arch.embedding_bag_collection.full_tables()
-    dense_state = {k: v.cpu().numpy() for k, v in model.state_dict().items() if "embedding_bag_collection" not in k}
+    arrays = _results(model, losses)
+
+    # The pipeline: with several processes its worker validates and routes each
+    # batch, and the step packs it (the capacity agreement is a collective).
+    _tables, model = build()
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
+    arrays.update(_results(model, _pipelined(tables, model, optimizer, lo, hi), prefix="pipeline/"))
     if rank == 0:
-        arrays = {"losses": np.array(losses)}
-        arrays.update({f"table/{k}": v for k, v in full.items()})
-        arrays.update({f"slot/{k}/{s}": v for k, d in slots.items() for s, v in d.items()})
-        arrays.update({f"dense/{k}": v for k, v in dense_state.items()})
         np.savez(out, **arrays)
 
 

@@ -5,7 +5,9 @@ Per step (see DESIGN.md, "Sharded execution"):
 * host, per process: the local batch is validated (``read_kjt``) and each of
   its ids is routed to the shards holding its row: fixed-capacity
   ``[local devices, devices, capacity]`` arrays per group (source device,
-  destination device, entry), made global arrays on the mesh;
+  destination device, entry), made global arrays on the mesh. Under
+  :class:`~tpurec.sparse.TrainPipeline` this runs in :meth:`prefetch` on the
+  pipeline's worker thread for batch ``i + 1`` while step ``i`` runs;
 * forward program (SPMD, ``shard_map``): ``all_to_all`` moves the entries to
   their owners, each device runs the lookup kernel (the native XLA:CPU kernel
   on CPU, SparseCore on TPU) on its local stack, and pooled rows return to the
@@ -19,6 +21,7 @@ Per step (see DESIGN.md, "Sharded execution"):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any, Literal, Mapping, Sequence
 
@@ -60,6 +63,43 @@ def host_values(array: jax.Array) -> np.ndarray:
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
+
+
+_MAX_PREFETCHED = 8
+"""Batches :meth:`ShardedEmbeddingBagCollection.prefetch` keeps for forward (a pipeline needs 1-2)."""
+
+
+@dataclasses.dataclass
+class _Routed:
+    """A validated batch with every entry's route (host arrays; before capacities are applied).
+
+    Attributes:
+        per_device: samples per device.
+        groups: per sharded group, then per data-parallel group:
+            ``(key, rows, out, gains, counts, destinations)`` where ``key`` is
+            ``local source device * destinations + destination``, ``counts`` its
+            histogram.
+        needs: per group, the most entries one source sends one destination.
+    """
+
+    per_device: int
+    groups: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]]
+    needs: list[int]
+
+
+@dataclasses.dataclass
+class _Prefetched:
+    """What :meth:`ShardedEmbeddingBagCollection.prefetch` prepared for one KJT object.
+
+    ``batch`` (on the mesh) and ``dropped`` when the arrays could be built on
+    the worker; else only ``routed`` (several processes: the capacity agreement
+    is a collective, so it runs in the step, in the same order on every process).
+    """
+
+    features: KeyedJaggedTensor
+    routed: _Routed | None = None
+    batch: dict[str, Any] | None = None
+    dropped: int = 0
 
 
 class _ShardedLookup(torch.autograd.Function):
@@ -133,6 +173,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._capacities = [_ALIGN] * (len(self.layout.groups) + len(self.layout.dp_groups))
         self._step = max(getattr(source, "_steps", [0]) or [0])
         self._stacks = stack_tables(configs, stack=False)
+        # id(kjt) -> what prefetch() (TrainPipeline's worker thread) prepared for
+        # that KJT object; taken by forward() of the same object.
+        self._prefetched: dict[int, _Prefetched] = {}
         self._embedding_names = [n for names in get_embedding_names_by_table(configs) for n in names]
         self._length_per_key = [t.embedding_dim for t in configs for _ in t.feature_names]
 
@@ -295,15 +338,83 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     # --- host side: route ids to their shards --------------------------------------
 
+    @property
+    def feature_names(self) -> list[str]:
+        """The KJT keys this collection looks up."""
+        return [f for cfg in self._embedding_bag_configs for f in cfg.feature_names]
+
+    def prefetch(self, features: KeyedJaggedTensor) -> None:
+        """Validates ``features``, routes its ids and starts sending them to the mesh.
+
+        Everything of the step that does not need the tables: validation,
+        routing to shards, fixed-capacity packing and the host-to-mesh copies
+        (asynchronous ``jax.device_put`` of the global entry arrays). Safe to
+        call from another thread while a step runs: it changes no table,
+        optimizer slot or ``dropped`` count (with automatic capacities it may
+        raise the capacity of later batches). The next ``forward`` of this same
+        KJT object uses the result instead of doing the work again. With several
+        processes the packing waits for the step (its capacity agreement is a
+        collective); validation and routing still happen here.
+
+        Args:
+            features: this process's batch (CPU KJT with the tables' features).
+
+        Raises:
+            ValueError, CapacityError: as :meth:`distribute_input`, for a bad
+                batch (nothing is kept for it).
+        """
+        routed = self._route(features)
+        if jax.process_count() > 1:
+            entry = _Prefetched(features, routed=routed)
+        else:
+            batch, dropped = self._pack(routed)
+            entry = _Prefetched(features, batch=batch, dropped=dropped)
+        self._prefetched[id(features)] = entry
+        # A model that hands a different KJT object to this module never takes
+        # its prefetched batches: keep only the newest few, not every batch.
+        # (A snapshot of the keys: the step's thread may pop one meanwhile.)
+        for key in list(self._prefetched)[:-_MAX_PREFETCHED]:
+            self._prefetched.pop(key, None)
+
+    def clear_prefetched(self) -> None:
+        """Drops batches prepared by :meth:`prefetch` that no step used."""
+        self._prefetched.clear()
+
+    def _take_prefetched(self, features: KeyedJaggedTensor) -> dict[str, Any] | None:
+        """The prepared batch of this KJT object (counting its drops), or None."""
+        entry = self._prefetched.pop(id(features), None)
+        if entry is None or entry.features is not features:
+            return None
+        if entry.batch is None:
+            assert entry.routed is not None
+            entry.batch, entry.dropped = self._pack(entry.routed)
+        self.dropped += entry.dropped
+        return entry.batch
+
     def distribute_input(self, features: KeyedJaggedTensor) -> dict[str, Any]:
         """Validates this process's batch and builds the global entry arrays.
 
         Nothing changes on a bad batch except (with automatic capacities) a
-        larger capacity for the next batches.
+        larger capacity for the next batches. Entries dropped by
+        ``overflow="drop"`` are added to ``dropped``.
 
         Returns:
             ``{"per_device": samples per device, "groups": [(rows, samples, gains)],
             "dp": [(rows, samples, gains)]}`` with global arrays.
+
+        Raises:
+            ValueError: a malformed batch (the message says what is wrong), or a
+                local batch that does not split evenly over this process's devices.
+            CapacityError: a fixed ``capacity`` overflows with ``overflow="error"``.
+        """
+        batch, dropped = self._pack(self._route(features))
+        self.dropped += dropped
+        return batch
+
+    def _route(self, features: KeyedJaggedTensor) -> _Routed:
+        """Validates ``features`` and finds every entry's source device, shard and output slot.
+
+        Host numpy only: no collective, no state change (safe on a worker thread).
         """
         L, D = self.layout, self.layout.num_devices
         local_batch, feats = read_kjt(features, self._stacks, is_weighted=self._is_weighted)
@@ -341,7 +452,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     rows = place.base[c][block] + fb.ids
                     out = (src * L.groups[g].num_slots + place.slot[c][f][block]) * b + within
                     parts[g].append((src - first, dst, rows, out, gains))
-        packed_groups, packed_dp = [], []
+        packed = []
         needs = []
         for j, chunks in enumerate(parts):
             destinations = D if j < n_groups else 1
@@ -353,12 +464,21 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             key = src * destinations + dst
             counts = np.bincount(key, minlength=n_local * destinations)
             needs.append(int(counts.max()) if counts.size else 0)
-            packed = (key, rows, out, gains, counts, destinations)
-            (packed_groups if j < n_groups else packed_dp).append(packed)
-        capacities = self._capacities_for(needs)
+            packed.append((key, rows, out, gains, counts, destinations))
+        return _Routed(per_device=b, groups=packed, needs=needs)
+
+    def _pack(self, routed: _Routed) -> tuple[dict[str, Any], int]:
+        """Fixed-capacity entry arrays of a routed batch, sent to the mesh (asynchronous copies).
+
+        Returns:
+            ``(batch, dropped)``: the batch as :meth:`distribute_input` returns
+            it, and how many entries ``overflow="drop"`` left out.
+        """
+        D, n_local, n_groups = self.layout.num_devices, self._local_devices, len(self.layout.groups)
+        capacities = self._capacities_for(routed.needs)
         dropped = 0
         result_groups, result_dp = [], []
-        for j, (key, rows, out, gains, counts, destinations) in enumerate(packed_groups + packed_dp):
+        for j, (key, rows, out, gains, counts, destinations) in enumerate(routed.groups):
             C = capacities[j]
             order = np.argsort(key, kind="stable")
             key, rows, out, gains = key[order], rows[order], out[order], gains[order]
@@ -374,9 +494,8 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             v = np.zeros(size, np.float32)
             r[flat], s[flat], v[flat] = rows[keep], out[keep], gains[keep]
             arrays = tuple(self._to_global(x.reshape(shape)) for x in (r, s, v))
-            (result_groups if j < len(packed_groups) else result_dp).append(arrays)
-        self.dropped += dropped
-        return {"per_device": b, "groups": result_groups, "dp": result_dp}
+            (result_groups if j < n_groups else result_dp).append(arrays)
+        return {"per_device": routed.per_device, "groups": result_groups, "dp": result_dp}, dropped
 
     def _capacities_for(self, needs: list[int]) -> list[int]:
         """Per-group capacities for a batch needing ``needs`` entries (all processes agree)."""
@@ -392,10 +511,14 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     "raise capacity, or pass overflow='drop' to drop (and count) the extra entries"
                 )
             return [self.fixed_capacity] * len(needs)
-        for j, n in enumerate(needs):
-            if n > self._capacities[j]:
-                self._capacities[j] = max(_ALIGN, 2 ** math.ceil(math.log2(n)))
-        return list(self._capacities)
+        # The pipeline's worker thread may grow capacities while a step packs a
+        # batch inline: each batch gets capacities computed from its own needs
+        # (never re-read from the shared list), and the shared list only grows.
+        capacities = [
+            c if n <= c else max(_ALIGN, 2 ** math.ceil(math.log2(n))) for c, n in zip(list(self._capacities), needs)
+        ]
+        self._capacities = [max(a, c) for a, c in zip(self._capacities, capacities)]
+        return capacities
 
     def _to_global(self, local: np.ndarray) -> jax.Array:
         if jax.process_count() == 1:
@@ -555,11 +678,16 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
         """Pooled embeddings of this process's batch ``features``.
 
+        Uses what :meth:`prefetch` prepared when ``features`` is the KJT object
+        it was given; otherwise validates and routes the batch here.
+
         Returns:
             ``KeyedTensor`` over the global batch (all processes' samples, in
             process order), batch-sharded on the mesh.
         """
-        batch = self.distribute_input(features)
+        batch = self._take_prefetched(features)
+        if batch is None:
+            batch = self.distribute_input(features)
         anchor = next(self.parameters())
         values = _ShardedLookup.apply(anchor, self, batch)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)

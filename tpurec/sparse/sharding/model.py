@@ -26,7 +26,7 @@ from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
 from tpurec.sparse.sharding.specs import TableSharding, module_plans, table_shardings
 from tpurec.core.tensor import TpuTensor, host_array, wrap
 
-__all__ = ["shard", "default_mesh", "distribute_batch", "replicate"]
+__all__ = ["shard", "batch_sharded_array", "default_mesh", "distribute_batch", "local_device_count", "replicate"]
 
 
 def default_mesh() -> Mesh:
@@ -56,19 +56,34 @@ def distribute_batch(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
         return tensor
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a tensor, got {type(tensor).__name__}")
-    local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+    local_devices = local_device_count(mesh)
     if tensor.dim() == 0 or tensor.shape[0] % local_devices:
         raise ValueError(
             f"a batch tensor of shape {tuple(tensor.shape)} does not split evenly over this process's "
             f"{local_devices} devices; its first dim must be a multiple of {local_devices}"
         )
-    host = host_array(tensor.detach().cpu())
+    return wrap(batch_sharded_array(host_array(tensor.detach().cpu()), mesh), 0, tensor.dtype)
+
+
+def local_device_count(mesh: Mesh) -> int:
+    """How many of ``mesh``'s devices belong to this process (its batch splits over them)."""
+    return sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+
+
+def batch_sharded_array(host: np.ndarray, mesh: Mesh) -> jax.Array:
+    """This process's ``[local batch, ...]`` samples as a global array sharded on its first dim.
+
+    Starts the host-to-device copies and returns without waiting for them
+    (safe on a worker thread, e.g. ``TrainPipeline``'s).
+
+    Args:
+        host: this process's samples; the first dim splits evenly over its devices.
+        mesh: the mesh the model was sharded on.
+    """
     sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
     if jax.process_count() == 1:
-        array = jax.device_put(host, sharding)
-    else:
-        array = jax.make_array_from_process_local_data(sharding, host)
-    return wrap(array, 0, tensor.dtype)
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_process_local_data(sharding, host)
 
 
 def replicate(tensor: torch.Tensor, mesh: Mesh) -> None:
@@ -127,7 +142,8 @@ def shard(
     out as the plan says; the ids of each step travel to their shards and the
     pooled rows back with collectives inside one SPMD program. Every other
     parameter and buffer is replicated on the mesh; tensor arguments of
-    ``model``'s forward are split over the mesh along their first (batch) dim,
+    ``model``'s forward (also inside tuples, lists, dicts and dataclasses such
+    as torchrec's ``Batch``) are split over the mesh along their first (batch) dim,
     so XLA partitions the dense layers and all-reduces their gradients.
 
     Args:
@@ -206,8 +222,14 @@ def shard(
     for t in dense:
         replicate(t, mesh)
 
+    # Host-side placement: never traced by torch.compile (it reads tensors on the host).
+    @torch.compiler.disable
     def split_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        place = lambda x: distribute_batch(x, mesh) if isinstance(x, torch.Tensor) else x  # noqa: E731
+        from tpurec.sparse.pipeline import _map_batch
+
+        # Tensors inside containers too (e.g. torchrec's Batch for a DLRMTrain model);
+        # KeyedJaggedTensors stay on the host (the sharded collections route them).
+        place = lambda x: _map_batch(x, lambda t: distribute_batch(t, mesh), lambda kjt: kjt)  # noqa: E731
         return tuple(place(a) for a in args), {k: place(v) for k, v in kwargs.items()}
 
     model.register_forward_pre_hook(split_batch, with_kwargs=True)
