@@ -88,3 +88,29 @@ def test_compiled_graph_reading_a_view_in_fused_mode_matches_eager():
         assert tpurec.stats()["sync_points"] == {}
         got = out.cpu()
     torch.testing.assert_close(got, f((base + 1)[1:3, ::2]))
+
+
+@pytest.mark.slow
+def test_bench_modes_cli_reports_one_program_per_step_and_no_compilations():
+    import json
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "tpurec.bench", "modes", "--batch", "8", "--steps", "2", "--warmup", "1",
+               "--modes", "cpu_pytorch", "fused", "compiled", "compiled_eager"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (run,) = json.loads(done.stdout)["runs"]
+    assert run["fused"]["programs_per_step"] == 1 and run["compiled"]["programs_per_step"] == 1, run
+    assert run["compiled_eager"]["programs_per_step"] > 1, run
+    for name in ("fused", "compiled", "compiled_eager"):
+        assert run[name]["compilations_after_warmup"] == 0, run
+        assert run[name]["last_loss"] == pytest.approx(run["cpu_pytorch"]["last_loss"], rel=1e-5)
+    assert set(run["ratios"]) >= {"fused_speedup_vs_cpu", "compiled_speedup_vs_cpu", "compiled_speedup_vs_fused"}
+
+
+def test_bench_modes_rejects_a_bad_batch():
+    from tpurec.bench.modes import main
+
+    with pytest.raises(SystemExit):
+        main(["--batch", "0"])
