@@ -114,3 +114,13 @@ def test_bench_modes_rejects_a_bad_batch():
 
     with pytest.raises(SystemExit):
         main(["--batch", "0"])
+
+
+def test_compiled_dropout_in_fused_mode_draws_eagers_masks():
+    # Random graph nodes get their (seed, counter) triples as runtime scalars of the window.
+    from compile_models import train
+
+    eager = train("transformer", "tpu", 4, compiled=False, eval_mode=False)
+    with tpurec.mode("fused"):
+        compiled = train("transformer", "tpu", 4, compiled=True, eval_mode=False)
+    torch.testing.assert_close(torch.tensor(compiled), torch.tensor(eager), rtol=LOSS_RTOL, atol=0)
