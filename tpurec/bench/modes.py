@@ -1,15 +1,37 @@
 """A DLRM-sized dense training step in eager, fused and compiled mode next to PyTorch on CPU.
 
 Bottom MLP 13-512-256-64, dot interaction with 26 (fixed) embedding vectors,
-top MLP 512-256-1, BCE loss, Adagrad; batch 512 and 4096. Times are the
-median of the timed steps after warm-up; each step ends with ``loss.item()``.
+top MLP 512-256-1, BCE loss, Adagrad; batch 512 and 4096. Each step ends with
+``loss.item()``.
+
+Configurations (``--modes``):
+
+* ``cpu_pytorch``: the same model and data on PyTorch's CPU device (the reference);
+* ``eager``, ``fused``: the model on ``tpu`` in that execution mode;
+* ``compiled``: ``torch.compile(model, backend="tpu")`` in fused mode: the compiled
+  forward and backward graphs join the fused window with the eager loss and
+  optimizer ops, so a step is one XLA program;
+* ``compiled_eager``: ``torch.compile`` in eager mode: the two compiled graphs run as
+  programs of their own, and the loss and each optimizer op as eager programs.
+
+The machine may be shared, so the configurations run **interleaved**: after each
+one's warm-up, rounds of ``--round-steps`` steps of every configuration in turn,
+so that a change in load hits all of them alike. Reported per configuration: the
+median and minimum wall time of a step, the median process CPU time of a step
+(less sensitive to other processes than wall time), the programs run per step and
+the compilations after warm-up (must be 0). ``load_average`` is the 1-minute load
+before and after the run (``os.getloadavg``); compare ratios from one run only.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import os
 import statistics
 import time
+from typing import Callable
 
 import torch
 
@@ -17,6 +39,7 @@ import tpurec
 
 NUM_SPARSE = 26
 EMBEDDING_DIM = 64
+CONFIGS = ("cpu_pytorch", "eager", "fused", "compiled", "compiled_eager")
 
 
 class DenseStep(torch.nn.Module):
@@ -45,66 +68,132 @@ class DenseStep(torch.nn.Module):
         return self.top(torch.cat([d, interactions], dim=1))
 
 
-def _time_steps(device: str, batch: int, steps: int, warmup: int, mode: str | None, compiled: bool) -> dict:
+@dataclasses.dataclass
+class _Config:
+    """One configuration's training state and what was measured of it."""
+
+    name: str
+    step: Callable[[], float]
+    mode: str
+    on_tpu: bool
+    wall_ms: list[float] = dataclasses.field(default_factory=list)
+    cpu_ms: list[float] = dataclasses.field(default_factory=list)
+    losses: list[float] = dataclasses.field(default_factory=list)
+    programs: int = 0
+    compilations: int = 0
+
+
+def _make(name: str, batch: int) -> _Config:
+    """Builds the model, optimizer and batch of configuration ``name`` (same weights and data in all)."""
+    device = "cpu" if name == "cpu_pytorch" else "tpu"
     torch.manual_seed(0)
     model = DenseStep().to(device)
+    compiled = name.startswith("compiled")
     forward = torch.compile(model, backend="tpu") if compiled else model
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.01)
     g = torch.Generator().manual_seed(1)
     dense = torch.randn(batch, 13, generator=g).to(device)
     sparse = torch.randn(batch, NUM_SPARSE, EMBEDDING_DIM, generator=g).to(device)
     labels = torch.rand(batch, 1, generator=g).round().to(device)
-    times, losses = [], []
-    context = tpurec.mode(mode) if mode else _null()
+
+    def step() -> float:
+        optimizer.zero_grad()
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(forward(dense, sparse), labels)
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    mode = {"eager": "eager", "fused": "fused", "compiled": "fused", "compiled_eager": "eager"}.get(name, "eager")
+    return _Config(name, step, mode, device == "tpu")
+
+
+def _run_steps(config: _Config, steps: int, record: bool) -> None:
+    context = tpurec.mode(config.mode) if config.on_tpu else contextlib.nullcontext()
     with context:
-        for step in range(warmup + steps):
-            if step == warmup:
-                tpurec.reset_stats()
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(forward(dense, sparse), labels)
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
-            times.append(time.perf_counter() - start)
-    stats = tpurec.stats()
-    timed = times[warmup:]
+        before = tpurec.stats()
+        for _ in range(steps):
+            wall, cpu = time.perf_counter(), time.process_time()
+            loss = config.step()
+            if record:
+                config.wall_ms.append((time.perf_counter() - wall) * 1e3)
+                config.cpu_ms.append((time.process_time() - cpu) * 1e3)
+                config.losses.append(loss)
+        after = tpurec.stats()
+    if record and config.on_tpu:
+        config.programs += after["executions"] - before["executions"]
+        config.compilations += after["compilations"] - before["compilations"]
+
+
+def _summary(config: _Config) -> dict:
+    median = statistics.median(config.wall_ms)
+    steps = len(config.wall_ms)
     return {
-        "step_ms": statistics.median(timed) * 1e3,
-        "samples_per_s": batch / statistics.median(timed),
-        "last_loss": losses[-1],
-        "compilations_after_warmup": stats["compilations"] if device == "tpu" else None,
+        "step_ms": median,
+        "min_step_ms": min(config.wall_ms),
+        "cpu_ms_per_step": statistics.median(config.cpu_ms),
+        "samples_per_s": None,  # filled in by the caller (needs the batch)
+        "last_loss": config.losses[-1],
+        "programs_per_step": config.programs / steps if config.on_tpu else None,
+        "compilations_after_warmup": config.compilations if config.on_tpu else None,
     }
 
 
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+def run_batch(batch: int, names: list[str], steps: int, warmup: int, round_steps: int) -> dict:
+    """Measures every configuration in ``names`` at ``batch``, interleaved; returns the run's JSON."""
+    run: dict = {"batch": batch}
+    configs = []
+    for name in names:
+        try:
+            config = _make(name, batch)
+            _run_steps(config, warmup, record=False)
+            configs.append(config)
+        except Exception as error:  # reported, not hidden: the JSON says why a configuration is missing
+            run[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
+    done = 0
+    while done < steps:
+        count = min(round_steps, steps - done)
+        for config in configs:
+            _run_steps(config, count, record=True)
+        done += count
+    for config in configs:
+        run[config.name] = _summary(config)
+        run[config.name]["samples_per_s"] = batch / run[config.name]["step_ms"] * 1e3
+    ratios = {}
+    if "step_ms" in run.get("cpu_pytorch", {}):
+        cpu_ms = run["cpu_pytorch"]["step_ms"]
+        for name in names:
+            if name != "cpu_pytorch" and "step_ms" in run.get(name, {}):
+                ratios[f"{name}_speedup_vs_cpu"] = cpu_ms / run[name]["step_ms"]
+    if "step_ms" in run.get("eager", {}) and "step_ms" in run.get("fused", {}):
+        ratios["fused_speedup_vs_eager"] = run["eager"]["step_ms"] / run["fused"]["step_ms"]
+    if "step_ms" in run.get("fused", {}) and "step_ms" in run.get("compiled", {}):
+        ratios["compiled_speedup_vs_fused"] = run["fused"]["step_ms"] / run["compiled"]["step_ms"]
+    run["ratios"] = ratios
+    return run
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m tpurec.bench modes", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tpurec.bench modes", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[512, 4096])
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps per configuration first")
+    parser.add_argument("--round-steps", type=int, default=5, help="steps of one configuration before the next one's")
+    parser.add_argument("--modes", nargs="+", default=list(CONFIGS), choices=CONFIGS,
+                        help="configurations to run (default: all)")
     args = parser.parse_args(argv)
-    result = {"benchmark": "modes", "platform": tpurec.platform(), "torch_threads": torch.get_num_threads(), "runs": []}
+    if min(args.batch) < 1 or args.steps < 1 or args.warmup < 0 or args.round_steps < 1:
+        parser.error("--batch, --steps and --round-steps must be positive and --warmup at least 0")
+    result = {
+        "benchmark": "modes",
+        "platform": tpurec.platform(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu_count": os.cpu_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "load_average": {"before": os.getloadavg()[0]},
+        "runs": [],
+    }
     for batch in args.batch:
-        run = {"batch": batch}
-        run["cpu_pytorch"] = _time_steps("cpu", batch, args.steps, args.warmup, None, False)
-        for mode in ("eager", "fused"):
-            run[mode] = _time_steps("tpu", batch, args.steps, args.warmup, mode, False)
-        try:
-            run["compiled"] = _time_steps("tpu", batch, args.steps, args.warmup, "eager", True)
-        except Exception as error:  # reported, not hidden: the JSON says why compiled mode is missing
-            run["compiled"] = {"error": f"{type(error).__name__}: {error}"[:500]}
-        cpu_ms = run["cpu_pytorch"]["step_ms"]
-        run["ratios"] = {
-            f"{m}_speedup_vs_cpu": cpu_ms / run[m]["step_ms"] for m in ("eager", "fused", "compiled") if "step_ms" in run[m]
-        }
-        run["ratios"]["fused_speedup_vs_eager"] = run["eager"]["step_ms"] / run["fused"]["step_ms"]
-        result["runs"].append(run)
+        result["runs"].append(run_batch(batch, args.modes, args.steps, args.warmup, args.round_steps))
+    result["load_average"]["after"] = os.getloadavg()[0]
     return result

@@ -25,7 +25,7 @@ import jax
 import torch
 import torch.fx
 
-from tpurec.core import profiler, recompiles, rng, runtime
+from tpurec.core import fused, modes, profiler, recompiles, rng, runtime
 from tpurec.compile.graph import CompileError, GraphProgram
 from tpurec.dense.registry import get_lowering
 from tpurec.core.device import jax_device
@@ -56,10 +56,14 @@ class _Variant:
     """The jitted program of a graph for one set of input shapes."""
 
     # origin/reused/__weakref__: for recompilation diagnostics (tpurec/core/recompiles.py).
-    __slots__ = ("jitted", "ran", "static_outs", "origin", "reused", "__weakref__")
+    __slots__ = ("run", "jitted", "recorded", "ran", "static_outs", "origin", "reused", "__weakref__")
 
     def __init__(self) -> None:
+        self.run = None  # the traceable program: (arrays, scalars, seeds) -> tensor outputs
         self.jitted = None
+        # In fused mode the graph is one node of the fused window: this program's
+        # traceable ``raw`` is called inside the window's single XLA program.
+        self.recorded: runtime.Program | None = None
         self.ran = False
         self.origin = None
         self.reused = False
@@ -108,21 +112,30 @@ class CompiledGraph:
             boxed = args[0]
             args = tuple(boxed)
             boxed.clear()
-        inputs, signature, index = self._inputs(args)
+        deferred = modes.get_mode() == "fused"
+        inputs, signature, index = self._inputs(args, deferred)
         variant = self.variants.get(signature)
         if variant is None:
             variant = self.variants[signature] = self._build(signature)
         else:
             runtime.counters().cache_hits += 1
         seeds = [rng.next_seed_and_counter() for _ in self.program.random_nodes]
-        arrays = iter(self._execute(variant, inputs, seeds))
+        if deferred:
+            outs = self._record(variant, inputs, seeds, index)
+        else:
+            outs = self._execute(variant, inputs, seeds)
+        arrays = iter(outs)
         return [
-            wrap(next(arrays), index, d) if t else variant.static_outs[i]
+            _fresh(next(arrays), index, d) if t else variant.static_outs[i]
             for i, (t, d) in enumerate(zip(self.tensor_out, self.out_dtypes))
         ]
 
-    def _inputs(self, args: Sequence[Any]):
-        """Runtime values: jax arrays for tensors, Python numbers as they are; and the shape signature."""
+    def _inputs(self, args: Sequence[Any], deferred: bool = False):
+        """Runtime values: jax arrays for tensors, Python numbers as they are; and the shape signature.
+
+        ``deferred`` (fused mode): a tensor whose value is still pending in the fused
+        window stays pending (no sync point); the graph is recorded behind it.
+        """
         from tpurec.core.dispatch import value_of
 
         inputs, signature = [], []
@@ -130,7 +143,7 @@ class CompiledGraph:
         for a in args:
             if isinstance(a, TpuTensor):
                 index = a._storage.index
-                v = value_of(a)
+                v = _pending_value(a) if deferred else value_of(a)
                 inputs.append(v)
                 signature.append((tuple(v.shape), v.dtype))
             elif isinstance(a, torch.Tensor):
@@ -171,8 +184,36 @@ class CompiledGraph:
         options = {}
         if not any(s[0] != "scalar" for s in signature):
             options["out_shardings"] = jax.sharding.SingleDeviceSharding(jax_device(self.device_index))
+        variant.run = run
         variant.jitted = jax.jit(run, **options)
         return variant
+
+    def _record(self, variant: _Variant, inputs: list, seeds: list, index: int) -> list:
+        """Adds the graph to the fused window (fused mode); its outputs are pending values.
+
+        The forward graph, the eager ops around it (loss, optimizer) and the backward
+        graph then run as one XLA program at the next sync point, as in fused mode.
+        """
+        arrays = [v for v in inputs if not isinstance(v, (int, float, bool))]
+        if variant.recorded is None:
+            constants = len(self.program.constants)
+            run = variant.run
+            array_count = len(arrays)
+
+            def raw(*flat):
+                # (arrays..., graph constants..., seed triples...), all runtime values.
+                graph_arrays = list(flat[:array_count])
+                scalars = list(flat[array_count:array_count + constants])
+                rest = flat[array_count + constants:]
+                triples = [tuple(rest[k:k + 3]) for k in range(0, len(rest), 3)]
+                return run(graph_arrays, scalars, triples)
+
+            variant.recorded = runtime.Program(raw)
+            variant.recorded.origin = variant.origin
+        flat_seeds = [x for triple in seeds for x in triple]
+        counters = runtime.counters()
+        counters.ops_by_name[f"compiled {self.name.split('#')[0]} graph"] += 1
+        return fused.record(variant.recorded, (*arrays, *self.program.constants, *flat_seeds), index)
 
     def _execute(self, variant: _Variant, inputs: list, seeds: list) -> list:
         counters = runtime.counters()
@@ -194,6 +235,28 @@ class CompiledGraph:
         finally:
             variant.ran = True
             counters.compile_seconds += time.perf_counter() - start
+
+
+def _pending_value(t: TpuTensor):
+    """``t``'s values for a graph recorded in the fused window, without a sync point.
+
+    A whole-storage tensor gives its storage's array (concrete or pending); a view
+    records its read (the same program eager reads run) into the window.
+    """
+    from tpurec.core import dispatch
+
+    array = t._storage.array
+    if t.is_full:
+        return array
+    return dispatch._run(dispatch._read_program(t._key), array, device=t._storage.index)[0]
+
+
+def _fresh(array, index: int, dtype: torch.dtype | None) -> TpuTensor:
+    """A tpu tensor owning a graph output; a pending one is filled in by the next flush."""
+    t = wrap(array, index, dtype)
+    if fused.is_pending(array):
+        fused.track(t._storage)
+    return t
 
 
 def _changes(old: tuple, new: tuple) -> str:
