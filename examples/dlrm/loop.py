@@ -304,7 +304,7 @@ def train(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, loade
         timer["eval_compilations"] += tpurec.stats()["compilations"] - before
         timer["eval_seconds"] += time.perf_counter() - began
 
-    with tpurec.mode("eager" if cfg.mode == "compile" else cfg.mode):
+    with tpurec.mode("fused" if cfg.mode == "compile" else cfg.mode):
         for epoch in range(start_epoch, cfg.epochs):
             total = len(loaders["train"])
             skip = start_step if epoch == start_epoch else 0

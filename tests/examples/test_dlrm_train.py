@@ -158,7 +158,7 @@ def test_two_devices_compiled_trains_like_fused():
         route, threads = ebc._route, []
         ebc._route = lambda kjt: threads.append(threading.current_thread().name) or route(kjt)
         pipeline = loop.make_pipeline(model, model_lib.dense_optimizer(cfg, model), cfg, "tpu")
-        with tpurec.mode("eager" if mode == "compile" else mode):
+        with tpurec.mode("fused" if mode == "compile" else mode):
             stream = data.make_loaders(cfg)["train"].epoch_batches(0)
             runs[mode] = [float(pipeline.progress(stream)) for _ in range(6)]
             pipeline.close()

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     for mode in args.modes:
         ours, optimizer = build()
         step_model = torch.compile(ours, backend="tpu") if mode == "compiled" else ours
-        with tpurec.mode("eager" if mode == "compiled" else mode):
+        with tpurec.mode("fused" if mode == "compiled" else mode):
             if args.no_pipeline:
                 times, losses = _time_plain(step_model, optimizer, make_batches(), "tpu", args.warmup)
             else:
