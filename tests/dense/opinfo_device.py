@@ -21,6 +21,7 @@ Command line (``make coverage``)::
 
     python tests/dense/opinfo_device.py --doc docs/ops.md      # whole database
     python tests/dense/opinfo_device.py --update-known          # rewrite the list
+    python tests/dense/opinfo_device.py --update-known --only fft.fft polar   # rewrite these entries' lines
 """
 
 from __future__ import annotations
@@ -421,17 +422,32 @@ def surprises(result: Result, known: dict[tuple[str, str], str]) -> list[str]:
     return problems
 
 
-def write_known(results: Iterable[Result], path: pathlib.Path = KNOWN_FAILURES) -> None:
+def write_known(
+    results: Iterable[Result], path: pathlib.Path = KNOWN_FAILURES, keep: dict[tuple[str, str], str] | None = None
+) -> None:
+    """Writes the known-failure list from ``results``, in ``op_db`` order.
+
+    Args:
+        results: this run's outcomes; their entries' lines are replaced.
+        path: the list to write.
+        keep: the current list; lines of entries that did not run this time are kept
+            (``--update-known --only ...`` updates just the entries it ran).
+    """
+    ran = {r.name: r for r in results}
     lines = [
         "# OpInfo entries that fail through the tpu device (float32, tpu vs CPU), one line per entry and phase:",
         "# entry<TAB>forward|backward<TAB>reason. Written by `python tests/dense/opinfo_device.py --update-known`;",
         "# an entry listed here that passes fails the run, so fix the op, then delete its line.",
     ]
-    for r in results:
+    order = list(dict.fromkeys([entry_name(op) for op in op_db] + list(ran)))
+    for name in order:
         for phase in PHASES:
-            status = r.status(phase)
-            if status not in ("pass", "n/a", BLOCKED):
-                lines.append(f"{r.name}\t{phase}\t{' '.join(status.split())}")
+            if name in ran:
+                status = ran[name].status(phase)
+                if status not in ("pass", "n/a", BLOCKED):
+                    lines.append(f"{name}\t{phase}\t{' '.join(status.split())}")
+            elif keep and (name, phase) in keep:
+                lines.append(f"{name}\t{phase}\t{keep[(name, phase)]}")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -494,7 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     entries = float32_entries()
     if args.only:
         entries = [op for op in entries if entry_name(op) in set(args.only)]
-    known = {} if args.update_known or not KNOWN_FAILURES.exists() else load_known()
+    current = load_known() if KNOWN_FAILURES.exists() else {}
+    known = {} if args.update_known else current
     start = time.perf_counter()
     results, problems = [], []
     for i, op in enumerate(entries):
@@ -504,7 +521,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i + 1}/{len(entries)}] {r.name}: forward {r.forward} | backward {r.backward} ({r.seconds:.1f}s)", flush=True)
     seconds = time.perf_counter() - start
     if args.update_known:
-        write_known(results)
+        write_known(results, keep=current if args.only else None)
     if args.doc:
         write_doc(results, args.doc, seconds)
     fwd = [r for r in results if r.forward != "n/a"]
