@@ -942,6 +942,7 @@ _FACTORIES = [
     "randint.low",
     "randperm",
     "linspace",
+    "logspace",
     "eye",
     "eye.m",
 ]
