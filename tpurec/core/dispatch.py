@@ -931,6 +931,7 @@ _FACTORIES = [
     "empty_strided",
     "full",
     "zeros",
+    "_efficientzerotensor",
     "ones",
     "arange",
     "arange.start",

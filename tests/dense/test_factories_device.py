@@ -1,4 +1,4 @@
-"""``torch.logspace(..., device="tpu")`` against CPU: the factory kernel and its lowering."""
+"""Factories that reach tpu's PrivateUse1 kernels (``logspace``, ``_efficientzerotensor``), against CPU."""
 
 from __future__ import annotations
 
@@ -33,3 +33,15 @@ def test_logspace_with_tensor_endpoints():
     actual = torch.logspace(start.to("tpu"), 2.0, 4)
     assert actual.device.type == "tpu"
     torch.testing.assert_close(actual.cpu(), expected, rtol=1e-6, atol=0)
+
+
+def test_sgn_backward_makes_its_zero_gradient_on_the_device():
+    # sgn's derivative is a "known zero" (aten._efficientzerotensor): a factory on the tpu device.
+    host = torch.tensor([1.5, -2.0, 0.0], requires_grad=True)
+    dev = host.detach().to("tpu").requires_grad_()
+    torch.sgn(host).sum().backward()
+    torch.sgn(dev).sum().backward()
+    assert dev.grad.device.type == "tpu"
+    assert torch.equal(dev.grad.cpu(), host.grad)
+    zeros = torch._efficientzerotensor((2, 3), dtype=torch.float64, device="tpu")
+    assert zeros.device.type == "tpu" and torch.equal(zeros.cpu(), torch.zeros(2, 3, dtype=torch.float64))
