@@ -163,3 +163,31 @@ def test_same_layout_over_complex_and_real_storages_are_different_programs():
     assert over_real.shape == own.shape and over_real.stride() == own.stride()
     assert torch.equal((over_real * 2).cpu(), host_x.view(torch.complex64) * 2)
     assert torch.equal((own * 2).cpu(), own.cpu() * 2)
+
+
+def test_complex_views_in_compiled_mode():
+    torch.manual_seed(9)
+
+    def views(z):
+        r = torch.view_as_real(z)
+        return (r * 2).sum(-1), torch.view_as_complex(r * 3), z.view(torch.float32), r.view(torch.complex64)
+
+    def write_real_part(z):
+        z = z.clone()
+        z.real.mul_(2)
+        return z
+
+    z = torch.randn(4, 3, dtype=torch.complex64)
+    for actual, expected in zip(torch.compile(views, backend="tpu")(z.to("tpu")), views(z)):
+        assert torch.equal(actual.cpu(), expected)
+    assert torch.equal(torch.compile(write_real_part, backend="tpu")(z.to("tpu")).cpu(), write_real_part(z))
+
+
+def test_autograd_of_fft_abs_in_compiled_mode_matches_cpu():
+    torch.manual_seed(10)
+    host = torch.randn(8, requires_grad=True)
+    dev = host.detach().to("tpu").requires_grad_()
+    compiled = torch.compile(lambda x: torch.fft.fft(x).abs().sum(), backend="tpu")
+    compiled(dev).backward()
+    torch.fft.fft(host).abs().sum().backward()
+    torch.testing.assert_close(dev.grad.cpu(), host.grad, rtol=1e-4, atol=1e-5)
