@@ -20,6 +20,7 @@ from jax import lax
 
 from tpurec.dense._util import DEFAULT, cast, norm_dim, promote
 from tpurec.dense.registry import lower
+from tpurec.views import write_view
 
 aten = torch.ops.aten
 
@@ -329,6 +330,17 @@ def slice_backward(grad, input_sizes: Sequence[int], dim: int, start: int, end: 
 def slice_scatter(x, src, dim: int = 0, start=None, end=None, step: int = 1):
     d = norm_dim(dim, x.ndim)
     return x.at[_dim_slices(x.ndim, d, slice(start, end, step))].set(src.astype(x.dtype))
+
+
+@lower(aten.as_strided_scatter.default, torch.ops.prims.as_strided_scatter.default)
+def as_strided_scatter(x, src, size: Sequence[int], stride: Sequence[int], storage_offset=None):
+    """``x`` (read in its contiguous layout) with the view (size, stride, offset) of it replaced by ``src``.
+
+    As PyTorch's reference: a contiguous clone of ``x``, then ``src`` copied into its
+    ``as_strided`` view.
+    """
+    flat = write_view(x.reshape(-1), src, tuple(size), tuple(stride), storage_offset or 0)
+    return flat.reshape(x.shape)
 
 
 @lower(aten.diagonal_scatter.default)
