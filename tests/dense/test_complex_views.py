@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import tpurec
-from tpurec import runtime
+
+pytestmark = pytest.mark.usefixtures("no_host_fallback")
 
 
 def both(host: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,15 +30,6 @@ def assert_same(device_tensor: torch.Tensor, host_tensor: torch.Tensor) -> None:
     assert device_tensor.stride() == host_tensor.stride()
     assert device_tensor.storage_offset() == host_tensor.storage_offset()
     assert torch.equal(device_tensor.cpu(), host_tensor)
-
-
-@pytest.fixture(autouse=True)
-def no_host_fallback(monkeypatch):
-    """Every test here must run on the device: a host fallback raises."""
-    monkeypatch.setenv("TPUREC_HOST_FALLBACK", "error")
-    before = sum(runtime.counters().host_fallbacks.values())
-    yield
-    assert sum(runtime.counters().host_fallbacks.values()) == before
 
 
 @pytest.mark.parametrize("dtype", [torch.complex64, torch.complex128])

@@ -7,6 +7,8 @@ import torch
 
 import tpurec  # noqa: F401
 
+pytestmark = pytest.mark.usefixtures("no_host_fallback")
+
 CASES = [
     ((0, 3, 5), {}),
     ((-1.5, 2.25, 7), {"base": 2.0}),

@@ -11,6 +11,8 @@ import torch
 
 from opinfo_device import check_opinfo
 
+pytestmark = pytest.mark.usefixtures("no_host_fallback")
+
 ENTRIES = [
     "nn.functional.interpolate.nearest",
     "nn.functional.interpolate.nearest-exact",
