@@ -1,7 +1,8 @@
-"""``grid_sampler_2d_backward``: the VJP of a JAX ``grid_sampler_2d`` written as ATen's CPU kernel computes it.
+"""Grid sampling: ``grid_sampler_2d_backward``, and ``grid_sampler_3d`` with its backward.
 
-The forward runs through torch's decomposition. The backward differentiates this
-module's forward with ``jax.vjp``; where ATen's hand-written gradient picks a side
+The forwards are JAX functions written as ATen's CPU kernels compute them (the 2d
+forward op itself runs through torch's decomposition). Each backward
+differentiates its forward with ``jax.vjp``; where ATen's hand-written gradient picks a side
 at a kink (a coordinate exactly on a clipping or reflection boundary gets the
 gradient of the inside branch, see ``clip_coordinates_set_grad`` and
 ``reflect_coordinates_set_grad`` in GridSampler.h), the forward is written with
@@ -62,12 +63,15 @@ def _source_index(coord, size: int, padding: int, align_corners: bool):
     return coord
 
 
-def _gather(x, iy, ix):
-    """``x[n, :, iy, ix]`` for integer maps (N, Ho, Wo), zeros where out of bounds -> (N, C, Ho, Wo)."""
-    _, _, height, width = x.shape
-    inside = (ix >= 0) & (ix < width) & (iy >= 0) & (iy < height)
-    iyc, ixc = jnp.clip(iy, 0, height - 1), jnp.clip(ix, 0, width - 1)
-    values = jax.vmap(lambda image, r, c: image[:, r, c])(x, iyc, ixc)  # (N, C, Ho, Wo)
+def _gather(x, *indices):
+    """``x[n, :, i_1, ..., i_d]`` for integer maps, one per spatial dim of ``x`` (each (N, *out)),
+    zeros where out of bounds -> (N, C, *out)."""
+    sizes = x.shape[2:]
+    inside = jnp.ones(indices[0].shape, bool)
+    for index, size in zip(indices, sizes):
+        inside = inside & (index >= 0) & (index < size)
+    clipped = [jnp.clip(index, 0, size - 1) for index, size in zip(indices, sizes)]
+    values = jax.vmap(lambda image, *idx: image[(slice(None),) + idx])(x, *clipped)
     return jnp.where(inside[:, None], values, jnp.zeros((), x.dtype))
 
 
@@ -120,6 +124,38 @@ def grid_sampler_2d(x, grid, mode: int, padding: int, align_corners: bool):
     for r, c, w in corners:
         out = out + _gather(x, r.astype(jnp.int32), c.astype(jnp.int32)) * w[:, None]
     return out
+
+
+@lower(aten.grid_sampler_3d.default)
+def grid_sampler_3d(x, grid, mode: int, padding: int, align_corners: bool):
+    """``grid_sampler_3d`` forward: x (N, C, D, H, W), grid (N, Do, Ho, Wo, 3) of (x, y, z) in [-1, 1].
+
+    Trilinear (mode 0) or nearest (mode 1); PyTorch has no bicubic in 3d.
+    """
+    depth, height, width = x.shape[2:]
+    ix = _source_index(grid[..., 0], width, padding, align_corners)
+    iy = _source_index(grid[..., 1], height, padding, align_corners)
+    iz = _source_index(grid[..., 2], depth, padding, align_corners)
+    if mode == _NEAREST:
+        return _gather(x, *(jnp.round(i).astype(jnp.int32) for i in (iz, iy, ix)))
+    x0, y0, z0 = jnp.floor(ix), jnp.floor(iy), jnp.floor(iz)
+    out = 0
+    for dz in (0, 1):
+        wz = (iz - z0) if dz else (z0 + 1 - iz)
+        for dy in (0, 1):
+            wy = (iy - y0) if dy else (y0 + 1 - iy)
+            for dx in (0, 1):
+                wx = (ix - x0) if dx else (x0 + 1 - ix)
+                taps = ((z0 + dz).astype(jnp.int32), (y0 + dy).astype(jnp.int32), (x0 + dx).astype(jnp.int32))
+                out = out + _gather(x, *taps) * (wz * wy * wx)[:, None]
+    return out
+
+
+@lower(aten.grid_sampler_3d_backward.default)
+def grid_sampler_3d_backward(grad, x, grid, mode: int, padding: int, align_corners: bool, output_mask):
+    _, vjp = jax.vjp(lambda a, g: grid_sampler_3d(a, g, mode, padding, align_corners), x, grid)
+    grad_x, grad_grid = vjp(grad.astype(x.dtype))
+    return (grad_x if output_mask[0] else None, grad_grid if output_mask[1] else None)
 
 
 @lower(aten.grid_sampler_2d_backward.default)

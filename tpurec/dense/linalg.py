@@ -468,3 +468,25 @@ def _register_check_errors() -> None:
 
 
 _register_check_errors()
+
+
+# --- Householder (LAPACK geqrf / orgqr / ormqr) ----------------------------------
+
+
+@lower(aten.geqrf.default)
+def geqrf(a):
+    """QR in LAPACK's compact form: R above the diagonal, the reflectors below, and their scales."""
+    reflectors, taus = jnp.linalg.qr(a, mode="raw")  # numpy's "raw" layout is the transpose of LAPACK's
+    return jnp.swapaxes(reflectors, -1, -2), taus
+
+
+@lower(aten.linalg_householder_product.default)
+def linalg_householder_product(reflectors, taus):
+    """The first n columns of Q = H_1 ... H_k (LAPACK orgqr)."""
+    return lax.linalg.householder_product(reflectors, taus.astype(reflectors.dtype))
+
+
+@lower(aten.ormqr.default)
+def ormqr(reflectors, taus, other, left: bool = True, transpose: bool = False):
+    """Q @ other, Q^H @ other, other @ Q or other @ Q^H without forming Q (LAPACK ormqr)."""
+    return lax.linalg.ormqr(reflectors, taus.astype(reflectors.dtype), other, left=left, transpose=transpose)
