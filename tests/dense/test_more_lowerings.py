@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from opinfo_device import check_opinfo
 
@@ -17,8 +18,21 @@ pytestmark = pytest.mark.usefixtures("no_host_fallback")
         "geqrf",
         "linalg.householder_product",
         "ormqr",
+        "nn.functional.pdist",
     ],
 )
 def test_every_sample_through_the_device(name):
     # ormqr has 144 samples: the first 24 cover every left/transpose combination.
     assert check_opinfo(name, max_samples=24 if name == "ormqr" else 1000) > 3
+
+
+@pytest.mark.parametrize("p", [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, float("inf")])
+def test_pdist_with_equal_rows_matches_cpu(p):
+    # Rows 0 and 1 are equal: a zero distance, where every p's gradient is defined as 0.
+    x = torch.tensor([[0.0, 1.0, 2.0], [0.0, 1.0, 2.0], [1.0, -1.0, 0.5], [2.0, 1.0, -3.0]])
+    host, dev = x.clone().requires_grad_(), x.to("tpu").requires_grad_()
+    expected, actual = torch.nn.functional.pdist(host, p), torch.nn.functional.pdist(dev, p)
+    torch.testing.assert_close(actual.cpu(), expected.detach(), rtol=1e-6, atol=1e-6)
+    expected.sum().backward()
+    actual.sum().backward()
+    torch.testing.assert_close(dev.grad.cpu(), host.grad, rtol=1e-6, atol=1e-6)
