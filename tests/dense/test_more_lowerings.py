@@ -36,3 +36,16 @@ def test_pdist_with_equal_rows_matches_cpu(p):
     expected.sum().backward()
     actual.sum().backward()
     torch.testing.assert_close(dev.grad.cpu(), host.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_multinomial_frequencies_and_distinct_draws():
+    torch.tpu.manual_seed(0)
+    probs = torch.tensor([0.1, 0.0, 0.6, 0.3])
+    drawn = torch.multinomial(probs.to("tpu"), 20000, replacement=True)
+    assert drawn.device.type == "tpu" and drawn.dtype == torch.int64
+    frequencies = torch.bincount(drawn.cpu(), minlength=4) / 20000
+    # 4 standard deviations of a frequency over 20000 draws is at most 0.015.
+    torch.testing.assert_close(frequencies, probs, rtol=0, atol=0.015)
+    pairs = torch.multinomial(probs.repeat(5000, 1).to("tpu"), 2).cpu()  # without replacement
+    assert (pairs[:, 0] != pairs[:, 1]).all() and (pairs != 1).all()
+    torch.testing.assert_close(torch.bincount(pairs[:, 0], minlength=4) / 5000, probs, rtol=0, atol=0.03)

@@ -144,3 +144,22 @@ def randint_like_low(x, low: int, high: int, *, generator=None, dtype=None, layo
 @lower(aten.randperm.default, aten.randperm.generator, random=True)
 def randperm(n: int, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, key):
     return jax.random.permutation(key, n).astype(_dt(dtype, jnp.int64))
+
+
+@lower(aten.multinomial.default, random=True)
+def multinomial(probs, num_samples: int, replacement: bool = False, *, generator=None, key):
+    """``num_samples`` category indices per row of (unnormalised) ``probs`` (C,) or (N, C), as int64.
+
+    Without replacement: the Gumbel top-k trick (the k largest of log p + Gumbel noise are a
+    sample of k distinct categories drawn in proportion to p, one after another). Where a row has
+    fewer than ``num_samples`` nonzero categories CPU raises; here (inside a compiled program) the
+    remaining draws are zero-probability categories.
+    """
+    acc = _acc(probs.dtype)
+    logits = jnp.log(probs.astype(acc))
+    if replacement:
+        shape = (num_samples,) + logits.shape[:-1]
+        drawn = jax.random.categorical(key, logits, axis=-1, shape=shape)
+        return jnp.moveaxis(drawn, 0, -1).astype(jnp.int64)
+    noisy = logits + jax.random.gumbel(key, logits.shape, acc)
+    return jax.lax.top_k(noisy, num_samples)[1].astype(jnp.int64)
