@@ -4,7 +4,7 @@ import tpurec  # noqa: F401  (enables jax x64 before any lowering runs)
 
 import pytest  # noqa: E402
 
-from tpurec import runtime  # noqa: E402
+from tpurec.core import runtime  # noqa: E402
 
 
 @pytest.fixture

@@ -151,7 +151,7 @@ def view_as_complex(x):
 def view_dtype(x, dtype: torch.dtype):
     target = to_jax_dtype(dtype)
     if jnp.issubdtype(x.dtype, jnp.complexfloating) and target == jnp.finfo(x.dtype).dtype:
-        # complex (..., n) -> real (..., 2n), the eager device's REAL view (tpurec.views)
+        # complex (..., n) -> real (..., 2n), the eager device's REAL view (tpurec.core.views)
         return view_as_real(x).reshape(x.shape[:-1] + (2 * x.shape[-1],)) if x.ndim else view_as_real(x)
     if jnp.issubdtype(target, jnp.complexfloating) and x.dtype == jnp.finfo(target).dtype:
         # real (..., 2n) -> complex (..., n)

@@ -20,7 +20,6 @@ from jax import lax
 
 from tpurec.dense._util import DEFAULT, cast, norm_dim, promote
 from tpurec.dense.registry import lower
-from tpurec.views import write_view
 
 aten = torch.ops.aten
 
@@ -339,7 +338,10 @@ def as_strided_scatter(x, src, size: Sequence[int], stride: Sequence[int], stora
     As PyTorch's reference: a contiguous clone of ``x``, then ``src`` copied into its
     ``as_strided`` view.
     """
-    flat = write_view(x.reshape(-1), src, tuple(size), tuple(stride), storage_offset or 0)
+    positions = np.full((), storage_offset or 0, dtype=np.int64)
+    for n, step in zip(size, stride):
+        positions = positions[..., None] + np.arange(n, dtype=np.int64) * step
+    flat = x.reshape(-1).at[positions.reshape(-1)].set(jnp.broadcast_to(src, tuple(size)).reshape(-1).astype(x.dtype))
     return flat.reshape(x.shape)
 
 
