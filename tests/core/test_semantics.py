@@ -222,7 +222,7 @@ def test_native_batch_norm_legit_no_stats_and_running_stat_updates():
 # --- host fallbacks are counted, and an error under TPUREC_HOST_FALLBACK=error ------
 
 
-@torch.library.custom_op("tpurec_test::host_only_double", mutates_args=())
+@torch.library.custom_op("tpurec_test::host_only_double", mutates_args=(), device_types="cpu")
 def _host_only_double(x: torch.Tensor) -> torch.Tensor:
     return x * 2
 

@@ -49,3 +49,27 @@ def test_multinomial_frequencies_and_distinct_draws():
     pairs = torch.multinomial(probs.repeat(5000, 1).to("tpu"), 2).cpu()  # without replacement
     assert (pairs[:, 0] != pairs[:, 1]).all() and (pairs != 1).all()
     torch.testing.assert_close(torch.bincount(pairs[:, 0], minlength=4) / 5000, probs, rtol=0, atol=0.03)
+
+
+@pytest.mark.parametrize(
+    "name", ["nn.functional.linear_cross_entropy.chunked", "nn.functional.linear_cross_entropy.chunked_none"]
+)
+def test_library_custom_ops_run_their_default_implementation_on_the_device(name):
+    # torch.nn's chunked linear_cross_entropy is a torch.library.custom_op whose default
+    # (CompositeExplicitAutograd) kernel is written in torch ops: on tpu it runs op by op.
+    assert check_opinfo(name, max_samples=6) > 0
+
+
+def test_a_user_custom_op_with_a_default_implementation():
+    @torch.library.custom_op("tpurec_test::scaled_sum", mutates_args=())
+    def scaled_sum(x: torch.Tensor, scale: float) -> torch.Tensor:
+        return (x * scale).sum(dim=-1)
+
+    @scaled_sum.register_fake
+    def _(x, scale):
+        return x.new_empty(x.shape[:-1])
+
+    x = torch.randn(3, 4)
+    actual = scaled_sum(x.to("tpu"), 2.5)
+    assert actual.device.type == "tpu"
+    torch.testing.assert_close(actual.cpu(), scaled_sum(x, 2.5))

@@ -776,6 +776,12 @@ def _fallback(func, args, kwargs):
         out = func.decompose(*args, **kwargs)
         if out is not NotImplemented:
             return out
+    if func.namespace not in ("aten", "prims") and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), "CompositeExplicitAutograd"
+    ):
+        # A library's device-independent implementation (torch.library.custom_op's default kernel,
+        # e.g. torch.nn's chunked linear_cross_entropy), written in torch ops that run here one by one.
+        return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
     raise unsupported_op(func)
 
 
