@@ -73,3 +73,26 @@ def test_a_user_custom_op_with_a_default_implementation():
     actual = scaled_sum(x.to("tpu"), 2.5)
     assert actual.device.type == "tpu"
     torch.testing.assert_close(actual.cpu(), scaled_sum(x, 2.5))
+
+
+def test_histogram_samples_through_the_device():
+    # Bin counts and edge tensors, ranges, weights, density; empty and constant inputs among them.
+    assert check_opinfo("histogram", max_samples=48) > 3
+
+
+@pytest.mark.parametrize(
+    "values, bins, kwargs",
+    [
+        ([0.0, 0.1, 0.2, 0.3, 0.7, 1.0], 10, {}),  # values on the edges; 1.0 in the last bin
+        ([1.0, 1.0, 1.0], 4, {}),  # constant: edges widened by 0.5
+        ([], 3, {}),  # empty: edges span [0, 1]
+        ([0.0, 0.1, 0.2, 0.3, 0.7, 1.0], 3, {"range": (0.1, 0.7)}),  # outside the range: not counted
+        (torch.arange(0, 1, 0.01).tolist(), 100, {}),
+    ],
+)
+def test_histogram_bins_values_on_edges_as_cpu(values, bins, kwargs):
+    x = torch.tensor(values)
+    expected = torch.histogram(x, bins, **kwargs)
+    actual = torch.histogram(x.to("tpu"), bins, **kwargs)
+    assert torch.equal(actual.hist.cpu(), expected.hist)
+    assert torch.equal(actual.bin_edges.cpu(), expected.bin_edges)
