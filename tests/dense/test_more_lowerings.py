@@ -75,9 +75,10 @@ def test_a_user_custom_op_with_a_default_implementation():
     torch.testing.assert_close(actual.cpu(), scaled_sum(x, 2.5))
 
 
-def test_histogram_samples_through_the_device():
+@pytest.mark.parametrize("name", ["histogram", "histogramdd"])
+def test_histogram_samples_through_the_device(name):
     # Bin counts and edge tensors, ranges, weights, density; empty and constant inputs among them.
-    assert check_opinfo("histogram", max_samples=48) > 3
+    assert check_opinfo(name, max_samples=48) > 3
 
 
 @pytest.mark.parametrize(
@@ -96,3 +97,15 @@ def test_histogram_bins_values_on_edges_as_cpu(values, bins, kwargs):
     actual = torch.histogram(x.to("tpu"), bins, **kwargs)
     assert torch.equal(actual.hist.cpu(), expected.hist)
     assert torch.equal(actual.bin_edges.cpu(), expected.bin_edges)
+
+
+def test_histogramdd_counts_points_inside_every_range():
+    x = torch.tensor([[0.0, 1.0], [0.5, 1.0], [1.0, 1.0], [2.0, 0.5], [0.25, 3.0]])
+    weight = torch.tensor([1.0, 2.0, 3.0, 4.0, 5.0])
+    for kwargs in ({}, {"range": [0.0, 1.0, 0.5, 1.5]}, {"weight": weight, "density": True}):
+        dev_kwargs = {k: v.to("tpu") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        expected = torch.histogramdd(x, [2, 3], **kwargs)
+        actual = torch.histogramdd(x.to("tpu"), [2, 3], **dev_kwargs)
+        torch.testing.assert_close(actual.hist.cpu(), expected.hist, rtol=1e-6, atol=0)
+        for a, e in zip(actual.bin_edges, expected.bin_edges):  # linspace: equal up to float32 rounding
+            torch.testing.assert_close(a.cpu(), e, rtol=1e-6, atol=0)
