@@ -1,5 +1,5 @@
 """Special functions through ``jax.scipy.special``: polygamma, erfcx, Bessel
-functions of order 0/1, ndtr/ndtri/log_ndtr, zeta, entr, xlog1py, igamma(c),
+functions of order 0/1 (K_0/K_1 by quadrature, see ``_bessel_k``), ndtr/ndtri/log_ndtr, zeta, entr, xlog1py, igamma(c),
 and the orthogonal polynomial families.
 
 Integer inputs compute in the default float dtype (torch's INT_TO_FLOAT
@@ -81,6 +81,54 @@ _UNARY = {
     aten.special_bessel_j0.default: _bessel_j(0),
     aten.special_bessel_j1.default: _bessel_j(1),
 }
+
+# Modified Bessel functions of the second kind, K_0 and K_1 (and e^x K_n), which
+# jax.scipy.special lacks: from the integral K_n(x) = int_0^inf exp(-x cosh t) cosh(n t) dt,
+# written as e^-x int_0^T exp(-2 x sinh(t/2)^2) cosh(n t) dt. The integrand is analytic and
+# decays double-exponentially, so the trapezoidal rule converges geometrically; T puts the
+# cut where the integrand is below e^-60 (so K_n keeps float64's digits that float32 needs),
+# and each element gets its own step T / _BESSEL_K_STEPS, fine enough for the integrand's
+# width at every x (about 1 for small x, 1/sqrt(x) for large x). float64 throughout.
+_BESSEL_K_STEPS = 1024
+_BESSEL_K_CUTOFF = 60.0
+
+
+def _bessel_k_scaled(x, order: int):
+    """e^x K_order(x) for x > 0 (float64)."""
+    end = 2 * jnp.arcsinh(jnp.sqrt(_BESSEL_K_CUTOFF / (2 * x)))
+    step = end / _BESSEL_K_STEPS
+
+    def add_point(k, total):
+        t = k * step
+        value = jnp.exp(-2 * x * jnp.sinh(t / 2) ** 2) * (jnp.cosh(order * t) if order else 1.0)
+        return total + jnp.where((k == 0) | (k == _BESSEL_K_STEPS), 0.5, 1.0) * value
+
+    return step * lax.fori_loop(0, _BESSEL_K_STEPS + 1, add_point, jnp.zeros_like(x))
+
+
+def _bessel_k(order: int, scaled: bool):
+    def fn(x):
+        wide = x.astype(jnp.float64)
+        positive = jnp.where((wide > 0) & (wide < jnp.inf), wide, 1.0)
+        out = _bessel_k_scaled(positive, order)
+        if not scaled:
+            out = out * jnp.exp(-positive)
+        # K_n(0) = inf and K_n(inf) = 0 (e^x K_n too); K_n is not real for x < 0 (CPU: NaN, as for NaN).
+        out = jnp.where(wide == jnp.inf, 0.0, out)
+        out = jnp.where(wide == 0, jnp.inf, jnp.where(wide > 0, out, jnp.nan))
+        return out.astype(x.dtype)
+
+    return fn
+
+
+_UNARY.update(
+    {
+        aten.special_modified_bessel_k0.default: _bessel_k(0, scaled=False),
+        aten.special_modified_bessel_k1.default: _bessel_k(1, scaled=False),
+        aten.special_scaled_modified_bessel_k0.default: _bessel_k(0, scaled=True),
+        aten.special_scaled_modified_bessel_k1.default: _bessel_k(1, scaled=True),
+    }
+)
 
 for _op, _fn in _UNARY.items():
     lower(_op)(_unary(_fn))
