@@ -109,3 +109,18 @@ def test_histogramdd_counts_points_inside_every_range():
         torch.testing.assert_close(actual.hist.cpu(), expected.hist, rtol=1e-6, atol=0)
         for a, e in zip(actual.bin_edges, expected.bin_edges):  # linspace: equal up to float32 rounding
             torch.testing.assert_close(a.cpu(), e, rtol=1e-6, atol=0)
+
+
+def test_rrelu_training_draws_slopes_and_backward_uses_them():
+    torch.tpu.manual_seed(0)
+    x = torch.randn(2000).to("tpu").requires_grad_()
+    y = torch.nn.functional.rrelu(x, 0.1, 0.3, training=True)
+    host_x = x.detach().cpu()
+    slopes = (y / x).detach().cpu()[host_x <= 0]
+    assert 0.1 <= slopes.min() and slopes.max() <= 0.3
+    assert abs(slopes.mean().item() - 0.2) < 0.01  # U(0.1, 0.3): sd of the mean over ~1000 draws ~ 0.002
+    assert torch.equal(y.detach().cpu()[host_x > 0], host_x[host_x > 0])
+    y.sum().backward()
+    torch.testing.assert_close(x.grad.cpu()[host_x <= 0], slopes)
+    evaluated = torch.nn.functional.rrelu(x.detach(), 0.1, 0.3, training=False)
+    torch.testing.assert_close(evaluated.cpu(), torch.nn.functional.rrelu(host_x, 0.1, 0.3, training=False))

@@ -646,6 +646,15 @@ def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse
     return execute(aten.embedding.default, get_lowering(aten.embedding.default), (weight, indices, padding_idx, scale_grad_by_freq, sparse), {})[0]
 
 
+def _rrelu_with_noise(input, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
+    """``rrelu_with_noise`` writes the slopes it drew into ``noise`` (a positional argument, so it has no
+    out= twin): its functional form, then the slopes copied into ``noise``."""
+    out, slopes = aten.rrelu_with_noise_functional.default(input, noise, lower, upper, training, generator=generator)
+    if training:
+        noise.copy_(slopes)
+    return out
+
+
 def _pin_tpu_tensor(self, device=None):
     raise RuntimeError(f"cannot pin a {self.device} tensor: only CPU tensors can be pinned (as for CUDA tensors)")
 
@@ -675,6 +684,7 @@ _SPECIAL = {
     aten._native_batch_norm_legit.default: _native_batch_norm_legit,
     aten._batch_norm_with_update.default: _batch_norm_with_update,
     aten.embedding.default: _embedding,
+    aten.rrelu_with_noise.default: _rrelu_with_noise,
     aten.is_pinned.default: lambda self, device=None: False,
     aten._pin_memory.default: _pin_tpu_tensor,
     aten._amp_foreach_non_finite_check_and_unscale_.default: amp.non_finite_check_and_unscale_,

@@ -163,3 +163,18 @@ def multinomial(probs, num_samples: int, replacement: bool = False, *, generator
         return jnp.moveaxis(drawn, 0, -1).astype(jnp.int64)
     noisy = logits + jax.random.gumbel(key, logits.shape, acc)
     return jax.lax.top_k(noisy, num_samples)[1].astype(jnp.int64)
+
+
+@lower(aten.rrelu_with_noise_functional.default, random=True)
+def rrelu_with_noise_functional(x, noise, lower=0.125, upper=1.0 / 3.0, training: bool = False, *, generator=None, key):
+    """Randomized leaky ReLU, and the slopes it used (``noise``; 1 where x > 0).
+
+    Training: each x <= 0 gets its own slope drawn from U(lower, upper). Evaluation: the
+    mean slope (lower + upper) / 2, as ``leaky_relu``, and ``noise`` is returned unchanged.
+    """
+    if not training:
+        slope = (lower + upper) / 2
+        return jnp.where(x > 0, x, x * jnp.asarray(slope, x.dtype)), noise
+    slopes = _uniform(key, x.shape, x.dtype, lower, upper)
+    negative = x <= 0
+    return jnp.where(negative, x * slopes, x), jnp.where(negative, slopes, jnp.ones((), x.dtype)).astype(noise.dtype)
