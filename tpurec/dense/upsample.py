@@ -1,6 +1,7 @@
-"""Backward of the upsampling ops (nearest, nearest-exact, linear, bilinear, trilinear, bicubic).
+"""Backward of the upsampling ops (nearest, nearest-exact, linear, bilinear, trilinear, bicubic), and
+antialiased bilinear (``_upsample_bilinear2d_aa``) forward and backward.
 
-Their forwards run through torch's decompositions. Each is linear in its input
+The other forwards run through torch's decompositions. Each is linear in its input
 and separable: along every spatial dim, output = W @ input with a fixed
 (output size x input size) weight matrix W. The backward is therefore the
 transpose, ``grad_input = W.T @ grad_output`` along each dim. W is built at
@@ -106,6 +107,36 @@ def _cubic_matrix(input_size: int, output_size: int, align_corners: bool, scale:
     return weights
 
 
+def _antialias_matrix(input_size: int, output_size: int, align_corners: bool, scale: float | None) -> np.ndarray:
+    """Antialiased bilinear (``_upsample_bilinear2d_aa``): a triangle filter stretched by the scale when
+    shrinking, so every input pixel under an output pixel counts; each row normalised to sum 1."""
+    weights = np.zeros((output_size, input_size), np.float32)
+    ratio = _area_scale(input_size, output_size, align_corners, scale)
+    support = _f32(1) * ratio if ratio >= 1 else _f32(1)  # interp_size / 2 = 1 for the triangle
+    inverse = _f32(1) / ratio if ratio >= 1 else _f32(1)
+    for dst in range(output_size):
+        center = ratio * (_f32(dst) + _f32(0.5))
+        low = max(int(center - support + _f32(0.5)), 0)
+        high = min(int(center + support + _f32(0.5)), input_size)
+        taps = np.arange(low, high)
+        distance = ((taps - low).astype(np.float32) + _f32(low) - center + _f32(0.5)) * inverse
+        row = np.maximum(_f32(0), _f32(1) - np.abs(distance)).astype(np.float32)
+        total = row.sum(dtype=np.float32)
+        weights[dst, low:high] = row / total if total != 0 else row
+    return weights
+
+
+def _apply(x, matrices: list[np.ndarray]):
+    """Each trailing spatial dim of ``x`` contracted with its W (out x in): the forward."""
+    spatial = len(matrices)
+    out = x
+    for k, weights in enumerate(matrices):
+        axis = x.ndim - spatial + k
+        w = jnp.asarray(weights.T, dtype=x.dtype)
+        out = jnp.moveaxis(jnp.tensordot(jnp.moveaxis(out, axis, -1), w, axes=([-1], [0])), -1, axis)
+    return out
+
+
 def _transpose_apply(grad, input_size: Sequence[int], matrices: list[np.ndarray]):
     """``grad_input``: each trailing spatial dim of ``grad`` contracted with its W (out x in)."""
     spatial = len(matrices)
@@ -159,3 +190,18 @@ lower(aten.upsample_linear1d_backward.default, static_scalars=True)(_interpolati
 lower(aten.upsample_bilinear2d_backward.default, static_scalars=True)(_interpolating_backward(2, _linear_matrix))
 lower(aten.upsample_trilinear3d_backward.default, static_scalars=True)(_interpolating_backward(3, _linear_matrix))
 lower(aten.upsample_bicubic2d_backward.default, static_scalars=True)(_interpolating_backward(2, _cubic_matrix))
+
+
+@lower(aten._upsample_bilinear2d_aa.default, static_scalars=True)
+def upsample_bilinear2d_aa(x, output_size: Sequence[int], align_corners: bool, scales_h=None, scales_w=None):
+    sizes = x.shape[-2:]
+    matrices = [
+        _antialias_matrix(n_in, n_out, align_corners, s)
+        for n_in, n_out, s in zip(sizes, output_size, (scales_h, scales_w))
+    ]
+    return _apply(x, matrices)
+
+
+lower(aten._upsample_bilinear2d_aa_backward.default, static_scalars=True)(
+    _interpolating_backward(2, _antialias_matrix)
+)
