@@ -124,3 +124,18 @@ def test_rrelu_training_draws_slopes_and_backward_uses_them():
     torch.testing.assert_close(x.grad.cpu()[host_x <= 0], slopes)
     evaluated = torch.nn.functional.rrelu(x.detach(), 0.1, 0.3, training=False)
     torch.testing.assert_close(evaluated.cpu(), torch.nn.functional.rrelu(host_x, 0.1, 0.3, training=False))
+
+
+@pytest.mark.parametrize(
+    "x", [torch.randn(3, 4), torch.arange(10), torch.tensor([True, False, True]), torch.randn(2, 3).double()]
+)
+def test_hash_tensor_matches_cpu_bit_for_bit(x):
+    assert torch.equal(torch.hash_tensor(x.to("tpu")).cpu(), torch.hash_tensor(x))
+    assert torch.equal(torch.hash_tensor(x.to("tpu"), dim=[0], keepdim=True).cpu(), torch.hash_tensor(x, dim=[0], keepdim=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])
+def test_limited_unsigned_dtypes_move_to_the_device_and_back(dtype):
+    x = torch.tensor([0, 1, 2**15, 65535]).to(dtype)
+    moved = x.to("tpu")
+    assert moved.dtype == dtype and torch.equal(moved.cpu(), x)
