@@ -1,5 +1,5 @@
 """Special functions through ``jax.scipy.special``: polygamma, erfcx, Bessel
-functions of order 0/1 (K_0/K_1 by quadrature, see ``_bessel_k``), ndtr/ndtri/log_ndtr, zeta, entr, xlog1py, igamma(c),
+functions of order 0/1 (K_0/K_1 by quadrature, Y_0/Y_1 by series and asymptotic expansion), ndtr/ndtri/log_ndtr, zeta, entr, xlog1py, igamma(c),
 and the orthogonal polynomial families.
 
 Integer inputs compute in the default float dtype (torch's INT_TO_FLOAT
@@ -121,8 +121,69 @@ def _bessel_k(order: int, scaled: bool):
     return fn
 
 
+# Bessel functions of the second kind Y_0, Y_1 (not in jax.scipy.special), float64:
+# below _BESSEL_Y_SWITCH the power series (Abramowitz & Stegun 9.1.11, with
+# psi(k + 1) = -gamma + H_k), whose terms peak near e^x / (pi x) so that at the switch
+# float64 still leaves ~1e-7 absolute accuracy; above it Hankel's asymptotic expansion
+# (A&S 9.2.6-9.2.10), whose terms keep shrinking up to k ~ 2x, far beyond the ones used.
+_BESSEL_Y_SWITCH = 20.0
+_BESSEL_Y_SERIES_TERMS = 60
+_BESSEL_Y_ASYMPTOTIC_TERMS = 16
+
+
+def _bessel_y_series(x, order: int):
+    quarter_sq = x * x / 4
+    term = jnp.ones_like(x) if order == 0 else x / 2  # (x/2)^n (-x^2/4)^k / (k! (n + k)!) at k = 0
+    bessel_j = jnp.zeros_like(x)
+    psi_sum = jnp.zeros_like(x)  # sum of (psi(k + 1) + psi(n + k + 1)) * term
+    harmonic = 0.0  # H_k
+    for k in range(_BESSEL_Y_SERIES_TERMS):
+        if k:
+            term = term * (-quarter_sq) / (k * (order + k))
+            harmonic += 1.0 / k
+        psi = 2 * (harmonic - np.euler_gamma) + (1.0 / (k + 1) if order == 1 else 0.0)
+        bessel_j = bessel_j + term
+        psi_sum = psi_sum + psi * term
+    out = (2 / np.pi) * jnp.log(x / 2) * bessel_j - psi_sum / np.pi
+    return out - 2 / (np.pi * x) if order == 1 else out
+
+
+def _bessel_y_asymptotic(x, order: int):
+    mu = 4.0 * order * order
+    p, q = jnp.zeros_like(x), jnp.zeros_like(x)
+    coefficient = jnp.ones_like(x)  # a_k(order) / x^k
+    for k in range(_BESSEL_Y_ASYMPTOTIC_TERMS):
+        if k:
+            coefficient = coefficient * (mu - (2 * k - 1) ** 2) / (k * 8 * x)
+        sign = -1.0 if (k // 2) % 2 else 1.0
+        if k % 2 == 0:
+            p = p + sign * coefficient
+        else:
+            q = q + sign * coefficient
+    omega = x - (2 * order + 1) * np.pi / 4
+    return jnp.sqrt(2 / (np.pi * x)) * (p * jnp.sin(omega) + q * jnp.cos(omega))
+
+
+def _bessel_y(order: int):
+    def fn(x):
+        wide = x.astype(jnp.float64)
+        finite = (wide > 0) & (wide < jnp.inf)
+        small = jnp.where(finite & (wide < _BESSEL_Y_SWITCH), wide, 1.0)
+        large = jnp.where(finite & (wide >= _BESSEL_Y_SWITCH), wide, _BESSEL_Y_SWITCH)
+        out = jnp.where(wide < _BESSEL_Y_SWITCH, _bessel_y_series(small, order), _bessel_y_asymptotic(large, order))
+        # Y_n(0) = -inf; not real for x < 0 (NaN, as for NaN). At +inf the limit is 0, but CPU
+        # gives NaN: matched.
+        out = jnp.where(wide == jnp.inf, jnp.nan, out)
+        out = jnp.where(wide == 0, -jnp.inf, jnp.where(wide > 0, out, jnp.nan))
+        return out.astype(x.dtype)
+
+    return fn
+
+
 _UNARY.update(
     {
+        aten.special_bessel_y0.default: _bessel_y(0),
+        aten.special_bessel_y1.default: _bessel_y(1),
         aten.special_modified_bessel_k0.default: _bessel_k(0, scaled=False),
         aten.special_modified_bessel_k1.default: _bessel_k(1, scaled=False),
         aten.special_scaled_modified_bessel_k0.default: _bessel_k(0, scaled=True),
