@@ -1,5 +1,6 @@
-"""Bessel functions of the second kind on the device (tpurec/dense/special.py): K_0, K_1 and their scaled
-forms (quadrature) against CPU; Y_0, Y_1 (series / asymptotic expansion) against scipy and CPU."""
+"""Bessel functions of the second kind and Airy Ai on the device (tpurec/dense/special.py): K_0, K_1 and
+their scaled forms (quadrature) against CPU; Y_0, Y_1 and Ai (series / asymptotic expansions) against
+scipy and CPU."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ def test_float64_across_thirty_orders_of_magnitude_and_the_edges(fn):
         "special.scaled_modified_bessel_k1",
         "special.bessel_y0",
         "special.bessel_y1",
+        "special.airy_ai",
     ],
 )
 def test_opinfo_samples_float32(name):
@@ -62,3 +64,14 @@ def test_bessel_y_edges_and_float32_as_cpu(fn):
     torch.testing.assert_close(fn(edges.to("tpu")).cpu(), fn(edges), equal_nan=True)
     x = torch.linspace(0.05, 60, 500)
     torch.testing.assert_close(fn(x.to("tpu")).cpu(), fn(x), rtol=1e-4, atol=1e-5)
+
+
+def test_airy_ai_float64_against_scipy_and_edges_as_cpu():
+    # The three methods' ranges (K quadrature above 1.5, series down to -8, asymptotic below) and far out.
+    x = np.concatenate([[-1e3, -100.0, -8.01, -8.0, -7.99, 0.0, 1.49, 1.5, 1.51, 100.0], np.linspace(-30, 30, 1201)])
+    actual = torch.special.airy_ai(torch.tensor(x).to("tpu")).cpu().numpy()
+    np.testing.assert_allclose(actual, scipy.special.airy(x)[0], rtol=1e-7, atol=1e-9)
+    edges = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    torch.testing.assert_close(torch.special.airy_ai(edges.to("tpu")).cpu(), torch.special.airy_ai(edges), equal_nan=True)
+    x32 = torch.linspace(-30, 30, 601)
+    torch.testing.assert_close(torch.special.airy_ai(x32.to("tpu")).cpu(), torch.special.airy_ai(x32), rtol=1e-4, atol=1e-5)

@@ -1,5 +1,5 @@
 """Special functions through ``jax.scipy.special``: polygamma, erfcx, Bessel
-functions of order 0/1 (K_0/K_1 by quadrature, Y_0/Y_1 by series and asymptotic expansion), ndtr/ndtri/log_ndtr, zeta, entr, xlog1py, igamma(c),
+functions of order 0/1 (K_0/K_1 by quadrature, Y_0/Y_1 by series and asymptotic expansion), Airy Ai, ndtr/ndtri/log_ndtr, zeta, entr, xlog1py, igamma(c),
 and the orthogonal polynomial families.
 
 Integer inputs compute in the default float dtype (torch's INT_TO_FLOAT
@@ -9,6 +9,8 @@ on the device too.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -93,14 +95,14 @@ _BESSEL_K_STEPS = 1024
 _BESSEL_K_CUTOFF = 60.0
 
 
-def _bessel_k_scaled(x, order: int):
+def _bessel_k_scaled(x, order: float):
     """e^x K_order(x) for x > 0 (float64)."""
     end = 2 * jnp.arcsinh(jnp.sqrt(_BESSEL_K_CUTOFF / (2 * x)))
     step = end / _BESSEL_K_STEPS
 
     def add_point(k, total):
         t = k * step
-        value = jnp.exp(-2 * x * jnp.sinh(t / 2) ** 2) * (jnp.cosh(order * t) if order else 1.0)
+        value = jnp.exp(-2 * x * jnp.sinh(t / 2) ** 2) * (jnp.cosh(order * t) if order else 1.0)  # any real order
         return total + jnp.where((k == 0) | (k == _BESSEL_K_STEPS), 0.5, 1.0) * value
 
     return step * lax.fori_loop(0, _BESSEL_K_STEPS + 1, add_point, jnp.zeros_like(x))
@@ -180,8 +182,63 @@ def _bessel_y(order: int):
     return fn
 
 
+# Airy function Ai (float64): for x > _AIRY_K_FROM, (1/pi) sqrt(x/3) K_{1/3}(2/3 x^{3/2}) by the
+# K quadrature above (Ai decays like e^{-zeta} there, which the Maclaurin series would lose to
+# cancellation); for x < _AIRY_ASYMPTOTIC_BELOW, the oscillating asymptotic expansion
+# (A&S 10.4.60); between, the Maclaurin series Ai = c1 f - c2 g (A&S 10.4.2-10.4.3), whose
+# terms stay below ~e^{zeta} = e^15 there.
+_AIRY_K_FROM = 1.5
+_AIRY_ASYMPTOTIC_BELOW = -8.0
+_AIRY_C1 = 1 / (3 ** (2 / 3) * math.gamma(2 / 3))  # Ai(0)
+_AIRY_C2 = 1 / (3 ** (1 / 3) * math.gamma(1 / 3))  # -Ai'(0)
+
+
+def _airy_series(x):
+    cube = x**3
+    f_term, g_term = jnp.ones_like(x), x
+    f, g = f_term, g_term
+    for k in range(1, 60):
+        f_term = f_term * cube / ((3 * k - 1) * (3 * k))
+        g_term = g_term * cube / ((3 * k) * (3 * k + 1))
+        f, g = f + f_term, g + g_term
+    return _AIRY_C1 * f - _AIRY_C2 * g
+
+
+def _airy_oscillating(x):
+    z = -x
+    zeta = 2 / 3 * z**1.5
+    p, q = jnp.zeros_like(x), jnp.zeros_like(x)
+    u = 1.0
+    power = jnp.ones_like(x)  # zeta^-k
+    for k in range(16):
+        if k:
+            u = u * (6 * k - 5) * (6 * k - 3) * (6 * k - 1) / ((2 * k - 1) * 216 * k)
+            power = power / zeta
+        sign = -1.0 if (k // 2) % 2 else 1.0
+        if k % 2 == 0:
+            p = p + sign * u * power
+        else:
+            q = q + sign * u * power
+    phase = zeta + np.pi / 4
+    return (jnp.sin(phase) * p - jnp.cos(phase) * q) / (np.sqrt(np.pi) * z**0.25)
+
+
+def _airy_ai(x):
+    wide = x.astype(jnp.float64)
+    finite = jnp.isfinite(wide)
+    right = jnp.where(finite & (wide > _AIRY_K_FROM), wide, 2.0)
+    zeta = 2 / 3 * right**1.5
+    decaying = jnp.sqrt(right / 3) / np.pi * _bessel_k_scaled(zeta, 1 / 3) * jnp.exp(-zeta)
+    middle = _airy_series(jnp.where(finite & (wide >= _AIRY_ASYMPTOTIC_BELOW) & (wide <= _AIRY_K_FROM), wide, 0.0))
+    left = _airy_oscillating(jnp.where(finite & (wide < _AIRY_ASYMPTOTIC_BELOW), wide, -10.0))
+    out = jnp.where(wide > _AIRY_K_FROM, decaying, jnp.where(wide < _AIRY_ASYMPTOTIC_BELOW, left, middle))
+    # The limits at +-inf are 0, but CPU gives NaN there: matched.
+    return jnp.where(finite, out, jnp.nan).astype(x.dtype)
+
+
 _UNARY.update(
     {
+        aten.special_airy_ai.default: _airy_ai,
         aten.special_bessel_y0.default: _bessel_y(0),
         aten.special_bessel_y1.default: _bessel_y(1),
         aten.special_modified_bessel_k0.default: _bessel_k(0, scaled=False),
