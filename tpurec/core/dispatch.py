@@ -947,7 +947,6 @@ _FACTORIES = [
     "empty_strided",
     "full",
     "zeros",
-    "_efficientzerotensor",
     "ones",
     "arange",
     "arange.start",
@@ -989,6 +988,9 @@ def register_factories() -> None:
         packet, _, overload = name.partition(".")
         func = getattr(getattr(aten, packet), overload or "default")
         _library.impl(name, _factory(func), "PrivateUse1")
+    # Autograd formulas' "known zero" gradients (sgn's, ...): a plain zeros tensor on tpu. (Not a
+    # table entry: on CPU the op makes a storage-less ZeroTensor, which a lowering cannot match.)
+    _library.impl("_efficientzerotensor", _factory(aten.zeros.default), "PrivateUse1")
     # pin_memory() on a CPU tensor asks PrivateUse1 (the accelerator) for a pinned
     # allocator, which a Python backend cannot provide. JAX stages host memory for
     # transfers itself, so "pinning" for tpu is a contiguous private copy.

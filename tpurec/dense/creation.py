@@ -51,8 +51,7 @@ def full(size: Sequence[int], fill_value, *, dtype=None, layout=None, device=Non
     return jnp.full(tuple(size), cast(fill_value, _dt(dtype, _infer(fill_value))))
 
 
-# _efficientzerotensor: autograd formulas' "known zero" gradients (sgn, ...); a plain zeros tensor on tpu.
-@lower(aten.zeros.default, aten._efficientzerotensor.default)
+@lower(aten.zeros.default)
 def zeros(size: Sequence[int], *, dtype=None, layout=None, device=None, pin_memory=None):
     return jnp.zeros(tuple(size), _dt(dtype, default_float()))
 
