@@ -64,7 +64,7 @@ def _run_snippet(code: str) -> subprocess.CompletedProcess:
         # Autograd on the device needs the device guard and hooks (a missing one aborts).
         "x = torch.ones(3, device='tpu', requires_grad=True); (x * 2).sum().backward(); print(x.grad.cpu())",
         # A fresh process asking for an unsupported op must get a Python error, not an abort.
-        "x = torch.ones(2, 2, device='tpu')\ntry:\n    torch.ops.aten.geqrf(x)\nexcept NotImplementedError as e:\n    print('clean', e)",
+        "x = torch.ones(2, 2, device='tpu')\ntry:\n    torch.ops.aten.linalg_ldl_factor_ex(x)\nexcept NotImplementedError as e:\n    print('clean', e)",
         "print(torch.tpu.device_count(), torch.tpu.current_device(), torch.tpu.get_rng_state().shape)",
         "torch.manual_seed(0); print(torch.randn(2, device='tpu'))",
     ],

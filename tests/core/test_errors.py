@@ -10,7 +10,7 @@ import tpurec
 
 
 # An op with a CPU kernel only and no lowering: stays unsupported whatever lowerings are added.
-@torch.library.custom_op("tpurec_test::cpu_only_negate", mutates_args=())
+@torch.library.custom_op("tpurec_test::cpu_only_negate", mutates_args=(), device_types="cpu")
 def _cpu_only_negate(x: torch.Tensor) -> torch.Tensor:
     return -x
 

@@ -27,30 +27,10 @@ ENTRIES = [
     "fft.ifftshift",
 ]
 
-# The backward of a transform between real and complex tensors takes the real part
-# of a complex gradient (torch's formulas call at::real, i.e. view_as_real), a
-# byte-reinterpreting view the core refuses by design; it falls back to the host.
-# strict: the day the core supports view_as_real these pass and must be unmarked.
-VIEW_AS_REAL_IN_BACKWARD = {name for name in ENTRIES if "shift" not in name}
 
-
+# Backward of the transforms between real and complex tensors goes through view_as_real
+# (torch's formulas take at::real of a complex gradient): a real view of the complex storage.
 @pytest.mark.parametrize("name", ENTRIES)
-def test_opinfo_forward_through_device(name):
-    assert check_opinfo(name, max_samples=3, backward=False, **TOL) > 0
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(strict=True, reason="core: view_as_real in backward")
-            if name in VIEW_AS_REAL_IN_BACKWARD
-            else (),
-        )
-        for name in ENTRIES
-    ],
-)
 def test_opinfo_forward_and_backward_through_device(name):
     assert check_opinfo(name, max_samples=3, **TOL) > 0
 

@@ -138,8 +138,24 @@ def as_strided_scatter(x, src, size, stride, storage_offset=None):
     return flat.reshape(x.shape)
 
 
+def view_as_real(x):
+    """Complex (..., n) -> real (..., n, 2): real and imaginary parts side by side, as in memory."""
+    return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
+
+
+def view_as_complex(x):
+    """Real (..., n, 2) -> complex (..., n)."""
+    return lax.complex(x[..., 0], x[..., 1])
+
+
 def view_dtype(x, dtype: torch.dtype):
     target = to_jax_dtype(dtype)
+    if jnp.issubdtype(x.dtype, jnp.complexfloating) and target == jnp.finfo(x.dtype).dtype:
+        # complex (..., n) -> real (..., 2n), the eager device's REAL view (tpurec.core.views)
+        return view_as_real(x).reshape(x.shape[:-1] + (2 * x.shape[-1],)) if x.ndim else view_as_real(x)
+    if jnp.issubdtype(target, jnp.complexfloating) and x.dtype == jnp.finfo(target).dtype:
+        # real (..., 2n) -> complex (..., n)
+        return view_as_complex(x.reshape(x.shape[:-1] + (x.shape[-1] // 2, 2)))
     if target.itemsize != x.dtype.itemsize:
         raise NotImplementedError("view(dtype) between dtypes of different sizes is not supported on tpu")
     return lax.bitcast_convert_type(x, target)
@@ -176,6 +192,8 @@ VIEWS: dict[torch._ops.OpOverload, Callable] = {
     aten.as_strided.default: as_strided,
     aten.as_strided_scatter.default: as_strided_scatter,
     aten.view.dtype: view_dtype,
+    aten.view_as_real.default: view_as_real,
+    aten.view_as_complex.default: view_as_complex,
     aten.alias.default: identity,
     aten.detach.default: identity,
     aten.lift_fresh.default: identity,

@@ -45,7 +45,7 @@ from tpurec.dense.registry import (
 from tpurec.core.device import jax_device
 from tpurec.core.errors import ArgumentError, lowering_failed, unsupported_op
 from tpurec.core.tensor import Storage, TpuTensor, host_array, host_to_jax, install_dispatcher, jax_to_host, wrap
-from tpurec.core.views import contiguous_strides, read_view, write_view
+from tpurec.core.views import contiguous_strides, read_view, reinterpretation, view_capacity, write_view
 
 aten = torch.ops.aten
 
@@ -99,10 +99,11 @@ def _fresh(array, index: int, dtype: torch.dtype | None = None) -> TpuTensor:
 
 
 def _read_program(key):
-    shape, dtype, size, stride, offset = key
+    shape, dtype, size, stride, offset, storage_dtype = key
+    reinterpret = reinterpretation(storage_dtype, dtype)
 
     def read(storage):
-        return [read_view(storage, size, stride, offset)]
+        return [read_view(storage, size, stride, offset, reinterpret)]
 
     return _compile(("read", key), read)
 
@@ -190,8 +191,8 @@ def _rebuild(spec, it):
     if tag == "none":
         return None
     if tag == "t":
-        _, shape, dtype, size, stride, offset = spec
-        return read_view(next(it), size, stride, offset)
+        _, shape, dtype, size, stride, offset, storage_dtype = spec
+        return read_view(next(it), size, stride, offset, reinterpretation(storage_dtype, dtype))
     if tag == "s":
         return next(it).astype(to_jax_dtype(spec[1]))
     if tag == "list":
@@ -287,7 +288,7 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
             if not target_specs:
                 return outs
             return [
-                write_view(storage, out, spec[3], spec[4], spec[5])
+                write_view(storage, out, spec[3], spec[4], spec[5], reinterpretation(spec[6], spec[2]))
                 for storage, out, spec in zip(storages, outs, target_specs)
             ]
 
@@ -314,8 +315,8 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
 # --- view ops ----------------------------------------------------------------
 
 
-# (op, base dtype/size/stride/offset, static arguments) -> the outputs' metadata,
-# or None when the op copies for this layout (reshape of a permuted tensor,
+# (op, base dtype/size/stride/offset/storage dtype, static arguments) -> the outputs'
+# metadata, or None when the op copies for this layout (reshape of a permuted tensor,
 # to(dtype) with a new dtype, ...). The dtype is part of the key: the same view
 # of an int64 and a float32 tensor of one shape are different entries.
 _view_cache: dict = {}
@@ -323,18 +324,30 @@ _view_cache: dict = {}
 
 def _meta_base(base: TpuTensor) -> torch.Tensor:
     """A meta tensor with ``base``'s dtype, size, stride and offset over a big enough storage."""
-    shape, dtype, size, stride, offset = base._key
-    room = max(math.prod(shape), offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1)
+    shape, dtype, size, stride, offset, storage_dtype = base._key
+    capacity = view_capacity(shape, reinterpretation(storage_dtype, dtype))
+    room = max(capacity, offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1)
     return torch.empty(room, dtype=dtype, device="meta").as_strided(size, stride, offset)
 
 
+def _shares_layout(storage_dtype: torch.dtype, dtype: torch.dtype) -> bool:
+    """A view of ``dtype`` can read a storage of ``storage_dtype`` (the same, or a complex/real pair)."""
+    try:
+        reinterpretation(storage_dtype, dtype)
+    except NotImplementedError:
+        return False
+    return True
+
+
 def _view_metas(func, args, kwargs) -> list | None:
-    """Size, stride and offset of each output of view op ``func``, or None when it copies here.
+    """Size, stride, offset and dtype of each output of view op ``func``, or None when it copies here.
 
     Whether an op aliases is decided by the strides, as PyTorch does, not by its
     schema: ``reshape``, ``to``, ``contiguous``, ``flatten``... return views only
     when the layout allows, and below autograd (inside decompositions) they
-    arrive here with their aliasing schema either way.
+    arrive here with their aliasing schema either way. A view may change the
+    dtype between a complex dtype and its real counterpart (``view_as_real``,
+    ``view_as_complex``, ``view(dtype)``): both read the same storage.
     """
     base = args[0]
     static = tuple(_static(a) for a in args[1:]), tuple((k, _static(v)) for k, v in kwargs.items())
@@ -345,10 +358,11 @@ def _view_metas(func, args, kwargs) -> list | None:
     storage = meta_base.untyped_storage()
     out = func(meta_base, *args[1:], **kwargs)
     outs = _flatten_out(out)
+    storage_dtype = base._key[5]
     aliased = all(
-        o.dtype == base.dtype and o.untyped_storage()._cdata == storage._cdata for o in outs
+        _shares_layout(storage_dtype, o.dtype) and o.untyped_storage()._cdata == storage._cdata for o in outs
     )
-    metas = [(tuple(o.size()), tuple(o.stride()), o.storage_offset()) for o in outs] if aliased else None
+    metas = [(tuple(o.size()), tuple(o.stride()), o.storage_offset(), o.dtype) for o in outs] if aliased else None
     _view_cache[key] = metas
     return metas
 
@@ -363,7 +377,10 @@ def _view(func, args, kwargs):
     # In inference mode a view of a normal tensor is a normal tensor (PyTorch then
     # shares the base's version counter with it, which an inference tensor refuses).
     with torch.inference_mode(False) if torch.is_inference_mode_enabled() and not base.is_inference() else contextlib.nullcontext():
-        views = [TpuTensor(base._storage, size, stride, offset, base.dtype) for size, stride, offset in metas]
+        views = [
+            TpuTensor(base._storage, size, stride, offset, dtype, storage_dtype=base._key[5])
+            for size, stride, offset, dtype in metas
+        ]
     returns = func._schema.returns
     if len(returns) == 1 and not isinstance(returns[0].type, torch._C.ListType):
         return views[0]
@@ -372,8 +389,9 @@ def _view(func, args, kwargs):
 
 def _check_in_storage(base: TpuTensor, metas: list) -> None:
     """Views (``as_strided``) must stay inside the storage, as PyTorch checks on CPU and CUDA."""
-    storage_numel = math.prod(base._key[0])
-    for size, stride, offset in metas:
+    shape, _, _, _, _, storage_dtype = base._key
+    for size, stride, offset, dtype in metas:
+        storage_numel = view_capacity(shape, reinterpretation(storage_dtype, dtype))
         needed = offset + sum((n - 1) * s for n, s in zip(size, stride)) + 1 if all(size) else 0
         if needed > storage_numel:
             raise RuntimeError(
@@ -402,7 +420,7 @@ def _view_that_copies(func, args, kwargs):
 
 def _set_metadata(t: TpuTensor, size, stride, offset: int, storage: Storage | None = None) -> None:
     """Makes ``t`` itself (not a new tensor) have this size, stride, offset and storage."""
-    new = TpuTensor(storage or t._storage, size, stride, offset, t.dtype)
+    new = TpuTensor(storage or t._storage, size, stride, offset, t.dtype, storage_dtype=t._key[5])
     with torch._C._DisableTorchDispatch():
         # set_data copies the TensorImpl metadata and keeps t's autograd state and identity.
         torch._C.TensorBase.data.__set__(t, new)
@@ -416,7 +434,7 @@ def _inplace_view(func, args, kwargs):
     meta = _meta_base(self)
     to_meta = lambda x: _meta_base(x) if isinstance(x, TpuTensor) else x  # noqa: E731 (resize_as_'s template)
     func(meta, *tree_map(to_meta, args[1:]), **tree_map(to_meta, kwargs))
-    _check_in_storage(self, [(tuple(meta.size()), tuple(meta.stride()), meta.storage_offset())])
+    _check_in_storage(self, [(tuple(meta.size()), tuple(meta.stride()), meta.storage_offset(), self.dtype)])
     _set_metadata(self, tuple(meta.size()), tuple(meta.stride()), meta.storage_offset())
     return self
 
@@ -463,11 +481,12 @@ def _new_empty_strided(self, size, stride, *, dtype=None, layout=None, device=No
 
 
 def _cast_program(key, dtype):
-    shape, _, size, stride, offset = key
+    shape, view_dtype, size, stride, offset, storage_dtype = key
+    reinterpret = reinterpretation(storage_dtype, view_dtype)
     jdtype = to_jax_dtype(dtype)
 
     def cast(storage):
-        return [read_view(storage, size, stride, offset).astype(jdtype)]
+        return [read_view(storage, size, stride, offset, reinterpret).astype(jdtype)]
 
     return _compile(("cast", key, jdtype), cast)
 
@@ -478,7 +497,9 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     if target.type == "cpu":
         values = value_of(self, "transfer to cpu")
         if values.dtype != to_jax_dtype(dtype):
-            values = _run(_cast_program((values.shape, self.dtype, tuple(values.shape), contiguous_strides(values.shape), 0), dtype), values, now=True)[0]
+            shape = tuple(values.shape)
+            key = (shape, self.dtype, shape, contiguous_strides(shape), 0, self.dtype)
+            values = _run(_cast_program(key, dtype), values, now=True)[0]
         return jax_to_host(values)
     if target.type != "tpu":
         raise RuntimeError(f"cannot copy a tpu tensor to {target} directly; go through .cpu()")
@@ -490,11 +511,14 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
 
 
 def _copy_program(dst_key, src_key):
-    _, _, size, stride, offset = dst_key
-    _, _, src_size, src_stride, src_offset = src_key
+    _, dtype, size, stride, offset, storage_dtype = dst_key
+    _, src_dtype, src_size, src_stride, src_offset, src_storage_dtype = src_key
+    reinterpret = reinterpretation(storage_dtype, dtype)
+    src_reinterpret = reinterpretation(src_storage_dtype, src_dtype)
 
     def copy(storage, src):
-        return [write_view(storage, read_view(src, src_size, src_stride, src_offset), size, stride, offset)]
+        value = read_view(src, src_size, src_stride, src_offset, src_reinterpret)
+        return [write_view(storage, value, size, stride, offset, reinterpret)]
 
     return _compile(("copy", dst_key, src_key), copy)
 
@@ -522,7 +546,7 @@ def _copy_(dst, src, non_blocking=False):
         else:
             source = host_to_jax(src, device)
         shape = tuple(source.shape)
-        source_key = (shape, src.dtype, shape, contiguous_strides(shape), 0)
+        source_key = (shape, src.dtype, shape, contiguous_strides(shape), 0, src.dtype)
     program = _copy_program(dst._key, source_key)
     _store(dst._storage, _run(program, dst._storage.array, source, device=dst._storage.index)[0])
     return dst
@@ -533,7 +557,9 @@ def _local_scalar_dense(self):
 
 
 def _detach(self):
-    return TpuTensor(self._storage, self.size(), self.stride(), self.storage_offset(), self.dtype)
+    return TpuTensor(
+        self._storage, self.size(), self.stride(), self.storage_offset(), self.dtype, storage_dtype=self._key[5]
+    )
 
 
 def _grow_program(shape: tuple, length: int):
@@ -560,9 +586,14 @@ def _resize_(self, size, memory_format=None):
     meta.resize_(size, memory_format=memory_format)
     new_size, new_stride, offset = tuple(meta.size()), tuple(meta.stride()), meta.storage_offset()
     needed = offset + sum((n - 1) * s for n, s in zip(new_size, new_stride)) + 1 if all(new_size) else 0
-    storage_shape = self._key[0]
+    storage_shape, dtype, _, _, _, storage_dtype = self._key
     storage = None
-    if needed > math.prod(storage_shape):
+    if needed > view_capacity(storage_shape, reinterpretation(storage_dtype, dtype)):
+        if storage_dtype != dtype:
+            raise RuntimeError(
+                f"tpurec: resize_ cannot grow a {dtype} view of a {storage_dtype} storage (view_as_real/"
+                "view_as_complex); resize the tensor it views, or a copy (.clone()), instead"
+            )
         index = self._storage.index
         grown = _run(_grow_program(storage_shape, needed), self._storage.array, device=index)[0]
         storage = Storage(None, index)
@@ -615,6 +646,15 @@ def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse
     return execute(aten.embedding.default, get_lowering(aten.embedding.default), (weight, indices, padding_idx, scale_grad_by_freq, sparse), {})[0]
 
 
+def _rrelu_with_noise(input, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
+    """``rrelu_with_noise`` writes the slopes it drew into ``noise`` (a positional argument, so it has no
+    out= twin): its functional form, then the slopes copied into ``noise``."""
+    out, slopes = aten.rrelu_with_noise_functional.default(input, noise, lower, upper, training, generator=generator)
+    if training:
+        noise.copy_(slopes)
+    return out
+
+
 def _pin_tpu_tensor(self, device=None):
     raise RuntimeError(f"cannot pin a {self.device} tensor: only CPU tensors can be pinned (as for CUDA tensors)")
 
@@ -644,6 +684,7 @@ _SPECIAL = {
     aten._native_batch_norm_legit.default: _native_batch_norm_legit,
     aten._batch_norm_with_update.default: _batch_norm_with_update,
     aten.embedding.default: _embedding,
+    aten.rrelu_with_noise.default: _rrelu_with_noise,
     aten.is_pinned.default: lambda self, device=None: False,
     aten._pin_memory.default: _pin_tpu_tensor,
     aten._amp_foreach_non_finite_check_and_unscale_.default: amp.non_finite_check_and_unscale_,
@@ -745,6 +786,12 @@ def _fallback(func, args, kwargs):
         out = func.decompose(*args, **kwargs)
         if out is not NotImplemented:
             return out
+    if func.namespace not in ("aten", "prims") and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), "CompositeExplicitAutograd"
+    ):
+        # A library's device-independent implementation (torch.library.custom_op's default kernel,
+        # e.g. torch.nn's chunked linear_cross_entropy), written in torch ops that run here one by one.
+        return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
     raise unsupported_op(func)
 
 
@@ -911,6 +958,7 @@ _FACTORIES = [
     "randint.low",
     "randperm",
     "linspace",
+    "logspace",
     "eye",
     "eye.m",
 ]
@@ -940,6 +988,9 @@ def register_factories() -> None:
         packet, _, overload = name.partition(".")
         func = getattr(getattr(aten, packet), overload or "default")
         _library.impl(name, _factory(func), "PrivateUse1")
+    # Autograd formulas' "known zero" gradients (sgn's, ...): a plain zeros tensor on tpu. (Not a
+    # table entry: on CPU the op makes a storage-less ZeroTensor, which a lowering cannot match.)
+    _library.impl("_efficientzerotensor", _factory(aten.zeros.default), "PrivateUse1")
     # pin_memory() on a CPU tensor asks PrivateUse1 (the accelerator) for a pinned
     # allocator, which a Python backend cannot provide. JAX stages host memory for
     # transfers itself, so "pinning" for tpu is a contiguous private copy.

@@ -269,8 +269,8 @@ def _spec_changes(name: str, old: tuple, new: tuple) -> tuple[list[str], str]:
         return [f"{name} was {_spec_kind(old)}, now {_spec_kind(new)}"], _HINT_STATIC
     tag = old[0]
     if tag == "t":
-        _, shape0, dtype0, size0, stride0, offset0 = old
-        _, shape1, dtype1, size1, stride1, offset1 = new
+        _, shape0, dtype0, size0, stride0, offset0, *_ = old
+        _, shape1, dtype1, size1, stride1, offset1, *_ = new
         if dtype0 != dtype1:
             return [f"dtype of {name} changed from {dtype0} to {dtype1}"], _HINT_DTYPE
         if size0 != size1:

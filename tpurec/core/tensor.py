@@ -99,13 +99,24 @@ class TpuTensor(torch.Tensor):
     """
 
     _storage: Storage
-    # (storage shape, dtype, size, stride, offset): how programs see this tensor.
+    # (storage shape, dtype, size, stride, offset, storage dtype): how programs see this tensor.
+    # The storage dtype differs from the dtype only for views between a complex dtype and its
+    # real counterpart (view_as_real, view_as_complex); see tpurec.core.views.reinterpretation.
     _key: tuple
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, storage: Storage, size, stride, offset: int, dtype: torch.dtype, requires_grad: bool = False):
+    def __new__(
+        cls,
+        storage: Storage,
+        size,
+        stride,
+        offset: int,
+        dtype: torch.dtype,
+        requires_grad: bool = False,
+        storage_dtype: torch.dtype | None = None,
+    ):
         t = torch.Tensor._make_wrapper_subclass(
             cls,
             size,
@@ -116,7 +127,7 @@ class TpuTensor(torch.Tensor):
             requires_grad=requires_grad,
         )
         t._storage = storage
-        t._key = (storage.array.shape, dtype, tuple(size), tuple(stride), offset)
+        t._key = (storage.array.shape, dtype, tuple(size), tuple(stride), offset, storage_dtype or dtype)
         return t
 
     def __init__(self, *args, **kwargs) -> None:
@@ -146,8 +157,8 @@ class TpuTensor(torch.Tensor):
     @property
     def is_full(self) -> bool:
         """This tensor is its whole storage, in the storage's layout."""
-        shape, _, size, stride, offset = self._key
-        return is_full(shape, size, stride, offset)
+        shape, dtype, size, stride, offset, storage_dtype = self._key
+        return dtype == storage_dtype and is_full(shape, size, stride, offset)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         host = jax_to_host(_value_of(self, "print"))

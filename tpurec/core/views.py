@@ -15,7 +15,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["contiguous_strides", "is_full", "read_view", "write_view"]
+__all__ = ["REAL", "COMPLEX", "contiguous_strides", "is_full", "read_view", "reinterpretation", "view_capacity", "write_view"]
+
+# How a view reads a storage of another dtype (``view_as_real``, ``view_as_complex``,
+# ``view(dtype)`` between a complex dtype and its real counterpart). Sizes, strides and
+# offsets of such a view count elements of the view's dtype, as in PyTorch.
+REAL = "real"  # a real view of a complex storage: element 2k is real(storage[k]), 2k+1 its imaginary part
+COMPLEX = "complex"  # a complex view of a real storage: element k is storage[2k] + i * storage[2k + 1]
+
+# The (storage dtype, view dtype) pairs that share a memory layout, as PyTorch's
+# view_as_real/view_as_complex define it; other byte reinterpretations are not views on tpu.
+_REINTERPRETABLE = {
+    ("complex64", "float32"): REAL,
+    ("complex128", "float64"): REAL,
+    ("float32", "complex64"): COMPLEX,
+    ("float64", "complex128"): COMPLEX,
+}
 
 
 def contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
@@ -24,6 +39,59 @@ def contiguous_strides(size: tuple[int, ...]) -> tuple[int, ...]:
         strides.append(running)
         running *= max(n, 1)
     return tuple(reversed(strides))
+
+
+def reinterpretation(storage_dtype, view_dtype) -> str | None:
+    """How a view of dtype ``view_dtype`` reads a storage of ``storage_dtype`` (torch dtypes).
+
+    Returns:
+        None when the dtypes are the same (a plain view), ``REAL`` or ``COMPLEX``.
+
+    Raises:
+        NotImplementedError: the pair does not share a layout that tpurec can view
+            (a bitcast such as float32 -> int32).
+    """
+    if storage_dtype == view_dtype:
+        return None
+    name = lambda dtype: str(dtype).replace("torch.", "")  # noqa: E731
+    found = _REINTERPRETABLE.get((name(storage_dtype), name(view_dtype)))
+    if found is None:
+        raise NotImplementedError(
+            f"tpurec: a {view_dtype} view of a {storage_dtype} storage reinterprets its bytes, which the tpu device "
+            "supports only between a complex dtype and its real counterpart (view_as_real, view_as_complex). "
+            "Use .to(dtype) to convert the values instead."
+        )
+    return found
+
+
+def view_capacity(storage_shape, reinterpret: str | None) -> int:
+    """How many elements of the view's dtype the storage holds."""
+    numel = math.prod(storage_shape)
+    if reinterpret == REAL:
+        return 2 * numel
+    if reinterpret == COMPLEX:
+        return numel // 2
+    return numel
+
+
+def _elements(storage: jnp.ndarray, reinterpret: str | None) -> jnp.ndarray:
+    """The storage as a flat array of the view's element type (``reinterpret`` is not None)."""
+    flat = storage.reshape(-1)
+    if reinterpret == REAL:
+        return jnp.stack([jnp.real(flat), jnp.imag(flat)], axis=-1).reshape(-1)
+    # COMPLEX: pairs of reals; an odd last real belongs to no complex element.
+    pairs = flat[: 2 * (flat.shape[0] // 2)].reshape(-1, 2)
+    return lax.complex(pairs[:, 0], pairs[:, 1])
+
+
+def _from_elements(elements: jnp.ndarray, storage: jnp.ndarray, reinterpret: str | None) -> jnp.ndarray:
+    """Inverse of :func:`_elements`: ``storage`` (same shape and dtype) holding ``elements``."""
+    if reinterpret == REAL:
+        pairs = elements.reshape(-1, 2)
+        return lax.complex(pairs[:, 0], pairs[:, 1]).reshape(storage.shape)
+    flat = storage.reshape(-1)
+    interleaved = jnp.stack([jnp.real(elements), jnp.imag(elements)], axis=-1).reshape(-1)
+    return flat.at[: interleaved.shape[0]].set(interleaved).reshape(storage.shape)
 
 
 def _is_contiguous(size, stride) -> bool:
@@ -59,8 +127,14 @@ def _strided_plan(size, stride):
     return order, sizes, region_shape
 
 
-def read_view(storage: jnp.ndarray, size, stride, offset) -> jnp.ndarray:
-    """The values of the view (size, stride, offset) of ``storage``."""
+def read_view(storage: jnp.ndarray, size, stride, offset, reinterpret: str | None = None) -> jnp.ndarray:
+    """The values of the view (size, stride, offset) of ``storage``.
+
+    ``reinterpret`` (``REAL``/``COMPLEX``, see :func:`reinterpretation`) reads a
+    storage of another dtype; size, stride and offset then count view elements.
+    """
+    if reinterpret is not None:
+        storage = _elements(storage, reinterpret)
     size, stride = tuple(size), tuple(stride)
     if is_full(storage.shape, size, stride, offset):
         return storage
@@ -88,8 +162,17 @@ def read_view(storage: jnp.ndarray, size, stride, offset) -> jnp.ndarray:
     return jnp.broadcast_to(region.reshape(shape_with_ones), size)
 
 
-def write_view(storage: jnp.ndarray, value: jnp.ndarray, size, stride, offset) -> jnp.ndarray:
-    """``storage`` with the view (size, stride, offset) replaced by ``value``."""
+def write_view(
+    storage: jnp.ndarray, value: jnp.ndarray, size, stride, offset, reinterpret: str | None = None
+) -> jnp.ndarray:
+    """``storage`` with the view (size, stride, offset) replaced by ``value``.
+
+    With ``reinterpret``, the view has the other dtype of a complex/real pair (see
+    :func:`read_view`); the result keeps ``storage``'s shape and dtype.
+    """
+    if reinterpret is not None:
+        elements = write_view(_elements(storage, reinterpret), value, size, stride, offset)
+        return _from_elements(elements, storage, reinterpret)
     size, stride = tuple(size), tuple(stride)
     value = jnp.broadcast_to(value.astype(storage.dtype), size)
     if is_full(storage.shape, size, stride, offset):

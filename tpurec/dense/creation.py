@@ -1,5 +1,5 @@
 """Factories: full/zeros/ones (and their *_like / new_* forms), arange,
-linspace, eye, scalar_tensor.
+linspace, logspace, eye, scalar_tensor.
 
 ``empty*`` belong to the runtime core. Device/layout/pin_memory kwargs are
 accepted and ignored (the core places the result). A ``dtype`` of None means
@@ -142,6 +142,28 @@ def linspace(start, end, steps: int, *, dtype=None, layout=None, device=None, pi
     if jnp.issubdtype(dt, jnp.integer):
         vals = jnp.trunc(vals)
     return vals.astype(dt)
+
+
+@lower(aten.logspace.default, aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Scalar_Tensor)
+def logspace(start, end, steps: int, base: float = 10.0, *, dtype=None, layout=None, device=None, pin_memory=None):
+    """``base ** linspace(start, end, steps)`` as ATen's CPU kernel computes it.
+
+    The endpoints are first converted to the result dtype (an int dtype truncates
+    them), the exponents and powers are computed in float64 (complex128), filling
+    the first half from ``start`` and the second from ``end``, and only the powers
+    are converted to the result dtype.
+    """
+    dt = _dt(dtype, default_float())
+    wide = jnp.complex128 if jnp.issubdtype(dt, jnp.complexfloating) else jnp.float64
+    base = jnp.asarray(base, wide)
+    if steps == 1:  # ATen: base ** start, the start not converted to the result dtype first
+        return (base ** jnp.asarray(start, wide).reshape(1)).astype(dt)
+    s = jnp.asarray(start).reshape(()).astype(dt).astype(wide)
+    e = jnp.asarray(end).reshape(()).astype(dt).astype(wide)
+    i = jnp.arange(steps, dtype=jnp.float64)
+    step = (e - s) / max(steps - 1, 1)
+    exponents = jnp.where(i < steps // 2, s + step * i, e - step * (steps - 1 - i))
+    return (base**exponents).astype(dt)
 
 
 @lower(aten.eye.default, aten.eye.m)

@@ -85,7 +85,6 @@ for _ops, _fn in [
     ((aten.neg.default,), jnp.negative),
     # conj on tpu materialises (dispatch routes aten._conj here): tpu tensors carry no conj bit.
     ((aten._conj_physical.default,), jnp.conj),
-    ((aten.abs.default,), jnp.abs),
     ((aten.sign.default, aten.sgn.default), _sign),
     ((aten.trunc.default,), _keep_int(jnp.trunc)),
     ((aten.floor.default,), _keep_int(jnp.floor)),
@@ -96,6 +95,12 @@ for _ops, _fn in [
     ((aten.bitwise_not.default,), lambda x: jnp.logical_not(x) if x.dtype == jnp.bool_ else jnp.invert(x)),
 ]:
     _unary(_ops, _fn, DEFAULT)
+
+@lower(aten.abs.default)
+def abs_(x):
+    # |complex| is real (torch returns the real dtype): no promotion back to the complex input's dtype.
+    return jnp.abs(x) if jnp.iscomplexobj(x) else _apply(jnp.abs, (x,), DEFAULT)
+
 
 for _ops, _fn in [
     ((aten.logical_not.default,), lambda x: x == 0),

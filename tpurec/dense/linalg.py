@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax import lax
 
@@ -468,3 +469,75 @@ def _register_check_errors() -> None:
 
 
 _register_check_errors()
+
+
+# --- Householder (LAPACK geqrf / orgqr / ormqr) ----------------------------------
+
+
+@lower(aten.geqrf.default)
+def geqrf(a):
+    """QR in LAPACK's compact form: R above the diagonal, the reflectors below, and their scales."""
+    reflectors, taus = jnp.linalg.qr(a, mode="raw")  # numpy's "raw" layout is the transpose of LAPACK's
+    return jnp.swapaxes(reflectors, -1, -2), taus
+
+
+@lower(aten.linalg_householder_product.default)
+def linalg_householder_product(reflectors, taus):
+    """The first n columns of Q = H_1 ... H_k (LAPACK orgqr)."""
+    return lax.linalg.householder_product(reflectors, taus.astype(reflectors.dtype))
+
+
+@lower(aten.ormqr.default)
+def ormqr(reflectors, taus, other, left: bool = True, transpose: bool = False):
+    """Q @ other, Q^H @ other, other @ Q or other @ Q^H without forming Q (LAPACK ormqr)."""
+    return lax.linalg.ormqr(reflectors, taus.astype(reflectors.dtype), other, left=left, transpose=transpose)
+
+
+# --- pairwise distances (nn.functional.pdist) --------------------------------------
+
+
+def _pairs(n: int):
+    """Row and column of each pair i < j, in ``pdist``'s order (row-major upper triangle)."""
+    return np.triu_indices(n, k=1)
+
+
+@lower(aten._pdist_forward.default, static_scalars=True)
+def _pdist_forward(x, p: float = 2.0):
+    """p-norm distance between every pair of rows of ``x`` (N, M) -> (N (N - 1) / 2,)."""
+    rows, cols = _pairs(x.shape[0])
+    diff = jnp.abs(x[rows] - x[cols])
+    if p == 0:
+        return (diff != 0).sum(axis=-1).astype(x.dtype)
+    if p == float("inf"):
+        return diff.max(axis=-1, initial=0)
+    if p == 1:
+        return diff.sum(axis=-1)
+    if p == 2:
+        return jnp.sqrt((diff * diff).sum(axis=-1))
+    return (diff**p).sum(axis=-1) ** (1.0 / p)
+
+
+@lower(aten._pdist_backward.default, static_scalars=True)
+def _pdist_backward(grad, x, p: float, dist):
+    """ATen's pdist gradient per pair (zero where the distance is zero), added to row i, subtracted from row j."""
+    n = x.shape[0]
+    rows, cols = _pairs(n)
+    diff = x[rows] - x[cols]
+    g, d = grad[:, None], dist[:, None]
+    zero = jnp.zeros((), x.dtype)
+    if p == 0 or n < 2:
+        contribution = jnp.zeros_like(diff)
+    elif p == 1:
+        contribution = g * jnp.sign(diff)
+    elif p < 2:
+        skip = (d == 0) | ((diff == 0) & (p < 1))
+        safe_d = jnp.where(d == 0, 1, d)
+        contribution = jnp.where(skip, zero, jnp.sign(diff) * jnp.abs(diff) ** (p - 1) * g / safe_d ** (p - 1))
+    elif p == 2:
+        contribution = jnp.where(d == 0, zero, g * diff / jnp.where(d == 0, 1, d))
+    elif p == float("inf"):
+        contribution = g * jnp.sign(diff) * (jnp.abs(diff) == d)
+    else:
+        safe_d = jnp.where(d == 0, 1, d)
+        contribution = jnp.where(d == 0, zero, diff * jnp.abs(diff) ** (p - 2) * g / safe_d ** (p - 1))
+    return jnp.zeros_like(x).at[rows].add(contribution).at[cols].add(-contribution)

@@ -542,3 +542,17 @@ def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, of
     bag, _, valid = _bags(indices, offsets, include_last_offset, padding_idx)
     dots = jnp.sum(grad.astype(acc)[bag] * jnp.take(weight, indices, axis=0).astype(acc), axis=-1)
     return jnp.where(valid, dots, 0).astype(grad.dtype)
+
+
+@lower(aten._trilinear.default)
+def _trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim: int = 1):
+    """``nn.functional.bilinear``'s core: the three inputs, each with size-1 dims inserted at its
+    ``expand`` positions, multiplied (broadcasting) and summed over ``sumdim`` (those dims removed)."""
+
+    def expanded(x, dims):
+        for d in sorted(dims):
+            x = jnp.expand_dims(x, d)
+        return x
+
+    product = expanded(i1, expand1) * expanded(i2, expand2) * expanded(i3, expand3)
+    return product.sum(axis=tuple(sumdim)) if sumdim else product

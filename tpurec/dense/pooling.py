@@ -120,6 +120,11 @@ def _max_over_windows(x, tables):
     """(max values, torch-style flat indices) over each window; first maximum wins, NaN propagates."""
     w, valid, flat = _gather_windows(x, tables)
     w = jnp.where(jnp.asarray(valid), w, _lowest(w.dtype))
+    return _select_max(w, flat)
+
+
+def _select_max(w, flat):
+    """(max over the last axis of ``w``, the matching entry of ``flat``): first maximum wins, NaN propagates."""
     if jnp.issubdtype(w.dtype, jnp.floating):
         # torch's kernel takes a value when it is greater than the running
         # maximum or NaN: the first maximum wins, but the last NaN does.

@@ -144,3 +144,37 @@ def randint_like_low(x, low: int, high: int, *, generator=None, dtype=None, layo
 @lower(aten.randperm.default, aten.randperm.generator, random=True)
 def randperm(n: int, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, key):
     return jax.random.permutation(key, n).astype(_dt(dtype, jnp.int64))
+
+
+@lower(aten.multinomial.default, random=True)
+def multinomial(probs, num_samples: int, replacement: bool = False, *, generator=None, key):
+    """``num_samples`` category indices per row of (unnormalised) ``probs`` (C,) or (N, C), as int64.
+
+    Without replacement: the Gumbel top-k trick (the k largest of log p + Gumbel noise are a
+    sample of k distinct categories drawn in proportion to p, one after another). Where a row has
+    fewer than ``num_samples`` nonzero categories CPU raises; here (inside a compiled program) the
+    remaining draws are zero-probability categories.
+    """
+    acc = _acc(probs.dtype)
+    logits = jnp.log(probs.astype(acc))
+    if replacement:
+        shape = (num_samples,) + logits.shape[:-1]
+        drawn = jax.random.categorical(key, logits, axis=-1, shape=shape)
+        return jnp.moveaxis(drawn, 0, -1).astype(jnp.int64)
+    noisy = logits + jax.random.gumbel(key, logits.shape, acc)
+    return jax.lax.top_k(noisy, num_samples)[1].astype(jnp.int64)
+
+
+@lower(aten.rrelu_with_noise_functional.default, random=True)
+def rrelu_with_noise_functional(x, noise, lower=0.125, upper=1.0 / 3.0, training: bool = False, *, generator=None, key):
+    """Randomized leaky ReLU, and the slopes it used (``noise``; 1 where x > 0).
+
+    Training: each x <= 0 gets its own slope drawn from U(lower, upper). Evaluation: the
+    mean slope (lower + upper) / 2, as ``leaky_relu``, and ``noise`` is returned unchanged.
+    """
+    if not training:
+        slope = (lower + upper) / 2
+        return jnp.where(x > 0, x, x * jnp.asarray(slope, x.dtype)), noise
+    slopes = _uniform(key, x.shape, x.dtype, lower, upper)
+    negative = x <= 0
+    return jnp.where(negative, x * slopes, x), jnp.where(negative, slopes, jnp.ones((), x.dtype)).astype(noise.dtype)

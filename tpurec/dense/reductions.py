@@ -331,3 +331,17 @@ def cummax(x, dim: int):
 @lower(aten.cummin.default)
 def cummin(x, dim: int):
     return _cumulative_extreme(x, dim, lambda earlier, later: later <= earlier)
+
+
+@lower(aten.hash_tensor.default)
+def hash_tensor(x, dim=(), *, keepdim: bool = False, mode: int = 0):
+    """XOR of the elements' 64-bit patterns (floats widened to float64, integers and bools to int64) -> uint64."""
+    if mode != 0:
+        raise ValueError(f"hash_tensor: mode {mode} is not supported (only 0, xor reduction)")
+    wide = x.astype(jnp.float64 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int64)
+    bits = jax.lax.bitcast_convert_type(wide, jnp.uint64)
+    axes = tuple(range(x.ndim)) if not dim else tuple(d % max(x.ndim, 1) for d in dim)
+    out = jax.lax.reduce(bits, jnp.uint64(0), jax.lax.bitwise_xor, axes) if x.ndim else bits
+    if keepdim and x.ndim:
+        out = jnp.expand_dims(out, axes)
+    return out

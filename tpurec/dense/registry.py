@@ -121,6 +121,10 @@ _TORCH_TO_JAX = {
     torch.int32: jnp.int32,
     torch.int64: jnp.int64,
     torch.uint8: jnp.uint8,
+    # PyTorch's "limited" unsigned types (few ops; hash_tensor returns uint64).
+    torch.uint16: jnp.uint16,
+    torch.uint32: jnp.uint32,
+    torch.uint64: jnp.uint64,
     torch.bool: jnp.bool_,
     torch.complex64: jnp.complex64,
     torch.complex128: jnp.complex128,

@@ -368,3 +368,17 @@ def mode(x, dim: int = -1, keepdim: bool = False):
     if keepdim:
         value, index = jnp.expand_dims(value, d), jnp.expand_dims(index, d)
     return value, index
+
+
+@lower(aten.nonzero_static.default)
+def nonzero_static(x, *, size: int, fill_value: int = -1):
+    """The first ``size`` indices of nonzero elements (row-major), rows past the count filled with ``fill_value``.
+
+    Unlike ``nonzero`` its shape is static, so it runs on the device.
+    """
+    if x.ndim == 0:
+        return jnp.zeros((size, 0), jnp.int64)
+    if x.size == 0:  # jnp.nonzero ignores fill_value for an empty input
+        return jnp.full((size, x.ndim), fill_value, jnp.int64)
+    indices = jnp.nonzero(x, size=size, fill_value=fill_value)
+    return jnp.stack(indices, axis=1).astype(jnp.int64)

@@ -331,6 +331,20 @@ def slice_scatter(x, src, dim: int = 0, start=None, end=None, step: int = 1):
     return x.at[_dim_slices(x.ndim, d, slice(start, end, step))].set(src.astype(x.dtype))
 
 
+@lower(aten.as_strided_scatter.default, torch.ops.prims.as_strided_scatter.default)
+def as_strided_scatter(x, src, size: Sequence[int], stride: Sequence[int], storage_offset=None):
+    """``x`` (read in its contiguous layout) with the view (size, stride, offset) of it replaced by ``src``.
+
+    As PyTorch's reference: a contiguous clone of ``x``, then ``src`` copied into its
+    ``as_strided`` view.
+    """
+    positions = np.full((), storage_offset or 0, dtype=np.int64)
+    for n, step in zip(size, stride):
+        positions = positions[..., None] + np.arange(n, dtype=np.int64) * step
+    flat = x.reshape(-1).at[positions.reshape(-1)].set(jnp.broadcast_to(src, tuple(size)).reshape(-1).astype(x.dtype))
+    return flat.reshape(x.shape)
+
+
 @lower(aten.diagonal_scatter.default)
 def diagonal_scatter(x, src, offset: int = 0, dim1: int = 0, dim2: int = 1):
     d1, d2 = norm_dim(dim1, x.ndim), norm_dim(dim2, x.ndim)

@@ -1,5 +1,5 @@
 """Special functions through ``jax.scipy.special``: polygamma, erfcx, Bessel
-functions of order 0/1, ndtr/ndtri/log_ndtr, zeta, entr, xlog1py, igamma(c),
+functions of order 0/1 (K_0/K_1 by quadrature, Y_0/Y_1 by series and asymptotic expansion), Airy Ai, ndtr/ndtri/log_ndtr, zeta, entr, xlog1py, igamma(c),
 and the orthogonal polynomial families.
 
 Integer inputs compute in the default float dtype (torch's INT_TO_FLOAT
@@ -9,6 +9,8 @@ on the device too.
 """
 
 from __future__ import annotations
+
+import math
 
 import jax
 import jax.numpy as jnp
@@ -81,6 +83,170 @@ _UNARY = {
     aten.special_bessel_j0.default: _bessel_j(0),
     aten.special_bessel_j1.default: _bessel_j(1),
 }
+
+# Modified Bessel functions of the second kind, K_0 and K_1 (and e^x K_n), which
+# jax.scipy.special lacks: from the integral K_n(x) = int_0^inf exp(-x cosh t) cosh(n t) dt,
+# written as e^-x int_0^T exp(-2 x sinh(t/2)^2) cosh(n t) dt. The integrand is analytic and
+# decays double-exponentially, so the trapezoidal rule converges geometrically; T puts the
+# cut where the integrand is below e^-60 (so K_n keeps float64's digits that float32 needs),
+# and each element gets its own step T / _BESSEL_K_STEPS, fine enough for the integrand's
+# width at every x (about 1 for small x, 1/sqrt(x) for large x). float64 throughout.
+_BESSEL_K_STEPS = 1024
+_BESSEL_K_CUTOFF = 60.0
+
+
+def _bessel_k_scaled(x, order: float):
+    """e^x K_order(x) for x > 0 (float64)."""
+    end = 2 * jnp.arcsinh(jnp.sqrt(_BESSEL_K_CUTOFF / (2 * x)))
+    step = end / _BESSEL_K_STEPS
+
+    def add_point(k, total):
+        t = k * step
+        value = jnp.exp(-2 * x * jnp.sinh(t / 2) ** 2) * (jnp.cosh(order * t) if order else 1.0)  # any real order
+        return total + jnp.where((k == 0) | (k == _BESSEL_K_STEPS), 0.5, 1.0) * value
+
+    return step * lax.fori_loop(0, _BESSEL_K_STEPS + 1, add_point, jnp.zeros_like(x))
+
+
+def _bessel_k(order: int, scaled: bool):
+    def fn(x):
+        wide = x.astype(jnp.float64)
+        positive = jnp.where((wide > 0) & (wide < jnp.inf), wide, 1.0)
+        out = _bessel_k_scaled(positive, order)
+        if not scaled:
+            out = out * jnp.exp(-positive)
+        # K_n(0) = inf and K_n(inf) = 0 (e^x K_n too); K_n is not real for x < 0 (CPU: NaN, as for NaN).
+        out = jnp.where(wide == jnp.inf, 0.0, out)
+        out = jnp.where(wide == 0, jnp.inf, jnp.where(wide > 0, out, jnp.nan))
+        return out.astype(x.dtype)
+
+    return fn
+
+
+# Bessel functions of the second kind Y_0, Y_1 (not in jax.scipy.special), float64:
+# below _BESSEL_Y_SWITCH the power series (Abramowitz & Stegun 9.1.11, with
+# psi(k + 1) = -gamma + H_k), whose terms peak near e^x / (pi x) so that at the switch
+# float64 still leaves ~1e-7 absolute accuracy; above it Hankel's asymptotic expansion
+# (A&S 9.2.6-9.2.10), whose terms keep shrinking up to k ~ 2x, far beyond the ones used.
+_BESSEL_Y_SWITCH = 20.0
+_BESSEL_Y_SERIES_TERMS = 60
+_BESSEL_Y_ASYMPTOTIC_TERMS = 16
+
+
+def _bessel_y_series(x, order: int):
+    quarter_sq = x * x / 4
+    term = jnp.ones_like(x) if order == 0 else x / 2  # (x/2)^n (-x^2/4)^k / (k! (n + k)!) at k = 0
+    bessel_j = jnp.zeros_like(x)
+    psi_sum = jnp.zeros_like(x)  # sum of (psi(k + 1) + psi(n + k + 1)) * term
+    harmonic = 0.0  # H_k
+    for k in range(_BESSEL_Y_SERIES_TERMS):
+        if k:
+            term = term * (-quarter_sq) / (k * (order + k))
+            harmonic += 1.0 / k
+        psi = 2 * (harmonic - np.euler_gamma) + (1.0 / (k + 1) if order == 1 else 0.0)
+        bessel_j = bessel_j + term
+        psi_sum = psi_sum + psi * term
+    out = (2 / np.pi) * jnp.log(x / 2) * bessel_j - psi_sum / np.pi
+    return out - 2 / (np.pi * x) if order == 1 else out
+
+
+def _bessel_y_asymptotic(x, order: int):
+    mu = 4.0 * order * order
+    p, q = jnp.zeros_like(x), jnp.zeros_like(x)
+    coefficient = jnp.ones_like(x)  # a_k(order) / x^k
+    for k in range(_BESSEL_Y_ASYMPTOTIC_TERMS):
+        if k:
+            coefficient = coefficient * (mu - (2 * k - 1) ** 2) / (k * 8 * x)
+        sign = -1.0 if (k // 2) % 2 else 1.0
+        if k % 2 == 0:
+            p = p + sign * coefficient
+        else:
+            q = q + sign * coefficient
+    omega = x - (2 * order + 1) * np.pi / 4
+    return jnp.sqrt(2 / (np.pi * x)) * (p * jnp.sin(omega) + q * jnp.cos(omega))
+
+
+def _bessel_y(order: int):
+    def fn(x):
+        wide = x.astype(jnp.float64)
+        finite = (wide > 0) & (wide < jnp.inf)
+        small = jnp.where(finite & (wide < _BESSEL_Y_SWITCH), wide, 1.0)
+        large = jnp.where(finite & (wide >= _BESSEL_Y_SWITCH), wide, _BESSEL_Y_SWITCH)
+        out = jnp.where(wide < _BESSEL_Y_SWITCH, _bessel_y_series(small, order), _bessel_y_asymptotic(large, order))
+        # Y_n(0) = -inf; not real for x < 0 (NaN, as for NaN). At +inf the limit is 0, but CPU
+        # gives NaN: matched.
+        out = jnp.where(wide == jnp.inf, jnp.nan, out)
+        out = jnp.where(wide == 0, -jnp.inf, jnp.where(wide > 0, out, jnp.nan))
+        return out.astype(x.dtype)
+
+    return fn
+
+
+# Airy function Ai (float64): for x > _AIRY_K_FROM, (1/pi) sqrt(x/3) K_{1/3}(2/3 x^{3/2}) by the
+# K quadrature above (Ai decays like e^{-zeta} there, which the Maclaurin series would lose to
+# cancellation); for x < _AIRY_ASYMPTOTIC_BELOW, the oscillating asymptotic expansion
+# (A&S 10.4.60); between, the Maclaurin series Ai = c1 f - c2 g (A&S 10.4.2-10.4.3), whose
+# terms stay below ~e^{zeta} = e^15 there.
+_AIRY_K_FROM = 1.5
+_AIRY_ASYMPTOTIC_BELOW = -8.0
+_AIRY_C1 = 1 / (3 ** (2 / 3) * math.gamma(2 / 3))  # Ai(0)
+_AIRY_C2 = 1 / (3 ** (1 / 3) * math.gamma(1 / 3))  # -Ai'(0)
+
+
+def _airy_series(x):
+    cube = x**3
+    f_term, g_term = jnp.ones_like(x), x
+    f, g = f_term, g_term
+    for k in range(1, 60):
+        f_term = f_term * cube / ((3 * k - 1) * (3 * k))
+        g_term = g_term * cube / ((3 * k) * (3 * k + 1))
+        f, g = f + f_term, g + g_term
+    return _AIRY_C1 * f - _AIRY_C2 * g
+
+
+def _airy_oscillating(x):
+    z = -x
+    zeta = 2 / 3 * z**1.5
+    p, q = jnp.zeros_like(x), jnp.zeros_like(x)
+    u = 1.0
+    power = jnp.ones_like(x)  # zeta^-k
+    for k in range(16):
+        if k:
+            u = u * (6 * k - 5) * (6 * k - 3) * (6 * k - 1) / ((2 * k - 1) * 216 * k)
+            power = power / zeta
+        sign = -1.0 if (k // 2) % 2 else 1.0
+        if k % 2 == 0:
+            p = p + sign * u * power
+        else:
+            q = q + sign * u * power
+    phase = zeta + np.pi / 4
+    return (jnp.sin(phase) * p - jnp.cos(phase) * q) / (np.sqrt(np.pi) * z**0.25)
+
+
+def _airy_ai(x):
+    wide = x.astype(jnp.float64)
+    finite = jnp.isfinite(wide)
+    right = jnp.where(finite & (wide > _AIRY_K_FROM), wide, 2.0)
+    zeta = 2 / 3 * right**1.5
+    decaying = jnp.sqrt(right / 3) / np.pi * _bessel_k_scaled(zeta, 1 / 3) * jnp.exp(-zeta)
+    middle = _airy_series(jnp.where(finite & (wide >= _AIRY_ASYMPTOTIC_BELOW) & (wide <= _AIRY_K_FROM), wide, 0.0))
+    left = _airy_oscillating(jnp.where(finite & (wide < _AIRY_ASYMPTOTIC_BELOW), wide, -10.0))
+    out = jnp.where(wide > _AIRY_K_FROM, decaying, jnp.where(wide < _AIRY_ASYMPTOTIC_BELOW, left, middle))
+    # The limits at +-inf are 0, but CPU gives NaN there: matched.
+    return jnp.where(finite, out, jnp.nan).astype(x.dtype)
+
+
+_UNARY.update(
+    {
+        aten.special_airy_ai.default: _airy_ai,
+        aten.special_bessel_y0.default: _bessel_y(0),
+        aten.special_bessel_y1.default: _bessel_y(1),
+        aten.special_modified_bessel_k0.default: _bessel_k(0, scaled=False),
+        aten.special_modified_bessel_k1.default: _bessel_k(1, scaled=False),
+        aten.special_scaled_modified_bessel_k0.default: _bessel_k(0, scaled=True),
+        aten.special_scaled_modified_bessel_k1.default: _bessel_k(1, scaled=True),
+    }
+)
 
 for _op, _fn in _UNARY.items():
     lower(_op)(_unary(_fn))
