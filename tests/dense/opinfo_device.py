@@ -183,10 +183,15 @@ def _to_device(x, device: str):
 _HOST_ARGUMENTS: dict[str, tuple[str, ...]] = {"tensor_split": ("args",)}
 
 
+_JUDGED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""Sample dtypes whose rounding mismatches are judged against float64 (float32, and the
+reduced-precision floats, where CPU's per-op roundings are no more exact than tpu's)."""
+
+
 def _widened(x):
-    """``x`` with float32/complex64 tensors as float64/complex128 (the reference precision)."""
-    if isinstance(x, torch.Tensor) and x.dtype in (torch.float32, torch.complex64):
-        wide = x.detach().to(torch.float64 if x.dtype == torch.float32 else torch.complex128)
+    """``x`` with float32/bfloat16/float16 (complex64) tensors as float64 (complex128), the reference precision."""
+    if isinstance(x, torch.Tensor) and x.dtype in (*_JUDGED_DTYPES, torch.complex64):
+        wide = x.detach().to(torch.complex128 if x.dtype == torch.complex64 else torch.float64)
         return wide.requires_grad_(x.requires_grad)
     return x
 
@@ -492,7 +497,7 @@ def check_entry(
             forward.append(f"sample generation failed: {_first_line(error)}")
         gauge = GAUGE_FREE.get(result.name, {})
         for sample in samples:
-            reference = Float64Reference(op, sample, gauge) if dtype == torch.float32 else None
+            reference = Float64Reference(op, sample, gauge) if dtype in _JUDGED_DTYPES else None
             try:
                 expected = _run(op, sample, 0)
             except Exception:  # noqa: BLE001 (a sample CPU rejects says nothing about tpu)
