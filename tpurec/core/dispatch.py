@@ -900,6 +900,14 @@ def _dispatch(func, args: tuple, kwargs: dict):
         out = func.decompose(*args, **kwargs)
         if out is not NotImplemented:
             return out
+    if func.overloadpacket is aten.to:
+        # ``to`` is CompositeImplicitAutograd: above autograd it became ``_to_copy`` (or
+        # returned ``self``). It arrives whole where the autograd keys are off (the
+        # backward thread, a TorchDispatchMode's own calls), possibly to another
+        # device, so decompose it the same way rather than treat it as a view.
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
     if func.is_view:
         return _view(func, args, kwargs)
     if torch.Tag.inplace_view in func.tags:
