@@ -29,7 +29,8 @@ from tpurec.core import fused, modes, profiler, recompiles, rng, runtime
 from tpurec.compile.graph import CompileError, GraphProgram
 from tpurec.dense.registry import get_lowering
 from tpurec.core.device import jax_device
-from tpurec.core.tensor import TpuTensor, host_to_jax, wrap
+from tpurec.core.dispatch import fresh, pending_value, value_of
+from tpurec.core.tensor import TpuTensor, host_to_jax
 
 log = logging.getLogger("tpurec.compile")
 
@@ -126,7 +127,7 @@ class CompiledGraph:
             outs = self._execute(variant, inputs, seeds)
         arrays = iter(outs)
         return [
-            _fresh(next(arrays), index, d) if t else variant.static_outs[i]
+            fresh(next(arrays), index, d) if t else variant.static_outs[i]
             for i, (t, d) in enumerate(zip(self.tensor_out, self.out_dtypes))
         ]
 
@@ -136,14 +137,12 @@ class CompiledGraph:
         ``deferred`` (fused mode): a tensor whose value is still pending in the fused
         window stays pending (no sync point); the graph is recorded behind it.
         """
-        from tpurec.core.dispatch import value_of
-
         inputs, signature = [], []
         index = self.device_index
         for a in args:
             if isinstance(a, TpuTensor):
                 index = a._storage.index
-                v = _pending_value(a) if deferred else value_of(a)
+                v = pending_value(a) if deferred else value_of(a)
                 inputs.append(v)
                 signature.append((tuple(v.shape), v.dtype))
             elif isinstance(a, torch.Tensor):
@@ -235,28 +234,6 @@ class CompiledGraph:
         finally:
             variant.ran = True
             counters.compile_seconds += time.perf_counter() - start
-
-
-def _pending_value(t: TpuTensor):
-    """``t``'s values for a graph recorded in the fused window, without a sync point.
-
-    A whole-storage tensor gives its storage's array (concrete or pending); a view
-    records its read (the same program eager reads run) into the window.
-    """
-    from tpurec.core import dispatch
-
-    array = t._storage.array
-    if t.is_full:
-        return array
-    return dispatch._run(dispatch._read_program(t._key), array, device=t._storage.index)[0]
-
-
-def _fresh(array, index: int, dtype: torch.dtype | None) -> TpuTensor:
-    """A tpu tensor owning a graph output; a pending one is filled in by the next flush."""
-    t = wrap(array, index, dtype)
-    if fused.is_pending(array):
-        fused.track(t._storage)
-    return t
 
 
 def _changes(old: tuple, new: tuple) -> str:

@@ -49,7 +49,7 @@ from tpurec.core.views import contiguous_strides, read_view, reinterpretation, v
 
 aten = torch.ops.aten
 
-__all__ = ["dispatch", "value_of"]
+__all__ = ["dispatch", "fresh", "pending_value", "value_of"]
 
 
 # --- running programs ---------------------------------------------------------
@@ -88,7 +88,8 @@ def _store(storage: Storage, array) -> None:
     storage.array = array
 
 
-def _fresh(array, index: int, dtype: torch.dtype | None = None) -> TpuTensor:
+def fresh(array, index: int, dtype: torch.dtype | None = None) -> TpuTensor:
+    """A tpu tensor owning ``array``; a pending one (fused mode) is filled in by the next flush."""
     t = wrap(array, index, dtype)
     if fused.is_pending(array):
         fused.track(t._storage)
@@ -117,6 +118,18 @@ def value_of(t: TpuTensor, reason: str = "value needed") -> jax.Array:
     if t.is_full:
         return array
     return _run(_read_program(t._key), array, now=True)[0]
+
+
+def pending_value(t: TpuTensor):
+    """``t``'s values without a sync point: in fused mode they may still be pending.
+
+    A whole-storage tensor gives its storage's array (concrete or pending); a view
+    runs (or, in fused mode, records) the same read program :func:`value_of` uses.
+    """
+    array = t._storage.array
+    if t.is_full:
+        return array
+    return _run(_read_program(t._key), array, device=t._storage.index)[0]
 
 
 # --- building a call ---------------------------------------------------------
@@ -309,7 +322,7 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
         return targets
     if modes.get_mode() == "debug":
         _debug_check(func, outs, program.metas)
-    return [None if o is None else _fresh(o, index) for o in outs]
+    return [None if o is None else fresh(o, index) for o in outs]
 
 
 # --- view ops ----------------------------------------------------------------
@@ -507,7 +520,7 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     if index != self._storage.index:
         values = jax.device_put(value_of(self, "transfer between devices"), jax_device(index))
         return _to_copy(wrap(values, index, self.dtype), dtype=dtype)
-    return _fresh(_run(_cast_program(self._key, dtype), self._storage.array, device=index)[0], index, dtype)
+    return fresh(_run(_cast_program(self._key, dtype), self._storage.array, device=index)[0], index, dtype)
 
 
 def _copy_program(dst_key, src_key):
@@ -893,18 +906,13 @@ def _dispatch(func, args: tuple, kwargs: dict):
     if func in _DATA_DEPENDENT or _has_bool_index(func, args):
         runtime.counters().host_ops[func.__name__] += 1
         return _on_host(func, args, kwargs)
-    if torch.is_inference_mode_enabled():
-        # inference_mode drops the autograd keys, whose kernels normally decompose
-        # CompositeImplicitAutograd ops (aten.to.dtype_layout, aten.linear, ...):
-        # here they arrive whole, so decompose them as autograd would have.
-        out = func.decompose(*args, **kwargs)
-        if out is not NotImplemented:
-            return out
-    if func.overloadpacket is aten.to:
-        # ``to`` is CompositeImplicitAutograd: above autograd it became ``_to_copy`` (or
-        # returned ``self``). It arrives whole where the autograd keys are off (the
-        # backward thread, a TorchDispatchMode's own calls), possibly to another
-        # device, so decompose it the same way rather than treat it as a view.
+    if torch.is_inference_mode_enabled() or func.overloadpacket is aten.to:
+        # The autograd kernels normally decompose CompositeImplicitAutograd ops
+        # (aten.to.dtype_layout, aten.linear, ...). Where the autograd keys are off they
+        # arrive whole: inference_mode drops them for every op, and ``to`` (possibly to
+        # another device) also comes whole from the backward thread or a
+        # TorchDispatchMode's own calls. Decompose them as autograd would have, rather
+        # than run ``to`` as a view.
         out = func.decompose(*args, **kwargs)
         if out is not NotImplemented:
             return out
