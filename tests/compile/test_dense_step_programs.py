@@ -8,6 +8,8 @@ losses of PyTorch on CPU.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -105,7 +107,14 @@ def test_bench_modes_cli_reports_one_program_per_step_and_no_compilations():
     assert run["compiled_eager"]["programs_per_step"] > 1, run
     for name in ("fused", "compiled", "compiled_eager"):
         assert run[name]["compilations_after_warmup"] == 0, run
-        assert run[name]["last_loss"] == pytest.approx(run["cpu_pytorch"]["last_loss"], rel=1e-5)
+        # The first step's loss (same weights, no update yet): float32 layers, rtol 1e-5.
+        assert run[name]["first_loss"] == pytest.approx(run["cpu_pytorch"]["first_loss"], rel=1e-5)
+        # After 3 Adagrad steps on 8 samples the loss is about 1e-8, softplus(-margin) with a
+        # margin of about 18, so it is compared on the margin's scale (-log loss). Adagrad's
+        # first update is lr * g / sqrt(g * g) = lr * sign(g): a rounding difference in a
+        # near-zero gradient moves that weight by up to 2 * lr, hence rtol 1e-4 there.
+        margin, reference = -math.log(run[name]["last_loss"]), -math.log(run["cpu_pytorch"]["last_loss"])
+        assert margin == pytest.approx(reference, rel=1e-4)
     assert set(run["ratios"]) >= {"fused_speedup_vs_cpu", "compiled_speedup_vs_cpu", "compiled_speedup_vs_fused"}
 
 

@@ -183,10 +183,12 @@ def test_float64_table_is_rejected():
 
 
 def test_compile_failure_raises_with_compiler_output(tmp_path, monkeypatch):
+    import tpurec.native
+
     bad = tmp_path / "sparse_cpu.cc"
     bad.write_text("this is not C++;\n")
-    monkeypatch.setattr(native, "_SOURCE", bad)
+    monkeypatch.setattr(tpurec.native, "_SOURCES", (bad, *tpurec.native._SOURCES[1:]))
     monkeypatch.setenv("TPUREC_CACHE_DIR", str(tmp_path / "cache"))
-    with pytest.raises(native.NativeBuildError, match="(?s)compiling sparse_cpu.cc failed.*error"):
+    with pytest.raises(native.NativeBuildError, match="(?s)compiling sparse_cpu.cc, .* failed.*error"):
         native.library_path()
     assert not list((tmp_path / "cache" / "native").glob("*.so*"))

@@ -81,6 +81,7 @@ class _Config:
     losses: list[float] = dataclasses.field(default_factory=list)
     programs: int = 0
     compilations: int = 0
+    first_loss: float | None = None  # of the first (warm-up) step, before any update
 
 
 def _make(name: str, batch: int) -> _Config:
@@ -114,6 +115,8 @@ def _run_steps(config: _Config, steps: int, record: bool) -> None:
         for _ in range(steps):
             wall, cpu = time.perf_counter(), time.process_time()
             loss = config.step()
+            if config.first_loss is None:
+                config.first_loss = loss
             if record:
                 config.wall_ms.append((time.perf_counter() - wall) * 1e3)
                 config.cpu_ms.append((time.process_time() - cpu) * 1e3)
@@ -132,6 +135,7 @@ def _summary(config: _Config) -> dict:
         "min_step_ms": min(config.wall_ms),
         "cpu_ms_per_step": statistics.median(config.cpu_ms),
         "samples_per_s": None,  # filled in by the caller (needs the batch)
+        "first_loss": config.first_loss,
         "last_loss": config.losses[-1],
         "programs_per_step": config.programs / steps if config.on_tpu else None,
         "compilations_after_warmup": config.compilations if config.on_tpu else None,

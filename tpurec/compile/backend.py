@@ -28,6 +28,7 @@ import torch.fx
 from tpurec.core import fused, modes, profiler, recompiles, rng, runtime
 from tpurec.compile.graph import CompileError, GraphProgram
 from tpurec.dense.registry import get_lowering
+from tpurec.dense.trace_context import traced_as_spmd
 from tpurec.core.device import jax_device
 from tpurec.core.dispatch import fresh, pending_value, value_of
 from tpurec.core.tensor import TpuTensor, host_to_jax
@@ -184,7 +185,9 @@ class CompiledGraph:
         if not any(s[0] != "scalar" for s in signature):
             options["out_shardings"] = jax.sharding.SingleDeviceSharding(jax_device(self.device_index))
         variant.run = run
-        variant.jitted = jax.jit(run, **options)
+        # Global (mesh) inputs would make XLA partition this program: trace it as such
+        # once they may exist (variant.recorded, in fused mode, is a Program that knows).
+        variant.jitted = jax.jit(traced_as_spmd(run) if runtime.mesh_arrays_exist() else run, **options)
         return variant
 
     def _record(self, variant: _Variant, inputs: list, seeds: list, index: int) -> list:

@@ -19,6 +19,7 @@ from jax import lax
 
 from tpurec.dense.registry import to_jax_dtype
 from tpurec.core.views import read_view, write_view
+from tpurec.dense.trace_context import transpose as _transpose
 
 aten = torch.ops.aten
 
@@ -43,7 +44,7 @@ def reshape(x, size, *_):
 
 
 def permute(x, dims):
-    return jnp.transpose(x, [_dim(d, x.ndim) for d in dims])
+    return _transpose(x, [_dim(d, x.ndim) for d in dims])
 
 
 def t(x):
@@ -51,7 +52,12 @@ def t(x):
 
 
 def transpose(x, dim0: int, dim1: int):
-    return jnp.swapaxes(x, _dim(dim0, x.ndim), _dim(dim1, x.ndim)) if x.ndim else x
+    if not x.ndim:
+        return x
+    perm = list(range(x.ndim))
+    d0, d1 = _dim(dim0, x.ndim), _dim(dim1, x.ndim)
+    perm[d0], perm[d1] = perm[d1], perm[d0]
+    return _transpose(x, perm)
 
 
 def unsqueeze(x, dim: int):

@@ -20,7 +20,7 @@ from tpurec.core import profiler, runtime
 from tpurec.core.device import jax_device
 from tpurec.core.tensor import holders
 
-__all__ = ["Pending", "record", "flush", "is_pending", "pending_ops"]
+__all__ = ["Pending", "record", "flush", "is_pending", "pending_ops", "clear_programs"]
 
 
 class Pending:
@@ -55,6 +55,11 @@ class _Window:
 
 _window = _Window()
 _fused_programs: dict = {}
+
+
+def clear_programs() -> None:
+    """Forgets the compiled fused programs: the next window of each structure is traced again."""
+    _fused_programs.clear()
 
 
 def max_ops() -> int:

@@ -15,6 +15,8 @@ import numpy as np
 import torch.autograd.profiler as _torch_profiler
 from jax import monitoring
 
+from tpurec.cache import cache_root  # noqa: F401 (tpurec.runtime.cache_root)
+from tpurec.dense.trace_context import traced_as_spmd
 from tpurec.core import profiler as _profiler
 
 __all__ = ["Stats", "stats", "reset_stats", "ProgramCache", "Program", "programs", "cache_root", "enable_disk_cache"]
@@ -191,7 +193,7 @@ class Program:
                 # over their mesh (SPMD) instead of pinning it to one device.
                 if self._spmd is None:
                     options = {k: v for k, v in self._options.items() if k != "out_shardings"}
-                    self._spmd = jax.jit(self.raw, **options)
+                    self._spmd = jax.jit(traced_as_spmd(self.raw), **options)
                 jitted = self._spmd
         out = self._execute(jitted, args)
         if on_mesh and _lockstep():
@@ -287,6 +289,11 @@ def mesh_arrays_in_use() -> None:
     _mesh_arrays_exist = True
 
 
+def mesh_arrays_exist() -> bool:
+    """True once :func:`mesh_arrays_in_use` was called in this process."""
+    return _mesh_arrays_exist
+
+
 def _is_global(x) -> bool:
     return isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding) and len(x.sharding.device_set) > 1
 
@@ -340,21 +347,6 @@ class ProgramCache:
 
 
 programs = ProgramCache()
-
-
-def cache_root() -> str | None:
-    """tpurec's persistent cache folder (``$TPUREC_CACHE_DIR``, default ``~/.cache/tpurec``).
-
-    Holds ``xla/`` (compiled programs) and ``native/`` (built kernels).
-    ``TPUREC_CACHE_DIR=off`` turns persistence off: None.
-    """
-    root = os.environ.get("TPUREC_CACHE_DIR")
-    if root and root.lower() in ("off", "none", "0"):
-        return None
-    if root:
-        return root
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "tpurec")
 
 
 def enable_disk_cache(path: str | None = None) -> str | None:

@@ -15,7 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["REAL", "COMPLEX", "contiguous_strides", "is_full", "read_view", "reinterpretation", "view_capacity", "write_view"]
+from tpurec.dense.trace_context import transpose
+
+__all__ = [
+    "REAL", "COMPLEX", "contiguous_strides", "is_full", "read_view", "reinterpretation", "view_capacity", "write_view",
+]
 
 # How a view reads a storage of another dtype (``view_as_real``, ``view_as_complex``,
 # ``view(dtype)`` between a complex dtype and its real counterpart). Sizes, strides and
@@ -156,7 +160,9 @@ def read_view(storage: jnp.ndarray, size, stride, offset, reinterpret: str | Non
     region = region[(slice(None),) + tuple(slice(0, n) for n in sizes[1:]) + (0,)]
     # ``region`` is laid out by decreasing stride; put the dims back in view order.
     inverse = sorted(range(len(order)), key=lambda i: order[i])
-    region = jnp.transpose(region, inverse)
+    region = transpose(region, inverse)
+    if len(order) == len(size):  # every dim kept: the transpose is the view
+        return region
     kept = set(order)
     shape_with_ones = tuple(n if d in kept else 1 for d, n in enumerate(size))
     return jnp.broadcast_to(region.reshape(shape_with_ones), size)

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from jax import lax
 
+from tpurec.dense import native_matmul
 from tpurec.dense._util import cast, is_float
 from tpurec.dense._util import acc_dtype as _acc
 from tpurec.dense.registry import lower
@@ -54,6 +55,8 @@ def mm(a, b):
 
 @lower(aten.bmm.default)
 def bmm(a, b):
+    if native_matmul.applies(a, b):  # XLA:CPU: many small float32 products in one native call
+        return native_matmul.bmm(a, b)
     return matmul(a, b)
 
 
@@ -85,7 +88,7 @@ def addmm_activation(x, a, b, *, beta=1, alpha=1, use_gelu: bool = False):
 
 @lower(aten.baddbmm.default)
 def baddbmm(x, a, b, *, beta=1, alpha=1):
-    return _scaled_add(x, matmul(a, b), beta, alpha)
+    return _scaled_add(x, bmm(a, b), beta, alpha)
 
 
 @lower(aten.addbmm.default)

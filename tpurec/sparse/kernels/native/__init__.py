@@ -2,20 +2,15 @@
 
 Same signatures and semantics as :mod:`tpurec.sparse.kernels.reference`
 (float32 tables only); threads own partitions ``id % P`` (DESIGN.md, contract 4).
-``sparse_cpu.cc`` (the kernels) and ``preprocess_cpu.cc`` (KJT -> CSR
-preprocessing, see :mod:`tpurec.sparse.kernels.native.preprocess`) are compiled
-with g++ into one library on first use, into a cache directory
-(``$TPUREC_CACHE_DIR/native`` or ``~/.cache/tpurec/native``), keyed by a hash
-of the sources, compiler and flags.
+The kernels are ``tpurec/native/sparse_cpu.cc``, part of tpurec's one native
+library (:mod:`tpurec.native`: built with g++ on first use and cached); KJT ->
+CSR preprocessing in the same library is :mod:`tpurec.sparse.kernels.native.preprocess`.
 
 The gradient ops alias their table/slot outputs to the inputs
 (``input_output_aliases``): only touched rows are written, and with the inputs
 donated by the caller the update is in place (no table copy).
 
-Environment:
-    TPUREC_CPU_THREADS: worker threads (default: the CPUs this process may use).
-    TPUREC_NATIVE_MARCH_NATIVE=1: build with ``-march=native``.
-    CXX: the compiler (default ``g++``).
+Environment: see :mod:`tpurec.native` (threads, compiler, ``-march=native``).
 
 Example::
 
@@ -26,18 +21,11 @@ Example::
 from __future__ import annotations
 
 import collections
-import ctypes
-import fcntl
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+
+from tpurec.native import FFI_TARGETS, NativeBuildError, ensure_registered, library_path, load_library
 
 __all__ = [
     "NativeBuildError",
@@ -51,127 +39,12 @@ __all__ = [
     "sparse_dense_matmul_grad_with_adam",
 ]
 
-_SOURCE = Path(__file__).with_name("sparse_cpu.cc")
-_PREPROCESS_SOURCE = Path(__file__).with_name("preprocess_cpu.cc")
-# Symbol in the .so -> FFI target name.
-_TARGETS = {
-    "TpurecSparseDenseMatmul": "tpurec_sparse_dense_matmul",
-    "TpurecGradSgd": "tpurec_sparse_dense_matmul_grad_with_sgd",
-    "TpurecGradAdagrad": "tpurec_sparse_dense_matmul_grad_with_adagrad",
-    "TpurecGradRowwiseAdagrad": "tpurec_sparse_dense_matmul_grad_with_rowwise_adagrad",
-    "TpurecGradAdam": "tpurec_sparse_dense_matmul_grad_with_adam",
-}
+_TARGETS = {symbol: FFI_TARGETS[symbol] for symbol in (
+    "TpurecSparseDenseMatmul", "TpurecGradSgd", "TpurecGradAdagrad", "TpurecGradRowwiseAdagrad", "TpurecGradAdam",
+)}
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
 """Kernel name -> times JAX traced it (a trace is a compilation)."""
-
-
-class NativeBuildError(RuntimeError):
-    """Compiling or loading the native kernels failed (the message has the compiler output)."""
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _flags() -> list[str]:
-    # -ffp-contract=off: no fused multiply-adds, so rounding matches XLA's.
-    flags = ["-O3", "-fPIC", "-shared", "-std=c++17", "-pthread", "-ffp-contract=off"]
-    if os.environ.get("TPUREC_NATIVE_MARCH_NATIVE") == "1":
-        flags.append("-march=native")
-    elif platform.machine() in ("x86_64", "AMD64") and "avx2" in _cpu_flags():
-        flags.append("-mavx2")  # wider vectors for the dim loops; only where this CPU has them
-    return flags
-
-
-def _cache_dir() -> Path:
-    from tpurec.core.runtime import cache_root
-
-    root = cache_root()
-    if root is None:  # persistence off: build once per user in the temp folder
-        return Path(tempfile.gettempdir()) / f"tpurec-native-{os.getuid()}"
-    return Path(root) / "native"
-
-
-def _compiler_version(cxx: str) -> str:
-    try:
-        return subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise NativeBuildError(f"C++ compiler {cxx!r} is not usable: {e}") from e
-
-
-def library_path() -> Path:
-    """Builds the kernels' shared library if not cached; returns its path."""
-    cxx = os.environ.get("CXX", "g++")
-    flags = _flags()
-    include = jax.ffi.include_dir()
-    key = hashlib.sha256()
-    sources = [src.read_bytes() for src in (_SOURCE, _PREPROCESS_SOURCE)]
-    for part in (*sources, _compiler_version(cxx).encode(), " ".join(flags).encode(), jax.__version__.encode()):
-        key.update(part)
-        key.update(b"\0")
-    if "-march=native" in flags:
-        key.update(repr(sorted(_cpu_flags())).encode())  # a shared cache may serve other CPUs
-    out_dir = _cache_dir()
-    out = out_dir / f"sparse_cpu-{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # One process compiles; the others wait on the lock and then find the file.
-    with open(out_dir / ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if out.exists():
-            return out
-        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-        os.close(fd)
-        cmd = [cxx, *flags, "-isystem", include, str(_SOURCE), str(_PREPROCESS_SOURCE), "-o", tmp]
-        try:
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                raise NativeBuildError(
-                    f"compiling {_SOURCE.name} failed (exit {result.returncode}):\n  {' '.join(cmd)}\n{result.stderr}{result.stdout}"
-                )
-            os.replace(tmp, out)  # atomic: readers never see a half-written library
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return out
-
-
-_LOCK = threading.Lock()
-_LOADED: ctypes.CDLL | None = None
-
-
-def load_library() -> ctypes.CDLL:
-    """Builds (if needed) and loads the native library; registers its FFI targets once.
-
-    Returns:
-        The loaded library (its plain C functions are callable through ctypes).
-    """
-    _ensure_registered()
-    assert _LOADED is not None
-    return _LOADED
-
-
-def _ensure_registered() -> None:
-    global _LOADED
-    with _LOCK:
-        if _LOADED is not None:
-            return
-        path = library_path()
-        try:
-            lib = ctypes.CDLL(str(path))
-        except OSError as e:
-            raise NativeBuildError(f"loading {path} failed: {e}") from e
-        for symbol, target in _TARGETS.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-        _LOADED = lib
 
 
 def _csr(row_pointers, embedding_ids, sample_ids, gains):
@@ -202,7 +75,7 @@ def sparse_dense_matmul(row_pointers, embedding_ids, sample_ids, gains, table, *
         ``[batch_size, dim]`` float32.
     """
     TRACE_COUNTS["sparse_dense_matmul"] += 1
-    _ensure_registered()
+    ensure_registered()
     _check_f32(table=table)
     call = jax.ffi.ffi_call(
         _TARGETS["TpurecSparseDenseMatmul"], jax.ShapeDtypeStruct((batch_size, table.shape[1]), jnp.float32)
@@ -212,7 +85,7 @@ def sparse_dense_matmul(row_pointers, embedding_ids, sample_ids, gains, table, *
 
 def _grad(symbol, op_name, csr, grad_output, hyper, table, slots):
     TRACE_COUNTS[op_name] += 1
-    _ensure_registered()
+    ensure_registered()
     _check_f32(grad_output=grad_output, table=table, **{f"slot{i}": s for i, s in enumerate(slots)})
     # Scalars go in as one f32 operand, not as attributes: a new learning rate
     # (or Adam step) must not recompile. Each is rounded to f32 from the same
