@@ -11,7 +11,12 @@ Example::
     loss.backward()
 """
 
-import jax
+from tpurec.native import host_allocator as _host_allocator
+
+# Before JAX starts its CPU runtime threads (see the module).
+_host_allocator.tune()
+
+import jax  # noqa: E402
 
 # torch int64/float64 values must round-trip exactly.
 jax.config.update("jax_enable_x64", True)
