@@ -644,6 +644,47 @@ def _batch_norm_with_update(input, weight, bias, running_mean, running_var, mome
     return out, mean, invstd, torch.empty((0,), dtype=torch.uint8, device=input.device)
 
 
+def _adjacent_views(tensors, dim: int):
+    """One view of the storage that ``tensors`` tile, in order, along ``dim``, or None.
+
+    The pieces of a split, narrow or unbind, concatenated again in order (TorchRec's
+    ``KeyedTensor.to_dict()`` then ``torch.cat``, and the backward of a ``cat``), are
+    one view of their common storage: reading it is a slice, where concatenating the
+    pieces is a copy that XLA does not fold.
+    """
+    if len(tensors) < 2 or not all(isinstance(t, TpuTensor) for t in tensors):
+        return None
+    first = tensors[0]
+    storage, ndim = first._storage, first.dim()
+    if ndim == 0:
+        return None
+    dim = dim % ndim
+    _, dtype, size, stride, offset, storage_dtype = first._key
+    if dtype != storage_dtype:  # a complex/real reinterpretation: leave it to the lowering
+        return None
+    step = stride[dim]
+    expected = offset
+    total = 0
+    for t in tensors:
+        _, t_dtype, t_size, t_stride, t_offset, _ = t._key
+        if t._storage is not storage or t_dtype != dtype or t_stride != stride or t_offset != expected:
+            return None
+        if t_size[dim] == 0 or any(a != b for d, (a, b) in enumerate(zip(t_size, size)) if d != dim):
+            return None
+        expected += t_size[dim] * step
+        total += t_size[dim]
+    joined = list(size)
+    joined[dim] = total
+    return first.as_strided(joined, stride, offset)
+
+
+def _cat(tensors, dim=0):
+    joined = _adjacent_views(tensors, dim)
+    if joined is not None:
+        return aten.clone.default(joined, memory_format=torch.contiguous_format)
+    return execute(aten.cat.default, get_lowering(aten.cat.default), (tensors, dim), {})[0]
+
+
 def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     """``embedding``: the lowering, but ``sparse=True`` with a gradient is refused up front.
 
@@ -697,6 +738,7 @@ _SPECIAL = {
     aten._native_batch_norm_legit.default: _native_batch_norm_legit,
     aten._batch_norm_with_update.default: _batch_norm_with_update,
     aten.embedding.default: _embedding,
+    aten.cat.default: _cat,
     aten.rrelu_with_noise.default: _rrelu_with_noise,
     aten.is_pinned.default: lambda self, device=None: False,
     aten._pin_memory.default: _pin_tpu_tensor,

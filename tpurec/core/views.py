@@ -116,6 +116,37 @@ def _flat_indices(size, stride, offset) -> np.ndarray:
 
 
 @lru_cache(maxsize=4096)
+def _box(storage_shape, size, stride, offset) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``(starts, sizes)`` over the storage's dims when the view is a box of the storage
+    array in its own layout, with some dims possibly selected away
+    (``storage[a0:a0+n0, k, a2:a2+n2]``: narrow, select, split, unbind), else None.
+
+    Such a view is read with ``lax.slice`` and written with ``dynamic_update_slice``:
+    XLA fuses those into their users and folds a concatenation of adjacent boxes
+    back into the array, which it does not do for a gather of flat indices.
+    """
+    dense = contiguous_strides(storage_shape)
+    sizes = [1] * len(storage_shape)
+    e = 0
+    for n, s in zip(size, stride):
+        if n == 1:
+            continue
+        while e < len(storage_shape) and (dense[e] != s or storage_shape[e] < n):
+            e += 1
+        if e == len(storage_shape):
+            return None
+        sizes[e] = n
+        e += 1
+    starts, rest = [], offset
+    for d in dense:
+        start, rest = divmod(rest, d)
+        starts.append(start)
+    if rest or any(a + n > m for a, n, m in zip(starts, sizes, storage_shape)):
+        return None
+    return tuple(starts), tuple(sizes)
+
+
+@lru_cache(maxsize=4096)
 def _strided_plan(size, stride):
     """A reshape/slice/transpose recipe for the view, or None when it overlaps itself."""
     dims = [d for d, (n, s) in enumerate(zip(size, stride)) if n != 1 and s != 0]
@@ -148,6 +179,10 @@ def read_view(storage: jnp.ndarray, size, stride, offset, reinterpret: str | Non
         return jnp.zeros(size, storage.dtype)
     if _is_contiguous(size, stride):
         return lax.slice(flat, (offset,), (offset + numel,)).reshape(size)
+    box = _box(tuple(storage.shape), size, stride, offset)
+    if box is not None:
+        starts, sizes = box
+        return lax.slice(storage, starts, tuple(a + n for a, n in zip(starts, sizes))).reshape(size)
     plan = _strided_plan(size, stride)
     if plan is None:
         return flat[_flat_indices(size, stride, offset)]
@@ -186,6 +221,10 @@ def write_view(
     numel = math.prod(size)
     if numel == 0:
         return storage
+    box = _box(tuple(storage.shape), size, stride, offset)
+    if box is not None and not _is_contiguous(size, stride):
+        starts, sizes = box
+        return lax.dynamic_update_slice(storage, value.reshape(sizes), starts)
     flat = storage.reshape(-1)
     if _is_contiguous(size, stride):
         flat = lax.dynamic_update_slice(flat, value.reshape(-1), (offset,))
