@@ -4,11 +4,12 @@
 // 4096 x [27 x 64] @ [64 x 27]) one small GEMM at a time, several times slower
 // than the memory traffic allows, and slower still when an operand is
 // transposed. Here each batch element is one task for the worker pool:
-//   1. pack op(b[b]) into a K x Np panel (Np = N rounded up to 16, zero padded),
+//   1. pack op(b[b]) into a K x Np panel (Np = N rounded up to 32, zero padded),
 //      which also absorbs a transposed b, so the inner loop reads rows;
-//   2. for each block of up to 4 rows of op(a[b]) and 16 columns, keep the 4 x 16
-//      block of c in 8 vector registers while k runs: per k, 2 loads of the panel
-//      and 4 broadcasts of a feed 8 fused multiply-adds.
+//   2. for each block of up to 3 rows of op(a[b]) and 32 columns, keep the 3 x 32
+//      block of c in 12 vector registers while k runs: per k, 3 broadcasts of a
+//      and 4 loads of the panel feed 12 fused multiply-adds (12 independent sums
+//      hide the multiply-add latency; with the 4 inputs that fills AVX2's 16 registers).
 // op(a) = a or a^T (attribute trans_a), likewise b; a transposed a only changes
 // the stride of the broadcasts. Float sums run over k in order, with fused
 // multiply-adds on CPUs that have them (AVX2 + FMA, chosen at run time), plain
@@ -31,8 +32,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kTileRows = 4;
-constexpr int64_t kTileCols = 16;
+constexpr int64_t kTileRows = 3;
+constexpr int64_t kTileCols = 32;
 // Below this many multiply-adds a call runs on one thread (waking workers costs more).
 constexpr int64_t kMinParallelWork = 1 << 16;
 
@@ -42,7 +43,7 @@ struct Problem {
   int64_t b_row, b_col;  // strides of op(b)'s rows (k) and columns (n)
 };
 
-// c_tile[r, 0:16] = sum_k a[r, k] * panel[k, 0:16] for r < rows; c_tile's rows are ldc apart.
+// c_tile[r, 0:32] = sum_k a[r, k] * panel[k, 0:32] for r < rows; c_tile's rows are ldc apart.
 void TilePortable(const float* a, const Problem& p, const float* panel, int64_t np, int rows, float* c_tile,
                   int64_t ldc) {
   float acc[kTileRows][kTileCols] = {};
@@ -60,21 +61,20 @@ void TilePortable(const float* a, const Problem& p, const float* panel, int64_t 
 template <int R>
 __attribute__((target("avx2,fma"))) void TileAvx2(const float* a, const Problem& p, const float* panel, int64_t np,
                                                  float* c_tile, int64_t ldc) {
-  __m256 acc[R][2];
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  __m256 acc[R][4];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
   for (int64_t kk = 0; kk < p.k; ++kk) {
-    const __m256 b0 = _mm256_loadu_ps(panel + kk * np);
-    const __m256 b1 = _mm256_loadu_ps(panel + kk * np + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 x = _mm256_broadcast_ss(a + r * p.a_row + kk * p.a_col);
-      acc[r][0] = _mm256_fmadd_ps(x, b0, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(x, b1, acc[r][1]);
+    __m256 x[R];
+    for (int r = 0; r < R; ++r) x[r] = _mm256_broadcast_ss(a + r * p.a_row + kk * p.a_col);
+    const float* row = panel + kk * np;
+    for (int v = 0; v < 4; ++v) {
+      const __m256 y = _mm256_loadu_ps(row + 8 * v);
+      for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(x[r], y, acc[r][v]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(c_tile + r * ldc, acc[r][0]);
-    _mm256_storeu_ps(c_tile + r * ldc + 8, acc[r][1]);
-  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(c_tile + r * ldc + 8 * v, acc[r][v]);
 }
 
 bool HasAvx2Fma() {
@@ -87,7 +87,6 @@ void Tile(const float* a, const Problem& p, const float* panel, int64_t np, int 
 #ifdef TPUREC_X86
   if (HasAvx2Fma()) {
     switch (rows) {
-      case 4: return TileAvx2<4>(a, p, panel, np, c_tile, ldc);
       case 3: return TileAvx2<3>(a, p, panel, np, c_tile, ldc);
       case 2: return TileAvx2<2>(a, p, panel, np, c_tile, ldc);
       default: return TileAvx2<1>(a, p, panel, np, c_tile, ldc);
