@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--skip-reference", action="store_true", help="skip the (slow) JAX reference kernel")
     args = parser.parse_args(argv)
     if args.threads:
-        os.environ["TPUREC_CPU_THREADS"] = str(args.threads)  # read when the native pool starts
+        os.environ["TPUREC_CPU_THREADS"] = str(args.threads)  # read by the native kernels on each call
 
     import torch
     from torchrec import EmbeddingBagConfig

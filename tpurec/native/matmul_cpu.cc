@@ -3,7 +3,8 @@
 // XLA:CPU runs a batch of thousands of small products (DLRM's interaction:
 // 4096 x [27 x 64] @ [64 x 27]) one small GEMM at a time, several times slower
 // than the memory traffic allows, and slower still when an operand is
-// transposed. Here each batch element is one task for the worker pool:
+// transposed. Here the batch is split into tasks shared with XLA's own intra-op
+// thread pool (which runs the program's other thunks too), and per batch element:
 //   1. pack op(b[b]) into a K x Np panel (Np = N rounded up to 32, zero padded),
 //      which also absorbs a transposed b, so the inner loop reads rows;
 //   2. for each block of up to 3 rows of op(a[b]) and 32 columns, keep the 3 x 32
@@ -21,7 +22,7 @@
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
-#include "pool.h"
+#include "xla_workers.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -121,8 +122,8 @@ void Product(const float* a, const float* b, float* c, const Problem& p, std::ve
   }
 }
 
-ffi::Error BatchedMatmul(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::ResultBuffer<ffi::F32> c,
-                         bool trans_a, bool trans_b) {
+ffi::Error BatchedMatmul(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b,
+                         ffi::ResultBuffer<ffi::F32> c, bool trans_a, bool trans_b) {
   const auto da = a.dimensions();
   const auto db = b.dimensions();
   const auto dc = c->dimensions();
@@ -150,15 +151,18 @@ ffi::Error BatchedMatmul(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::
     return ffi::Error::Success();
   }
   const int64_t work = batch * p.m * p.n * p.k;
-  const int threads = work < kMinParallelWork ? 1 : tpurec_native::Pool::Get().size();
+  const tpurec_native::XlaWorkers workers(xla_pool);
+  const int threads = work < kMinParallelWork ? 1 : workers.Size();
   // A few tasks per thread evens out a thread that starts late.
   const int64_t tasks = std::min<int64_t>(batch, static_cast<int64_t>(threads) * 8);
-  tpurec_native::ParallelFor(tasks, threads, [&](int64_t t) {
-    thread_local std::vector<float> panel, rows_out;  // pool threads are persistent: reused across calls
-    const int64_t begin = batch * t / tasks, end = batch * (t + 1) / tasks;
-    for (int64_t i = begin; i < end; ++i)
-      Product(pa + i * a_size, pb + i * b_size, pc + i * c_size, p, panel, rows_out);
-  });
+  workers.For(
+      tasks, threads,
+      [&](int64_t t) {
+        thread_local std::vector<float> panel, rows_out;  // XLA's threads are persistent: reused across calls
+        const int64_t begin = batch * t / tasks, end = batch * (t + 1) / tasks;
+        for (int64_t i = begin; i < end; ++i)
+          Product(pa + i * a_size, pb + i * b_size, pc + i * c_size, p, panel, rows_out);
+      });
   return ffi::Error::Success();
 }
 
@@ -166,6 +170,7 @@ ffi::Error BatchedMatmul(ffi::Buffer<ffi::F32> a, ffi::Buffer<ffi::F32> b, ffi::
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpurecBatchedMatmul, BatchedMatmul,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()

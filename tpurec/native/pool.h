@@ -1,8 +1,4 @@
-// A persistent worker pool shared by tpurec's native XLA:CPU kernels.
-//
-// One pool per process (the function-local static below is shared by every
-// translation unit of the library): kernels that XLA runs concurrently queue
-// on it instead of each spawning threads and oversubscribing the cores.
+// Work sharing for tpurec's native XLA:CPU kernels (see xla_workers.h for the threads).
 
 #ifndef TPUREC_NATIVE_POOL_H_
 #define TPUREC_NATIVE_POOL_H_
@@ -13,16 +9,16 @@
 #include <cstdint>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include <sched.h>
 
 namespace tpurec_native {
 
-// Thread pool: persistent workers (spawning threads per call costs more than a
-// small forward pass). Calls are serialized: XLA may run two handlers at once.
-
+// How many threads a kernel may use: TPUREC_CPU_THREADS, else the CPUs this process may run on.
 inline int ConfiguredThreads() {
   if (const char* env = std::getenv("TPUREC_CPU_THREADS")) {
     int n = std::atoi(env);
@@ -37,73 +33,38 @@ inline int ConfiguredThreads() {
   return n > 0 ? static_cast<int>(n) : 1;
 }
 
-class Pool {
- public:
-  static Pool& Get() {
-    // Leaked on purpose: workers outlive static destruction at process exit.
-    static Pool* pool = new Pool(ConfiguredThreads());
-    return *pool;
-  }
-
-  int size() const { return size_; }
-
-  // Runs fn(worker) for worker in [0, n) (the caller is worker 0) and waits.
-  void Run(int n, const std::function<void(int)>& fn) {
-    n = std::min(n, size_);
-    if (n <= 1) {
-      fn(0);
-      return;
+// Runs fn(task) for task in [0, tasks) on the calling thread and on up to `helpers`
+// more threads obtained with schedule(job), a callable that runs job() later on some
+// thread (XLA's intra-op pool, which also runs the program's other thunks: sharing it
+// keeps the cores from being oversubscribed). Tasks are taken from a shared counter,
+// so a helper that starts late, or never, only takes fewer: the caller waits for the
+// tasks that started, never for a helper to start, and cannot deadlock on a busy pool.
+template <typename Schedule>
+void ShareWork(int64_t tasks, int helpers, const std::function<void(int64_t)>& fn, Schedule&& schedule) {
+  struct Shared {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+    int64_t tasks = 0;
+    const std::function<void(int64_t)>* fn = nullptr;  // read only while tasks remain
+    std::mutex mu;
+    std::condition_variable all_done;
+  };
+  auto shared = std::make_shared<Shared>();
+  shared->tasks = tasks;
+  shared->fn = &fn;
+  auto work = [shared] {
+    for (int64_t t; (t = shared->next.fetch_add(1)) < shared->tasks;) {
+      (*shared->fn)(t);
+      if (shared->done.fetch_add(1) + 1 == shared->tasks) {
+        std::lock_guard<std::mutex> lock(shared->mu);
+        shared->all_done.notify_all();
+      }
     }
-    std::lock_guard<std::mutex> call(call_mu_);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      fn_ = &fn;
-      active_ = n;
-      pending_ = n - 1;
-      ++generation_;
-    }
-    wake_.notify_all();
-    fn(0);
-    std::unique_lock<std::mutex> lock(mu_);
-    done_.wait(lock, [&] { return pending_ == 0; });
-    fn_ = nullptr;
-  }
-
- private:
-  explicit Pool(int size) : size_(size) {
-    for (int id = 1; id < size_; ++id) std::thread([this, id] { Work(id); }).detach();
-  }
-
-  void Work(int id) {
-    uint64_t seen = 0;
-    std::unique_lock<std::mutex> lock(mu_);
-    for (;;) {
-      wake_.wait(lock, [&] { return generation_ != seen; });
-      seen = generation_;
-      if (id >= active_) continue;
-      const std::function<void(int)>* fn = fn_;
-      lock.unlock();
-      (*fn)(id);
-      lock.lock();
-      if (--pending_ == 0) done_.notify_one();
-    }
-  }
-
-  const int size_;
-  std::mutex call_mu_, mu_;
-  std::condition_variable wake_, done_;
-  const std::function<void(int)>* fn_ = nullptr;
-  uint64_t generation_ = 0;
-  int active_ = 0, pending_ = 0;
-};
-
-// Runs fn(task) for task in [0, tasks), spread over at most max_threads threads.
-inline void ParallelFor(int64_t tasks, int max_threads, const std::function<void(int64_t)>& fn) {
-  std::atomic<int64_t> next{0};
-  int threads = static_cast<int>(std::min<int64_t>(tasks, max_threads));
-  Pool::Get().Run(threads, [&](int) {
-    for (int64_t t; (t = next.fetch_add(1)) < tasks;) fn(t);
-  });
+  };
+  for (int h = 0; h < helpers && h + 1 < tasks; ++h) schedule(work);
+  work();
+  std::unique_lock<std::mutex> lock(shared->mu);
+  shared->all_done.wait(lock, [&] { return shared->done.load() == shared->tasks; });
 }
 
 }  // namespace tpurec_native

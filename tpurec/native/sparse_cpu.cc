@@ -32,14 +32,13 @@
 #include <sched.h>
 
 #include "xla/ffi/api/ffi.h"
-#include "pool.h"
+#include "xla_workers.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-using tpurec_native::ParallelFor;
-using tpurec_native::Pool;
+using tpurec_native::XlaWorkers;
 
 // ---------------------------------------------------------------------------
 // CSR input.
@@ -93,7 +92,7 @@ void PrefetchLines(const float* row, int64_t dim) {
   for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(p + b, kWrite);
 }
 
-ffi::Error SparseDenseMatmul(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples,
+ffi::Error SparseDenseMatmul(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples,
                              ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> table,
                              ffi::ResultBuffer<ffi::F32> out) {
   Csr csr;
@@ -107,9 +106,10 @@ ffi::Error SparseDenseMatmul(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids
   float* o = out->typed_data();
 
   const int64_t n = csr.partitions * csr.size;
-  const int threads = n * dim < kMinParallelWork ? 1 : Pool::Get().size();
+  const XlaWorkers workers(xla_pool);
+  const int threads = n * dim < kMinParallelWork ? 1 : workers.Size();
   const int64_t block = (batch + threads - 1) / std::max(threads, 1);
-  ParallelFor(threads, threads, [&](int64_t t) {
+  workers.For(threads, threads, [&](int64_t t) {
     const int64_t lo = t * block, hi = std::min(batch, lo + block);
     if (lo >= hi) return;
     const uint64_t span = static_cast<uint64_t>(hi - lo);
@@ -168,8 +168,8 @@ void PrefetchRow(const float* base, int64_t row, int64_t dim) {
   for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(float)); b += 64) __builtin_prefetch(p + b, 1);
 }
 
-ffi::Error UpdateTouchedRows(const Csr& csr, const float* grad_output, int64_t batch, int64_t rows, int64_t dim,
-                             const Optimizer& opt) {
+ffi::Error UpdateTouchedRows(const XlaWorkers& workers, const Csr& csr, const float* grad_output, int64_t batch,
+                             int64_t rows, int64_t dim, const Optimizer& opt) {
   const int64_t P = csr.partitions;
   // Valid entry indices, grouped per partition at offset p*size, sorted by id.
   std::vector<int32_t> order(P * csr.size);
@@ -179,9 +179,9 @@ ffi::Error UpdateTouchedRows(const Csr& csr, const float* grad_output, int64_t b
     return csr.ids[a] != csr.ids[b] ? csr.ids[a] < csr.ids[b] : a < b;
   };
   const int64_t n = P * csr.size;
-  const int threads = n * dim < kMinParallelWork ? 1 : Pool::Get().size();
+  const int threads = n * dim < kMinParallelWork ? 1 : workers.Size();
 
-  ParallelFor(P, threads, [&](int64_t p) {
+  workers.For(P, threads, [&](int64_t p) {
     int32_t* idx = order.data() + csr.Begin(p);
     int64_t k = 0;
     bool sorted = true, own = true;
@@ -215,7 +215,7 @@ ffi::Error UpdateTouchedRows(const Csr& csr, const float* grad_output, int64_t b
   };
 
   if (owned.load()) {
-    ParallelFor(P, threads, [&](int64_t p) { process(order.data() + csr.Begin(p), count[p]); });
+    workers.For(P, threads, [&](int64_t p) { process(order.data() + csr.Begin(p), count[p]); });
   } else {
     // An id may appear in several partitions: merge them and run on one thread.
     std::vector<int32_t> all;
@@ -266,7 +266,7 @@ struct Sgd final : Optimizer {
   void Prefetch(int64_t row) const override { PrefetchRow(w, row, dim); }
 };
 
-ffi::Error GradSgd(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples,
+ffi::Error GradSgd(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples,
                    ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> grad_output, ffi::Buffer<ffi::F32> hyper,
                    ffi::Buffer<ffi::F32> table, ffi::ResultBuffer<ffi::F32> table_out) {
   GradArgs a;
@@ -276,7 +276,7 @@ ffi::Error GradSgd(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Buf
   opt.w = table_out->typed_data();
   opt.dim = a.dim;
   opt.lr = hyper.typed_data()[0];
-  return UpdateTouchedRows(a.csr, grad_output.typed_data(), a.batch, a.rows, a.dim, opt);
+  return UpdateTouchedRows(XlaWorkers(xla_pool), a.csr, grad_output.typed_data(), a.batch, a.rows, a.dim, opt);
 }
 
 // ----- Adagrad: m += g*g; w -= lr * g / (sqrt(m) + eps)
@@ -299,7 +299,7 @@ struct Adagrad final : Optimizer {
   }
 };
 
-ffi::Error GradAdagrad(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples,
+ffi::Error GradAdagrad(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples,
                        ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> grad_output, ffi::Buffer<ffi::F32> hyper,
                        ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> acc, ffi::ResultBuffer<ffi::F32> table_out,
                        ffi::ResultBuffer<ffi::F32> acc_out) {
@@ -314,7 +314,7 @@ ffi::Error GradAdagrad(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi:
   opt.dim = a.dim;
   opt.lr = hyper.typed_data()[0];
   opt.eps = hyper.typed_data()[1];
-  return UpdateTouchedRows(a.csr, grad_output.typed_data(), a.batch, a.rows, a.dim, opt);
+  return UpdateTouchedRows(XlaWorkers(xla_pool), a.csr, grad_output.typed_data(), a.batch, a.rows, a.dim, opt);
 }
 
 // ----- Row-wise Adagrad: g += wd*w; m += mean(g*g); w -= lr / (sqrt(m) + eps) * g
@@ -344,7 +344,7 @@ struct RowwiseAdagrad final : Optimizer {
   }
 };
 
-ffi::Error GradRowwiseAdagrad(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples,
+ffi::Error GradRowwiseAdagrad(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples,
                               ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> grad_output,
                               ffi::Buffer<ffi::F32> hyper, ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> acc,
                               ffi::ResultBuffer<ffi::F32> table_out, ffi::ResultBuffer<ffi::F32> acc_out) {
@@ -361,7 +361,7 @@ ffi::Error GradRowwiseAdagrad(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> id
   opt.lr = hyper.typed_data()[0];
   opt.eps = hyper.typed_data()[1];
   opt.wd = hyper.typed_data()[2];
-  return UpdateTouchedRows(a.csr, grad_output.typed_data(), a.batch, a.rows, a.dim, opt);
+  return UpdateTouchedRows(XlaWorkers(xla_pool), a.csr, grad_output.typed_data(), a.batch, a.rows, a.dim, opt);
 }
 
 // ----- Adam (lazy, bias-corrected; the bias corrections come precomputed):
@@ -390,7 +390,7 @@ struct Adam final : Optimizer {
   }
 };
 
-ffi::Error GradAdam(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples,
+ffi::Error GradAdam(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::S32> samples,
                     ffi::Buffer<ffi::F32> gains, ffi::Buffer<ffi::F32> grad_output, ffi::Buffer<ffi::F32> hyper,
                     ffi::Buffer<ffi::F32> table, ffi::Buffer<ffi::F32> mom1, ffi::Buffer<ffi::F32> mom2,
                     ffi::ResultBuffer<ffi::F32> table_out, ffi::ResultBuffer<ffi::F32> mom1_out,
@@ -417,7 +417,7 @@ ffi::Error GradAdam(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Bu
   opt.wd = h[6];
   opt.bc1 = h[7];
   opt.bc2 = h[8];
-  return UpdateTouchedRows(a.csr, grad_output.typed_data(), a.batch, a.rows, a.dim, opt);
+  return UpdateTouchedRows(XlaWorkers(xla_pool), a.csr, grad_output.typed_data(), a.batch, a.rows, a.dim, opt);
 }
 
 }  // namespace
@@ -429,17 +429,17 @@ ffi::Error GradAdam(ffi::Buffer<ffi::S32> rp, ffi::Buffer<ffi::S32> ids, ffi::Bu
       .Arg<ffi::Buffer<ffi::F32>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpurecSparseDenseMatmul, SparseDenseMatmul,
-                              ffi::Ffi::Bind() CSR_ARGS.Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() CSR_ARGS.Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpurecGradSgd, GradSgd,
-                              ffi::Ffi::Bind() CSR_ARGS
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() CSR_ARGS
                                   .Arg<ffi::Buffer<ffi::F32>>()  // grad_output
                                   .Arg<ffi::Buffer<ffi::F32>>()  // hyperparameters
                                   .Arg<ffi::Buffer<ffi::F32>>()  // table
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpurecGradAdagrad, GradAdagrad,
-                              ffi::Ffi::Bind() CSR_ARGS
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() CSR_ARGS
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -448,7 +448,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpurecGradAdagrad, GradAdagrad,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpurecGradRowwiseAdagrad, GradRowwiseAdagrad,
-                              ffi::Ffi::Bind() CSR_ARGS
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() CSR_ARGS
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -457,7 +457,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(TpurecGradRowwiseAdagrad, GradRowwiseAdagrad,
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(TpurecGradAdam, GradAdam,
-                              ffi::Ffi::Bind() CSR_ARGS
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>() CSR_ARGS
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
