@@ -8,6 +8,10 @@ batches; the JSON has the median step time, samples/s, the ratio, and the
 largest loss difference seen. tpurec runs its steps through
 :class:`tpurec.sparse.TrainPipeline` (``--no-pipeline``: the plain loop), in
 each of ``--modes`` (eager, fused, compiled = ``torch.compile(backend="tpu")``).
+TorchRec and the tpurec modes run **interleaved**: after each one's warm-up,
+rounds of ``--round-steps`` steps of each in turn, so that a change in the
+machine's load hits all of them alike; ``load_average`` is the 1-minute load
+before and after.
 
 ``--breakdown`` adds per-phase medians (read, preprocess, transfer, sparse
 forward, dense forward+backward, sparse update, dense optimizer) for tpurec
@@ -18,6 +22,8 @@ forward, dense forward+backward, sparse update, dense optimizer) for tpurec
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import statistics
 import time
 from pathlib import Path
@@ -56,41 +62,60 @@ def _batches(n: int, batch: int, tables: int, rows: int, ids_per_bag: int, seed:
         yield _make_batch(rng, batch, tables, rows, ids_per_bag)
 
 
-def _time_plain(model, optimizer, batches, device: str, warmup: int) -> tuple[list[float], list[float]]:
-    times, losses = [], []
-    it = iter(batches)
-    for step in range(10**9):
-        start = time.perf_counter()
-        try:
-            b = next(it)
-        except StopIteration:
-            break
+class _Runner:
+    """One configuration's training loop, stepped a few steps at a time so configurations interleave.
+
+    Each runner reads its own copy of the same batch sequence; ``step`` trains on the
+    next batch and returns the step's wall time and loss (``loss.item()`` ends the step).
+    """
+
+    def __init__(self, name: str, step: Callable[[Iterator[Batch]], torch.Tensor], batches: Iterator[Batch],
+                 mode: str | None, close: Callable[[], None] = lambda: None) -> None:
+        self.name, self._step, self._batches, self.mode, self.close = name, step, batches, mode, close
+        self.times: list[float] = []
+        self.losses: list[float] = []
+        self.compilations = 0
+
+    def run(self, steps: int, record: bool) -> None:
+        context = tpurec.mode(self.mode) if self.mode else contextlib.nullcontext()
+        with context:
+            before = tpurec.stats()["compilations"]
+            for _ in range(steps):
+                start = time.perf_counter()
+                loss = self._step(self._batches).item()
+                elapsed = time.perf_counter() - start
+                self.losses.append(loss)
+                if record:
+                    self.times.append(elapsed)
+            if record and self.mode:
+                self.compilations += tpurec.stats()["compilations"] - before
+
+
+def _plain_step(model, optimizer, device: str) -> Callable[[Iterator[Batch]], torch.Tensor]:
+    def step(batches: Iterator[Batch]) -> torch.Tensor:
+        b = next(batches)
         optimizer.zero_grad()
         loss, _ = model(Batch(b.dense_features.to(device), b.sparse_features, b.labels.to(device)))
         loss.backward()
         optimizer.step()
-        losses.append(loss.item())
-        times.append(time.perf_counter() - start)
-        if step + 1 == warmup:
-            tpurec.reset_stats()
-    return times[warmup:], losses
+        return loss
+
+    return step
 
 
-def _time_pipeline(pipeline: sparse.TrainPipeline, batches, warmup: int) -> tuple[list[float], list[float]]:
-    times, losses = [], []
-    it = iter(batches)
-    for step in range(10**9):
-        start = time.perf_counter()
-        try:
-            loss, _, _ = pipeline.progress(it)
-        except StopIteration:
-            break
-        losses.append(loss.item())
-        times.append(time.perf_counter() - start)
-        if step + 1 == warmup:
-            tpurec.reset_stats()
-    pipeline.close()
-    return times[warmup:], losses
+def _interleave(runners: list[_Runner], steps: int, warmup: int, round_steps: int) -> None:
+    """Warms each runner up, then times rounds of ``round_steps`` steps of each in turn,
+    so that a change in the machine's load hits every configuration alike."""
+    for runner in runners:
+        runner.run(warmup, record=False)
+    done = 0
+    while done < steps:
+        count = min(round_steps, steps - done)
+        for runner in runners:
+            runner.run(count, record=True)
+        done += count
+    for runner in runners:
+        runner.close()
 
 
 def _phase_times(
@@ -217,8 +242,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--rows", type=int, default=100_000)
     parser.add_argument("--dim", type=int, default=64)
     parser.add_argument("--ids-per-bag", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration first")
+    parser.add_argument("--round-steps", type=int, default=5,
+                        help="steps of one configuration before the next one's (configurations interleave)")
     parser.add_argument("--modes", nargs="+", default=["fused", "compiled", "eager"], choices=["fused", "compiled", "eager"])
     parser.add_argument("--no-pipeline", action="store_true", help="plain loop instead of sparse.TrainPipeline")
     parser.add_argument("--breakdown", action="store_true", help="per-phase times of tpurec (eager) and torchrec")
@@ -243,16 +270,6 @@ def main(argv: list[str] | None = None) -> dict:
     total = args.steps + args.warmup
     make_batches = lambda: _batches(total, args.batch, args.tables, args.rows, args.ids_per_bag)  # noqa: E731
 
-    peer_times, peer_losses = _time_plain(
-        reference, torch.optim.Adagrad(reference.parameters(), lr=DENSE_LR), make_batches(), "cpu", args.warmup
-    )
-    result = {
-        "benchmark": "dlrm",
-        "config": vars(args),
-        "platform": tpurec.platform(),
-        "torchrec_cpu": {"step_ms": statistics.median(peer_times) * 1e3, "samples_per_s": args.batch / statistics.median(peer_times)},
-    }
-
     def build():
         ours = DLRMTrain(DLRM(embedding_bag_collection=EmbeddingBagCollection(configs), **layers))
         ours.load_state_dict(state)
@@ -263,23 +280,42 @@ def main(argv: list[str] | None = None) -> dict:
         ).to("tpu")
         return ours, torch.optim.Adagrad([p for p in ours.parameters() if p.requires_grad], lr=DENSE_LR)
 
+    runners = [_Runner(
+        "torchrec_cpu", _plain_step(reference, torch.optim.Adagrad(reference.parameters(), lr=DENSE_LR), "cpu"),
+        make_batches(), None,
+    )]
     for mode in args.modes:
         ours, optimizer = build()
         step_model = torch.compile(ours, backend="tpu") if mode == "compiled" else ours
-        with tpurec.mode("fused" if mode == "compiled" else mode):
-            if args.no_pipeline:
-                times, losses = _time_plain(step_model, optimizer, make_batches(), "tpu", args.warmup)
-            else:
-                pipeline = sparse.TrainPipeline(step_model, optimizer, torch.device("tpu"))
-                times, losses = _time_pipeline(pipeline, make_batches(), args.warmup)
-        median = statistics.median(times)
-        result[f"tpurec_{mode}"] = {
+        run_mode = "fused" if mode == "compiled" else mode
+        if args.no_pipeline:
+            runners.append(_Runner(f"tpurec_{mode}", _plain_step(step_model, optimizer, "tpu"), make_batches(), run_mode))
+        else:
+            pipeline = sparse.TrainPipeline(step_model, optimizer, torch.device("tpu"))
+            runners.append(_Runner(
+                f"tpurec_{mode}", lambda batches, p=pipeline: p.progress(batches)[0], make_batches(), run_mode,
+                close=pipeline.close,
+            ))
+    load_before = os.getloadavg()[0]
+    _interleave(runners, args.steps, args.warmup, args.round_steps)
+    peer = runners[0]
+    peer_median = statistics.median(peer.times)
+    result = {
+        "benchmark": "dlrm",
+        "config": vars(args),
+        "platform": tpurec.platform(),
+        "load_average": {"before": load_before, "after": os.getloadavg()[0]},
+        "torchrec_cpu": {"step_ms": peer_median * 1e3, "samples_per_s": args.batch / peer_median},
+    }
+    for runner in runners[1:]:
+        median = statistics.median(runner.times)
+        result[runner.name] = {
             "step_ms": median * 1e3,
-            "step_ms_range": [min(times) * 1e3, max(times) * 1e3],
+            "step_ms_range": [min(runner.times) * 1e3, max(runner.times) * 1e3],
             "samples_per_s": args.batch / median,
-            "speedup_vs_torchrec_cpu": statistics.median(peer_times) / median,
-            "max_loss_difference": max(abs(a - b) for a, b in zip(losses, peer_losses)),
-            "compilations_after_warmup": tpurec.stats()["compilations"],
+            "speedup_vs_torchrec_cpu": peer_median / median,
+            "max_loss_difference": max(abs(a - b) for a, b in zip(runner.losses, peer.losses)),
+            "compilations_after_warmup": runner.compilations,
             "pipeline": not args.no_pipeline,
         }
 
