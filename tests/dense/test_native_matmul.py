@@ -149,8 +149,14 @@ def test_remembered_transposes_are_forgotten_with_their_value():
     y = transpose(x, (0, 2, 1))
     assert transposed_from(y)[0] is x and transposed_from(y)[1] == (0, 2, 1)
     assert transposed_from(x) is None and transpose(x, (0, 1, 2)) is x
+    assert transpose(y, (0, 2, 1)) is x  # the two cancel: the source itself
+    z = transpose(transpose(x, (1, 0, 2)), (0, 2, 1))
+    assert transposed_from(z)[0] is x and z.shape == jnp.transpose(x, transposed_from(z)[1]).shape
+    np.testing.assert_array_equal(z, jnp.transpose(jnp.transpose(x, (1, 0, 2)), (0, 2, 1)))
     from tpurec.dense import trace_context
 
+    del z
+    gc.collect()
     before = len(trace_context._TRANSPOSES)
     del y
     gc.collect()

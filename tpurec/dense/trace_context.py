@@ -58,10 +58,18 @@ _TRANSPOSES: dict[int, tuple[weakref.ref, object, tuple[int, ...]]] = {}
 
 
 def transpose(x, perm) -> jnp.ndarray:
-    """``jnp.transpose(x, perm)``, remembered for :func:`transposed_from`."""
+    """``jnp.transpose(x, perm)``, remembered for :func:`transposed_from`.
+
+    A transpose of a remembered transpose is one transpose of its source (and the
+    source itself when the two cancel), so it too can be read in place.
+    """
     perm = tuple(perm)
     if perm == tuple(range(len(perm))):
         return x
+    found = transposed_from(x)
+    if found is not None:
+        source, first = found
+        return transpose(source, tuple(first[p] for p in perm))
     out = jnp.transpose(x, perm)
     key = id(out)
     try:
