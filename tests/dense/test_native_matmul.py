@@ -21,8 +21,12 @@ from tpurec.dense.trace_context import traced_as_spmd, transpose, transposed_fro
 
 RTOL = ATOL = 1e-5
 
-# (batch, m, k, n): DLRM's interaction shape, ragged edges of the 4 x 16 tiles, empty dims.
-SHAPES = [(16, 27, 64, 27), (3, 5, 7, 33), (2, 1, 1, 1), (4, 9, 16, 16), (2, 0, 3, 2), (2, 3, 0, 2), (0, 3, 4, 5)]
+# (batch, m, k, n): DLRM's interaction shape, ragged edges of the 3 x 32 tiles, op(b) read in place
+# (n a multiple of 32), empty dims.
+SHAPES = [
+    (16, 27, 64, 27), (3, 5, 7, 33), (2, 1, 1, 1), (4, 9, 16, 16), (3, 7, 5, 64),
+    (2, 0, 3, 2), (2, 3, 0, 2), (0, 3, 4, 5),
+]
 
 
 def _operand(shape, transposed: bool, generator) -> torch.Tensor:

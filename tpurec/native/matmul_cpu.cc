@@ -6,7 +6,8 @@
 // transposed. Here the batch is split into tasks shared with XLA's own intra-op
 // thread pool (which runs the program's other thunks too), and per batch element:
 //   1. pack op(b[b]) into a K x Np panel (Np = N rounded up to 32, zero padded),
-//      which also absorbs a transposed b, so the inner loop reads rows;
+//      which also absorbs a transposed b, so the inner loop reads rows (an op(b)
+//      that already is such a panel, N a multiple of 32, is read in place);
 //   2. for each block of up to 3 rows of op(a[b]) and 32 columns, keep the 3 x 32
 //      block of c in 12 vector registers while k runs: per k, 3 broadcasts of a
 //      and 4 loads of the panel feed 12 fused multiply-adds (12 independent sums
@@ -101,22 +102,27 @@ void Tile(const float* a, const Problem& p, const float* panel, int64_t np, int 
 void Product(const float* a, const float* b, float* c, const Problem& p, std::vector<float>& panel,
              std::vector<float>& rows_out) {
   const int64_t np = (p.n + kTileCols - 1) / kTileCols * kTileCols;
-  panel.assign(p.k * np, 0.0f);
-  for (int64_t kk = 0; kk < p.k; ++kk) {
-    float* dst = panel.data() + kk * np;
-    const float* src = b + kk * p.b_row;
-    if (p.b_col == 1) {
-      std::memcpy(dst, src, p.n * sizeof(float));
-    } else {
-      for (int64_t j = 0; j < p.n; ++j) dst[j] = src[j * p.b_col];
+  const float* rows_of_b = b;  // op(b) as K rows of np floats
+  if (p.b_col != 1 || p.n != np) {
+    panel.resize(p.k * np);
+    for (int64_t kk = 0; kk < p.k; ++kk) {
+      float* dst = panel.data() + kk * np;
+      const float* src = b + kk * p.b_row;
+      if (p.b_col == 1) {
+        std::memcpy(dst, src, p.n * sizeof(float));
+      } else {
+        for (int64_t j = 0; j < p.n; ++j) dst[j] = src[j * p.b_col];
+      }
+      std::fill(dst + p.n, dst + np, 0.0f);
     }
+    rows_of_b = panel.data();
   }
   const bool direct = p.n == np;  // c's rows hold whole tiles: write them in place
   rows_out.resize(kTileRows * np);
   for (int64_t i = 0; i < p.m; i += kTileRows) {
     const int rows = static_cast<int>(std::min(kTileRows, p.m - i));
     float* out = direct ? c + i * p.n : rows_out.data();
-    for (int64_t j = 0; j < np; j += kTileCols) Tile(a + i * p.a_row, p, panel.data() + j, np, rows, out + j, np);
+    for (int64_t j = 0; j < np; j += kTileCols) Tile(a + i * p.a_row, p, rows_of_b + j, np, rows, out + j, np);
     if (!direct)
       for (int r = 0; r < rows; ++r) std::memcpy(c + (i + r) * p.n, rows_out.data() + r * np, p.n * sizeof(float));
   }
