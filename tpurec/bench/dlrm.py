@@ -39,6 +39,7 @@ from torchrec.optim import RowWiseAdagrad
 
 import tpurec
 import tpurec.sparse as sparse
+from tpurec.bench.rounds import run_in_rounds
 
 
 DENSE_LR = 0.005  # small enough that random labels do not blow the logits up
@@ -108,12 +109,7 @@ def _interleave(runners: list[_Runner], steps: int, warmup: int, round_steps: in
     so that a change in the machine's load hits every configuration alike."""
     for runner in runners:
         runner.run(warmup, record=False)
-    done = 0
-    while done < steps:
-        count = min(round_steps, steps - done)
-        for runner in runners:
-            runner.run(count, record=True)
-        done += count
+    run_in_rounds(runners, lambda runner, count, record: runner.run(count, record), steps, round_steps)
     for runner in runners:
         runner.close()
 

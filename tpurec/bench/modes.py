@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 import tpurec
+from tpurec.bench.rounds import run_in_rounds
 
 NUM_SPARSE = 26
 EMBEDDING_DIM = 64
@@ -153,12 +154,7 @@ def run_batch(batch: int, names: list[str], steps: int, warmup: int, round_steps
             configs.append(config)
         except Exception as error:  # reported, not hidden: the JSON says why a configuration is missing
             run[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
-    done = 0
-    while done < steps:
-        count = min(round_steps, steps - done)
-        for config in configs:
-            _run_steps(config, count, record=True)
-        done += count
+    run_in_rounds(configs, _run_steps, steps, round_steps)
     for config in configs:
         run[config.name] = _summary(config)
         run[config.name]["samples_per_s"] = batch / run[config.name]["step_ms"] * 1e3

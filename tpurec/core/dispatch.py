@@ -371,7 +371,7 @@ def _view_metas(func, args, kwargs) -> list | None:
     storage = meta_base.untyped_storage()
     out = func(meta_base, *args[1:], **kwargs)
     outs = _flatten_out(out)
-    storage_dtype = base._key[5]
+    storage_dtype = base.storage_dtype
     aliased = all(
         _shares_layout(storage_dtype, o.dtype) and o.untyped_storage()._cdata == storage._cdata for o in outs
     )
@@ -391,7 +391,7 @@ def _view(func, args, kwargs):
     # shares the base's version counter with it, which an inference tensor refuses).
     with torch.inference_mode(False) if torch.is_inference_mode_enabled() and not base.is_inference() else contextlib.nullcontext():
         views = [
-            TpuTensor(base._storage, size, stride, offset, dtype, storage_dtype=base._key[5])
+            TpuTensor(base._storage, size, stride, offset, dtype, storage_dtype=base.storage_dtype)
             for size, stride, offset, dtype in metas
         ]
     returns = func._schema.returns
@@ -433,7 +433,7 @@ def _view_that_copies(func, args, kwargs):
 
 def _set_metadata(t: TpuTensor, size, stride, offset: int, storage: Storage | None = None) -> None:
     """Makes ``t`` itself (not a new tensor) have this size, stride, offset and storage."""
-    new = TpuTensor(storage or t._storage, size, stride, offset, t.dtype, storage_dtype=t._key[5])
+    new = TpuTensor(storage or t._storage, size, stride, offset, t.dtype, storage_dtype=t.storage_dtype)
     with torch._C._DisableTorchDispatch():
         # set_data copies the TensorImpl metadata and keeps t's autograd state and identity.
         torch._C.TensorBase.data.__set__(t, new)
@@ -571,7 +571,7 @@ def _local_scalar_dense(self):
 
 def _detach(self):
     return TpuTensor(
-        self._storage, self.size(), self.stride(), self.storage_offset(), self.dtype, storage_dtype=self._key[5]
+        self._storage, self.size(), self.stride(), self.storage_offset(), self.dtype, storage_dtype=self.storage_dtype
     )
 
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch.autograd.profiler as _torch_profiler
 from jax import monitoring
 
-from tpurec.cache import cache_root  # noqa: F401 (tpurec.runtime.cache_root)
+from tpurec.cache import cache_root
 from tpurec.dense.trace_context import traced_as_spmd
 from tpurec.core import profiler as _profiler
 

@@ -155,6 +155,11 @@ class TpuTensor(torch.Tensor):
         self._key = new._key
 
     @property
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype of the storage this tensor views (its own dtype but for complex/real views)."""
+        return self._key[5]
+
+    @property
     def is_full(self) -> bool:
         """This tensor is its whole storage, in the storage's layout."""
         shape, dtype, size, stride, offset, storage_dtype = self._key

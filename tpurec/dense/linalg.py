@@ -56,7 +56,7 @@ def mm(a, b):
 @lower(aten.bmm.default)
 def bmm(a, b):
     if native_matmul.applies(a, b):  # XLA:CPU: many small float32 products in one native call
-        return native_matmul.bmm(a, b)
+        return native_matmul.bmm(a, b, matmul)
     return matmul(a, b)
 
 

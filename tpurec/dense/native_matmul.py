@@ -18,13 +18,14 @@ the kernel off (programs traced afterwards use XLA's dot).
 Example::
 
     from tpurec.dense import native_matmul
-    y = jax.jit(native_matmul.bmm)(x, jnp.swapaxes(x, 1, 2))  # x: float32 [4096, 27, 64]
+    y = jax.jit(lambda x: native_matmul.bmm(x, jnp.swapaxes(x, 1, 2), jnp.matmul))(x)  # x: float32 [4096, 27, 64]
 """
 
 from __future__ import annotations
 
 import functools
 import os
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -63,8 +64,13 @@ def _untransposed(x) -> tuple[jax.Array, bool]:
     return x, False
 
 
-def bmm(a, b):
-    """``a @ b`` for ``[B, M, K] @ [B, K, N]`` float32 (see :func:`applies`)."""
+def bmm(a, b, xla_matmul: Callable):
+    """``a @ b`` for ``[B, M, K] @ [B, K, N]`` float32 (see :func:`applies`).
+
+    Args:
+        a, b: the operands.
+        xla_matmul: the lowering's own product (XLA's dot), for the other platforms.
+    """
     a, trans_a = _untransposed(a)
     b, trans_b = _untransposed(b)
 
@@ -72,9 +78,7 @@ def bmm(a, b):
         return batched_matmul(a, b, trans_a, trans_b)
 
     def xla(a, b):
-        a = jnp.swapaxes(a, 1, 2) if trans_a else a
-        b = jnp.swapaxes(b, 1, 2) if trans_b else b
-        return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
+        return xla_matmul(jnp.swapaxes(a, 1, 2) if trans_a else a, jnp.swapaxes(b, 1, 2) if trans_b else b)
 
     return lax.platform_dependent(a, b, cpu=native, default=xla)
 

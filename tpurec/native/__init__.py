@@ -7,7 +7,8 @@ keyed by a hash of the sources, compiler and flags:
 * ``sparse_cpu.cc``: the sparse op set's kernels (:mod:`tpurec.sparse.kernels.native`);
 * ``preprocess_cpu.cc``: KJT -> CSR preprocessing (:mod:`tpurec.sparse.kernels.native.preprocess`);
 * ``matmul_cpu.cc``: batched products of small matrices (:mod:`tpurec.dense.native_matmul`);
-* ``pool.h``, ``xla_workers.h``: how the kernels share XLA's intra-op threads.
+* ``threads.h``, ``xla_workers.h``: how many threads native code may use, and how the
+  kernels share XLA's intra-op threads.
 
 Kernels are registered with XLA's FFI (``jax.ffi``) for platform ``cpu`` under
 the names in :data:`FFI_TARGETS`; other functions are plain C, called through ctypes.
@@ -44,7 +45,7 @@ __all__ = ["FFI_TARGETS", "NativeBuildError", "ensure_registered", "library_path
 
 _HERE = Path(__file__).parent
 _SOURCES = tuple(_HERE / name for name in ("sparse_cpu.cc", "preprocess_cpu.cc", "matmul_cpu.cc"))
-_HEADERS = (_HERE / "pool.h", _HERE / "xla_workers.h")
+_HEADERS = (_HERE / "threads.h", _HERE / "xla_workers.h")
 
 FFI_TARGETS = {
     # symbol in the library -> FFI target name

@@ -29,7 +29,7 @@
 #include <thread>
 #include <vector>
 
-#include <sched.h>
+#include "threads.h"
 
 namespace {
 
@@ -37,19 +37,6 @@ constexpr int32_t kPadId = 2147483647;  // PAD_ID = 2**31 - 1
 constexpr int kOk = 0;
 constexpr int kInvalid = 1;    // the data breaks a validation rule
 constexpr int kOverflow = 2;   // a partition exceeds its capacity (overflow="error")
-
-int WorkerThreads() {
-  if (const char* env = std::getenv("TPUREC_CPU_THREADS")) {
-    int n = std::atoi(env);
-    if (n > 0) return n;
-  }
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
-    int n = CPU_COUNT(&set);
-    if (n > 0) return n;
-  }
-  return 1;
-}
 
 // Runs fn(i) for i in [0, n) on up to `threads` threads (the caller is one).
 template <typename Fn>
@@ -262,7 +249,7 @@ int TpurecPreprocessStack(const int64_t* values, const float* weights, const int
   // capacity is written and the counts decide.
   const int key_bits = BitsFor(num_rows / P);
   std::vector<int64_t> merged_count(P, 0), merged_unique(P, 0), kept_count(P, 0);
-  const int threads = n >= (1 << 16) && P > 1 ? WorkerThreads() : 1;
+  const int threads = n >= (1 << 16) && P > 1 ? tpurec_native::ConfiguredThreads() : 1;
   ParallelFor(P, threads, [&](int64_t p) {
     const int64_t begin = part_begin[p], m = part_begin[p + 1] - begin;
     uint64_t* part = words.get() + begin;

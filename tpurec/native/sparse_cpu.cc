@@ -18,18 +18,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <functional>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
-
-#include <sched.h>
 
 #include "xla/ffi/api/ffi.h"
 #include "xla_workers.h"
@@ -114,7 +107,7 @@ ffi::Error SparseDenseMatmul(ffi::ThreadPool xla_pool, ffi::Buffer<ffi::S32> rp,
     if (lo >= hi) return;
     const uint64_t span = static_cast<uint64_t>(hi - lo);
     std::memset(o + lo * dim, 0, sizeof(float) * (hi - lo) * dim);
-    thread_local std::vector<int32_t> mine;  // reused across calls (pool threads are persistent)
+    thread_local std::vector<int32_t> mine;  // reused across calls (XLA's threads are persistent)
     if (static_cast<int64_t>(mine.size()) < n) mine.resize(n);
     int32_t* __restrict__ m = mine.data();
     const int32_t* __restrict__ all_ids = csr.ids;

@@ -13,7 +13,7 @@
 #include <utility>
 
 #include "xla/ffi/api/ffi.h"
-#include "pool.h"
+#include "threads.h"
 
 namespace tpurec_native {
 

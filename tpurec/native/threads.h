@@ -1,7 +1,8 @@
-// Work sharing for tpurec's native XLA:CPU kernels (see xla_workers.h for the threads).
+// Threads for tpurec's native code: how many it may use, and work sharing (xla_workers.h
+// gives the XLA kernels their threads).
 
-#ifndef TPUREC_NATIVE_POOL_H_
-#define TPUREC_NATIVE_POOL_H_
+#ifndef TPUREC_NATIVE_THREADS_H_
+#define TPUREC_NATIVE_THREADS_H_
 
 #include <algorithm>
 #include <atomic>
@@ -69,4 +70,4 @@ void ShareWork(int64_t tasks, int helpers, const std::function<void(int64_t)>& f
 
 }  // namespace tpurec_native
 
-#endif  // TPUREC_NATIVE_POOL_H_
+#endif  // TPUREC_NATIVE_THREADS_H_
