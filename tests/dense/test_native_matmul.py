@@ -14,6 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tpurec
 from tpurec.dense import native_matmul
@@ -21,10 +23,10 @@ from tpurec.dense.trace_context import traced_as_spmd, transpose, transposed_fro
 
 RTOL = ATOL = 1e-5
 
-# (batch, m, k, n): DLRM's interaction shape, ragged edges of the 3 x 32 tiles, op(b) read in place
-# (n a multiple of 32), empty dims.
+# (batch, m, k, n): DLRM's interaction shape, ragged edges of the 3 x 32 tiles and of the 8 x 8
+# blocks a transposed op(b) is packed in, op(b) read in place (n a multiple of 32), empty dims.
 SHAPES = [
-    (16, 27, 64, 27), (3, 5, 7, 33), (2, 1, 1, 1), (4, 9, 16, 16), (3, 7, 5, 64),
+    (16, 27, 64, 27), (3, 5, 7, 33), (2, 1, 1, 1), (4, 9, 16, 16), (3, 7, 5, 64), (3, 4, 13, 19),
     (2, 0, 3, 2), (2, 3, 0, 2), (0, 3, 4, 5),
 ]
 
@@ -124,6 +126,19 @@ def test_jax_gradients_of_the_kernel_match_jnp():
 
             for got, want in zip(jax.grad(native, (0, 1))(a, b), jax.grad(reference, (0, 1))(a, b)):
                 np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+
+
+@settings(max_examples=60, deadline=None)
+@given(batch=st.integers(1, 3), m=st.integers(1, 40), k=st.integers(1, 70), n=st.integers(1, 70),
+       trans_a=st.booleans(), trans_b=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_kernel_matches_numpy_on_random_shapes(batch, m, k, n, trans_a, trans_b, seed):
+    """Every tile and packing edge (rows mod 3, columns mod 32, 8 x 8 blocks) against float64 numpy."""
+    rng = np.random.default_rng(seed)
+    a = rng.standard_normal((batch, k, m) if trans_a else (batch, m, k)).astype(np.float32)
+    b = rng.standard_normal((batch, n, k) if trans_b else (batch, k, n)).astype(np.float32)
+    want = np.matmul(np.swapaxes(a, 1, 2) if trans_a else a, np.swapaxes(b, 1, 2) if trans_b else b, dtype=np.float64)
+    got = native_matmul.batched_matmul(jnp.asarray(a), jnp.asarray(b), trans_a, trans_b)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=RTOL, atol=ATOL * 2)
 
 
 def test_transposed_operand_is_not_materialized():

@@ -6,12 +6,15 @@
 // transposed. Here the batch is split into tasks shared with XLA's own intra-op
 // thread pool (which runs the program's other thunks too), and per batch element:
 //   1. pack op(b[b]) into a K x Np panel (Np = N rounded up to 32, zero padded),
-//      which also absorbs a transposed b, so the inner loop reads rows (an op(b)
-//      that already is such a panel, N a multiple of 32, is read in place);
+//      which also absorbs a transposed b (8 x 8 blocks transposed in registers),
+//      so the inner loop reads rows (an op(b) that already is such a panel, N a
+//      multiple of 32, is read in place);
 //   2. for each block of up to 3 rows of op(a[b]) and 32 columns, keep the 3 x 32
 //      block of c in 12 vector registers while k runs: per k, 3 broadcasts of a
 //      and 4 loads of the panel feed 12 fused multiply-adds (12 independent sums
 //      hide the multiply-add latency; with the 4 inputs that fills AVX2's 16 registers).
+//      The 12 sums are named variables, not an array: GCC 12 spilled an array of
+//      them to the stack on every k, which halved the speed.
 // op(a) = a or a^T (attribute trans_a), likewise b; a transposed a only changes
 // the stride of the broadcasts. Float sums run over k in order, with fused
 // multiply-adds on CPUs that have them (AVX2 + FMA, chosen at run time), plain
@@ -60,40 +63,84 @@ void TilePortable(const float* a, const Problem& p, const float* panel, int64_t 
 }
 
 #ifdef TPUREC_X86
-template <int R>
+// rows < 3 reads row 0 in place of the missing rows and does not store them.
 __attribute__((target("avx2,fma"))) void TileAvx2(const float* a, const Problem& p, const float* panel, int64_t np,
-                                                 float* c_tile, int64_t ldc) {
-  __m256 acc[R][4];
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
-  for (int64_t kk = 0; kk < p.k; ++kk) {
-    __m256 x[R];
-    for (int r = 0; r < R; ++r) x[r] = _mm256_broadcast_ss(a + r * p.a_row + kk * p.a_col);
+                                                 int rows, float* c_tile, int64_t ldc) {
+  const int64_t k = p.k, a_col = p.a_col;
+  const float* a0 = a;
+  const float* a1 = rows > 1 ? a + p.a_row : a;
+  const float* a2 = rows > 2 ? a + 2 * p.a_row : a;
+  __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c03 = c00;
+  __m256 c10 = c00, c11 = c00, c12 = c00, c13 = c00;
+  __m256 c20 = c00, c21 = c00, c22 = c00, c23 = c00;
+  for (int64_t kk = 0; kk < k; ++kk) {
     const float* row = panel + kk * np;
-    for (int v = 0; v < 4; ++v) {
-      const __m256 y = _mm256_loadu_ps(row + 8 * v);
-      for (int r = 0; r < R; ++r) acc[r][v] = _mm256_fmadd_ps(x[r], y, acc[r][v]);
-    }
+    const __m256 y0 = _mm256_loadu_ps(row), y1 = _mm256_loadu_ps(row + 8);
+    const __m256 y2 = _mm256_loadu_ps(row + 16), y3 = _mm256_loadu_ps(row + 24);
+    const int64_t at = kk * a_col;
+    __m256 x = _mm256_broadcast_ss(a0 + at);
+    c00 = _mm256_fmadd_ps(x, y0, c00); c01 = _mm256_fmadd_ps(x, y1, c01);
+    c02 = _mm256_fmadd_ps(x, y2, c02); c03 = _mm256_fmadd_ps(x, y3, c03);
+    x = _mm256_broadcast_ss(a1 + at);
+    c10 = _mm256_fmadd_ps(x, y0, c10); c11 = _mm256_fmadd_ps(x, y1, c11);
+    c12 = _mm256_fmadd_ps(x, y2, c12); c13 = _mm256_fmadd_ps(x, y3, c13);
+    x = _mm256_broadcast_ss(a2 + at);
+    c20 = _mm256_fmadd_ps(x, y0, c20); c21 = _mm256_fmadd_ps(x, y1, c21);
+    c22 = _mm256_fmadd_ps(x, y2, c22); c23 = _mm256_fmadd_ps(x, y3, c23);
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(c_tile + r * ldc + 8 * v, acc[r][v]);
+  _mm256_storeu_ps(c_tile, c00); _mm256_storeu_ps(c_tile + 8, c01);
+  _mm256_storeu_ps(c_tile + 16, c02); _mm256_storeu_ps(c_tile + 24, c03);
+  if (rows < 2) return;
+  c_tile += ldc;
+  _mm256_storeu_ps(c_tile, c10); _mm256_storeu_ps(c_tile + 8, c11);
+  _mm256_storeu_ps(c_tile + 16, c12); _mm256_storeu_ps(c_tile + 24, c13);
+  if (rows < 3) return;
+  c_tile += ldc;
+  _mm256_storeu_ps(c_tile, c20); _mm256_storeu_ps(c_tile + 8, c21);
+  _mm256_storeu_ps(c_tile + 16, c22); _mm256_storeu_ps(c_tile + 24, c23);
 }
 
 bool HasAvx2Fma() {
   static const bool has = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return has;
 }
+
+// panel[kk, j] = b[j * k + kk] for j < n8 = n rounded down to 8, in 8 x 8 blocks
+// transposed in registers; the scalar pack does the rest.
+__attribute__((target("avx2,fma"))) void PackTransposedAvx2(const float* b, int64_t n8, int64_t k8, int64_t k,
+                                                           float* panel, int64_t np) {
+  for (int64_t j = 0; j < n8; j += 8) {
+    const float* src = b + j * k;
+    for (int64_t kk = 0; kk < k8; kk += 8) {
+      __m256 r0 = _mm256_loadu_ps(src + 0 * k + kk), r1 = _mm256_loadu_ps(src + 1 * k + kk);
+      __m256 r2 = _mm256_loadu_ps(src + 2 * k + kk), r3 = _mm256_loadu_ps(src + 3 * k + kk);
+      __m256 r4 = _mm256_loadu_ps(src + 4 * k + kk), r5 = _mm256_loadu_ps(src + 5 * k + kk);
+      __m256 r6 = _mm256_loadu_ps(src + 6 * k + kk), r7 = _mm256_loadu_ps(src + 7 * k + kk);
+      __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1);
+      __m256 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3);
+      __m256 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5);
+      __m256 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+      r0 = _mm256_shuffle_ps(t0, t2, 0x44); r1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      r2 = _mm256_shuffle_ps(t1, t3, 0x44); r3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      r4 = _mm256_shuffle_ps(t4, t6, 0x44); r5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      r6 = _mm256_shuffle_ps(t5, t7, 0x44); r7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      float* dst = panel + kk * np + j;
+      _mm256_storeu_ps(dst + 0 * np, _mm256_permute2f128_ps(r0, r4, 0x20));
+      _mm256_storeu_ps(dst + 1 * np, _mm256_permute2f128_ps(r1, r5, 0x20));
+      _mm256_storeu_ps(dst + 2 * np, _mm256_permute2f128_ps(r2, r6, 0x20));
+      _mm256_storeu_ps(dst + 3 * np, _mm256_permute2f128_ps(r3, r7, 0x20));
+      _mm256_storeu_ps(dst + 4 * np, _mm256_permute2f128_ps(r0, r4, 0x31));
+      _mm256_storeu_ps(dst + 5 * np, _mm256_permute2f128_ps(r1, r5, 0x31));
+      _mm256_storeu_ps(dst + 6 * np, _mm256_permute2f128_ps(r2, r6, 0x31));
+      _mm256_storeu_ps(dst + 7 * np, _mm256_permute2f128_ps(r3, r7, 0x31));
+    }
+  }
+}
 #endif
 
 void Tile(const float* a, const Problem& p, const float* panel, int64_t np, int rows, float* c_tile, int64_t ldc) {
 #ifdef TPUREC_X86
-  if (HasAvx2Fma()) {
-    switch (rows) {
-      case 3: return TileAvx2<3>(a, p, panel, np, c_tile, ldc);
-      case 2: return TileAvx2<2>(a, p, panel, np, c_tile, ldc);
-      default: return TileAvx2<1>(a, p, panel, np, c_tile, ldc);
-    }
-  }
+  if (HasAvx2Fma()) return TileAvx2(a, p, panel, np, rows, c_tile, ldc);
 #endif
   TilePortable(a, p, panel, np, rows, c_tile, ldc);
 }
@@ -105,13 +152,21 @@ void Product(const float* a, const float* b, float* c, const Problem& p, std::ve
   const float* rows_of_b = b;  // op(b) as K rows of np floats
   if (p.b_col != 1 || p.n != np) {
     panel.resize(p.k * np);
+    int64_t n_done = 0, k_done = 0;  // op(b)[0:k_done, 0:n_done] packed by the vector code
+#ifdef TPUREC_X86
+    if (p.b_row == 1 && HasAvx2Fma()) {  // op(b) = b^T with b [n, k] row major
+      n_done = p.n / 8 * 8;
+      k_done = p.k / 8 * 8;
+      PackTransposedAvx2(b, n_done, k_done, p.k, panel.data(), np);
+    }
+#endif
     for (int64_t kk = 0; kk < p.k; ++kk) {
       float* dst = panel.data() + kk * np;
       const float* src = b + kk * p.b_row;
       if (p.b_col == 1) {
         std::memcpy(dst, src, p.n * sizeof(float));
       } else {
-        for (int64_t j = 0; j < p.n; ++j) dst[j] = src[j * p.b_col];
+        for (int64_t j = kk < k_done ? n_done : 0; j < p.n; ++j) dst[j] = src[j * p.b_col];
       }
       std::fill(dst + p.n, dst + np, 0.0f);
     }
