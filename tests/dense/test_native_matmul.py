@@ -147,6 +147,34 @@ def test_transposed_operand_is_not_materialized():
     assert "tpurec_batched_matmul" in text and "transpose" not in text
 
 
+def test_transpose_of_a_product_is_the_swapped_product():
+    """Autograd transposes bmm's gradient for a transposed operand: that is one product, not a copy."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((4, 5, 6)), jnp.float32)
+    b = jnp.asarray(rng.standard_normal((4, 6, 7)), jnp.float32)
+    program = jax.jit(lambda a, b: transpose(native_matmul.bmm(a, b, jnp.matmul), (0, 2, 1)))
+    hlo = program.lower(a, b).compile().as_text()
+    assert hlo.count('custom_call_target="tpurec_batched_matmul"') == 1 and " transpose(" not in hlo
+    want = np.swapaxes(np.matmul(np.asarray(a), np.asarray(b), dtype=np.float64), 1, 2)
+    np.testing.assert_allclose(np.asarray(program(a, b)), want, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused", "compiled"])
+def test_transposed_view_of_a_product_through_device(mode):
+    g = torch.Generator().manual_seed(3)
+    a, b, c = torch.randn(3, 5, 6, generator=g), torch.randn(3, 6, 7, generator=g), torch.randn(3, 7, 5, generator=g)
+
+    def f(a, b, c):
+        return torch.bmm(a, b).transpose(1, 2) + c
+
+    ref = f(a, b, c)
+    fn = torch.compile(f, backend="tpu") if mode == "compiled" else f
+    with tpurec.mode("fused" if mode == "compiled" else mode):
+        out = fn(a.to("tpu"), b.to("tpu"), c.to("tpu")).cpu()
+    torch._dynamo.reset()
+    torch.testing.assert_close(out, ref, rtol=RTOL, atol=ATOL)
+
+
 def test_export_for_tpu_keeps_xlas_dot():
     x = jnp.ones((8, 27, 64), jnp.float32)
     exported = jax.export.export(jax.jit(lambda x: native_matmul.bmm(x, jnp.swapaxes(x, 1, 2), jnp.matmul)), platforms=["tpu"])(x)

@@ -187,12 +187,17 @@ def read_view(storage: jnp.ndarray, size, stride, offset, reinterpret: str | Non
     if plan is None:
         return flat[_flat_indices(size, stride, offset)]
     order, sizes, region_shape = plan
-    length = math.prod(region_shape)
-    region = flat[offset: offset + length]
-    if region.shape[0] < length:  # the last row of a strided slice ends before the padding
-        region = jnp.pad(region, (0, length - region.shape[0]))
-    region = region.reshape(region_shape)
-    region = region[(slice(None),) + tuple(slice(0, n) for n in sizes[1:]) + (0,)]
+    if offset == 0 and tuple(storage.shape) == tuple(sizes) and tuple(stride[d] for d in order) == contiguous_strides(sizes):
+        # A permutation of the whole storage: transpose the storage itself, which a
+        # kernel's output may know how to do without a copy (trace_context.transpose).
+        region = storage
+    else:
+        length = math.prod(region_shape)
+        region = flat[offset: offset + length]
+        if region.shape[0] < length:  # the last row of a strided slice ends before the padding
+            region = jnp.pad(region, (0, length - region.shape[0]))
+        region = region.reshape(region_shape)
+        region = region[(slice(None),) + tuple(slice(0, n) for n in sizes[1:]) + (0,)]
     # ``region`` is laid out by decreasing stride; put the dims back in view order.
     inverse = sorted(range(len(order)), key=lambda i: order[i])
     region = transpose(region, inverse)

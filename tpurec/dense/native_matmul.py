@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from tpurec import native
-from tpurec.dense.trace_context import tracing_spmd, transposed_from
+from tpurec.dense.trace_context import remember_transposer, tracing_spmd, transposed_from
 
 __all__ = ["applies", "batched_matmul", "bmm"]
 
@@ -73,14 +73,20 @@ def bmm(a, b, xla_matmul: Callable):
     """
     a, trans_a = _untransposed(a)
     b, trans_b = _untransposed(b)
+    return _product(a, b, trans_a, trans_b, xla_matmul)
 
+
+def _product(a, b, trans_a: bool, trans_b: bool, xla_matmul: Callable):
     def native(a, b):
         return batched_matmul(a, b, trans_a, trans_b)
 
     def xla(a, b):
         return xla_matmul(jnp.swapaxes(a, 1, 2) if trans_a else a, jnp.swapaxes(b, 1, 2) if trans_b else b)
 
-    return lax.platform_dependent(a, b, cpu=native, default=xla)
+    out = lax.platform_dependent(a, b, cpu=native, default=xla)
+    # (op(a) op(b))^T = op(b)^T op(a)^T: one more product instead of a strided copy.
+    remember_transposer(out, lambda perm: _product(b, a, not trans_b, not trans_a, xla_matmul) if perm == (0, 2, 1) else None)
+    return out
 
 
 def _call(a, b, trans_a: bool, trans_b: bool):

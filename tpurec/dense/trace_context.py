@@ -10,7 +10,13 @@ XLA's op for a native XLA:CPU kernel (:mod:`tpurec.dense.native_matmul`):
   but not into a custom call, so a kernel that reads transposed operands is
   handed the source and a flag instead of a materialized copy. Reading a
   transposed view (:func:`tpurec.core.views.read_view`) and the compiled
-  graphs' ``permute``/``transpose`` go through :func:`transpose`.
+  graphs' ``permute``/``transpose`` go through :func:`transpose`;
+* which values can produce their own transpose more cheaply than a copy: the
+  transpose of a product is the product of the transposed operands in the other
+  order (autograd transposes ``bmm``'s gradient for a transposed operand), so a
+  kernel output registers a *transposer* (:func:`remember_transposer`) that
+  :func:`transpose` calls instead of copying; XLA then drops the untransposed
+  product if nothing else reads it.
 
 Example::
 
@@ -27,7 +33,7 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-__all__ = ["traced_as_spmd", "tracing_spmd", "transpose", "transposed_from"]
+__all__ = ["remember_transposer", "traced_as_spmd", "tracing_spmd", "transpose", "transposed_from"]
 
 _spmd = threading.local()
 
@@ -55,6 +61,33 @@ def traced_as_spmd(raw: Callable) -> Callable:
 # id(result) -> (weak reference to the result, source, permutation); an entry
 # goes when its result does, so nothing outlives the trace that made it.
 _TRANSPOSES: dict[int, tuple[weakref.ref, object, tuple[int, ...]]] = {}
+# id(value) -> (weak reference to the value, transposer); same lifetime rule.
+_TRANSPOSERS: dict[int, tuple[weakref.ref, Callable]] = {}
+
+
+def _remember(table: dict, value, entry: tuple) -> bool:
+    key = id(value)
+    try:
+        ref = weakref.ref(value, lambda _, key=key: table.pop(key, None))
+    except TypeError:  # not weakly referenceable: not remembered
+        return False
+    table[key] = (ref, *entry)
+    return True
+
+
+def _same_trace(a, b) -> bool:
+    return getattr(a, "_trace", None) is getattr(b, "_trace", None)
+
+
+def remember_transposer(value, transposer: Callable) -> None:
+    """Lets :func:`transpose` compute ``transpose(value, perm)`` as ``transposer(perm)``.
+
+    Args:
+        value: a value of the program being traced (a kernel's output).
+        transposer: ``perm -> array`` equal to ``jnp.transpose(value, perm)``, or None
+            where it has no cheaper way than the copy.
+    """
+    _remember(_TRANSPOSERS, value, (transposer,))
 
 
 def transpose(x, perm) -> jnp.ndarray:
@@ -70,13 +103,13 @@ def transpose(x, perm) -> jnp.ndarray:
     if found is not None:
         source, first = found
         return transpose(source, tuple(first[p] for p in perm))
+    entry = _TRANSPOSERS.get(id(x))
+    if entry is not None and entry[0]() is x:
+        out = entry[1](perm)
+        if out is not None:
+            return out
     out = jnp.transpose(x, perm)
-    key = id(out)
-    try:
-        ref = weakref.ref(out, lambda _, key=key: _TRANSPOSES.pop(key, None))
-    except TypeError:  # not weakly referenceable: not remembered
-        return out
-    _TRANSPOSES[key] = (ref, x, perm)
+    _remember(_TRANSPOSES, out, (x, perm))
     return out
 
 
@@ -86,6 +119,6 @@ def transposed_from(x) -> tuple[object, tuple[int, ...]] | None:
     if entry is None or entry[0]() is not x:
         return None
     _, source, perm = entry
-    if getattr(source, "_trace", None) is not getattr(x, "_trace", None):
+    if not _same_trace(source, x):
         return None
     return source, perm
