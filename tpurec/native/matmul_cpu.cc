@@ -154,7 +154,7 @@ void Product(const float* a, const float* b, float* c, const Problem& p, std::ve
     panel.resize(p.k * np);
     int64_t n_done = 0, k_done = 0;  // op(b)[0:k_done, 0:n_done] packed by the vector code
 #ifdef TPUREC_X86
-    if (p.b_row == 1 && HasAvx2Fma()) {  // op(b) = b^T with b [n, k] row major
+    if (p.b_row == 1 && p.b_col == p.k && HasAvx2Fma()) {  // op(b) = b^T, b [n, k] row major
       n_done = p.n / 8 * 8;
       k_done = p.k / 8 * 8;
       PackTransposedAvx2(b, n_done, k_done, p.k, panel.data(), np);
