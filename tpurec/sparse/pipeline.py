@@ -36,12 +36,12 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from typing import Any, Generic, Iterator, TypeVar
+from typing import Any, Callable, Generic, Iterator, TypeVar
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-__all__ = ["TrainPipeline"]
+__all__ = ["TrainPipeline", "map_batch"]
 
 In = TypeVar("In")
 Out = TypeVar("Out")
@@ -64,22 +64,27 @@ class _Failure:
 _END = object()
 
 
-def _map_batch(batch: Any, fn_tensor, fn_kjt) -> Any:
-    """Rebuilds ``batch`` with ``fn_tensor`` applied to its tensors and ``fn_kjt`` to its KJTs."""
+def map_batch(batch: Any, fn_tensor: Callable[[Any], Any], fn_kjt: Callable[[KeyedJaggedTensor], Any]) -> Any:
+    """Rebuilds ``batch`` with ``fn_tensor`` applied to its tensors and ``fn_kjt`` to its KJTs.
+
+    A batch is a tensor, a KJT, or a dataclass, (named) tuple, list or dict of batches
+    (TorchRec's ``Batch`` among them); anything else is kept as it is. The sharded
+    models place their batches on the mesh with it too.
+    """
     if isinstance(batch, KeyedJaggedTensor):
         return fn_kjt(batch)
     if isinstance(batch, (torch.Tensor, _OnDevice)):
         return fn_tensor(batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return dataclasses.replace(
-            batch, **{f.name: _map_batch(getattr(batch, f.name), fn_tensor, fn_kjt) for f in dataclasses.fields(batch) if f.init}
+            batch, **{f.name: map_batch(getattr(batch, f.name), fn_tensor, fn_kjt) for f in dataclasses.fields(batch) if f.init}
         )
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_map_batch(x, fn_tensor, fn_kjt) for x in batch))
+        return type(batch)(*(map_batch(x, fn_tensor, fn_kjt) for x in batch))
     if isinstance(batch, (tuple, list)):
-        return type(batch)(_map_batch(x, fn_tensor, fn_kjt) for x in batch)
+        return type(batch)(map_batch(x, fn_tensor, fn_kjt) for x in batch)
     if isinstance(batch, dict):
-        return {k: _map_batch(v, fn_tensor, fn_kjt) for k, v in batch.items()}
+        return {k: map_batch(v, fn_tensor, fn_kjt) for k, v in batch.items()}
     return batch
 
 
@@ -166,7 +171,7 @@ class TrainPipeline(Generic[In, Out]):
         while not self._stop.is_set():
             try:
                 batch = next(iterator)
-                item: Any = _map_batch(batch, self._to_device, self._prefetch_kjt)
+                item: Any = map_batch(batch, self._to_device, self._prefetch_kjt)
             except StopIteration:
                 item = _END
             except BaseException as e:  # handed to the main thread, raised by progress()
@@ -223,7 +228,7 @@ class TrainPipeline(Generic[In, Out]):
 
         from tpurec.core.tensor import wrap
 
-        batch = _map_batch(item, lambda t: wrap(t.array, t.index, t.dtype) if isinstance(t, _OnDevice) else t, lambda k: k)
+        batch = map_batch(item, lambda t: wrap(t.array, t.index, t.dtype) if isinstance(t, _OnDevice) else t, lambda k: k)
         training = self._model.training
         if training:
             self._optimizer.zero_grad()

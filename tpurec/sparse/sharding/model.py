@@ -225,11 +225,11 @@ def shard(
     # Host-side placement: never traced by torch.compile (it reads tensors on the host).
     @torch.compiler.disable
     def split_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        from tpurec.sparse.pipeline import _map_batch
+        from tpurec.sparse.pipeline import map_batch
 
         # Tensors inside containers too (e.g. torchrec's Batch for a DLRMTrain model);
         # KeyedJaggedTensors stay on the host (the sharded collections route them).
-        place = lambda x: _map_batch(x, lambda t: distribute_batch(t, mesh), lambda kjt: kjt)  # noqa: E731
+        place = lambda x: map_batch(x, lambda t: distribute_batch(t, mesh), lambda kjt: kjt)  # noqa: E731
         return tuple(place(a) for a in args), {k: place(v) for k, v in kwargs.items()}
 
     model.register_forward_pre_hook(split_batch, with_kwargs=True)
