@@ -12,7 +12,9 @@ exported for another platform keeps XLA's dot. It serves float32 batches of
 small matrices on one device; everything else (other dtypes, large matrices,
 programs XLA partitions over a mesh) keeps XLA's dot. A transposed operand that
 came from reading a transposed view is passed untransposed, with the kernel's
-transpose flag, instead of being copied first. ``TPUREC_NATIVE_MATMUL=0`` turns
+transpose flag, instead of being copied first; and the transpose of a product
+(autograd's gradient for a transposed operand) is computed as the product of
+the swapped operands, not copied. ``TPUREC_NATIVE_MATMUL=0`` turns
 the kernel off (programs traced afterwards use XLA's dot).
 
 Example::

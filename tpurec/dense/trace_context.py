@@ -1,6 +1,6 @@
 """What a lowering may know about the program being traced, beyond its operands.
 
-Two facts, both set while a program is traced and read by lowerings that swap
+Three facts, all set while a program is traced and read by lowerings that swap
 XLA's op for a native XLA:CPU kernel (:mod:`tpurec.dense.native_matmul`):
 
 * whether XLA will partition the program over a mesh (SPMD): its partitioner
@@ -65,18 +65,21 @@ _TRANSPOSES: dict[int, tuple[weakref.ref, object, tuple[int, ...]]] = {}
 _TRANSPOSERS: dict[int, tuple[weakref.ref, Callable]] = {}
 
 
-def _remember(table: dict, value, entry: tuple) -> bool:
+def _remember(table: dict, value, entry: tuple) -> None:
     key = id(value)
     try:
         ref = weakref.ref(value, lambda _, key=key: table.pop(key, None))
     except TypeError:  # not weakly referenceable: not remembered
-        return False
+        return
     table[key] = (ref, *entry)
-    return True
 
 
-def _same_trace(a, b) -> bool:
-    return getattr(a, "_trace", None) is getattr(b, "_trace", None)
+def _recall(table: dict, value) -> tuple | None:
+    """What :func:`_remember` stored for ``value`` (without the reference), if it still is ``value``'s."""
+    entry = table.get(id(value))
+    if entry is None or entry[0]() is not value:
+        return None
+    return entry[1:]
 
 
 def remember_transposer(value, transposer: Callable) -> None:
@@ -103,9 +106,9 @@ def transpose(x, perm) -> jnp.ndarray:
     if found is not None:
         source, first = found
         return transpose(source, tuple(first[p] for p in perm))
-    entry = _TRANSPOSERS.get(id(x))
-    if entry is not None and entry[0]() is x:
-        out = entry[1](perm)
+    transposer = _recall(_TRANSPOSERS, x)
+    if transposer is not None:
+        out = transposer[0](perm)
         if out is not None:
             return out
     out = jnp.transpose(x, perm)
@@ -115,10 +118,10 @@ def transpose(x, perm) -> jnp.ndarray:
 
 def transposed_from(x) -> tuple[object, tuple[int, ...]] | None:
     """``(source, perm)`` when ``x`` is ``transpose(source, perm)`` of the same trace, else None."""
-    entry = _TRANSPOSES.get(id(x))
-    if entry is None or entry[0]() is not x:
+    found = _recall(_TRANSPOSES, x)
+    if found is None:
         return None
-    _, source, perm = entry
-    if not _same_trace(source, x):
+    source, perm = found
+    if getattr(source, "_trace", None) is not getattr(x, "_trace", None):
         return None
     return source, perm
