@@ -35,6 +35,7 @@ for _name in _OLD_PATHS:
 del _name
 
 _device.register()
+core.conversion.install()  # module.to("tpu") keeps Parameter objects, as on CUDA
 
 from tpurec.core.dispatch import register_factories as _register_factories  # noqa: E402
 
