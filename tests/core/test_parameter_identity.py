@@ -99,19 +99,50 @@ def test_a_graph_built_before_the_move_refuses_to_run_backward():
     model = torch.nn.Linear(3, 3)
     loss = model(torch.ones(1, 3)).sum()  # this graph accumulates into the CPU weight
     model.to("tpu")
-    with pytest.raises(RuntimeError, match="poisoned by swap_tensors"):
+    with pytest.raises(RuntimeError, match="built before its parameter moved"):
         loss.backward()
 
 
-def test_a_parameter_that_cannot_be_swapped_is_replaced_with_a_warning():
+def test_weak_references_to_a_parameter_follow_it():
     import weakref
 
     model = torch.nn.Linear(3, 3)
     weight = model.weight
-    ref = weakref.ref(weight)  # swap_tensors refuses objects with weak references
+    ref = weakref.ref(weight)  # torch.distributed / TorchRec keep per-parameter maps this way
+    model.to("tpu")
+    assert model.weight is weight and ref() is weight and weight.device.type == "tpu"
+
+
+def test_a_parameter_that_cannot_be_swapped_is_replaced_with_a_warning():
+    model = torch.nn.Linear(3, 3)
+    weight = model.weight
+    view = weight.view(-1)  # holds a second reference to the weight's tensor
     with pytest.warns(UserWarning, match="made a new Parameter object"):
         model.to("tpu")
-    assert model.weight is not weight and model.weight.device.type == "tpu" and ref() is weight
+    assert model.weight is not weight and model.weight.device.type == "tpu"
+    del view
+
+
+@pytest.mark.parametrize("move_first", [True, False], ids=["to-then-convert", "convert-then-to"])
+def test_torchrec_in_backward_optimizer_survives_the_move(move_first):
+    import torchrec
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    from tpurec.sparse.convert import from_torchrec
+
+    torch.manual_seed(0)
+    tables = [torchrec.EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])]
+    ebc = torchrec.EmbeddingBagCollection(tables=tables, device=torch.device("cpu"))
+    apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.5})
+    before = ebc.embedding_bags["t0"].weight.detach().clone()
+    model = from_torchrec(ebc.to("tpu")) if move_first else from_torchrec(ebc).to("tpu")
+    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f0"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]))
+    model(kjt).values().sum().backward()  # raised "no embedding optimizer" when .to dropped it
+    after = model.state_dict()["embedding_bags.t0.weight"].cpu()
+    expected = before.clone()
+    expected[[1, 2, 3]] -= 0.5  # SGD on a sum-pooled sum: every looked-up row gets gradient 1
+    torch.testing.assert_close(after, expected, rtol=0, atol=1e-6)
 
 
 def test_gpt2_keeps_its_tied_embedding_and_its_first_gradient_matches_cpu():

@@ -18,7 +18,9 @@ converted tensors, as PyTorch does on every device.
 
 from __future__ import annotations
 
+import copyreg
 import warnings
+import weakref
 
 import torch
 
@@ -37,16 +39,48 @@ def _on_tpu(t: torch.Tensor) -> bool:
     return t.device.type == "tpu"
 
 
+def _refuse_stale_graph(grad_outputs):
+    raise RuntimeError(
+        "this autograd graph was built before its parameter moved to another device or dtype "
+        "(module.to(...)); run the forward pass again after the move"
+    )
+
+
+def _swap_contents(old: torch.Tensor, new: torch.Tensor) -> None:
+    """``torch.utils.swap_tensors`` that lets ``old`` keep its weak references.
+
+    PyTorch refuses to swap a tensor that has weak references, since a weak reference
+    would then see other contents. Keeping ``old``'s object with new contents is the point
+    here, and the objects PyTorch keeps weakly by parameter (TorchRec's and
+    ``torch.distributed``'s per-parameter optimizer maps) key them by identity.
+    """
+    if copyreg._slotnames(type(old)) or copyreg._slotnames(type(new)) or weakref.getweakrefs(new):
+        torch.utils.swap_tensors(old, new)
+        return
+    for t in (old, new):
+        if t._use_count() == 2 and t.is_leaf and t.requires_grad:
+            # The other reference may be the gradient accumulator of a graph still alive:
+            # that graph must not run into the swapped tensor.
+            node = torch.autograd.graph.get_gradient_edge(t).node
+            if t._use_count() == 2:
+                node.register_prehook(_refuse_stale_graph)
+        if t._use_count() > 2 or (t._use_count() == 2 and not (t.is_leaf and t.requires_grad)):
+            raise RuntimeError(f"{t._use_count()} references to the tensor are held (e.g. by a saved autograd graph)")
+    old.__class__, new.__class__ = new.__class__, old.__class__
+    old.__dict__, new.__dict__ = new.__dict__, old.__dict__
+    torch._C._swap_tensor_impl(old, new)
+
+
 def keep_parameter_identity(old: torch.nn.Parameter, new: torch.nn.Parameter) -> bool:
     """Gives ``old`` the contents of ``new`` (values, device, dtype, grad), keeping its attributes.
 
-    Returns ``False``, with a warning, when PyTorch cannot swap them (another reference to
-    ``old``'s tensor is held, e.g. by a live autograd graph): ``new`` then replaces it, as
+    Returns ``False``, with a warning, when the contents cannot be swapped (more references to
+    ``old``'s tensor are held than its gradient accumulator's): ``new`` then replaces it, as
     before tpurec kept identities.
     """
     attributes = {k: v for k, v in old.__dict__.items() if k not in _CONTENT_ATTRIBUTES}
     try:
-        torch.utils.swap_tensors(old, new)
+        _swap_contents(old, new)
     except RuntimeError as error:
         warnings.warn(
             f"moving a parameter of shape {tuple(old.shape)} to {new.device} made a new Parameter object "
