@@ -161,3 +161,47 @@ def test_unsupported_calls_raise_naming_what(call, message):
     a, b, offs = torch.randn(12, 8).to("tpu"), torch.randn(3, 8, 4).to("tpu"), _offs([4, 4, 12]).to("tpu")
     with pytest.raises((RuntimeError, NotImplementedError), match=message):
         call(a, b, offs)
+
+
+@pytest.mark.slow
+def test_tiny_deepseek_v3_trains_one_adamw_step_as_on_cpu():
+    """transformers' default experts path (grouped_mm) on the device, against a CPU twin.
+
+    Tolerances: loss and gradients rtol 1e-4 (gradients also atol 1e-6 of their largest
+    entry); parameters rtol 1e-4, atol 1e-5 = 1% of lr, because AdamW's first step is
+    lr * g / (|g| + 1e-8): entries with |g| below eps turn float32 summation-order noise
+    in g (~1e-11 here) into parameter differences of ~1e-6.
+    """
+    import copy
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.DeepseekV3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
+        v_head_dim=8, n_group=1, topk_group=1, max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    cpu_model = transformers.DeepseekV3ForCausalLM(config)
+    assert cpu_model.config._experts_implementation == "grouped_mm"
+    dev_model = copy.deepcopy(cpu_model).to("tpu")
+    ids = torch.randint(0, 64, (2, 12))
+
+    def step(model, ids):
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        grads = {n: p.grad.cpu().clone() for n, p in model.named_parameters() if p.grad is not None}
+        opt.step()
+        return loss.detach().cpu(), grads, {n: p.detach().cpu() for n, p in model.named_parameters()}
+
+    calls = runtime.counters().ops_by_name["_grouped_mm.default"]
+    want = step(cpu_model, ids)
+    got = step(dev_model, ids.to("tpu"))
+    assert runtime.counters().ops_by_name["_grouped_mm.default"] - calls == 6  # 2 forward + 4 backward
+    torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=0)
+    assert got[1].keys() == want[1].keys()
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max()), msg=lambda m, name=name: f"{name}: {m}")
+    for name, param in want[2].items():
+        torch.testing.assert_close(got[2][name], param, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
