@@ -202,6 +202,8 @@ def test_tiny_deepseek_v3_trains_one_adamw_step_as_on_cpu():
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=0)
     assert got[1].keys() == want[1].keys()
     for name, grad in want[1].items():
-        torch.testing.assert_close(got[1][name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max()), msg=lambda m, name=name: f"{name}: {m}")
+        named = lambda m, name=name: f"{name}: {m}"  # noqa: E731
+        torch.testing.assert_close(got[1][name], grad, rtol=1e-4, atol=1e-6 * float(grad.abs().max()), msg=named)
     for name, param in want[2].items():
-        torch.testing.assert_close(got[2][name], param, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        named = lambda m, name=name: f"{name}: {m}"  # noqa: E731
+        torch.testing.assert_close(got[2][name], param, rtol=1e-4, atol=1e-5, msg=named)

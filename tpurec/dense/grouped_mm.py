@@ -62,7 +62,9 @@ def grouped_mm_output(a_shape, b_shape, a_dtype: torch.dtype, b_dtype: torch.dty
             f"got {a_dtype} and {b_dtype}"
         )
     if has_bias:
-        raise NotImplementedError("_grouped_mm with bias is not supported (nor by PyTorch's kernels); add it afterwards")
+        raise NotImplementedError(
+            "_grouped_mm with bias is not supported (nor by PyTorch's kernels); add it to the result"
+        )
     if out_dtype is not None and out_dtype != a_dtype and not (out_dtype == torch.float32 and a_dtype != torch.float32):
         raise NotImplementedError(
             f"_grouped_mm on the tpu device: out_dtype {out_dtype} with {a_dtype} operands is not supported "
