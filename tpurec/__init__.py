@@ -45,6 +45,10 @@ from tpurec.amp import register as _register_autocast  # noqa: E402
 
 _register_autocast()
 
+from tpurec.dense.grouped_mm import register_fake_rule as _register_grouped_mm_fake  # noqa: E402
+
+_register_grouped_mm_fake()
+
 from tpurec.compile import register as _register_compile  # noqa: E402
 
 _register_compile()
