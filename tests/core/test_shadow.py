@@ -1,0 +1,233 @@
+"""tpurec.debug.shadow(): every op on tpu checked against PyTorch CPU on the same inputs."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tpurec
+from tpurec.core import dispatch, runtime
+from tpurec.dense.registry import LOWERINGS, Lowering, get_lowering
+
+aten = torch.ops.aten
+
+
+@pytest.fixture
+def wrong_lowering():
+    """Replaces one table entry by a slightly wrong one (its result times 1 + 1e-3), then restores it."""
+    patched = {}
+
+    def patch(op, how=lambda out: out * (1 + 1e-3)):
+        right = get_lowering(op)
+        patched[op] = right
+        LOWERINGS[op] = Lowering(op, lambda *a, **k: how(right.fn(*a, **k)), right.random, right.static_scalars)
+        runtime.programs.clear()  # programs built from the right entry would hide the wrong one
+
+    yield patch
+    for op, right in patched.items():
+        LOWERINGS[op] = right
+    runtime.programs.clear()
+
+
+def _line_of(text: str, function=None) -> int:
+    """The line of ``function`` (default: the caller) that contains ``text``."""
+    code = function.__code__ if function is not None else inspect.stack()[1].frame.f_code
+    lines, start = inspect.getsourcelines(code)
+    return start + next(i for i, line in enumerate(lines) if text in line)
+
+
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.25), torch.nn.Linear(16, 8))
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([Block(), Block()])
+        self.head = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _net():
+    torch.manual_seed(0)
+    model = Net().to("tpu")
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2), torch.randn(4, 8).to("tpu")
+
+
+def test_a_correct_training_step_reports_nothing():
+    model, optimizer, x = _net()
+    with tpurec.debug.shadow() as report:
+        for _ in range(2):
+            loss = torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2, 1], device="tpu"))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert loss.item() > 0
+    checked = report.checked
+    # forward, backward and the foreach optimizer were all compared
+    assert checked["aten.addmm.default"] >= 10 and checked["aten.gelu_backward.default"] == 4
+    assert any(name.startswith("aten._foreach_") for name in checked)
+    assert report.random["aten.native_dropout.default"] == 4  # values not comparable: counted apart
+    assert report.unchecked == {}
+
+
+def test_off_means_no_hook():
+    assert dispatch._shadow is None
+    before = dict(torch.nn.modules.module._global_forward_pre_hooks)
+    with tpurec.debug.shadow():
+        assert dispatch._shadow is not None and tpurec.get_mode() == "debug"
+    assert dispatch._shadow is None
+    assert dict(torch.nn.modules.module._global_forward_pre_hooks) == before
+    assert tpurec.get_mode() == "eager"
+
+
+def test_a_wrong_forward_lowering_names_op_module_and_line(wrong_lowering):
+    model, _, x = _net()
+    wrong_lowering(aten.gelu.default)
+    with pytest.raises(tpurec.debug.ShadowMismatch) as caught:
+        with tpurec.debug.shadow():
+            model(x)  # the line the error names
+    error = caught.value
+    assert error.op == "aten.gelu.default"
+    assert error.module == "blocks.0.mlp.1 (GELU)"
+    # the innermost line outside torch and tpurec, then its callers: the test's own line among them
+    assert error.where.startswith(f'File "{__file__}", line {_line_of("x + self.mlp(self.norm(x))", Block.forward)}')
+    message = str(error)
+    assert f'called from: File "{__file__}", line {_line_of("model(x)  # the line")}' in message
+    assert "aten.gelu.default on tpu differs from PyTorch CPU" in message
+    assert "module: blocks.0.mlp.1 (GELU)" in message
+    assert "output [4, 16] float32: max abs diff" in message and "elements beyond rtol=0.0001, atol=1e-05" in message
+    assert "against float64 tpu errs by" in message
+    assert dispatch._shadow is None
+
+
+def test_a_wrong_backward_lowering_is_raised_after_backward(wrong_lowering):
+    model, _, x = _net()
+    wrong_lowering(aten.gelu_backward.default)
+    with pytest.raises(tpurec.debug.ShadowMismatch) as caught:
+        with tpurec.debug.shadow():
+            loss = model(x).sum()
+            loss.backward()  # the backward call the error names
+            torch.zeros(1, device="tpu")  # the next op outside the engine raises it
+    error = caught.value
+    assert error.op == "aten.gelu_backward.default"
+    # the last block's GELU is the first whose gradient is computed
+    assert error.module == "backward of blocks.1.mlp.1 (GELU) (autograd node GeluBackward0)"
+    assert f'line {_line_of("loss.backward()  # the backward")}' in error.where
+    assert "backward called at:" in str(error)
+
+
+def test_a_wrong_backward_lowering_is_raised_at_the_end_of_the_block(wrong_lowering):
+    model, _, x = _net()
+    wrong_lowering(aten.gelu_backward.default)
+    with pytest.raises(tpurec.debug.ShadowMismatch, match="gelu_backward"):
+        with tpurec.debug.shadow():
+            model(x).sum().backward()
+
+
+def test_a_wrong_optimizer_op_names_the_parameter(wrong_lowering):
+    model, optimizer, x = _net()
+    wrong_lowering(aten._foreach_addcdiv.ScalarList, how=lambda outs: [o * (1 + 1e-3) for o in outs])
+    with pytest.raises(tpurec.debug.ShadowMismatch) as caught:
+        with tpurec.debug.shadow():
+            model(x).sum().backward()  # the model ran in the block: its parameters have names
+            optimizer.step()
+    message = str(caught.value)
+    assert caught.value.op == "aten._foreach_addcdiv_.ScalarList"
+    assert "argument 'self' (tensor 0 of 14), written in place = parameter blocks.0.norm.weight" in message
+    assert "module: none (outside any nn.Module forward)" in message
+
+
+def test_in_place_through_a_view_is_compared_on_the_whole_storage(wrong_lowering):
+    base = torch.arange(12.0).reshape(3, 4).to("tpu")
+    with tpurec.debug.shadow() as report:
+        row = base[1]
+        row.mul_(2)
+        base.t()[2].add_(1)  # a strided view
+        torch.testing.assert_close(base.cpu(), torch.tensor([[0, 1, 3, 3], [8, 10, 13, 14], [8, 9, 11, 11.0]]))
+    assert report.checked["aten.mul_.Tensor"] == 1 and report.checked["aten.add_.Tensor"] == 1
+    wrong_lowering(aten.add.Tensor)
+    with pytest.raises(tpurec.debug.ShadowMismatch) as caught:
+        with tpurec.debug.shadow():
+            base.t()[2].add_(1)
+    assert "argument 'self', written in place (storage [12] float32)" in str(caught.value)
+
+
+def test_integers_must_be_equal_and_nans_in_the_same_places(wrong_lowering):
+    wrong_lowering(aten.add.Tensor, how=lambda out: out + (out == 5))
+    with pytest.raises(tpurec.debug.ShadowMismatch, match=r"1 of 4 elements differ .* first at \[2\]: tpu 6, CPU 5"):
+        with tpurec.debug.shadow():
+            torch.tensor([1, 3, 4, 7], device="tpu") + 1
+    wrong_lowering(aten.sqrt.default, how=lambda out: out.at[0].set(float("nan")))
+    with pytest.raises(tpurec.debug.ShadowMismatch, match=r"NaN in different places: 1 elements, first at \[0\] \(NaN on tpu only\)"):
+        with tpurec.debug.shadow():
+            torch.tensor([4.0, -1.0, 9.0], device="tpu").sqrt()
+
+
+def test_tolerance_is_the_stated_one(wrong_lowering):
+    wrong_lowering(aten.mul.Tensor, how=lambda out: out * (1 + 1e-3))
+    x = torch.tensor([1.0, 2.0], device="tpu")
+    with tpurec.debug.shadow(rtol=1e-2, atol=0.0):
+        x * x  # a relative error of 1e-3 is inside rtol=1e-2
+    with pytest.raises(tpurec.debug.ShadowMismatch, match="beyond rtol=0.0001, atol=0"):
+        with tpurec.debug.shadow(rtol=1e-4, atol=0.0):
+            x * x
+
+
+def _run(script: str, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env},
+        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    )
+
+
+STEP = """
+    import torch, tpurec
+    from tpurec.dense.registry import LOWERINGS, Lowering, get_lowering
+    if {wrong}:
+        right = get_lowering(torch.ops.aten.mul.Tensor)
+        LOWERINGS[right.op] = Lowering(right.op, lambda *a: right.fn(*a) * 1.001)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)).to("tpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(torch.randn(3, 4).to("tpu")).square().mean()
+    loss.backward()
+    optimizer.step()
+    print("ok", round(loss.item(), 6))
+"""
+
+
+def test_environment_switch_checks_a_step():
+    right = _run(STEP.format(wrong=False), TPUREC_MODE="debug", TPUREC_SHADOW="cpu")
+    assert right.returncode == 0 and right.stdout.startswith("ok"), right.stderr[-3000:]
+    wrong = _run(STEP.format(wrong=True), TPUREC_MODE="debug", TPUREC_SHADOW="cpu")
+    assert wrong.returncode == 1, wrong.stdout
+    assert "tpurec.debug.ShadowMismatch: tpurec.debug.shadow: aten.mul.Tensor on tpu differs" in wrong.stderr
+    # square()'s gradient is the first product, taken outside any module
+    assert "module: backward (autograd node PowBackward0)" in wrong.stderr
+    assert 'backward called at: File "<string>", line 11' in wrong.stderr  # loss.backward()
+
+
+def test_environment_switch_needs_debug_mode():
+    result = _run("import tpurec", TPUREC_MODE="eager", TPUREC_SHADOW="cpu")
+    assert result.returncode == 1 and "TPUREC_SHADOW=cpu compares each op as it runs, which needs TPUREC_MODE=debug" in result.stderr
