@@ -168,7 +168,11 @@ def test_in_place_through_a_view_is_compared_on_the_whole_storage(wrong_lowering
         row.mul_(2)
         base.t()[2].add_(1)  # a strided view
         torch.testing.assert_close(base.cpu(), torch.tensor([[0, 1, 3, 3], [8, 10, 13, 14], [8, 9, 11, 11.0]]))
+        view = base[1:]
+        view.t_().squeeze_()  # in-place view ops: judged on the view as it was before them
+        assert view.shape == (4, 2)
     assert report.checked["aten.mul_.Tensor"] == 1 and report.checked["aten.add_.Tensor"] == 1
+    assert report.checked["aten.t_.default"] == 1
     wrong_lowering(aten.add.Tensor)
     with pytest.raises(tpurec.debug.ShadowMismatch) as caught:
         with tpurec.debug.shadow():
@@ -240,6 +244,19 @@ def test_environment_switch_needs_debug_mode():
     assert result.returncode == 1 and "TPUREC_SHADOW=cpu compares each op as it runs, which needs TPUREC_MODE=debug" in result.stderr
 
 
+def test_outputs_the_meta_kernel_shapes_differently_from_cpu_are_not_divergences():
+    # _embedding_bag's max_indices (unused in mode "mean") are empty by the meta kernel, as tpu
+    # makes them, and one per bag on CPU.
+    weight = torch.randn(5, 3).to("tpu").requires_grad_()
+    with tpurec.debug.shadow() as report:
+        out = torch.nn.functional.embedding_bag(
+            torch.tensor([0, 4, 1, 1], device="tpu"), weight, torch.tensor([0, 2], device="tpu"), mode="mean"
+        )
+        out.sum().backward()
+    assert report.meta_conformant["aten._embedding_bag.default"] == 1
+    assert report.checked["aten._embedding_bag.default"] == 1
+
+
 def test_a_bfloat16_layer_norm_step_reports_nothing():
     # native_layer_norm's statistics of a bfloat16 input are float32 by the meta kernel (tpu, CUDA)
     # and bfloat16 on CPU: a backend difference, judged at CPU's precision, not a divergence.
@@ -250,6 +267,7 @@ def test_a_bfloat16_layer_norm_step_reports_nothing():
         model(torch.randn(4, 8).to(torch.bfloat16).to("tpu")).float().square().mean().backward()
     assert report.checked["aten.native_layer_norm.default"] == 1
     assert report.checked["aten.native_layer_norm_backward.default"] == 1
+    assert report.meta_conformant["aten.native_layer_norm.default"] == 2  # mean and rstd
     assert report.unchecked == {}
 
 
