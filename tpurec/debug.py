@@ -232,7 +232,7 @@ def _user_lines(frames: list[traceback.FrameSummary], callers: int = 3) -> list[
     found = []
     for frame in reversed(frames):
         path = os.path.abspath(frame.filename)
-        if frame.filename.startswith("<") and frame.filename != "<string>":
+        if frame.filename.startswith("<frozen"):
             continue
         if path.startswith(_LIBRARIES) or "/torch/" in path or "/tpurec/" in path:
             continue
@@ -438,10 +438,13 @@ def _written(func, args, kwargs) -> list[tuple[str, Any]]:
     return found
 
 
-def _meta_output(func, inputs: _Inputs, i: int) -> tuple | None:
-    """(shape, dtype) of output ``i`` by PyTorch's meta kernel (None without one)."""
+def _meta_run(func, inputs: _Inputs):
+    """The op's outputs by PyTorch's meta kernel (flattened), or the exception it raises."""
 
     def to_meta(x):
+        if isinstance(x, TpuTensor):
+            _, dtype, size, stride, _, _ = inputs.keys[id(x)]
+            return torch.empty_strided(size, stride, dtype=dtype, device="meta")
         if isinstance(x, torch.Tensor):
             return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
         if isinstance(x, torch.device) or (isinstance(x, str) and x.startswith("tpu")):
@@ -450,10 +453,22 @@ def _meta_output(func, inputs: _Inputs, i: int) -> tuple | None:
 
     args, kwargs = tree_map(to_meta, (inputs.args, inputs.kwargs))
     try:
-        outs = tree_flatten(func(*args, **kwargs))[0]
-    except Exception:  # noqa: BLE001 (no meta kernel: no second opinion)
+        return tree_flatten(func(*args, **kwargs))[0]
+    except Exception as error:  # noqa: BLE001 (returned: the caller tells refusals from missing kernels)
+        return error
+
+
+def _meta_output(func, inputs: _Inputs, i: int) -> tuple | None:
+    """(shape, dtype) of output ``i`` by PyTorch's meta kernel (None without one)."""
+    outs = _meta_run(func, inputs)
+    if isinstance(outs, Exception) or i >= len(outs) or not isinstance(outs[i], torch.Tensor):
         return None
-    return (outs[i].shape, outs[i].dtype) if i < len(outs) and isinstance(outs[i], torch.Tensor) else None
+    return outs[i].shape, outs[i].dtype
+
+
+def _refused(error: Exception) -> bool:
+    """``error`` says the inputs are invalid (not that a kernel is missing for this backend)."""
+    return isinstance(error, (RuntimeError, ValueError, IndexError, TypeError)) and not isinstance(error, NotImplementedError)
 
 
 def _is_random(func) -> bool:
@@ -461,6 +476,10 @@ def _is_random(func) -> bool:
         return True
     lowering = get_lowering(func)
     return lowering is not None and lowering.random
+
+
+def _first_line(error: Exception) -> str:
+    return (str(error).splitlines() or [""])[0][:200]
 
 
 def _name(func) -> str:
@@ -473,10 +492,15 @@ def _compare(func, inputs: _Inputs, out, report: ShadowReport) -> list[str] | No
     unified = False
     try:
         expected = func(*cpu_args, **cpu_kwargs)
-    except Exception as error:  # noqa: BLE001 (what CPU refuses is reported as unchecked, not a divergence)
+    except Exception as error:  # noqa: BLE001 (CPU may lack the kernel: then unchecked, not a divergence)
         expected = None
+        meta = _meta_run(func, inputs)
+        if _refused(error) and isinstance(meta, Exception) and _refused(meta):
+            # CPU and the meta kernel refuse these inputs (baddbmm of float32 and bfloat16): PyTorch
+            # raises where tpu computed something.
+            return [f"PyTorch refuses these inputs and tpu accepted them: {type(error).__name__}: {_first_line(error)}"]
         dtypes = {x.dtype for x in tree_flatten((inputs.args, inputs.kwargs))[0] if isinstance(x, torch.Tensor) and x.is_floating_point()}
-        if len(dtypes) > 1:
+        if len(dtypes) > 1 and not isinstance(meta, Exception):
             # Where tpu follows the meta kernel's dtypes (float32 statistics of a bfloat16 layer norm),
             # CPU's kernel may refuse them in its backward: ask it with every float in one dtype.
             cpu_args, cpu_kwargs, cpu_storages = inputs.on_cpu(unify=True)
@@ -486,7 +510,7 @@ def _compare(func, inputs: _Inputs, out, report: ShadowReport) -> list[str] | No
             except Exception:  # noqa: BLE001
                 pass
         if expected is None:
-            report.unchecked.setdefault(_name(func), f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            report.unchecked.setdefault(_name(func), f"{type(error).__name__}: {_first_line(error)}")
             return None
     wide_cache: list = []
 
@@ -537,11 +561,11 @@ def _compare(func, inputs: _Inputs, out, report: ShadowReport) -> list[str] | No
     # Writes: the whole storage behind each written argument (its base and other views too),
     # and any storage the tpu side replaced although the schema does not say it writes it.
     written = {}
-    for name, value in _written(func, inputs.args, inputs.kwargs):
+    for argument, value in _written(func, inputs.args, inputs.kwargs):
         values = value if isinstance(value, (list, tuple)) else [value]
         for k, t in enumerate(values):
             if isinstance(t, TpuTensor):
-                where = f"argument '{name}'" + (f" (tensor {k} of {len(values)})" if len(values) > 1 else "")
+                where = f"argument '{argument}'" + (f" (tensor {k} of {len(values)})" if len(values) > 1 else "")
                 written.setdefault(id(t._storage), (where, t))
     for key, (storage, array) in inputs.before.items():
         if storage.array is not array and key not in written:
