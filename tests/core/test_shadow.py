@@ -97,11 +97,12 @@ def test_a_correct_training_step_reports_nothing():
 def test_off_means_no_hook():
     assert dispatch._shadow is None
     before = dict(torch.nn.modules.module._global_forward_pre_hooks)
+    mode = tpurec.get_mode()
     with tpurec.debug.shadow():
         assert dispatch._shadow is not None and tpurec.get_mode() == "debug"
     assert dispatch._shadow is None
     assert dict(torch.nn.modules.module._global_forward_pre_hooks) == before
-    assert tpurec.get_mode() == "eager"
+    assert tpurec.get_mode() == mode
 
 
 def test_a_wrong_forward_lowering_names_op_module_and_line(wrong_lowering):
