@@ -154,6 +154,8 @@ def _path_of(module, parent: _Frame | None) -> str:
 
 
 def _forward_pre(module, args) -> None:
+    if torch.compiler.is_compiling():  # Dynamo traces global hooks; compiled graphs are not shadowed
+        return
     stack = _stack()
     path = _path_of(module, stack[-1] if stack else None)
     stack.append(_Frame(module, path, torch._C._autograd._get_sequence_nr()))
@@ -172,6 +174,8 @@ def _tensors(value) -> Iterator[torch.Tensor]:
 
 
 def _forward_post(module, args, output) -> None:
+    if torch.compiler.is_compiling():
+        return
     stack = _stack()
     for i in range(len(stack) - 1, -1, -1):
         if stack[i].module is module:
@@ -699,7 +703,7 @@ def _mismatch(name: str, inputs: _Inputs, problems: list[str], in_engine: bool) 
 
 
 def _track_roots(module, args) -> None:
-    if not _stack():
+    if not torch.compiler.is_compiling() and not _stack():
         _roots.add(module)
 
 

@@ -294,3 +294,15 @@ def test_a_tiny_llama_training_step_reports_nothing(wrong_lowering):
     assert caught.value.module == "model.layers.0.self_attn.q_proj (Linear)"
     assert "modeling_llama.py" in caught.value.where and "self.q_proj(hidden_states)" in caught.value.where
     assert f'called from: File "{__file__}", line {_line_of("# the wrong product runs here")}' in str(caught.value)
+
+
+def test_compiled_modules_run_under_the_shadow():
+    # Dynamo traces global module hooks: the shadow's skip compiled regions (one program, not shadowed),
+    # and the eager ops around them are still compared.
+    torch.manual_seed(0)
+    compiled = torch.compile(torch.nn.Linear(4, 2).to("tpu"), backend="tpu")
+    x = torch.randn(3, 4).to("tpu")
+    with tpurec.debug.shadow() as report:
+        compiled(x).sum().backward()
+    assert report.checked["aten.sum.default"] == 1
+    assert compiled.weight.grad is not None
