@@ -54,6 +54,7 @@ from tpurec.compile import register as _register_compile  # noqa: E402
 _register_compile()
 
 from tpurec import library  # noqa: E402,F401
+from tpurec import debug  # noqa: E402,F401 (TPUREC_SHADOW=cpu starts shadowing at import)
 from tpurec.core import memory as _memory  # noqa: E402
 from tpurec.core.device import TpuModule as _TpuModule  # noqa: E402
 from tpurec.core.device import platform  # noqa: E402
@@ -86,5 +87,5 @@ def shard(model, plan=None, mesh=None, **kwargs):
 
 __all__ = [
     "shard", "platform", "stats", "reset_stats", "synchronize", "set_mode", "get_mode", "mode", "enable_disk_cache",
-    "TpuTensor", "library", "profile", "explain_recompiles",
+    "TpuTensor", "library", "debug", "profile", "explain_recompiles",
 ]

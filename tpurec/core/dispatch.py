@@ -947,7 +947,25 @@ def _raise_pending_fallback() -> None:
     raise RuntimeError(message)
 
 
+# tpurec.debug.shadow() (a layer above) checks each op against PyTorch CPU through this hook:
+# ``hook(run, func, args, kwargs)`` runs the op with ``run(func, args, kwargs)``, then compares.
+# None unless shadowing, so that off it costs one test per op.
+_shadow = None
+
+
+def install_shadow(hook) -> None:
+    """Installs (or, with None, removes) tpurec.debug's per-op check."""
+    global _shadow
+    _shadow = hook
+
+
 def dispatch(func, args: tuple, kwargs: dict):
+    if _shadow is not None:
+        return _shadow(_dispatch_profiled, func, args, kwargs)
+    return _dispatch_profiled(func, args, kwargs)
+
+
+def _dispatch_profiled(func, args: tuple, kwargs: dict):
     if _torch_profiler._is_profiler_enabled:  # tpurec.profiler hook: a dispatch range per op
         with profiler.record("tpurec::dispatch"):
             return _dispatch_checked(func, args, kwargs)
@@ -1028,6 +1046,11 @@ install_dispatcher(dispatch, value_of)
 
 def _factory(func):
     def kernel(*args, **kwargs):
+        if _shadow is not None:
+            return _shadow(lambda func, args, kwargs: compute(*args, **kwargs), func, args, kwargs)
+        return compute(*args, **kwargs)
+
+    def compute(*args, **kwargs):
         device = kwargs.get("device")
         index = _device_index(device)
         if func in (aten.empty.memory_format,):
