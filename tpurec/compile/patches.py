@@ -7,13 +7,19 @@ the runtime core. For the compiler a tpu tensor is exactly a dense tensor on
 a device, like a CUDA tensor; these patches say so (AOTAutograd's tangent
 check is answered by ``TpuTensor.__coerce_same_metadata_as_tangent__``):
 
-1. Dynamo wraps TpuTensors as tensors (fake tensors on device "tpu").
-2. Dynamo never traces the runtime core (dispatch, tensor, views, lowerings)
+1. Dynamo wraps TpuTensors as tensors (fake tensors on device "tpu"), not as
+   ``__torch_function__`` subclasses: it would rebuild such values after a graph
+   break through a class global it never installs (NameError ``__subclass_Tensor_...``).
+2. Fake tensor mode never holds a real tpu tensor: ``torch.tensor(data, device="tpu")``
+   (and the index tensor of ``x[..., [i], :]``) is built on the CPU, lifted, then
+   moved, as PyTorch does for devices it must not touch while tracing.
+3. Dynamo never traces the runtime core (dispatch, tensor, views, lowerings)
    nor JAX: after a graph break, eager tpu ops run untraced. (Dynamo's skip
    lists are per file, not recursive, so JAX itself must be listed too, as
    numpy already is.)
 
-Each patch is idempotent and touches only TpuTensor values.
+Each patch is idempotent and touches only TpuTensor values, but for the fake-mode flag
+(patch 2), which PyTorch applies on every machine without a CUDA/PrivateUse1 runtime.
 """
 
 from __future__ import annotations
@@ -54,6 +60,36 @@ def _wrap_tpu_tensors_as_tensors() -> None:
     builder.VariableBuilder._wrap = _wrap
 
 
+def _not_a_subclass_for_dynamo() -> None:
+    from torch._dynamo.variables import builder
+
+    original = builder.infer_subclass_type
+
+    def infer_subclass_type(value):
+        if type(value) is TpuTensor:
+            return None
+        return original(value)
+
+    # builder's wrap_tensor calls it by its module global; tensor.py imports it from builder per call.
+    builder.infer_subclass_type = infer_subclass_type
+
+
+def _fake_mode_leaves_tpu_data_alone() -> None:
+    """Fake tensor mode's treatment of devices without a usable runtime (its ``avoid_device_init``).
+
+    ``torch.tensor(data, device=d)`` otherwise moves the data to ``d`` with every
+    mode off and lifts the moved tensor: a real TpuTensor, which fake mode does not
+    recognise (a subclass), so it reached tpurec's dispatch among fake tensors.
+    With the flag, the CPU tensor is lifted (a fake constant) and the move is a
+    fake op. Constant propagation of ``_to_copy`` to such a device is skipped too:
+    fake mode computes constants under ``no_dispatch()``, which a Python backend
+    cannot serve, so a tpu constant could not be used anyway.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    FakeTensorMode.avoid_device_init = property(lambda self: True)
+
+
 def _skip_runtime_modules() -> None:
     from torch._dynamo import trace_rules
 
@@ -69,4 +105,6 @@ def apply() -> None:
         return
     _applied = True
     _wrap_tpu_tensors_as_tensors()
+    _not_a_subclass_for_dynamo()
+    _fake_mode_leaves_tpu_data_alone()
     _skip_runtime_modules()
