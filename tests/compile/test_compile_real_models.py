@@ -7,7 +7,7 @@ results) and with rtol 1e-6 where float arithmetic is involved.
 
 import pytest
 import torch
-
+import torch.nn.functional as F
 
 import tpurec  # noqa: F401
 
@@ -105,3 +105,46 @@ def test_data_dependent_graph_break_matches_cpu(backend):
     cpu_breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     torch.testing.assert_close(compiled.cpu(), expected, rtol=0, atol=0)
     assert tpu_breaks == cpu_breaks, (tpu_breaks, cpu_breaks)
+
+
+# --- _assert_async (F.one_hot, MoE routers) -------------------------------------
+
+
+def test_one_hot_compiles_and_matches_cpu():
+    classes = torch.tensor([[1, 3], [0, 4], [2, 2]])
+    compiled, expected = _both(lambda i: F.one_hot(i, 5).sum(1).float(), classes)
+    torch.testing.assert_close(compiled.cpu(), expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [(True, "held"), (False, "one_hot: Class values must be non-negative."), (0.0, None), (3, None)],
+)
+def test_eager_assert_async_checks_like_cpu(value, message):
+    def run(device):
+        args = (torch.tensor(value, device=device),) + (() if message is None else (message,))
+        try:
+            torch._assert_async(*args)
+        except RuntimeError as e:
+            return str(e)
+        return None
+
+    assert run("tpu") == run("cpu")
+
+
+def test_eager_assert_async_of_several_values_fails_like_cpu():
+    with pytest.raises(RuntimeError, match="more than one value is ambiguous"):
+        torch._assert_async(torch.tensor([True, True]))
+    with pytest.raises(RuntimeError, match="more than one value is ambiguous"):
+        torch._assert_async(torch.tensor([True, True], device="tpu"))
+
+
+def test_fused_assert_async_is_no_sync_point():
+    # Like CUDA's asynchronous device assert: it does not flush the window to read the value.
+    with tpurec.mode("fused"):
+        x = torch.ones(3, device="tpu") * 2
+        tpurec.reset_stats()
+        torch._assert_async((x > 0).all(), "positive")
+        assert tpurec.stats()["sync_points"] == {}
+        y = (x + 1).cpu()
+    assert torch.equal(y, torch.full((3,), 3.0))
