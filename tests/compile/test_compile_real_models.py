@@ -308,3 +308,20 @@ def test_backward_graph_error_names_the_op_and_the_user_line():
     text = str(info.value)
     assert type(info.value).__name__ == "CompileError"
     assert "tpurec_test::cpu_only_gradient" in text and "the backward's line" in text, text
+
+
+def test_error_names_the_users_frame_not_torchs():
+    import os
+
+    from tpurec.compile.graph import describe_node
+
+    graph = torch.fx.Graph()
+    node = graph.call_function(torch.ops.aten.sin.default, (graph.placeholder("x"),))
+    functional = os.path.join(os.path.dirname(torch.__file__), "nn", "functional.py")
+    user = '  File "/models/moe.py", line 12, in forward\n    out = F.grouped_mm(x, w, offs=offs)\n'
+    inside = f'  File "{functional}", line 7139, in grouped_mm\n    return torch._grouped_mm(mat_a, mat_b)\n'
+    node.meta["stack_trace"] = user + inside
+    text = describe_node(node)
+    assert "/models/moe.py" in text and "F.grouped_mm(x, w, offs=offs)" in text and "functional.py" not in text
+    node.meta["stack_trace"] = inside  # torch's frame is all there is: still named
+    assert "functional.py" in describe_node(node)
