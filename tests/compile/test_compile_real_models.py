@@ -325,3 +325,23 @@ def test_error_names_the_users_frame_not_torchs():
     assert "/models/moe.py" in text and "F.grouped_mm(x, w, offs=offs)" in text and "functional.py" not in text
     node.meta["stack_trace"] = inside  # torch's frame is all there is: still named
     assert "functional.py" in describe_node(node)
+
+
+# --- grouped_mm (Hugging Face MoE experts on tpu) while tracing -----------------
+
+
+@pytest.mark.parametrize("shapes", [((10, 8), (3, 8, 4), True), ((3, 4, 8), (3, 8, 4), False), ((3, 4, 8), (8, 4), True)],
+                         ids=["2d_3d", "3d_3d", "3d_2d"])
+def test_grouped_mm_fake_of_float32_tpu_tensors_matches_cpu(shapes):
+    # PyTorch's meta kernel accepts only bf16 (CUDA's rule); tpu computes float32 too.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    a_shape, b_shape, grouped = shapes
+    a, b = torch.randn(a_shape), torch.randn(b_shape)
+    offs = torch.tensor([3, 7, 10], dtype=torch.int32) if grouped else None
+    expected = torch._grouped_mm(a, b, offs)
+    mode = FakeTensorMode()
+    fakes = [None if t is None else mode.from_tensor(t.to("tpu")) for t in (a, b, offs)]
+    with mode:
+        out = torch._grouped_mm(*fakes)
+    assert (out.shape, out.dtype, out.device.type) == (expected.shape, expected.dtype, "tpu")
