@@ -15,7 +15,7 @@ check is answered by ``TpuTensor.__coerce_same_metadata_as_tangent__``):
    moved, as PyTorch does for devices it must not touch while tracing.
 3. ``aten._grouped_mm`` (Hugging Face's MoE experts on tpu) has a fake kernel for tpu
    tensors: PyTorch's meta kernel enforces the CUDA kernel's bf16-only, 16-byte-stride
-   rules, which tpu's lowering does not have.
+   rules, which do not hold on tpu.
 4. Dynamo never traces the runtime core (dispatch, tensor, views, lowerings)
    nor JAX: after a graph break, eager tpu ops run untraced. (Dynamo's skip
    lists are per file, not recursive, so JAX itself must be listed too, as

@@ -731,7 +731,8 @@ def _assert_async(self, assert_msg=None) -> None:
     if modes.get_mode() == "fused":
         return None
     if self.numel() != 1:
-        raise RuntimeError(f"Boolean value of Tensor with {'no values' if self.numel() == 0 else 'more than one value'} is ambiguous")
+        values = "no values" if self.numel() == 0 else "more than one value"
+        raise RuntimeError(f"Boolean value of Tensor with {values} is ambiguous")
     if not bool(jax_to_host(value_of(self, "_assert_async")).item()):
         raise RuntimeError(assert_msg if assert_msg is not None else "Expected Tensor with single nonzero value, but got zero")
     return None
