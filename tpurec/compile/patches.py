@@ -19,9 +19,8 @@ check is answered by ``TpuTensor.__coerce_same_metadata_as_tangent__``):
 4. Dynamo never traces the runtime core (dispatch, tensor, views, lowerings)
    nor JAX: after a graph break, eager tpu ops run untraced. (Dynamo's skip
    lists are per file, not recursive, so JAX itself must be listed too, as
-   numpy already is.) Nor anything JAX calls while it builds an eager op's program
-   in a graph break's eager region: that runs with Dynamo's frame hook off, or Dynamo
-   compiles ``logging.Logger.debug`` frames (a graph break CPU never has).
+   numpy already is.) What JAX calls while it compiles a program runs with
+   Dynamo's frame hook off (tpurec/core/recompiles.py).
 
 Each patch is idempotent and touches only TpuTensor values, but for the fake-mode flag
 (patch 2), which PyTorch applies on every machine without a CUDA/PrivateUse1 runtime.
@@ -29,7 +28,6 @@ Each patch is idempotent and touches only TpuTensor values, but for the fake-mod
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 
 import torch
@@ -139,25 +137,6 @@ def _skip_runtime_modules() -> None:
             trace_rules.add(name)
 
 
-def _programs_compile_without_dynamo() -> None:
-    # Around each new program's first run (jax traces and compiles it: Python that logs), wrapping
-    # the hook recompiles installs; a warm run is JAX's C++ path and needs nothing.
-    from torch._C._dynamo.eval_frame import set_eval_frame
-
-    from tpurec.core import recompiles, runtime
-
-    @contextlib.contextmanager
-    def compiling_without_dynamo(program):
-        prior = set_eval_frame(None)
-        try:
-            with recompiles.compiling(program):
-                yield
-        finally:
-            set_eval_frame(prior)
-
-    runtime.observe_compilations(compiling_without_dynamo)
-
-
 def apply() -> None:
     """Installs the patches (once)."""
     global _applied
@@ -169,4 +148,3 @@ def apply() -> None:
     _fake_mode_leaves_tpu_data_alone()
     _grouped_mm_fake_for_tpu()
     _skip_runtime_modules()
-    _programs_compile_without_dynamo()
