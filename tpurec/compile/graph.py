@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
+import os
 from typing import Any, Callable
 
 import jax
@@ -69,12 +70,23 @@ def describe_node(node: torch.fx.Node) -> str:
     trace = node.meta.get("stack_trace")
     if trace:
         lines = [line for line in trace.strip().splitlines() if line.strip()]
-        # The last "File ..., line ..." frame and its code line are the user's.
+        # The last "File ..., line ..." frame and its code line are the user's; frames inside
+        # torch itself (F.grouped_mm calling torch._grouped_mm) are not, unless there is no other.
         frames = [i for i, line in enumerate(lines) if line.lstrip().startswith("File ")]
+        outside = [i for i in frames if not _in_torch(lines[i])]
         if frames:
-            last = frames[-1]
+            last = (outside or frames)[-1]
             text += "\n  from user code:\n    " + "\n    ".join(l.strip() for l in lines[last:last + 2])
     return text
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+
+
+def _in_torch(frame_line: str) -> bool:
+    """A stack-trace line ``File "...", line N, in f`` of a file in torch's own package."""
+    start = frame_line.find('"')
+    return start >= 0 and frame_line[start + 1:].startswith(_TORCH_DIR)
 
 
 # --- small ops that need no lowering -----------------------------------------

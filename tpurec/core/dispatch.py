@@ -722,6 +722,22 @@ def _equal(self, other) -> bool:
     return self.shape == other.shape and bool(torch.eq(self, other).all())
 
 
+# --- torch.compile support (tpurec/compile) ------------------------------------
+
+
+def _assert_async(self, assert_msg=None) -> None:
+    """Eager and debug modes check on the host, as the CPU kernel does; fused mode does not sync
+    (like CUDA's asynchronous device assert; the lowering is a no-op inside programs)."""
+    if modes.get_mode() == "fused":
+        return None
+    if self.numel() != 1:
+        values = "no values" if self.numel() == 0 else "more than one value"
+        raise RuntimeError(f"Boolean value of Tensor with {values} is ambiguous")
+    if not bool(jax_to_host(value_of(self, "_assert_async")).item()):
+        raise RuntimeError(assert_msg if assert_msg is not None else "Expected Tensor with single nonzero value, but got zero")
+    return None
+
+
 _SPECIAL = {
     aten.allclose.default: _allclose,
     aten.equal.default: _equal,
@@ -749,6 +765,8 @@ _SPECIAL = {
     # treated as a view, conj() returned the unconjugated values (ifft of real input was wrong).
     # So conj materialises on tpu: is_conj() stays False and the values are conjugated.
     aten._conj.default: lambda self: _dispatch(aten._conj_physical.default, (self,), {}),
+    aten._assert_async.default: _assert_async,
+    aten._assert_async.msg: _assert_async,
 }
 
 

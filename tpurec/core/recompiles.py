@@ -46,6 +46,7 @@ import weakref
 from typing import Any, Iterator
 
 import torch
+from torch._C._dynamo.eval_frame import set_eval_frame
 
 from tpurec.core import profiler, runtime
 
@@ -124,8 +125,15 @@ def compiling(owner: Any) -> Iterator[None]:
     origin = getattr(owner, "origin", None)
     disk_hits = runtime.counters().disk_hits
     start = time.perf_counter()
-    with profiler.record(f"tpurec::compile {profiler.program_label(origin)}"):
-        yield
+    # JAX traces and compiles in Python that logs. In a torch.compile graph break's eager region
+    # Dynamo's frame hook is on, and it would compile logging.Logger.debug frames (numpy arrays in
+    # their arguments count as tensors): a graph break that CPU never has.
+    prior_hook = set_eval_frame(None)
+    try:
+        with profiler.record(f"tpurec::compile {profiler.program_label(origin)}"):
+            yield
+    finally:
+        set_eval_frame(prior_hook)
     if origin is None:
         return
     seconds = time.perf_counter() - start

@@ -1,5 +1,5 @@
 """Reductions: sum/mean/prod, min/max family, arg-reductions, var/std,
-logsumexp, norms, boolean reductions, scans.
+logsumexp, norms, boolean reductions (and ``_assert_async``), scans.
 
 Like torch's CPU kernels, low-precision floats accumulate in float32 and are
 rounded once at the end; integer/bool sums and products accumulate in int64.
@@ -248,6 +248,15 @@ def all_default(x):
 @lower(aten.all.dim, aten.all.dims)
 def all_dim(x, dim=None, keepdim: bool = False):
     return _bool_reduce(jnp.all, x, dim, keepdim)
+
+
+# The boolean reduction of a check (F.one_hot's decomposition asserts all(0 <= x < n) with it):
+# a no-op inside a program. An XLA program cannot raise, and PyTorch's CUDA kernel does
+# not stop the host either (its device assert is asynchronous); eager execution checks the
+# value on the host instead, as the CPU kernel does (tpurec/core/dispatch.py).
+@lower(aten._assert_async.default, aten._assert_async.msg)
+def assert_async(x, assert_msg: str | None = None):
+    return ()
 
 
 @lower(aten.count_nonzero.dim_IntList, aten.count_nonzero.default)
