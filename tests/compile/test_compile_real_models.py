@@ -202,10 +202,13 @@ def _hf_model(name):
     if name == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     if name == "mixtral":
-        # Experts as a loop over the routed tokens (F.one_hot, nonzero: graph breaks on CPU too);
-        # the grouped_mm experts wait for a _grouped_mm lowering.
+        # Experts as a loop over the routed tokens (F.one_hot, nonzero: graph breaks on CPU too).
         config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
                                             experts_implementation="eager")
+        return transformers.MixtralForCausalLM(config)
+    if name == "mixtral_grouped_mm":
+        # transformers' default experts: one torch._grouped_mm per projection.
+        config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
         return transformers.MixtralForCausalLM(config)
     if name == "bert":
         # An encoder (masked LM; its decoder bias is one parameter shared by two modules).
@@ -225,8 +228,7 @@ def _twins(name):
     cpu = _hf_model(name)
     tpu = copy.deepcopy(cpu).to("tpu")
     if name == "gpt2":
-        # .to("tpu") unties GPT-2's embedding and head today (fixed separately): tie them again.
-        tpu.lm_head.weight = tpu.transformer.wte.weight
+        assert tpu.lm_head.weight is tpu.transformer.wte.weight  # .to("tpu") keeps the tie
     return cpu, tpu
 
 
@@ -241,7 +243,7 @@ def _ids():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "mixtral", "bert"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2", "mixtral", "mixtral_grouped_mm", "bert"])
 def test_hf_lm_compiled_training_step_matches_cpu(name):
     # Loss, every gradient, and the loss after one AdamW step: rtol 1e-4 against CPU.
     cpu, tpu = _twins(name)

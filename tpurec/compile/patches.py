@@ -13,10 +13,7 @@ check is answered by ``TpuTensor.__coerce_same_metadata_as_tangent__``):
 2. Fake tensor mode never holds a real tpu tensor: ``torch.tensor(data, device="tpu")``
    (and the index tensor of ``x[..., [i], :]``) is built on the CPU, lifted, then
    moved, as PyTorch does for devices it must not touch while tracing.
-3. ``aten._grouped_mm`` (Hugging Face's MoE experts on tpu) has a fake kernel for tpu
-   tensors: PyTorch's meta kernel enforces the CUDA kernel's bf16-only, 16-byte-stride
-   rules, which do not hold on tpu.
-4. Dynamo never traces the runtime core (dispatch, tensor, views, lowerings)
+3. Dynamo never traces the runtime core (dispatch, tensor, views, lowerings)
    nor JAX: after a graph break, eager tpu ops run untraced. (Dynamo's skip
    lists are per file, not recursive, so JAX itself must be listed too, as
    numpy already is.) What JAX calls while it compiles a program runs with
@@ -94,41 +91,6 @@ def _fake_mode_leaves_tpu_data_alone() -> None:
     FakeTensorMode.avoid_device_init = property(lambda self: True)
 
 
-def _grouped_mm_output_size(mat_a, mat_b, offs) -> list:
-    """The output size of ``_grouped_mm``, as ATen defines it for each operand rank."""
-    torch._check(mat_a.dim() in (2, 3) and mat_b.dim() in (2, 3),
-                 lambda: f"grouped_mm: operands must be 2D or 3D, got {mat_a.dim()}D and {mat_b.dim()}D")
-    torch._check(mat_a.size(-1) == mat_b.size(-2),
-                 lambda: f"grouped_mm: contraction sizes differ ({mat_a.size(-1)} and {mat_b.size(-2)})")
-    if mat_a.dim() == 3 and mat_b.dim() == 3:
-        torch._check(mat_a.size(0) == mat_b.size(0), lambda: "grouped_mm: batch sizes have to match")
-        return [mat_a.size(0), mat_a.size(1), mat_b.size(-1)]
-    torch._check(offs is not None, lambda: "grouped_mm: offs is required unless both operands are 3D")
-    if mat_a.dim() == 2 and mat_b.dim() == 2:
-        return [offs.size(0), mat_a.size(0), mat_b.size(1)]
-    if mat_a.dim() == 2:
-        torch._check(offs.size(0) == mat_b.size(0), lambda: "grouped_mm: one offset per group of mat_b")
-        return [mat_a.size(0), mat_b.size(-1)]
-    torch._check(offs.size(0) == mat_a.size(0), lambda: "grouped_mm: one offset per group of mat_a")
-    return [mat_a.size(1), mat_b.size(1)]
-
-
-def _grouped_mm_fake_for_tpu() -> None:
-    from torch._subclasses.fake_impls import register_op_impl
-    from torch._subclasses.fake_tensor import FakeTensor, in_kernel_invocation_manager
-
-    op = torch.ops.aten._grouped_mm.default
-
-    @register_op_impl(lambda func: func is op)
-    def grouped_mm(fake_mode, func, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-        if mat_a.device.type != "tpu":
-            return NotImplemented  # PyTorch's meta kernel
-        size = _grouped_mm_output_size(mat_a, mat_b, offs)
-        with in_kernel_invocation_manager(fake_mode):
-            out = torch.empty(size, dtype=out_dtype or mat_a.dtype, device="meta")
-        return FakeTensor(fake_mode, out, mat_a.device)
-
-
 def _skip_runtime_modules() -> None:
     from torch._dynamo import trace_rules
 
@@ -146,5 +108,4 @@ def apply() -> None:
     _wrap_tpu_tensors_as_tensors()
     _not_a_subclass_for_dynamo()
     _fake_mode_leaves_tpu_data_alone()
-    _grouped_mm_fake_for_tpu()
     _skip_runtime_modules()
