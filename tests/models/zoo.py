@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
+import traceback
 from collections.abc import Callable
 from typing import Any
 
@@ -194,9 +195,9 @@ def _resnet():
 def _efficientnet():
     return T.EfficientNetForImageClassification(
         T.EfficientNetConfig(
-            image_size=32, width_coefficient=0.25, depth_coefficient=0.25, kernel_sizes=[3, 5],
+            image_size=32, width_coefficient=0.1, depth_coefficient=0.25, kernel_sizes=[3, 5],
             in_channels=[32, 16], out_channels=[16, 24], strides=[1, 2], num_block_repeats=[1, 2],
-            expand_ratios=[1, 6], hidden_dim=64, dropout_rate=0.0, drop_connect_rate=0.0, num_labels=3,
+            expand_ratios=[1, 6], hidden_dim=128, dropout_rate=0.0, drop_connect_rate=0.0, num_labels=3,
         )
     )
 
@@ -310,6 +311,7 @@ class Trace:
     params: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # after the last step
     tokens: torch.Tensor | None = None
     generate_error: str | None = None
+    generate_traceback: str | None = None
     warm: dict[str, Any] = dataclasses.field(default_factory=dict)  # stats over the warm steps
     seconds: float = 0.0
 
@@ -377,6 +379,7 @@ def train(model: torch.nn.Module, batch: dict, prompt: dict | None, device: str,
                 trace.tokens = _generate(model, prompt, device)
         except Exception as error:  # noqa: BLE001 (the report names it)
             trace.generate_error = _first_line(error)
+            trace.generate_traceback = traceback.format_exc()
     trace.seconds = time.perf_counter() - started
     return trace
 
@@ -439,6 +442,7 @@ class Report:
     problems: list[str]
     warm: dict[str, Any]
     seconds: float
+    tracebacks: list[str] = dataclasses.field(default_factory=list)  # of what raised, for diagnosis
 
 
 _REFERENCES: dict[str, tuple[Trace, Callable[[], Trace]]] = {}
@@ -480,7 +484,7 @@ def run(name: str, mode: str) -> Report:
         tpu = train(model, batch, prompt, "tpu", mode)
     except Exception as error:  # noqa: BLE001 (the report names it)
         problems.append(f"training raised {_first_line(error)}")
-        return Report(name, mode, attn, problems, {}, 0.0)
+        return Report(name, mode, attn, problems, {}, 0.0, [traceback.format_exc()])
     for step, (a, e) in enumerate(zip(tpu.losses, cpu.losses), 1):
         problems.append(judge(f"loss at step {step}", a, e, lambda s=step: float64().losses[s - 1]))
     for n, e in cpu.grads.items():
@@ -503,4 +507,5 @@ def run(name: str, mode: str) -> Report:
                         f"({tpu.warm['compilations']} compiled)")
     if tpu.warm.get("host_fallbacks"):
         problems.append(f"host fallbacks in the warm steps: {tpu.warm['host_fallbacks']}")
-    return Report(name, mode, attn, [p for p in problems if p], tpu.warm, tpu.seconds)
+    return Report(name, mode, attn, [p for p in problems if p], tpu.warm, tpu.seconds,
+                  [tpu.generate_traceback] if tpu.generate_traceback else [])
