@@ -22,6 +22,7 @@ disk cache). Fused mode's programs per step are measured and reported.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import time
@@ -346,7 +347,7 @@ def train(model: torch.nn.Module, batch: dict, prompt: dict | None, device: str,
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     batch = _tree_to(batch, device, dtype)
     forward = torch.compile(model, backend="tpu") if mode == "compiled" else model
-    context = (lambda: tpurec.mode("fused")) if mode == "fused" else _nothing
+    context = (lambda: tpurec.mode("fused")) if mode == "fused" else contextlib.nullcontext
     for step in range(1, STEPS + 1):
         if step == WARMUP + 1:
             tpurec.reset_stats()
@@ -387,14 +388,6 @@ def train(model: torch.nn.Module, batch: dict, prompt: dict | None, device: str,
 def _first_line(error: BaseException) -> str:
     lines = [line for line in str(error).strip().splitlines() if line.strip()]
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:600]
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 # ------------------------------------------------------------------------------------ judging
