@@ -35,6 +35,7 @@ for _name in _OLD_PATHS:
 del _name
 
 _device.register()
+core.conversion.install()  # module.to("tpu") keeps Parameter objects, as on CUDA
 
 from tpurec.core.dispatch import register_factories as _register_factories  # noqa: E402
 
@@ -44,11 +45,16 @@ from tpurec.amp import register as _register_autocast  # noqa: E402
 
 _register_autocast()
 
+from tpurec.dense.grouped_mm import register_fake_rule as _register_grouped_mm_fake  # noqa: E402
+
+_register_grouped_mm_fake()
+
 from tpurec.compile import register as _register_compile  # noqa: E402
 
 _register_compile()
 
 from tpurec import library  # noqa: E402,F401
+from tpurec import debug  # noqa: E402,F401 (TPUREC_SHADOW=cpu starts shadowing at import)
 from tpurec.core import memory as _memory  # noqa: E402
 from tpurec.core.device import TpuModule as _TpuModule  # noqa: E402
 from tpurec.core.device import platform  # noqa: E402
@@ -81,5 +87,5 @@ def shard(model, plan=None, mesh=None, **kwargs):
 
 __all__ = [
     "shard", "platform", "stats", "reset_stats", "synchronize", "set_mode", "get_mode", "mode", "enable_disk_cache",
-    "TpuTensor", "library", "profile", "explain_recompiles",
+    "TpuTensor", "library", "debug", "profile", "explain_recompiles",
 ]

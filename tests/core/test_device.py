@@ -28,7 +28,7 @@ def test_set_device_and_index_mapping():
         torch.tpu.set_device(3)
         t = torch.ones(2, device="tpu")
         assert t.device == torch.device("tpu", 3)
-        assert t.jax().devices() == {jax.devices()[3]}
+        assert t.to_jax().devices() == {jax.devices()[3]}
     finally:
         torch.tpu.set_device(0)
     u = torch.zeros(2, device="tpu:5")
@@ -81,7 +81,7 @@ def test_fused_mode_keeps_each_device_in_its_own_graph():
         a = torch.ones(3, device="tpu:0") * 2
         b = torch.ones(3, device="tpu:1") * 3
         c = b + 1
-        assert a.jax().devices() == {jax.devices()[0]}
-        assert c.jax().devices() == {jax.devices()[1]}
+        assert a.to_jax().devices() == {jax.devices()[0]}
+        assert c.to_jax().devices() == {jax.devices()[1]}
         assert a.tolist() == [2.0] * 3 and c.tolist() == [4.0] * 3
     assert tpurec.stats()["sync_points"].get("device change", 0) == 1

@@ -14,6 +14,7 @@ Lowest first (``LAYERS``):
 ``device``      JAX devices behind ``tpu:N`` and the ``torch.tpu`` module, PrivateUse1 renamed
 ``memory``      live-buffer accounting and ``torch.tpu.memory_allocated()`` and friends
 ``tensor``      ``TpuTensor`` and its ``Storage`` (a jax.Array), host <-> device copies
+``conversion``  ``module.to("tpu")`` and back keep each ``Parameter`` object (ties, attributes)
 ``fused``       the fused mode's deferred window, run as one program at a sync point
 ``modes``       eager / fused / debug, and the environment switches
 ``dispatch``    one ATen op on tpu tensors -> a cached program (or a recorded node)
@@ -23,7 +24,7 @@ Where a lower module must reach a higher one, the higher one installs a hook at 
 (there is no upward import, not even inside a function):
 
 * ``dispatch`` -> ``tensor.install_dispatcher``: ``TpuTensor.__torch_dispatch__``, printing
-  and ``TpuTensor.jax()`` reach the dispatcher;
+  and ``TpuTensor.to_jax()`` reach the dispatcher;
 * ``fused`` -> ``runtime.flush_pending_work_with``: ``synchronize`` runs the pending window;
 * ``recompiles`` -> ``runtime.observe_compilations``: each new program's first run is
   timed, profiled and checked for recompilation.
@@ -37,7 +38,7 @@ Importing this package imports every layer in order, so the hooks are always ins
 """
 
 from tpurec.core import errors, views, rng, profiler, runtime, recompiles  # noqa: I001 (layer order)
-from tpurec.core import device, memory, tensor, fused, modes, dispatch
+from tpurec.core import device, memory, tensor, conversion, fused, modes, dispatch
 
 LAYERS = (
     "errors",
@@ -49,6 +50,7 @@ LAYERS = (
     "device",
     "memory",
     "tensor",
+    "conversion",
     "fused",
     "modes",
     "dispatch",

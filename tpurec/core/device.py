@@ -128,6 +128,36 @@ class _Guard(torch._C._acc.DeviceGuard):
         return torch._C._autograd.DeviceType.PrivateUse1
 
 
+class _CallingThreadEngine:
+    """PyTorch's autograd engine, running each backward pass on the thread that asked for it.
+
+    The engine gives every non-CPU device index a worker queue, sized once, at the first
+    backward pass of the process, from the device guards registered then. The guard of a
+    Python backend reports one device, so a backward reaching ``tpu:1`` or higher fails an
+    internal assert; and a backward run before ``import tpurec`` leaves no queue at all
+    (``tpu:0`` fails too). With the engine's multithreading off, every node runs on the
+    caller's queue, which the engine already does for CPU graphs: a tpu node gains nothing
+    from a worker thread, since tpurec's dispatch holds the GIL.
+    """
+
+    def __init__(self, engine) -> None:
+        self._engine = engine
+
+    def run_backward(self, *args, **kwargs):
+        with torch.autograd.set_multithreading_enabled(False):
+            return self._engine.run_backward(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._engine, name)
+
+
+def _run_backward_on_calling_thread() -> None:
+    from torch.autograd.variable import Variable
+
+    if not isinstance(Variable._execution_engine, _CallingThreadEngine):
+        Variable._execution_engine = _CallingThreadEngine(Variable._execution_engine)
+
+
 _registered = False
 
 
@@ -136,6 +166,7 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    _run_backward_on_calling_thread()
     if torch._C._get_privateuse1_backend_name() == "tpu":
         _registered = True
         return

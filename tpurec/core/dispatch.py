@@ -864,6 +864,45 @@ _DATA_DEPENDENT = {
 }
 
 
+# --- index tensors on another device -------------------------------------------
+# ATen's advanced indexing (make_info) moves index tensors to the indexed tensor's device,
+# so CUDA takes ``t[cpu_idx]``, ``t[cpu_idx] = v`` and their backward; as there, a 0-dim
+# value moves with them. Every other op keeps refusing a CPU tensor with dimensions.
+_INDEXING = {
+    aten.index.Tensor,
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten._index_put_impl.default,
+    aten._index_put_impl_.default,
+}
+
+
+def _indexing_across_devices(func, args):
+    """``(args, None)`` with CPU indices of a tpu tensor moved to it, or ``(None, result)``
+    for a CPU tensor indexed by tpu indices (run on CPU, as ATen moves them there)."""
+    if func not in _INDEXING or len(args) < 2 or not isinstance(args[1], (list, tuple)):
+        return args, None
+    self, indices = args[0], args[1]
+    if isinstance(self, TpuTensor):
+        index = self._storage.index
+        move = lambda t: wrap(host_to_jax(t, jax_device(index)), index)  # noqa: E731
+        foreign = lambda t: isinstance(t, torch.Tensor) and not isinstance(t, TpuTensor) and t.device.type == "cpu"  # noqa: E731
+    elif isinstance(self, torch.Tensor) and self.device.type == "cpu":
+        move = lambda t: jax_to_host(value_of(t, "indexing a CPU tensor"))  # noqa: E731
+        foreign = lambda t: isinstance(t, TpuTensor)  # noqa: E731
+    else:
+        return args, None
+    if not any(foreign(i) for i in indices):
+        return args, None
+    rest = list(args[2:])
+    if rest and foreign(rest[0]) and rest[0].dim() == 0:
+        rest[0] = move(rest[0])
+    args = (self, [move(i) if foreign(i) else i for i in indices], *rest)
+    if isinstance(self, TpuTensor):
+        return args, None
+    return None, func(*args)
+
+
 def _has_bool_index(func, args) -> bool:
     """Reading through a boolean mask, or writing per-element values through one."""
     if func is aten.index.Tensor:
@@ -908,7 +947,25 @@ def _raise_pending_fallback() -> None:
     raise RuntimeError(message)
 
 
+# tpurec.debug.shadow() (a layer above) checks each op against PyTorch CPU through this hook:
+# ``hook(run, func, args, kwargs)`` runs the op with ``run(func, args, kwargs)``, then compares.
+# None unless shadowing, so that off it costs one test per op.
+_shadow = None
+
+
+def install_shadow(hook) -> None:
+    """Installs (or, with None, removes) tpurec.debug's per-op check."""
+    global _shadow
+    _shadow = hook
+
+
 def dispatch(func, args: tuple, kwargs: dict):
+    if _shadow is not None:
+        return _shadow(_dispatch_profiled, func, args, kwargs)
+    return _dispatch_profiled(func, args, kwargs)
+
+
+def _dispatch_profiled(func, args: tuple, kwargs: dict):
     if _torch_profiler._is_profiler_enabled:  # tpurec.profiler hook: a dispatch range per op
         with profiler.record("tpurec::dispatch"):
             return _dispatch_checked(func, args, kwargs)
@@ -945,6 +1002,10 @@ def _dispatch(func, args: tuple, kwargs: dict):
     special = _SPECIAL.get(func)
     if special is not None:
         return special(*args, **kwargs)
+    if func in _INDEXING:
+        args, result = _indexing_across_devices(func, args)
+        if args is None:
+            return result
     if func in _DATA_DEPENDENT or _has_bool_index(func, args):
         runtime.counters().host_ops[func.__name__] += 1
         return _on_host(func, args, kwargs)
@@ -985,6 +1046,11 @@ install_dispatcher(dispatch, value_of)
 
 def _factory(func):
     def kernel(*args, **kwargs):
+        if _shadow is not None:
+            return _shadow(lambda func, args, kwargs: compute(*args, **kwargs), func, args, kwargs)
+        return compute(*args, **kwargs)
+
+    def compute(*args, **kwargs):
         device = kwargs.get("device")
         index = _device_index(device)
         if func in (aten.empty.memory_format,):

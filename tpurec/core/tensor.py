@@ -28,7 +28,7 @@ def install_dispatcher(dispatch: Callable[[Any, tuple, dict], Any], value_of: Ca
 
     Args:
         dispatch: runs one ATen op on tpu tensors (``TpuTensor.__torch_dispatch__``).
-        value_of: a tensor's values as one concrete jax.Array (printing, ``TpuTensor.jax()``).
+        value_of: a tensor's values as one concrete jax.Array (printing, ``TpuTensor.to_jax()``).
     """
     global _dispatch, _value_of
     _dispatch, _value_of = dispatch, value_of
@@ -103,6 +103,8 @@ class TpuTensor(torch.Tensor):
     # The storage dtype differs from the dtype only for views between a complex dtype and its
     # real counterpart (view_as_real, view_as_complex); see tpurec.core.views.reinterpretation.
     _key: tuple
+    # The Python attributes that hold the tensor's contents (see tpurec.core.conversion).
+    CONTENT_ATTRIBUTES = ("_storage", "_key")
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -196,8 +198,13 @@ class TpuTensor(torch.Tensor):
     def tolist(self):
         return self.cpu().tolist()
 
-    def jax(self) -> jax.Array:
-        """The tensor's values as a jax.Array on its device (no copy when possible)."""
+    def to_jax(self) -> jax.Array:
+        """The tensor's values as a jax.Array on its device (no copy when possible; a sync point).
+
+        Not named ``jax()``: libraries probe tensors for torchax's ``jax()`` method to detect
+        JAX tracing (transformers does on every forward), and answering that probe would run
+        the pending fused window at each call.
+        """
         return _value_of(self)
 
 
