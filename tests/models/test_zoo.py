@@ -9,9 +9,9 @@ import pytest
 
 import zoo
 
-# The pairs `make test` runs (passing today, about 20 s each on 2 cores): a decoder LM in eager and
-# fused mode, a vision model compiled.
-DEFAULT = {("llama", "eager"), ("llama", "fused"), ("vit", "compiled")}
+# The pairs `make test` runs (passing today, 3-20 s each on 2 cores): a decoder LM in eager and fused
+# mode, a vision model and an encoder with tied weights compiled.
+DEFAULT = {("llama", "eager"), ("llama", "fused"), ("vit", "compiled"), ("bert", "compiled")}
 
 COMPILED_CACHE = ("compiled training: Dynamo's fake-tensor run of the KV cache's torch.cat([self.keys (torch.tensor([]) "
                   "made on 'tpu'), key_states (on 'tpu:0')]) fails: 'Expected all tensors to be on the same device, but "
