@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train quickstart test coverage clean
+.PHONY: train quickstart test zoo coverage clean
 
 $(STAMP): requirements.lock requirements-test.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,11 @@ quickstart: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 	TPUREC_MODE=fused $(PY) -m pytest -q tests/core tests/sparse/test_tpu_device.py tests/sparse/test_dlrm.py tests/dense/test_programs.py
+
+# The model zoo (tests/models): every transformers family x eager/fused/compiled against CPU; `make test`
+# runs only its default slice. Results and known failures: docs/zoo.md.
+zoo: $(STAMP)
+	$(PY) -m pytest -q tests/models -m "zoo or not zoo"
 
 # Every float32 entry of torch's OpInfo database through the tpu device vs CPU (about 25 min on
 # 2 cores); fails on a mismatch with tests/dense/opinfo_known_failures.txt, writes docs/ops.md.
