@@ -51,3 +51,63 @@ def test_sgn_of_complex_is_unit_phase_and_zero_at_zero(dtype):
     # CPU's zero is +0+0j, also for -0-0j.
     zero = cpu.abs() == 0
     assert not torch.signbit(torch.view_as_real(tpu)[zero]).any()
+
+
+# --- mixed dtypes that PyTorch refuses (JAX would promote them) -----------------------------
+
+def _f(shape, dtype):
+    return torch.arange(1, 1 + torch.Size(shape).numel(), dtype=dtype).reshape(shape) / 8
+
+
+def _idx():
+    return torch.tensor([[0, 2, 1]])
+_MIXED = {
+    "baddbmm": lambda a, b: torch.baddbmm(_f((2, 3, 3), a), _f((2, 3, 3), b), _f((2, 3, 3), b)),
+    "addmm": lambda a, b: torch.addmm(_f((3, 3), a), _f((3, 3), b), _f((3, 3), b)),
+    "addmm_mats": lambda a, b: torch.addmm(_f((3, 3), a), _f((3, 3), a), _f((3, 3), b)),
+    "addbmm": lambda a, b: torch.addbmm(_f((3, 3), a), _f((2, 3, 3), b), _f((2, 3, 3), b)),
+    "addmv": lambda a, b: torch.addmv(_f((3,), a), _f((3, 3), b), _f((3,), b)),
+    "mm": lambda a, b: torch.mm(_f((3, 3), a), _f((3, 3), b)),
+    "bmm": lambda a, b: torch.bmm(_f((2, 3, 3), a), _f((2, 3, 3), b)),
+    "mv": lambda a, b: torch.mv(_f((3, 3), a), _f((3,), b)),
+    "dot": lambda a, b: torch.dot(_f((3,), a), _f((3,), b)),
+    "matmul": lambda a, b: torch.matmul(_f((2, 3, 3), a), _f((3, 3), b)),
+    "linear": lambda a, b: torch.nn.functional.linear(_f((2, 3), a), _f((4, 3), b)),
+    "conv1d": lambda a, b: torch.nn.functional.conv1d(_f((1, 1, 4), a), _f((1, 1, 2), b)),
+    "scatter": lambda a, b: torch.scatter(_f((1, 3), a), 1, _idx(), _f((1, 3), b)),
+    "scatter_reduce": lambda a, b: torch.scatter_reduce(_f((1, 3), a), 1, _idx(), _f((1, 3), b), "amax"),
+    "scatter_add_": lambda a, b: _f((1, 3), a).scatter_add_(1, _idx(), _f((1, 3), b)),
+    "index_add": lambda a, b: torch.index_add(_f((3,), a), 0, torch.tensor([0, 2]), _f((2,), b)),
+    "index_copy": lambda a, b: torch.index_copy(_f((3,), a), 0, torch.tensor([0, 2]), _f((2,), b)),
+    "index_put_": lambda a, b: _f((3,), a).index_put_((torch.tensor([0, 2]),), _f((2,), b), accumulate=True),
+    "setitem": lambda a, b: _f((3,), a).__setitem__(torch.tensor([0, 2]), _f((2,), b)),
+    "put": lambda a, b: _f((3,), a).put(torch.tensor([0, 2]), _f((2,), b)),
+    "masked_scatter": lambda a, b: torch.masked_scatter(_f((3,), a), torch.tensor([True, False, True]), _f((3,), b)),
+    "lerp": lambda a, b: torch.lerp(_f((3,), a), _f((3,), b), 0.25),
+}
+
+
+class _OnTpu(torch.overrides.TorchFunctionMode):
+    """Every tensor a case makes is made on tpu (the same values as on CPU)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.device.type == "cpu":
+            return out.to("tpu")
+        return out
+
+
+@pytest.mark.parametrize("other", [torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("case", sorted(_MIXED))
+def test_mixed_dtypes_are_refused_as_on_cpu(case, other):
+    fn = _MIXED[case]
+    with pytest.raises(RuntimeError):
+        fn(torch.float32, other)
+    with _OnTpu(), pytest.raises(RuntimeError, match="dtype|scalar type"):
+        fn(torch.float32, other)
+    # One dtype is accepted and computes CPU's values.
+    cpu = fn(torch.float32, torch.float32)
+    with _OnTpu():
+        tpu = fn(torch.float32, torch.float32)
+    if cpu is not None:
+        torch.testing.assert_close(tpu.cpu(), cpu, rtol=1.3e-6, atol=1e-5)
