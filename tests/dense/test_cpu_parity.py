@@ -111,3 +111,57 @@ def test_mixed_dtypes_are_refused_as_on_cpu(case, other):
         tpu = fn(torch.float32, torch.float32)
     if cpu is not None:
         torch.testing.assert_close(tpu.cpu(), cpu, rtol=1.3e-6, atol=1e-5)
+
+
+# --- shifts: t << 2, t >> 1, amounts >= the bit width and negative ones ----------------------
+
+_SHIFTS = {
+    "lshift_scalar": lambda x, s: x << 3,
+    "rshift_scalar": lambda x, s: x >> 1,
+    "lshift_tensor": lambda x, s: x << s,
+    "rshift_tensor": lambda x, s: x >> s,
+    "lshift_wide": lambda x, s: x << 70,
+    "rshift_wide": lambda x, s: x >> 70,
+    "lshift_negative": lambda x, s: x << -1,
+    "rshift_negative": lambda x, s: x >> -1,
+    # The amount wraps to the tensor's dtype first (int8: 257 -> 1, 300 -> 44 >= 8).
+    "rshift_wrapping": lambda x, s: x >> 257,
+    "lshift_wrapping": lambda x, s: x << 300,
+    "ilshift": lambda x, s: x.clone().__ilshift__(s),
+    "irshift_scalar": lambda x, s: x.clone().__irshift__(2),
+    "bitwise_left_shift_scalar": lambda x, s: torch.bitwise_left_shift(x, 2),
+    "bitwise_right_shift_scalar_tensor": lambda x, s: torch.bitwise_right_shift(-100, s),
+    "rlshift": lambda x, s: 3 << s,
+    "int64_amounts": lambda x, s: x >> s.long(),
+}
+
+
+def _shift_operands(dtype):
+    if dtype == torch.uint8:
+        x = torch.tensor([1, 3, 100, 200, 255, 7], dtype=dtype)
+    else:
+        x = torch.tensor([1, -3, 100, -128, 127, -1], dtype=dtype)
+    s = torch.tensor([0, 1, 7, 8, 70, 200 if dtype == torch.uint8 else -2], dtype=dtype)
+    return x, s
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64])
+@pytest.mark.parametrize("case", sorted(_SHIFTS))
+def test_shifts_match_cpu(case, dtype):
+    x, s = _shift_operands(dtype)
+    cpu = _SHIFTS[case](x, s)
+    tpu = _SHIFTS[case](x.to("tpu"), s.to("tpu"))
+    _same(tpu, cpu)
+
+
+@pytest.mark.parametrize("case", ["lshift_scalar", "rshift_tensor", "bitwise_left_shift_scalar", "rlshift"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
+def test_shifts_of_floats_and_bools_are_refused_as_on_cpu(case, dtype):
+    x = torch.tensor([1, 0, 1], dtype=dtype)
+    try:
+        cpu = _SHIFTS[case](x, x)
+    except NotImplementedError as error:
+        with pytest.raises(NotImplementedError, match=str(error)):
+            _SHIFTS[case](x.to("tpu"), x.to("tpu"))
+    else:  # a bool tensor shifted by an int scalar is an int64 shift
+        _same(_SHIFTS[case](x.to("tpu"), x.to("tpu")), cpu)

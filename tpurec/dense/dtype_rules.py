@@ -41,9 +41,36 @@ SAME_DTYPE: dict = {
 
 _POSITIONS: dict = {}
 
+# Bitwise ops PyTorch implements for integers (and the logical ones for bool) only; XLA's would
+# fail with a TypeError inside the lowering. The value is CPU's kernel name for the error.
+_INTEGER_ONLY: dict = {}
+for _name, _kernel, _bool in [
+    ("bitwise_left_shift", "lshift_cpu", False),
+    ("bitwise_right_shift", "rshift_cpu", False),
+    ("__lshift__", "lshift_cpu", False),
+    ("__rshift__", "rshift_cpu", False),
+    ("bitwise_and", "bitwise_and_cpu", True),
+    ("bitwise_or", "bitwise_or_cpu", True),
+    ("bitwise_xor", "bitwise_xor_cpu", True),
+]:
+    _packet = getattr(aten, _name)
+    for _ov in ("Tensor", "Scalar", "Tensor_Scalar", "Scalar_Tensor"):
+        if _ov in _packet.overloads():
+            _INTEGER_ONLY[getattr(_packet, _ov)] = (_kernel, _bool)
+
 
 def check(func, args: tuple, kwargs: dict) -> None:
-    """Raises PyTorch's kind of error (RuntimeError) where ``func`` would get mixed dtypes."""
+    """Raises PyTorch's kind of error where ``func`` would get mixed dtypes (RuntimeError) or a
+    dtype its kernels lack (NotImplementedError)."""
+    integer_only = _INTEGER_ONLY.get(func)
+    if integer_only is not None:
+        kernel, bool_ok = integer_only
+        dtype = torch.result_type(args[0], args[1])
+        if dtype.is_floating_point or dtype.is_complex or (dtype == torch.bool and not bool_ok):
+            name = {torch.float32: "Float", torch.float64: "Double", torch.bfloat16: "BFloat16",
+                    torch.float16: "Half", torch.bool: "Bool"}.get(dtype, str(dtype).removeprefix("torch."))
+            raise NotImplementedError(f'"{kernel}" not implemented for \'{name}\'')
+        return
     rule = SAME_DTYPE.get(func)
     if rule is None:
         return

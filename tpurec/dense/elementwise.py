@@ -337,8 +337,13 @@ for _name, _fn in [
     ("bitwise_left_shift", jnp.left_shift),
     ("bitwise_right_shift", jnp.right_shift),
 ]:
-    _packet = getattr(aten, _name)
-    _ovs = [getattr(_packet, o) for o in ("Tensor", "Tensor_Scalar", "Scalar", "Scalar_Tensor") if o in _packet.overloads()]
+    _ovs = []
+    # ``t << 2`` and ``t >> 1`` reach the dunder overloads, with the same semantics.
+    for _packet_name in (_name, {"bitwise_left_shift": "__lshift__", "bitwise_right_shift": "__rshift__"}.get(_name)):
+        if _packet_name is None:
+            continue
+        _packet = getattr(aten, _packet_name)
+        _ovs += [getattr(_packet, o) for o in ("Tensor", "Tensor_Scalar", "Scalar", "Scalar_Tensor") if o in _packet.overloads()]
     lower(*_ovs)(lambda x, y, _fn=_fn: _apply(_fn, (x, y), DEFAULT))
 
 
