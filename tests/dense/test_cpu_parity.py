@@ -165,3 +165,32 @@ def test_shifts_of_floats_and_bools_are_refused_as_on_cpu(case, dtype):
             _SHIFTS[case](x.to("tpu"), x.to("tpu"))
     else:  # a bool tensor shifted by an int scalar is an int64 shift
         _same(_SHIFTS[case](x.to("tpu"), x.to("tpu")), cpu)
+
+
+# --- in-place and out=: results PyTorch will not cast into the written tensor -----------------
+
+_WRITES = {
+    "int_add_float": lambda: torch.zeros(3, dtype=torch.int64).add_(torch.ones(3)),
+    "int_mul_float_scalar": lambda: torch.zeros(3, dtype=torch.int64).mul_(1.5),
+    "bool_add_int": lambda: torch.zeros(3, dtype=torch.bool).add_(1),
+    "out_int_of_float": lambda: torch.add(torch.ones(3), 1, out=torch.zeros(3, dtype=torch.int64)),
+    "float_add_complex": lambda: torch.zeros(3).add_(torch.ones(3, dtype=torch.complex64)),
+    "int_true_divide": lambda: torch.zeros(3, dtype=torch.int32).div_(2),
+    # Same kind: accepted (rounded into the narrower dtype).
+    "half_add_float": lambda: torch.zeros(3, dtype=torch.float16).add_(torch.full((3,), 1 / 3)),
+    "int8_add_int64": lambda: torch.zeros(3, dtype=torch.int8).add_(torch.tensor([1, 300, -1])),
+    "float_add_int": lambda: torch.zeros(3).add_(torch.tensor([1, 2, 3])),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_WRITES))
+def test_writes_refuse_the_casts_cpu_refuses(case):
+    try:
+        cpu = _WRITES[case]()
+    except RuntimeError as error:
+        with _OnTpu(), pytest.raises(RuntimeError, match=str(error)):
+            _WRITES[case]()
+    else:
+        with _OnTpu():
+            tpu = _WRITES[case]()
+        _same(tpu, cpu)

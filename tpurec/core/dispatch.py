@@ -289,6 +289,8 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
         dtype_rules.check(func, args, kwargs)
         metas = _meta_outputs(func, args, kwargs)
         dtypes = None if metas is None else [None if m is None else m[1] for m in metas]
+        if targets is not None and dtypes is not None:
+            dtype_rules.check_writable(dtypes, [t.dtype for t in targets])
         random = lowering.random
 
         def program(*inputs):

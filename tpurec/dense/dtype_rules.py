@@ -67,8 +67,7 @@ def check(func, args: tuple, kwargs: dict) -> None:
         kernel, bool_ok = integer_only
         dtype = torch.result_type(args[0], args[1])
         if dtype.is_floating_point or dtype.is_complex or (dtype == torch.bool and not bool_ok):
-            name = {torch.float32: "Float", torch.float64: "Double", torch.bfloat16: "BFloat16",
-                    torch.float16: "Half", torch.bool: "Bool"}.get(dtype, str(dtype).removeprefix("torch."))
+            name = _SCALAR_TYPE.get(dtype, dtype)
             raise NotImplementedError(f'"{kernel}" not implemented for \'{name}\'')
         return
     rule = SAME_DTYPE.get(func)
@@ -87,3 +86,22 @@ def check(func, args: tuple, kwargs: dict) -> None:
     if len({d for _, d in found}) > 1:
         got = ", ".join(f"{n} {str(d).removeprefix('torch.')}" for n, d in found)
         raise RuntimeError(f"{op}: expected {', '.join(n for n, _ in found)} to have the same dtype, but got {got}")
+
+
+_SCALAR_TYPE = {
+    torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
+    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
+    torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+}
+
+
+def check_writable(results: list, targets: list) -> None:
+    """In-place and ``out=``: PyTorch refuses to write a result into a tensor of a dtype it cannot
+    be cast to without losing its kind (float into int, int into bool, complex into float), where
+    XLA would cast silently."""
+    for result, target in zip(results, targets):
+        if result is not None and target is not None and not torch.can_cast(result, target):
+            raise RuntimeError(
+                f"result type {_SCALAR_TYPE.get(result, result)} can't be cast to the desired output type "
+                f"{_SCALAR_TYPE.get(target, target)}"
+            )
