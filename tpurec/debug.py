@@ -105,6 +105,9 @@ class ShadowReport:
         unchecked: ops PyTorch CPU could not run on these inputs -> its error.
         meta_conformant: outputs whose shape or dtype differs from CPU's as PyTorch's meta
             kernel says it should (CPU's own choice, e.g. bfloat16 layer norm statistics).
+        undefined_casts: float -> integer casts with NaN, infinite or out-of-range elements,
+            which are not compared (undefined in C++: x86 CPU gives INT_MIN, tpu and CUDA
+            saturate, NaN -> 0).
     """
 
     rtol: float | None = None
@@ -113,6 +116,7 @@ class ShadowReport:
     random: Counter = dataclasses.field(default_factory=Counter)
     unchecked: dict = dataclasses.field(default_factory=dict)
     meta_conformant: Counter = dataclasses.field(default_factory=Counter)
+    undefined_casts: Counter = dataclasses.field(default_factory=Counter)
 
 
 # --- where an op runs: module path and user line ---------------------------------------
@@ -442,6 +446,23 @@ def _written(func, args, kwargs) -> list[tuple[str, Any]]:
     return found
 
 
+_CASTS = {aten._to_copy.default, aten.copy.default, aten.copy_.default}
+
+
+def _undefined_casts(func, cpu_args, result: torch.Tensor) -> torch.Tensor | None:
+    """For a float -> integer cast, the elements of ``result`` whose source is NaN, infinite or
+    outside the integer's range (C++ leaves their value undefined), as a bool mask; else None."""
+    if func not in _CASTS or result.is_floating_point() or result.is_complex() or result.dtype == torch.bool:
+        return None
+    src = cpu_args[0] if func is aten._to_copy.default else cpu_args[1]
+    if not isinstance(src, torch.Tensor) or not (src.is_floating_point() or src.is_complex()):
+        return None
+    info = torch.iinfo(result.dtype)
+    value = (src.real if src.is_complex() else src).to(torch.float64).trunc()
+    undefined = ~value.isfinite() | (value < info.min) | (value >= info.max + 1.0)
+    return undefined.expand(result.shape) if bool(undefined.any()) else None
+
+
 def _meta_run(func, inputs: _Inputs):
     """The op's outputs by PyTorch's meta kernel (flattened), or the exception it raises."""
 
@@ -557,6 +578,10 @@ def _compare(func, inputs: _Inputs, out, report: ShadowReport) -> list[str] | No
             if a.shape != e.shape:
                 continue
             a = a.to(e.dtype)  # so judged at CPU's precision
+        undefined = _undefined_casts(func, cpu_args, e)
+        if undefined is not None and undefined.shape == a.shape:
+            report.undefined_casts[name] += 1
+            e = torch.where(undefined, a, e)
         verdict = _judge(a, e, lambda i=i: wide_run()[0][i], report)
         if verdict:
             problems.append(f"{label} {_meta(e)}: {verdict}")
@@ -580,6 +605,15 @@ def _compare(func, inputs: _Inputs, out, report: ShadowReport) -> list[str] | No
         e = cpu_storages[key]
         if e.dtype != a.dtype and unified:
             e = e.to(a.dtype)
+        if func is aten.copy_.default and tensor is not None and tensor is inputs.args[0]:
+            dst = cpu_args[0]
+            undefined = _undefined_casts(func, cpu_args, dst)
+            if undefined is not None:
+                # The same elements in the storage: where the written view lies in it.
+                places = torch.arange(e.numel()).as_strided(dst.size(), dst.stride(), dst.storage_offset())
+                flat = torch.zeros(e.numel(), dtype=torch.bool)
+                flat[places[undefined]] = True
+                e = torch.where(flat, a, e)
         verdict = _judge(a, e, lambda key=key: wide_run()[1][key], report)
         if verdict:
             owner = _owner(storage)

@@ -306,3 +306,24 @@ def test_compiled_modules_run_under_the_shadow():
         compiled(x).sum().backward()
     assert report.checked["aten.sum.default"] == 1
     assert compiled.weight.grad is not None
+
+
+def test_float_to_int_casts_of_nan_inf_and_out_of_range_values_are_not_divergences(monkeypatch):
+    # C++ leaves them undefined: x86 CPU gives INT_MIN, tpu (as CUDA) saturates and maps NaN to 0.
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e20, -1e20, 3.7, -2.5, 2.0**31], device="tpu")
+    with tpurec.debug.shadow() as report:
+        for dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            x.to(dtype)
+        torch.zeros(2, 8, dtype=torch.int32, device="tpu")[1].copy_(x)
+    assert report.undefined_casts == {"aten._to_copy.default": 5, "aten.copy_.default": 1}
+    # The defined elements are still compared: a cast that gets 3.7 wrong is a divergence.
+    right = dispatch._cast_program
+
+    def wrong(key, dtype):
+        program = right(key, dtype)
+        return dispatch._compile(("wrong cast", key, dtype), lambda storage: [v + (v == 3) for v in program.raw(storage)])
+
+    monkeypatch.setattr(dispatch, "_cast_program", wrong)
+    with pytest.raises(tpurec.debug.ShadowMismatch, match=r"1 of 8 elements differ .* first at \[5\]: tpu 4, CPU 3"):
+        with tpurec.debug.shadow():
+            x.to(torch.int32)
