@@ -327,3 +327,16 @@ def test_float_to_int_casts_of_nan_inf_and_out_of_range_values_are_not_divergenc
     with pytest.raises(tpurec.debug.ShadowMismatch, match=r"1 of 8 elements differ .* first at \[5\]: tpu 4, CPU 3"):
         with tpurec.debug.shadow():
             x.to(torch.int32)
+
+
+def test_ctc_log_alpha_is_a_workspace_and_the_loss_and_gradient_are_compared():
+    torch.manual_seed(0)
+    logits = torch.randn(12, 2, 6).to("tpu").requires_grad_()
+    targets = torch.tensor([1, 2, 2, 3, 4]).to("tpu")  # concatenated: lengths 3 and 2
+    with tpurec.debug.shadow() as report:
+        loss = torch.nn.functional.ctc_loss(
+            logits.log_softmax(-1), targets, torch.tensor([12, 10]).to("tpu"), torch.tensor([3, 2]).to("tpu")
+        )
+        loss.backward()
+    assert report.workspaces == {"aten._ctc_loss.Tensor": 1}
+    assert report.checked["aten._ctc_loss.Tensor"] == 1 and report.checked["aten._ctc_loss_backward.Tensor"] == 1
