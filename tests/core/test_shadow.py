@@ -340,3 +340,22 @@ def test_ctc_log_alpha_is_a_workspace_and_the_loss_and_gradient_are_compared():
         loss.backward()
     assert report.workspaces == {"aten._ctc_loss.Tensor": 1}
     assert report.checked["aten._ctc_loss.Tensor"] == 1 and report.checked["aten._ctc_loss_backward.Tensor"] == 1
+
+
+def test_sort_and_topk_indices_may_order_ties_differently_but_must_pick_cpus_values(wrong_lowering):
+    reverse = lambda out: (out[0], out[1][..., ::-1])  # noqa: E731
+    wrong_lowering(aten.sort.default, how=reverse)
+    wrong_lowering(aten.sort.stable, how=reverse)
+    wrong_lowering(aten.topk.default, how=reverse)
+    ties = torch.tensor([[5, 5, 5, 5], [7, 7, 7, 7]], device="tpu")
+    with tpurec.debug.shadow() as report:
+        torch.sort(ties)
+        torch.sort(ties, stable=False)
+        torch.topk(ties.float(), 3)
+    assert report.ties == {"aten.sort.default": 1, "aten.sort.stable": 1, "aten.topk.default": 1}
+    with pytest.raises(tpurec.debug.ShadowMismatch, match=r"aten.sort.default .*\n(.*\n)*.*output 1 \[4\] int64: 4 of 4 elements differ"):
+        with tpurec.debug.shadow():
+            torch.sort(torch.tensor([3, 1, 2, 0], device="tpu"))
+    with pytest.raises(tpurec.debug.ShadowMismatch, match="aten.sort.stable"):
+        with tpurec.debug.shadow():
+            torch.sort(ties, stable=True)
