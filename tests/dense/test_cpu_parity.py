@@ -133,6 +133,8 @@ _SHIFTS = {
     "bitwise_right_shift_scalar_tensor": lambda x, s: torch.bitwise_right_shift(-100, s),
     "rlshift": lambda x, s: 3 << s,
     "int64_amounts": lambda x, s: x >> s.long(),
+    "and": lambda x, s: x & s,
+    "xor_scalar": lambda x, s: x ^ 3,
 }
 
 
@@ -154,16 +156,16 @@ def test_shifts_match_cpu(case, dtype):
     _same(tpu, cpu)
 
 
-@pytest.mark.parametrize("case", ["lshift_scalar", "rshift_tensor", "bitwise_left_shift_scalar", "rlshift"])
+@pytest.mark.parametrize("case", ["lshift_scalar", "rshift_tensor", "bitwise_left_shift_scalar", "rlshift", "and", "xor_scalar"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
-def test_shifts_of_floats_and_bools_are_refused_as_on_cpu(case, dtype):
+def test_shifts_of_floats_and_bools_and_float_bitwise_ops_are_refused_as_on_cpu(case, dtype):
     x = torch.tensor([1, 0, 1], dtype=dtype)
     try:
         cpu = _SHIFTS[case](x, x)
     except NotImplementedError as error:
         with pytest.raises(NotImplementedError, match=str(error)):
             _SHIFTS[case](x.to("tpu"), x.to("tpu"))
-    else:  # a bool tensor shifted by an int scalar is an int64 shift
+    else:  # a bool tensor shifted by an int scalar is an int64 shift; bool & bool is logical
         _same(_SHIFTS[case](x.to("tpu"), x.to("tpu")), cpu)
 
 
