@@ -182,6 +182,8 @@ _WRITES = {
     "half_add_float": lambda: torch.zeros(3, dtype=torch.float16).add_(torch.full((3,), 1 / 3)),
     "int8_add_int64": lambda: torch.zeros(3, dtype=torch.int8).add_(torch.tensor([1, 300, -1])),
     "float_add_int": lambda: torch.zeros(3).add_(torch.tensor([1, 2, 3])),
+    "bool_rshift_int": lambda: torch.ones(3, dtype=torch.bool).__irshift__(2),
+    "int8_lshift_int64": lambda: torch.ones(3, dtype=torch.int8).__ilshift__(torch.tensor([1, 2, 9])),
 }
 
 

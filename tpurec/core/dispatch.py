@@ -286,7 +286,7 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
 
     def build():
         # Mixed dtypes PyTorch refuses (JAX would promote them); once per program, not per call.
-        dtype_rules.check(func, args, kwargs)
+        dtype_rules.check(func, args, kwargs, targets)
         metas = _meta_outputs(func, args, kwargs)
         dtypes = None if metas is None else [None if m is None else m[1] for m in metas]
         if targets is not None and dtypes is not None:

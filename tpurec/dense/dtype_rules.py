@@ -59,9 +59,9 @@ for _name, _kernel, _bool in [
             _INTEGER_ONLY[getattr(_packet, _ov)] = (_kernel, _bool)
 
 
-def check(func, args: tuple, kwargs: dict) -> None:
+def check(func, args: tuple, kwargs: dict, targets: list | None = None) -> None:
     """Raises PyTorch's kind of error where ``func`` would get mixed dtypes (RuntimeError) or a
-    dtype its kernels lack (NotImplementedError)."""
+    dtype its kernels lack (NotImplementedError). ``targets``: the tensors an in-place call writes."""
     integer_only = _INTEGER_ONLY.get(func)
     if integer_only is not None:
         kernel, bool_ok = integer_only
@@ -69,6 +69,10 @@ def check(func, args: tuple, kwargs: dict) -> None:
         if dtype.is_floating_point or dtype.is_complex or (dtype == torch.bool and not bool_ok):
             name = _SCALAR_TYPE.get(dtype, dtype)
             raise NotImplementedError(f'"{kernel}" not implemented for \'{name}\'')
+        if targets is not None:
+            # The meta kernels of the shift dunders refuse a bool tensor that CPU shifts as int64,
+            # so the dispatcher's check of in-place results cannot see ``bool_t >>= 2``.
+            check_writable([dtype], [t.dtype for t in targets])
         return
     rule = SAME_DTYPE.get(func)
     if rule is None:
