@@ -198,3 +198,35 @@ def test_writes_refuse_the_casts_cpu_refuses(case):
         with _OnTpu():
             tpu = _WRITES[case]()
         _same(tpu, cpu)
+
+
+_F32, _BF16, _F16, _F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+
+
+@pytest.mark.parametrize("x, w, b", [
+    (_F32, _BF16, _BF16), (_F32, _F64, _F64), (_BF16, _F16, _F16), (_BF16, _F32, _BF16), (_F64, _F32, _F32),
+    (_BF16, _BF16, _F32), (_F32, _F32, _BF16),
+    # accepted: one dtype, or float32 parameters of a bfloat16/float16 input
+    (_BF16, _F32, _F32), (_F16, _F32, _F32), (_BF16, _BF16, _BF16), (_F32, _F32, None),
+])
+def test_layer_norm_parameter_dtypes_as_on_cpu(x, w, b):
+    def run():
+        return torch.ops.aten.native_layer_norm(
+            torch.linspace(-2, 3, 8, dtype=x).reshape(2, 4), [4],
+            torch.linspace(0.5, 2, 4, dtype=w), None if b is None else torch.linspace(-1, 1, 4, dtype=b), 1e-5,
+        )
+
+    try:
+        cpu = run()
+    except RuntimeError:
+        with _OnTpu(), pytest.raises(RuntimeError, match="native_layer_norm: expected"):
+            run()
+        return
+    with _OnTpu():
+        tpu = run()
+    # The statistics of a bfloat16/float16 input are float32 on tpu as in the meta kernel (and CUDA),
+    # CPU computes them at the input's precision (docs/observability.md): values at CPU's precision.
+    rtol = {_BF16: 1.6e-2, _F16: 1e-3}.get(x, 1e-5)
+    assert tpu[0].dtype == cpu[0].dtype
+    for t, c in zip(tpu, cpu):
+        torch.testing.assert_close(t.cpu().to(c.dtype), c, rtol=rtol, atol=1e-5)

@@ -41,6 +41,10 @@ SAME_DTYPE: dict = {
 
 _POSITIONS: dict = {}
 
+# Normalisations whose parameters share one dtype: the input's, or float32 for a bfloat16 or
+# float16 input (the mixed-precision kernels of CPU and CUDA).
+_PARAMETERS: dict = {aten.native_layer_norm.default: ("input", ("weight", "bias"), "native_layer_norm")}
+
 # Bitwise ops PyTorch implements for integers (and the logical ones for bool) only; XLA's would
 # fail with a TypeError inside the lowering. The value is CPU's kernel name for the error.
 _INTEGER_ONLY: dict = {}
@@ -59,6 +63,20 @@ for _name, _kernel, _bool in [
             _INTEGER_ONLY[getattr(_packet, _ov)] = (_kernel, _bool)
 
 
+def _tensor_dtypes(func, args: tuple, kwargs: dict, names: tuple) -> list:
+    """(name, dtype) of each of the named arguments that is a tensor (None is left out)."""
+    positions = _POSITIONS.get((func, names))
+    if positions is None:
+        schema = [a.name for a in func._schema.arguments]
+        positions = _POSITIONS[(func, names)] = [schema.index(n) for n in names]
+    found = []
+    for name, i in zip(names, positions):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        if isinstance(value, torch.Tensor):
+            found.append((name, value.dtype))
+    return found
+
+
 def check(func, args: tuple, kwargs: dict, targets: list | None = None) -> None:
     """Raises PyTorch's kind of error where ``func`` would get mixed dtypes (RuntimeError) or a
     dtype its kernels lack (NotImplementedError). ``targets``: the tensors an in-place call writes."""
@@ -74,19 +92,23 @@ def check(func, args: tuple, kwargs: dict, targets: list | None = None) -> None:
             # so the dispatcher's check of in-place results cannot see ``bool_t >>= 2``.
             check_writable([dtype], [t.dtype for t in targets])
         return
+    parameters = _PARAMETERS.get(func)
+    if parameters is not None:
+        input_name, names, op = parameters
+        (_, dtype), *found = _tensor_dtypes(func, args, kwargs, (input_name, *names))
+        allowed = {dtype, torch.float32} if dtype in (torch.bfloat16, torch.float16) else {dtype}
+        if len({d for _, d in found}) > 1 or any(d not in allowed for _, d in found):
+            got = ", ".join(f"{n} {str(d).removeprefix('torch.')}" for n, d in found)
+            raise RuntimeError(
+                f"{op}: expected {', '.join(n for n, _ in found)} to have one dtype, the input's ({dtype}) or "
+                f"float32 for a bfloat16/float16 input, but got {got}"
+            )
+        return
     rule = SAME_DTYPE.get(func)
     if rule is None:
         return
     names, op = rule
-    positions = _POSITIONS.get(func)
-    if positions is None:
-        schema = [a.name for a in func._schema.arguments]
-        positions = _POSITIONS[func] = [schema.index(n) for n in names]
-    found = []
-    for name, i in zip(names, positions):
-        value = args[i] if i < len(args) else kwargs.get(name)
-        if isinstance(value, torch.Tensor):
-            found.append((name, value.dtype))
+    found = _tensor_dtypes(func, args, kwargs, names)
     if len({d for _, d in found}) > 1:
         got = ", ".join(f"{n} {str(d).removeprefix('torch.')}" for n, d in found)
         raise RuntimeError(f"{op}: expected {', '.join(n for n, _ in found)} to have the same dtype, but got {got}")
