@@ -306,3 +306,56 @@ def test_compiled_modules_run_under_the_shadow():
         compiled(x).sum().backward()
     assert report.checked["aten.sum.default"] == 1
     assert compiled.weight.grad is not None
+
+
+def test_float_to_int_casts_of_nan_inf_and_out_of_range_values_are_not_divergences(monkeypatch):
+    # C++ leaves them undefined: x86 CPU gives INT_MIN, tpu (as CUDA) saturates and maps NaN to 0.
+    x = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e20, -1e20, 3.7, -2.5, 2.0**31], device="tpu")
+    with tpurec.debug.shadow() as report:
+        for dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+            x.to(dtype)
+        torch.zeros(2, 8, dtype=torch.int32, device="tpu")[1].copy_(x)
+    assert report.undefined_casts == {"aten._to_copy.default": 5, "aten.copy_.default": 1}
+    # The defined elements are still compared: a cast that gets 3.7 wrong is a divergence.
+    right = dispatch._cast_program
+
+    def wrong(key, dtype):
+        program = right(key, dtype)
+        return dispatch._compile(("wrong cast", key, dtype), lambda storage: [v + (v == 3) for v in program.raw(storage)])
+
+    monkeypatch.setattr(dispatch, "_cast_program", wrong)
+    with pytest.raises(tpurec.debug.ShadowMismatch, match=r"1 of 8 elements differ .* first at \[5\]: tpu 4, CPU 3"):
+        with tpurec.debug.shadow():
+            x.to(torch.int32)
+
+
+def test_ctc_log_alpha_is_a_workspace_and_the_loss_and_gradient_are_compared():
+    torch.manual_seed(0)
+    logits = torch.randn(12, 2, 6).to("tpu").requires_grad_()
+    targets = torch.tensor([1, 2, 2, 3, 4]).to("tpu")  # concatenated: lengths 3 and 2
+    with tpurec.debug.shadow() as report:
+        loss = torch.nn.functional.ctc_loss(
+            logits.log_softmax(-1), targets, torch.tensor([12, 10]).to("tpu"), torch.tensor([3, 2]).to("tpu")
+        )
+        loss.backward()
+    assert report.workspaces == {"aten._ctc_loss.Tensor": 1}
+    assert report.checked["aten._ctc_loss.Tensor"] == 1 and report.checked["aten._ctc_loss_backward.Tensor"] == 1
+
+
+def test_sort_and_topk_indices_may_order_ties_differently_but_must_pick_cpus_values(wrong_lowering):
+    reverse = lambda out: (out[0], out[1][..., ::-1])  # noqa: E731
+    wrong_lowering(aten.sort.default, how=reverse)
+    wrong_lowering(aten.sort.stable, how=reverse)
+    wrong_lowering(aten.topk.default, how=reverse)
+    ties = torch.tensor([[5, 5, 5, 5], [7, 7, 7, 7]], device="tpu")
+    with tpurec.debug.shadow() as report:
+        torch.sort(ties)
+        torch.sort(ties, stable=False)
+        torch.topk(ties.float(), 3)
+    assert report.ties == {"aten.sort.default": 1, "aten.sort.stable": 1, "aten.topk.default": 1}
+    with pytest.raises(tpurec.debug.ShadowMismatch, match=r"aten.sort.default .*\n(.*\n)*.*output 1 \[4\] int64: 4 of 4 elements differ"):
+        with tpurec.debug.shadow():
+            torch.sort(torch.tensor([3, 1, 2, 0], device="tpu"))
+    with pytest.raises(tpurec.debug.ShadowMismatch, match="aten.sort.stable"):
+        with tpurec.debug.shadow():
+            torch.sort(ties, stable=True)

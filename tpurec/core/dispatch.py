@@ -31,6 +31,7 @@ import torch.autograd.profiler as _torch_profiler
 from tpurec import amp
 from tpurec.composites import COMPOSITES
 from tpurec.core import fused, modes, profiler, rng, runtime
+from tpurec.dense import dtype_rules
 from tpurec.dense.registry import (
     DYNAMIC,
     DYNAMIC_LIST,
@@ -284,8 +285,12 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
     key = (func, arg_specs, kw_specs, target_specs, placed_on)
 
     def build():
+        # Mixed dtypes PyTorch refuses (JAX would promote them); once per program, not per call.
+        dtype_rules.check(func, args, kwargs, targets)
         metas = _meta_outputs(func, args, kwargs)
         dtypes = None if metas is None else [None if m is None else m[1] for m in metas]
+        if targets is not None and dtypes is not None:
+            dtype_rules.check_writable(dtypes, [t.dtype for t in targets])
         random = lowering.random
 
         def program(*inputs):

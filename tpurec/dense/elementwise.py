@@ -78,7 +78,18 @@ def _keep_int(fn: Callable) -> Callable:
 
 
 def _sign(x):
-    return x if x.dtype == jnp.bool_ else jnp.sign(x)
+    # PyTorch's CPU kernels return +0 for NaN and for -0 (jnp.sign keeps both); complex sgn
+    # is x/|x| with +0 at 0, where jnp.sign would keep the signs of a -0 component.
+    if x.dtype == jnp.bool_:
+        return x
+    if jnp.iscomplexobj(x):
+        mag = jnp.abs(x)
+        return jnp.where(mag == 0, jnp.zeros((), x.dtype), x / mag.astype(x.dtype))
+    if not is_float(x.dtype):
+        return jnp.sign(x)
+    one = jnp.ones((), x.dtype)
+    zero = jnp.zeros((), x.dtype)
+    return jnp.where(x > 0, one, jnp.where(x < 0, -one, zero))
 
 
 for _ops, _fn in [
@@ -326,8 +337,13 @@ for _name, _fn in [
     ("bitwise_left_shift", jnp.left_shift),
     ("bitwise_right_shift", jnp.right_shift),
 ]:
-    _packet = getattr(aten, _name)
-    _ovs = [getattr(_packet, o) for o in ("Tensor", "Tensor_Scalar", "Scalar", "Scalar_Tensor") if o in _packet.overloads()]
+    _ovs = []
+    # ``t << 2`` and ``t >> 1`` reach the dunder overloads, with the same semantics.
+    for _packet_name in (_name, {"bitwise_left_shift": "__lshift__", "bitwise_right_shift": "__rshift__"}.get(_name)):
+        if _packet_name is None:
+            continue
+        _packet = getattr(aten, _packet_name)
+        _ovs += [getattr(_packet, o) for o in ("Tensor", "Tensor_Scalar", "Scalar", "Scalar_Tensor") if o in _packet.overloads()]
     lower(*_ovs)(lambda x, y, _fn=_fn: _apply(_fn, (x, y), DEFAULT))
 
 
