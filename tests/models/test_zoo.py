@@ -13,17 +13,10 @@ import zoo
 # mode, a vision model and an encoder with tied weights compiled.
 DEFAULT = {("llama", "eager"), ("llama", "fused"), ("vit", "compiled"), ("bert", "compiled")}
 
-COMPILED_CACHE = ("compiled training: Dynamo's fake-tensor run of the KV cache's torch.cat([self.keys (torch.tensor([]) "
-                  "made on 'tpu'), key_states (on 'tpu:0')]) fails: 'Expected all tensors to be on the same device, but "
-                  "found a tpu:0 tensor ... mixed with tpu tensors' (transformers/cache_utils.py DynamicLayer.update)")
 # (family, mode) -> the exact cause of today's failure (docs/zoo.md has the table and the measurements).
-KNOWN: dict[tuple[str, str], str] = {
-    **{(f, "compiled"): COMPILED_CACHE
-       for f in ("gpt2", "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe",
-                 "deepseek_v3", "t5", "whisper")},
-    # BART trains compiled (given labels it builds no cache); its compiled generate hits the cache's torch.cat.
-    ("bart", "compiled"): f"generate: {COMPILED_CACHE}",
-}
+# Empty: every pair passes. The compiled KV-cache failure (Dynamo's fake run of the cache's torch.cat) left
+# when tpu tensors made inside compiled code became fake (tpurec/compile/patches.py).
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _params():
