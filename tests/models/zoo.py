@@ -46,7 +46,7 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 # tests/dense/opinfo_device.py's float64 rule: a tensor that misses TOL passes when its largest
 # error against CPU's float64 run is at most this many times CPU float32's own largest error.
 FLOAT64_FACTOR = 2.0
-MODES = ("eager", "fused", "compiled")
+MODES = ("eager", "fused", "compiled", "shadow")  # shadow: eager, every op checked against CPU (tpurec.debug)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -347,7 +347,7 @@ def train(model: torch.nn.Module, batch: dict, prompt: dict | None, device: str,
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     batch = _tree_to(batch, device, dtype)
     forward = torch.compile(model, backend="tpu") if mode == "compiled" else model
-    context = (lambda: tpurec.mode("fused")) if mode == "fused" else contextlib.nullcontext
+    context = {"fused": lambda: tpurec.mode("fused"), "shadow": tpurec.debug.shadow}.get(mode, contextlib.nullcontext)
     for step in range(1, STEPS + 1):
         if step == WARMUP + 1:
             tpurec.reset_stats()
