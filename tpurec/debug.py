@@ -40,7 +40,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from tpurec.core import dispatch as _dispatch
-from tpurec.core import fused, modes
+from tpurec.core import errors, fused, modes
 from tpurec.core.tensor import TpuTensor, jax_to_host
 from tpurec.dense.registry import get_lowering
 
@@ -236,13 +236,6 @@ def _current_module() -> str | None:
     return _label(stack[-1].module, stack[-1].path) if stack else None
 
 
-_LIBRARIES = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-    for m in (torch, sys.modules["jax"], sys.modules["numpy"], sys.modules["tpurec"])
-    if getattr(m, "__file__", None)
-)
-
-
 def _describe(frame: traceback.FrameSummary) -> str:
     return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}: {frame.line}'
 
@@ -257,7 +250,7 @@ def _user_lines(frames: list[traceback.FrameSummary], callers: int = 3) -> list[
         path = os.path.abspath(frame.filename)
         if frame.filename.startswith("<frozen"):
             continue
-        if path.startswith(_LIBRARIES) or "/torch/" in path or "/tpurec/" in path:
+        if path.startswith(errors.LIBRARY_DIRS) or "/torch/" in path or "/tpurec/" in path:
             continue
         if found and "-packages" + os.sep in path:
             continue
@@ -265,17 +258,6 @@ def _user_lines(frames: list[traceback.FrameSummary], callers: int = 3) -> list[
         if len(found) > callers:
             break
     return found
-
-
-def _backward_caller() -> list[traceback.FrameSummary]:
-    """The stack of the thread waiting in ``backward()``: the engine runs tpu ops on its own thread."""
-    for frame in sys._current_frames().values():
-        f = frame
-        while f is not None:
-            if f.f_code.co_name == "_engine_run_backward":
-                return traceback.extract_stack(frame)
-            f = f.f_back
-    return []
 
 
 # --- comparing values -----------------------------------------------------------------
@@ -768,7 +750,7 @@ _SHOWN = 4
 
 def _mismatch(name: str, inputs: _Inputs, problems: list[str], in_engine: bool) -> ShadowMismatch:
     module = _current_module()
-    user = _user_lines(_backward_caller() if in_engine else traceback.extract_stack())
+    user = _user_lines(traceback.extract_stack())  # backward runs on the caller's thread (core/device.py)
     inner = user[0] if user else None
     lines = [f"tpurec.debug.shadow: {name} on tpu differs from PyTorch CPU on the same inputs"]
     lines.append(f"  module: {module or 'none (outside any nn.Module forward)'}")

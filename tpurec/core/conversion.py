@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copyreg
 import warnings
-import weakref
 
 import torch
 
@@ -54,18 +53,20 @@ def _swap_contents(old: torch.Tensor, new: torch.Tensor) -> None:
     here, and the objects PyTorch keeps weakly by parameter (TorchRec's and
     ``torch.distributed``'s per-parameter optimizer maps) key them by identity.
     """
-    if copyreg._slotnames(type(old)) or copyreg._slotnames(type(new)) or weakref.getweakrefs(new):
-        torch.utils.swap_tensors(old, new)
+    if copyreg._slotnames(type(old)) or copyreg._slotnames(type(new)):
+        torch.utils.swap_tensors(old, new)  # it moves slots too
         return
     for t in (old, new):
+        if t._use_count() == 1:
+            continue
         if t._use_count() == 2 and t.is_leaf and t.requires_grad:
-            # The other reference may be the gradient accumulator of a graph still alive:
-            # that graph must not run into the swapped tensor.
             node = torch.autograd.graph.get_gradient_edge(t).node
             if t._use_count() == 2:
+                # The other reference is the gradient accumulator of a graph still alive (it
+                # was not made just now): that graph must not run into the swapped tensor.
                 node.register_prehook(_refuse_stale_graph)
-        if t._use_count() > 2 or (t._use_count() == 2 and not (t.is_leaf and t.requires_grad)):
-            raise RuntimeError(f"{t._use_count()} references to the tensor are held (e.g. by a saved autograd graph)")
+                continue
+        raise RuntimeError(f"{t._use_count()} references to the tensor are held (e.g. by a saved autograd graph)")
     old.__class__, new.__class__ = new.__class__, old.__class__
     old.__dict__, new.__dict__ = new.__dict__, old.__dict__
     torch._C._swap_tensor_impl(old, new)

@@ -35,7 +35,8 @@ def unsupported_op(func, why: str = "it has no lowering and no decomposition") -
     )
 
 
-_LIBRARY_DIRS = tuple(
+# The folders of the libraries whose frames are never the user's (torch, jax, numpy, tpurec...).
+LIBRARY_DIRS = tuple(
     os.path.dirname(os.path.abspath(m.__file__)) + os.sep
     for m in __import__("importlib").import_module("sys").modules.values()
     if getattr(m, "__name__", "") in ("torch", "jax", "jaxlib", "tpurec", "torchrec", "numpy") and getattr(m, "__file__", None)
@@ -44,7 +45,7 @@ _LIBRARY_DIRS = tuple(
 
 def user_frame() -> str | None:
     """``file:line`` of the innermost caller outside torch, jax and tpurec, if any."""
-    dirs = _LIBRARY_DIRS or ()
+    dirs = LIBRARY_DIRS
     for frame in reversed(traceback.extract_stack()):
         path = os.path.abspath(frame.filename)
         if frame.filename.startswith("<") or any(path.startswith(d) for d in dirs) or "/torch/" in path or "/tpurec/" in path:
