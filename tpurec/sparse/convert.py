@@ -23,10 +23,11 @@ from tpurec.sparse.types import Capacity
 __all__ = ["from_torchrec"]
 
 
-def _optimizer_of(module: nn.Module, default: EmbeddingOptimizer | None) -> EmbeddingOptimizer | None:
-    """The module's embedding optimizer, else ``default``; None (inference) when neither exists."""
+def _optimizer_of(module: nn.Module, default: EmbeddingOptimizer | None) -> tuple[EmbeddingOptimizer | None, bool]:
+    """The module's embedding optimizer (else ``default``; None: inference), and whether it
+    came from ``apply_optimizer_in_backward`` (torch's semantics) rather than a fused module."""
     if isinstance(module, FusedEmbeddingBagCollection):
-        return optimizer_from_torch(module.optimizer_type(), module.optimizer_kwargs())
+        return optimizer_from_torch(module.optimizer_type(), module.optimizer_kwargs()), False
     found = set()
     for p in module.parameters():
         classes = getattr(p, "_optimizer_classes", None)
@@ -37,8 +38,33 @@ def _optimizer_of(module: nn.Module, default: EmbeddingOptimizer | None) -> Embe
         raise ValueError(f"the tables of one EmbeddingBagCollection use different in-backward optimizers: {found}")
     if found:
         cls, kwargs = found.pop()
-        return optimizer_from_torch(cls, dict(kwargs))
-    return default
+        return optimizer_from_torch(cls, dict(kwargs), semantics="torch"), True
+    return default, False
+
+
+def _refuse_unsupported(model: nn.Module) -> None:
+    """Raises for a TorchRec embedding module that from_torchrec would leave as it is.
+
+    Such a module (sequence embeddings, managed collisions, quantized tables) would stay a
+    CPU TorchRec module inside a tpu model and fail later with a device mismatch, or, worse,
+    run but train differently; naming it here is the one clear place.
+    """
+    from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, EmbeddingCollectionInterface
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+    from torchrec.modules.mc_modules import ManagedCollisionCollection
+
+    unsupported = (EmbeddingCollectionInterface, BaseManagedCollisionEmbeddingCollection, ManagedCollisionCollection)
+    for name, module in model.named_modules():
+        if type(module).__module__.startswith("tpurec.") or isinstance(module, (TorchrecEBC, FusedEmbeddingBagCollection)):
+            continue
+        if isinstance(module, unsupported) or isinstance(module, EmbeddingBagCollectionInterface):
+            where = f"model.{name}" if name else "the model"
+            raise NotImplementedError(
+                f"from_torchrec cannot convert {where} ({type(module).__module__}.{type(module).__qualname__}): "
+                "tpurec converts torchrec.EmbeddingBagCollection and FusedEmbeddingBagCollection (float32 tables) "
+                "only, and leaving this module on the host would fail or differ from TorchRec. Keep the model on "
+                "CPU, or replace the module by an EmbeddingBagCollection before converting."
+            )
 
 
 def _fused_slots(module: FusedEmbeddingBagCollection) -> dict[str, list[torch.Tensor]]:
@@ -51,12 +77,12 @@ def _fused_slots(module: FusedEmbeddingBagCollection) -> dict[str, list[torch.Te
 
 
 def _convert(module: nn.Module, optimizer: EmbeddingOptimizer | None, kwargs: Mapping[str, Any]) -> EmbeddingBagCollection:
+    chosen, in_backward = _optimizer_of(module, optimizer)
     new = EmbeddingBagCollection(
-        tables=module.embedding_bag_configs(),
-        is_weighted=module.is_weighted(),
-        optimizer=_optimizer_of(module, optimizer),
-        **kwargs,
+        tables=module.embedding_bag_configs(), is_weighted=module.is_weighted(), optimizer=chosen, **kwargs
     )
+    if in_backward:
+        new.optimizer_semantics = "torch"
     with torch.no_grad():
         for cfg in module.embedding_bag_configs():
             source = module.embedding_bags[cfg.name].weight
@@ -116,6 +142,7 @@ def from_torchrec(
                 dev = None  # materialised on the host; pass device= to place them
         return {"device": dev, "num_partitions": num_partitions, "capacities": capacities}
 
+    _refuse_unsupported(model)
     if isinstance(model, kinds):
         return _convert(model, optimizer, options(model))
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]

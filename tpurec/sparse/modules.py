@@ -22,17 +22,18 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+import weakref
 from typing import Any, Literal, Mapping, Sequence
 
 import jax
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.core import modes
-from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
+from tpurec.sparse.optimizers import SGD, EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
 from tpurec.sparse.ops import touched_rows_update_cpu
 from tpurec.sparse.types import PAD_ID, Capacity, CapacityError, SparseCoreInput, StackedTable
@@ -47,12 +48,14 @@ class _FusedLookup(torch.autograd.Function):
     def forward(ctx, weight, row_pointers, embedding_ids, sample_ids, gains, module, index, batch_size):
         ctx.csr = (row_pointers, embedding_ids, sample_ids, gains)
         ctx.module, ctx.index = module, index
+        module._pending_lookups.add(ctx)  # until its backward runs or its graph is freed
         return torch.ops.tpurec.sparse_dense_matmul(
             row_pointers, embedding_ids, sample_ids, gains, weight, batch_size=batch_size
         )
 
     @staticmethod
     def backward(ctx, grad_output):
+        ctx.module._pending_lookups.discard(ctx)
         ctx.module._apply_optimizer(ctx.index, ctx.csr, grad_output.contiguous())
         # The table is updated in place: it gets no .grad (a dense optimizer skips it).
         return (None,) * 8
@@ -111,6 +114,13 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         super().__init__()
         if not tables:
             raise ValueError("EmbeddingBagCollection needs at least one table")
+        for cfg in tables:
+            if cfg.data_type != DataType.FP32:
+                raise ValueError(
+                    f"table {cfg.name!r} has data_type={cfg.data_type.name}: tpurec's EmbeddingBagCollection stores "
+                    "float32 tables only (an FP16/BF16 or quantized table would be widened, and train and look up "
+                    "differently from TorchRec). Build the table with data_type=DataType.FP32."
+                )
         self._embedding_bag_configs = list(tables)
         self._is_weighted = is_weighted
         if optimizer is None and optimizer_kwargs:
@@ -118,6 +128,12 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self.optimizer: EmbeddingOptimizer | None = (
             None if optimizer is None else optimizer_from_torch(optimizer, optimizer_kwargs)
         )
+        # "fbgemm": one optimizer update per lookup, as FBGEMM's fused kernels (and torchrec's
+        # FusedEmbeddingBagCollection) do. "torch": the optimizer came from torchrec's
+        # apply_optimizer_in_backward, which makes one update on the summed gradient of a step;
+        # from_torchrec sets it, and a second lookup before the first one's backward then raises.
+        self.optimizer_semantics: Literal["fbgemm", "torch"] = "fbgemm"
+        self._pending_lookups: weakref.WeakSet[Any] = weakref.WeakSet()
         self.num_partitions = num_partitions
         self.overflow = overflow
         # CPU tables: update the touched rows in place instead of calling the
@@ -286,6 +302,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             ``KeyedTensor`` with one ``[batch, dim]`` block per feature, in
             torchrec's order.
         """
+        self._check_trainable_lookup(features)
         prefetched = self._take_prefetched(features)
         batch = self.preprocess(features) if prefetched is None else prefetched[0]
         device = self.device
@@ -307,6 +324,32 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         ]
         values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
+
+    def _check_trainable_lookup(self, features: KeyedJaggedTensor) -> None:
+        """Raises where a training lookup would silently differ from TorchRec's."""
+        if not torch.is_grad_enabled():
+            return
+        weights = features.weights_or_none()
+        if weights is not None and weights.requires_grad:
+            raise NotImplementedError(
+                "the KJT's per-id weights require grad (e.g. from a FeatureProcessedEmbeddingBagCollection's "
+                "PositionWeightedModule), but tpurec's lookup returns no gradient for them, so they would never "
+                "train. Freeze them (requires_grad_(False)) or detach the weights, or train this part on CPU."
+            )
+        if (
+            self.optimizer_semantics == "torch"
+            and self.optimizer is not None
+            and not isinstance(self.optimizer, SGD)
+            and len(self._pending_lookups) > 0
+        ):
+            tables = [t.name for t in self._embedding_bag_configs]
+            raise NotImplementedError(
+                f"EmbeddingBagCollection (tables {tables}) is looked up again before the backward of its previous "
+                f"lookup. Its {type(self.optimizer).__name__} came from apply_optimizer_in_backward, which makes one "
+                "update on the summed gradient of both lookups; tpurec's fused optimizer updates once per lookup "
+                "(as FBGEMM does), which differs. Look up both batches in one call (concatenate the KJTs), run "
+                "backward between the lookups, or use FBGEMM's semantics explicitly (optimizer_semantics='fbgemm')."
+            )
 
     def _apply_optimizer(self, index: int, csr: tuple[torch.Tensor, ...], grad_output: torch.Tensor) -> None:
         if self.optimizer is None:

@@ -13,7 +13,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
 __all__ = [
     "EmbeddingOptimizer",
@@ -149,24 +149,37 @@ def _kwargs(kwargs: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any
     return out
 
 
-def optimizer_from_torch(optimizer: Any, kwargs: Mapping[str, Any] | None = None) -> EmbeddingOptimizer:
+def optimizer_from_torch(
+    optimizer: Any, kwargs: Mapping[str, Any] | None = None, semantics: Literal["fbgemm", "torch"] = "fbgemm"
+) -> EmbeddingOptimizer:
     """The fused optimizer config for a torch/torchrec optimizer class or FBGEMM type.
 
-    Unspecified hyperparameters take FBGEMM's defaults, as torchrec's fused
-    modules do (e.g. Adagrad's eps is 1e-8, not torch's 1e-10).
+    With ``semantics="fbgemm"`` (a fused module: torchrec's ``FusedEmbeddingBagCollection``,
+    tpurec's own ``EmbeddingBagCollection(optimizer=torch.optim.Adagrad)``) unspecified
+    hyperparameters take FBGEMM's defaults, as torchrec's fused modules do (Adagrad's eps
+    is 1e-8). With ``semantics="torch"`` (the optimizer a user gave to torchrec's
+    ``apply_optimizer_in_backward``, which runs the torch optimizer itself on the table's
+    dense gradient) they take torch's defaults (Adagrad's eps is 1e-10), and settings
+    whose torch update touches rows the batch did not look up (Adam's moments, weight
+    decay) raise: the fused update only writes the touched rows, so it would differ.
 
     Args:
         optimizer: ``torch.optim.SGD``, ``torch.optim.Adagrad``,
             ``torchrec.optim.RowWiseAdagrad``, ``torch.optim.Adam``, or an
             FBGEMM ``EmbOptimType``; an :class:`EmbeddingOptimizer` passes through.
         kwargs: the optimizer's keyword arguments (``lr``, ``eps``, ...).
+        semantics: whose update rule and defaults the config must reproduce.
 
     Returns:
         The config.
 
+    Raises:
+        ValueError: no fused optimizer reproduces ``optimizer`` with ``kwargs`` exactly.
+
     Example::
 
-        optimizer_from_torch(torch.optim.Adagrad, {"lr": 0.1})
+        optimizer_from_torch(torch.optim.Adagrad, {"lr": 0.1})  # eps=1e-8 (FBGEMM)
+        optimizer_from_torch(torch.optim.Adagrad, {"lr": 0.1}, semantics="torch")  # eps=1e-10
     """
     if isinstance(optimizer, EmbeddingOptimizer):
         return optimizer
@@ -194,4 +207,44 @@ def optimizer_from_torch(optimizer: Any, kwargs: Mapping[str, Any] | None = None
             if kwargs.pop(key, default) != default:
                 raise ValueError(f"fused SGD does not support {key}")
     fields = tuple(f.name for f in dataclasses.fields(cls))
+    if semantics == "torch":
+        _check_torch_semantics(optimizer, cls, kwargs)
+        # Settings at torch's defaults that the fused update has no field for.
+        kwargs = {k: v for k, v in kwargs.items() if _TORCH_NO_OPS.get(k, _MISSING) != v}
+        kwargs = {**_TORCH_EPS.get(cls, {}), **kwargs}
     return cls(**_kwargs(kwargs, fields))
+
+
+_MISSING = object()
+# torch.optim.Adagrad and torchrec.optim.RowWiseAdagrad default to eps=1e-10 (FBGEMM: 1e-8).
+_TORCH_EPS: dict[type, dict[str, float]] = {Adagrad: {"eps": 1.0e-10}, RowWiseAdagrad: {"eps": 1.0e-10}}
+_TORCH_NO_OPS: dict[str, Any] = {
+    "weight_decay": 0, "lr_decay": 0, "initial_accumulator_value": 0, "maximize": False, "foreach": None, "differentiable": False, "fused": None,
+}
+
+
+def _check_torch_semantics(optimizer: Any, cls: type[EmbeddingOptimizer], kwargs: Mapping[str, Any]) -> None:
+    """Raises where a torch optimizer on a table's dense gradient differs from the fused update.
+
+    The fused update writes only the rows a batch looked up. A torch optimizer run by
+    ``apply_optimizer_in_backward`` sees the whole table's gradient, zero on untouched rows:
+    SGD and Adagrad leave those rows unchanged too, but Adam's moments keep moving them, and
+    weight decay or ``lr_decay`` change the update of every row or every step.
+    """
+    name = getattr(optimizer, "__name__", str(optimizer))
+    if cls is Adam:
+        raise ValueError(
+            f"apply_optimizer_in_backward({name}) runs torch's dense Adam, which moves every row each step "
+            "(its moments decay on rows the batch did not touch); tpurec's fused Adam is FBGEMM's lazy Adam "
+            "(touched rows only), so it would not match. To train with lazy Adam, remove the in-backward "
+            "optimizer and pass optimizer=tpurec.sparse.Adam(learning_rate=...) to from_torchrec, or convert "
+            "a torchrec FusedEmbeddingBagCollection(optimizer_type=torch.optim.Adam)."
+        )
+    for key in ("weight_decay", "lr_decay", "initial_accumulator_value"):
+        if kwargs.get(key, 0) != 0:
+            raise ValueError(
+                f"apply_optimizer_in_backward({name}, {key}={kwargs[key]!r}) changes rows the batch did not touch "
+                f"or the step size per step in torch; tpurec's fused {cls.__name__} has no exact equivalent. Use "
+                f"{key}=0, or pass an explicit optimizer=tpurec.sparse.{cls.__name__}(...) (FBGEMM semantics) to "
+                "from_torchrec without an in-backward optimizer."
+            )

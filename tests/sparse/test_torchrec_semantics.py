@@ -1,0 +1,197 @@
+"""A converted TorchRec model trains as TorchRec trains it, or says why it cannot.
+
+Reference: the same TorchRec model trained on CPU by TorchRec itself (its in-backward
+optimizers run torch's optimizer on each table's dense gradient). Each case here was a
+silent deviation before: a default, an update rule or a module that tpurec changed
+without a word.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection as TorchrecEBC
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
+from torchrec.modules.embedding_modules import EmbeddingCollection
+from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+import tpurec.sparse as sp
+from helpers import make_tables, random_kjt
+
+STEPS = 5
+
+
+def _pair(optimizer_class, kwargs, tables=None):
+    tables = tables or make_tables(dims=(4, 4, 8))
+    torch.manual_seed(0)
+    reference = TorchrecEBC(tables)
+    ours = copy.deepcopy(reference)
+    apply_optimizer_in_backward(optimizer_class, reference.parameters(), dict(kwargs))
+    apply_optimizer_in_backward(optimizer_class, ours.parameters(), dict(kwargs))
+    return tables, reference, sp.from_torchrec(ours, device="tpu")
+
+
+def _tables_of(module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+
+
+# Gradients of about 1e-7 (loss scale 1e-6) make Adagrad's eps visible: FBGEMM's 1e-8 in place
+# of torch's 1e-10 moves the tables by ~1e-3 in 5 steps.
+@pytest.mark.parametrize(
+    "optimizer_class, kwargs, scale",
+    [
+        (torch.optim.Adagrad, {"lr": 0.1}, 1e-6),  # torch's eps=1e-10, not FBGEMM's 1e-8
+        (TorchrecRowWiseAdagrad, {"lr": 0.1}, 1e-6),
+        (torch.optim.SGD, {"lr": 0.5}, 1.0),
+        (torch.optim.Adagrad, {"lr": 0.1, "eps": 1e-3, "lr_decay": 0.0, "weight_decay": 0.0}, 1.0),
+    ],
+    ids=["adagrad-default-eps", "rowwise-adagrad-default-eps", "sgd", "adagrad-explicit"],
+)
+def test_in_backward_optimizer_trains_as_torchrec(optimizer_class, kwargs, scale):
+    tables, reference, ours = _pair(optimizer_class, kwargs)
+    rng = np.random.default_rng(1)
+    for _ in range(STEPS):
+        kjt = random_kjt(tables, 4, rng, max_len=3)
+        (reference(kjt).values().pow(2).sum() * scale).backward()
+        (ours(kjt).values().pow(2).sum() * scale).backward()
+    theirs = _tables_of(reference)
+    for key, value in _tables_of(ours).items():
+        # Adagrad's 1/sqrt(sum) amplifies float32 rounding of the accumulated squares.
+        torch.testing.assert_close(value, theirs[key], atol=1e-5, rtol=1e-5, msg=key)
+
+
+def test_in_backward_adagrad_takes_torch_default_eps():
+    _, _, ours = _pair(torch.optim.Adagrad, {"lr": 0.1})
+    assert ours.optimizer.eps == 1e-10
+    assert ours.optimizer_semantics == "torch"
+    # A fused module keeps FBGEMM's defaults, as torchrec's FusedEmbeddingBagCollection does.
+    assert sp.EmbeddingBagCollection(make_tables(), optimizer=torch.optim.Adagrad).optimizer.eps == 1e-8
+
+
+@pytest.mark.parametrize(
+    "optimizer_class, kwargs, what",
+    [
+        (torch.optim.Adam, {"lr": 0.1}, "dense Adam"),
+        (TorchrecRowWiseAdagrad, {"lr": 0.1, "weight_decay": 0.01}, "weight_decay=0.01"),
+        (torch.optim.Adagrad, {"lr": 0.1, "lr_decay": 0.1}, "lr_decay=0.1"),
+    ],
+    ids=["adam", "rowwise-weight-decay", "adagrad-lr-decay"],
+)
+def test_in_backward_settings_without_an_exact_fused_update_raise(optimizer_class, kwargs, what):
+    model = TorchrecEBC(make_tables())
+    apply_optimizer_in_backward(optimizer_class, model.parameters(), kwargs)
+    with pytest.raises(ValueError, match=what):
+        sp.from_torchrec(model, device="tpu")
+
+
+def test_second_lookup_before_backward_raises_for_in_backward_adagrad():
+    tables, reference, ours = _pair(torch.optim.Adagrad, {"lr": 0.1})
+    rng = np.random.default_rng(2)
+    a, b = random_kjt(tables, 3, rng), random_kjt(tables, 3, rng)
+    before = _tables_of(ours)
+    first = ours(a).values()
+    with pytest.raises(NotImplementedError, match="summed gradient"):
+        ours(b)
+    del first  # its graph is gone: a new lookup is a new step
+    for key, value in _tables_of(ours).items():
+        torch.testing.assert_close(value, before[key], atol=0, rtol=0)
+    # One lookup per backward: trains as TorchRec.
+    for kjt in (a, b):
+        reference(kjt).values().sum().backward()
+        ours(kjt).values().sum().backward()
+    theirs = _tables_of(reference)
+    for key, value in _tables_of(ours).items():
+        torch.testing.assert_close(value, theirs[key], atol=1e-5, rtol=1e-5, msg=key)
+
+
+def test_second_lookup_before_backward_is_exact_for_sgd():
+    tables, reference, ours = _pair(torch.optim.SGD, {"lr": 0.5})
+    rng = np.random.default_rng(3)
+    a, b = random_kjt(tables, 3, rng), random_kjt(tables, 3, rng)
+    (reference(a).values().pow(2).sum() + reference(b).values().sum()).backward()
+    (ours(a).values().pow(2).sum() + ours(b).values().sum()).backward()
+    theirs = _tables_of(reference)
+    for key, value in _tables_of(ours).items():
+        torch.testing.assert_close(value, theirs[key], atol=1e-6, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("data_type", [DataType.FP16, DataType.BF16], ids=["fp16", "bf16"])
+def test_half_precision_tables_are_refused_not_widened(data_type):
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"], data_type=data_type)]
+    with pytest.raises(ValueError, match=f"table 't0' has data_type={data_type.name}"):
+        sp.EmbeddingBagCollection(tables, optimizer=sp.SGD(0.1))
+    with pytest.raises(ValueError, match="data_type"):
+        sp.from_torchrec(TorchrecEBC(tables), device="tpu")
+
+
+def test_position_weights_that_need_gradients_raise():
+    from torchrec.modules.feature_processor_ import PositionWeightedModule, PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    tables = make_tables(dims=(4, 4, 4))
+    features = [f for t in tables for f in t.feature_names]
+    reference = FeatureProcessedEmbeddingBagCollection(
+        TorchrecEBC(tables, is_weighted=True),
+        PositionWeightedModuleCollection({f: 4 for f in features}),
+    )
+    ours = sp.from_torchrec(copy.deepcopy(reference), optimizer=sp.SGD(0.1), device="tpu")
+    kjt = random_kjt(tables, 3, np.random.default_rng(4), max_len=4)
+    with pytest.raises(NotImplementedError, match="per-id weights require grad"):
+        ours(kjt)
+    with torch.no_grad():  # inference: nothing is lost
+        torch.testing.assert_close(ours(kjt).values().cpu(), reference(kjt).values(), atol=1e-6, rtol=0)
+    assert PositionWeightedModule  # the module TorchRec builds per feature
+
+
+def _embedding_collection():
+    return EmbeddingCollection([EmbeddingConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])])
+
+
+def _managed_collision_ebc():
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.modules.mc_modules import LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
+
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])]
+    mcc = ManagedCollisionCollection(
+        {"t0": MCHManagedCollisionModule(
+            zch_size=10, device=torch.device("cpu"), eviction_policy=LFU_EvictionPolicy(), eviction_interval=1, input_hash_size=100
+        )},
+        tables,
+    )
+    return ManagedCollisionEmbeddingBagCollection(TorchrecEBC(tables), mcc, return_remapped_features=False)
+
+
+def _quantized_ebc():
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QuantEBC
+
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])]
+    model = torch.nn.Sequential(TorchrecEBC(tables))
+    model[0].qconfig = torch.ao.quantization.QConfig(
+        activation=torch.ao.quantization.PlaceholderObserver.with_args(dtype=torch.qint8),
+        weight=torch.ao.quantization.PlaceholderObserver.with_args(dtype=torch.qint8),
+    )
+    return torch.nn.Sequential(QuantEBC.from_float(model[0]))
+
+
+@pytest.mark.parametrize(
+    "build, name",
+    [
+        (lambda: torch.nn.ModuleDict({"seq": _embedding_collection()}), r"model\.seq \(torchrec\.modules\.embedding_modules\.EmbeddingCollection\)"),
+        (_managed_collision_ebc, r"the model \(.*ManagedCollisionEmbeddingBagCollection\)"),
+        (_quantized_ebc, r"model\.0 \(torchrec\.quant\.embedding_modules\.EmbeddingBagCollection\)"),
+    ],
+    ids=["embedding-collection", "managed-collisions", "quantized"],
+)
+def test_from_torchrec_names_a_module_it_cannot_convert(build, name):
+    model = build()
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(NotImplementedError, match=name):
+        sp.from_torchrec(model, optimizer=sp.SGD(0.1), device="tpu")
+    for key, value in model.state_dict().items():  # nothing converted halfway
+        assert torch.equal(value, before[key]), key
+    assert not any(type(m).__module__.startswith("tpurec") for m in model.modules())
