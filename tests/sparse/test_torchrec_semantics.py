@@ -20,6 +20,7 @@ from torchrec.modules.embedding_modules import EmbeddingCollection
 from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
+import tpurec
 import tpurec.sparse as sp
 from helpers import make_tables, random_kjt
 
@@ -129,23 +130,58 @@ def test_half_precision_tables_are_refused_not_widened(data_type):
         sp.from_torchrec(TorchrecEBC(tables), device="tpu")
 
 
-def test_position_weights_that_need_gradients_raise():
-    from torchrec.modules.feature_processor_ import PositionWeightedModule, PositionWeightedModuleCollection
+def _position_weighted(tables):
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
     from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
-    tables = make_tables(dims=(4, 4, 4))
     features = [f for t in tables for f in t.feature_names]
-    reference = FeatureProcessedEmbeddingBagCollection(
-        TorchrecEBC(tables, is_weighted=True),
-        PositionWeightedModuleCollection({f: 4 for f in features}),
+    torch.manual_seed(0)
+    model = FeatureProcessedEmbeddingBagCollection(
+        TorchrecEBC(tables, is_weighted=True), PositionWeightedModuleCollection({f: 4 for f in features})
     )
-    ours = sp.from_torchrec(copy.deepcopy(reference), optimizer=sp.SGD(0.1), device="tpu")
-    kjt = random_kjt(tables, 3, np.random.default_rng(4), max_len=4)
-    with pytest.raises(NotImplementedError, match="per-id weights require grad"):
-        ours(kjt)
-    with torch.no_grad():  # inference: nothing is lost
-        torch.testing.assert_close(ours(kjt).values().cpu(), reference(kjt).values(), atol=1e-6, rtol=0)
-    assert PositionWeightedModule  # the module TorchRec builds per feature
+    with torch.no_grad():  # TorchRec starts them at 1: random ones show every position's gradient
+        for p in model._feature_processors.parameters():
+            p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_position_weighted_feature_processor_trains_as_torchrec(mode):
+    tables = make_tables(dims=(4, 4, 8))
+    reference = _position_weighted(tables)
+    ours = copy.deepcopy(reference)
+    for model in (reference, ours):
+        apply_optimizer_in_backward(torch.optim.Adagrad, model._embedding_bag_collection.parameters(), {"lr": 0.1})
+    ours = sp.from_torchrec(ours, device="tpu")
+    dense_reference = torch.optim.SGD(reference._feature_processors.parameters(), lr=0.1)
+    dense_ours = torch.optim.SGD(ours._feature_processors.parameters(), lr=0.1)
+    rng = np.random.default_rng(4)
+    with tpurec.mode(mode):
+        for _ in range(STEPS):
+            kjt = random_kjt(tables, 3, rng, max_len=4)
+            for model, dense in ((reference, dense_reference), (ours, dense_ours)):
+                dense.zero_grad()
+                model(kjt).values().pow(2).sum().backward()
+                dense.step()
+    theirs, start = _tables_of(reference), _tables_of(_position_weighted(tables))
+    changed = 0
+    for key, value in _tables_of(ours).items():
+        torch.testing.assert_close(value, theirs[key], atol=1e-5, rtol=1e-5, msg=key)
+        changed += "position_weight" in key and not torch.equal(value, start[key])
+    assert changed == sum(len(t.feature_names) for t in tables)  # every feature's position weights trained
+
+
+def test_position_weights_with_mean_pooling_raise():
+    from torchrec.modules.embedding_configs import PoolingType
+
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"], pooling=PoolingType.MEAN)]
+    ebc = sp.EmbeddingBagCollection(tables, is_weighted=True, optimizer=sp.SGD(0.1), device="tpu")
+    weights = torch.ones(3, requires_grad=True)
+    kjt = KeyedJaggedTensor.from_lengths_sync(["f0"], torch.tensor([1, 2, 3]), torch.tensor([2, 1]), weights=weights)
+    with pytest.raises(NotImplementedError, match="SUM pooling"):
+        ebc(kjt)
+    with torch.no_grad():
+        ebc(kjt)
 
 
 def _embedding_collection():

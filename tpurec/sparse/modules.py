@@ -28,7 +28,7 @@ from typing import Any, Literal, Mapping, Sequence
 import jax
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
@@ -323,19 +323,51 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             for i, first, last in self._output_runs
         ]
         values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        if self._weights_need_grad(features):
+            values = values + self._per_id_weight_gradients(features, batch.batch_size)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
+
+    def _weights_need_grad(self, features: KeyedJaggedTensor) -> bool:
+        weights = features.weights_or_none()
+        return self._is_weighted and torch.is_grad_enabled() and weights is not None and weights.requires_grad
+
+    def _per_id_weight_gradients(self, features: KeyedJaggedTensor, batch_size: int) -> torch.Tensor:
+        """A term equal to zero whose gradient w.r.t. each per-id weight is TorchRec's.
+
+        With SUM pooling a bag is ``sum_j w_j * W[id_j]``, so d/dw_j is ``W[id_j]`` dotted with
+        the bag's gradient. The fused lookup takes the weights as constants (they are folded
+        into the CSR gains on the host); adding ``sum_j (w_j - w_j.detach()) * W[id_j]`` (exactly
+        0, with the table rows as they were at this forward) gives the weights that gradient
+        without changing the output or the tables' fused update.
+        """
+        device = self.device
+        per_feature = features.to_dict()
+        blocks = []
+        for cfg in self._embedding_bag_configs:
+            table = self.table_weight(cfg.name).detach()
+            for feature in cfg.feature_names:
+                jagged = per_feature[feature]
+                weights = jagged.weights()
+                lengths = jagged.lengths().long()
+                samples = torch.repeat_interleave(torch.arange(batch_size), lengths).to(device)
+                rows = table[jagged.values().long().to(device)]
+                delta = (weights - weights.detach()).to(device=device, dtype=table.dtype)
+                block = torch.zeros(batch_size, cfg.embedding_dim, dtype=table.dtype, device=device)
+                blocks.append(block.index_add(0, samples, delta[:, None] * rows))
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
     def _check_trainable_lookup(self, features: KeyedJaggedTensor) -> None:
         """Raises where a training lookup would silently differ from TorchRec's."""
         if not torch.is_grad_enabled():
             return
-        weights = features.weights_or_none()
-        if weights is not None and weights.requires_grad:
-            raise NotImplementedError(
-                "the KJT's per-id weights require grad (e.g. from a FeatureProcessedEmbeddingBagCollection's "
-                "PositionWeightedModule), but tpurec's lookup returns no gradient for them, so they would never "
-                "train. Freeze them (requires_grad_(False)) or detach the weights, or train this part on CPU."
-            )
+        if self._weights_need_grad(features):
+            unpooled = [t.name for t in self._embedding_bag_configs if t.pooling != PoolingType.SUM]
+            if unpooled or self.overflow == "drop":
+                why = f"tables {unpooled} do not use SUM pooling" if unpooled else "overflow='drop' may drop ids"
+                raise NotImplementedError(
+                    f"the KJT's per-id weights require grad, but {why}, so tpurec cannot give them TorchRec's "
+                    "gradient. Use SUM pooling and overflow='error', or detach the weights."
+                )
         if (
             self.optimizer_semantics == "torch"
             and self.optimizer is not None
