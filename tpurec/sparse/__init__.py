@@ -13,6 +13,7 @@ from tpurec.sparse import ops  # noqa: F401  (registers torch.ops.tpurec.*)
 from tpurec.sparse.convert import from_torchrec
 from tpurec.sparse import checkpoint  # noqa: E402  (needs the modules above)
 from tpurec.sparse.modules import EmbeddingBagCollection
+from tpurec.sparse.sequence import EmbeddingCollection
 from tpurec.sparse.optimizers import SGD, Adagrad, Adam, EmbeddingOptimizer, RowWiseAdagrad, optimizer_from_torch
 from tpurec.sparse.pipeline import TrainPipeline
 from tpurec.sparse.preprocess import preprocess_kjt, read_kjt, stack_tables, suggest_capacities
@@ -47,6 +48,7 @@ __all__ = [
     "Adam",
     "optimizer_from_torch",
     "EmbeddingBagCollection",
+    "EmbeddingCollection",
     "from_torchrec",
     "TrainPipeline",
     "checkpoint",

@@ -14,9 +14,11 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 from torchrec.modules.embedding_modules import EmbeddingBagCollection as TorchrecEBC
+from torchrec.modules.embedding_modules import EmbeddingCollection as TorchrecEC
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
 from tpurec.sparse.modules import EmbeddingBagCollection
+from tpurec.sparse.sequence import EmbeddingCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.types import Capacity
 
@@ -55,16 +57,33 @@ def _refuse_unsupported(model: nn.Module) -> None:
 
     unsupported = (EmbeddingCollectionInterface, BaseManagedCollisionEmbeddingCollection, ManagedCollisionCollection)
     for name, module in model.named_modules():
-        if type(module).__module__.startswith("tpurec.") or isinstance(module, (TorchrecEBC, FusedEmbeddingBagCollection)):
+        if type(module).__module__.startswith("tpurec.") or isinstance(module, (TorchrecEBC, FusedEmbeddingBagCollection, TorchrecEC)):
             continue
         if isinstance(module, unsupported) or isinstance(module, EmbeddingBagCollectionInterface):
             where = f"model.{name}" if name else "the model"
             raise NotImplementedError(
                 f"from_torchrec cannot convert {where} ({type(module).__module__}.{type(module).__qualname__}): "
-                "tpurec converts torchrec.EmbeddingBagCollection and FusedEmbeddingBagCollection (float32 tables) "
-                "only, and leaving this module on the host would fail or differ from TorchRec. Keep the model on "
+                "tpurec converts torchrec's EmbeddingBagCollection, FusedEmbeddingBagCollection and "
+                "EmbeddingCollection (float32 tables) only, and leaving this module on the host would fail or differ from TorchRec. Keep the model on "
                 "CPU, or replace the module by an EmbeddingBagCollection before converting."
             )
+
+
+def _convert_sequence(module: TorchrecEC, optimizer: EmbeddingOptimizer | None, kwargs: Mapping[str, Any]) -> EmbeddingCollection:
+    chosen, in_backward = _optimizer_of(module, optimizer)
+    new = EmbeddingCollection(
+        tables=module.embedding_configs(), need_indices=module.need_indices(), optimizer=chosen,
+        max_seq_len=kwargs.get("max_seq_len"), device=kwargs["device"], num_partitions=kwargs["num_partitions"],
+        capacities=kwargs["capacities"],
+    )
+    if in_backward:
+        new.bags.optimizer_semantics = "torch"
+    with torch.no_grad():
+        for cfg in module.embedding_configs():
+            source = module.embeddings[cfg.name].weight
+            if source.device.type != "meta":
+                new.table_weight(cfg.name).copy_(source.detach())
+    return new
 
 
 def _fused_slots(module: FusedEmbeddingBagCollection) -> dict[str, list[torch.Tensor]]:
@@ -106,8 +125,9 @@ def from_torchrec(
     device: torch.device | str | None = None,
     num_partitions: int = 1,
     capacities: Capacity | Mapping[str, Capacity] | None = None,
+    max_seq_len: int | Mapping[str, int] | None = None,
 ) -> nn.Module:
-    """Replaces every torchrec (Fused)EmbeddingBagCollection in ``model``.
+    """Replaces every torchrec (Fused)EmbeddingBagCollection and EmbeddingCollection in ``model``.
 
     Weights are copied (tables on ``meta`` are initialised instead, from
     their configs, directly in the new module); the optimizer comes from ``apply_optimizer_in_backward``
@@ -123,31 +143,41 @@ def from_torchrec(
         device: device of the new tables (default: where the old ones were).
         num_partitions: MOD partitions.
         capacities: static capacities (see ``suggest_capacities``).
+        max_seq_len: positions per sequence of converted ``EmbeddingCollection`` modules
+            (see :class:`tpurec.sparse.EmbeddingCollection`; None: grown by powers of two).
 
     Returns:
-        The model with tpurec ``EmbeddingBagCollection`` modules.
+        The model with tpurec ``EmbeddingBagCollection`` / ``EmbeddingCollection`` modules.
 
     Example::
 
         model = from_torchrec(DLRM(embedding_bag_collection=ebc, ...))
     """
-    kinds = (TorchrecEBC, FusedEmbeddingBagCollection)
+    kinds = (TorchrecEBC, FusedEmbeddingBagCollection, TorchrecEC)
 
     def options(module: nn.Module) -> dict[str, Any]:
         dev = device
         if dev is None:
-            weights = [m.weight for m in module.embedding_bags.values()]
+            tables = module.embeddings if isinstance(module, TorchrecEC) else module.embedding_bags
+            weights = [m.weight for m in tables.values()]
             dev = weights[0].device if weights else None
             if dev is not None and dev.type == "meta":
                 dev = None  # materialised on the host; pass device= to place them
-        return {"device": dev, "num_partitions": num_partitions, "capacities": capacities}
+        return {"device": dev, "num_partitions": num_partitions, "capacities": capacities, "max_seq_len": max_seq_len}
+
+    def convert(module: nn.Module) -> nn.Module:
+        if isinstance(module, TorchrecEC):
+            return _convert_sequence(module, optimizer, options(module))
+        kwargs = options(module)
+        del kwargs["max_seq_len"]
+        return _convert(module, optimizer, kwargs)
 
     _refuse_unsupported(model)
     if isinstance(model, kinds):
-        return _convert(model, optimizer, options(model))
+        return convert(model)
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, _convert(module, optimizer, options(module)))
+        setattr(parent, attr, convert(module))
     return model
