@@ -64,17 +64,22 @@ def _refuse_unsupported(model: nn.Module) -> None:
             raise NotImplementedError(
                 f"from_torchrec cannot convert {where} ({type(module).__module__}.{type(module).__qualname__}): "
                 "tpurec converts torchrec's EmbeddingBagCollection, FusedEmbeddingBagCollection and "
-                "EmbeddingCollection (float32 tables) only, and leaving this module on the host would fail or differ from TorchRec. Keep the model on "
-                "CPU, or replace the module by an EmbeddingBagCollection before converting."
+                "EmbeddingCollection (float32 tables) only, and leaving this module on the host would fail or "
+                "differ from TorchRec. Keep the model on CPU, or replace the module by an EmbeddingBagCollection "
+                "before converting."
             )
 
 
-def _convert_sequence(module: TorchrecEC, optimizer: EmbeddingOptimizer | None, kwargs: Mapping[str, Any]) -> EmbeddingCollection:
+def _convert_sequence(
+    module: TorchrecEC,
+    optimizer: EmbeddingOptimizer | None,
+    max_seq_len: int | Mapping[str, int] | None,
+    kwargs: Mapping[str, Any],
+) -> EmbeddingCollection:
     chosen, in_backward = _optimizer_of(module, optimizer)
     new = EmbeddingCollection(
         tables=module.embedding_configs(), need_indices=module.need_indices(), optimizer=chosen,
-        max_seq_len=kwargs.get("max_seq_len"), device=kwargs["device"], num_partitions=kwargs["num_partitions"],
-        capacities=kwargs["capacities"],
+        max_seq_len=max_seq_len, **kwargs,
     )
     if in_backward:
         new.bags.optimizer_semantics = "torch"
@@ -163,14 +168,12 @@ def from_torchrec(
             dev = weights[0].device if weights else None
             if dev is not None and dev.type == "meta":
                 dev = None  # materialised on the host; pass device= to place them
-        return {"device": dev, "num_partitions": num_partitions, "capacities": capacities, "max_seq_len": max_seq_len}
+        return {"device": dev, "num_partitions": num_partitions, "capacities": capacities}
 
     def convert(module: nn.Module) -> nn.Module:
         if isinstance(module, TorchrecEC):
-            return _convert_sequence(module, optimizer, options(module))
-        kwargs = options(module)
-        del kwargs["max_seq_len"]
-        return _convert(module, optimizer, kwargs)
+            return _convert_sequence(module, optimizer, max_seq_len, options(module))
+        return _convert(module, optimizer, options(module))
 
     _refuse_unsupported(model)
     if isinstance(model, kinds):
