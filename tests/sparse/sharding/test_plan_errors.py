@@ -139,3 +139,18 @@ def test_fixed_capacity_overflow():
     kjt = random_kjt(TABLES, 8, np.random.default_rng(0), max_len=30)
     with pytest.raises(sp.CapacityError, match="capacity=8"):
         sharded(kjt)
+
+
+def test_per_id_weights_that_need_gradients_raise_when_sharded():
+    model, _ = _model()
+    sharded = tpurec.shard(model, ShardingPlan({"ebc": _module_plan()}))
+    before = sharded.ebc.full_tables()[0]
+    kjt = random_kjt(TABLES, 8, np.random.default_rng(0), weighted=True)
+    weighted = type(kjt).from_lengths_sync(
+        keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), weights=kjt.weights().requires_grad_()
+    )
+    with pytest.raises(NotImplementedError, match="per-id weights require grad"):
+        sharded(weighted)
+    after = sharded.ebc.full_tables()[0]
+    for name in before:
+        np.testing.assert_array_equal(before[name], after[name])

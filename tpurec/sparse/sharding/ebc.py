@@ -685,6 +685,14 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             ``KeyedTensor`` over the global batch (all processes' samples, in
             process order), batch-sharded on the mesh.
         """
+        weights = features.weights_or_none()
+        if torch.is_grad_enabled() and weights is not None and weights.requires_grad:
+            raise NotImplementedError(
+                "the KJT's per-id weights require grad (e.g. from a PositionWeightedModule), but the sharded lookup "
+                "returns no gradient for them, so they would never train. Detach the weights, or train the "
+                "feature-processed collection unsharded (tpurec.sparse.EmbeddingBagCollection gives them TorchRec's "
+                "gradient)."
+            )
         batch = self._take_prefetched(features)
         if batch is None:
             batch = self.distribute_input(features)
