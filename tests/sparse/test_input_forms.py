@@ -163,9 +163,9 @@ def test_trains_as_torchrec(form, source, optimizer_class, kwargs, mode):
             lengths=torch.tensor([1, 1, 0, 2, 0, 1, 1, 0]),
             inverse_indices=(["f3", "f2", "f1", "f0"], torch.tensor([[1, 0, 0], [0, 0, 1], [1, 1, 0], [0, 1, 1]])),
         ),
-        lambda tables, rng: vbe_kjt(tables, 3, rng, strides={f: 0 if f == "f1" else 2 for f in _features(tables)}),
+        lambda tables, rng: vbe_kjt(tables, 3, rng, strides={f: 5 if f == "f1" else 2 for f in _features(tables)}),
     ],
-    ids=["vbe-equal-strides-no-inverse", "inverse-indices-one-stride", "feature-without-bags"],
+    ids=["vbe-equal-strides-no-inverse", "inverse-indices-one-stride", "more-bags-than-samples"],
 )
 def test_other_batch_layouts_look_up_as_torchrec(make_batch):
     tables = make_tables(dims=(4, 4, 8))

@@ -26,6 +26,7 @@ import weakref
 from typing import Any, Literal, Mapping, Sequence
 
 import jax
+import numpy as np
 import torch
 from torch import nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
@@ -152,9 +153,12 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._optimizer_state_follows = False
         self._embedding_names: list[str] = [n for names in get_embedding_names_by_table(self._embedding_bag_configs) for n in names]
         self._length_per_key: list[int] = [t.embedding_dim for t in self._embedding_bag_configs for _ in t.feature_names]
-        # Output order (torchrec's): tables in order, features in order -> (stack, slot).
-        where = {s.feature: (i, s.slot) for i, st in enumerate(self._stacks) for s in st.features}
-        self._output_slots: list[tuple[int, int]] = [where[f] for t in self._embedding_bag_configs for f in t.feature_names]
+        # Output order (torchrec's): tables in order, features in order -> (stack, slot). A
+        # feature of two tables has a slot in each (outputs "<feature>@<table>").
+        where = {(s.table, s.feature): (i, s.slot) for i, st in enumerate(self._stacks) for s in st.features}
+        self._output_slots: list[tuple[int, int]] = [
+            where[t.name, f] for t in self._embedding_bag_configs for f in t.feature_names
+        ]
         # (stack, first slot, end slot) runs covering _output_slots in order.
         self._output_runs: list[tuple[int, int, int]] = []
         for i, slot in self._output_slots:
@@ -236,8 +240,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     @property
     def feature_names(self) -> list[str]:
-        """The KJT keys this collection looks up."""
-        return [s.feature for st in self._stacks for s in st.features]
+        """The KJT keys this collection looks up (once each, also when two tables share one)."""
+        return list(dict.fromkeys(s.feature for st in self._stacks for s in st.features))
 
     def prefetch(self, features: KeyedJaggedTensor, batch: SparseCoreInput | None = None) -> None:
         """Preprocesses ``features`` and starts moving its CSR arrays to the tables' device.
@@ -296,16 +300,21 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
         Args:
             features: KJT with the tables' features (CPU; ids are preprocessed on
-                the host and moved to the tables' device).
+                the host and moved to the tables' device). As in TorchRec, each
+                feature may have its own batch size (``stride_per_key_per_rank``),
+                and ``inverse_indices`` expand every feature's pooled rows to the
+                full batch.
 
         Returns:
-            ``KeyedTensor`` with one ``[batch, dim]`` block per feature, in
-            torchrec's order.
+            ``KeyedTensor`` with one ``[batch, dim]`` block per feature and table
+            (``"<feature>@<table>"`` for a feature of several tables), in torchrec's
+            order.
         """
         self._check_trainable_lookup(features)
         prefetched = self._take_prefetched(features)
         batch = self.preprocess(features) if prefetched is None else prefetched[0]
         device = self.device
+        out_batch = batch.output_batch_size
         stack_outputs = []
         for i, st in enumerate(self._stacks):
             if prefetched is not None:
@@ -315,33 +324,54 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             out = _FusedLookup.apply(
                 self.stacked_weight(i), *arrays, self, i, st.num_slots * batch.batch_size
             )
-            stack_outputs.append(out.view(st.num_slots, batch.batch_size, st.embedding_dim))
+            if batch.inverse_indices is not None:
+                # TorchRec's process_pooled_embeddings: output sample b of a feature is the
+                # bag inverse_indices name; the gather's backward sums the gradients of the
+                # samples sharing a bag, as TorchRec's index select does.
+                out = out.index_select(0, self._expansion_index(st, batch).to(device))
+            stack_outputs.append(out.view(st.num_slots, out_batch, st.embedding_dim))
         # One [batch, slots * dim] block per run of consecutive slots: a transpose per
         # run, not a select per feature (whose backward would add up full-size zeros).
         blocks = [
-            stack_outputs[i][first:last].transpose(0, 1).reshape(batch.batch_size, (last - first) * self._stacks[i].embedding_dim)
+            stack_outputs[i][first:last].transpose(0, 1).reshape(out_batch, (last - first) * self._stacks[i].embedding_dim)
             for i, first, last in self._output_runs
         ]
         values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         if self._weights_need_grad(features):
-            values = values + self._per_id_weight_gradients(features, batch.batch_size)
+            values = values + self._per_id_weight_gradients(features, batch)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
+
+    @staticmethod
+    def _expansion_index(stack: StackedTable, batch: SparseCoreInput) -> torch.Tensor:
+        """Rows of the stack's lookup output ``[slots * batch.batch_size]`` giving each
+        output sample of each slot (``[slots * output batch]``, int64, on the host).
+
+        Its shape depends on the output batch only, however the features' own batch
+        sizes vary: one program for every such batch.
+        """
+        assert batch.inverse_indices is not None
+        rows = batch.batch_size
+        return torch.from_numpy(
+            np.concatenate([s.slot * rows + batch.inverse_indices[s.feature] for s in stack.features])
+        )
 
     def _weights_need_grad(self, features: KeyedJaggedTensor) -> bool:
         weights = features.weights_or_none()
         return self._is_weighted and torch.is_grad_enabled() and weights is not None and weights.requires_grad
 
-    def _per_id_weight_gradients(self, features: KeyedJaggedTensor, batch_size: int) -> torch.Tensor:
+    def _per_id_weight_gradients(self, features: KeyedJaggedTensor, batch: SparseCoreInput) -> torch.Tensor:
         """A term equal to zero whose gradient w.r.t. each per-id weight is TorchRec's.
 
         With SUM pooling a bag is ``sum_j w_j * W[id_j]``, so d/dw_j is ``W[id_j]`` dotted with
         the bag's gradient. The fused lookup takes the weights as constants (they are folded
         into the CSR gains on the host); adding ``sum_j (w_j - w_j.detach()) * W[id_j]`` (exactly
         0, with the table rows as they were at this forward) gives the weights that gradient
-        without changing the output or the tables' fused update.
+        without changing the output or the tables' fused update. A feature's term has a
+        row per bag, expanded to the output batch by ``inverse_indices`` like the lookup.
         """
         device = self.device
         per_feature = features.to_dict()
+        inverse = batch.inverse_indices
         blocks = []
         for cfg in self._embedding_bag_configs:
             table = self.table_weight(cfg.name).detach()
@@ -349,11 +379,15 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 jagged = per_feature[feature]
                 weights = jagged.weights()
                 lengths = jagged.lengths().long()
-                samples = torch.repeat_interleave(torch.arange(batch_size), lengths).to(device)
+                bags = lengths.shape[0]  # the feature's own batch size
+                samples = torch.repeat_interleave(torch.arange(bags), lengths).to(device)
                 rows = table[jagged.values().long().to(device)]
                 delta = (weights - weights.detach()).to(device=device, dtype=table.dtype)
-                block = torch.zeros(batch_size, cfg.embedding_dim, dtype=table.dtype, device=device)
-                blocks.append(block.index_add(0, samples, delta[:, None] * rows))
+                block = torch.zeros(bags, cfg.embedding_dim, dtype=table.dtype, device=device)
+                block = block.index_add(0, samples, delta[:, None] * rows)
+                if inverse is not None:
+                    block = block.index_select(0, torch.from_numpy(inverse[feature]).to(device))
+                blocks.append(block)
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
     def _check_trainable_lookup(self, features: KeyedJaggedTensor) -> None:

@@ -43,7 +43,7 @@ from tpurec.sparse.types import (
     TableInStack,
 )
 
-__all__ = ["stack_tables", "preprocess_kjt", "suggest_capacities", "FeatureBatch", "read_kjt"]
+__all__ = ["stack_tables", "preprocess_kjt", "suggest_capacities", "FeatureBatch", "Batching", "read_kjt", "read_batching", "shared_features"]
 
 Overflow = Literal["error", "drop"]
 
@@ -56,7 +56,8 @@ def stack_tables(tables: Sequence[EmbeddingBagConfig], stack: bool = True) -> li
     Tables of one embedding dim share a stack (their optimizer is the module's,
     so it always agrees); each keeps a row offset. Stacks appear in the order of
     their first table; inside a stack, features take output slots in table
-    order, then in each table's ``feature_names`` order.
+    order, then in each table's ``feature_names`` order. A feature listed by
+    several tables (as TorchRec allows) takes one slot per table.
 
     Args:
         tables: torchrec table configs.
@@ -73,9 +74,15 @@ def stack_tables(tables: Sequence[EmbeddingBagConfig], stack: bool = True) -> li
     names = [t.name for t in tables]
     if len(set(names)) != len(names):
         raise ValueError(f"table names must be unique, got {names}")
-    features = [f for t in tables for f in t.feature_names]
-    if len(set(features)) != len(features):
-        raise ValueError(f"a feature may look up only one table, got feature names {features}")
+    # A feature may look up several tables (TorchRec names those outputs "<feature>@<table>"),
+    # but one table only once: TorchRec would give both lookups the same output name.
+    for t in tables:
+        twice = sorted({f for f in t.feature_names if list(t.feature_names).count(f) > 1})
+        if twice:
+            raise ValueError(
+                f"table {t.name!r} lists feature {twice[0]!r} twice in feature_names {list(t.feature_names)}; "
+                "list each feature once per table"
+            )
     groups: "OrderedDict[object, list[EmbeddingBagConfig]]" = OrderedDict()
     for t in tables:
         groups.setdefault(t.embedding_dim if stack else t.name, []).append(t)
@@ -92,6 +99,22 @@ def stack_tables(tables: Sequence[EmbeddingBagConfig], stack: bool = True) -> li
         name = "__".join(t.name for t in group)
         stacks.append(StackedTable(name, group[0].embedding_dim, tuple(members), tuple(slots)))
     return stacks
+
+
+def shared_features(tables: Sequence[EmbeddingBagConfig]) -> dict[str, list[str]]:
+    """Features looked up in more than one table -> those tables' names, in table order.
+
+    Args:
+        tables: torchrec table configs.
+
+    Returns:
+        ``{feature: [table, ...]}`` for every feature listed by two tables or more.
+    """
+    tables_of: dict[str, list[str]] = {}
+    for t in tables:
+        for f in dict.fromkeys(t.feature_names):
+            tables_of.setdefault(f, []).append(t.name)
+    return {f: names for f, names in tables_of.items() if len(names) > 1}
 
 
 @dataclasses.dataclass
@@ -118,7 +141,114 @@ def _tables_of(tables: Sequence[EmbeddingBagConfig] | Sequence[StackedTable]) ->
 _FLOAT_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def read_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackedTable], is_weighted: bool | None = None) -> tuple[int, dict[str, FeatureBatch]]:
+@dataclasses.dataclass(frozen=True)
+class Batching:
+    """How the bags of a KJT map to output samples (rule 3 of :func:`read_kjt`).
+
+    Args:
+        bags_per_key: bags of each KJT key, in key order (the stride, or with a
+            variable batch size per feature the key's ``stride_per_key``).
+        rows: CSR rows per feature slot (``sample = slot * rows + bag``): the
+            output batch, or more when a feature has more bags than that.
+        inverse_indices: per feature, the bag each output sample repeats
+            (TorchRec's ``KeyedJaggedTensor.inverse_indices``); None: output
+            sample ``b`` is bag ``b`` of every feature.
+    """
+
+    bags_per_key: tuple[int, ...]
+    rows: int
+    inverse_indices: dict[str, np.ndarray] | None
+
+
+def _is_integer(t: torch.Tensor) -> bool:
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+def read_batching(kjt: KeyedJaggedTensor, variable_batch: bool) -> Batching:
+    """Rule 3 of :func:`read_kjt`: the bags per feature and how they map to output samples.
+
+    Expects rules 1 and 2 to hold (every table feature is a key, once).
+
+    Args:
+        kjt: the batch.
+        variable_batch: accept a variable batch size per feature (VBE) and
+            ``inverse_indices``, as TorchRec's ``EmbeddingBagCollection`` does.
+
+    Returns:
+        The :class:`Batching`.
+
+    Raises:
+        NotImplementedError: a VBE batch where ``variable_batch`` is False.
+        ValueError: bad ``stride_per_key_per_rank`` or ``inverse_indices``.
+    """
+    keys = list(kjt.keys())
+    vbe = kjt.variable_stride_per_key()
+    if not variable_batch:
+        if vbe:
+            raise NotImplementedError(
+                "variable batch size per feature (VBE), a KeyedJaggedTensor built with stride_per_key_per_rank, is "
+                f"not supported by this module (features {keys}): tpurec's sharded EmbeddingBagCollection and its "
+                "EmbeddingCollection need one batch size for every feature; the unsharded "
+                "tpurec.sparse.EmbeddingBagCollection accepts VBE batches"
+            )
+        stride = kjt.stride()
+        return Batching((stride,) * len(keys), stride, None)
+    if vbe:
+        per_rank = kjt.stride_per_key_per_rank()
+        if len(per_rank) != len(keys) or any(b < 0 for ranks in per_rank for b in ranks):
+            raise ValueError(
+                f"stride_per_key_per_rank must give every one of the {len(keys)} features {keys} a list of "
+                f"non-negative bag counts, got {per_rank}"
+            )
+        bags = tuple(int(sum(ranks)) for ranks in per_rank)
+    else:
+        bags = (kjt.stride(),) * len(keys)
+    inverse = kjt.inverse_indices_or_none()
+    # TorchRec expands the pooled rows only when inverse_indices hold something.
+    if inverse is not None and inverse[1].numel() > 0:
+        names, index = inverse
+        if index.dim() != 2 or not _is_integer(index):
+            raise ValueError(
+                f"inverse_indices must be a 2-D integer tensor [features, batch size], got dtype {index.dtype} and "
+                f"shape {tuple(index.shape)}"
+            )
+        if index.shape[0] != len(names):
+            raise ValueError(
+                f"inverse_indices name {len(names)} features but its tensor has shape {tuple(index.shape)}; give one "
+                "row per named feature"
+            )
+        row_of = {name: i for i, name in enumerate(names)}  # a repeated name: its last row, as in TorchRec
+        rows = index.detach().cpu().numpy().astype(np.int64, copy=False)
+        out: dict[str, np.ndarray] = {}
+        for key, n in zip(keys, bags):
+            if key not in row_of:
+                raise ValueError(f"inverse_indices have no row for feature {key!r} (they name {list(names)})")
+            row = rows[row_of[key]]
+            bad = (row < 0) | (row >= n)
+            if bad.any():
+                raise ValueError(
+                    f"inverse_indices of feature {key!r} hold {int(row[np.argmax(bad)])}, outside [0, {n}) (the "
+                    f"feature's {n} bags)"
+                )
+            out[key] = row
+        return Batching(bags, max((int(index.shape[1]), *bags)), out)
+    if len(set(bags)) > 1:
+        raise ValueError(
+            f"features have different batch sizes {dict(zip(keys, bags))} but the KeyedJaggedTensor has no "
+            "inverse_indices, so their pooled embeddings do not line up (TorchRec's EmbeddingBagCollection cannot "
+            "concatenate them either); pass inverse_indices=(keys, tensor [num_keys, batch_size]) giving the bag of "
+            "each sample"
+        )
+    return Batching(bags, bags[0] if bags else 0, None)
+
+
+def read_kjt(
+    kjt: KeyedJaggedTensor,
+    stacks: Sequence[StackedTable],
+    is_weighted: bool | None = None,
+    *,
+    variable_batch: bool = False,
+) -> tuple[int, dict[str, FeatureBatch]]:
     """Validates ``kjt`` against the tables and splits it per feature.
 
     This is the one place where a batch is validated: every rule below runs
@@ -131,10 +261,16 @@ def read_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackedTable], is_weighted
     1. Keys are unique (a duplicate key is named; torchrec would silently
        drop one of the blocks).
     2. Every key is a feature of some table; every table feature is a key.
-    3. One batch size for all features (no variable stride per key).
+    3. Batch sizes (:func:`read_batching`). Without ``variable_batch`` every
+       feature has the KJT's stride (a VBE batch raises ``NotImplementedError``).
+       With it, feature ``f`` has ``stride_per_key()[f]`` bags (summed over
+       ranks); non-empty ``inverse_indices`` are a 2-D integer tensor with a
+       row for every feature, each entry a bag of that feature, and their
+       width is the output batch; without them every feature has the same
+       number of bags.
     4. ``values`` is a 1-D integer tensor (floating, complex and bool ids are
        rejected, naming the first feature); ``lengths`` is a 1-D integer tensor
-       with ``len(keys) * stride`` entries. If the KJT was built from offsets,
+       with one entry per bag. If the KJT was built from offsets,
        they start at 0 (a batch of size 0 has no offsets to check).
     5. No bag length is negative (the first feature, in key order, with a
        negative length is named).
@@ -150,8 +286,8 @@ def read_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackedTable], is_weighted
        entry per id; otherwise the first feature without a matching weight is
        named. Weighted tables (``is_weighted=True``) require weights.
        Weights are converted to float32.
-    9. Every id of a feature is in ``[0, num_embeddings)`` of its table (the
-       first bad id is named with its feature and table).
+    9. Every id of a feature is in ``[0, num_embeddings)`` of every table it
+       looks up (the first bad id is named with its feature and table).
 
     An empty batch (stride 0, every key present, no bags) is valid.
 
@@ -160,14 +296,30 @@ def read_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackedTable], is_weighted
         stacks: the stacked tables it will be looked up in.
         is_weighted: require (True) or ignore (False) weights; None uses them
             when present.
+        variable_batch: accept a variable batch size per feature and
+            ``inverse_indices`` (rule 3).
 
     Returns:
-        ``(batch_size, {feature: FeatureBatch})``.
+        ``(rows, {feature: FeatureBatch})``: ``rows`` is the batch size (with
+        ``variable_batch``, the CSR rows per feature slot, see :class:`Batching`);
+        each feature's ``lengths`` has one entry per bag of that feature.
 
     Raises:
         ValueError: the batch breaks one of the rules above.
+        NotImplementedError: a VBE batch without ``variable_batch``.
     """
-    slots = {s.feature: s for st in stacks for s in st.features}
+    batching, out = _read_kjt(kjt, stacks, is_weighted, variable_batch)
+    return batching.rows, out
+
+
+def _read_kjt(
+    kjt: KeyedJaggedTensor, stacks: Sequence[StackedTable], is_weighted: bool | None, variable_batch: bool
+) -> tuple[Batching, dict[str, FeatureBatch]]:
+    """:func:`read_kjt`, returning the whole :class:`Batching`."""
+    slots: dict[str, list] = {}
+    for st in stacks:
+        for s in st.features:
+            slots.setdefault(s.feature, []).append(s)
     keys = list(kjt.keys())
     # Rule 1: unique keys.
     seen: set[str] = set()
@@ -184,20 +336,19 @@ def read_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackedTable], is_weighted
     missing = [f for f in slots if f not in keys]
     if missing:
         raise ValueError(f"features {missing} used by the tables are missing from the KeyedJaggedTensor (keys: {keys})")
-    # Rule 3: one stride.
-    if kjt.variable_stride_per_key():
-        raise ValueError("variable batch size per feature (VBE) is not supported: every feature needs the same stride")
+    # Rule 3: batch sizes.
+    batching = read_batching(kjt, variable_batch)
     # Rule 4: dtypes, ranks, sizes.
     values_t, lengths_t = kjt.values(), kjt.lengths()
     if values_t.dim() != 1:
         raise ValueError(f"values of features {keys} must be a 1-D tensor of ids, got shape {tuple(values_t.shape)}")
-    if values_t.dtype.is_floating_point or values_t.dtype.is_complex or values_t.dtype == torch.bool:
+    if not _is_integer(values_t):
         first = values_t[0].item() if values_t.numel() else None
         raise ValueError(
             f"ids of features {keys} must be integers, got dtype {values_t.dtype} (first value of feature "
             f"'{keys[0]}': {first})"
         )
-    if lengths_t.dim() != 1 or lengths_t.dtype.is_floating_point or lengths_t.dtype.is_complex or lengths_t.dtype == torch.bool:
+    if lengths_t.dim() != 1 or not _is_integer(lengths_t):
         raise ValueError(
             f"lengths of features {keys} must be a 1-D integer tensor, got dtype {lengths_t.dtype} and shape "
             f"{tuple(lengths_t.shape)}"
@@ -208,28 +359,39 @@ def read_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackedTable], is_weighted
     values = values_t.detach().cpu().numpy().astype(np.int64, copy=False)
     lengths = lengths_t.detach().cpu().numpy().astype(np.int64, copy=False)
     n_keys = len(keys)
-    batch_size = kjt.stride()
-    if lengths.shape[0] != n_keys * batch_size:
+    bags = np.array(batching.bags_per_key, np.int64)
+    if lengths.shape[0] != int(bags.sum()):
+        if kjt.variable_stride_per_key():
+            raise ValueError(
+                f"lengths has {lengths.shape[0]} entries but stride_per_key_per_rank gives {int(bags.sum())} bags "
+                f"({dict(zip(keys, batching.bags_per_key))} per feature); give one length per bag"
+            )
         raise ValueError(
-            f"lengths has {lengths.shape[0]} entries, expected {n_keys} features x batch {batch_size} "
+            f"lengths has {lengths.shape[0]} entries, expected {n_keys} features x batch {batching.rows} "
             f"(features {keys})"
         )
-    lengths = lengths.reshape(n_keys, batch_size)
+    bounds = np.concatenate([[0], np.cumsum(bags)])
+    key_of = np.repeat(np.arange(n_keys), bags)  # the key of each bag
+
+    def bags_of(k: int) -> np.ndarray:
+        return lengths[bounds[k] : bounds[k + 1]]
+
     # Rule 5: no negative lengths.
-    negative = np.nonzero((lengths < 0).any(axis=1))[0]
+    negative = np.nonzero(lengths < 0)[0]
     if negative.size:
-        k = negative[0]
-        raise ValueError(f"feature '{keys[k]}' has a negative bag length {lengths[k].min()}")
+        k = key_of[negative[0]]
+        raise ValueError(f"feature '{keys[k]}' has a negative bag length {bags_of(k).min()}")
     # Rule 6: no length above len(values), before summing (sums then stay far below 2**63).
-    too_long = np.nonzero((lengths > values.shape[0]).any(axis=1))[0]
+    too_long = np.nonzero(lengths > values.shape[0])[0]
     if too_long.size:
-        k = too_long[0]
+        k = key_of[too_long[0]]
         raise ValueError(
-            f"feature '{keys[k]}' has a bag length {int(lengths[k].max())} but values has only "
+            f"feature '{keys[k]}' has a bag length {int(bags_of(k).max())} but values has only "
             f"{values.shape[0]} ids in all"
         )
     # Rule 7: lengths add up to len(values).
-    per_key = lengths.sum(axis=1)
+    running = np.concatenate([[0], np.cumsum(lengths)])
+    per_key = running[bounds[1:]] - running[bounds[:-1]]
     ends = np.cumsum(per_key)
     total = int(ends[-1]) if n_keys else 0
     if total != values.shape[0]:
@@ -264,19 +426,19 @@ def read_kjt(kjt: KeyedJaggedTensor, stacks: Sequence[StackedTable], is_weighted
             weights = weights_t.detach().cpu().to(torch.float32).numpy()
     starts = ends - per_key
     out: dict[str, FeatureBatch] = {}
-    # Rule 9: ids in range.
+    # Rule 9: ids in range (of every table the feature looks up).
     for k, key in enumerate(keys):
         ids = values[starts[k] : ends[k]]
-        slot = slots[key]
-        bad = (ids < 0) | (ids >= slot.num_embeddings)
-        if bad.any():
-            value = int(ids[np.argmax(bad)])
-            raise ValueError(
-                f"feature '{key}' has id {value} outside [0, {slot.num_embeddings}) of table '{slot.table}'"
-            )
+        for slot in slots[key]:
+            bad = (ids < 0) | (ids >= slot.num_embeddings)
+            if bad.any():
+                value = int(ids[np.argmax(bad)])
+                raise ValueError(
+                    f"feature '{key}' has id {value} outside [0, {slot.num_embeddings}) of table '{slot.table}'"
+                )
         w = None if weights is None else weights[starts[k] : ends[k]]
-        out[key] = FeatureBatch(ids, lengths[k], w)
-    return batch_size, out
+        out[key] = FeatureBatch(ids, bags_of(k), w)
+    return batching, out
 
 
 def _sort_order(part, ids, samples, num_partitions: int, num_rows: int, num_samples: int) -> np.ndarray:
@@ -300,13 +462,14 @@ def _stack_csr(
     capacity: Capacity | None,
     overflow: Overflow,
 ) -> StackedCsr:
-    """CSR arrays of one stack; ``capacity=None`` sizes the buffers to fit."""
+    """CSR arrays of one stack, ``batch_size`` rows per slot; ``capacity=None`` sizes the buffers to fit."""
     ids_l, samples_l, gains_l = [], [], []
-    rows = np.arange(batch_size, dtype=np.int64)
     for slot in stack.features:
         fb = features[slot.feature]
         ids_l.append(fb.ids + slot.row_offset)
-        samples_l.append(np.repeat(rows + slot.slot * batch_size, fb.lengths))
+        # A feature's bags fill the first rows of its slot (fewer than batch_size with VBE).
+        bags = np.arange(fb.lengths.shape[0], dtype=np.int64)
+        samples_l.append(np.repeat(bags + slot.slot * batch_size, fb.lengths))
         g = np.ones(fb.ids.shape[0], np.float64) if fb.weights is None else fb.weights.astype(np.float64)
         if slot.pooling == PoolingType.MEAN:
             # MEAN divides by the bag length (FBGEMM/torchrec), also for weighted bags.
@@ -446,6 +609,13 @@ def preprocess_kjt(
 ) -> SparseCoreInput:
     """Turns a KeyedJaggedTensor into SparseCore CSR input, per stacked table.
 
+    A batch with a variable batch size per feature (VBE, ``stride_per_key_per_rank``)
+    and ``inverse_indices`` is accepted as TorchRec's ``EmbeddingBagCollection``
+    accepts it: each feature's bags fill the first rows of its slot, padded to
+    the output batch (``inverse_indices``' width), so the CSR shapes depend on
+    that batch only; ``SparseCoreInput.inverse_indices`` say which bag each
+    output sample repeats.
+
     Args:
         kjt: the batch (CPU).
         tables: torchrec table configs (stacked with :func:`stack_tables`) or
@@ -479,12 +649,13 @@ def preprocess_kjt(
         # the batch to the reference, which applies it (or agrees, for inf weights).
         if batch is not None and all(np.isfinite(csr.gains).all() for csr in batch.stacks.values()):
             return batch
-    batch_size, features = read_kjt(kjt, stacks, is_weighted)
+    batching, features = _read_kjt(kjt, stacks, is_weighted, variable_batch=True)
+    rows = batching.rows
     csrs = {
-        st.name: _stack_csr(st, features, batch_size, num_partitions, _capacity_for(capacities, st), overflow)
+        st.name: _stack_csr(st, features, rows, num_partitions, _capacity_for(capacities, st), overflow)
         for st in stacks
     }
-    return SparseCoreInput(batch_size, num_partitions, csrs)
+    return SparseCoreInput(rows, num_partitions, csrs, batching.inverse_indices)
 
 
 def suggest_capacities(

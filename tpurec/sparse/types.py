@@ -182,14 +182,25 @@ class SparseCoreInput:
     """A preprocessed batch: one :class:`StackedCsr` per stacked table.
 
     Args:
-        batch_size: samples per feature (the KJT stride).
+        batch_size: rows per feature slot (the KJT stride; with a variable batch
+            size per feature, the output batch, or more if a feature has more bags).
         num_partitions: MOD partitions.
         stacks: stack name -> CSR arrays.
+        inverse_indices: per feature, the row (bag) each output sample repeats
+            (the KJT's ``inverse_indices``, int64); None: output sample ``b`` is row ``b``.
     """
 
     batch_size: int
     num_partitions: int
     stacks: dict[str, StackedCsr]
+    inverse_indices: dict[str, np.ndarray] | None = None
+
+    @property
+    def output_batch_size(self) -> int:
+        """Samples of the pooled output (``inverse_indices``' width, else ``batch_size``)."""
+        if self.inverse_indices:
+            return int(next(iter(self.inverse_indices.values())).shape[0])
+        return self.batch_size
 
     @property
     def dropped(self) -> Mapping[str, int]:

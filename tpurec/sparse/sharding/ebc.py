@@ -38,7 +38,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from tpurec.core import runtime
 from tpurec.sparse.ops import kernel_for
 from tpurec.sparse.optimizers import EmbeddingOptimizer
-from tpurec.sparse.preprocess import read_kjt, stack_tables
+from tpurec.sparse.preprocess import read_kjt, shared_features, stack_tables
 from tpurec.sparse.sharding.layout import Layout
 from tpurec.sparse.sharding.specs import TableSharding
 from tpurec.sparse.types import PAD_ID, CapacityError
@@ -156,6 +156,12 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if capacity is not None and capacity <= 0:
             raise ValueError(f"capacity must be a positive number of entries, got {capacity}")
         configs: list[EmbeddingBagConfig] = list(source.embedding_bag_configs())
+        for feature, tables in shared_features(configs).items():
+            raise NotImplementedError(
+                f"feature {feature!r} is looked up in tables {tables}: the sharded EmbeddingBagCollection routes "
+                "each feature to one table; keep this collection unsharded (tpurec.sparse.EmbeddingBagCollection "
+                "looks such features up as TorchRec does) or give each table its own feature"
+            )
         self._embedding_bag_configs = configs
         self._is_weighted = source.is_weighted()
         if source.optimizer is None:  # an inference module (no embedding optimizer)
@@ -417,7 +423,13 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         Host numpy only: no collective, no state change (safe on a worker thread).
         """
         L, D = self.layout, self.layout.num_devices
-        local_batch, feats = read_kjt(features, self._stacks, is_weighted=self._is_weighted)
+        local_batch, feats = read_kjt(features, self._stacks, is_weighted=self._is_weighted)  # refuses VBE
+        if features.inverse_indices_or_none() is not None:
+            raise NotImplementedError(
+                "the KeyedJaggedTensor has inverse_indices, which TorchRec's EmbeddingBagCollection uses to expand "
+                "the pooled rows, but the sharded EmbeddingBagCollection does not; expand the batch first or look "
+                "it up with the unsharded tpurec.sparse.EmbeddingBagCollection"
+            )
         n_local = self._local_devices
         if local_batch % n_local:
             raise ValueError(

@@ -5,9 +5,12 @@ The fast path behind :func:`tpurec.sparse.preprocess_kjt`; the numpy code in
 arrays. ``preprocess_cpu.cc`` is built into the native kernels' library (same
 on-first-use build, see :mod:`tpurec.sparse.kernels.native`).
 
-Only inputs of the common shape take this path: every key of the KJT used by
-exactly one table slot, int32/int64 ids and lengths, a fixed stride, float
-weights when the tables use them, and explicit capacities.
+Only inputs of the common shape take this path: every table feature a key of
+the KJT once (a feature of two tables feeds two slots), int32/int64 ids and
+lengths, float weights when the tables use them, and explicit capacities. A
+variable batch size per feature (VBE) is padded here to one stride with empty
+bags; its batch sizes and ``inverse_indices`` are validated by the reference's
+own rule (:func:`tpurec.sparse.preprocess.read_batching`), which raises here.
 :func:`preprocess_native` returns ``None`` for anything else and for any batch
 the C++ checks reject (a bad bag length, an id outside its table, a capacity
 overflow with ``overflow="error"``); the caller then runs the numpy reference,
@@ -33,6 +36,7 @@ import torch
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tpurec.sparse.preprocess import read_batching
 from tpurec.sparse.types import PAD_ID, Capacity, SparseCoreInput, StackedCsr, StackedTable
 
 __all__ = ["preprocess_native"]
@@ -101,22 +105,25 @@ def preprocess_native(
 
     Raises:
         tpurec.sparse.kernels.native.NativeBuildError: the library cannot be built.
+        ValueError: bad batch sizes or ``inverse_indices`` (rule 3 of
+            :func:`tpurec.sparse.read_kjt`, the reference's message).
     """
     keys = tuple(kjt.keys())
-    features = [s.feature for st in stacks for s in st.features]
-    if len(keys) != len(features) or set(keys) != set(features):
+    features = {s.feature for st in stacks for s in st.features}  # a feature of two tables: two slots, one key
+    if len(keys) != len(set(keys)) or set(keys) != features:
         return None  # unknown, missing or duplicate keys: the reference names them
-    if kjt.variable_stride_per_key():
-        return None
+    # Rules 1 and 2 hold, so rule 3 (batch sizes, inverse_indices) raises here exactly
+    # what the reference would raise.
+    batching = read_batching(kjt, variable_batch=True)
     values_t, lengths_t, weights_t = kjt.values(), kjt.lengths(), kjt.weights_or_none()
     if values_t.dtype not in _ID_DTYPES or lengths_t.dtype not in _ID_DTYPES or values_t.dim() != 1 or lengths_t.dim() != 1:
         return None
     offsets_t = kjt.offsets_or_none()
     if offsets_t is not None and offsets_t.numel() and int(offsets_t[0]) != 0:
         return None  # offsets must start at 0: the reference says so
-    batch_size = kjt.stride()
+    batch_size = batching.rows
     num_keys = len(keys)
-    if batch_size <= 0 or lengths_t.numel() != num_keys * batch_size:
+    if batch_size <= 0 or lengths_t.numel() != sum(batching.bags_per_key):
         return None
     if any(st.num_slots * batch_size >= PAD_ID for st in stacks):
         return None
@@ -133,6 +140,14 @@ def preprocess_native(
 
     key_starts_fn, stack_fn = _functions()
     values, lengths = _as_int64(values_t), _as_int64(lengths_t)
+    if any(n != batch_size for n in batching.bags_per_key):
+        # Variable batch per feature: each key's bags first, then empty bags up to
+        # batch_size rows, so the C++ code sees one stride (empty bags add nothing).
+        padded = np.zeros((num_keys, batch_size), np.int64)
+        starts = np.concatenate([[0], np.cumsum(batching.bags_per_key)])
+        for k, n in enumerate(batching.bags_per_key):
+            padded[k, :n] = lengths[starts[k] : starts[k + 1]]
+        lengths = padded.reshape(-1)
     key_starts = np.empty(num_keys + 1, np.int64)
     if key_starts_fn(lengths.ctypes.data, num_keys, batch_size, values.shape[0], key_starts.ctypes.data) != _OK:
         return None
@@ -162,4 +177,4 @@ def preprocess_native(
         if status != _OK:
             return None
         out[st.name] = StackedCsr(row_pointers, ids, samples, gains, counts, unique_counts, int(dropped[0]))
-    return SparseCoreInput(batch_size, P, out)
+    return SparseCoreInput(batch_size, P, out, batching.inverse_indices)
