@@ -24,7 +24,7 @@ from torchrec import EmbeddingBagCollection as TorchrecEBC
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
 from torchrec.distributed.types import ShardingPlan
-from torchrec.modules.embedding_configs import PoolingType
+from torchrec.modules.embedding_configs import EmbeddingConfig, PoolingType
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -297,6 +297,17 @@ def test_a_feature_listed_twice_in_one_table_is_refused():
     tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=5, feature_names=["f", "f"])]
     with pytest.raises(ValueError, match="table 't0' lists feature 'f' twice"):
         sp.EmbeddingBagCollection(tables, optimizer=sp.SGD(0.1))
+
+
+def test_sequence_collection_refuses_a_feature_in_two_tables_and_vbe():
+    tables = [EmbeddingConfig(name=n, embedding_dim=4, num_embeddings=5, feature_names=["f"]) for n in ("a", "b")]
+    with pytest.raises(NotImplementedError, match=r"feature 'f' is looked up in tables \['a', 'b'\]"):
+        sp.EmbeddingCollection(tables, optimizer=sp.SGD(0.1))
+    tables = [EmbeddingConfig(name="a", embedding_dim=4, num_embeddings=5, feature_names=["f", "g"])]
+    ec = sp.EmbeddingCollection(tables, optimizer=sp.SGD(0.1), device="tpu")
+    bags = [EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=5, feature_names=["f", "g"])]
+    with pytest.raises(NotImplementedError, match=r"variable batch size per feature \(VBE\)"):
+        ec(vbe_kjt(bags, 3, np.random.default_rng(8), strides={"f": 1, "g": 3}))
 
 
 # --- the sharded collection refuses what it cannot run -------------------------------------------

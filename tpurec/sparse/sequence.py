@@ -29,7 +29,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer
-from tpurec.sparse.preprocess import read_kjt
+from tpurec.sparse.preprocess import read_kjt, shared_features
 from tpurec.sparse.types import Capacity, CapacityError
 
 __all__ = ["EmbeddingCollection"]
@@ -82,6 +82,12 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
         dims = {t.embedding_dim for t in tables}
         if len(dims) > 1:
             raise ValueError(f"all tables of an EmbeddingCollection have one embedding dim (as in TorchRec), got {sorted(dims)}")
+        for feature, names in shared_features(tables).items():
+            raise NotImplementedError(
+                f"feature {feature!r} is looked up in tables {names}: tpurec's EmbeddingCollection gives each feature "
+                "one table; give each table its own feature (the pooled tpurec.sparse.EmbeddingBagCollection does "
+                "look one feature up in several tables)"
+            )
         self._embedding_configs = list(tables)
         self._need_indices = need_indices
         self._embedding_names_by_table = get_embedding_names_by_table(self._embedding_configs)
