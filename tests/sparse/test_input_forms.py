@@ -340,5 +340,10 @@ def test_sharded_collection_refuses_vbe_and_inverse_indices():
 
 def test_shard_refuses_a_feature_in_two_tables():
     model, plan = _sharded(shared_tables())
+    before = _tables_of(model)
     with pytest.raises(NotImplementedError, match=r"feature 'shared' is looked up in tables \['t0', 't1', 't2'\]"):
         tpurec.shard(model, plan)
+    assert isinstance(model["ebc"], sp.EmbeddingBagCollection)  # nothing swapped or moved
+    assert all(len(p._storage.array.sharding.device_set) == 1 for p in model.parameters())
+    for key, value in _tables_of(model).items():
+        assert torch.equal(value, before[key]), key

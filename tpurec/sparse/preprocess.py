@@ -218,7 +218,7 @@ def read_batching(kjt: KeyedJaggedTensor, variable_batch: bool) -> Batching:
                 "row per named feature"
             )
         row_of = {name: i for i, name in enumerate(names)}  # a repeated name: its last row, as in TorchRec
-        rows = index.detach().cpu().numpy().astype(np.int64, copy=False)
+        rows = index.detach().cpu().numpy().astype(np.int64)  # a copy: the batch may be prefetched
         out: dict[str, np.ndarray] = {}
         for key, n in zip(keys, bags):
             if key not in row_of:
