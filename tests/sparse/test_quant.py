@@ -235,3 +235,19 @@ def test_unsupported_quantized_collections_are_refused_by_name():
     odd = [EmbeddingBagConfig(name="t", embedding_dim=6, num_embeddings=4, feature_names=["f"], data_type=DataType.INT2)]
     with pytest.raises(ValueError, match="multiple of 4"):
         sp.QuantEmbeddingBagCollection(odd)
+
+
+def test_lookup_op_refuses_bad_arguments():
+    rp = torch.tensor([2], dtype=torch.int32)
+    ids = torch.tensor([0, 1], dtype=torch.int32)
+    gains = torch.ones(2)
+    table = torch.zeros(3, 16, dtype=torch.uint8)
+    op = torch.ops.tpurec.quantized_sparse_dense_matmul
+    kwargs = dict(batch_size=1, bits=8, embedding_dim=8, output_dtype="float32")
+    assert op(rp, ids, ids, gains, table, **kwargs).shape == (1, 8)
+    with pytest.raises(ValueError, match="embedding_ids must be 1-D int32"):
+        op(rp, ids.long(), ids, gains, table, **kwargs)
+    with pytest.raises(ValueError, match="table must be uint8"):
+        op(rp, ids, ids, gains, table.float(), **kwargs)
+    with pytest.raises(ValueError, match="cannot hold scale, bias and 16 8-bit values"):
+        op(rp, ids, ids, gains, table, **{**kwargs, "embedding_dim": 16})

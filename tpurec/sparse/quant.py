@@ -97,6 +97,20 @@ def quantized_sparse_dense_matmul(
         ``[batch_size, embedding_dim]`` of ``output_dtype`` (float32 sums, rounded once).
     """
     op = "torch.ops.tpurec.quantized_sparse_dense_matmul"
+    csr = (("row_pointers", row_pointers, "int32"), ("embedding_ids", embedding_ids, "int32"),
+           ("sample_ids", sample_ids, "int32"), ("gains", gains, "float32"))
+    for name, x, want in csr:
+        # Never cast ids: an int64 id of 2**32 + 1 must not silently read row 1.
+        if jnp.dtype(x.dtype).name != want or x.ndim != 1:
+            raise ValueError(
+                f"{op}: {name} must be 1-D {want} (preprocess_kjt builds valid CSR input), got "
+                f"{jnp.dtype(x.dtype).name} {tuple(x.shape)}"
+            )
+    if not sample_ids.shape == gains.shape == embedding_ids.shape or embedding_ids.shape[0] % max(row_pointers.shape[0], 1):
+        raise ValueError(
+            f"{op}: embedding_ids, sample_ids and gains need one equal length, a multiple of the "
+            f"{row_pointers.shape[0]} partitions; got {embedding_ids.shape[0]}, {sample_ids.shape[0]}, {gains.shape[0]}"
+        )
     if jnp.dtype(table.dtype) != jnp.uint8 or table.ndim != 2:
         raise ValueError(f"{op}: table must be uint8 [rows, row_bytes], got {jnp.dtype(table.dtype).name} {tuple(table.shape)}")
     if bits not in (8, 4, 2) or embedding_dim * bits % 8:
