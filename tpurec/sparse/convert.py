@@ -98,7 +98,7 @@ def _refuse_unsupported_quant(name: str, module: nn.Module) -> None:
 
 
 def _refuse_optimizer_for_quant(model: nn.Module, optimizer: EmbeddingOptimizer | None) -> None:
-    quantized = [name or "the model" for name, m in model.named_modules() if _is_torchrec_quant_ebc(m)]
+    quantized = [f"model.{name}" if name else "the model" for name, m in model.named_modules() if _is_torchrec_quant_ebc(m)]
     if quantized and optimizer is not None:
         raise ValueError(
             f"from_torchrec got optimizer={type(optimizer).__name__}, but {quantized} hold quantized tables, which "
