@@ -59,6 +59,9 @@ def _refuse_unsupported(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if type(module).__module__.startswith("tpurec.") or isinstance(module, (TorchrecEBC, FusedEmbeddingBagCollection, TorchrecEC)):
             continue
+        if _is_torchrec_quant_ebc(module):
+            _refuse_unsupported_quant(name, module)
+            continue
         if isinstance(module, unsupported) or isinstance(module, EmbeddingBagCollectionInterface):
             where = f"model.{name}" if name else "the model"
             raise NotImplementedError(
@@ -68,6 +71,40 @@ def _refuse_unsupported(model: nn.Module) -> None:
                 "differ from TorchRec. Keep the model on CPU, or replace the module by an EmbeddingBagCollection "
                 "before converting."
             )
+
+
+# --- quantized collections (tpurec.sparse.quant) -----------------------------------------
+
+
+def _is_torchrec_quant_ebc(module: nn.Module) -> bool:
+    """TorchRec's quantized EmbeddingBagCollection itself; its subclasses (feature-processed,
+    managed-collision) add behaviour tpurec does not reproduce and stay refused."""
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as TorchrecQuantEBC
+
+    return type(module) is TorchrecQuantEBC
+
+
+def _refuse_unsupported_quant(name: str, module: nn.Module) -> None:
+    from tpurec.sparse.quant import unsupported_quant_reason
+
+    reason = unsupported_quant_reason(module)
+    if reason is not None:
+        where = f"model.{name}" if name else "the model"
+        raise NotImplementedError(
+            f"from_torchrec cannot convert {where} ({type(module).__module__}.{type(module).__qualname__}): {reason}. tpurec "
+            "converts row-wise INT8/INT4/INT2 tables without pruning, with float32/float16/bfloat16 output; keep "
+            "this module on CPU or quantize it without the setting named."
+        )
+
+
+def _refuse_optimizer_for_quant(model: nn.Module, optimizer: EmbeddingOptimizer | None) -> None:
+    quantized = [f"model.{name}" if name else "the model" for name, m in model.named_modules() if _is_torchrec_quant_ebc(m)]
+    if quantized and optimizer is not None:
+        raise ValueError(
+            f"from_torchrec got optimizer={type(optimizer).__name__}, but {quantized} hold quantized tables, which "
+            "are for inference and cannot train. Convert without optimizer= (or train the float model and quantize "
+            "it afterwards)."
+        )
 
 
 def _convert_sequence(
@@ -139,7 +176,10 @@ def from_torchrec(
     on the tables or from the fused module's settings (and its FBGEMM slots),
     else from ``optimizer``. With none of them the model is converted for
     inference: its tables never change, and a backward through the lookup
-    raises (see :class:`EmbeddingBagCollection`). The model is changed in place
+    raises (see :class:`EmbeddingBagCollection`). TorchRec's quantized
+    ``torchrec.quant`` EmbeddingBagCollection (INT8/INT4/INT2 tables) becomes a
+    :class:`tpurec.sparse.QuantEmbeddingBagCollection` holding the same bytes
+    (inference only: ``optimizer`` must then be None). The model is changed in place
     and returned (a bare EBC is returned converted).
 
     Args:
@@ -171,14 +211,19 @@ def from_torchrec(
         return {"device": dev, "num_partitions": num_partitions, "capacities": capacities}
 
     def convert(module: nn.Module) -> nn.Module:
+        if _is_torchrec_quant_ebc(module):
+            from tpurec.sparse.quant import from_torchrec_quant
+
+            return from_torchrec_quant(module, device=device, num_partitions=num_partitions, capacities=capacities)
         if isinstance(module, TorchrecEC):
             return _convert_sequence(module, optimizer, max_seq_len, options(module))
         return _convert(module, optimizer, options(module))
 
     _refuse_unsupported(model)
-    if isinstance(model, kinds):
+    _refuse_optimizer_for_quant(model, optimizer)
+    if isinstance(model, kinds) or _is_torchrec_quant_ebc(model):
         return convert(model)
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, kinds) or _is_torchrec_quant_ebc(m)]
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
