@@ -48,6 +48,7 @@ __all__ = [
     "ManagedCollisionEmbeddingCollection",
     "check_convertible",
     "convert_managed",
+    "remapped_features",
 ]
 
 
@@ -295,6 +296,21 @@ class ManagedCollisionEmbeddingCollection(TorchrecMCEC):
         """
         _check_host(features)
         return super().forward(features, mutate_miss_lengths=mutate_miss_lengths)
+
+
+def remapped_features(model: nn.Module) -> set[str]:
+    """The features whose ids a managed-collision collection of ``model`` remaps in its forward.
+
+    A collection looking these features up gets remapped ids made in the step itself (training
+    updates the remap and may evict), so ``TrainPipeline`` prepares no batch of them ahead.
+
+    Args:
+        model: any module.
+
+    Returns:
+        Feature names (KJT keys).
+    """
+    return {f for m in model.modules() if isinstance(m, TorchrecMCC) for f in m._feature_names}
 
 
 def convert_managed(model: nn.Module, convert: Callable[[nn.Module], nn.Module]) -> nn.Module:
