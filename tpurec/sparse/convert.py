@@ -17,6 +17,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection as Torchre
 from torchrec.modules.embedding_modules import EmbeddingCollection as TorchrecEC
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
+from tpurec.sparse.managed import check_convertible as check_managed
+from tpurec.sparse.managed import convert_managed
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.sequence import EmbeddingCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
@@ -47,7 +49,7 @@ def _optimizer_of(module: nn.Module, default: EmbeddingOptimizer | None) -> tupl
 def _refuse_unsupported(model: nn.Module) -> None:
     """Raises for a TorchRec embedding module that from_torchrec would leave as it is.
 
-    Such a module (sequence embeddings, managed collisions, quantized tables) would stay a
+    Such a module (fused sequence embeddings, quantized tables) would stay a
     CPU TorchRec module inside a tpu model and fail later with a device mismatch, or, worse,
     run but train differently; naming it here is the one clear place.
     """
@@ -55,9 +57,12 @@ def _refuse_unsupported(model: nn.Module) -> None:
     from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
     from torchrec.modules.mc_modules import ManagedCollisionCollection
 
-    unsupported = (EmbeddingCollectionInterface, BaseManagedCollisionEmbeddingCollection, ManagedCollisionCollection)
+    # Managed collisions: tpurec.sparse.managed refuses those it cannot convert.
+    check_managed(model)
+    managed = (BaseManagedCollisionEmbeddingCollection, ManagedCollisionCollection)
+    unsupported = (EmbeddingCollectionInterface,)
     for name, module in model.named_modules():
-        if type(module).__module__.startswith("tpurec.") or isinstance(module, (TorchrecEBC, FusedEmbeddingBagCollection, TorchrecEC)):
+        if type(module).__module__.startswith("tpurec.") or isinstance(module, (TorchrecEBC, FusedEmbeddingBagCollection, TorchrecEC, *managed)):
             continue
         if _is_torchrec_quant_ebc(module):
             _refuse_unsupported_quant(name, module)
@@ -179,8 +184,10 @@ def from_torchrec(
     raises (see :class:`EmbeddingBagCollection`). TorchRec's quantized
     ``torchrec.quant`` EmbeddingBagCollection (INT8/INT4/INT2 tables) becomes a
     :class:`tpurec.sparse.QuantEmbeddingBagCollection` holding the same bytes
-    (inference only: ``optimizer`` must then be None). The model is changed in place
-    and returned (a bare EBC is returned converted).
+    (inference only: ``optimizer`` must then be None). TorchRec's managed-collision
+    modules keep their remapping, on the host, in front of the converted collection
+    (see :mod:`tpurec.sparse.managed`). The model is changed in place and returned
+    (a bare EBC is returned converted).
 
     Args:
         model: a module containing torchrec embedding bag collections.
@@ -221,6 +228,8 @@ def from_torchrec(
 
     _refuse_unsupported(model)
     _refuse_optimizer_for_quant(model, optimizer)
+    # Managed collisions: TorchRec's remap stays on the host, the collection behind it converts.
+    model = convert_managed(model, convert)
     if isinstance(model, kinds) or _is_torchrec_quant_ebc(model):
         return convert(model)
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, kinds) or _is_torchrec_quant_ebc(m)]
