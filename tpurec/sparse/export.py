@@ -145,9 +145,11 @@ class LookupPlan:
         self.is_weighted: bool = spec["is_weighted"]
         self.num_partitions: int = spec["num_partitions"]
         self.overflow: str = spec["overflow"]
-        caps = spec["capacities"]
+        caps = spec["capacities"]  # None (grown on demand), one for every stack, or one per stack name
         self.fixed_capacities: Capacity | dict[str, Capacity] | None = (
-            None if caps is None else _capacity(caps) if isinstance(caps, list) else {k: _capacity(v) for k, v in caps.items()}
+            None if caps is None
+            else _capacity(caps) if isinstance(caps, list)
+            else {name: _capacity(c) for name, c in caps.items()}
         )
         self.grown_capacities: dict[str, Capacity] = {k: _capacity(v) for k, v in spec["grown_capacities"].items()}
         self.dims: list[int] = [t.embedding_dim for t in self.configs for _ in t.feature_names]
@@ -247,6 +249,9 @@ def _embedding_bag_collection_fake(stacked_weights, values, weights, lengths, of
     else:
         raise ValueError("tpurec.embedding_bag_collection: the KJT has neither lengths nor offsets")
     num_keys = len(json.loads(keys))
+    if num_keys == 0:
+        features = [f for t in plan.configs for f in t.feature_names]
+        raise ValueError(f"tpurec.embedding_bag_collection: the KJT has no keys; the tables need features {features}")
     torch._check(rows % num_keys == 0, lambda: f"the KJT's {rows} bags are not {num_keys} keys times a batch size")
     return stacked_weights[0].new_empty((rows // num_keys, sum(plan.dims)))
 

@@ -289,6 +289,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         return batch, arrays
 
     def __prepare_scriptable__(self) -> "EmbeddingBagCollection":
+        """torch.jit.script cannot compile the host preprocessing: raises, naming torch.export instead."""
         raise NotImplementedError(_export.SCRIPT_UNSUPPORTED)
 
     # Preprocessing is host code (numpy over the KJT): under torch.compile the
