@@ -160,7 +160,7 @@ def test_dense_to_jagged_forward_needs_total_length():
 # --- through TorchRec's JaggedTensor --------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["eager", "fused"])
+@pytest.mark.parametrize("mode", ["eager", "fused", "debug"])  # debug: each output checked against FBGEMM's meta kernel
 def test_jagged_tensor_paths_match_cpu(mode):
     lengths = torch.tensor([2, 0, 3, 1])
     values = torch.randn(6, 4, generator=_gen())
@@ -182,3 +182,30 @@ def test_jagged_tensor_paths_match_cpu(mode):
         torch.testing.assert_close(got, expected, **EXACT)
     for got, expected in zip(tpu[4], cpu[4]):
         torch.testing.assert_close(got, expected, **EXACT)
+
+
+def test_offsets_past_the_values_read_as_padding():
+    # Invalid input (FBGEMM's CPU kernel reads out of bounds here): the row past the end is padding.
+    values = torch.arange(4.0).reshape(4, 1).to("tpu").requires_grad_()
+    offsets = torch.tensor([0, 2, 5], device="tpu")
+    dense = fbgemm.jagged_to_padded_dense(values, [offsets], [3], -1.0)
+    assert dense.squeeze(-1).cpu().tolist() == [[0.0, 1.0, -1.0], [2.0, 3.0, -1.0]]
+    dense.sum().backward()
+    assert values.grad.squeeze(-1).cpu().tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
+def test_to_padded_dense_under_torch_compile():
+    def loss(values, lengths):
+        jagged = JaggedTensor(values=values, lengths=lengths)
+        return jagged.to_padded_dense(desired_length=3, padding_value=0.5).pow(2).sum()
+
+    values = torch.randn(6, 4, generator=_gen())
+    lengths = torch.tensor([2, 0, 3, 1])
+    ours = values.to("tpu").requires_grad_()
+    theirs = values.clone().requires_grad_()
+    got = torch.compile(loss, backend="tpu")(ours, lengths.to("tpu"))
+    got.backward()
+    expected = loss(theirs, lengths)
+    expected.backward()
+    torch.testing.assert_close(got.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-6)  # a sum of squares
+    torch.testing.assert_close(ours.grad.cpu(), theirs.grad, **EXACT)
