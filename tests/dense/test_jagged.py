@@ -8,6 +8,9 @@ values exactly (a gather/scatter and integer sums round nothing) and gradients.
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -209,3 +212,16 @@ def test_to_padded_dense_under_torch_compile():
     expected.backward()
     torch.testing.assert_close(got.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-6)  # a sum of squares
     torch.testing.assert_close(ours.grad.cpu(), theirs.grad, **EXACT)
+
+
+def test_dense_programs_do_not_import_fbgemm():
+    # The family loads on the first fbgemm op (tpurec/dense/registry.py), not with every lowering.
+    script = (
+        "import sys, torch, tpurec\n"
+        "(torch.ones(3, device='tpu') * 2).sum().cpu()\n"
+        "from tpurec.dense.registry import LOWERINGS\n"
+        "assert len(LOWERINGS) > 350 and 'fbgemm_gpu' not in sys.modules, sorted(m for m in sys.modules if 'fbgemm' in m)\n"
+    )
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -90,7 +90,7 @@ def get_lowering(op: torch._ops.OpOverload) -> Lowering | None:
     """The lowering for ``op``, loading the op families on first use."""
     _load_families()
     lowering = LOWERINGS.get(op)
-    if lowering is None and op.namespace in _DEFERRED:
+    if lowering is None and getattr(op, "namespace", None) in _DEFERRED:
         import importlib
 
         importlib.import_module(f"tpurec.dense.{_DEFERRED[op.namespace]}")
