@@ -250,7 +250,7 @@ def _user_lines(frames: list[traceback.FrameSummary], callers: int = 3) -> list[
         path = os.path.abspath(frame.filename)
         if frame.filename.startswith("<frozen"):
             continue
-        if path.startswith(errors.LIBRARY_DIRS) or "/torch/" in path or "/tpurec/" in path:
+        if path.startswith(errors.LIBRARY_DIRS):
             continue
         if found and "-packages" + os.sep in path:
             continue

@@ -103,3 +103,33 @@ def test_failing_backward_op_does_not_abort_the_interpreter():
     # device guard is noexcept); the op runs on the host instead, with a warning.
     result = subprocess.run([sys.executable, "-c", BROKEN_BACKWARD], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+USER_SCRIPT = """
+import torch, tpurec
+from tpurec.dense.registry import LOWERINGS, Lowering, get_lowering
+
+op = torch.ops.aten.sinh.default
+get_lowering(op)
+
+def broken(x):
+    raise TypeError("boom")
+
+LOWERINGS[op] = Lowering(op, broken)
+x = torch.ones(3, device="tpu")
+try:
+    torch.sinh(x)  # the user's line
+except RuntimeError as e:
+    print(e)
+"""
+
+
+def test_user_line_found_in_a_checkout_under_folders_named_like_the_libraries(tmp_path):
+    # A user's project in .../tpurec/torch/ is still the user's code, not a library frame.
+    folder = tmp_path / "tpurec" / "torch"
+    folder.mkdir(parents=True)
+    script = folder / "train.py"
+    script.write_text(USER_SCRIPT)
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "called from" in result.stdout and "train.py" in result.stdout and "the user's line" in result.stdout, result.stdout

@@ -35,12 +35,21 @@ def unsupported_op(func, why: str = "it has no lowering and no decomposition") -
     )
 
 
-# The folders of the libraries whose frames are never the user's (torch, jax, numpy, tpurec...).
-LIBRARY_DIRS = tuple(
-    os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-    for m in __import__("importlib").import_module("sys").modules.values()
-    if getattr(m, "__name__", "") in ("torch", "jax", "jaxlib", "tpurec", "torchrec", "numpy") and getattr(m, "__file__", None)
-)
+def _package_dirs(*names: str) -> tuple[str, ...]:
+    """The folders of the installed packages ``names``, found without importing them."""
+    import importlib.util
+
+    dirs = []
+    for name in names:
+        spec = importlib.util.find_spec(name)
+        for location in (spec.submodule_search_locations or []) if spec else []:
+            dirs.append(os.path.abspath(location) + os.sep)
+    return tuple(dirs)
+
+
+# The folders of the libraries whose frames are never the user's. Found by package spec, not by a
+# substring such as "/tpurec/", which would also match a user's checkout in a folder of that name.
+LIBRARY_DIRS = _package_dirs("torch", "jax", "jaxlib", "tpurec", "torchrec", "fbgemm_gpu", "numpy")
 
 
 def user_frame() -> str | None:
@@ -48,7 +57,7 @@ def user_frame() -> str | None:
     dirs = LIBRARY_DIRS
     for frame in reversed(traceback.extract_stack()):
         path = os.path.abspath(frame.filename)
-        if frame.filename.startswith("<") or any(path.startswith(d) for d in dirs) or "/torch/" in path or "/tpurec/" in path:
+        if frame.filename.startswith("<") or path.startswith(dirs):
             continue
         return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}: {frame.line}'
     return None

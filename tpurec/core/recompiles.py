@@ -48,7 +48,7 @@ from typing import Any, Iterator
 import torch
 from torch._C._dynamo.eval_frame import set_eval_frame
 
-from tpurec.core import profiler, runtime
+from tpurec.core import errors, profiler, runtime
 
 __all__ = ["Recompilation", "explain_recompiles", "compiling", "logging_enabled"]
 
@@ -498,11 +498,9 @@ def current_compile_id() -> tuple[int, int] | None:
 # --- where in the user's code -----------------------------------------------------------
 
 _PATHS = sysconfig.get_paths()
-# Frames under these folders are not the user's: tpurec, torch, the standard library, installed packages (jax, ...).
-_LIBRARY_DIRS = tuple(
-    os.path.abspath(p) + os.sep
-    for p in (os.path.dirname(__file__), os.path.dirname(torch.__file__), _PATHS["stdlib"], _PATHS["purelib"], _PATHS["platlib"])
-)
+# Frames under these folders are not the user's: the libraries (tpurec, torch, jax...), the standard library and
+# installed packages.
+_LIBRARY_DIRS = errors.LIBRARY_DIRS + tuple(os.path.abspath(_PATHS[k]) + os.sep for k in ("stdlib", "purelib", "platlib"))
 
 
 def _user_line() -> str:

@@ -89,10 +89,20 @@ def lower(*ops, random: bool = False, static_scalars: bool = False):
 def get_lowering(op: torch._ops.OpOverload) -> Lowering | None:
     """The lowering for ``op``, loading the op families on first use."""
     _load_families()
-    return LOWERINGS.get(op)
+    lowering = LOWERINGS.get(op)
+    if lowering is None and getattr(op, "namespace", None) in _DEFERRED:
+        import importlib
+
+        importlib.import_module(f"tpurec.dense.{_DEFERRED[op.namespace]}")
+        lowering = LOWERINGS.get(op)
+    return lowering
 
 
 _loaded = False
+# Families of another library's ops (namespace -> module), loaded on the first op of that
+# namespace: the ops exist only once their library is imported, and importing it for
+# every program (FBGEMM: half a second) would tax models that never use it.
+_DEFERRED = {"fbgemm": "jagged"}
 
 
 def _load_families() -> None:
@@ -106,7 +116,7 @@ def _load_families() -> None:
     import tpurec.dense as dense
 
     for info in pkgutil.iter_modules(dense.__path__):
-        if info.name.startswith("_") or info.name == "registry":
+        if info.name.startswith("_") or info.name == "registry" or info.name in _DEFERRED.values():
             continue
         importlib.import_module(f"tpurec.dense.{info.name}")
 

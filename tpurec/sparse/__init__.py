@@ -14,6 +14,7 @@ from tpurec.sparse.convert import from_torchrec
 from tpurec.sparse import checkpoint  # noqa: E402  (needs the modules above)
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.sequence import EmbeddingCollection
+from tpurec.sparse.quant import QuantEmbeddingBagCollection
 from tpurec.sparse.optimizers import SGD, Adagrad, Adam, EmbeddingOptimizer, RowWiseAdagrad, optimizer_from_torch
 from tpurec.sparse.pipeline import TrainPipeline
 from tpurec.sparse.preprocess import preprocess_kjt, read_kjt, stack_tables, suggest_capacities
@@ -49,6 +50,7 @@ __all__ = [
     "optimizer_from_torch",
     "EmbeddingBagCollection",
     "EmbeddingCollection",
+    "QuantEmbeddingBagCollection",
     "from_torchrec",
     "TrainPipeline",
     "checkpoint",

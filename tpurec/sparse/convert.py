@@ -17,6 +17,8 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollection as Torchre
 from torchrec.modules.embedding_modules import EmbeddingCollection as TorchrecEC
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 
+from tpurec.sparse.managed import check_convertible as check_managed
+from tpurec.sparse.managed import convert_managed
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.sequence import EmbeddingCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
@@ -47,7 +49,7 @@ def _optimizer_of(module: nn.Module, default: EmbeddingOptimizer | None) -> tupl
 def _refuse_unsupported(model: nn.Module) -> None:
     """Raises for a TorchRec embedding module that from_torchrec would leave as it is.
 
-    Such a module (sequence embeddings, managed collisions, quantized tables) would stay a
+    Such a module (fused sequence embeddings, quantized tables) would stay a
     CPU TorchRec module inside a tpu model and fail later with a device mismatch, or, worse,
     run but train differently; naming it here is the one clear place.
     """
@@ -55,9 +57,15 @@ def _refuse_unsupported(model: nn.Module) -> None:
     from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
     from torchrec.modules.mc_modules import ManagedCollisionCollection
 
-    unsupported = (EmbeddingCollectionInterface, BaseManagedCollisionEmbeddingCollection, ManagedCollisionCollection)
+    # Managed collisions: tpurec.sparse.managed refuses those it cannot convert.
+    check_managed(model)
+    managed = (BaseManagedCollisionEmbeddingCollection, ManagedCollisionCollection)
+    unsupported = (EmbeddingCollectionInterface,)
     for name, module in model.named_modules():
-        if type(module).__module__.startswith("tpurec.") or isinstance(module, (TorchrecEBC, FusedEmbeddingBagCollection, TorchrecEC)):
+        if type(module).__module__.startswith("tpurec.") or isinstance(module, (TorchrecEBC, FusedEmbeddingBagCollection, TorchrecEC, *managed)):
+            continue
+        if _is_torchrec_quant_ebc(module):
+            _refuse_unsupported_quant(name, module)
             continue
         if isinstance(module, unsupported) or isinstance(module, EmbeddingBagCollectionInterface):
             where = f"model.{name}" if name else "the model"
@@ -68,6 +76,40 @@ def _refuse_unsupported(model: nn.Module) -> None:
                 "differ from TorchRec. Keep the model on CPU, or replace the module by an EmbeddingBagCollection "
                 "before converting."
             )
+
+
+# --- quantized collections (tpurec.sparse.quant) -----------------------------------------
+
+
+def _is_torchrec_quant_ebc(module: nn.Module) -> bool:
+    """TorchRec's quantized EmbeddingBagCollection itself; its subclasses (feature-processed,
+    managed-collision) add behaviour tpurec does not reproduce and stay refused."""
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as TorchrecQuantEBC
+
+    return type(module) is TorchrecQuantEBC
+
+
+def _refuse_unsupported_quant(name: str, module: nn.Module) -> None:
+    from tpurec.sparse.quant import unsupported_quant_reason
+
+    reason = unsupported_quant_reason(module)
+    if reason is not None:
+        where = f"model.{name}" if name else "the model"
+        raise NotImplementedError(
+            f"from_torchrec cannot convert {where} ({type(module).__module__}.{type(module).__qualname__}): {reason}. tpurec "
+            "converts row-wise INT8/INT4/INT2 tables without pruning, with float32/float16/bfloat16 output; keep "
+            "this module on CPU or quantize it without the setting named."
+        )
+
+
+def _refuse_optimizer_for_quant(model: nn.Module, optimizer: EmbeddingOptimizer | None) -> None:
+    quantized = [f"model.{name}" if name else "the model" for name, m in model.named_modules() if _is_torchrec_quant_ebc(m)]
+    if quantized and optimizer is not None:
+        raise ValueError(
+            f"from_torchrec got optimizer={type(optimizer).__name__}, but {quantized} hold quantized tables, which "
+            "are for inference and cannot train. Convert without optimizer= (or train the float model and quantize "
+            "it afterwards)."
+        )
 
 
 def _convert_sequence(
@@ -139,8 +181,13 @@ def from_torchrec(
     on the tables or from the fused module's settings (and its FBGEMM slots),
     else from ``optimizer``. With none of them the model is converted for
     inference: its tables never change, and a backward through the lookup
-    raises (see :class:`EmbeddingBagCollection`). The model is changed in place
-    and returned (a bare EBC is returned converted).
+    raises (see :class:`EmbeddingBagCollection`). TorchRec's quantized
+    ``torchrec.quant`` EmbeddingBagCollection (INT8/INT4/INT2 tables) becomes a
+    :class:`tpurec.sparse.QuantEmbeddingBagCollection` holding the same bytes
+    (inference only: ``optimizer`` must then be None). TorchRec's managed-collision
+    modules keep their remapping, on the host, in front of the converted collection
+    (see :mod:`tpurec.sparse.managed`). The model is changed in place and returned
+    (a bare EBC is returned converted).
 
     Args:
         model: a module containing torchrec embedding bag collections.
@@ -171,14 +218,21 @@ def from_torchrec(
         return {"device": dev, "num_partitions": num_partitions, "capacities": capacities}
 
     def convert(module: nn.Module) -> nn.Module:
+        if _is_torchrec_quant_ebc(module):
+            from tpurec.sparse.quant import from_torchrec_quant
+
+            return from_torchrec_quant(module, device=device, num_partitions=num_partitions, capacities=capacities)
         if isinstance(module, TorchrecEC):
             return _convert_sequence(module, optimizer, max_seq_len, options(module))
         return _convert(module, optimizer, options(module))
 
     _refuse_unsupported(model)
-    if isinstance(model, kinds):
+    _refuse_optimizer_for_quant(model, optimizer)
+    # Managed collisions: TorchRec's remap stays on the host, the collection behind it converts.
+    model = convert_managed(model, convert)
+    if isinstance(model, kinds) or _is_torchrec_quant_ebc(model):
         return convert(model)
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, kinds)]
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, kinds) or _is_torchrec_quant_ebc(m)]
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

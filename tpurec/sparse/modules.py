@@ -34,6 +34,7 @@ from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, 
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.core import modes
+from tpurec.sparse import export as _export
 from tpurec.sparse.optimizers import SGD, EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
 from tpurec.sparse.ops import touched_rows_update_cpu
@@ -291,6 +292,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             arrays = [[wrap(a, index) for a in stack] for stack in arrays]
         return batch, arrays
 
+    def __prepare_scriptable__(self) -> "EmbeddingBagCollection":
+        """torch.jit.script cannot compile the host preprocessing: raises, naming torch.export instead."""
+        raise NotImplementedError(_export.SCRIPT_UNSUPPORTED)
+
     # Preprocessing is host code (numpy over the KJT): under torch.compile the
     # lookup runs outside the graph, in the current tpurec mode, and the dense
     # parts around it compile.
@@ -310,6 +315,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             (``"<feature>@<table>"`` for a feature of several tables), in torchrec's
             order.
         """
+        if _export.is_tracing(features):  # torch.export / torch.fx: one traceable op (tpurec/sparse/export.py)
+            return _export.traced_forward(self, features)
         self._check_trainable_lookup(features)
         prefetched = self._take_prefetched(features)
         batch = self.preprocess(features) if prefetched is None else prefetched[0]

@@ -41,6 +41,8 @@ from typing import Any, Callable, Generic, Iterator, TypeVar
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tpurec.sparse.managed import remapped_features
+
 __all__ = ["TrainPipeline", "map_batch"]
 
 In = TypeVar("In")
@@ -124,9 +126,13 @@ class TrainPipeline(Generic[In, Out]):
         # Embedding modules that can take a batch's KJT ahead of time: tpurec's
         # EmbeddingBagCollection, or any module with the same prefetch /
         # clear_prefetched / feature_names protocol (e.g. a sharded collection).
+        # A collection behind a managed-collision remap (tpurec.sparse.managed) looks up ids
+        # remapped in the step itself, after the previous step's evictions: none ahead of time.
+        remapped = remapped_features(model)
         self._collections = [
             m for m in model.modules()
             if all(hasattr(m, a) for a in ("prefetch", "clear_prefetched", "feature_names"))
+            and not set(m.feature_names) & remapped
         ]
         # A model sharded by tpurec.shard: its batch tensors go straight to the
         # mesh, split along the batch dim, as the model's own input hook would

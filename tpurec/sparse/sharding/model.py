@@ -125,6 +125,20 @@ def _planned(ebc: EmbeddingBagCollection, mesh: Mesh, batch_size: int) -> Any:
     return module_plans(result)[""]
 
 
+def _refuse_managed_collisions(model: nn.Module) -> None:
+    """Raises for a managed-collision remap (tpurec.sparse.managed) in ``model``."""
+    from tpurec.sparse.managed import remapped_features
+
+    features = remapped_features(model)
+    if features:
+        raise NotImplementedError(
+            f"tpurec.shard cannot shard a model whose features {sorted(features)} go through a managed-collision "
+            "remap: TorchRec's sharded managed-collision collections remap per shard (each row-wise shard owns a "
+            "slice of zch_size) and reset evicted rows, which the host remap in front of a sharded table would not "
+            "do. Train such a model unsharded (tpurec.sparse.from_torchrec(...).to('tpu'))."
+        )
+
+
 def shard(
     model: nn.Module,
     plan: Any = None,
@@ -180,6 +194,7 @@ def shard(
     ebcs = {path: m for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
     if not ebcs:
         raise ValueError("the model has no tpurec EmbeddingBagCollection to shard (convert it with tpurec.sparse.from_torchrec)")
+    _refuse_managed_collisions(model)
     for path, ebc in ebcs.items():
         if ebc.device.type != "tpu":
             raise ValueError(f"EmbeddingBagCollection '{path}' is on {ebc.device}; move the model to 'tpu' first")
