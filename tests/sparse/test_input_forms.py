@@ -310,6 +310,36 @@ def test_sequence_collection_refuses_a_feature_in_two_tables_and_vbe():
         ec(vbe_kjt(bags, 3, np.random.default_rng(8), strides={"f": 1, "g": 3}))
 
 
+class _Pooled(torch.nn.Module):
+    def __init__(self, ebc: torch.nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+
+    def forward(self, kjt: KeyedJaggedTensor) -> torch.Tensor:
+        return self.ebc(kjt).values()
+
+
+def test_export_of_a_feature_in_two_tables_equals_eager_and_torchrec():
+    tables = shared_tables()
+    torch.manual_seed(0)
+    reference = _Pooled(TorchrecEBC(tables)).eval()
+    converted = sp.from_torchrec(copy.deepcopy(reference), capacities=sp.Capacity(64)).eval().to("tpu")
+    rng = np.random.default_rng(9)
+    kjt = uniform_kjt(tables, 4, rng)
+    program = torch.export.export(converted, (kjt,)).module()
+    with torch.no_grad():
+        out, eager, expected = program(kjt), converted(kjt), reference(kjt)
+    torch.testing.assert_close(out.cpu(), eager.cpu(), atol=0, rtol=0)
+    torch.testing.assert_close(out.cpu(), expected, atol=1e-6, rtol=1e-5)
+    # The exported lookup rebuilds the KJT from its tensors: inverse_indices would be lost.
+    with_inverse = KeyedJaggedTensor.from_lengths_sync(
+        keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+        inverse_indices=(kjt.keys(), torch.zeros(len(kjt.keys()), 4, dtype=torch.long)),
+    )
+    with pytest.raises(NotImplementedError, match="inverse_indices"):
+        torch.export.export(converted, (with_inverse,))
+
+
 # --- the sharded collection refuses what it cannot run -------------------------------------------
 
 

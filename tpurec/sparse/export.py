@@ -155,10 +155,11 @@ class LookupPlan:
         self.dims: list[int] = [t.embedding_dim for t in self.configs for _ in t.feature_names]
         # (stack, first slot, end slot): runs of consecutive output slots in TorchRec's
         # output order (tables, then their features), as the module assembles them.
-        where = {s.feature: (i, s.slot) for i, st in enumerate(self.stacks) for s in st.features}
+        # A feature of two tables has a slot in each: key the slots by (table, feature).
+        where = {(s.table, s.feature): (i, s.slot) for i, st in enumerate(self.stacks) for s in st.features}
         self.output_runs: list[tuple[int, int, int]] = []
-        for f in (f for t in self.configs for f in t.feature_names):
-            i, slot = where[f]
+        for key in ((t.name, f) for t in self.configs for f in t.feature_names):
+            i, slot = where[key]
             if self.output_runs and self.output_runs[-1][0] == i and self.output_runs[-1][2] == slot:
                 self.output_runs[-1] = (i, self.output_runs[-1][1], slot + 1)
             else:
@@ -296,6 +297,13 @@ def _lookup(features: KeyedJaggedTensor, stacked_weights: list[torch.Tensor], la
         raise NotImplementedError(
             "tpurec: exporting an EmbeddingBagCollection lookup of a variable-batch (VBE) KeyedJaggedTensor is not "
             "supported; export with a KJT of one batch size for every key"
+        )
+    if features.inverse_indices_or_none() is not None:
+        # The op rebuilds the KJT from values/lengths/offsets: the expansion would be lost.
+        raise NotImplementedError(
+            "tpurec: exporting an EmbeddingBagCollection lookup of a KeyedJaggedTensor with inverse_indices is not "
+            "supported (the exported lookup would not expand the pooled rows as TorchRec does); export with a KJT "
+            "without inverse_indices"
         )
     return torch.ops.tpurec.embedding_bag_collection(
         stacked_weights, features.values(), features.weights_or_none(), features.lengths_or_none(),
