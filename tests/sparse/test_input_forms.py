@@ -310,6 +310,23 @@ def test_sequence_collection_refuses_a_feature_in_two_tables_and_vbe():
         ec(vbe_kjt(bags, 3, np.random.default_rng(8), strides={"f": 1, "g": 3}))
 
 
+def test_quantized_collection_looks_up_a_shared_feature_as_torchrec_and_refuses_vbe():
+    from torchrec.inference.modules import quantize_embeddings
+
+    tables = shared_tables()
+    torch.manual_seed(0)
+    reference = quantize_embeddings(torch.nn.Sequential(TorchrecEBC(tables)), dtype=torch.qint8, inplace=False)[0]
+    ours = sp.from_torchrec(reference, device="tpu")
+    assert isinstance(ours, sp.QuantEmbeddingBagCollection) and ours.feature_names == ["f0", "shared", "f2"]
+    rng = np.random.default_rng(10)
+    kjt = uniform_kjt(tables, 4, rng)
+    theirs, mine = reference(kjt), ours(kjt)
+    assert mine.keys() == theirs.keys() and mine.length_per_key() == theirs.length_per_key()
+    torch.testing.assert_close(mine.values().cpu(), theirs.values(), atol=1e-6, rtol=1e-5)
+    with pytest.raises(NotImplementedError, match=r"variable batch size per feature"):
+        ours(vbe_kjt(tables, 4, rng))
+
+
 class _Pooled(torch.nn.Module):
     def __init__(self, ebc: torch.nn.Module) -> None:
         super().__init__()

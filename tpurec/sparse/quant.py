@@ -243,10 +243,11 @@ class QuantEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         ordered = _torchrec_quant_order(self._embedding_bag_configs)
         self._embedding_names: list[str] = [n for names in get_embedding_names_by_table(ordered) for n in names]
         self._length_per_key: list[int] = [t.embedding_dim for t in ordered for _ in t.feature_names]
-        where = {s.feature: (i, s.slot) for i, st in enumerate(self._stacks) for s in st.features}
+        # A feature of two tables has a slot in each: key the slots by (table, feature).
+        where = {(s.table, s.feature): (i, s.slot) for i, st in enumerate(self._stacks) for s in st.features}
         # (stack, first slot, end slot) runs covering the output features in order.
         self._output_runs: list[tuple[int, int, int]] = []
-        for i, slot in (where[f] for t in ordered for f in t.feature_names):
+        for i, slot in (where[t.name, f] for t in ordered for f in t.feature_names):
             if self._output_runs and self._output_runs[-1][0] == i and self._output_runs[-1][2] == slot:
                 self._output_runs[-1] = (i, self._output_runs[-1][1], slot + 1)
             else:
@@ -279,8 +280,8 @@ class QuantEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     @property
     def feature_names(self) -> list[str]:
-        """The KJT keys this collection looks up."""
-        return [s.feature for st in self._stacks for s in st.features]
+        """The KJT keys this collection looks up (once each, also when two tables share one)."""
+        return list(dict.fromkeys(s.feature for st in self._stacks for s in st.features))
 
     def stacked_weight(self, index: int) -> torch.Tensor:
         """The uint8 buffer holding stack ``index``."""
@@ -323,6 +324,15 @@ class QuantEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 f"QuantEmbeddingBagCollection (tables {[t.name for t in self._embedding_bag_configs]}) is for "
                 "inference, but the KJT's per-id weights require grad: TorchRec's quantized lookup gives them no "
                 "gradient either. Detach the weights, or train a float EmbeddingBagCollection and quantize it after."
+            )
+        if features.variable_stride_per_key() or features.inverse_indices_or_none() is not None:
+            # TorchRec's quantized lookup ignores inverse_indices (its TBE reads one batch size):
+            # the float collection's expansion would differ from it, and ignoring them would not.
+            raise NotImplementedError(
+                "QuantEmbeddingBagCollection does not look up KeyedJaggedTensors with a variable batch size per "
+                "feature (VBE, stride_per_key_per_rank) or inverse_indices: TorchRec's quantized "
+                "EmbeddingBagCollection does not expand them either. Give every feature the same batch size and "
+                "no inverse_indices."
             )
         batch = self.preprocess(features)
         device = self.device
