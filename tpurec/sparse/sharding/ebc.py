@@ -751,7 +751,8 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         for (flat, origin), group_dots in zip(entries, dots):
             # This process's rows of the [source device, ...] array: its own entries, in the
             # flat order _pack numbered them. A column-wise id adds one term per column block.
-            local = np.concatenate([np.asarray(s.data) for s in sorted(group_dots.addressable_shards, key=lambda s: s.index[0].start or 0)])
+            shards = sorted(group_dots.addressable_shards, key=lambda shard: shard.index[0].start or 0)
+            local = np.concatenate([np.asarray(shard.data) for shard in shards])
             np.add.at(id_grad, origin, local.reshape(-1)[flat].astype(np.float64))
         return id_grad.astype(np.float32)
 
