@@ -95,17 +95,18 @@ def _batches(steps: int, seed: int = 0):
         yield kjt, dense, labels
 
 
-def _train_and_compare(reference: SequenceModel, sharded: torch.nn.Module, steps: int = STEPS) -> None:
+def _train_and_compare(reference: SequenceModel, sharded: torch.nn.Module, steps: int = STEPS, mode: str = "eager") -> None:
     dense_reference = torch.optim.SGD(reference.proj.parameters(), lr=0.1)
     dense_sharded = torch.optim.SGD(sharded.proj.parameters(), lr=0.1)
     for step, (kjt, dense, labels) in enumerate(_batches(steps)):
         losses = []
         for model, optimizer, device in ((reference, dense_reference, "cpu"), (sharded, dense_sharded, "tpu")):
-            optimizer.zero_grad()
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense.to(device), kjt), labels.to(device))
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+            with tpurec.mode(mode if device == "tpu" else "eager"):
+                optimizer.zero_grad()
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense.to(device), kjt), labels.to(device))
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
         np.testing.assert_allclose(losses[1], losses[0], **TOLERANCE, err_msg=f"loss of step {step}")
     theirs = reference.state_dict()
     ours = sharded.state_dict()
@@ -116,8 +117,8 @@ def _train_and_compare(reference: SequenceModel, sharded: torch.nn.Module, steps
         assert not torch.equal(value, start[key]) or "embeddings" not in key  # the tables did train
 
 
-@pytest.mark.parametrize("kind", list(GENERATORS))
-def test_each_sharding_type_trains_like_torchrec(kind):
+@pytest.mark.parametrize("kind, mode", [(kind, "eager") for kind in GENERATORS] + [("row_wise", "fused")])
+def test_each_sharding_type_trains_like_torchrec(kind, mode):
     reference, ours = _models()
     sharded = tpurec.shard(ours, _plan(GENERATORS[kind]))
     # The EmbeddingCollection stays (it unstacks the positions); its bags are the sharded lookup.
@@ -126,7 +127,7 @@ def test_each_sharding_type_trains_like_torchrec(kind):
     placed = {name: s.sharding_type for name, s in sharded.ec.bags.layout.shardings.items()}
     assert placed == {name: generator.sharding_type for name, generator in _plan(GENERATORS[kind]).plan["ec"].items()}
     assert placed["item"] == kind
-    _train_and_compare(reference, sharded)
+    _train_and_compare(reference, sharded, mode=mode)
 
 
 def test_plan_of_the_tpu_planner_with_the_embedding_collection_sharder():

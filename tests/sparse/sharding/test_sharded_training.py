@@ -248,8 +248,8 @@ class _PositionWeighted(torch.nn.Module):
         return self.head(self.fp(kjt).values()).squeeze(-1)
 
 
-@pytest.mark.parametrize("kind", list(FP_GENERATORS))
-def test_position_weighted_collection_trains_as_torchrec_when_sharded(kind):
+@pytest.mark.parametrize("kind, mode", [(kind, "eager") for kind in FP_GENERATORS] + [("row_wise", "fused")])
+def test_position_weighted_collection_trains_as_torchrec_when_sharded(kind, mode):
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     torch.manual_seed(0)
@@ -273,15 +273,16 @@ def test_position_weighted_collection_trains_as_torchrec_when_sharded(kind):
     assert len(dense_ours.param_groups[0]["params"]) == len(dense_reference.param_groups[0]["params"]) == 6
     rng = np.random.default_rng(4)
     for step in range(5):
-        kjt = random_kjt(FP_TABLES, 8, rng, max_len=4)
-        labels = torch.from_numpy(rng.integers(0, 2, 8).astype(np.float32))
-        losses = []
-        for model, optimizer, device in ((reference, dense_reference, "cpu"), (ours, dense_ours, "tpu")):
-            optimizer.zero_grad()
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(model(kjt), labels.to(device))
-            loss.backward()
-            optimizer.step()
-            losses.append(loss.item())
+        with tpurec.mode(mode):
+            kjt = random_kjt(FP_TABLES, 8, rng, max_len=4)
+            labels = torch.from_numpy(rng.integers(0, 2, 8).astype(np.float32))
+            losses = []
+            for model, optimizer, device in ((reference, dense_reference, "cpu"), (ours, dense_ours, "tpu")):
+                optimizer.zero_grad()
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(model(kjt), labels.to(device))
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
         np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5, atol=1e-6, err_msg=f"loss of step {step}")
     theirs, mine = reference.state_dict(), ours.state_dict()
     assert set(mine) == set(theirs)
