@@ -210,3 +210,32 @@ def test_sharded_checkpoint_reshards_and_training_continues(tmp_path):
         state = {k: v.cpu() for k, v in model.state_dict().items()}
         for key, value in reference.state_dict().items():
             torch.testing.assert_close(state[key], value, **TOLERANCE, msg=key)
+
+
+def test_optimizer_state_dict_has_torchrec_keys_and_loads_into_another_plan():
+    reference, ours = _models()
+    unsharded = copy.deepcopy(ours)  # the same model, trained unsharded on tpu
+    sharded = tpurec.shard(ours, _plan(GENERATORS["row_wise"]))
+    _train_and_compare(reference, sharded, steps=2)
+    dense = torch.optim.SGD(unsharded.proj.parameters(), lr=0.1)
+    for kjt, x, labels in _batches(2):
+        dense.zero_grad()
+        torch.nn.functional.binary_cross_entropy_with_logits(unsharded(x.to("tpu"), kjt), labels.to("tpu")).backward()
+        dense.step()
+    got, want = sharded.ec.optimizer_state_dict(), unsharded.ec.optimizer_state_dict()
+    assert set(got["state"]) == set(want["state"]) == {"embeddings.item.weight", "embeddings.shop.weight"}
+    for key, slots in want["state"].items():
+        for name, value in slots.items():
+            torch.testing.assert_close(got["state"][key][name], value.cpu(), **TOLERANCE, msg=f"{key} {name}")
+    _, other = _models()
+    loaded = tpurec.shard(other, _plan(GENERATORS["table_wise"]))
+    with pytest.raises(ValueError, match="slot momentum1 of embedding_bags.item.weight"):
+        bad = copy.deepcopy(got)
+        bad["state"]["embeddings.item.weight"]["momentum1"] = torch.zeros(3, 8)
+        loaded.ec.load_optimizer_state_dict(bad)
+    assert all(not v.any() for slots in loaded.ec.optimizer_state_dict()["state"].values() for v in slots.values())
+    loaded.ec.load_optimizer_state_dict(got)
+    for key, slots in got["state"].items():
+        for name, value in slots.items():
+            torch.testing.assert_close(loaded.ec.optimizer_state_dict()["state"][key][name], value, atol=0, rtol=0)
+    assert loaded.ec.bags._step == sharded.ec.bags._step == 2

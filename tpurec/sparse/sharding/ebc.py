@@ -345,6 +345,68 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if not error_msgs:
             self._load_host_tables(tables, slots)
 
+    # --- optimizer state: the unsharded collection's format, whole tables -------------------
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The fused optimizer's slots (whole tables, host copies) and step count.
+
+        Returns:
+            ``{"optimizer": "Adagrad", "steps": [step], "state": {"embedding_bags.<t>.weight":
+            {"momentum1": tensor}}}``, the unsharded collection's format (one step
+            count: the sharded collection steps all its tables together).
+        """
+        _, slots = self.full_tables()
+        state = {
+            f"embedding_bags.{name}.weight": {s: torch.from_numpy(value) for s, value in table_slots.items()}
+            for name, table_slots in slots.items()
+        }
+        return {"optimizer": type(self.optimizer).__name__, "steps": [self._step], "state": state}
+
+    def load_optimizer_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads what :meth:`optimizer_state_dict` (sharded or unsharded) returned.
+
+        Everything is checked before anything is written. The step count becomes the
+        largest of ``steps`` (an unsharded collection counts one per stack).
+
+        Raises:
+            ValueError: the state is of another optimizer, other tables, slots or shapes.
+        """
+        tables, slots = self.full_tables()
+        mine = type(self.optimizer).__name__
+        if not isinstance(state_dict, Mapping) or "steps" not in state_dict or "state" not in state_dict:
+            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise ValueError(f"an embedding optimizer state needs 'steps' and 'state' (from optimizer_state_dict()), got {keys}")
+        if state_dict.get("optimizer", mine) != mine:
+            raise ValueError(
+                f"the optimizer state is of {state_dict['optimizer']}, but this collection uses {mine}; shard a "
+                "module built with the optimizer the checkpoint was trained with"
+            )
+        steps = state_dict["steps"]
+        if not isinstance(steps, (list, tuple)) or not steps or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in steps
+        ):
+            raise ValueError(f"steps must be a non-empty list of non-negative ints, got {steps!r}")
+        state = state_dict["state"]
+        expected = {f"embedding_bags.{name}.weight": name for name in slots}
+        if not isinstance(state, Mapping) or set(state) != set(expected):
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"the optimizer state has tables {got}, this collection has {sorted(expected)}")
+        new_slots: dict[str, dict[str, np.ndarray]] = {}
+        for key, name in expected.items():
+            entry = state[key]
+            if not isinstance(entry, Mapping) or set(entry) != set(slots[name]):
+                got = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
+                raise ValueError(f"the optimizer state of {key} has slots {got}, but {mine} needs {sorted(slots[name])}")
+            new_slots[name] = {}
+            for slot, target in slots[name].items():
+                value = entry[slot]
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != target.shape or not value.dtype.is_floating_point:
+                    got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ValueError(f"slot {slot} of {key}: expected a float tensor of shape {target.shape}, got {got}")
+                new_slots[name][slot] = value.detach().cpu().numpy().astype(np.float32)
+        self._load_host_tables(tables, new_slots)
+        self._step = max(steps)
+
     # --- torchrec interface ---------------------------------------------------------
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
