@@ -1,5 +1,6 @@
 """nn.Module on tpu: .to/.cpu, state_dict round-trips, autograd."""
 
+import pytest
 import torch
 
 import tpurec  # noqa: F401
@@ -65,3 +66,29 @@ def test_torch_save_and_load_of_a_tpu_state_dict(tmp_path):
         assert torch.equal(loaded["model"][key].cpu(), value.cpu())
     fresh = mlp()
     fresh.load_state_dict({k: v.cpu() for k, v in loaded["model"].items()})
+
+
+@pytest.mark.parametrize("map_location", [None, "cpu"])
+def test_a_saved_tpu_parameter_loads_as_a_parameter(tmp_path, map_location):
+    # As on CUDA: torch.export's saved programs and pickled modules need their Parameters back.
+    weight = torch.nn.Parameter(torch.randn(2, 3, device="tpu"))
+    frozen = torch.nn.Parameter(torch.randn(3, device="tpu"), requires_grad=False)
+    path = tmp_path / "params.pt"
+    torch.save({"weight": weight, "frozen": frozen, "plain": weight.detach()}, path)
+    loaded = torch.load(path, map_location=map_location)  # weights_only=True
+    device = torch.device("tpu", 0) if map_location is None else torch.device("cpu")
+    for name, source in (("weight", weight), ("frozen", frozen)):
+        assert isinstance(loaded[name], torch.nn.Parameter) and loaded[name].device == device
+        assert loaded[name].requires_grad == source.requires_grad
+        assert torch.equal(loaded[name].cpu(), source.cpu())
+    assert not isinstance(loaded["plain"], torch.nn.Parameter)
+
+
+def test_a_pickled_tpu_module_keeps_its_parameters(tmp_path):
+    model = mlp().to("tpu")
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    assert [n for n, _ in loaded.named_parameters()] == [n for n, _ in model.named_parameters()]
+    x = torch.randn(4, 8)
+    torch.testing.assert_close(loaded(x.to("tpu")).cpu(), model(x.to("tpu")).cpu(), rtol=0, atol=0)

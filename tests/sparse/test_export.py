@@ -210,15 +210,17 @@ def test_exported_program_grows_automatic_capacities_like_the_module():
         _close_to_torchrec(out, reference(dense, kjt))
 
 
-def test_saved_program_loads_and_serves_on_tpu():
-    # The serving path: export (tables on CPU: a program with tpu parameters does not save yet),
-    # torch.export.save, load, move the loaded module to tpu, run any batch there.
+@pytest.mark.parametrize("exported_on", ["cpu", "tpu"])
+def test_saved_program_loads_and_serves_on_tpu(exported_on):
+    # The serving path: export (tables on CPU or tpu), torch.export.save, load, move the loaded
+    # module to tpu, run any batch there.
     reference, converted = _dlrm()
     rng = np.random.default_rng(10)
     dense, kjt = _dlrm_batch(4, rng)
     batch = torch.export.Dim("batch")
+    exported = copy.deepcopy(converted).to(exported_on)
     ep = torch.export.export(
-        copy.deepcopy(converted).cpu(), (dense, kjt), dynamic_shapes=({0: batch}, _kjt_dynamic_shapes(kjt, batch))
+        exported, (dense.to(exported_on), kjt), dynamic_shapes=({0: batch}, _kjt_dynamic_shapes(kjt, batch))
     )
     buffer = io.BytesIO()
     torch.export.save(ep, buffer)

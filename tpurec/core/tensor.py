@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from typing import Any, Callable
 
 import jax
@@ -184,6 +185,10 @@ class TpuTensor(torch.Tensor):
         # PyTorch's own (weights_only-safe) function, as for other storage-less
         # backends. So torch.load honours map_location, and with
         # map_location="cpu" a tpu checkpoint loads in a process without tpurec.
+        # A Parameter loads as a Parameter (as on CUDA: torch.export's serialized
+        # programs and pickled modules need it), rebuilt by PyTorch's own function.
+        if getattr(self, "_is_param", False):
+            return (torch._utils._rebuild_parameter, (self.detach(), self.requires_grad, collections.OrderedDict()))
         return (
             torch._utils._rebuild_device_tensor_from_cpu_tensor,
             (self.detach().cpu(), self.dtype, str(self.device), self.requires_grad),

@@ -141,16 +141,30 @@ def test_fixed_capacity_overflow():
         sharded(kjt)
 
 
-def test_per_id_weights_that_need_gradients_raise_when_sharded():
-    model, _ = _model()
-    sharded = tpurec.shard(model, ShardingPlan({"ebc": _module_plan()}))
-    before = sharded.ebc.full_tables()[0]
-    kjt = random_kjt(TABLES, 8, np.random.default_rng(0), weighted=True)
-    weighted = type(kjt).from_lengths_sync(
+def _weighted_requiring_grad(tables, batch: int):
+    kjt = random_kjt(tables, batch, np.random.default_rng(0), weighted=True)
+    return type(kjt).from_lengths_sync(
         keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), weights=kjt.weights().requires_grad_()
     )
-    with pytest.raises(NotImplementedError, match="per-id weights require grad"):
+
+
+@pytest.mark.parametrize("why", ["mean_pooling", "overflow_drop"])
+def test_per_id_weights_that_need_gradients_raise_where_torchrec_gradient_is_out_of_reach(why):
+    from torchrec.modules.embedding_configs import PoolingType
+
+    pooling = PoolingType.MEAN if why == "mean_pooling" else PoolingType.SUM
+    tables = make_tables(dims=(8, 8), rows=(20, 12), features=(("f0",), ("f1",)), pooling=pooling)
+    torch.manual_seed(0)
+    ebc = sp.EmbeddingBagCollection(tables, is_weighted=True, optimizer=sp.SGD(learning_rate=0.1), device="tpu")
+    overflow = "drop" if why == "overflow_drop" else "error"
+    sharded = tpurec.shard(ebc, _module_plan(), overflow=overflow, capacity=64 if overflow == "drop" else None)
+    before = sharded.full_tables()[0]
+    weighted = _weighted_requiring_grad(tables, 8)
+    match = "do not use SUM pooling" if why == "mean_pooling" else "overflow='drop' may drop ids"
+    with pytest.raises(NotImplementedError, match=f"per-id weights require grad, but .*{match}"):
         sharded(weighted)
-    after = sharded.ebc.full_tables()[0]
+    with torch.no_grad():
+        sharded(weighted)  # without gradients the lookup is exact
+    after = sharded.full_tables()[0]
     for name in before:
         np.testing.assert_array_equal(before[name], after[name])

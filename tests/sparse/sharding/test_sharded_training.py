@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -212,3 +214,119 @@ def test_state_dict_has_the_unsharded_keys_and_loads_back():
     tables, _ = sharded.sparse_arch.embedding_bag_collection.full_tables()
     for cfg in TABLES:
         np.testing.assert_array_equal(tables[cfg.name], other[f"sparse_arch.embedding_bag_collection.embedding_bags.{cfg.name}.weight"].numpy())
+
+
+# --- FeatureProcessedEmbeddingBagCollection: position weights train under tpurec.shard ---------------
+
+FP_TABLES = make_tables(dims=(8, 8, 8), rows=(13, 7, 5))
+FP_GENERATORS = {
+    "table_wise": {"t0": table_wise(rank=3), "t1": table_wise(rank=6), "t2": table_wise(rank=0)},
+    "row_wise": {"t0": row_wise(), "t1": row_wise(), "t2": row_wise()},
+    "column_wise": {"t0": column_wise(ranks=[1, 5]), "t1": column_wise(ranks=[2, 7]), "t2": table_wise(rank=4)},
+    "data_parallel": {"t0": data_parallel(), "t1": row_wise(), "t2": table_wise(rank=1)},
+}
+
+
+class _PositionWeighted(torch.nn.Module):
+    """TorchRec's FeatureProcessedEmbeddingBagCollection (PositionWeightedModuleCollection) and a linear head."""
+
+    def __init__(self) -> None:
+        from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+        from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+        super().__init__()
+        features = [f for t in FP_TABLES for f in t.feature_names]
+        self.fp = FeatureProcessedEmbeddingBagCollection(
+            TorchrecEBC(FP_TABLES, is_weighted=True), PositionWeightedModuleCollection({f: 4 for f in features})
+        )
+        with torch.no_grad():  # TorchRec starts them at 1: random ones show every position's gradient
+            for p in self.fp._feature_processors.parameters():
+                p.uniform_(0.5, 1.5)
+        self.head = torch.nn.Linear(sum(t.embedding_dim * len(t.feature_names) for t in FP_TABLES), 1)
+
+    def forward(self, kjt):
+        return self.head(self.fp(kjt).values()).squeeze(-1)
+
+
+@pytest.mark.parametrize("kind, mode", [(kind, "eager") for kind in FP_GENERATORS] + [("row_wise", "fused")])
+def test_position_weighted_collection_trains_as_torchrec_when_sharded(kind, mode):
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    torch.manual_seed(0)
+    reference = _PositionWeighted()
+    start = copy.deepcopy(reference.state_dict())
+    ours = copy.deepcopy(reference)
+    for model in (reference, ours):
+        apply_optimizer_in_backward(torch.optim.Adagrad, model.fp._embedding_bag_collection.parameters(), {"lr": 0.1})
+    ours = sp.from_torchrec(ours).to("tpu")
+    # TorchRec's plan names the feature-processed collection's own path.
+    module_plan = construct_module_sharding_plan(
+        reference.fp, FP_GENERATORS[kind], local_size=8, world_size=8, device_type="cpu"
+    )
+    ours = tpurec.shard(ours, ShardingPlan({"fp": module_plan}))
+    assert isinstance(ours.fp._embedding_bag_collection, ShardedEmbeddingBagCollection)
+    def dense(model):  # the position weights and the head
+        return [p for n, p in model.named_parameters() if not n.startswith("fp._embedding_bag_collection.")]
+
+    dense_reference = torch.optim.SGD(dense(reference), lr=0.1)
+    dense_ours = torch.optim.SGD(dense(ours), lr=0.1)
+    assert len(dense_ours.param_groups[0]["params"]) == len(dense_reference.param_groups[0]["params"]) == 6
+    rng = np.random.default_rng(4)
+    for step in range(5):
+        with tpurec.mode(mode):
+            kjt = random_kjt(FP_TABLES, 8, rng, max_len=4)
+            labels = torch.from_numpy(rng.integers(0, 2, 8).astype(np.float32))
+            losses = []
+            for model, optimizer, device in ((reference, dense_reference, "cpu"), (ours, dense_ours, "tpu")):
+                optimizer.zero_grad()
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(model(kjt), labels.to(device))
+                loss.backward()
+                optimizer.step()
+                losses.append(loss.item())
+        np.testing.assert_allclose(losses[1], losses[0], rtol=1e-5, atol=1e-6, err_msg=f"loss of step {step}")
+    theirs, mine = reference.state_dict(), ours.state_dict()
+    assert set(mine) == set(theirs)
+    changed = 0
+    for key, value in theirs.items():
+        torch.testing.assert_close(mine[key].cpu(), value, rtol=1e-5, atol=1e-6, msg=key)
+        changed += "position_weight" in key and not torch.equal(value, start[key])
+    assert changed == 4  # every feature's position weights trained
+
+
+# --- optimizer_semantics: the unsharded collection's rule for a second lookup before backward --------
+
+
+def test_second_lookup_before_backward_raises_for_an_in_backward_optimizer():
+    from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+    plan = _plan({cfg.name: row_wise() for cfg in TABLES})
+    for optimizer_class, raises in ((torch.optim.Adagrad, True), (torch.optim.SGD, False)):
+        torch.manual_seed(0)
+        model = DLRM(embedding_bag_collection=TorchrecEBC(TABLES), **LAYERS)
+        apply_optimizer_in_backward(optimizer_class, model.sparse_arch.embedding_bag_collection.parameters(), {"lr": 0.1})
+        sharded = tpurec.shard(sp.from_torchrec(model).to("tpu"), plan)
+        ebc = sharded.sparse_arch.embedding_bag_collection
+        assert ebc.optimizer_semantics == "torch"
+        (kjt, dense, _), (kjt2, _, _) = _batches(2)
+        first = sharded(dense.to("tpu"), kjt)
+        before = ebc.full_tables()[0]
+        if raises:
+            with pytest.raises(NotImplementedError, match="looked up again before the backward of its previous lookup"):
+                sharded(dense.to("tpu"), kjt2)
+            for name, value in ebc.full_tables()[0].items():
+                np.testing.assert_array_equal(value, before[name])
+        else:  # two SGD updates are one update on the summed gradient
+            sharded(dense.to("tpu"), kjt2).sum().backward()
+        first.sum().backward()
+        sharded(dense.to("tpu"), kjt2).sum().backward()  # after the backward: a new step
+        # Opting into FBGEMM's one update per lookup lifts the rule.
+        ebc.optimizer_semantics = "fbgemm"
+        pending = sharded(dense.to("tpu"), kjt)
+        sharded(dense.to("tpu"), kjt2).sum().backward()
+        pending.sum().backward()
+    # An explicit fused optimizer given to tpurec.shard has FBGEMM's semantics.
+    torch.manual_seed(0)
+    model = DLRM(embedding_bag_collection=TorchrecEBC(TABLES), **LAYERS)
+    apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.embedding_bag_collection.parameters(), {"lr": 0.1})
+    sharded = tpurec.shard(sp.from_torchrec(model).to("tpu"), plan, optimizer=sp.Adagrad(learning_rate=0.1))
+    assert sharded.sparse_arch.embedding_bag_collection.optimizer_semantics == "fbgemm"

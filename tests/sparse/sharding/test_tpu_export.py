@@ -49,7 +49,8 @@ def _calls(text: str, target: str) -> list[str]:
     return [line for line in text.splitlines() if f"stablehlo.custom_call @{target}(" in line]
 
 
-def test_sharded_forward_and_backward_export_for_tpu():
+@pytest.mark.parametrize("with_rows", [False, True], ids=["plain", "per_id_weight_gradients"])
+def test_sharded_forward_and_backward_export_for_tpu(with_rows):
     sharded = _sharded()
     L = sharded.layout
     batch = sharded.distribute_input(random_kjt(TABLES, 16, np.random.default_rng(0)))
@@ -57,7 +58,7 @@ def test_sharded_forward_and_backward_export_for_tpu():
     weights, slots = sharded._arrays("shard", len(L.groups))
     dp_weights, dp_slots = sharded._arrays("dp", len(L.dp_groups))
     forward = jax.export.export(
-        jax.jit(lambda *a: sharded._forward_fn(*a, b=b)), platforms=["tpu"], disabled_checks=DISABLED
+        jax.jit(lambda *a: sharded._forward_fn(*a, b=b, with_rows=with_rows)), platforms=["tpu"], disabled_checks=DISABLED
     )(weights, dp_weights, batch["groups"], batch["dp"])
     text = forward.mlir_module()
     lookups = _calls(text, "SparseDenseMatmulOp")
@@ -70,12 +71,16 @@ def test_sharded_forward_and_backward_export_for_tpu():
 
     out_shape = (16, L.total_dim)
     grad = jax.ShapeDtypeStruct(out_shape, np.float32, sharding=jax.sharding.NamedSharding(sharded.mesh, jax.sharding.PartitionSpec(sharded.axis)))
-    _, received = jax.eval_shape(lambda *a: sharded._forward_fn(*a, b=b), weights, dp_weights, batch["groups"], batch["dp"])
+    _, received, kept = jax.eval_shape(
+        lambda *a: sharded._forward_fn(*a, b=b, with_rows=with_rows), weights, dp_weights, batch["groups"], batch["dp"]
+    )
     received = [tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.sharding) for x, s in zip(r, g)) for r, g in zip(received, batch["groups"])]
+    kept = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=grad.sharding) for x in kept]
+    assert len(kept) == (len(L.groups) + len(L.dp_groups) if with_rows else 0)
     hyper = {k: jax.ShapeDtypeStruct((), np.float32) for k in sharded.optimizer.hyperparameters(1)}
     backward = jax.export.export(
         jax.jit(lambda *a: sharded._backward_fn(*a, b=b)), platforms=["tpu"], disabled_checks=DISABLED
-    )(grad, weights, slots, dp_weights, dp_slots, received, batch["dp"], hyper)
+    )(grad, weights, slots, dp_weights, dp_slots, received, batch["dp"], kept, hyper)
     text = backward.mlir_module()
     updates = _calls(text, "SparseDenseMatmulGradOpWithOptimizerUpdate")
     assert len(updates) == len(L.groups) + len(L.dp_groups)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 from typing import Any, Literal, Mapping, Sequence
 
 import jax
@@ -37,11 +38,11 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.core import runtime
 from tpurec.sparse.ops import kernel_for
-from tpurec.sparse.optimizers import EmbeddingOptimizer
+from tpurec.sparse.optimizers import SGD, EmbeddingOptimizer
 from tpurec.sparse.preprocess import read_kjt, shared_features, stack_tables
 from tpurec.sparse.sharding.layout import Layout
 from tpurec.sparse.sharding.specs import TableSharding
-from tpurec.sparse.types import PAD_ID, CapacityError
+from tpurec.sparse.types import PAD_ID, CapacityError, StackedTable
 from tpurec.core.tensor import wrap
 
 __all__ = ["ShardedEmbeddingBagCollection"]
@@ -76,15 +77,17 @@ class _Routed:
     Attributes:
         per_device: samples per device.
         groups: per sharded group, then per data-parallel group:
-            ``(key, rows, out, gains, counts, destinations)`` where ``key`` is
-            ``local source device * destinations + destination``, ``counts`` its
-            histogram.
+            ``(key, rows, out, gains, origin, counts, destinations)`` where ``key`` is
+            ``local source device * destinations + destination``, ``origin`` the
+            index of the entry's id in the KJT's values, ``counts`` the histogram of ``key``.
+        num_ids: ids in this process's KJT.
         needs: per group, the most entries one source sends one destination.
     """
 
     per_device: int
-    groups: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]]
+    groups: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]]
     needs: list[int]
+    num_ids: int = 0
 
 
 @dataclasses.dataclass
@@ -103,19 +106,29 @@ class _Prefetched:
 
 
 class _ShardedLookup(torch.autograd.Function):
-    """The sharded forward program; its backward runs the sharded fused optimizer."""
+    """The sharded forward program; its backward runs the sharded fused optimizer.
+
+    ``id_weights`` is the KJT's per-id weights tensor when it needs a gradient
+    (else None): the backward then also returns TorchRec's gradient for it.
+    """
 
     @staticmethod
-    def forward(ctx, anchor, module, batch):
-        out, saved = module._run_forward(batch)
+    def forward(ctx, anchor, id_weights, module, batch):
+        out, saved = module._run_forward(batch, with_rows=id_weights is not None)
         ctx.module, ctx.saved = module, saved
+        ctx.id_weights = None if id_weights is None else (id_weights.device, id_weights.dtype)
+        module._pending_lookups.add(ctx)  # until its backward runs or its graph is freed
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        ctx.module._run_backward(ctx.saved, grad_output)
+        ctx.module._pending_lookups.discard(ctx)
+        id_grad = ctx.module._run_backward(ctx.saved, grad_output)
+        if ctx.id_weights is not None:
+            device, dtype = ctx.id_weights
+            id_grad = torch.from_numpy(id_grad).to(device=device, dtype=dtype)
         # The tables are updated in place: they get no .grad (a dense optimizer skips them).
-        return None, None, None
+        return None, id_grad, None, None
 
 
 class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
@@ -170,6 +183,10 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 "optimizer= to tpurec.shard (or build the module with one)"
             )
         self.optimizer: EmbeddingOptimizer = source.optimizer
+        # As the unsharded collection's (docs/torchrec_semantics.md): "torch" (the optimizer came
+        # from apply_optimizer_in_backward) refuses a second lookup before the first one's backward.
+        self.optimizer_semantics: Literal["fbgemm", "torch"] = getattr(source, "optimizer_semantics", "fbgemm")
+        self._pending_lookups: weakref.WeakSet[Any] = weakref.WeakSet()
         self.mesh = mesh
         self.axis = tuple(mesh.axis_names)
         self.layout = Layout(configs, dict(shardings), mesh.devices.size)
@@ -334,6 +351,68 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if not error_msgs:
             self._load_host_tables(tables, slots)
 
+    # --- optimizer state: the unsharded collection's format, whole tables -------------------
+
+    def optimizer_state_dict(self) -> dict[str, Any]:
+        """The fused optimizer's slots (whole tables, host copies) and step count.
+
+        Returns:
+            ``{"optimizer": "Adagrad", "steps": [step], "state": {"embedding_bags.<t>.weight":
+            {"momentum1": tensor}}}``, the unsharded collection's format (one step
+            count: the sharded collection steps all its tables together).
+        """
+        _, slots = self.full_tables()
+        state = {
+            f"embedding_bags.{name}.weight": {s: torch.from_numpy(value) for s, value in table_slots.items()}
+            for name, table_slots in slots.items()
+        }
+        return {"optimizer": type(self.optimizer).__name__, "steps": [self._step], "state": state}
+
+    def load_optimizer_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Loads what :meth:`optimizer_state_dict` (sharded or unsharded) returned.
+
+        Everything is checked before anything is written. The step count becomes the
+        largest of ``steps`` (an unsharded collection counts one per stack).
+
+        Raises:
+            ValueError: the state is of another optimizer, other tables, slots or shapes.
+        """
+        tables, slots = self.full_tables()
+        mine = type(self.optimizer).__name__
+        if not isinstance(state_dict, Mapping) or "steps" not in state_dict or "state" not in state_dict:
+            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+            raise ValueError(f"an embedding optimizer state needs 'steps' and 'state' (from optimizer_state_dict()), got {keys}")
+        if state_dict.get("optimizer", mine) != mine:
+            raise ValueError(
+                f"the optimizer state is of {state_dict['optimizer']}, but this collection uses {mine}; shard a "
+                "module built with the optimizer the checkpoint was trained with"
+            )
+        steps = state_dict["steps"]
+        if not isinstance(steps, (list, tuple)) or not steps or not all(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in steps
+        ):
+            raise ValueError(f"steps must be a non-empty list of non-negative ints, got {steps!r}")
+        state = state_dict["state"]
+        expected = {f"embedding_bags.{name}.weight": name for name in slots}
+        if not isinstance(state, Mapping) or set(state) != set(expected):
+            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+            raise ValueError(f"the optimizer state has tables {got}, this collection has {sorted(expected)}")
+        new_slots: dict[str, dict[str, np.ndarray]] = {}
+        for key, name in expected.items():
+            entry = state[key]
+            if not isinstance(entry, Mapping) or set(entry) != set(slots[name]):
+                got = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
+                raise ValueError(f"the optimizer state of {key} has slots {got}, but {mine} needs {sorted(slots[name])}")
+            new_slots[name] = {}
+            for slot, target in slots[name].items():
+                value = entry[slot]
+                if not isinstance(value, torch.Tensor) or tuple(value.shape) != target.shape or not value.dtype.is_floating_point:
+                    got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+                    raise ValueError(f"slot {slot} of {key}: expected a float tensor of shape {target.shape}, got {got}")
+                new_slots[name][slot] = value.detach().cpu().numpy().astype(np.float32)
+        self._load_host_tables(tables, new_slots)
+        self._step = max(steps)
+
     # --- torchrec interface ---------------------------------------------------------
 
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
@@ -341,6 +420,16 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     def is_weighted(self) -> bool:
         return self._is_weighted
+
+    @property
+    def stacks(self) -> list[StackedTable]:
+        """One unstacked table per config (what ``read_kjt`` validates a batch against)."""
+        return list(self._stacks)
+
+    @property
+    def device(self) -> torch.device:
+        """The tpu device the collection's outputs are addressed on (their values span the mesh)."""
+        return next(self.parameters()).device
 
     # --- host side: route ids to their shards --------------------------------------
 
@@ -406,7 +495,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
         Returns:
             ``{"per_device": samples per device, "groups": [(rows, samples, gains)],
-            "dp": [(rows, samples, gains)]}`` with global arrays.
+            "dp": [(rows, samples, gains)], "origins": [(entry positions, KJT value
+            indices)], "num_ids": ids in the KJT}``: global arrays, and (origins) host
+            arrays saying which KJT id each of this process's entries came from.
 
         Raises:
             ValueError: a malformed batch (the message says what is wrong), or a
@@ -439,6 +530,11 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         b = local_batch // n_local
         first = self._first_device
         n_groups = len(L.groups)
+        # Where each feature's ids start in the KJT's values (and weights): keys are in KJT order.
+        starts, num_ids = {}, 0
+        for key in features.keys():
+            starts[key] = num_ids
+            num_ids += feats[key].ids.shape[0]
         parts: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n_groups + len(L.dp_groups))]
         for cfg in self._embedding_bag_configs:
             for f in cfg.feature_names:
@@ -448,6 +544,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 if cfg.pooling == PoolingType.MEAN:
                     gains = gains / np.repeat(fb.lengths, fb.lengths)
                 src, within = samples // b + first, samples % b
+                origin = starts[f] + np.arange(fb.ids.shape[0], dtype=np.int64)
                 if cfg.name in L.dp_group_of:
                     g = L.dp_group_of[cfg.name]
                     dg = L.dp_groups[g]
@@ -455,7 +552,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     rows = dg.offsets[cfg.name] + fb.ids
                     # Sample ids are global (source-major), so replicas can all-gather them.
                     out = (src * len(dg.slots) + k) * b + within
-                    parts[n_groups + g].append((src - first, np.zeros_like(src), rows, out, gains))
+                    parts[n_groups + g].append((src - first, np.zeros_like(src), rows, out, gains, origin))
                     continue
                 place = L.placements[cfg.name]
                 block = np.searchsorted(place.row_starts, fb.ids, side="right") - 1
@@ -463,21 +560,21 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     dst = place.device[c][block]
                     rows = place.base[c][block] + fb.ids
                     out = (src * L.groups[g].num_slots + place.slot[c][f][block]) * b + within
-                    parts[g].append((src - first, dst, rows, out, gains))
+                    parts[g].append((src - first, dst, rows, out, gains, origin))
         packed = []
         needs = []
         for j, chunks in enumerate(parts):
             destinations = D if j < n_groups else 1
             if chunks:
-                src, dst, rows, out, gains = (np.concatenate(x) for x in zip(*chunks))
+                src, dst, rows, out, gains, origin = (np.concatenate(x) for x in zip(*chunks))
             else:
-                src = dst = rows = out = np.zeros(0, np.int64)
+                src = dst = rows = out = origin = np.zeros(0, np.int64)
                 gains = np.zeros(0, np.float64)
             key = src * destinations + dst
             counts = np.bincount(key, minlength=n_local * destinations)
             needs.append(int(counts.max()) if counts.size else 0)
-            packed.append((key, rows, out, gains, counts, destinations))
-        return _Routed(per_device=b, groups=packed, needs=needs)
+            packed.append((key, rows, out, gains, origin, counts, destinations))
+        return _Routed(per_device=b, groups=packed, needs=needs, num_ids=num_ids)
 
     def _pack(self, routed: _Routed) -> tuple[dict[str, Any], int]:
         """Fixed-capacity entry arrays of a routed batch, sent to the mesh (asynchronous copies).
@@ -489,11 +586,11 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         D, n_local, n_groups = self.layout.num_devices, self._local_devices, len(self.layout.groups)
         capacities = self._capacities_for(routed.needs)
         dropped = 0
-        result_groups, result_dp = [], []
-        for j, (key, rows, out, gains, counts, destinations) in enumerate(routed.groups):
+        result_groups, result_dp, origins = [], [], []
+        for j, (key, rows, out, gains, origin, counts, destinations) in enumerate(routed.groups):
             C = capacities[j]
             order = np.argsort(key, kind="stable")
-            key, rows, out, gains = key[order], rows[order], out[order], gains[order]
+            key, rows, out, gains, origin = key[order], rows[order], out[order], gains[order], origin[order]
             starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
             position = np.arange(key.shape[0]) - starts[key]
             keep = position < C
@@ -507,7 +604,12 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             r[flat], s[flat], v[flat] = rows[keep], out[keep], gains[keep]
             arrays = tuple(self._to_global(x.reshape(shape)) for x in (r, s, v))
             (result_groups if j < n_groups else result_dp).append(arrays)
-        return {"per_device": routed.per_device, "groups": result_groups, "dp": result_dp}, dropped
+            # (this process's flat entry position, KJT value index) of each kept entry: maps the
+            # per-entry gradients of per-id weights back to the KJT's weights.
+            origins.append((flat, origin[keep]))
+        batch = {"per_device": routed.per_device, "groups": result_groups, "dp": result_dp}
+        batch["origins"], batch["num_ids"] = origins, routed.num_ids
+        return batch, dropped
 
     def _capacities_for(self, needs: list[int]) -> list[int]:
         """Per-group capacities for a batch needing ``needs`` entries (all processes agree)."""
@@ -542,19 +644,28 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def _kernel(self, name: str):
         return kernel_for(name)
 
-    def _forward_fn(self, weights, dp_weights, groups, dp, b: int):
-        """The forward program: ids to owners, lookups, pooled rows back to batch owners."""
+    def _forward_fn(self, weights, dp_weights, groups, dp, b: int, with_rows: bool = False):
+        """The forward program: ids to owners, lookups, pooled rows back to batch owners.
+
+        With ``with_rows`` it also returns, per group, every received entry's table row
+        as it is now (kept on its shard for the backward's per-id weight gradients).
+        """
         L, D, axis = self.layout, self.layout.num_devices, self.axis
         lookup = self._kernel("sparse_dense_matmul")
         dest = jnp.asarray(L.dest_columns, jnp.int32)
 
+        def entry_rows(table, rows):
+            return table[jnp.where(rows == PAD_ID, 0, rows)]
+
         def body(weights, dp_weights, groups, dp):
-            received, flats = [], []
+            received, flats, kept = [], [], []
             for grp, table, (rows, samples, gains) in zip(L.groups, weights, groups):
                 K, K2 = grp.num_slots, grp.num_a2a
                 # [1, dest, C] -> [source, 1, C]: every device gets the entries of its shards.
                 rows, samples, gains = (jax.lax.all_to_all(x, axis, 1, 0, tiled=True).reshape(-1) for x in (rows, samples, gains))
                 received.append((rows, samples, gains))
+                if with_rows:
+                    kept.append(entry_rows(table, rows))
                 rp = jnp.full((1,), rows.shape[0], jnp.int32)
                 pooled = lookup(rp, rows, samples, gains, table, batch_size=D * K * b).reshape(D, K, b, grp.width)
                 if K2:
@@ -571,32 +682,48 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 rp = jnp.full((1,), rows.shape[0], jnp.int32)
                 pooled = lookup(rp, rows, local, gains, table, batch_size=K * b).reshape(K, b, dg.width)
                 flats.append(pooled.transpose(1, 0, 2).reshape(b, -1))
+                if with_rows:
+                    kept.append(entry_rows(table, rows))
             values = jnp.concatenate(flats, axis=1)
             out = jnp.zeros((b, L.total_dim + 1), values.dtype).at[:, dest].add(values)[:, : L.total_dim]
-            return out, received
+            return out, received, kept
 
         spec = P(self.axis)
+        n_kept = len(groups) + len(dp) if with_rows else 0
         fn = jax.shard_map(
             body,
             mesh=self.mesh,
             in_specs=([spec] * len(weights), [P()] * len(dp_weights), [(spec,) * 3] * len(groups), [(spec,) * 3] * len(dp)),
-            out_specs=(spec, [(spec,) * 3] * len(groups)),
+            out_specs=(spec, [(spec,) * 3] * len(groups), [spec] * n_kept),
             check_vma=False,
         )
         return fn(weights, dp_weights, groups, dp)
 
-    def _backward_fn(self, grad, weights, slots, dp_weights, dp_slots, received, dp, hyper, b: int):
-        """The backward program: gradients back to the shards, fused optimizer on each."""
+    def _backward_fn(self, grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper, b: int):
+        """The backward program: gradients back to the shards, fused optimizer on each.
+
+        With ``kept`` (the forward's entry rows, ``with_rows``) it also returns each
+        entry's ``row . gradient of its bag``, the gradient of its gain (TorchRec's
+        gradient of a per-id weight with SUM pooling), back on the entry's source
+        device: ``[source, destination, C]`` per sharded group, ``[device, C]`` per
+        data-parallel group.
+        """
         L, D, axis = self.layout, self.layout.num_devices, self.axis
         update = self._kernel(self.optimizer.op_name)
         dest = jnp.asarray(L.dest_columns, jnp.int32)
         segments = np.cumsum(L.segments)[:-1].tolist()
 
-        def body(grad, weights, slots, dp_weights, dp_slots, received, dp, hyper):
+        def entry_dots(rows_of_entries, rows, samples, g):
+            """Each entry's row . its bag's gradient (0 for padding entries)."""
+            bag = g[jnp.where(rows == PAD_ID, 0, samples)]
+            return jnp.where(rows == PAD_ID, 0.0, jnp.sum(rows_of_entries * bag, axis=-1))
+
+        def body(grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper):
             extended = jnp.concatenate([grad, jnp.zeros((b, 1), grad.dtype)], axis=1)
             pieces = jnp.split(extended[:, dest], segments, axis=1) if segments else [extended[:, dest]]
             it = iter(pieces)
-            new_w, new_s = [], []
+            kept_rows = iter(kept)
+            new_w, new_s, dots = [], [], []
             for grp, table, table_slots, (rows, samples, gains) in zip(L.groups, weights, slots, received):
                 K, K2, w = grp.num_slots, grp.num_a2a, grp.width
                 a2a, rs = next(it), next(it)
@@ -608,6 +735,10 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     mine = rs.reshape(b, K - K2, w).transpose(1, 0, 2)
                     blocks.append(jax.lax.all_gather(mine, axis, axis=0, tiled=False))
                 g = jnp.concatenate(blocks, axis=1).reshape(D * K * b, w)
+                if kept:
+                    # [source * C] on the owner -> [1, destination, C] back on each source.
+                    d = entry_dots(next(kept_rows), rows, samples, g).reshape(D, 1, -1)
+                    dots.append(jax.lax.all_to_all(d, axis, 0, 1, tiled=True))
                 rp = jnp.full((1,), rows.shape[0], jnp.int32)
                 out = update(rp, rows, samples, gains, g, table, *table_slots, **hyper)
                 out = out if isinstance(out, (tuple, list)) else (out,)
@@ -617,6 +748,11 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             for dg, table, table_slots, (rows, samples, gains) in zip(L.dp_groups, dp_weights, dp_slots, dp):
                 K, w = len(dg.slots), dg.width
                 mine = next(it).reshape(b, K, w).transpose(1, 0, 2)
+                if kept:
+                    me = jax.lax.axis_index(axis)
+                    flat_rows, flat_samples = rows.reshape(-1), samples.reshape(-1)
+                    local = jnp.where(flat_rows == PAD_ID, 0, flat_samples - me * K * b)
+                    dots.append(entry_dots(next(kept_rows), flat_rows, local, mine.reshape(K * b, w)).reshape(1, -1))
                 # Every replica sees the whole batch's entries and gradients: the same update everywhere.
                 g = jax.lax.all_gather(mine, axis, axis=0, tiled=True).reshape(D * K * b, w)
                 rows, samples, gains = (jax.lax.all_gather(x.reshape(-1), axis, axis=0, tiled=True) for x in (rows, samples, gains))
@@ -625,7 +761,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 out = out if isinstance(out, (tuple, list)) else (out,)
                 new_dw.append(out[0])
                 new_ds.append(list(out[1:]))
-            return new_w, new_s, new_dw, new_ds
+            return new_w, new_s, new_dw, new_ds, dots
 
         spec = P(self.axis)
         n_slots = len(self.optimizer.slots)
@@ -640,49 +776,73 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 [[P()] * n_slots] * len(dp_slots),
                 [(spec,) * 3] * len(received),
                 [(spec,) * 3] * len(dp),
+                [spec] * len(kept),
                 {k: P() for k in hyper},
             ),
-            out_specs=([spec] * len(weights), [[spec] * n_slots] * len(slots), [P()] * len(dp_weights), [[P()] * n_slots] * len(dp_slots)),
+            out_specs=(
+                [spec] * len(weights),
+                [[spec] * n_slots] * len(slots),
+                [P()] * len(dp_weights),
+                [[P()] * n_slots] * len(dp_slots),
+                [spec] * len(kept),
+            ),
             check_vma=False,
         )
-        return fn(grad, weights, slots, dp_weights, dp_slots, received, dp, hyper)
+        return fn(grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper)
 
-    def _run_forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, tuple]:
+    def _run_forward(self, batch: dict[str, Any], with_rows: bool = False) -> tuple[torch.Tensor, tuple]:
         L = self.layout
         weights, _ = self._arrays("shard", len(L.groups))
         dp_weights, _ = self._arrays("dp", len(L.dp_groups))
         b = batch["per_device"]
-        program = self._programs(b)[0]
-        out, received = program(weights, dp_weights, batch["groups"], batch["dp"])
-        return wrap(out, 0), (received, batch["dp"], b)
+        program = self._programs(b, with_rows)[0]
+        out, received, kept = program(weights, dp_weights, batch["groups"], batch["dp"])
+        origins = (batch["origins"], batch["num_ids"]) if with_rows else None
+        return wrap(out, 0), (received, batch["dp"], kept, origins, b)
 
-    def _run_backward(self, saved: tuple, grad_output: torch.Tensor) -> None:
+    def _run_backward(self, saved: tuple, grad_output: torch.Tensor) -> np.ndarray | None:
+        """Runs the backward program; returns the per-id weights' gradient (KJT order) when asked for."""
         from tpurec.core.dispatch import value_of
 
-        received, dp, b = saved
+        received, dp, kept, origins, b = saved
         L = self.layout
         grad = value_of(grad_output.contiguous(), "sharded embedding backward")
         weights, slots = self._arrays("shard", len(L.groups))
         dp_weights, dp_slots = self._arrays("dp", len(L.dp_groups))
         self._step += 1
         hyper = {k: float(v) for k, v in self.optimizer.hyperparameters(self._step).items()}
-        program = self._programs(b)[1]
-        new_w, new_s, new_dw, new_ds = program(grad, weights, slots, dp_weights, dp_slots, received, dp, hyper)
+        program = self._programs(b, origins is not None)[1]
+        new_w, new_s, new_dw, new_ds, dots = program(grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper)
         for prefix, ws, ss in (("shard", new_w, new_s), ("dp", new_dw, new_ds)):
             for g, (w, s) in enumerate(zip(ws, ss)):
                 getattr(self, f"{prefix}_weight_{g}")._storage.array = w
                 for name, value in zip(self.optimizer.slots, s):
                     getattr(self, f"{prefix}_{name}_{g}")._storage.array = value
+        if origins is None:
+            return None
+        entries, num_ids = origins
+        id_grad = np.zeros(num_ids, np.float64)
+        for (flat, origin), group_dots in zip(entries, dots):
+            # This process's rows of the [source device, ...] array: its own entries, in the
+            # flat order _pack numbered them. A column-wise id adds one term per column block.
+            shards = sorted(group_dots.addressable_shards, key=lambda shard: shard.index[0].start or 0)
+            local = np.concatenate([np.asarray(shard.data) for shard in shards])
+            np.add.at(id_grad, origin, local.reshape(-1)[flat].astype(np.float64))
+        return id_grad.astype(np.float32)
 
-    def _programs(self, b: int) -> tuple[runtime.Program, runtime.Program]:
-        """The forward and backward programs for ``b`` samples per device (cached)."""
+    def _programs(self, b: int, with_rows: bool = False) -> tuple[runtime.Program, runtime.Program]:
+        """The forward and backward programs for ``b`` samples per device (cached).
+
+        ``with_rows``: the pair that also gives per-id weights their gradient.
+        """
         cache = self.__dict__.setdefault("_program_cache", {})
-        if b not in cache:
-            cache[b] = (
-                runtime.Program(lambda *a: self._forward_fn(*a, b=b)),
+        key = (b, with_rows)
+        if key not in cache:
+            cache[key] = (
+                runtime.Program(lambda *a: self._forward_fn(*a, b=b, with_rows=with_rows)),
                 runtime.Program(lambda *a: self._backward_fn(*a, b=b), donate_argnums=(1, 2, 3, 4)),
             )
-        return cache[b]
+        return cache[key]
 
     # --- forward ----------------------------------------------------------------------
 
@@ -697,17 +857,39 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             ``KeyedTensor`` over the global batch (all processes' samples, in
             process order), batch-sharded on the mesh.
         """
-        weights = features.weights_or_none()
-        if torch.is_grad_enabled() and weights is not None and weights.requires_grad:
-            raise NotImplementedError(
-                "the KJT's per-id weights require grad (e.g. from a PositionWeightedModule), but the sharded lookup "
-                "returns no gradient for them, so they would never train. Detach the weights, or train the "
-                "feature-processed collection unsharded (tpurec.sparse.EmbeddingBagCollection gives them TorchRec's "
-                "gradient)."
-            )
+        self._check_trainable_lookup(features)
         batch = self._take_prefetched(features)
         if batch is None:
             batch = self.distribute_input(features)
         anchor = next(self.parameters())
-        values = _ShardedLookup.apply(anchor, self, batch)
+        # Per-id weights that require grad get TorchRec's gradient from the backward program
+        # (the gains carry them into the lookup as constants, as in the unsharded collection).
+        id_weights = features.weights() if self._weights_need_grad(features) else None
+        values = _ShardedLookup.apply(anchor, id_weights, self, batch)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
+
+    def _weights_need_grad(self, features: KeyedJaggedTensor) -> bool:
+        weights = features.weights_or_none()
+        return self._is_weighted and torch.is_grad_enabled() and weights is not None and weights.requires_grad
+
+    def _check_trainable_lookup(self, features: KeyedJaggedTensor) -> None:
+        """Raises where a training lookup would silently differ from TorchRec's (the unsharded collection's rules)."""
+        if not torch.is_grad_enabled():
+            return
+        if self._weights_need_grad(features):
+            unpooled = [t.name for t in self._embedding_bag_configs if t.pooling != PoolingType.SUM]
+            if unpooled or self.overflow == "drop":
+                why = f"tables {unpooled} do not use SUM pooling" if unpooled else "overflow='drop' may drop ids"
+                raise NotImplementedError(
+                    f"the KJT's per-id weights require grad, but {why}, so tpurec cannot give them TorchRec's "
+                    "gradient. Use SUM pooling and overflow='error', or detach the weights."
+                )
+        if self.optimizer_semantics == "torch" and not isinstance(self.optimizer, SGD) and len(self._pending_lookups) > 0:
+            tables = [t.name for t in self._embedding_bag_configs]
+            raise NotImplementedError(
+                f"EmbeddingBagCollection (tables {tables}) is looked up again before the backward of its previous "
+                f"lookup. Its {type(self.optimizer).__name__} came from apply_optimizer_in_backward, which makes one "
+                "update on the summed gradient of both lookups; tpurec's fused optimizer updates once per lookup "
+                "(as FBGEMM does), which differs. Look up both batches in one call (concatenate the KJTs), run "
+                "backward between the lookups, or use FBGEMM's semantics explicitly (optimizer_semantics='fbgemm')."
+            )

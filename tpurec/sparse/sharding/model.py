@@ -22,6 +22,7 @@ from torch import nn
 from tpurec.core import runtime
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
+from tpurec.sparse.sequence import EmbeddingCollection
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
 from tpurec.sparse.sharding.specs import TableSharding, module_plans, table_shardings
 from tpurec.core.tensor import TpuTensor, host_array, wrap
@@ -112,8 +113,15 @@ def _check_mesh(mesh: Any) -> None:
         raise ValueError(f"mesh devices {strangers} are not devices of the tpu platform ({jax.default_backend()})")
 
 
-def _planned(ebc: EmbeddingBagCollection, mesh: Mesh, batch_size: int) -> Any:
-    """A plan from the TPU planner for ``ebc`` on a topology with the mesh's device count."""
+def _planned(owner: nn.Module, ebc: EmbeddingBagCollection, mesh: Mesh, batch_size: int) -> Any:
+    """A plan from the TPU planner for ``ebc`` (held by ``owner``) on a topology with the mesh's device count.
+
+    A sequence collection is planned as TorchRec's ``EmbeddingCollection`` (the
+    planner's ``TpuEmbeddingCollectionSharder``: DP, TW, CW, RW), a pooled one as
+    an ``EmbeddingBagCollection``.
+    """
+    from torchrec.modules.embedding_modules import EmbeddingCollection as TorchrecEC
+
     from tpurec.sparse.planner import plan as tpu_plan
 
     devices = mesh.devices.size
@@ -121,7 +129,11 @@ def _planned(ebc: EmbeddingBagCollection, mesh: Mesh, batch_size: int) -> Any:
     generation = next((g for g in ("v7x", "v6e", "v5e", "v5p", "v4") if g.replace("x", "") in kind.replace(" ", "")), "v5p")
     # Accelerator names count TensorCores on v4/v5p (two per chip, one device), chips elsewhere.
     name = f"{generation}-{devices * 2 if generation in ('v4', 'v5p') else devices}"
-    result, _report = tpu_plan(ebc.embedding_bag_configs(), name, batch_size=batch_size)
+    if isinstance(owner, EmbeddingCollection):
+        tables: Any = TorchrecEC(owner.embedding_configs(), device=torch.device("meta"))
+    else:
+        tables = ebc.embedding_bag_configs()
+    result, _report = tpu_plan(tables, name, batch_size=batch_size)
     return module_plans(result)[""]
 
 
@@ -137,6 +149,32 @@ def _refuse_managed_collisions(model: nn.Module) -> None:
             "slice of zch_size) and reset evicted rows, which the host remap in front of a sharded table would not "
             "do. Train such a model unsharded (tpurec.sparse.from_torchrec(...).to('tpu'))."
         )
+
+
+def _collections(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
+    """Every tpurec ``EmbeddingBagCollection`` of ``model``: its path -> (its plan path, the module owning it).
+
+    TorchRec plans a sequence ``EmbeddingCollection`` and a
+    ``FeatureProcessedEmbeddingBagCollection`` at their own paths; in tpurec
+    both hold an inner ``EmbeddingBagCollection`` (``<path>._bags``,
+    ``<path>._embedding_bag_collection``) that runs the lookups, and that inner
+    collection is what gets sharded. Its plan path is the owner's (TorchRec's);
+    a plain collection is its own owner.
+    """
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    modules = dict(model.named_modules())
+    found: dict[str, tuple[str, nn.Module]] = {}
+    for path, module in modules.items():
+        if not isinstance(module, EmbeddingBagCollection):
+            continue
+        parent_path, _, name = path.rpartition(".")
+        parent = modules[parent_path]
+        wrapped = (isinstance(parent, EmbeddingCollection) and name == "_bags") or (
+            isinstance(parent, FeatureProcessedEmbeddingBagCollection) and name == "_embedding_bag_collection"
+        )
+        found[path] = (parent_path, parent) if wrapped else (path, module)
+    return found
 
 
 def shard(
@@ -162,15 +200,21 @@ def shard(
 
     Args:
         model: a model on ``tpu`` holding tpurec ``EmbeddingBagCollection`` s
-            (e.g. from ``tpurec.sparse.from_torchrec(...).to("tpu")``), or one
-            such collection.
+            or sequence ``EmbeddingCollection`` s (e.g. from
+            ``tpurec.sparse.from_torchrec(...).to("tpu")``), or one such
+            collection. A sequence collection keeps its module (its output is
+            unstacked from the sharded lookup of its one-id bags); its inner
+            ``_bags`` collection becomes the sharded one.
         plan: a torchrec ``ShardingPlan`` (module path -> table plans, e.g. from
             ``EmbeddingShardingPlanner``, ``construct_module_sharding_plan`` or
             ``tpurec.sparse.planner.load_plan``), or one module's table plan.
-            None asks the TPU planner.
+            An ``EmbeddingCollection`` or ``FeatureProcessedEmbeddingBagCollection``
+            is named by its own path, as TorchRec plans it. None asks the TPU
+            planner.
         mesh: a ``jax.sharding.Mesh``; plan rank ``r`` is ``mesh.devices.flat[r]``.
             Default: every device, ordered by process.
-        optimizer: a fused embedding optimizer replacing the collections' own.
+        optimizer: a fused embedding optimizer replacing the collections' own
+            (FBGEMM's semantics: one update per lookup, see docs/torchrec_semantics.md).
         optimizer_kwargs: its keyword arguments when ``optimizer`` is a torch class.
         capacity: entries a device may send one shard per step (None: grow on demand).
         overflow: ``"error"`` or ``"drop"`` when a batch exceeds ``capacity``.
@@ -191,9 +235,13 @@ def shard(
     """
     mesh = default_mesh() if mesh is None else mesh
     _check_mesh(mesh)
-    ebcs = {path: m for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection)}
+    owners = _collections(model)
+    ebcs = {path: model.get_submodule(path) for path in owners}
     if not ebcs:
-        raise ValueError("the model has no tpurec EmbeddingBagCollection to shard (convert it with tpurec.sparse.from_torchrec)")
+        raise ValueError(
+            "the model has no tpurec EmbeddingBagCollection or EmbeddingCollection to shard (convert it with "
+            "tpurec.sparse.from_torchrec)"
+        )
     _refuse_managed_collisions(model)
     for path, ebc in ebcs.items():
         if ebc.device.type != "tpu":
@@ -202,18 +250,35 @@ def shard(
 
     # Every check first: a bad plan must leave the model untouched.
     if plan is None:
-        per_module = {path: _planned(ebc, mesh, planner_batch_size) for path, ebc in ebcs.items()}
+        per_module = {
+            path: _planned(owners[path][1], ebc, mesh, planner_batch_size) for path, ebc in ebcs.items()
+        }
     else:
-        per_module = module_plans(plan)
-        strangers = [path for path in per_module if path not in ebcs]
+        given = module_plans(plan)
+        # A plan names a collection by its owner's path (TorchRec's) or, for a
+        # wrapped one, by the inner collection's path: one entry each.
+        by_plan_path = {owners[path][0]: path for path in ebcs}
+        known = set(by_plan_path) | set(ebcs)
+        strangers = [path for path in given if path not in known]
         if strangers:
             raise ValueError(
-                f"the plan names modules {strangers} that are not tpurec EmbeddingBagCollections of the model "
-                f"(they are: {sorted(ebcs)})"
+                f"the plan names modules {strangers} that are not tpurec EmbeddingBagCollections or "
+                f"EmbeddingCollections of the model (they are: {sorted(by_plan_path)})"
             )
-        unplanned = [path for path in ebcs if path not in per_module]
+        twice = [path for path in ebcs if owners[path][0] != path and path in given and owners[path][0] in given]
+        if twice:
+            raise ValueError(
+                f"the plan names the collections {twice} twice (also by their owners' paths "
+                f"{[owners[p][0] for p in twice]}); give one entry per collection"
+            )
+        per_module = {}
+        for path in ebcs:
+            entry = given.get(owners[path][0], given.get(path))
+            if entry is not None:
+                per_module[path] = entry
+        unplanned = [owners[path][0] for path in ebcs if path not in per_module]
         if unplanned:
-            raise ValueError(f"the plan has no entry for the EmbeddingBagCollections {unplanned} of the model")
+            raise ValueError(f"the plan has no entry for the embedding collections {unplanned} of the model")
     specs: dict[str, dict[str, TableSharding]] = {
         path: table_shardings(ebcs[path].embedding_bag_configs(), per_module[path], mesh.devices.size) for path in ebcs
     }
@@ -228,6 +293,9 @@ def shard(
         if embedding_optimizer is not None:
             ebc.optimizer = embedding_optimizer
         sharded[path] = ShardedEmbeddingBagCollection(ebc, specs[path], mesh, capacity=capacity, overflow=overflow)
+        if embedding_optimizer is not None:
+            # An explicit fused optimizer updates once per lookup, as FBGEMM's kernels do.
+            sharded[path].optimizer_semantics = "fbgemm"
     if "" in sharded:
         return sharded[""]
     for path, new in sharded.items():
