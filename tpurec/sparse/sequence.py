@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
@@ -82,6 +82,14 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
         dims = {t.embedding_dim for t in tables}
         if len(dims) > 1:
             raise ValueError(f"all tables of an EmbeddingCollection have one embedding dim (as in TorchRec), got {sorted(dims)}")
+        for t in tables:
+            # FP16/BF16 bags follow FBGEMM's pooled TBE; its sequence (nobag) kernels are not
+            # checked against TorchRec yet, so they are refused rather than assumed equal.
+            if t.data_type != DataType.FP32:
+                raise ValueError(
+                    f"table {t.name!r} has data_type={t.data_type.name}: tpurec's EmbeddingCollection trains FP32 "
+                    "tables only (FP16/BF16 are supported by EmbeddingBagCollection). Use data_type=DataType.FP32."
+                )
         self._embedding_configs = list(tables)
         self._need_indices = need_indices
         self._embedding_names_by_table = get_embedding_names_by_table(self._embedding_configs)

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
@@ -169,6 +169,14 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if capacity is not None and capacity <= 0:
             raise ValueError(f"capacity must be a positive number of entries, got {capacity}")
         configs: list[EmbeddingBagConfig] = list(source.embedding_bag_configs())
+        low = [f"{c.name} ({c.data_type.name})" for c in configs if c.data_type != DataType.FP32]
+        if low:
+            # The sharded tables and slots are float32 global arrays: FP16/BF16 tables would be
+            # widened and then train differently from the unsharded module and FBGEMM.
+            raise NotImplementedError(
+                f"sharding FP16/BF16 tables is not supported yet (tables {low}): tpurec.shard keeps float32 "
+                "tables. Train them unsharded (tpurec.sparse.EmbeddingBagCollection), or use FP32 tables."
+            )
         self._embedding_bag_configs = configs
         self._is_weighted = source.is_weighted()
         if source.optimizer is None:  # an inference module (no embedding optimizer)
