@@ -96,10 +96,12 @@ def process_group(tmp_path_factory):
 _TORCHREC_RUNS: dict[str, dict] = {}
 
 
-def _torchrec_fp16_run(name: str) -> dict:
+def _torchrec_fp16_run(name: str, output_dtype: torch.dtype = torch.float32) -> dict:
     """TorchRec's sharded training of the FP16 tables on CPU: tables, slots and outputs per step."""
-    if name in _TORCHREC_RUNS:
-        return _TORCHREC_RUNS[name]
+    key = f"{name}/{output_dtype}"
+    if key in _TORCHREC_RUNS:
+        return _TORCHREC_RUNS[key]
+    from fbgemm_gpu.split_embedding_configs import SparseType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
@@ -111,7 +113,10 @@ def _torchrec_fp16_run(name: str) -> dict:
     ebc = TorchrecEBC(tables, device=torch.device("meta"))
     # stochastic_rounding=True is TorchRec's default; FBGEMM's CPU kernels ignore it.
     sharder = EmbeddingBagCollectionSharder(
-        fused_params={"optimizer": optim_type, **optim_kwargs, "stochastic_rounding": True}
+        fused_params={
+            "optimizer": optim_type, **optim_kwargs, "stochastic_rounding": True,
+            "output_dtype": {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}[output_dtype],
+        }
     )
     constraints = {t.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value]) for t in tables}
     plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints).plan(
@@ -128,7 +133,7 @@ def _torchrec_fp16_run(name: str) -> dict:
     outputs = []
     for kjt in _batches(tables):
         values = model(kjt).values()
-        assert values.dtype == torch.float32
+        assert values.dtype == output_dtype
         outputs.append(values.detach().clone())
         _loss(values).backward()
     state = model.state_dict()
@@ -141,14 +146,14 @@ def _torchrec_fp16_run(name: str) -> dict:
         }
         for t in tables
     }
-    _TORCHREC_RUNS[name] = {"start": start, "weights": weights, "slots": slots, "outputs": outputs}
-    return _TORCHREC_RUNS[name]
+    _TORCHREC_RUNS[key] = {"start": start, "weights": weights, "slots": slots, "outputs": outputs}
+    return _TORCHREC_RUNS[key]
 
 
-def _fbgemm_cpu_steps(tables, name: str, start: dict[str, torch.Tensor]) -> dict:
+def _fbgemm_cpu_steps(tables, name: str, start: dict[str, torch.Tensor], output_dtype: torch.dtype = torch.float32) -> dict:
     """FBGEMM's CPU TBE training written out in torch (the BF16 reference; see the module doc).
 
-    Forward: rows widened to float32 and summed; output float32. Backward: per touched row
+    Forward: rows widened to float32 and summed, rounded to ``output_dtype``. Backward: per touched row
     the float32 sum of its bags' gradients. Update in float32 from the widened weight, with
     FBGEMM's C++ rounding: SGD and Adagrad compute ``w -= update`` on an ``at::Half`` /
     ``at::BFloat16`` weight, which rounds ``update`` to the weight's type before the
@@ -171,7 +176,7 @@ def _fbgemm_cpu_steps(tables, name: str, start: dict[str, torch.Tensor]) -> dict
                 jt = per_feature[f]
                 samples = torch.repeat_interleave(torch.arange(BATCH), jt.lengths().long())
                 blocks.append(torch.zeros(BATCH, t.embedding_dim).index_add(0, samples, w[jt.values().long()]))
-        values = torch.cat(blocks, dim=1)
+        values = torch.cat(blocks, dim=1).to(output_dtype)
         outputs.append(values.detach().clone())
         _loss(values).backward()
         for t in tables:
@@ -193,8 +198,8 @@ def _fbgemm_cpu_steps(tables, name: str, start: dict[str, torch.Tensor]) -> dict
     return {"weights": weights, "slots": slots, "outputs": outputs}
 
 
-def _train_tpurec(tables, name: str, start, device: str, mode: str) -> dict:
-    ebc = sp.EmbeddingBagCollection(tables, optimizer=OPTIMIZERS[name][0](), device=device)
+def _train_tpurec(tables, name: str, start, device: str, mode: str, output_dtype: torch.dtype = torch.float32) -> dict:
+    ebc = sp.EmbeddingBagCollection(tables, optimizer=OPTIMIZERS[name][0](), device=device, output_dtype=output_dtype)
     ebc.load_state_dict({f"embedding_bags.{k}.weight": v for k, v in start.items()})
     outputs = []
     with tpurec.mode(mode):
@@ -218,7 +223,7 @@ def _tolerance(t: EmbeddingBagConfig) -> dict[str, float]:
 def _assert_same_run(ours: dict, theirs: dict, tables) -> None:
     assert len(ours["outputs"]) == len(theirs["outputs"]) == STEPS
     for step, (a, b) in enumerate(zip(ours["outputs"], theirs["outputs"])):
-        assert a.dtype == torch.float32
+        assert a.dtype == b.dtype
         column = 0
         for t in tables:
             width = t.embedding_dim * len(t.feature_names)
@@ -254,6 +259,29 @@ def test_fp16_tables_train_as_torchrec(process_group, name, mode):
     ours = _train_tpurec(tables, name, theirs["start"], "tpu", mode)
     _assert_same_run(ours, theirs, tables)
     assert not torch.equal(ours["weights"]["t0"], theirs["start"]["t0"])  # it trained
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+@pytest.mark.parametrize("name", ["sgd", "rowwise-adagrad"])
+def test_fp16_output_dtype_trains_as_torchrec(process_group, name, mode):
+    # fused_params["output_dtype"] = FP16: the float32 sums rounded once; float16 gradients.
+    tables = _tables(DataType.FP16)
+    theirs = _torchrec_fp16_run(name, torch.float16)
+    _assert_same_run(_fbgemm_cpu_steps(tables, name, theirs["start"], torch.float16), theirs, tables)
+    ours = _train_tpurec(tables, name, theirs["start"], "tpu", mode, output_dtype=torch.float16)
+    _assert_same_run(ours, theirs, tables)
+
+
+def test_bf16_output_dtype_rounds_the_float32_sums_once():
+    tables = _tables(DataType.BF16)
+    start = _initial_weights(tables, lambda t: torch.float32 if t.data_type == DataType.FP32 else torch.bfloat16)
+    ours = _train_tpurec(tables, "adagrad", start, "tpu", "fused", output_dtype=torch.bfloat16)
+    _assert_same_run(ours, _fbgemm_cpu_steps(tables, "adagrad", start, torch.bfloat16), tables)
+
+
+def test_unsupported_output_dtype_is_refused():
+    with pytest.raises(ValueError, match="output_dtype=torch.float64"):
+        sp.EmbeddingBagCollection(_tables(DataType.FP16), optimizer=sp.SGD(0.1), output_dtype=torch.float64)
 
 
 @pytest.mark.parametrize("mode", ["eager", "fused"])
@@ -326,3 +354,42 @@ def test_from_torchrec_refuses_fused_collection_that_ignores_data_type():
     assert fused.embedding_bags["t0"].weight.dtype == torch.float32
     with pytest.raises(ValueError, match=r"table 't0' has data_type=FP16.*float32"):
         sp.from_torchrec(fused, device="tpu")
+
+
+def test_sharding_low_precision_tables_raises_at_shard_time():
+    # tpurec.shard keeps float32 global arrays: FP16/BF16 tables are refused, not widened.
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+
+    tables = _tables(DataType.FP16)
+    ebc = sp.EmbeddingBagCollection(tables, optimizer=sp.SGD(0.1), device="tpu")
+    meta = TorchrecEBC(tables, device=torch.device("meta"))
+    plan = construct_module_sharding_plan(
+        meta, {t.name: table_wise(rank=0) for t in tables}, local_size=8, world_size=8, device_type="cpu"
+    )
+    before = {k: v.cpu().clone() for k, v in ebc.state_dict().items()}
+    with pytest.raises(NotImplementedError, match=r"sharding FP16/BF16 tables is not supported yet \(tables \['t0 \(FP16\)', 't1 \(FP16\)'\]\)"):
+        tpurec.shard(ebc, plan)
+    for key, value in ebc.state_dict().items():
+        assert torch.equal(value.cpu(), before[key]), key
+
+
+@pytest.mark.parametrize("data_type", [DataType.FP16, DataType.BF16], ids=["fp16", "bf16"])
+def test_checkpoint_resumes_low_precision_tables_exactly(data_type, tmp_path):
+    from tpurec.sparse import checkpoint
+
+    tables = _tables(data_type)
+    batches = _batches(tables)
+    torch.manual_seed(0)
+    ebc = sp.EmbeddingBagCollection(tables, optimizer=sp.RowWiseAdagrad(learning_rate=LR), device="tpu")
+    for kjt in batches[:2]:
+        _loss(ebc(kjt).values()).backward()
+    checkpoint.save(tmp_path / "ckpt", ebc)
+    resumed = sp.EmbeddingBagCollection(tables, optimizer=sp.RowWiseAdagrad(learning_rate=LR), device="tpu")
+    checkpoint.load(tmp_path / "ckpt", resumed)
+    for kjt in batches[2:]:
+        for module in (ebc, resumed):
+            _loss(module(kjt).values()).backward()
+    for key, value in ebc.state_dict().items():
+        mine = resumed.state_dict()[key]
+        assert mine.dtype == value.dtype, key
+        torch.testing.assert_close(mine.cpu(), value.cpu(), atol=0, rtol=0, msg=key)

@@ -39,7 +39,7 @@ from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
 from tpurec.sparse.ops import touched_rows_update_cpu
 from tpurec.sparse.types import PAD_ID, Capacity, CapacityError, SparseCoreInput, StackedTable
 
-__all__ = ["EmbeddingBagCollection", "TABLE_DTYPES"]
+__all__ = ["EmbeddingBagCollection", "OUTPUT_DTYPES", "TABLE_DTYPES"]
 
 TABLE_DTYPES: dict[DataType, torch.dtype] = {
     DataType.FP32: torch.float32,
@@ -47,6 +47,9 @@ TABLE_DTYPES: dict[DataType, torch.dtype] = {
     DataType.BF16: torch.bfloat16,
 }
 """Table ``data_type`` -> the dtype its weights are stored in (FBGEMM's ``weights_precision``)."""
+
+OUTPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+"""The pooled output dtypes (FBGEMM's ``output_dtype``)."""
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -106,6 +109,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             to powers of two (each growth compiles the kernels again).
         overflow: ``"error"`` or ``"drop"`` (see ``preprocess_kjt``).
         stack: stack tables of equal dim and data_type.
+        output_dtype: dtype of the pooled output (FBGEMM's ``output_dtype``;
+            TorchRec's sharder ``fused_params["output_dtype"]``): float32 (the
+            default), float16 or bfloat16; the sums are float32, rounded once.
 
     Example::
 
@@ -124,10 +130,19 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         capacities: Capacity | Mapping[str, Capacity] | None = None,
         overflow: Literal["error", "drop"] = "error",
         stack: bool = True,
+        output_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         if not tables:
             raise ValueError("EmbeddingBagCollection needs at least one table")
+        if output_dtype not in OUTPUT_DTYPES:
+            raise ValueError(
+                f"output_dtype={output_dtype}: the pooled output can be {', '.join(map(str, OUTPUT_DTYPES))} "
+                "(FBGEMM's output_dtype FP32, FP16, BF16)"
+            )
+        # FBGEMM's output_dtype: the float32 pooled sums rounded (to nearest) to it; the
+        # gradient flows back widened to float32.
+        self.output_dtype = output_dtype
         for cfg in tables:
             if cfg.data_type not in TABLE_DTYPES:
                 raise ValueError(
@@ -355,6 +370,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         if self._weights_need_grad(features):
             values = values + self._per_id_weight_gradients(features, batch.batch_size)
+        values = values.to(self.output_dtype)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
 
     def _weights_need_grad(self, features: KeyedJaggedTensor) -> bool:

@@ -177,6 +177,11 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 f"sharding FP16/BF16 tables is not supported yet (tables {low}): tpurec.shard keeps float32 "
                 "tables. Train them unsharded (tpurec.sparse.EmbeddingBagCollection), or use FP32 tables."
             )
+        if getattr(source, "output_dtype", torch.float32) != torch.float32:
+            raise NotImplementedError(
+                f"sharding an EmbeddingBagCollection with output_dtype={source.output_dtype} is not supported yet: "
+                "the sharded lookup returns float32. Build it with output_dtype=torch.float32 (the default)."
+            )
         self._embedding_bag_configs = configs
         self._is_weighted = source.is_weighted()
         if source.optimizer is None:  # an inference module (no embedding optimizer)
