@@ -393,3 +393,12 @@ def test_checkpoint_resumes_low_precision_tables_exactly(data_type, tmp_path):
         mine = resumed.state_dict()[key]
         assert mine.dtype == value.dtype, key
         torch.testing.assert_close(mine.cpu(), value.cpu(), atol=0, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize("low", [True, False], ids=["fp16-tables", "fp16-output"])
+def test_export_of_low_precision_collections_is_refused(low):
+    tables = _tables(DataType.FP16 if low else DataType.FP32)
+    ebc = sp.EmbeddingBagCollection(tables, device="tpu", output_dtype=torch.float32 if low else torch.float16).eval()
+    kjt = _batches(tables)[0]
+    with pytest.raises(NotImplementedError, match="FP16/BF16 tables \\['t0', 't1'\\]" if low else "output_dtype=torch.float16"):
+        torch.export.export(ebc, (kjt,))
