@@ -402,3 +402,34 @@ def test_export_of_low_precision_collections_is_refused(low):
     kjt = _batches(tables)[0]
     with pytest.raises(NotImplementedError, match="FP16/BF16 tables \\['t0', 't1'\\]" if low else "output_dtype=torch.float16"):
         torch.export.export(ebc, (kjt,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_ops_pool_half_tables_into_float32_and_refuse_adam(dtype):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import jax.numpy as jnp
+    from tpurec.sparse.kernels import reference, tpu
+    from tpurec.sparse.ops import kernel_for
+
+    tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=12, feature_names=["a"])]  # for the CSR only
+    kjt = random_kjt(tables, 3, np.random.default_rng(0), max_len=3)
+    csr = [torch.from_numpy(a) for a in sp.preprocess_kjt(kjt, tables, 1, sp.Capacity(16)).stacks["t"].arrays()]
+    table = (torch.rand(12, 4) - 0.5).to(dtype)
+    out = torch.ops.tpurec.sparse_dense_matmul(*csr, table, batch_size=3)
+    expected = torch.zeros(3, 4).index_add(
+        0, torch.repeat_interleave(torch.arange(3), kjt.lengths().long()), table.float()[kjt.values().long()]
+    )
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    with FakeTensorMode() as mode:
+        fake = torch.ops.tpurec.sparse_dense_matmul(*[mode.from_tensor(t) for t in csr], mode.from_tensor(table), batch_size=3)
+        assert fake.dtype == torch.float32
+    # SparseCore primitives and native kernels hold float32 rows: half tables take the reference kernel.
+    assert kernel_for("sparse_dense_matmul", "tpu", jnp.dtype(str(dtype).removeprefix("torch."))) is reference.sparse_dense_matmul
+    assert kernel_for("sparse_dense_matmul", "tpu", jnp.float32) is tpu.sparse_dense_matmul
+    with pytest.raises(TypeError, match="table has no FBGEMM CPU Adam"):
+        torch.ops.tpurec.sparse_dense_matmul_grad_with_adam(
+            *csr, out, table, torch.zeros(12, 4), torch.zeros(12, 4),
+            learning_rate=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1.0,
+        )
