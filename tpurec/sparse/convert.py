@@ -13,6 +13,7 @@ from typing import Any, Mapping
 
 import torch
 from torch import nn
+from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection as TorchrecEBC
 from torchrec.modules.embedding_modules import EmbeddingCollection as TorchrecEC
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
@@ -75,6 +76,40 @@ def _refuse_unsupported(model: nn.Module) -> None:
                 "EmbeddingCollection (float32 tables) only, and leaving this module on the host would fail or "
                 "differ from TorchRec. Keep the model on CPU, or replace the module by an EmbeddingBagCollection "
                 "before converting."
+            )
+
+
+def _refuse_low_precision(modules: list[tuple[str, nn.Module]]) -> None:
+    """Raises for a TorchRec module with a non-FP32 table, before anything is converted.
+
+    TorchRec's unsharded modules do not train such tables as FBGEMM does: the plain
+    EmbeddingBagCollection / EmbeddingCollection store FP16 *and* BF16 tables as float16
+    ``nn.EmbeddingBag`` / ``nn.Embedding`` (pooled output rounded to float16, float16 dense
+    gradients; in-backward Adagrad turns untouched rows into NaN, its eps underflowing),
+    and FusedEmbeddingBagCollection ignores ``data_type`` (float32 tables). tpurec's
+    FP16/BF16 tables follow FBGEMM (TorchRec's sharded modules), so a conversion would
+    change the source's numbers.
+    """
+    for name, module in modules:
+        configs = module.embedding_configs() if isinstance(module, TorchrecEC) else module.embedding_bag_configs()
+        for cfg in configs:
+            if cfg.data_type == DataType.FP32:
+                continue
+            where = f"model.{name}" if name else "the model"
+            if isinstance(module, FusedEmbeddingBagCollection):
+                what = "TorchRec's FusedEmbeddingBagCollection ignores data_type and trains it as float32"
+                fix = "set data_type=DataType.FP32 (what it trains)"
+            else:
+                what = (
+                    f"TorchRec's {type(module).__name__} keeps it as a float16 nn.Module (also for BF16), rounds "
+                    "each lookup to float16 and trains it with float16 dense gradients"
+                )
+                fix = "use DataType.FP32"
+            raise ValueError(
+                f"table {cfg.name!r} has data_type={cfg.data_type.name} in {where}: {what}, which tpurec's "
+                "FP16/BF16 tables (FBGEMM's arithmetic, as TorchRec's sharded modules train them) do not "
+                f"reproduce. To convert, {fix}; to train FP16/BF16 tables as FBGEMM does, build "
+                "sp.EmbeddingBagCollection(tables, optimizer=...) from the configs (tpurec.sparse as sp)."
             )
 
 
@@ -228,6 +263,8 @@ def from_torchrec(
 
     _refuse_unsupported(model)
     _refuse_optimizer_for_quant(model, optimizer)
+    # FP16/BF16 tables of TorchRec's float modules: refused before anything changes.
+    _refuse_low_precision([(n, m) for n, m in model.named_modules() if isinstance(m, kinds)])
     # Managed collisions: TorchRec's remap stays on the host, the collection behind it converts.
     model = convert_managed(model, convert)
     if isinstance(model, kinds) or _is_torchrec_quant_ebc(model):

@@ -326,6 +326,14 @@ def traced_forward(module: "EmbeddingBagCollection", features: KeyedJaggedTensor
             "contain). Call model.eval() before exporting; to fx-trace a training model, keep the collection a leaf "
             "module (torchrec.fx.symbolic_trace(model, leaf_modules=['EmbeddingBagCollection']))."
         )
+    low = [t.name for t in module.embedding_bag_configs() if t.data_type.name != "FP32"]
+    if low or module.output_dtype != torch.float32:
+        # The layout string carries no table or output dtype yet: refused rather than exported wrong.
+        what = f"FP16/BF16 tables {low}" if low else f"output_dtype={module.output_dtype}"
+        raise NotImplementedError(
+            f"tpurec: exporting an EmbeddingBagCollection with {what} is not supported yet; export a collection of "
+            "FP32 tables with float32 output, or run the eager module"
+        )
     if not isinstance(features, torch.fx.Proxy):
         weights = features.weights_or_none()
         if torch.is_grad_enabled() and weights is not None and weights.requires_grad:

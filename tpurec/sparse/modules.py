@@ -35,12 +35,22 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.core import modes
 from tpurec.sparse import export as _export
-from tpurec.sparse.optimizers import SGD, EmbeddingOptimizer, optimizer_from_torch
+from tpurec.sparse.optimizers import SGD, Adam, EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
 from tpurec.sparse.ops import touched_rows_update_cpu
 from tpurec.sparse.types import PAD_ID, Capacity, CapacityError, SparseCoreInput, StackedTable
 
-__all__ = ["EmbeddingBagCollection"]
+__all__ = ["EmbeddingBagCollection", "OUTPUT_DTYPES", "TABLE_DTYPES"]
+
+TABLE_DTYPES: dict[DataType, torch.dtype] = {
+    DataType.FP32: torch.float32,
+    DataType.FP16: torch.float16,
+    DataType.BF16: torch.bfloat16,
+}
+"""Table ``data_type`` -> the dtype its weights are stored in (FBGEMM's ``weights_precision``)."""
+
+OUTPUT_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
+"""The pooled output dtypes (FBGEMM's ``output_dtype``)."""
 
 
 class _FusedLookup(torch.autograd.Function):
@@ -75,9 +85,15 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
     except that ``backward`` updates the tables in place with ``optimizer``
     (FBGEMM semantics) and leaves no gradient on them.
 
-    Tables of one embedding dim are stored stacked in one parameter
-    (``stacked_weight_<i>``); optimizer slots are buffers next to them and
-    are checkpointed through :meth:`optimizer_state_dict`.
+    Tables of one embedding dim and data_type are stored stacked in one
+    parameter (``stacked_weight_<i>``); optimizer slots are float32 buffers next
+    to them and are checkpointed through :meth:`optimizer_state_dict`.
+
+    FP16 and BF16 tables (``data_type``) follow FBGEMM's TBE, as TorchRec's sharded
+    modules run it on CPU: weights stored in that dtype, pooled in float32 into a
+    float32 output, updated in float32 and rounded back to nearest (FBGEMM's CPU
+    kernels have no stochastic rounding); Adam is refused for them
+    (docs/torchrec_semantics.md).
 
     Args:
         tables: torchrec table configs.
@@ -93,7 +109,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             stack name, see ``suggest_capacities``). None grows them on demand
             to powers of two (each growth compiles the kernels again).
         overflow: ``"error"`` or ``"drop"`` (see ``preprocess_kjt``).
-        stack: stack tables of equal dim.
+        stack: stack tables of equal dim and data_type.
+        output_dtype: dtype of the pooled output (FBGEMM's ``output_dtype``;
+            TorchRec's sharder ``fused_params["output_dtype"]``): float32 (the
+            default), float16 or bfloat16; the sums are float32, rounded once.
 
     Example::
 
@@ -112,16 +131,25 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         capacities: Capacity | Mapping[str, Capacity] | None = None,
         overflow: Literal["error", "drop"] = "error",
         stack: bool = True,
+        output_dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
         if not tables:
             raise ValueError("EmbeddingBagCollection needs at least one table")
+        if output_dtype not in OUTPUT_DTYPES:
+            raise ValueError(
+                f"output_dtype={output_dtype}: the pooled output can be {', '.join(map(str, OUTPUT_DTYPES))} "
+                "(FBGEMM's output_dtype FP32, FP16, BF16)"
+            )
+        # FBGEMM's output_dtype: the float32 pooled sums rounded (to nearest) to it; the
+        # gradient flows back widened to float32.
+        self.output_dtype = output_dtype
         for cfg in tables:
-            if cfg.data_type != DataType.FP32:
+            if cfg.data_type not in TABLE_DTYPES:
                 raise ValueError(
-                    f"table {cfg.name!r} has data_type={cfg.data_type.name}: tpurec's EmbeddingBagCollection stores "
-                    "float32 tables only (an FP16/BF16 or quantized table would be widened, and train and look up "
-                    "differently from TorchRec). Build the table with data_type=DataType.FP32."
+                    f"table {cfg.name!r} has data_type={cfg.data_type.name}: tpurec's EmbeddingBagCollection trains "
+                    "FP32, FP16 and BF16 tables (quantized tables are inference-only in TorchRec, and would be "
+                    "widened here). Build the table with data_type=DataType.FP32, FP16 or BF16."
                 )
         self._embedding_bag_configs = list(tables)
         self._is_weighted = is_weighted
@@ -130,6 +158,13 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self.optimizer: EmbeddingOptimizer | None = (
             None if optimizer is None else optimizer_from_torch(optimizer, optimizer_kwargs)
         )
+        half = [t.name for t in tables if t.data_type != DataType.FP32]
+        if isinstance(self.optimizer, Adam) and half:
+            raise ValueError(
+                f"tables {half} are FP16/BF16 and the optimizer is Adam: FBGEMM has no CPU Adam to follow and its "
+                "GPU Adam rounds the new weights stochastically, so tpurec cannot reproduce it. Use FP32 tables "
+                "with Adam, or SGD, Adagrad or RowWiseAdagrad with FP16/BF16 tables."
+            )
         # "fbgemm": one optimizer update per lookup, as FBGEMM's fused kernels (and torchrec's
         # FusedEmbeddingBagCollection) do. "torch": the optimizer came from torchrec's
         # apply_optimizer_in_backward, which makes one update on the summed gradient of a step;
@@ -169,7 +204,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 self._output_runs.append((i, slot, slot + 1))
         configs = {t.name: t for t in self._embedding_bag_configs}
         for i, st in enumerate(self._stacks):
-            weight = torch.empty(st.num_rows, st.embedding_dim, dtype=torch.float32)
+            # A stack holds tables of one data_type (stack_tables groups by dim and type);
+            # the weights are stored in it, the optimizer slots in float32 (as FBGEMM keeps them).
+            dtype = TABLE_DTYPES[configs[st.tables[0].name].data_type]
+            weight = torch.empty(st.num_rows, st.embedding_dim, dtype=dtype)
             for t in st.tables:
                 cfg = configs[t.name]
                 rows = weight[t.row_offset : t.row_offset + t.num_embeddings]
@@ -346,6 +384,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
         if self._weights_need_grad(features):
             values = values + self._per_id_weight_gradients(features, batch)
+        values = values.to(self.output_dtype)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
 
     @staticmethod
@@ -381,7 +420,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         inverse = batch.inverse_indices
         blocks = []
         for cfg in self._embedding_bag_configs:
-            table = self.table_weight(cfg.name).detach()
+            # The lookup pools in float32 (also for FP16/BF16 tables), so does this term.
+            table = self.table_weight(cfg.name).detach().float()
             for feature in cfg.feature_names:
                 jagged = per_feature[feature]
                 weights = jagged.weights()

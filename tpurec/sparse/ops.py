@@ -15,6 +15,11 @@ Each op has
 The gradient ops are functional: they return the updated table and slots;
 the embedding modules write them back in place.
 
+Tables may be float16 or bfloat16 (FBGEMM's ``weights_precision``): the lookup
+then returns float32 (pooled in float32) and the gradient ops update in float32
+and round the new rows back as FBGEMM's CPU kernels do (see
+:mod:`tpurec.sparse.kernels.reference`). Optimizer slots stay float32.
+
 Example::
 
     import tpurec.sparse  # registers the ops
@@ -34,7 +39,9 @@ import torch
 from tpurec.dense.registry import lower, to_jax_dtype
 from tpurec.sparse.kernels import native, reference, tpu
 
-__all__ = ["OP_NAMES", "SCHEMAS", "check_arguments", "jitted_kernel", "kernel_for", "touched_rows_update_cpu"]
+__all__ = [
+    "OP_NAMES", "SCHEMAS", "check_arguments", "jitted_kernel", "kernel_for", "output_dtype", "touched_rows_update_cpu",
+]
 
 _CSR = "Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, Tensor gains"
 
@@ -111,6 +118,7 @@ _STATE_ARGUMENTS: dict[str, tuple[tuple[str, str], ...]] = {
     ),
 }
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
+_HALF_NAMES = ("float16", "bfloat16")
 
 
 def _dtype_name(x) -> str:
@@ -173,6 +181,11 @@ def check_arguments(name: str, tensors, kwargs) -> None:
             raise ArgumentTypeError(f"{op}: {arg} must be a floating point tensor, got {_dtype_name(x)}")
     if len(table.shape) != 2:
         raise ArgumentValueError(f"{op}: table must be 2-D [rows, dim], got shape {tuple(table.shape)}")
+    if name == "sparse_dense_matmul_grad_with_adam" and _dtype_name(table) in _HALF_NAMES:
+        raise ArgumentTypeError(
+            f"{op}: a {_dtype_name(table)} table has no FBGEMM CPU Adam to follow (FBGEMM's GPU Adam rounds "
+            "stochastically); use a float32 table, or SGD/Adagrad/RowWiseAdagrad"
+        )
     rows, dim = table.shape
     for arg, kind in _STATE_ARGUMENTS[name]:
         x = state[arg]
@@ -187,14 +200,22 @@ def check_arguments(name: str, tensors, kwargs) -> None:
         raise ArgumentValueError(f"{op}: batch_size must be >= 0, got {batch_size}")
 
 
+def output_dtype(table_dtype: torch.dtype) -> torch.dtype:
+    """The dtype ``sparse_dense_matmul`` returns for a table of ``table_dtype``:
+    float32 for float16/bfloat16/float32 tables (they are pooled in float32)."""
+    return torch.promote_types(table_dtype, torch.float32)
+
+
 def _make_cpu_kernel(name: str) -> Callable:
     def cpu_kernel(*tensors: torch.Tensor, **kwargs):
         check_arguments(name, tensors, kwargs)
-        like = tensors[4] if name == "sparse_dense_matmul" else tensors[5]
-        out = jitted_kernel(name, like.dtype)(*(_to_jax(t) for t in tensors), **kwargs)
+        table = _table_of(name, tensors)
+        out = jitted_kernel(name, table.dtype)(*(_to_jax(t) for t in tensors), **kwargs)
         if isinstance(out, tuple):
             return tuple(_to_torch(o, t) for o, t in zip(out, tensors[5:]))
-        return _to_torch(out, like)
+        if name == "sparse_dense_matmul":
+            return torch.from_dlpack(out).to(output_dtype(table.dtype))
+        return _to_torch(out, table)
 
     cpu_kernel.__name__ = f"{name}_cpu"
     return cpu_kernel
@@ -205,7 +226,7 @@ def _make_fake_kernel(name: str) -> Callable:
         check_arguments(name, tensors, kwargs)
         if name == "sparse_dense_matmul":
             table = tensors[4]
-            return table.new_empty((kwargs["batch_size"], table.shape[1]))
+            return table.new_empty((kwargs["batch_size"], table.shape[1]), dtype=output_dtype(table.dtype))
         outs = tuple(torch.empty_like(t) for t in tensors[5:])
         return outs if len(outs) > 1 else outs[0]
 
@@ -216,11 +237,14 @@ def _make_fake_kernel(name: str) -> Callable:
 def kernel_for(name: str, platform: str | None = None, table_dtype=jnp.float32) -> Callable:
     """The JAX kernel of op ``name`` for an XLA platform (default: the one in use).
 
-    TPU: the jax-tpu-embedding primitives (SparseCore custom calls); CPU: the
-    native FFI kernel (float32 tables); otherwise the reference kernel.
+    TPU: the jax-tpu-embedding primitives (SparseCore custom calls, float32
+    tables); CPU: the native FFI kernel (float32 tables); otherwise, and for
+    float16/bfloat16 tables everywhere, the reference kernel (the SparseCore
+    primitives and the native kernels hold float32 rows only, and widening a
+    table per call would round its update once where FBGEMM rounds twice).
     """
     platform = platform or jax.default_backend()
-    if platform == "tpu":
+    if platform == "tpu" and jnp.dtype(table_dtype) == jnp.float32:
         return getattr(tpu, name)
     if platform == "cpu" and jnp.dtype(table_dtype) == jnp.float32:
         return getattr(native, name)

@@ -51,9 +51,9 @@ _FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def stack_tables(tables: Sequence[EmbeddingBagConfig], stack: bool = True) -> list[StackedTable]:
-    """Groups tables into stacked tables (one per embedding dim).
+    """Groups tables into stacked tables (one per embedding dim and data_type).
 
-    Tables of one embedding dim share a stack (their optimizer is the module's,
+    Tables of one embedding dim and data_type share a stack (their optimizer is the module's,
     so it always agrees); each keeps a row offset. Stacks appear in the order of
     their first table; inside a stack, features take output slots in table
     order, then in each table's ``feature_names`` order. A feature listed by
@@ -85,7 +85,8 @@ def stack_tables(tables: Sequence[EmbeddingBagConfig], stack: bool = True) -> li
             )
     groups: "OrderedDict[object, list[EmbeddingBagConfig]]" = OrderedDict()
     for t in tables:
-        groups.setdefault(t.embedding_dim if stack else t.name, []).append(t)
+        # One stack is one stored tensor: its tables share a dim and a data_type.
+        groups.setdefault((t.embedding_dim, t.data_type) if stack else t.name, []).append(t)
     stacks = []
     for group in groups.values():
         offset, members, slots = 0, [], []

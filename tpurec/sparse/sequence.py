@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, EmbeddingConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
@@ -88,6 +88,14 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
                 "one table; give each table its own feature (the pooled tpurec.sparse.EmbeddingBagCollection does "
                 "look one feature up in several tables)"
             )
+        for t in tables:
+            # FP16/BF16 bags follow FBGEMM's pooled TBE; its sequence (nobag) kernels are not
+            # checked against TorchRec yet, so they are refused rather than assumed equal.
+            if t.data_type != DataType.FP32:
+                raise ValueError(
+                    f"table {t.name!r} has data_type={t.data_type.name}: tpurec's EmbeddingCollection trains FP32 "
+                    "tables only (FP16/BF16 are supported by EmbeddingBagCollection). Use data_type=DataType.FP32."
+                )
         self._embedding_configs = list(tables)
         self._need_indices = need_indices
         self._embedding_names_by_table = get_embedding_names_by_table(self._embedding_configs)

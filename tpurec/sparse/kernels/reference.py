@@ -9,6 +9,12 @@ Validity of an entry comes from the row pointers (entry ``i`` of partition
 ``p`` is valid when ``i < row_pointers[p]``) and from the id not being the pad
 id, so buffers from jax-tpu-embedding (garbage past the row pointers) work too.
 
+Tables may be float16 or bfloat16 (FBGEMM's ``weights_precision``): rows are
+gathered in the table's dtype and everything else (pooling, gradients, optimizer
+state and math) is float32, as in FBGEMM's CPU kernels; only the new weights are
+rounded back (to nearest even), in the order FBGEMM's CPU kernels round them (see
+:func:`accumulator_dtype` and the optimizer row functions).
+
 Example::
 
     out = sparse_dense_matmul(rp, ids, samples, gains, table, batch_size=32)
@@ -32,10 +38,20 @@ __all__ = [
     "sparse_dense_matmul_grad_with_adam",
     "touched_rows_update",
     "OPTIMIZER_ROWS",
+    "accumulator_dtype",
 ]
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
 """Kernel name -> times JAX traced it (a trace is a compilation)."""
+
+
+def accumulator_dtype(table_dtype) -> jnp.dtype:
+    """The dtype a table of ``table_dtype`` is pooled, differentiated and updated in.
+
+    float32 for float16/bfloat16/float32 tables (FBGEMM's ``at::acc_type``), float64
+    for float64 ones. It is also the dtype of the pooled output.
+    """
+    return jnp.promote_types(table_dtype, jnp.float32)
 
 
 def _valid(row_pointers: jax.Array, embedding_ids: jax.Array) -> jax.Array:
@@ -56,18 +72,24 @@ def sparse_dense_matmul(row_pointers, embedding_ids, sample_ids, gains, table, *
         batch_size: output rows (all feature slots of the stack times the batch).
 
     Returns:
-        ``[batch_size, dim]``.
+        ``[batch_size, dim]`` in :func:`accumulator_dtype` (float32 for float16 and
+        bfloat16 tables: FBGEMM's default ``output_dtype``).
     """
     TRACE_COUNTS["sparse_dense_matmul"] += 1
+    acc = accumulator_dtype(table.dtype)
     valid = _valid(row_pointers, embedding_ids)
-    rows = jnp.take(table, jnp.where(valid, embedding_ids, 0), axis=0)
-    weighted = rows * jnp.where(valid, gains, 0).astype(table.dtype)[:, None]
+    # Gather in the table's dtype (half the bytes), widen, then pool in float32.
+    rows = jnp.take(table, jnp.where(valid, embedding_ids, 0), axis=0).astype(acc)
+    weighted = rows * jnp.where(valid, gains, 0).astype(acc)[:, None]
     segments = jnp.where(valid, sample_ids, batch_size)
     return jax.ops.segment_sum(weighted, segments, num_segments=batch_size + 1)[:batch_size]
 
 
 def _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, table):
-    """Per touched row: (row ids padded with PAD_ID, summed gradient rows)."""
+    """Per touched row: (row ids padded with PAD_ID, summed gradient rows in the
+    table's accumulator dtype)."""
+    acc = accumulator_dtype(table.dtype)
+    grad_output = grad_output.astype(jnp.promote_types(grad_output.dtype, acc))
     n = embedding_ids.shape[0]
     valid = _valid(row_pointers, embedding_ids)
     if grad_output.shape[0] == 0:
@@ -81,7 +103,7 @@ def _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, 
     # Sort-based unique, so the kernel does not depend on the input order.
     unique_ids, inverse = jnp.unique(ids, size=n, fill_value=PAD_ID, return_inverse=True)
     row_grads = jax.ops.segment_sum(grads, inverse.reshape(-1), num_segments=n)
-    return unique_ids, row_grads.astype(table.dtype)
+    return unique_ids, row_grads.astype(acc)
 
 
 def _gather(x, unique_ids):
@@ -93,27 +115,42 @@ def _scatter(x, unique_ids, rows):
     return x.at[unique_ids].set(rows.astype(x.dtype), mode="drop")
 
 
-def _sgd_rows(g, w, *, learning_rate):
-    return (w - learning_rate * g,)
+def _round_update(update, w, dtype):
+    """``update`` as FBGEMM's CPU kernels apply it to a ``dtype`` weight with ``w -= update``.
+
+    The right-hand side is converted to the weight's type before the subtraction
+    (C++ ``at::Half -= float``), so a float16 weight sees the update rounded to float16
+    first; for a float32 weight both casts are exact.
+    """
+    return w - update.astype(dtype).astype(w.dtype)
 
 
-def _adagrad_rows(g, w, m, *, learning_rate, eps):
+def _sgd_rows(g, w, *, learning_rate, dtype):
+    return (_round_update(learning_rate * g, w, dtype).astype(dtype),)
+
+
+def _adagrad_rows(g, w, m, *, learning_rate, eps, dtype):
     m = m + g * g
-    return w - learning_rate * g / (jnp.sqrt(m) + eps), m
+    return _round_update(learning_rate * g / (jnp.sqrt(m) + eps), w, dtype).astype(dtype), m
 
 
-def _rowwise_adagrad_rows(g, w, m, *, learning_rate, eps, weight_decay):
-    g = g + weight_decay * w
-    m = m + jnp.mean(g * g, axis=1)
-    return w - (learning_rate / (jnp.sqrt(m) + eps))[:, None] * g, m
+def _rowwise_adagrad_rows(g, w, m, *, learning_rate, eps, weight_decay, dtype):
+    # FBGEMM's form (L2 weight decay): the decay enters the accumulator through the
+    # gradient and the weight through a correction factor, and the new weight is one
+    # float32 expression rounded once to the table's dtype.
+    decayed = g + weight_decay * w
+    m = m + jnp.mean(decayed * decayed, axis=1)
+    multiplier = (learning_rate / (jnp.sqrt(m) + eps))[:, None]
+    correction = 1.0 - multiplier * weight_decay
+    return (correction * w - g * multiplier).astype(dtype), m
 
 
-def _adam_rows(g, w, m1, m2, *, learning_rate, beta1, beta2, eps, weight_decay, step):
+def _adam_rows(g, w, m1, m2, *, learning_rate, beta1, beta2, eps, weight_decay, step, dtype):
     m1 = beta1 * m1 + (1.0 - beta1) * g
     m2 = beta2 * m2 + (1.0 - beta2) * g * g
     m1_hat = m1 / (1.0 - beta1**step)
     m2_hat = m2 / (1.0 - beta2**step)
-    return w - learning_rate * (m1_hat / (jnp.sqrt(m2_hat) + eps) + weight_decay * w), m1, m2
+    return (w - learning_rate * (m1_hat / (jnp.sqrt(m2_hat) + eps) + weight_decay * w)).astype(dtype), m1, m2
 
 
 OPTIMIZER_ROWS = {
@@ -122,13 +159,21 @@ OPTIMIZER_ROWS = {
     "sparse_dense_matmul_grad_with_rowwise_adagrad": _rowwise_adagrad_rows,
     "sparse_dense_matmul_grad_with_adam": _adam_rows,
 }
-"""Gradient op name -> the optimizer on gathered rows: ``(g, w, *slots, **hp) -> (w, *slots)``."""
+"""Gradient op name -> the optimizer on gathered rows: ``(g, w, *slots, dtype=, **hp) -> (w, *slots)``.
+
+``g``, ``w`` and the slots are in the accumulator dtype; the new ``w`` comes back in
+``dtype`` (the table's), the slots in theirs.
+"""
 
 
 def _touched_rows(op_name, row_pointers, embedding_ids, sample_ids, gains, grad_output, table, slots, hyperparameters):
     ids, g = _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, table)
-    gathered = [_gather(x, ids) for x in (table, *slots)]
-    return ids, OPTIMIZER_ROWS[op_name](g, *gathered, **hyperparameters)
+    acc = g.dtype
+    w = _gather(table, ids).astype(acc)
+    # Optimizer state is kept (and read) in its own dtype: float32, as FBGEMM keeps momenta.
+    gathered = [_gather(x, ids).astype(jnp.promote_types(x.dtype, acc)) for x in slots]
+    new_w, *new_slots = OPTIMIZER_ROWS[op_name](g, w, *gathered, dtype=table.dtype, **hyperparameters)
+    return ids, (new_w, *(r.astype(x.dtype) for r, x in zip(new_slots, slots)))
 
 
 def touched_rows_update(row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *slots, op_name: str, **hyperparameters):

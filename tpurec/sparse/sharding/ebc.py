@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
@@ -174,6 +174,19 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 f"feature {feature!r} is looked up in tables {tables}: the sharded EmbeddingBagCollection routes "
                 "each feature to one table; keep this collection unsharded (tpurec.sparse.EmbeddingBagCollection "
                 "looks such features up as TorchRec does) or give each table its own feature"
+            )
+        low = [f"{c.name} ({c.data_type.name})" for c in configs if c.data_type != DataType.FP32]
+        if low:
+            # The sharded tables and slots are float32 global arrays: FP16/BF16 tables would be
+            # widened and then train differently from the unsharded module and FBGEMM.
+            raise NotImplementedError(
+                f"sharding FP16/BF16 tables is not supported yet (tables {low}): tpurec.shard keeps float32 "
+                "tables. Train them unsharded (tpurec.sparse.EmbeddingBagCollection), or use FP32 tables."
+            )
+        if getattr(source, "output_dtype", torch.float32) != torch.float32:
+            raise NotImplementedError(
+                f"sharding an EmbeddingBagCollection with output_dtype={source.output_dtype} is not supported yet: "
+                "the sharded lookup returns float32. Build it with output_dtype=torch.float32 (the default)."
             )
         self._embedding_bag_configs = configs
         self._is_weighted = source.is_weighted()
