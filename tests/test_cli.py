@@ -114,7 +114,7 @@ def test_tpurec_version(capsys):
         (["bench", "sparse"], "usage: tpurec bench sparse ", ["--small", "--partitions"]),
         (["plan"], "usage: tpurec plan ", ["--topology", "--sharding-types"]),
     ],
-    ids=" ".join,
+    ids=lambda value: " ".join(value) if isinstance(value, list) else None,
 )
 def test_each_subcommand_has_its_own_help(argv, usage, own_flags, capsys):
     from tpurec.__main__ import main
