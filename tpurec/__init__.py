@@ -11,7 +11,15 @@ Example::
     loss.backward()
 """
 
-from tpurec.native import host_allocator as _host_allocator
+from importlib import metadata as _metadata
+
+try:
+    __version__: str = _metadata.version("tpurec")
+except _metadata.PackageNotFoundError:  # a source checkout on sys.path, never installed
+    __version__ = "0+unknown"
+del _metadata
+
+from tpurec.native import host_allocator as _host_allocator  # noqa: E402
 
 # Before JAX starts its CPU runtime threads (see the module).
 _host_allocator.tune()

@@ -1,26 +1,29 @@
-"""``tpurec <command>``: ``plan`` (the TPU sharding planner) or ``bench`` (benchmarks)."""
+"""``tpurec <command>``: ``plan`` (the TPU sharding planner) or ``bench`` (benchmarks).
+
+``tpurec <command> --help`` lists the command's own flags.
+"""
 
 from __future__ import annotations
 
 import sys
 
+import tpurec
+from tpurec.cli import Subcommand, run_subcommand
+
+COMMANDS = {
+    "plan": Subcommand("tpurec.sparse.planner.__main__", "shard embedding tables over a TPU topology"),
+    "bench": Subcommand("tpurec.bench.__main__", "run a benchmark, print JSON"),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"plan": "shard embedding tables over a TPU topology", "bench": "run a benchmark, print JSON"}
-    if not argv or argv[0] not in commands:
-        usage = "\n".join(f"  {name:<6} {text}" for name, text in commands.items())
-        print(f"usage: tpurec <command> [options]\n\ncommands:\n{usage}", file=sys.stderr)
-        return 2
-    command, rest = argv[0], argv[1:]
-    if command == "plan":
-        from tpurec.sparse.planner.__main__ import main as plan_main
+    """Runs ``tpurec`` with ``argv`` (default: the process's arguments); returns the exit status.
 
-        return plan_main(rest) or 0
-    from tpurec.bench.__main__ import main as bench_main
-
-    bench_main(rest)
-    return 0
+    Args:
+        argv: the arguments after ``tpurec``.
+    """
+    return run_subcommand("tpurec", "Recommendation models on TPUs from plain PyTorch.", COMMANDS,
+                          sys.argv[1:] if argv is None else argv, version=tpurec.__version__) or 0
 
 
 if __name__ == "__main__":

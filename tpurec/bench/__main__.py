@@ -1,25 +1,39 @@
-"""``python -m tpurec.bench <name> [options]``: run one benchmark, print JSON."""
+"""``python -m tpurec.bench <name> [options]`` (or ``tpurec bench``): run one benchmark, print JSON.
+
+``python -m tpurec.bench <name> --help`` lists that benchmark's flags.
+"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 
-BENCHMARKS = {"dlrm": "tpurec.bench.dlrm", "embeddings": "tpurec.bench.embeddings", "modes": "tpurec.bench.modes", "sparse": "tpurec.bench.sparse"}
+from tpurec.cli import Subcommand, run_subcommand
+
+BENCHMARKS = {
+    "dlrm": Subcommand("tpurec.bench.dlrm", "a DLRM training step: tpurec on tpu vs TorchRec on CPU"),
+    "embeddings": Subcommand("tpurec.bench.embeddings", "embedding lookups over dims and bag sizes vs FBGEMM"),
+    "modes": Subcommand("tpurec.bench.modes", "a dense step in eager, fused and compiled mode vs PyTorch CPU"),
+    "sparse": Subcommand("tpurec.bench.sparse", "KJT preprocessing, lookups and the fused update vs FBGEMM"),
+}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tpurec.bench", description=__doc__)
-    parser.add_argument("name", choices=sorted(BENCHMARKS))
-    args, rest = parser.parse_known_args(argv)
-    import importlib
+def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench") -> int:
+    """Runs the benchmark ``argv[0]`` with the rest of ``argv`` and prints its result as JSON.
 
-    module = importlib.import_module(BENCHMARKS[args.name])
-    result = module.main(rest)
+    Args:
+        argv: the arguments after ``prog`` (default: the process's arguments).
+        prog: the command as the user typed it, for help and errors.
+
+    Returns:
+        The exit status, 0.
+    """
+    result = run_subcommand(prog, "Run one benchmark, print its result as JSON.", BENCHMARKS,
+                            sys.argv[1:] if argv is None else argv)
     json.dump(result, sys.stdout, indent=2)
     print()
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -40,6 +40,7 @@ from torchrec.optim import RowWiseAdagrad
 import tpurec
 import tpurec.sparse as sparse
 from tpurec.bench.rounds import run_in_rounds
+from tpurec.cli import non_negative_int, positive_int
 
 
 DENSE_LR = 0.005  # small enough that random labels do not blow the logits up
@@ -231,16 +232,16 @@ def _plot(result: dict, directory: str) -> list[str]:
     return written
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m tpurec.bench dlrm", description=__doc__)
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--tables", type=int, default=26)
-    parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--ids-per-bag", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps per configuration first")
-    parser.add_argument("--round-steps", type=int, default=5,
+def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm") -> dict:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+    parser.add_argument("--batch", type=positive_int, default=2048)
+    parser.add_argument("--tables", type=positive_int, default=26)
+    parser.add_argument("--rows", type=positive_int, default=100_000)
+    parser.add_argument("--dim", type=positive_int, default=64)
+    parser.add_argument("--ids-per-bag", type=positive_int, default=4)
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps per configuration first")
+    parser.add_argument("--round-steps", type=positive_int, default=5,
                         help="steps of one configuration before the next one's (configurations interleave)")
     parser.add_argument("--modes", nargs="+", default=["fused", "compiled", "eager"], choices=["fused", "compiled", "eager"])
     parser.add_argument("--no-pipeline", action="store_true", help="plain loop instead of sparse.TrainPipeline")

@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from tpurec.bench.sparse import _fbgemm, _jax_kernels, _median_ms
+from tpurec.cli import positive_int
 
 LR, EPS = 0.01, 1e-8
 
@@ -63,16 +64,16 @@ def _torchrec(kjt, num_tables: int, rows: int, dim: int, table: np.ndarray, iter
     return {"forward_ms": fwd_ms, "train_step_ms": _median_ms(train, iters)}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m tpurec.bench embeddings", description=__doc__)
-    parser.add_argument("--dims", type=int, nargs="+", default=[32, 64, 128])
-    parser.add_argument("--pooling", type=int, nargs="+", default=[1, 4, 20], help="ids per bag")
-    parser.add_argument("--tables", type=int, default=8)
-    parser.add_argument("--rows", type=int, default=100_000)
-    parser.add_argument("--batch", type=int, default=2048)
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--partitions", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for native and FBGEMM (default: all)")
+def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench embeddings") -> dict:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+    parser.add_argument("--dims", type=positive_int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--pooling", type=positive_int, nargs="+", default=[1, 4, 20], help="ids per bag")
+    parser.add_argument("--tables", type=positive_int, default=8)
+    parser.add_argument("--rows", type=positive_int, default=100_000)
+    parser.add_argument("--batch", type=positive_int, default=2048)
+    parser.add_argument("--iters", type=positive_int, default=5)
+    parser.add_argument("--partitions", type=positive_int, default=8)
+    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for native and FBGEMM (default: all)")
     parser.add_argument("--skip-reference", action="store_true", help="skip the (slow) JAX reference kernel")
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
     args = parser.parse_args(argv)

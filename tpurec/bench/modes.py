@@ -172,8 +172,8 @@ def run_batch(batch: int, names: list[str], steps: int, warmup: int, round_steps
     return run
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m tpurec.bench modes", description=__doc__,
+def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench modes") -> dict:
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
