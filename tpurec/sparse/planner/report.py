@@ -3,7 +3,9 @@
 Printed as a table (in the spirit of TorchRec's planner stats) and exported
 as JSON. Three per-step embedding times sit side by side: tpurec's SparseCore
 model, TorchRec's default estimators on the same TorchRec topology and the
-same placement, and the lower bound HBM bandwidth sets.
+same placement, and the lower bound HBM bandwidth sets. Figures of the
+generation that no source gives are listed under ``ASSUMPTIONS`` (from
+:attr:`TpuTopology.assumptions`), before any estimate that depends on them.
 """
 
 from __future__ import annotations
