@@ -3,7 +3,9 @@
 Printed as a table (in the spirit of TorchRec's planner stats) and exported
 as JSON. Three per-step embedding times sit side by side: tpurec's SparseCore
 model, TorchRec's default estimators on the same TorchRec topology and the
-same placement, and the lower bound HBM bandwidth sets.
+same placement, and the lower bound HBM bandwidth sets. Figures of the
+generation that no source gives are listed under ``ASSUMPTIONS`` (from
+:attr:`TpuTopology.assumptions`), before any estimate that depends on them.
 """
 
 from __future__ import annotations
@@ -135,6 +137,14 @@ class PlanReport:
         )
         if t.get("sparsecore_note"):
             lines.append(f"NOTE: {t['sparsecore_note']}")
+        assumed = t.get("assumptions") or []
+        if assumed:
+            # Before any figure that depends on them, so no estimate reads as published.
+            lines.append(
+                f"ASSUMPTIONS: {len(assumed)} figure(s) of {t['generation']} used here are not published "
+                f"(or read one of two ways); the plan depends on them:"
+            )
+            lines.extend(f"  - {a}" for a in assumed)
         lines.append(
             f"global batch {self.batch_size} ({self.local_batch_size}/device), optimizer "
             f"{self.optimizer}, planned in {self.planning_seconds:.1f} s ({self.num_proposals} proposals)"

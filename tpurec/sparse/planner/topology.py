@@ -1,7 +1,7 @@
 """TPU topology for the sharding planner: generations, slices, ICI torus, DCN.
 
 A :class:`TpuTopology` describes one TPU job: a generation (v4, v5e, v5p, v6e,
-v7x), the shape of one slice (chips along each torus axis) and the number of
+v7x, tpu8t, tpu8i), the shape of one slice (chips along each torus axis) and the number of
 slices joined over the data-center network (DCN). From these it derives what
 the planner needs: JAX devices, chips, hosts, SparseCores, HBM capacity and
 bandwidth, ICI link bandwidth, bisection bandwidth of the torus, and DCN
@@ -10,14 +10,18 @@ bandwidth per chip. :meth:`TpuTopology.to_torchrec` turns it into a TorchRec
 
 Units: bytes, bytes per second and seconds here; TorchRec wants bytes per
 millisecond, and :meth:`TpuTopology.to_torchrec` converts.
+
+Figures no public source gives are not guessed silently: each generation lists
+them in :attr:`TpuGeneration.assumptions` with the reason, and the plan report
+prints them (:attr:`TpuTopology.assumptions`).
 """
 
 from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
-from typing import Dict, Optional, Tuple
+from dataclasses import dataclass, field, fields, replace
+from typing import Dict, List, Mapping, Optional, Tuple
 
 __all__ = [
     "TpuCommsBandwidths",
@@ -58,6 +62,9 @@ class TpuGeneration:
         sc_lanes: f32 SIMD lanes per tile.
         sc_clock_hz: SparseCore clock (assumed; no public figure).
         sources: where the figures come from.
+        assumptions: ``(field, why)`` for every figure above that no cited
+            source gives: the value used is the field's, the reason says where
+            it was taken from and what it changes in a plan.
 
     Example::
 
@@ -81,6 +88,30 @@ class TpuGeneration:
     sc_lanes: int = 8
     sc_clock_hz: float = 1.0e9
     sources: Tuple[str, ...] = ()
+    assumptions: Tuple[Tuple[str, str], ...] = ()
+
+    def __post_init__(self) -> None:
+        known = set(figure_fields())
+        for figure, _ in self.assumptions:
+            if figure not in known:
+                raise ValueError(
+                    f"{self.name}: assumption about unknown figure {figure!r}; figures: {sorted(known)}"
+                )
+
+    def assumption_lines(self, skip: Tuple[str, ...] = ()) -> List[str]:
+        """One line per assumed figure: its name, the value used, and why.
+
+        Args:
+            skip: figures not to list (overridden by the user, so not assumed).
+
+        Returns:
+            Lines such as ``"tpu8t hbm_bytes_per_chip = 192 GiB: ..."``.
+        """
+        return [
+            f"{self.name} {figure} = {_figure_repr(figure, getattr(self, figure))}: {why}"
+            for figure, why in self.assumptions
+            if figure not in skip
+        ]
 
     @property
     def ici_links_per_chip(self) -> int:
@@ -97,6 +128,33 @@ class TpuGeneration:
     def sparsecores_per_device(self) -> int:
         """SparseCores owned by one JAX device."""
         return self.sparsecores_per_chip // self.devices_per_chip
+
+
+def figure_fields() -> Tuple[str, ...]:
+    """The per-chip figures of :class:`TpuGeneration` (every field but labels)."""
+    return tuple(
+        f.name for f in fields(TpuGeneration) if f.name not in ("name", "sources", "assumptions")
+    )
+
+
+def _figure_repr(figure: str, value: object) -> str:
+    """A figure with its unit, as the report prints it."""
+    if figure == "hbm_bytes_per_chip":
+        v = int(value)  # type: ignore[call-overload]
+        return f"{v // _GiB} GiB" if v % _GiB == 0 else f"{v / _GB:g} GB"
+    if figure.endswith("_bw_per_chip"):
+        return f"{float(value) / _GB:g} GB/s"  # type: ignore[arg-type]
+    if figure == "bf16_flops_per_chip":
+        return f"{float(value) / 1e12:g} TFLOP/s"  # type: ignore[arg-type]
+    if figure == "sc_clock_hz":
+        return f"{float(value) / 1e9:g} GHz"  # type: ignore[arg-type]
+    return str(value)
+
+
+_SC_SIMD_ASSUMED = (
+    ("sc_lanes", "no public figure for SparseCore SIMD width; scales SparseCore vector time only"),
+    ("sc_clock_hz", "no public SparseCore clock; scales SparseCore vector time only"),
+)
 
 
 # One table of generation figures. Sources (public, checked for DESIGN.md):
@@ -121,6 +179,10 @@ TPU_GENERATIONS: Dict[str, TpuGeneration] = {
         dcn_bw_per_chip=50e9 / 8,  # assumption: as v5p (no public v4 figure)
         name_counts_cores=True,
         sources=("cloud.google.com/tpu/docs/v4", "Jouppi et al. ISCA 2023"),
+        assumptions=(
+            ("dcn_bw_per_chip", "no public v4 DCN figure; v5p's 50 Gb/s per chip; multislice comms only"),
+            *_SC_SIMD_ASSUMED,
+        ),
     ),
     "v5e": TpuGeneration(
         name="v5e",
@@ -158,6 +220,7 @@ TPU_GENERATIONS: Dict[str, TpuGeneration] = {
         dcn_bw_per_chip=50e9 / 8,
         name_counts_cores=True,
         sources=("cloud.google.com/tpu/docs/v5p", "jax-tpu-embedding"),
+        assumptions=_SC_SIMD_ASSUMED,
     ),
     "v6e": TpuGeneration(
         name="v6e",
@@ -174,6 +237,7 @@ TPU_GENERATIONS: Dict[str, TpuGeneration] = {
         name_counts_cores=False,
         sc_lanes=16,  # assumption: wider SIMD than v5p's SparseCore
         sources=("cloud.google.com/tpu/docs/v6e", "jax-tpu-embedding"),
+        assumptions=_SC_SIMD_ASSUMED,
     ),
     "v7x": TpuGeneration(
         name="v7x",
@@ -190,8 +254,114 @@ TPU_GENERATIONS: Dict[str, TpuGeneration] = {
         name_counts_cores=True,
         sc_lanes=16,  # assumption
         sources=("cloud.google.com/tpu/docs/tpu7x", "jax-tpu-embedding"),
+        assumptions=_SC_SIMD_ASSUMED,
     ),
 }
+
+
+# TPU 8t (training) and TPU 8i (inference), the eighth generation. Published
+# figures (Google's announcement of the two chips, as quoted in the project's
+# seed brief):
+#   * TPU 8i: 288 GB of HBM per chip at 8.6 TB/s;
+#   * TPU 8t and 8i: chips link at 19.2 TB/s bidirectional (per chip, summed
+#     over its ICI links: ``ici_bw_per_chip``'s convention, so 9.6 TB/s each
+#     way);
+#   * TPU 8t: slices talk over a 400 GB/s data-centre network.
+# No Cloud TPU system-architecture page for them was available to cite, so
+# every other figure is v7x's (the newest generation with a published table)
+# and is listed, with what it changes, in the entry's ``assumptions``: the
+# plan report prints each one. ``_next_generation`` enforces that: a figure is
+# either in ``published`` or it is an assumption.
+
+# What each v7x figure changes when it stands in for an unpublished one.
+_INHERITED_EFFECT: Dict[str, str] = {
+    "hbm_bytes_per_chip": "sets the HBM the plan must fit in",
+    "hbm_bw_per_chip": "scales every lookup, update and HBM-bound time",
+    "bf16_flops_per_chip": "reported only; no estimate uses it",
+    "ici_bw_per_chip": "scales ICI collective times",
+    "torus_rank": "a 3D torus: the per-chip ICI figure is split over 6 links, and slice shapes are 3D",
+    "max_chips_per_slice": "the largest slice accepted",
+    "sparsecores_per_chip": "sets SparseCore partitions, row padding and lookup parallelism",
+    "devices_per_chip": "2 JAX devices (TensorCore dies) per chip: sets the world size and HBM per device",
+    "chips_per_host": "sets TorchRec's host size (local_world_size)",
+    "dcn_bw_per_chip": "one direction, per chip; scales multislice (cross-slice) comms only",
+    "name_counts_cores": "the accelerator-type suffix counts TensorCores: {name}-64 is 32 chips, as v7x-64",
+    "sc_tiles": "scales SparseCore vector time only",
+    "sc_lanes": "scales SparseCore vector time only",
+    "sc_clock_hz": "scales SparseCore vector time only",
+}
+
+
+def _next_generation(
+    name: str,
+    published: Mapping[str, object],
+    notes: Mapping[str, str],
+    sources: Tuple[str, ...],
+) -> TpuGeneration:
+    """A generation whose unpublished figures are v7x's, each one an assumption.
+
+    Args:
+        name: generation name.
+        published: figures a public source gives, by field name.
+        notes: caveats about how a published figure is read (field -> text);
+            recorded as assumptions too, since they are readings, not figures.
+        sources: where the published figures come from.
+
+    Returns:
+        The generation, with ``assumptions`` naming every figure not in
+        ``published`` (and every reading in ``notes``).
+    """
+    base = TPU_GENERATIONS["v7x"]
+    inherited = [f for f in figure_fields() if f not in published]
+    assumptions = [
+        (f, f"not published for {name}; v7x's figure ({_INHERITED_EFFECT[f].format(name=name)})")
+        for f in inherited
+    ]
+    assumptions += [(f, text) for f, text in notes.items()]
+    return replace(
+        base,
+        name=name,
+        sources=sources,
+        assumptions=tuple(assumptions),
+        **published,  # type: ignore[arg-type]
+    )
+
+
+_TPU8_SOURCE = "Google's TPU 8t / TPU 8i announcement (figures quoted in the project seed)"
+_TPU8_ICI = 19.2e12  # 19.2 TB/s bidirectional per chip (both 8t and 8i)
+_TPU8_ICI_NOTE = (
+    "published as 19.2 TB/s bidirectional per chip; read as bytes (9.6 TB/s each way, "
+    "1.6 TB/s per link over 6 links). If the source meant terabits it is 8x less"
+)
+
+TPU_GENERATIONS["tpu8t"] = _next_generation(
+    "tpu8t",
+    published={
+        "ici_bw_per_chip": _TPU8_ICI,
+        "dcn_bw_per_chip": 400 * _GB,  # "400 GB/s data-centre network"
+    },
+    notes={
+        "ici_bw_per_chip": _TPU8_ICI_NOTE,
+        "dcn_bw_per_chip": "published as a 400 GB/s data-centre network between slices; read as per "
+        "chip, one direction (as v5p's per-chip DCN figure is read)",
+    },
+    sources=(_TPU8_SOURCE,),
+)
+TPU_GENERATIONS["tpu8i"] = _next_generation(
+    "tpu8i",
+    published={
+        # "288 GB": decimal gigabytes, taken literally (the smaller reading;
+        # 288 GiB would be 7% more).
+        "hbm_bytes_per_chip": 288 * _GB,
+        "hbm_bw_per_chip": 8.6e12,  # 8.6 TB/s
+        "ici_bw_per_chip": _TPU8_ICI,
+    },
+    notes={
+        "ici_bw_per_chip": _TPU8_ICI_NOTE,
+        "hbm_bytes_per_chip": "published as 288 GB; read as decimal GB (268.2 GiB), the smaller reading",
+    },
+    sources=(_TPU8_SOURCE,),
+)
 
 _ALIASES: Dict[str, str] = {
     "v5litepod": "v5e",
@@ -199,6 +369,10 @@ _ALIASES: Dict[str, str] = {
     "tpu7x": "v7x",
     "ironwood": "v7x",
     "trillium": "v6e",
+    "v8t": "tpu8t",
+    "8t": "tpu8t",
+    "v8i": "tpu8i",
+    "8i": "tpu8i",
 }
 
 
@@ -259,7 +433,9 @@ class TpuTopology:
     Build it from an accelerator-type name (:meth:`from_name`) or from fields.
 
     Args:
-        generation: ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"`` or ``"v7x"``.
+        generation: ``"v4"``, ``"v5e"``, ``"v5p"``, ``"v6e"``, ``"v7x"``,
+            ``"tpu8t"`` or ``"tpu8i"`` (most of whose figures are assumed: see
+            :attr:`assumptions`).
         slice_shape: chips along each torus axis of one slice, e.g. ``(4, 4, 8)``.
         num_slices: slices joined over DCN (multislice); 1 for one slice.
         hbm_bytes_per_chip: override the generation's HBM capacity.
@@ -315,7 +491,8 @@ class TpuTopology:
         """Topology from a Cloud TPU accelerator type such as ``"v5p-128"``.
 
         The suffix counts TensorCores on v4, v5p and v7x (two per chip) and
-        chips on v5e and v6e, as Cloud TPU names them. ``"2xv6e-256"`` is two
+        chips on v5e and v6e, as Cloud TPU names them; on tpu8t and tpu8i it
+        counts TensorCores as on v7x (an assumption: no published names). ``"2xv6e-256"`` is two
         slices.
 
         Args:
@@ -409,6 +586,17 @@ class TpuTopology:
             f"MOD row sharding per SparseCore) do not apply"
         )
 
+    @property
+    def assumptions(self) -> List[str]:
+        """Figures this topology uses that no cited source gives, one line each.
+
+        The generation's assumed figures, less the HBM capacity when
+        ``hbm_bytes_per_chip`` overrides it. Empty when every figure is
+        published.
+        """
+        skip = ("hbm_bytes_per_chip",) if self.hbm_bytes_per_chip is not None else ()
+        return self.gen.assumption_lines(skip=skip)
+
     def slice_of(self, rank: int) -> int:
         """Slice index of a device rank (ranks are numbered slice-major)."""
         return rank // self.devices_per_slice
@@ -441,7 +629,7 @@ class TpuTopology:
     def wraparound(self) -> Tuple[bool, ...]:
         """Whether each slice axis closes into a ring.
 
-        3D generations (v4, v5p, v7x) wire an axis into a torus when its
+        3D generations (v4, v5p, v7x; tpu8t and tpu8i assumed so) wire an axis into a torus when its
         length is a multiple of 4 (Cloud TPU: full-cube slices are tori); 2D
         ones (v5e, v6e) only on a full 16-chip axis.
         """
@@ -592,6 +780,7 @@ class TpuTopology:
             if self.chips_per_slice > 1
             else None,
             "dcn_gbps_per_chip": self.dcn_bw_per_chip / 1e9,
+            "assumptions": self.assumptions,
         }
 
 
