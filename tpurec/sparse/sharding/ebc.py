@@ -38,7 +38,8 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.core import runtime
 from tpurec.sparse.ops import kernel_for
-from tpurec.sparse.optimizers import SGD, EmbeddingOptimizer
+from tpurec.sparse.modules import EmbeddingBagCollection
+from tpurec.sparse.optimizers import EmbeddingOptimizer
 from tpurec.sparse.preprocess import read_kjt, shared_features, stack_tables
 from tpurec.sparse.sharding.layout import Layout
 from tpurec.sparse.sharding.specs import TableSharding
@@ -881,28 +882,6 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         values = _ShardedLookup.apply(anchor, id_weights, self, batch)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
 
-    def _weights_need_grad(self, features: KeyedJaggedTensor) -> bool:
-        weights = features.weights_or_none()
-        return self._is_weighted and torch.is_grad_enabled() and weights is not None and weights.requires_grad
-
-    def _check_trainable_lookup(self, features: KeyedJaggedTensor) -> None:
-        """Raises where a training lookup would silently differ from TorchRec's (the unsharded collection's rules)."""
-        if not torch.is_grad_enabled():
-            return
-        if self._weights_need_grad(features):
-            unpooled = [t.name for t in self._embedding_bag_configs if t.pooling != PoolingType.SUM]
-            if unpooled or self.overflow == "drop":
-                why = f"tables {unpooled} do not use SUM pooling" if unpooled else "overflow='drop' may drop ids"
-                raise NotImplementedError(
-                    f"the KJT's per-id weights require grad, but {why}, so tpurec cannot give them TorchRec's "
-                    "gradient. Use SUM pooling and overflow='error', or detach the weights."
-                )
-        if self.optimizer_semantics == "torch" and not isinstance(self.optimizer, SGD) and len(self._pending_lookups) > 0:
-            tables = [t.name for t in self._embedding_bag_configs]
-            raise NotImplementedError(
-                f"EmbeddingBagCollection (tables {tables}) is looked up again before the backward of its previous "
-                f"lookup. Its {type(self.optimizer).__name__} came from apply_optimizer_in_backward, which makes one "
-                "update on the summed gradient of both lookups; tpurec's fused optimizer updates once per lookup "
-                "(as FBGEMM does), which differs. Look up both batches in one call (concatenate the KJTs), run "
-                "backward between the lookups, or use FBGEMM's semantics explicitly (optimizer_semantics='fbgemm')."
-            )
+    # The unsharded collection's rules, on the same attributes (one text for both).
+    _weights_need_grad = EmbeddingBagCollection._weights_need_grad
+    _check_trainable_lookup = EmbeddingBagCollection._check_trainable_lookup
