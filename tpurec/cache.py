@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import tempfile
+import warnings
 
-__all__ = ["cache_root"]
+__all__ = ["cache_root", "writable_cache_root"]
 
 
 def cache_root() -> str | None:
@@ -20,3 +23,32 @@ def cache_root() -> str | None:
         return root
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "tpurec")
+
+
+def writable_cache_root() -> str | None:
+    """:func:`cache_root` if it can be written, else a private temporary folder (one warning).
+
+    An unusable cache folder (read-only, a file in its place) must not stop tpurec from
+    working: it only costs the compiled programs and built kernels of earlier runs.
+    """
+    root = cache_root()
+    return None if root is None else _writable(root)
+
+
+@functools.lru_cache(maxsize=None)
+def _writable(root: str) -> str:
+    try:
+        os.makedirs(root, exist_ok=True)
+        with tempfile.TemporaryFile(dir=root):
+            pass
+        return root
+    except OSError as error:
+        fallback = tempfile.mkdtemp(prefix="tpurec-cache-")
+        warnings.warn(
+            f"tpurec: the cache folder {root!r} is not writable ({type(error).__name__}: {error}); using "
+            f"{fallback!r} for this process, so programs and kernels built earlier are not reused. Set "
+            "TPUREC_CACHE_DIR to a writable folder (or TPUREC_CACHE_DIR=off to keep nothing).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return fallback

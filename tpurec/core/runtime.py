@@ -15,7 +15,7 @@ import numpy as np
 import torch.autograd.profiler as _torch_profiler
 from jax import monitoring
 
-from tpurec.cache import cache_root
+from tpurec.cache import cache_root, writable_cache_root
 from tpurec.dense.trace_context import traced_as_spmd
 from tpurec.core import profiler as _profiler
 
@@ -353,13 +353,14 @@ def enable_disk_cache(path: str | None = None) -> str | None:
     """Turns on XLA's persistent compilation cache, shared by all processes.
 
     Args:
-        path: the folder; defaults to ``xla/`` under :func:`cache_root`.
+        path: the folder; defaults to ``xla/`` under :func:`cache_root` (a private temporary
+            folder, with a warning, if that one is not writable).
 
     Returns:
         The folder in use, or None when persistence is off.
     """
     if path is None:
-        root = cache_root()
+        root = writable_cache_root()
         if root is None:
             return None
         path = os.path.join(root, "xla")

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import jax
 
-from tpurec.cache import cache_root
+from tpurec.cache import writable_cache_root
 
 __all__ = ["FFI_TARGETS", "NativeBuildError", "ensure_registered", "library_path", "load_library"]
 
@@ -83,7 +83,7 @@ def _flags() -> list[str]:
 
 
 def _cache_dir() -> Path:
-    root = cache_root()
+    root = writable_cache_root()
     if root is None:  # persistence off: build once per user in the temp folder
         return Path(tempfile.gettempdir()) / f"tpurec-native-{os.getuid()}"
     return Path(root) / "native"
