@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train quickstart test zoo coverage clean
+.PHONY: train quickstart lint test zoo coverage clean
 
 $(STAMP): requirements.lock requirements-test.lock pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,8 +23,16 @@ train: $(STAMP)
 quickstart: $(STAMP)
 	$(PY) examples/quickstart.py
 
-# The whole suite, then the device tests again with fused mode as the default.
-test: $(STAMP)
+# Lint (ruff), formatting (ruff format --check) and types (basedpyright, basic mode, against the
+# errors recorded in .basedpyright/baseline.json when the check was adopted): settings in
+# pyproject.toml, tools pinned in requirements-test.lock.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/basedpyright --pythonpath $(PY)
+
+# Lint, the whole suite, then the device tests again with fused mode as the default.
+test: lint
 	$(PY) -m pytest -q
 	TPUREC_MODE=fused $(PY) -m pytest -q tests/core tests/sparse/test_tpu_device.py tests/sparse/test_dlrm.py tests/dense/test_programs.py
 

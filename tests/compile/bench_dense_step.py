@@ -20,7 +20,9 @@ import tpurec
 class DLRMDense(nn.Module):
     def __init__(self, tables: int = 26, dim: int = 64) -> None:
         super().__init__()
-        mlp = lambda sizes: nn.Sequential(*[m for a, b in zip(sizes, sizes[1:]) for m in (nn.Linear(a, b), nn.ReLU())][:-1])
+        def mlp(sizes: list[int]) -> nn.Sequential:
+            return nn.Sequential(*[m for a, b in zip(sizes, sizes[1:]) for m in (nn.Linear(a, b), nn.ReLU())][:-1])
+
         self.bottom = nn.Sequential(mlp([13, 512, 256, dim]), nn.ReLU())
         n = tables + 1
         self.register_buffer("pairs", torch.triu_indices(n, n, offset=1), persistent=False)

@@ -1,7 +1,6 @@
 """Compiled training (forward + backward through backend="tpu") matches eager tpu and CPU."""
 
 import pytest
-import torch
 
 import tpurec
 from compile_models import train

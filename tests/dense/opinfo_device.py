@@ -70,7 +70,7 @@ from torch.testing._internal.common_methods_invocations import op_db  # noqa: E4
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
 
-import tpurec  # noqa: E402
+import tpurec  # noqa: E402, F401 (registers the tpu device)
 from tpurec.core import dispatch, runtime  # noqa: E402
 
 MAX_SAMPLES = 3

@@ -4,7 +4,6 @@ across keys, and the right distribution (loose moment checks on 20k draws)."""
 from __future__ import annotations
 
 import jax
-import numpy as np
 import pytest
 import torch
 

@@ -1,6 +1,6 @@
 """A DLRM training step: torchrec on CPU (FusedEmbeddingBagCollection + FBGEMM) vs tpurec on "tpu".
 
-The DESIGN configuration by default: batch 2048, 26 tables x 100k rows x dim 64,
+The default configuration: batch 2048, 26 tables x 100k rows x dim 64,
 4 ids per bag, dense arch 13-512-256-64, over arch 512-256-1, row-wise Adagrad
 for the tables and Adagrad for the dense part. Both sides train the same
 model (``torchrec.models.dlrm.DLRMTrain``) from the same weights on the same

@@ -4,7 +4,7 @@
 
 Measures, in one run and on the same batch, the pooled forward and one
 training step (forward + backward + row-wise Adagrad on the touched rows) of
-the DESIGN config: batch 2048, 26 tables x 100k rows x dim 64, 4 ids per bag.
+the default configuration: batch 2048, 26 tables x 100k rows x dim 64, 4 ids per bag.
 The JAX kernels run under ``jax.jit`` with the table and accumulator donated
 (updates in place); FBGEMM is ``SplitTableBatchedEmbeddingBagsCodegen`` on CPU
 with ``EXACT_ROWWISE_ADAGRAD``. Times are medians in milliseconds.

@@ -2,7 +2,7 @@
 
 Dynamo captures graphs, AOTAutograd splits them into functional ATen forward
 and backward graphs, and each graph becomes one jitted JAX program built from
-the same lowering table as eager execution (DESIGN.md, contract 1).
+the same lowering table as eager execution (docs/design.md, contract 1).
 
 Example::
 

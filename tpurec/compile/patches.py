@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import importlib.util
 
-import torch
-
 from tpurec.core.tensor import TpuTensor
 
 __all__ = ["apply"]

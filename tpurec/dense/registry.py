@@ -1,6 +1,6 @@
 """The lowering table: one JAX function per supported ATen overload.
 
-Eager, fused and compiled execution all read this one table (DESIGN.md,
+Eager, fused and compiled execution all read this one table (docs/design.md,
 contract 1). A lowering receives the ATen op's arguments exactly as the
 dispatcher passed them, with every ``Tensor`` replaced by a ``jax.Array`` (and
 ``Tensor[]`` by a list of them). Arguments whose schema type is ``Scalar`` or

@@ -1,5 +1,5 @@
 """The tpurec sparse op set: ``torch.ops.tpurec.sparse_dense_matmul`` and its
-fused-optimizer gradients (DESIGN.md, contract 4).
+fused-optimizer gradients (docs/design.md, contract 4).
 
 Each op has
 

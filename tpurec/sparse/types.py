@@ -1,4 +1,4 @@
-"""Data types of the SparseCore input contract (DESIGN.md, contract 3).
+"""Data types of the SparseCore input contract (docs/design.md, contract 3).
 
 A batch of sparse features becomes, per *stacked table*, one CSR-like block of
 four arrays padded to a static capacity:

@@ -2,7 +2,7 @@
 
 Where :class:`~tpurec.sparse.planner.estimators.TpuCostModel` turns traffic
 into time, this module counts the traffic itself, collective by collective, as
-``tpurec.shard`` runs a plan (issue 9, item 3; DESIGN.md "Distributed = JAX's
+``tpurec.shard`` runs a plan (docs/design.md, contract 6: "Distributed = JAX's
 runtime"):
 
 * input distribution: one ``all_to_all`` per sharding group moves every id

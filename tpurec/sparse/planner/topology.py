@@ -157,7 +157,7 @@ _SC_SIMD_ASSUMED = (
 )
 
 
-# One table of generation figures. Sources (public, checked for DESIGN.md):
+# One table of generation figures. Sources (public):
 #   cloud.google.com/tpu/docs/v4, /v5e, /v5p, /v6e, /tpu7x (system architecture
 #   tables: HBM, HBM bandwidth, bf16 peak, ICI, topology, chips per host);
 #   jax-tpu-embedding NUM_SC_PER_DEVICE_MAP (SparseCores per device);
@@ -233,7 +233,7 @@ TPU_GENERATIONS: Dict[str, TpuGeneration] = {
         sparsecores_per_chip=2,  # jax-tpu-embedding NUM_SC_PER_DEVICE_MAP
         devices_per_chip=1,
         chips_per_host=8,
-        dcn_bw_per_chip=100e9 / 8,  # 100 Gb/s per chip (DESIGN.md)
+        dcn_bw_per_chip=100e9 / 8,  # 100 Gb/s per chip
         name_counts_cores=False,
         sc_lanes=16,  # assumption: wider SIMD than v5p's SparseCore
         sources=("cloud.google.com/tpu/docs/v6e", "jax-tpu-embedding"),
@@ -250,7 +250,7 @@ TPU_GENERATIONS: Dict[str, TpuGeneration] = {
         sparsecores_per_chip=4,  # 2 per device x 2 devices (jax-tpu-embedding)
         devices_per_chip=2,
         chips_per_host=4,
-        dcn_bw_per_chip=100e9 / 8,  # 100 Gb/s per chip (DESIGN.md)
+        dcn_bw_per_chip=100e9 / 8,  # 100 Gb/s per chip
         name_counts_cores=True,
         sc_lanes=16,  # assumption
         sources=("cloud.google.com/tpu/docs/tpu7x", "jax-tpu-embedding"),

@@ -1,6 +1,6 @@
 """A tpurec EmbeddingBagCollection sharded over a device mesh.
 
-Per step (see DESIGN.md, "Sharded execution"):
+Per step (see docs/sharding.md):
 
 * host, per process: the local batch is validated (``read_kjt``) and each of
   its ids is routed to the shards holding its row: fixed-capacity

@@ -1,7 +1,7 @@
 """Native XLA:CPU kernels of the sparse op set, registered with XLA's FFI.
 
 Same signatures and semantics as :mod:`tpurec.sparse.kernels.reference`
-(float32 tables only); threads own partitions ``id % P`` (DESIGN.md, contract 4).
+(float32 tables only); threads own partitions ``id % P`` (docs/design.md, contract 4).
 The kernels are ``tpurec/native/sparse_cpu.cc``, part of tpurec's one native
 library (:mod:`tpurec.native`: built with g++ on first use and cached); KJT ->
 CSR preprocessing in the same library is :mod:`tpurec.sparse.kernels.native.preprocess`.
