@@ -1,7 +1,7 @@
 """Train the same small MLP on "tpu" and on "cpu", side by side.
 
 The only tpurec-specific lines are ``import tpurec`` and the device string.
-Run with ``make train`` (or ``.venv/bin/python examples/quickstart.py``).
+Run with ``make quickstart`` (or ``.venv/bin/python examples/quickstart.py``).
 """
 
 import argparse

@@ -38,3 +38,29 @@ def test_quickstart_runs_tpu_and_cpu_side_by_side():
     rows = re.findall(r"^\s+(\d+)\s+(\d+\.\d+)\s+(\d+\.\d+)$", text, flags=re.M)
     assert rows and float(rows[-1][1]) < float(rows[0][1])
     assert abs(float(rows[-1][1]) - float(rows[-1][2])) <= 1e-4 * float(rows[-1][2])
+
+
+def _make_recipes() -> dict[str, str]:
+    """Makefile target -> its recipe lines, joined."""
+    recipes: dict[str, str] = {}
+    target = None
+    with open(os.path.join(ROOT, "Makefile")) as f:
+        for line in f:
+            if line.startswith("\t") and target:
+                recipes[target] += line
+            else:
+                match = re.match(r"^([A-Za-z][\w.-]*):", line)
+                target = match.group(1) if match else None
+                if target:
+                    recipes[target] = ""
+    return recipes
+
+
+@pytest.mark.parametrize("script", sorted(f for f in os.listdir(os.path.join(ROOT, "examples")) if f.endswith(".py")))
+def test_make_target_named_in_an_example_runs_it(script):
+    """An example's "Run with ``make T``" names the target that runs that very file."""
+    with open(os.path.join(ROOT, "examples", script)) as f:
+        targets = re.findall(r"``make (\w+)``", f.read())
+    recipes = _make_recipes()
+    for target in targets:
+        assert f"examples/{script}" in recipes.get(target, ""), f"examples/{script} names `make {target}`, which does not run it"
