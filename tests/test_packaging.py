@@ -75,3 +75,14 @@ def test_pip_check_reports_only_torchrecs_cuda_fbgemm():
 def _name(requirement: str) -> str:
     """The normalized project name (PEP 503) at the start of a requirement string."""
     return re.sub(r"[-_.]+", "-", re.match(r"[A-Za-z0-9_.-]+", requirement).group(0)).lower()
+
+
+def test_make_test_runs_lint_with_locked_tools():
+    # `make test` (what CI runs) lints first; the tools it calls come from requirements-test.lock.
+    makefile = (ROOT / "Makefile").read_text()
+    assert re.search(r"^test: lint\b", makefile, re.MULTILINE)
+    lint = makefile.split("\nlint:", 1)[1].split("\n\n", 1)[0]
+    lock = (ROOT / "requirements-test.lock").read_text()
+    for tool in ("ruff", "basedpyright"):
+        assert f"$(VENV)/bin/{tool}" in lint, tool
+        assert re.search(rf"^{tool}==", lock, re.MULTILINE), f"{tool} is not pinned in requirements-test.lock"
