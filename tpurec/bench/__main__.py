@@ -11,6 +11,7 @@ import sys
 from tpurec.cli import Subcommand, run_subcommand
 
 BENCHMARKS = {
+    "dispatch": Subcommand("tpurec.bench.dispatch", "the host cost of one cached op: eager and fused vs PyTorch CPU"),
     "dlrm": Subcommand("tpurec.bench.dlrm", "a DLRM training step: tpurec on tpu vs TorchRec on CPU"),
     "embeddings": Subcommand("tpurec.bench.embeddings", "embedding lookups over dims and bag sizes vs FBGEMM"),
     "modes": Subcommand("tpurec.bench.modes", "a dense step in eager, fused and compiled mode vs PyTorch CPU"),

@@ -4,8 +4,11 @@ The default configuration: batch 2048, 26 tables x 100k rows x dim 64,
 4 ids per bag, dense arch 13-512-256-64, over arch 512-256-1, row-wise Adagrad
 for the tables and Adagrad for the dense part. Both sides train the same
 model (``torchrec.models.dlrm.DLRMTrain``) from the same weights on the same
-batches; the JSON has the median step time, samples/s, the ratio, and the
-largest loss difference seen. tpurec runs its steps through
+batches; the JSON has the median step time, samples/s, the ratio, the largest loss
+difference seen, and the median host time of a step (``host_ms_per_step``: the
+main thread's CPU time; XLA:CPU runs programs on threads of its own, so this is
+what the host needs to issue a step; for TorchRec on CPU it includes the part of
+the compute that runs on the main thread itself). tpurec runs its steps through
 :class:`tpurec.sparse.TrainPipeline` (``--no-pipeline``: the plain loop), in
 each of ``--modes`` (eager, fused, compiled = ``torch.compile(backend="tpu")``).
 TorchRec and the tpurec modes run **interleaved**: after each one's warm-up,
@@ -75,6 +78,7 @@ class _Runner:
                  mode: str | None, close: Callable[[], None] = lambda: None) -> None:
         self.name, self._step, self._batches, self.mode, self.close = name, step, batches, mode, close
         self.times: list[float] = []
+        self.host_times: list[float] = []  # the main thread's CPU time of each step
         self.losses: list[float] = []
         self.compilations = 0
 
@@ -83,12 +87,13 @@ class _Runner:
         with context:
             before = tpurec.stats()["compilations"]
             for _ in range(steps):
-                start = time.perf_counter()
+                start, host = time.perf_counter(), time.thread_time()
                 loss = self._step(self._batches).item()
                 elapsed = time.perf_counter() - start
                 self.losses.append(loss)
                 if record:
                     self.times.append(elapsed)
+                    self.host_times.append(time.thread_time() - host)
             if record and self.mode:
                 self.compilations += tpurec.stats()["compilations"] - before
 
@@ -302,13 +307,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
         "config": vars(args),
         "platform": tpurec.platform(),
         "load_average": {"before": load_before, "after": os.getloadavg()[0]},
-        "torchrec_cpu": {"step_ms": peer_median * 1e3, "samples_per_s": args.batch / peer_median},
+        "torchrec_cpu": {
+            "step_ms": peer_median * 1e3, "host_ms_per_step": statistics.median(peer.host_times) * 1e3,
+            "samples_per_s": args.batch / peer_median,
+        },
     }
     for runner in runners[1:]:
         median = statistics.median(runner.times)
         result[runner.name] = {
             "step_ms": median * 1e3,
             "step_ms_range": [min(runner.times) * 1e3, max(runner.times) * 1e3],
+            "host_ms_per_step": statistics.median(runner.host_times) * 1e3,
             "samples_per_s": args.batch / median,
             "speedup_vs_torchrec_cpu": peer_median / median,
             "max_loss_difference": max(abs(a - b) for a, b in zip(runner.losses, peer.losses)),

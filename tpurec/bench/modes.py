@@ -18,7 +18,11 @@ The machine may be shared, so the configurations run **interleaved**: after each
 one's warm-up, rounds of ``--round-steps`` steps of every configuration in turn,
 so that a change in load hits all of them alike. Reported per configuration: the
 median and minimum wall time of a step, the median process CPU time of a step
-(less sensitive to other processes than wall time), the programs run per step and
+(less sensitive to other processes than wall time), the median **host time** of a
+step (``host_ms_per_step``: the main thread's CPU time; XLA:CPU runs programs on
+threads of its own and a wait for a result costs no CPU, so this is what Python,
+PyTorch and tpurec need to issue the step: the figure that decides whether a TPU
+would wait on the host), the programs run per step and
 the compilations after warm-up (must be 0). ``load_average`` is the 1-minute load
 before and after the run (``os.getloadavg``); compare ratios from one run only.
 """
@@ -79,6 +83,7 @@ class _Config:
     on_tpu: bool
     wall_ms: list[float] = dataclasses.field(default_factory=list)
     cpu_ms: list[float] = dataclasses.field(default_factory=list)
+    host_ms: list[float] = dataclasses.field(default_factory=list)
     losses: list[float] = dataclasses.field(default_factory=list)
     programs: int = 0
     compilations: int = 0
@@ -114,13 +119,14 @@ def _run_steps(config: _Config, steps: int, record: bool) -> None:
     with context:
         before = tpurec.stats()
         for _ in range(steps):
-            wall, cpu = time.perf_counter(), time.process_time()
+            wall, cpu, host = time.perf_counter(), time.process_time(), time.thread_time()
             loss = config.step()
             if config.first_loss is None:
                 config.first_loss = loss
             if record:
                 config.wall_ms.append((time.perf_counter() - wall) * 1e3)
                 config.cpu_ms.append((time.process_time() - cpu) * 1e3)
+                config.host_ms.append((time.thread_time() - host) * 1e3)
                 config.losses.append(loss)
         after = tpurec.stats()
     if record and config.on_tpu:
@@ -135,6 +141,7 @@ def _summary(config: _Config) -> dict:
         "step_ms": median,
         "min_step_ms": min(config.wall_ms),
         "cpu_ms_per_step": statistics.median(config.cpu_ms),
+        "host_ms_per_step": statistics.median(config.host_ms),
         "samples_per_s": None,  # filled in by the caller (needs the batch)
         "first_loss": config.first_loss,
         "last_loss": config.losses[-1],

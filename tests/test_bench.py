@@ -1,0 +1,53 @@
+"""The benchmarks as users run them (``python -m tpurec.bench ...``): tiny settings, the JSON checked, no timing asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bench(*args: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "tpurec.bench", *args], capture_output=True, text=True,
+                          timeout=600, env=env, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+def test_dispatch_reports_host_cost_per_op_next_to_pytorch_cpu():
+    result = bench("dispatch", "--ops", "20", "--repeats", "2", "--warmup", "1")
+    assert set(result["ops"]) == {"add", "view", "add_", "matmul"}
+    for op, row in result["ops"].items():
+        assert set(row) == {"cpu_pytorch", "eager", "fused"}, op
+        for config, figures in row.items():
+            assert figures["wall_ns"] > 0 and figures["host_ns"] > 0, (op, config)
+            if config != "cpu_pytorch":
+                # A cached op must not compile again after warm-up.
+                assert figures["compilations"] == 0, (op, config, figures)
+                assert figures["vs_cpu"] == pytest.approx(figures["host_ns"] / row["cpu_pytorch"]["host_ns"])
+        assert row["fused"]["flush_us"] > 0
+
+
+def test_dispatch_refuses_a_loop_longer_than_the_fused_window():
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TPUREC_FUSED_MAX_OPS="10")
+    proc = subprocess.run([sys.executable, "-m", "tpurec.bench", "dispatch", "--ops", "20"], capture_output=True,
+                          text=True, timeout=300, env=env, cwd=ROOT)
+    assert proc.returncode == 2
+    assert "--ops must stay below the fused window's limit (10 ops)" in proc.stderr
+
+
+def test_modes_reports_host_time_per_step():
+    result = bench("modes", "--batch", "4", "--steps", "2", "--warmup", "1", "--round-steps", "1",
+                   "--modes", "cpu_pytorch", "eager")
+    run = result["runs"][0]
+    for config in ("cpu_pytorch", "eager"):
+        assert 0 < run[config]["host_ms_per_step"], run[config]
+        # The main thread's CPU time cannot exceed the process's (every thread's) CPU time.
+        assert run[config]["host_ms_per_step"] <= run[config]["cpu_ms_per_step"] * 1.05 + 0.05, run[config]
