@@ -97,7 +97,7 @@ def measure(op: str, config: str, size: int, ops: int, repeats: int, warmup: int
         after = tpurec.stats()
     result = {"wall_ns": statistics.median(walls) * 1e9, "host_ns": statistics.median(hosts) * 1e9}
     if device == "tpu":
-        result["compilations"] = after["compilations"] - before["compilations"]
+        result["compilations"] = after["compile_requests"] - before["compile_requests"]
     if config == "fused":
         result["flush_us"] = statistics.median(flushes) * 1e6
     return result
