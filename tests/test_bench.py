@@ -1,4 +1,4 @@
-"""The benchmarks as users run them (``python -m tpurec.bench ...``): tiny settings, the JSON checked, no timing asserted."""
+"""The benchmarks as users run them (``python -m tpurec.bench ...``): tiny settings, JSON checked, no timing."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""tpurec.buckets: a text model over varying lengths compiles once per bucket and trains as the unpadded model on CPU."""
+"""tpurec.buckets: a text model over varying lengths compiles once per bucket and trains as unpadded on CPU."""
 
 from __future__ import annotations
 
