@@ -51,3 +51,13 @@ def test_modes_reports_host_time_per_step():
         assert 0 < run[config]["host_ms_per_step"], run[config]
         # The main thread's CPU time cannot exceed the process's (every thread's) CPU time.
         assert run[config]["host_ms_per_step"] <= run[config]["cpu_ms_per_step"] * 1.05 + 0.05, run[config]
+
+
+def test_text_with_buckets_compiles_at_most_twice_per_bucket_and_matches_cpu():
+    result = bench("text", "--steps", "6", "--max-length", "32", "--how", "fused", "--check")
+    fused = result["fused"]
+    assert result["buckets"] == [16, 32]
+    # fused mode: the window up to loss.item() and the backward + optimizer window, per bucket; an unpadded
+    # batch (all-ones attention mask, which transformers skips) one forward program more
+    assert fused["compile_requests"] <= 2 * fused["buckets_seen"] + fused["exact_fit_buckets"], fused
+    assert fused["loss_relative_difference"] <= 1e-5, fused

@@ -15,6 +15,7 @@ BENCHMARKS = {
     "dlrm": Subcommand("tpurec.bench.dlrm", "a DLRM training step: tpurec on tpu vs TorchRec on CPU"),
     "embeddings": Subcommand("tpurec.bench.embeddings", "embedding lookups over dims and bag sizes vs FBGEMM"),
     "modes": Subcommand("tpurec.bench.modes", "a dense step in eager, fused and compiled mode vs PyTorch CPU"),
+    "text": Subcommand("tpurec.bench.text", "a text model over random lengths: compilations with and without buckets"),
     "sparse": Subcommand("tpurec.bench.sparse", "KJT preprocessing, lookups and the fused update vs FBGEMM"),
 }
 
