@@ -15,8 +15,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def bench(*args: str) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "tpurec.bench", *args], capture_output=True, text=True,
-                          timeout=600, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpurec.bench", *args], capture_output=True, text=True, timeout=600, env=env, cwd=ROOT
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
 
@@ -37,15 +38,33 @@ def test_dispatch_reports_host_cost_per_op_next_to_pytorch_cpu():
 
 def test_dispatch_refuses_a_loop_longer_than_the_fused_window():
     env = dict(os.environ, PYTHONPATH=str(ROOT), TPUREC_FUSED_MAX_OPS="10")
-    proc = subprocess.run([sys.executable, "-m", "tpurec.bench", "dispatch", "--ops", "20"], capture_output=True,
-                          text=True, timeout=300, env=env, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpurec.bench", "dispatch", "--ops", "20"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
     assert proc.returncode == 2
     assert "--ops must stay below the fused window's limit (10 ops)" in proc.stderr
 
 
 def test_modes_reports_host_time_per_step():
-    result = bench("modes", "--batch", "4", "--steps", "2", "--warmup", "1", "--round-steps", "1",
-                   "--modes", "cpu_pytorch", "eager")
+    result = bench(
+        "modes",
+        "--batch",
+        "4",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--round-steps",
+        "1",
+        "--modes",
+        "cpu_pytorch",
+        "eager",
+    )
     run = result["runs"][0]
     for config in ("cpu_pytorch", "eager"):
         assert 0 < run[config]["host_ms_per_step"], run[config]

@@ -55,8 +55,14 @@ def test_bad_input_to_pad_says_what_is_wrong():
 def _tiny_bert() -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     torch.manual_seed(0)
     return transformers.BertForMaskedLM(config)

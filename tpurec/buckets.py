@@ -88,8 +88,10 @@ class SequenceBuckets:
         """
         missing = sorted(set(batch) - set(pad_values))
         if missing:
-            raise ValueError(f"SequenceBuckets.pad: no padding value for {missing}; give one per tensor "
-                             "(for Hugging Face models: the pad token id, 0 for attention_mask, -100 for labels)")
+            raise ValueError(
+                f"SequenceBuckets.pad: no padding value for {missing}; give one per tensor "
+                "(for Hugging Face models: the pad token id, 0 for attention_mask, -100 for labels)"
+            )
         lengths = {name: tensor.shape[self.dim] for name, tensor in batch.items()}
         if len(set(lengths.values())) > 1:
             raise ValueError(f"SequenceBuckets.pad: the tensors' lengths along dim {self.dim} differ: {lengths}")

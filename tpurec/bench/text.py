@@ -41,8 +41,14 @@ def _model() -> torch.nn.Module:
     import transformers
 
     config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
-        max_position_embeddings=1024, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=1024,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
     )
     torch.manual_seed(0)
     return transformers.BertForMaskedLM(config)
@@ -93,8 +99,9 @@ def run(how: str, buckets: SequenceBuckets | None, lengths: list[int], batch: in
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench text") -> dict:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--steps", type=positive_int, default=100, help="training steps, one random length each")
     parser.add_argument("--max-length", type=positive_int, default=128, help="lengths are drawn from 1..MAX_LENGTH")
     parser.add_argument("--batch", type=positive_int, default=4)
