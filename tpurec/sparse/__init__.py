@@ -55,3 +55,27 @@ __all__ = [
     "TrainPipeline",
     "checkpoint",
 ]
+
+# The parts of tpurec.sparse, lowest first: each imports only parts below it (even inside
+# a function), checked by tests/core/test_layering.py. ``spec`` and ``planner`` are
+# device-free: they import nothing of the device runtime (tpurec.core, tpurec.dense).
+LAYERS = (
+    "spec",  # what a plan says: shard specs, layouts, validation, sharding types, traffic
+    "planner",  # the TPU sharding planner (calls nothing of the executor)
+    "types",  # Capacity, stacked tables, SparseCore CSR input
+    "batching",  # the batch sizes of a KeyedJaggedTensor
+    "kernels",  # the lookup kernels (reference, SparseCore, native)
+    "preprocess",  # KeyedJaggedTensor -> SparseCore CSR
+    "ops",  # torch.ops.tpurec.*
+    "optimizers",  # fused embedding optimizers
+    "export",  # torch.export / tracing of the collections
+    "modules",  # EmbeddingBagCollection
+    "sequence",  # EmbeddingCollection
+    "quant",  # QuantEmbeddingBagCollection
+    "managed",  # managed-collision remaps
+    "convert",  # from_torchrec
+    "checkpoint",  # unsharded checkpoints
+    "pipeline",  # TrainPipeline
+    "sharding",  # the executor: tpurec.shard (calls the planner)
+)
+DEVICE_FREE_LAYERS = ("spec", "planner")

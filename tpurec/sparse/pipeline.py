@@ -36,12 +36,15 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from typing import Any, Callable, Generic, Iterator, TypeVar
+from typing import Any, Generic, Iterator, TypeVar
 
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.sparse.managed import remapped_features
+from tpurec.sparse.spec.batch import OnDevice as _OnDevice  # started by the worker thread, wrapped on the main one
+from tpurec.sparse.spec.batch import map_batch
+from tpurec.sparse.spec.mesh import batch_sharded_array, local_device_count, mesh_of
 
 __all__ = ["TrainPipeline", "map_batch"]
 
@@ -50,51 +53,11 @@ Out = TypeVar("Out")
 
 
 @dataclasses.dataclass
-class _OnDevice:
-    """A tensor whose transfer was started by the worker thread (wrapped on the main thread)."""
-
-    array: Any  # jax.Array
-    index: int
-    dtype: torch.dtype
-
-
-@dataclasses.dataclass
 class _Failure:
     error: BaseException
 
 
 _END = object()
-
-
-def map_batch(batch: Any, fn_tensor: Callable[[Any], Any], fn_kjt: Callable[[KeyedJaggedTensor], Any]) -> Any:
-    """Rebuilds ``batch`` with ``fn_tensor`` applied to its tensors and ``fn_kjt`` to its KJTs.
-
-    A batch is a tensor, a KJT, or a dataclass, (named) tuple, list or dict of batches
-    (TorchRec's ``Batch`` among them); anything else is kept as it is. The sharded
-    models place their batches on the mesh with it too.
-    """
-    if isinstance(batch, KeyedJaggedTensor):
-        return fn_kjt(batch)
-    if isinstance(batch, (torch.Tensor, _OnDevice)):
-        return fn_tensor(batch)
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        return dataclasses.replace(
-            batch, **{f.name: map_batch(getattr(batch, f.name), fn_tensor, fn_kjt) for f in dataclasses.fields(batch) if f.init}
-        )
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(map_batch(x, fn_tensor, fn_kjt) for x in batch))
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(map_batch(x, fn_tensor, fn_kjt) for x in batch)
-    if isinstance(batch, dict):
-        return {k: map_batch(v, fn_tensor, fn_kjt) for k, v in batch.items()}
-    return batch
-
-
-def _mesh_of(model: torch.nn.Module) -> Any:
-    """The ``jax.sharding.Mesh`` ``model`` was sharded on by ``tpurec.shard`` (None if it was not)."""
-    from jax.sharding import Mesh
-
-    return next((m.mesh for m in model.modules() if isinstance(getattr(m, "mesh", None), Mesh)), None)
 
 
 class TrainPipeline(Generic[In, Out]):
@@ -137,10 +100,10 @@ class TrainPipeline(Generic[In, Out]):
         # A model sharded by tpurec.shard: its batch tensors go straight to the
         # mesh, split along the batch dim, as the model's own input hook would
         # place them (not to one device first and then over the mesh).
-        self._mesh = _mesh_of(model) if self._device.type == "tpu" else None
+        # The sharded collections say which mesh (the OnMesh protocol); nothing set on
+        # the user's model is read.
+        self._mesh = mesh_of(model) if self._device.type == "tpu" else None
         if self._mesh is not None:
-            from tpurec.sparse.sharding.model import local_device_count
-
             self._local_devices = local_device_count(self._mesh)
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
@@ -159,8 +122,6 @@ class TrainPipeline(Generic[In, Out]):
         if t.device.type != "cpu":
             return t  # already on a device: the step moves it if needed
         if self._mesh is not None and t.dim() > 0 and t.shape[0] % self._local_devices == 0:
-            from tpurec.sparse.sharding.model import batch_sharded_array
-
             # Global arrays are wrapped on tpu:0, as tpurec.shard's input hook does.
             return _OnDevice(batch_sharded_array(host_array(t), self._mesh), 0, t.dtype)
         index = self._device.index if self._device.index is not None else torch.tpu.current_device()

@@ -47,13 +47,8 @@ from tpurec.sparse.planner.estimators import TpuPerfEstimator, TpuPerfModel, Tpu
 from tpurec.sparse.planner.report import PlanReport, RecordedEmbeddingStats, build_report
 from tpurec.sparse.planner.sharder import tpu_sharders
 from tpurec.sparse.planner.topology import TpuTopology
-from tpurec.sparse.planner.types import (
-    DTYPES,
-    TableSpec,
-    as_table_spec,
-    TpuPlannerConfig,
-    TpuPlanningError,
-)
+from tpurec.sparse.planner.types import TpuPlannerConfig, TpuPlanningError
+from tpurec.sparse.spec.tables import DTYPES, TableSpec, as_table_spec
 
 __all__ = ["PlanResult", "plan", "load_tables", "tables_to_module"]
 

@@ -25,6 +25,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ShardingType
 
 from tpurec.sparse.planner.topology import TpuTopology
+from tpurec.sparse.spec.sharding_types import PLANNER_SHARDING_TYPES, SEQUENCE_SHARDING_TYPES
 
 __all__ = [
     "TPU_SHARDING_TYPES",
@@ -34,13 +35,7 @@ __all__ = [
     "tpu_sharders",
 ]
 
-TPU_SHARDING_TYPES: List[str] = [
-    ShardingType.DATA_PARALLEL.value,
-    ShardingType.TABLE_WISE.value,
-    ShardingType.COLUMN_WISE.value,
-    ShardingType.ROW_WISE.value,
-    ShardingType.TABLE_ROW_WISE.value,
-]
+TPU_SHARDING_TYPES: List[str] = list(PLANNER_SHARDING_TYPES)
 
 
 def tpu_sharding_types(
@@ -134,12 +129,7 @@ class TpuEmbeddingCollectionSharder(EmbeddingCollectionSharder):
         TpuEmbeddingCollectionSharder(["table_wise", "row_wise"])
     """
 
-    _SEQUENCE_TYPES = {
-        ShardingType.DATA_PARALLEL.value,
-        ShardingType.TABLE_WISE.value,
-        ShardingType.COLUMN_WISE.value,
-        ShardingType.ROW_WISE.value,
-    }
+    _SEQUENCE_TYPES = frozenset(SEQUENCE_SHARDING_TYPES)
 
     def __init__(
         self,

@@ -723,7 +723,8 @@ class TpuTopology:
             trec = TpuTopology.from_name("v5p-128").to_torchrec()
             trec.compute_device  # "tpu"
         """
-        import tpurec  # noqa: F401  (registers the "tpu" device name)
+        # The "tpu" device name torchrec's Topology checks was registered by importing the
+        # tpurec package, which Python always does before this module.
         from torchrec.distributed.planner.types import (
             HardwareConfig,
             KernelConfig,

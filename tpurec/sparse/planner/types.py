@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Union
+from typing import Dict, List, Optional
 
 from torchrec.distributed.planner.types import PlannerError, PlannerErrorType
-from torchrec.modules.embedding_configs import BaseEmbeddingConfig, DataType
+
+# One table as planned lives in the leaf both the planner and the executor import.
+from tpurec.sparse.spec.tables import TableSpec, as_table_spec
 
 __all__ = [
     "OPTIMIZER_SLOTS",
@@ -16,8 +18,6 @@ __all__ = [
     "TpuPlanningError",
     "as_table_spec",
 ]
-
-DTYPES: Dict[str, DataType] = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16}
 
 # Optimizer state per table row, as (slots proportional to the embedding
 # dimension, fixed slots per row). Adagrad keeps one accumulator per element;
@@ -31,34 +31,6 @@ OPTIMIZER_SLOTS: Dict[str, tuple] = {
     "lamb": (2, 0),
     "ftrl": (2, 0),
 }
-
-
-@dataclass
-class TableSpec:
-    """One embedding table as the planner sees it.
-
-    Args:
-        name: table name.
-        num_embeddings: rows.
-        embedding_dim: columns.
-        pooling_factor: average ids per sample per feature (multi-hot size).
-        feature_names: features looked up in this table (default: the name).
-        data_type: ``"fp32"``, ``"fp16"`` or ``"bf16"`` weights.
-
-    Example::
-
-        TableSpec("t0", num_embeddings=40_000_000, embedding_dim=128, pooling_factor=3)
-    """
-
-    name: str
-    num_embeddings: int
-    embedding_dim: int
-    pooling_factor: float = 1.0
-    feature_names: Optional[List[str]] = None
-    data_type: str = "fp32"
-
-    def features(self) -> List[str]:
-        return list(self.feature_names) if self.feature_names else [self.name]
 
 
 @dataclass
@@ -189,32 +161,3 @@ class TpuPlanningError(PlannerError):
         self.needed_bytes_per_chip = needed_bytes_per_chip
         self.available_bytes_per_chip = available_bytes_per_chip
         super().__init__(message, error_type=error_type)
-
-
-def as_table_spec(table: Union["TableSpec", BaseEmbeddingConfig, Dict[str, Any]]) -> TableSpec:
-    """A :class:`TableSpec` from a spec, a TorchRec embedding config or a dict.
-
-    TorchRec configs carry no pooling factor; they are planned with 1.0.
-
-    Args:
-        table: the table.
-
-    Returns:
-        The spec.
-
-    Raises:
-        TypeError: ``table`` is none of these.
-    """
-    if isinstance(table, TableSpec):
-        return table
-    if isinstance(table, dict):
-        return TableSpec(**table)
-    if isinstance(table, BaseEmbeddingConfig):
-        dt = {v: k for k, v in DTYPES.items()}.get(table.data_type, "fp32")
-        return TableSpec(
-            table.name, table.num_embeddings, table.embedding_dim, 1.0, list(table.feature_names), dt
-        )
-    raise TypeError(
-        f"Cannot read a table from {type(table).__name__}; pass a TableSpec, a TorchRec "
-        f"EmbeddingBagConfig/EmbeddingConfig or a dict of TableSpec fields"
-    )

@@ -41,8 +41,8 @@ from tpurec.sparse.ops import kernel_for
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer
 from tpurec.sparse.preprocess import read_kjt, shared_features, stack_tables
-from tpurec.sparse.sharding.layout import Layout
-from tpurec.sparse.sharding.specs import TableSharding
+from tpurec.sparse.spec.layout import Layout
+from tpurec.sparse.spec.shards import TableSharding
 from tpurec.sparse.types import PAD_ID, CapacityError, StackedTable
 from tpurec.core.tensor import wrap
 

@@ -24,7 +24,9 @@ from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.sequence import EmbeddingCollection
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
-from tpurec.sparse.sharding.specs import TableSharding, module_plans, table_shardings
+from tpurec.sparse.spec.batch import map_batch
+from tpurec.sparse.spec.mesh import batch_sharded_array, local_device_count
+from tpurec.sparse.spec.shards import TableSharding, module_plans, table_shardings
 from tpurec.core.tensor import TpuTensor, host_array, wrap
 
 __all__ = ["shard", "batch_sharded_array", "default_mesh", "distribute_batch", "local_device_count", "replicate"]
@@ -64,27 +66,6 @@ def distribute_batch(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
             f"{local_devices} devices; its first dim must be a multiple of {local_devices}"
         )
     return wrap(batch_sharded_array(host_array(tensor.detach().cpu()), mesh), 0, tensor.dtype)
-
-
-def local_device_count(mesh: Mesh) -> int:
-    """How many of ``mesh``'s devices belong to this process (its batch splits over them)."""
-    return sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
-
-
-def batch_sharded_array(host: np.ndarray, mesh: Mesh) -> jax.Array:
-    """This process's ``[local batch, ...]`` samples as a global array sharded on its first dim.
-
-    Starts the host-to-device copies and returns without waiting for them
-    (safe on a worker thread, e.g. ``TrainPipeline``'s).
-
-    Args:
-        host: this process's samples; the first dim splits evenly over its devices.
-        mesh: the mesh the model was sharded on.
-    """
-    sharding = NamedSharding(mesh, P(tuple(mesh.axis_names)))
-    if jax.process_count() == 1:
-        return jax.device_put(host, sharding)
-    return jax.make_array_from_process_local_data(sharding, host)
 
 
 def replicate(tensor: torch.Tensor, mesh: Mesh) -> None:
@@ -308,13 +289,13 @@ def shard(
     # Host-side placement: never traced by torch.compile (it reads tensors on the host).
     @torch.compiler.disable
     def split_batch(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        from tpurec.sparse.pipeline import map_batch
-
         # Tensors inside containers too (e.g. torchrec's Batch for a DLRMTrain model);
         # KeyedJaggedTensors stay on the host (the sharded collections route them).
         place = lambda x: map_batch(x, lambda t: distribute_batch(t, mesh), lambda kjt: kjt)  # noqa: E731
         return tuple(place(a) for a in args), {k: place(v) for k, v in kwargs.items()}
 
     model.register_forward_pre_hook(split_batch, with_kwargs=True)
+    # For users (e.g. distribute_batch(labels, model.mesh)); tpurec itself asks the sharded
+    # collections (tpurec.sparse.spec.mesh.mesh_of).
     model.mesh = mesh
     return model

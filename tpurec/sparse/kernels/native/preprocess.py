@@ -10,7 +10,7 @@ the KJT once (a feature of two tables feeds two slots), int32/int64 ids and
 lengths, float weights when the tables use them, and explicit capacities. A
 variable batch size per feature (VBE) is padded here to one stride with empty
 bags; its batch sizes and ``inverse_indices`` are validated by the reference's
-own rule (:func:`tpurec.sparse.preprocess.read_batching`), which raises here.
+own rule (:func:`tpurec.sparse.batching.read_batching`), which raises here.
 :func:`preprocess_native` returns ``None`` for anything else and for any batch
 the C++ checks reject (a bad bag length, an id outside its table, a capacity
 overflow with ``overflow="error"``); the caller then runs the numpy reference,
@@ -36,7 +36,7 @@ import torch
 from torchrec.modules.embedding_configs import PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tpurec.sparse.preprocess import read_batching
+from tpurec.sparse.batching import read_batching
 from tpurec.sparse.types import PAD_ID, Capacity, SparseCoreInput, StackedCsr, StackedTable
 
 __all__ = ["preprocess_native"]
