@@ -154,6 +154,25 @@ def test_batch_tensors_go_to_the_mesh_from_the_worker():
             assert len(sharding.device_set) == 8 and not sharding.is_fully_replicated
 
 
+def test_the_pipeline_asks_the_sharded_collections_for_their_mesh_not_the_model():
+    import jax
+    from jax.sharding import Mesh
+
+    from tpurec.sparse.spec.mesh import mesh_of
+
+    model, optimizer, ebc = _model()
+    assert model.mesh is ebc.mesh  # kept for users (distribute_batch(labels, model.mesh))
+    # An attribute of the user's model is not where batches go: here another mesh under that name.
+    model.mesh = Mesh(np.array(jax.devices()[:2]), ("other",))
+    assert mesh_of(model) is ebc.mesh
+    pipeline = sp.TrainPipeline(model, optimizer, "tpu")
+    moved = pipeline._to_device(torch.ones(BATCH, 5))
+    assert moved.array.sharding.mesh == ebc.mesh
+    assert len(moved.array.sharding.device_set) == 8
+    del model.mesh
+    assert mesh_of(model) is ebc.mesh
+
+
 def _bad_id(batch: Batch) -> Batch:
     kjt = batch.sparse_features
     values = kjt.values().clone()
