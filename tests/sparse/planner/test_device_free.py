@@ -73,7 +73,8 @@ def test_the_planner_plans_and_counts_without_the_device_runtime():
     assert got["payload"] > 0 and got["buffers"] >= got["payload"]
     assert got["help_status"] == 0 and "--topology" in got["help"]
     outside = [
-        m for m in got["modules"]
+        m
+        for m in got["modules"]
         if m not in ("tpurec", "tpurec.sparse", "tpurec.cli")
         and not m.startswith(("tpurec.sparse.planner", "tpurec.sparse.spec"))
     ]

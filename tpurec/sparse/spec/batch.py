@@ -56,7 +56,12 @@ def map_batch(batch: Any, fn_tensor: Callable[[Any], Any], fn_kjt: Callable[[Key
         return fn_tensor(batch)
     if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
         return dataclasses.replace(
-            batch, **{f.name: map_batch(getattr(batch, f.name), fn_tensor, fn_kjt) for f in dataclasses.fields(batch) if f.init}
+            batch,
+            **{
+                f.name: map_batch(getattr(batch, f.name), fn_tensor, fn_kjt)
+                for f in dataclasses.fields(batch)
+                if f.init
+            },
         )
     if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
         return type(batch)(*(map_batch(x, fn_tensor, fn_kjt) for x in batch))

@@ -105,7 +105,9 @@ class Layout:
         num_devices: devices in the mesh.
     """
 
-    def __init__(self, configs: Sequence[EmbeddingBagConfig], shardings: dict[str, TableSharding], num_devices: int) -> None:
+    def __init__(
+        self, configs: Sequence[EmbeddingBagConfig], shardings: dict[str, TableSharding], num_devices: int
+    ) -> None:
         self.num_devices = D = num_devices
         self.configs = list(configs)
         self.shardings = shardings
@@ -219,7 +221,11 @@ class Layout:
             parts += [block.reshape(-1), rs.reshape(-1)]
             segments += [block.size, rs.size]
         for dg in self.dp_groups:
-            block = np.stack([span(f, 0, dg.width) for _t, f in dg.slots]) if dg.slots else np.zeros((0, dg.width), np.int64)
+            block = (
+                np.stack([span(f, 0, dg.width) for _t, f in dg.slots])
+                if dg.slots
+                else np.zeros((0, dg.width), np.int64)
+            )
             parts.append(block.reshape(-1))
             segments.append(block.size)
         return (np.concatenate(parts) if parts else np.zeros(0, np.int64)), segments

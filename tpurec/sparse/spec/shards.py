@@ -72,7 +72,7 @@ def _rank_of(placement: Any, table: str) -> int:
     """The rank of a ``ShardMetadata.placement`` (``_remote_device`` or ``"rank:r/dev"``)."""
     rank = getattr(placement, "rank", None)
     if callable(rank):
-        r = rank()
+        r: Any = rank()
         if r is not None:
             return int(r)
     text = str(placement)
@@ -106,7 +106,9 @@ def table_shardings(
     by_name = {c.name: c for c in configs}
     extra = [name for name in module_plan if name not in by_name]
     if extra:
-        raise ValueError(f"the plan shards tables {extra} that the module does not have (its tables: {sorted(by_name)})")
+        raise ValueError(
+            f"the plan shards tables {extra} that the module does not have (its tables: {sorted(by_name)})"
+        )
     missing = [name for name in by_name if name not in module_plan]
     if missing:
         raise ValueError(

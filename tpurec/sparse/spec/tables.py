@@ -16,6 +16,7 @@ __all__ = ["DTYPES", "TableSpec", "as_table_spec"]
 
 DTYPES: Dict[str, DataType] = {"fp32": DataType.FP32, "fp16": DataType.FP16, "bf16": DataType.BF16}
 
+
 @dataclass
 class TableSpec:
     """One embedding table as the planner sees it.
@@ -64,9 +65,7 @@ def as_table_spec(table: Union["TableSpec", BaseEmbeddingConfig, Dict[str, Any]]
         return TableSpec(**table)
     if isinstance(table, BaseEmbeddingConfig):
         dt = {v: k for k, v in DTYPES.items()}.get(table.data_type, "fp32")
-        return TableSpec(
-            table.name, table.num_embeddings, table.embedding_dim, 1.0, list(table.feature_names), dt
-        )
+        return TableSpec(table.name, table.num_embeddings, table.embedding_dim, 1.0, list(table.feature_names), dt)
     raise TypeError(
         f"Cannot read a table from {type(table).__name__}; pass a TableSpec, a TorchRec "
         f"EmbeddingBagConfig/EmbeddingConfig or a dict of TableSpec fields"

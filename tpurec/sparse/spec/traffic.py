@@ -47,7 +47,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Sequence, Union
+from typing import Any, Dict, List, Mapping, Sequence, Union, cast
 
 from torchrec.distributed.planner.types import ShardingOption
 from torchrec.distributed.types import ShardingPlan
@@ -208,9 +208,7 @@ def placement_distribution_bytes(
     if row_wise_output not in ROW_WISE_OUTPUTS:
         raise ValueError(f"row_wise_output must be one of {ROW_WISE_OUTPUTS}, got {row_wise_output!r}")
     if data_parallel_grad not in DATA_PARALLEL_GRADS:
-        raise ValueError(
-            f"data_parallel_grad must be one of {DATA_PARALLEL_GRADS}, got {data_parallel_grad!r}"
-        )
+        raise ValueError(f"data_parallel_grad must be one of {DATA_PARALLEL_GRADS}, got {data_parallel_grad!r}")
     w = world_size
     out = DistributionBytes.zeros(w)
     bad = [r for r in table.shard_ranks if not 0 <= r < w]
@@ -266,8 +264,7 @@ def placement_distribution_bytes(
                 bwd = 0.0  # counted below, at the batch owners that send
             else:
                 hit = sum(
-                    batch_size * (1.0 - (1.0 - 1.0 / g) ** pf) if g > 1 else batch_size
-                    for pf in table.pooling_factors
+                    batch_size * (1.0 - (1.0 - 1.0 / g) ** pf) if g > 1 else batch_size for pf in table.pooling_factors
                 )
                 fwd = hit * (w - 1) / w * (dim * grad_bytes + 4)
                 bwd = fwd
@@ -281,8 +278,7 @@ def placement_distribution_bytes(
                 out.output_grad[d] += others * local_batch * row
         return out
     raise ValueError(
-        f"table {table.name!r}: sharding type {st!r} is not one tpurec runs; "
-        f"choose from {list(SHARDING_TYPES)}"
+        f"table {table.name!r}: sharding type {st!r} is not one tpurec runs; choose from {list(SHARDING_TYPES)}"
     )
 
 
@@ -423,14 +419,26 @@ def options_distribution_bytes(
     )
 
 
-
 # ---- what a compiled program's collectives move (from its HLO) ------------ #
 
 _HLO_ELEM_BYTES = {
-    "pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-    "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
-    "s32": 4, "u32": 4, "f32": 4,
-    "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16,
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
 }
 _HLO_COLLECTIVES = ("all-to-all", "reduce-scatter", "all-gather", "all-reduce", "collective-permute")
 _HLO_LINE = re.compile(
@@ -602,18 +610,27 @@ def executed_distribution_bytes(
             raise ValueError(f"plan table {name!r} is not among the tables given ({sorted(specs)})")
     configs = [
         EmbeddingBagConfig(
-            num_embeddings=specs[n].num_embeddings, embedding_dim=specs[n].embedding_dim, name=n,
+            num_embeddings=specs[n].num_embeddings,
+            embedding_dim=specs[n].embedding_dim,
+            name=n,
             feature_names=specs[n].features(),
         )
         for n in module_plan  # type: ignore[attr-defined]
     ]
-    layout = Layout(configs, table_shardings(configs, module_plan, d), d)
+    layout = Layout(configs, table_shardings(configs, cast(Mapping[str, Any], module_plan), d), d)
     # Expected ids per device and step, uniform over each table's rows.
     local_ids = {n: b * specs[n].pooling_factor * len(specs[n].features()) for n in specs}
-    out = {k: 0.0 for k in (
-        "ids_all_to_all", "output_all_to_all", "output_psum_scatter", "grad_all_to_all", "grad_all_gather",
-        "data_parallel_all_gather",
-    )}
+    out = {
+        k: 0.0
+        for k in (
+            "ids_all_to_all",
+            "output_all_to_all",
+            "output_psum_scatter",
+            "grad_all_to_all",
+            "grad_all_gather",
+            "data_parallel_all_gather",
+        )
+    }
     for grp in layout.groups:
         ids = [0.0] * d
         for piece in grp.offsets:

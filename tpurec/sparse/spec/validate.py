@@ -46,7 +46,8 @@ def _tables_of_module(module: nn.Module) -> Dict[str, Dict[str, Tuple[int, int]]
         getter = getattr(sub, "embedding_bag_configs", None) or getattr(sub, "embedding_configs", None)
         if getter is None or not callable(getter):
             continue
-        found[path] = {c.name: (int(c.num_embeddings), int(c.embedding_dim)) for c in getter()}
+        configs: Any = getter()
+        found[path] = {c.name: (int(c.num_embeddings), int(c.embedding_dim)) for c in configs}
     return found
 
 
@@ -106,7 +107,10 @@ def validate_plan(sharding_plan: ShardingPlan, model_tables: TableShapes, num_de
                     f"plan module {path or ROOT_KEY!r} is not an embedding collection of the model; "
                     f"the model's are {sorted(p or ROOT_KEY for p in expected)}"
                 )
-        planned = {path: dict(sharding_plan.plan.get(path, {})) for path in expected}  # type: ignore[arg-type]
+        planned: Dict[str, Dict[str, Any]] = {
+            path: dict(sharding_plan.plan.get(path, {}))  # type: ignore[arg-type]
+            for path in expected
+        }
     else:
         # Tables without module paths: match names over the whole plan.
         expected = {"": _flat_tables(model_tables)}
