@@ -44,7 +44,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tpurec.sparse.managed import remapped_features
 from tpurec.sparse.spec.batch import OnDevice as _OnDevice  # started by the worker thread, wrapped on the main one
 from tpurec.sparse.spec.batch import map_batch
-from tpurec.sparse.spec.mesh import batch_sharded_array, local_device_count, mesh_of
+from tpurec.sparse.spec.mesh import Prefetching, batch_sharded_array, local_device_count, mesh_of
 
 __all__ = ["TrainPipeline", "map_batch"]
 
@@ -88,14 +88,13 @@ class TrainPipeline(Generic[In, Out]):
         self._prefetch = prefetch
         # Embedding modules that can take a batch's KJT ahead of time: tpurec's
         # EmbeddingBagCollection, or any module with the same prefetch /
-        # clear_prefetched / feature_names protocol (e.g. a sharded collection).
+        # clear_prefetched / feature_names protocol (spec.mesh.Prefetching; e.g. a sharded collection).
         # A collection behind a managed-collision remap (tpurec.sparse.managed) looks up ids
         # remapped in the step itself, after the previous step's evictions: none ahead of time.
         remapped = remapped_features(model)
         self._collections = [
             m for m in model.modules()
-            if all(hasattr(m, a) for a in ("prefetch", "clear_prefetched", "feature_names"))
-            and not set(m.feature_names) & remapped
+            if isinstance(m, Prefetching) and not set(m.feature_names) & remapped
         ]
         # A model sharded by tpurec.shard: its batch tensors go straight to the
         # mesh, split along the batch dim, as the model's own input hook would
