@@ -175,6 +175,17 @@ def test_validate_rejects_with_a_clear_message_and_changes_nothing(mutate, table
     assert plan_to_json(sp) == before
 
 
+def test_validate_rejects_overlapping_shards_that_tpurec_shard_would_reject():
+    # Both row blocks of table b on rows 0..24 (rows 25..49 uncovered): the table's area, inside it.
+    # (torch's sharding spec refuses overlapping shards when built, so the plan is edited after.)
+    sp = _small_plan()
+    sp.plan[""]["b"].sharding_spec.shards[1].shard_offsets = [0, 0]
+    before = plan_to_json(sp)
+    with pytest.raises(ValueError, match=r"table 'b' \(row_wise\): its shards do not tile"):
+        validate_plan(sp, SMALL_TABLES, 2)
+    assert plan_to_json(sp) == before
+
+
 def test_validate_matches_module_paths_of_a_model():
     class Model(torch.nn.Module):
         def __init__(self) -> None:

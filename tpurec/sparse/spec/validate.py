@@ -5,8 +5,9 @@ module path) or to a list of tables (by name) and checks every table's entry:
 its sharding type is one tpurec runs, its ranks and shard placements lie in
 the mesh, and its shards lie inside the table and cover it exactly. The
 executor's own reading of one module's plan
-(:func:`tpurec.sparse.spec.shards.table_shardings`) checks the same rules on
-the shards it lays out.
+(:func:`tpurec.sparse.spec.shards.table_shardings`) runs last, so a plan that
+validates is one ``tpurec.shard`` accepts (its shards tile each table as a
+grid of row and column blocks).
 
 Example::
 
@@ -19,9 +20,10 @@ from typing import Any, Dict, Mapping, Sequence, Tuple, Union
 
 from torch import nn
 from torchrec.distributed.types import ParameterSharding, ShardingPlan
-from torchrec.modules.embedding_configs import BaseEmbeddingConfig
+from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig
 
 from tpurec.sparse.spec.sharding_types import DATA_PARALLEL, SHARDING_TYPES
+from tpurec.sparse.spec.shards import table_shardings
 from tpurec.sparse.spec.tables import TableSpec, as_table_spec
 
 __all__ = ["ROOT_KEY", "TPU_RUNNABLE_SHARDING_TYPES", "TableShapes", "validate_plan"]
@@ -140,6 +142,13 @@ def validate_plan(sharding_plan: ShardingPlan, model_tables: TableShapes, num_de
             )
         for name, ps in module_plan.items():
             _validate_table(f"{where_mod}, table {name!r}", ps, tables[name], num_devices)
+        # Then the executor's own reading of the same entries (shards must tile each table as
+        # a grid of row and column blocks): a plan that validates is one tpurec.shard accepts.
+        configs = [
+            EmbeddingBagConfig(num_embeddings=rows, embedding_dim=dim, name=name, feature_names=[name])
+            for name, (rows, dim) in tables.items()
+        ]
+        table_shardings(configs, module_plan, num_devices)
 
 
 def _validate_table(where: str, ps: ParameterSharding, shape: Tuple[int, int], num_devices: int) -> None:
