@@ -15,6 +15,52 @@ import sys
 
 import numpy as np
 
+GLOBAL_BATCH = 8
+STEPS = 10
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+
+
+def _batches():
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(STEPS):
+        yield torch.randn(GLOBAL_BATCH, 4, generator=gen), torch.randn(GLOBAL_BATCH, 1, generator=gen)
+
+
+def train(model, rank: int = 0, ranks: int = 1, device: str = "cpu") -> list[float]:
+    """STEPS steps of SGD with momentum on this rank's slice of each global batch; the global losses."""
+    import torch
+    import torch.distributed as dist
+
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    local = GLOBAL_BATCH // ranks
+    for x, y in _batches():
+        optimizer.zero_grad()
+        sl = slice(rank * local, (rank + 1) * local)
+        loss = torch.nn.functional.mse_loss(model(x[sl].to(device)), y[sl].to(device))
+        loss.backward()
+        optimizer.step()
+        if ranks > 1:  # every rank's loss is the mean over its (equal) slice: their mean is the global loss
+            loss = loss.detach()
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+    return losses
+
+
+def reference() -> tuple[list[float], list[np.ndarray]]:
+    """One process, the whole batch, on CPU: the losses and final parameters."""
+    model = _model()
+    losses = train(model)
+    return losses, [p.detach().numpy() for p in model.parameters()]
+
 
 def main(backend: str, out_path: str, full: bool = True) -> None:
     import torch
@@ -234,6 +280,14 @@ def main(backend: str, out_path: str, full: bool = True) -> None:
     t = torch.ones(2, device="tpu")
     dist.all_reduce(t)
     same("all_reduce after a mismatch", t, torch.full((2,), float(n)))
+
+    # DDP over the tpu group: each rank trains on its slice of every global batch.
+    model = torch.nn.parallel.DistributedDataParallel(_model().to("tpu"))
+    losses = train(model, rank, n, "tpu")
+    if rank == 0:
+        params = {f"param{i}": p.detach().cpu().numpy() for i, p in enumerate(model.module.parameters())}
+        np.savez(f"{out_path}.ddp.npz", losses=np.array(losses), **params)
+    done.append("ddp")
 
     dist.barrier()
     dist.destroy_process_group()

@@ -61,8 +61,31 @@ def _launch(processes: int, backend: str, out: Path, *flags: str) -> None:
     assert proc.returncode == 0, output[-6000:]
     reports = [Path(f"{out}.{rank}").read_text().split("\n") for rank in range(processes)]
     for rank, report in enumerate(reports):
-        for check in ("all_to_all_single uneven trial 3 torch.float32", "scatter", "mismatch detected", "send refused"):
+        for check in (
+            "all_to_all_single uneven trial 3 torch.float32",
+            "scatter",
+            "mismatch detected",
+            "send refused",
+            "ddp",
+        ):
             assert check in report, (rank, report)
+
+
+def _same_training_as_one_process(out: Path) -> None:
+    """DDP over the ranks trained like one process on the whole batch (1e-5 relative)."""
+    import numpy as np
+
+    sys.path.insert(0, str(HERE))
+    try:
+        import c10d_worker
+    finally:
+        sys.path.remove(str(HERE))
+    losses, params = c10d_worker.reference()
+    got = np.load(f"{out}.ddp.npz")
+    assert len(got["losses"]) == c10d_worker.STEPS
+    np.testing.assert_allclose(got["losses"], losses, rtol=1e-5, atol=0)
+    for i, want in enumerate(params):
+        np.testing.assert_allclose(got[f"param{i}"], want, rtol=1e-5, atol=1e-7, err_msg=f"param{i}")
 
 
 def test_backend_is_registered_for_tpu_tensors():
@@ -78,8 +101,10 @@ def test_backend_is_registered_for_tpu_tensors():
 @pytest.mark.slow
 def test_two_processes_device_map_form(tmp_path):
     _launch(2, "cpu:gloo,tpu:tpu", tmp_path / "two")
+    _same_training_as_one_process(tmp_path / "two")
 
 
 @pytest.mark.slow
 def test_four_processes(tmp_path):
     _launch(4, "tpu", tmp_path / "four", "quick")
+    _same_training_as_one_process(tmp_path / "four")
