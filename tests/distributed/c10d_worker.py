@@ -9,9 +9,11 @@ all passed; any failure raises and ends the rank with a non-zero status.
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import os
 import sys
+import time
 
 import numpy as np
 
@@ -68,8 +70,9 @@ def main(backend: str, out_path: str, full: bool = True) -> None:
 
     import tpurec  # noqa: F401 (registers the "tpu" backend)
     from tpurec.distributed import collectives
+    from tpurec.distributed.agreement import CollectiveMismatch, CollectiveTimeout
 
-    dist.init_process_group(backend)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=60))
     rank, n = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
     done: list[str] = []
@@ -271,8 +274,11 @@ def main(backend: str, out_path: str, full: bool = True) -> None:
     # the group still works afterwards.
     try:
         dist.all_reduce(torch.ones(3 + rank, device="tpu"))
-    except collectives.CollectiveMismatch as error:
-        if "all_reduce" not in str(error):
+    except CollectiveMismatch as error:
+        if (
+            "called all_reduce (shapes [[3]], dtype float32, arguments [0]) but rank 1 called all_reduce (shapes [[4]]"
+            not in str(error)
+        ):
             raise
         done.append("mismatch detected")
     else:
@@ -280,6 +286,22 @@ def main(backend: str, out_path: str, full: bool = True) -> None:
     t = torch.ones(2, device="tpu")
     dist.all_reduce(t)
     same("all_reduce after a mismatch", t, torch.full((2,), float(n)))
+
+    # A rank that never makes the call (here: only rank 0 calls on a group with a 3 s timeout)
+    # ends the call on the others with an error naming the collective and the missing ranks.
+    lonely = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            dist.broadcast(torch.ones(2, device="tpu"), 0, group=lonely)
+        except CollectiveTimeout as error:
+            if f"broadcast: waited 3 s for group rank(s) {list(range(1, n))}" not in str(error):
+                raise
+            if time.monotonic() - start > 30:
+                raise AssertionError(f"the timeout took {time.monotonic() - start:.0f} s") from None
+        else:
+            raise AssertionError("a broadcast that only rank 0 made did not raise")
+    done.append("timeout detected")
 
     # DDP over the tpu group: each rank trains on its slice of every global batch.
     model = torch.nn.parallel.DistributedDataParallel(_model().to("tpu"))

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from tpurec.distributed import collectives
+from tpurec.distributed.agreement import Agreement, CollectiveMismatch
 
 __all__ = ["TpuBackend", "TpuWork", "create"]
 
@@ -118,6 +119,7 @@ class TpuBackend(dist.ProcessGroup):
         self._timeout = timeout
         self._cpu: Any = None
         self._group = collectives.Group(global_ranks)
+        self._agreement = Agreement(store, rank, size, timeout)
         if self._group.rank != rank:
             raise RuntimeError(
                 f"tpu backend: group rank {rank} is JAX process {jax.process_index()}, expected process "
@@ -159,11 +161,12 @@ class TpuBackend(dist.ProcessGroup):
         payload: Sequence[int] = (),
         shapes: Sequence[Sequence[int]] | None = None,
     ) -> np.ndarray:
-        """Every rank makes this call (see :func:`collectives.agree`); every rank's ``payload``."""
-        device = next(iter(self._local(name, tensors[0]).devices()))
+        """Every rank makes this call (see :mod:`tpurec.distributed.agreement`); every rank's ``payload``."""
+        for t in tensors:
+            _check_tpu(name, t)
         if shapes is None:
             shapes = [tuple(t.shape) for t in tensors]
-        return collectives.agree(self._group, device, name, shapes, _jax_dtype(tensors[0]), static, payload)
+        return self._agreement(name, shapes, str(tensors[0].dtype).removeprefix("torch."), static, payload)
 
     @staticmethod
     def _write(out: torch.Tensor, array: jax.Array) -> None:
@@ -294,7 +297,7 @@ class TpuBackend(dist.ProcessGroup):
             sends, gets = table[:, :n], table[:, n:]
             if not np.array_equal(sends, gets.T):
                 i, j = map(int, np.argwhere(sends != gets.T)[0])
-                raise collectives.CollectiveMismatch(
+                raise CollectiveMismatch(
                     f"{name}: rank {i} sends {sends[i, j]} rows to rank {j}, but rank {j} expects {gets[j, i]} from "
                     f"rank {i} (input_split_sizes on each rank must match output_split_sizes on its peers)"
                 )
@@ -320,7 +323,7 @@ class TpuBackend(dist.ProcessGroup):
         sends, gets = table[:, :n], table[:, n:]
         if not np.array_equal(sends, gets.T):
             i, j = map(int, np.argwhere(sends != gets.T)[0])
-            raise collectives.CollectiveMismatch(
+            raise CollectiveMismatch(
                 f"{name}: rank {i} sends {sends[i, j]} rows to rank {j}, but rank {j}'s output tensor {i} has {gets[j, i]} rows"
             )
         local = jax.numpy.concatenate([self._local(name, t) for t in inputs])
@@ -336,7 +339,7 @@ class TpuBackend(dist.ProcessGroup):
 
         device = jax_device(None)
         token = jax.device_put(np.zeros((1,), np.int32), device)
-        collectives.agree(self._group, device, "barrier", [], np.dtype(np.int32))
+        self._agreement("barrier", [], "none")
         result = collectives.all_reduce(self._group, token, "SUM")
         work = TpuWork([], [result])
         work.wait()  # a barrier returns once every rank reached it
@@ -427,6 +430,14 @@ _P2P = (
     "tensors with all_to_all_single (split sizes of zero for the ranks that get nothing) or broadcast, or use a "
     "gloo group (new_group(backend='gloo')) for point-to-point messages of CPU tensors"
 )
+
+
+def _check_tpu(name: str, t: torch.Tensor) -> None:
+    if t.device.type != "tpu":
+        raise TypeError(
+            f"{name}: the tpu backend takes tpu tensors, got one on {t.device} (CPU tensors go to gloo only when "
+            "every tensor of the call is on the CPU)"
+        )
 
 
 def _jax_dtype(t: torch.Tensor) -> np.dtype:

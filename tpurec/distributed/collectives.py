@@ -4,8 +4,7 @@ Each collective is one jitted ``shard_map`` program over a mesh of the group's d
 process): the caller's local array becomes its block of a global ``jax.Array``
 (``jax.make_array_from_single_device_arrays``, no copy), the program runs XLA's collective
 (``psum``, ``all_gather``, ``all_to_all``, ...), and the caller gets its own block of the result
-back, still on its device. Nothing goes through the host but the few integers that describe a call
-(see :func:`agree`). Programs are cached per (collective, shapes, dtype, group), so a training loop
+back, still on its device. Programs are cached per (collective, shapes, dtype, group), so a training loop
 compiles each once.
 
 This module knows nothing of torch; :mod:`tpurec.distributed.backend` maps c10d calls onto it.
@@ -14,7 +13,6 @@ This module knows nothing of torch; :mod:`tpurec.distributed.backend` maps c10d 
 from __future__ import annotations
 
 import functools
-import zlib
 from collections.abc import Callable, Sequence
 
 import jax
@@ -26,9 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 __all__ = [
     "REDUCE_OPS",
-    "CollectiveMismatch",
     "Group",
-    "agree",
     "all_gather",
     "all_reduce",
     "all_to_all",
@@ -41,10 +37,6 @@ __all__ = [
 _AXIS = "ranks"
 # The reductions all_reduce and reduce_scatter take (c10d's ReduceOp names).
 REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
-
-
-class CollectiveMismatch(RuntimeError):
-    """The ranks of a group called a collective with arguments that do not fit together."""
 
 
 class Group:
@@ -288,54 +280,3 @@ def all_to_all_uneven(group: Group, local: jax.Array, splits: np.ndarray, out_ro
 
     out = _run("all_to_all_uneven", group, local, (capacity, rows_out), body, matrix)
     return out[:out_rows]
-
-
-def _dtype_code(dtype: np.dtype) -> int:
-    return zlib.crc32(str(np.dtype(dtype)).encode()) & 0x7FFFFFFF
-
-
-# A call's description: collective, dtype, static arguments, shape (fixed length so that ranks
-# calling different collectives still meet in the same program).
-_SIGNATURE = 16
-
-
-def agree(
-    group: Group,
-    device: jax.Device,
-    name: str,
-    shapes: Sequence[Sequence[int]],
-    dtype: np.dtype,
-    static: Sequence[int] = (),
-    payload: Sequence[int] = (),
-) -> np.ndarray:
-    """Checks that every rank makes the same call; every rank's ``payload``, as a ``(n, len)`` matrix.
-
-    One small all-gather of each rank's call description (collective, dtype, shapes, static
-    arguments) and ``payload`` (e.g. split sizes). Where the ranks disagree every rank raises
-    the same :class:`CollectiveMismatch`, naming the collective and what differed, instead of
-    running programs that do not fit together (which would hang).
-    """
-    shape_words = [len(shapes)] + [w for s in shapes for w in (len(s), *s)]
-    words = [
-        zlib.crc32(name.encode()) & 0x7FFFFFFF,
-        _dtype_code(dtype),
-        *static,
-        zlib.crc32(np.asarray(shape_words, np.int64).tobytes()) & 0x7FFFFFFF,
-        len(payload),
-    ]
-    words = (words + [0] * _SIGNATURE)[:_SIGNATURE]
-    local = jax.device_put(np.asarray([words], dtype=np.int64), device)
-    head = all_gather(group, local)[:, 0]  # (n, _SIGNATURE)
-    rows = np.asarray(head)
-    differs = [r for r in range(group.size) if not np.array_equal(rows[r], rows[0])]
-    if differs:
-        raise CollectiveMismatch(
-            f"{name}: the ranks of this group called collectives that do not match (rank {differs[0]} differs from "
-            f"rank 0 in the collective, dtype, shapes or arguments; this rank called {name} with shapes "
-            f"{[list(s) for s in shapes]}, dtype {np.dtype(dtype)}, arguments {list(static)}); every rank must make "
-            "the same collective calls in the same order"
-        )
-    if not payload:
-        return np.zeros((group.size, 0), np.int64)
-    data = jax.device_put(np.asarray([list(payload)], dtype=np.int64), device)
-    return np.asarray(all_gather(group, data)[:, 0])
