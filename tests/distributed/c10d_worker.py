@@ -152,6 +152,20 @@ def main(backend: str, out_path: str, full: bool = True) -> None:
             ref = torch.empty(2, 3)
             dist.reduce_scatter_tensor(ref, x, op=getattr(dist.ReduceOp, op), group=gloo)
             same(f"reduce_scatter_tensor {op}", out, ref)
+        # reduce_scatter (a list per rank): the reference is gloo's all_reduce of the stacked list.
+        parts = [values(2) for _ in range(n)]
+        out = torch.empty(2, device="tpu")
+        dist.reduce_scatter(out, [p.to("tpu") for p in parts])
+        ref = torch.stack(parts)
+        dist.all_reduce(ref, group=gloo)
+        same("reduce_scatter", out, ref[rank])
+        # reduce to the last rank.
+        x = values(3)
+        t = x.to("tpu")
+        dist.reduce(t, dst=n - 1, op=dist.ReduceOp.MAX)
+        dist.reduce(x, dst=n - 1, op=dist.ReduceOp.MAX, group=gloo)
+        if rank == n - 1:
+            same("reduce", t, x)
 
     # all_to_all_single: even, then uneven with random split matrices (zeros included, the same
     # matrix on every rank: each rank uses its row as input splits and its column as output splits).

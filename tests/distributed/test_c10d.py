@@ -96,7 +96,7 @@ def test_backend_is_registered_for_tpu_tensors():
 
 @pytest.mark.slow
 def test_two_processes_device_map_form(tmp_path):
-    checks = ("all_to_all_single uneven trial 3 torch.int32", "all_to_all [1]", "scatter", "all_reduce async future",
+    checks = ("all_to_all_single uneven trial 3 torch.int32", "all_to_all [1]", "scatter", "all_reduce async future", "reduce_scatter",
               "mismatch detected", "timeout detected", "send refused", "all_reduce sub-group", "ddp")  # fmt: skip
     _launch(2, "cpu:gloo,tpu:tpu", tmp_path / "two", checks=checks)
     _same_training_as_one_process(tmp_path / "two")
