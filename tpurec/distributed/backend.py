@@ -61,25 +61,30 @@ class TpuWork(dist.Work):
         return self._future
 
 
-def _first_tensor(args: tuple) -> torch.Tensor | None:
+def _tensors(args: tuple) -> list[torch.Tensor]:
+    """Every tensor in a call's arguments (lists of lists included)."""
+    found: list[torch.Tensor] = []
     for a in args:
         if isinstance(a, torch.Tensor):
-            return a
-        if isinstance(a, (list, tuple)):
-            found = _first_tensor(tuple(a))
-            if found is not None:
-                return found
-    return None
+            found.append(a)
+        elif isinstance(a, (list, tuple)):
+            found.extend(_tensors(tuple(a)))
+    return found
 
 
 def _cpu_to_gloo(method: Callable) -> Callable:
-    """Sends a call on CPU tensors to the group's gloo group (the same method name)."""
+    """Sends a call whose tensors are all on the CPU to the group's gloo group (the same method name)."""
 
     @functools.wraps(method)
     def call(self: TpuBackend, *args: Any) -> Any:
-        first = _first_tensor(args)
-        if first is not None and first.device.type == "cpu":
+        devices = {t.device.type for t in _tensors(args)}
+        if devices == {"cpu"}:
             return getattr(self._gloo(), method.__name__)(*args)
+        if len(devices) > 1:
+            raise TypeError(
+                f"{method.__name__}: the tensors of one call must all be on tpu (an XLA collective) or all on the CPU "
+                f"(gloo), got tensors on {sorted(devices)}"
+            )
         return method(self, *args)
 
     return call
