@@ -274,7 +274,7 @@ def all_to_all_uneven(group: Group, local: jax.Array, splits: np.ndarray, out_ro
         gets = counts[:, me]
         offsets = jnp.cumsum(gets) - gets
         row = jnp.arange(rows_out, dtype=jnp.int32)
-        source = jnp.clip(jnp.searchsorted(offsets, row, side="right") - 1, 0, n - 1)
+        source = jnp.clip(jnp.searchsorted(offsets, row, side="right", method="compare_all") - 1, 0, n - 1)
         position = jnp.clip(row - offsets[source], 0, capacity - 1)
         return received[source, position]
 
