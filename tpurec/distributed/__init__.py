@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import os
+from typing import Any
 from collections.abc import Sequence
 
 import jax
@@ -113,11 +114,11 @@ def initialize(
             "tpurec.distributed.initialize() must run before the first tpu tensor or JAX computation "
             "(JAX's devices are already in use in this process)"
         )
-    platforms = (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").lower()
+    platforms = (os.environ.get("JAX_PLATFORMS") or getattr(jax.config, "jax_platforms", None) or "").lower()
     if "cpu" in platforms.split(","):
         # XLA:CPU collectives between processes need an implementation; gloo ships with jaxlib.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs = dict(settings or {})
+    kwargs: dict[str, Any] = dict(settings or {})
     if local_device_ids is not None:
         kwargs["local_device_ids"] = local_device_ids
     # Without settings JAX detects the cluster (Cloud TPU metadata, SLURM, ...).

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, Store
 
 __all__ = ["Agreement", "CollectiveMismatch", "CollectiveTimeout"]
 
@@ -39,8 +40,8 @@ class Agreement:
         timeout: how long to wait for the other ranks' calls.
     """
 
-    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
-        self._store = dist.PrefixStore("tpurec-calls/", store)
+    def __init__(self, store: Store, rank: int, size: int, timeout: datetime.timedelta) -> None:
+        self._store = PrefixStore("tpurec-calls/", store)
         self._rank = rank
         self._size = size
         self._timeout = timeout

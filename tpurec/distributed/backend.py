@@ -20,6 +20,7 @@ import jax
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Store
 
 from tpurec.distributed import collectives
 from tpurec.distributed.agreement import Agreement, CollectiveMismatch
@@ -44,7 +45,7 @@ class TpuWork(dist.Work):
 
     def is_completed(self) -> bool:
         """The results are computed."""
-        return all(a.is_ready() for a in self._arrays)
+        return all(a.is_ready() for a in self._arrays)  # pyright: ignore[reportAttributeAccessIssue] (jax's ArrayImpl)
 
     def is_success(self) -> bool:
         return self.is_completed()
@@ -117,9 +118,9 @@ class TpuBackend(dist.ProcessGroup):
     """
 
     def __init__(
-        self, store: dist.Store, rank: int, size: int, global_ranks: Sequence[int], timeout: datetime.timedelta
+        self, store: Store, rank: int, size: int, global_ranks: Sequence[int], timeout: datetime.timedelta
     ) -> None:
-        super().__init__(rank, size)
+        super().__init__(rank, size)  # pyright: ignore[reportCallIssue] (the stubs lack this overload)
         self._store = store
         self._timeout = timeout
         self._cpu: Any = None
@@ -139,8 +140,8 @@ class TpuBackend(dist.ProcessGroup):
     def _gloo(self) -> Any:
         """The gloo group of the same ranks, for CPU tensors (every rank makes it on its first CPU call)."""
         if self._cpu is None:
-            self._cpu = dist.ProcessGroupGloo(
-                dist.PrefixStore("tpurec-cpu/", self._store), self.rank(), self.size(), self._timeout
+            self._cpu = ProcessGroupGloo(
+                PrefixStore("tpurec-cpu/", self._store), self.rank(), self.size(), self._timeout
             )
         return self._cpu
 
@@ -150,7 +151,7 @@ class TpuBackend(dist.ProcessGroup):
             raise TypeError(
                 f"{name}: the tpu backend takes tpu tensors, got one on {t.device} (use a gloo group for CPU tensors)"
             )
-        array = t.to_jax()
+        array = t.to_jax()  # pyright: ignore[reportAttributeAccessIssue] (a TpuTensor, checked above)
         if len(array.devices()) != 1:
             raise ValueError(
                 f"{name}: the tensor is laid out over several devices (a tpurec.shard mesh tensor); c10d collectives "
@@ -469,7 +470,7 @@ def _splits(name: str, which: str, sizes: Sequence[int], t: torch.Tensor, n: int
     return sizes
 
 
-def _join(store: dist.Store, rank: int, size: int) -> None:
+def _join(store: Store, rank: int, size: int) -> None:
     """Joins this process to JAX's multi-controller runtime (once), for the default group."""
     from tpurec import distributed
 

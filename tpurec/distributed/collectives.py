@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,9 @@ __all__ = [
     "scatter",
 ]
 
+# jax.Device, which pyright cannot use as a type (it is a variable in jax's stubs).
+Device = Any
+
 _AXIS = "ranks"
 # The reductions all_reduce and reduce_scatter take (c10d's ReduceOp names).
 REDUCE_OPS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR")
@@ -49,21 +53,21 @@ class Group:
     def __init__(self, processes: Sequence[int]) -> None:
         self.processes = tuple(int(p) for p in processes)
         self.rank = self.processes.index(jax.process_index())
-        self._meshes: dict[jax.Device, Mesh] = {}
+        self._meshes: dict[Device, Mesh] = {}
 
     @property
     def size(self) -> int:
         """Ranks in the group."""
         return len(self.processes)
 
-    def mesh(self, device: jax.Device) -> Mesh:
+    def mesh(self, device: Device) -> Mesh:
         """The mesh of each rank's device at ``device``'s local index (one device per process)."""
         mesh = self._meshes.get(device)
         if mesh is None:
             mesh = self._meshes[device] = self._make_mesh(device)
         return mesh
 
-    def _make_mesh(self, device: jax.Device) -> Mesh:
+    def _make_mesh(self, device: Device) -> Mesh:
         index = jax.local_devices().index(device)
         devices = []
         for process in self.processes:
