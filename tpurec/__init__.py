@@ -61,6 +61,10 @@ from tpurec.compile import register as _register_compile  # noqa: E402
 
 _register_compile()
 
+from tpurec.distributed import register_c10d_backend as _register_c10d_backend  # noqa: E402
+
+_register_c10d_backend()  # torch.distributed.init_process_group("tpu")
+
 from tpurec import library  # noqa: E402,F401
 from tpurec import debug  # noqa: E402,F401 (TPUREC_SHADOW=cpu starts shadowing at import)
 from tpurec.core import memory as _memory  # noqa: E402

@@ -29,11 +29,19 @@ Example::
 from __future__ import annotations
 
 import os
-from typing import Sequence
+from typing import Any
+from collections.abc import Sequence
 
 import jax
 
-__all__ = ["initialize", "is_initialized", "process_index", "process_count", "torchrun_settings"]
+__all__ = [
+    "initialize",
+    "is_initialized",
+    "process_count",
+    "process_index",
+    "register_c10d_backend",
+    "torchrun_settings",
+]
 
 _initialized = False
 
@@ -93,7 +101,9 @@ def initialize(
     if any(v is not None for v in given.values()):
         missing = [k for k, v in given.items() if v is None]
         if missing:
-            raise ValueError(f"initialize: give all of coordinator_address, num_processes and process_id (missing {missing})")
+            raise ValueError(
+                f"initialize: give all of coordinator_address, num_processes and process_id (missing {missing})"
+            )
         settings: dict[str, object] | None = given
     else:
         settings = torchrun_settings()
@@ -104,11 +114,11 @@ def initialize(
             "tpurec.distributed.initialize() must run before the first tpu tensor or JAX computation "
             "(JAX's devices are already in use in this process)"
         )
-    platforms = (os.environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").lower()
+    platforms = (os.environ.get("JAX_PLATFORMS") or getattr(jax.config, "jax_platforms", None) or "").lower()
     if "cpu" in platforms.split(","):
         # XLA:CPU collectives between processes need an implementation; gloo ships with jaxlib.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    kwargs = dict(settings or {})
+    kwargs: dict[str, Any] = dict(settings or {})
     if local_device_ids is not None:
         kwargs["local_device_ids"] = local_device_ids
     # Without settings JAX detects the cluster (Cloud TPU metadata, SLURM, ...).
@@ -129,3 +139,23 @@ def process_index() -> int:
 def process_count() -> int:
     """Processes in the job."""
     return jax.process_count()
+
+
+def _create_c10d_backend(options, backend_options=None):
+    """c10d's creator for the ``"tpu"`` backend (imported on the first process group)."""
+    from tpurec.distributed.backend import create
+
+    return create(options, backend_options)
+
+
+def register_c10d_backend() -> None:
+    """Makes ``"tpu"`` a ``torch.distributed`` backend for tpu tensors (``import tpurec`` calls it).
+
+    After it ``torch.distributed.init_process_group("tpu")`` and ``"cpu:gloo,tpu:tpu"`` work; see
+    :mod:`tpurec.distributed.backend`.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available() or "tpu" in dist.Backend.backend_list:
+        return
+    dist.Backend.register_backend("tpu", _create_c10d_backend, extended_api=True, devices=["tpu"])
