@@ -2,7 +2,13 @@
 
 The sources beside this file are compiled with g++ into one library, into a
 cache directory (``$TPUREC_CACHE_DIR/native`` or ``~/.cache/tpurec/native``),
-keyed by a hash of the sources, compiler and flags:
+keyed by a hash of the sources, compiler and flags (the build id). Beside each
+library a record (``.json``) keeps its build id, size and sha256; a library is
+loaded only when it matches its record, and rebuilt otherwise (a truncated,
+damaged, empty or foreign file would crash the process that loads it). Builds
+go to a temporary file in the same folder, are synced to disk and renamed into
+place under a file lock, so concurrent processes build once and never load a
+half-written library. The library holds:
 
 * ``sparse_cpu.cc``: the sparse op set's kernels (:mod:`tpurec.sparse.kernels.native`);
 * ``preprocess_cpu.cc``: KJT -> CSR preprocessing (:mod:`tpurec.sparse.kernels.native.preprocess`);
@@ -30,11 +36,13 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import json
 import os
 import platform
 import subprocess
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import jax
@@ -96,11 +104,8 @@ def _compiler_version(cxx: str) -> str:
         raise NativeBuildError(f"C++ compiler {cxx!r} is not usable: {e}") from e
 
 
-def library_path() -> Path:
-    """Builds the kernels' shared library if not cached; returns its path."""
-    cxx = os.environ.get("CXX", "g++")
-    flags = _flags()
-    include = jax.ffi.include_dir()
+def _build_id(cxx: str, flags: list[str]) -> str:
+    """What the library is built from: sources, compiler, flags, JAX version (and CPU, for -march=native)."""
     key = hashlib.sha256()
     sources = [src.read_bytes() for src in (*_SOURCES, *_HEADERS)]
     for part in (*sources, _compiler_version(cxx).encode(), " ".join(flags).encode(), jax.__version__.encode()):
@@ -108,29 +113,132 @@ def library_path() -> Path:
         key.update(b"\0")
     if "-march=native" in flags:
         key.update(repr(sorted(_cpu_flags())).encode())  # a shared cache may serve other CPUs
+    return key.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _record_path(library: Path) -> Path:
+    """The record beside a library: its build id, size and content hash (JSON)."""
+    return library.with_suffix(".json")
+
+
+def _verified(library: Path, build_id: str) -> bool:
+    """True when ``library`` is the complete, unaltered output of the build ``build_id``.
+
+    A truncated, bit-flipped, empty or foreign file kills the process that loads it
+    (SIGBUS, SIGILL, SIGSEGV) or fails to load, so nothing is loaded on its name alone.
+    """
+    try:
+        record = json.loads(_record_path(library).read_text())
+        if not isinstance(record, dict) or record.get("build_id") != build_id:
+            return False
+        if library.stat().st_size != record.get("size"):
+            return False  # cheap first: a truncated file is caught without reading it
+        return _sha256(library) == record.get("sha256")
+    except (OSError, ValueError):
+        return False
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    """Writes ``path`` atomically: a temporary file in the same folder, fsync, then rename."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems cannot sync a folder; the renames are still atomic
+    finally:
+        os.close(fd)
+
+
+def _build(cxx: str, flags: list[str], out: Path, build_id: str) -> None:
+    """Compiles the library to ``out`` and records it; the caller holds the folder's lock."""
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
+    os.close(fd)
+    include = jax.ffi.include_dir()
+    cmd = [cxx, *flags, "-isystem", include, "-I", str(_HERE), *map(str, _SOURCES), "-o", tmp]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise NativeBuildError(
+                f"compiling {', '.join(s.name for s in _SOURCES)} failed (exit {result.returncode}):\n  {' '.join(cmd)}\n{result.stderr}{result.stdout}"
+            )
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        record = {"build_id": build_id, "size": os.path.getsize(tmp), "sha256": _sha256(Path(tmp))}
+        # The library first, then its record: a reader in between sees a record that does
+        # not match, waits on the lock, and then finds both.
+        os.replace(tmp, out)  # atomic: a process that has the old file open keeps its copy
+        _write_durably(_record_path(out), json.dumps(record).encode())
+        _fsync_dir(out.parent)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _remove_leftovers(out_dir: Path) -> None:
+    """Removes temporary files of builds that were killed (only the lock holder builds)."""
+    for leftover in out_dir.glob("tpurec_cpu-*.tmp"):
+        try:
+            leftover.unlink()
+        except OSError:
+            pass
+
+
+def library_path() -> Path:
+    """Builds the kernels' shared library unless a verified build is cached; returns its path.
+
+    The library is used only when its content hash and build id match the record written
+    beside it when it was built. Anything else (a truncated, damaged, empty or foreign file,
+    a library without a record) is rebuilt, under a lock so that concurrent processes build
+    once, and replaced atomically.
+    """
+    cxx = os.environ.get("CXX", "g++")
+    flags = _flags()
+    build_id = _build_id(cxx, flags)
     out_dir = _cache_dir()
-    out = out_dir / f"tpurec_cpu-{key.hexdigest()[:16]}.so"
-    if out.exists():
+    out = out_dir / f"tpurec_cpu-{build_id[:16]}.so"
+    if _verified(out, build_id):
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
-    # One process compiles; the others wait on the lock and then find the file.
+    # One process compiles; the others wait on the lock and then find the verified file.
     with open(out_dir / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if out.exists():
+        if _verified(out, build_id):
             return out
-        fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so.tmp")
-        os.close(fd)
-        cmd = [cxx, *flags, "-isystem", include, "-I", str(_HERE), *map(str, _SOURCES), "-o", tmp]
-        try:
-            result = subprocess.run(cmd, capture_output=True, text=True)
-            if result.returncode != 0:
-                raise NativeBuildError(
-                    f"compiling {', '.join(s.name for s in _SOURCES)} failed (exit {result.returncode}):\n  {' '.join(cmd)}\n{result.stderr}{result.stdout}"
-                )
-            os.replace(tmp, out)  # atomic: readers never see a half-written library
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        _remove_leftovers(out_dir)
+        if out.exists():
+            warnings.warn(
+                f"tpurec: the native library {out} does not match its build record (damaged, "
+                "truncated or replaced); rebuilding it.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        _build(cxx, flags, out, build_id)
+        if not _verified(out, build_id):  # e.g. another program writes into the folder
+            raise NativeBuildError(f"the native library built at {out} does not match its build record")
     return out
 
 
