@@ -23,25 +23,124 @@ File layout (a ``torch.save`` dict, CPU tensors only)::
      "embedding_optimizers": {"<module path>": ebc.optimizer_state_dict()},
      "optimizer": dense_optimizer.state_dict() or None,
      "rng": {"cpu": torch.get_rng_state(), "tpu": [torch.tpu.get_rng_state(i), ...]},
-     "extra": {...}}
+     "extra": {...},
+     "checksums": {"<entry>": "<sha256 of its dtype, shape and bytes>", ...}}
+
+Integrity: every entry (each tensor and each plain value, by its path such as
+``model/<key>``) has a sha256 in ``"checksums"``, and :func:`save` also records
+the sha256 of the whole file in the zip comment at its end (an ordinary zip
+feature; ``torch.load`` reads the file as before). :func:`load` checks both
+before anything is written: a damaged, truncated or partly written file is a
+:class:`CheckpointError` naming the file (and the entry, when one entry is
+damaged), and the model is left unchanged.
+
+Checkpoints written before checksums existed (no ``"checksums"`` entry, no file
+hash) still load, unchecked, with a warning; save them again with :func:`save`
+to add the checksums.
+
+:func:`save` removes the temporary files that interrupted saves left in the
+folder; :func:`list_checkpoints` lists the committed checkpoints of a folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import hashlib
 import os
+import re
 import tempfile
+import warnings
+import zipfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
 from tpurec.sparse.modules import EmbeddingBagCollection
 
-__all__ = ["FORMAT", "state_dict", "load_state_dict", "save", "load"]
+__all__ = ["FORMAT", "CheckpointError", "list_checkpoints", "load", "load_state_dict", "save", "state_dict"]
 
 FORMAT = "tpurec.sparse.checkpoint/1"
+
+# The zip comment that carries the whole file's sha256 (see _seal).
+_SEAL = b"tpurec-sha256:"
+_SEAL_LENGTH = len(_SEAL) + 64
+_EOCD = b"PK\x05\x06"  # the zip's end-of-central-directory record: 22 bytes, then the comment
+# mkstemp's names for the temporary files of save(): ".<name>.<8 random characters>.tmp"
+_TEMPORARY = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint is damaged, incomplete or does not fit the model (the message names the file or entry)."""
+
+
+def _digest(value: Any) -> str:
+    """The sha256 of one entry: a tensor's dtype, shape and bytes, or a plain value's type and repr."""
+    h = hashlib.sha256()
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        h.update(f"tensor|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, Mapping):
+        h.update(f"{type(value).__name__}|{len(value)}".encode())  # keys are in the paths below it
+    elif isinstance(value, (list, tuple)):
+        h.update(f"{type(value).__name__}|{len(value)}".encode())
+    else:
+        h.update(f"{type(value).__name__}|{value!r}".encode())
+    return h.hexdigest()
+
+
+def _entries(value: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    """Every container and leaf of a checkpoint, by path (``model/<key>``, ``optimizer/state/0/exp_avg``...)."""
+    yield prefix or "/", value
+    if isinstance(value, Mapping):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return
+    for key, item in items:
+        yield from _entries(item, f"{prefix}/{key if isinstance(key, str) else repr(key)}")
+
+
+def _checksums(checkpoint: Mapping[str, Any]) -> dict[str, str]:
+    body = {k: v for k, v in checkpoint.items() if k != "checksums"}
+    return {path: _digest(value) for path, value in _entries(body)}
+
+
+def _verify_checksums(checkpoint: Mapping[str, Any], source: str) -> None:
+    """Raises CheckpointError naming the first entry whose checksum differs (or that is missing or extra)."""
+    saved = checkpoint["checksums"]
+    if not isinstance(saved, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in saved.items()):
+        raise CheckpointError(f"{source}: the checksums entry is damaged; use another checkpoint")
+    found = _checksums(checkpoint)
+    for path in sorted(set(saved) | set(found)):
+        if path not in found:
+            raise CheckpointError(f"{source}: entry '{path}' is missing (the checkpoint is damaged); use another checkpoint")
+        if path not in saved:
+            raise CheckpointError(f"{source}: entry '{path}' has no checksum (the checkpoint is damaged); use another checkpoint")
+        if saved[path] != found[path]:
+            raise CheckpointError(
+                f"{source}: entry '{path}' is damaged (its checksum does not match the one saved); use another checkpoint"
+            )
+
+
+_warned_unchecked: set[str] = set()
+
+
+def _warn_unchecked(source: str) -> None:
+    if source in _warned_unchecked:
+        return
+    _warned_unchecked.add(source)
+    warnings.warn(
+        f"{source} was written without checksums (by an older tpurec) and is loaded unchecked; save it again "
+        "with tpurec.sparse.checkpoint.save to add them",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def _to_cpu(value: Any) -> Any:
@@ -85,7 +184,7 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     Returns:
         The checkpoint dict (see the module docstring for its layout).
     """
-    return {
+    checkpoint = {
         "format": FORMAT,
         "model": _to_cpu(model.state_dict()),
         "embedding_optimizers": {name: _to_cpu(m.optimizer_state_dict()) for name, m in _embedding_modules(model).items()},
@@ -93,6 +192,8 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
         "rng": _rng_state(),
         "extra": dict(extra or {}),
     }
+    checkpoint["checksums"] = _checksums(checkpoint)
+    return checkpoint
 
 
 @contextlib.contextmanager
@@ -125,9 +226,9 @@ def load_state_dict(
 ) -> dict[str, Any]:
     """Restores what :func:`state_dict` returned.
 
-    Everything is checked first (format, model keys and shapes, embedding
-    optimizer kinds, slots and shapes, presence of the dense optimizer state),
-    then written.
+    Everything is checked first (format, checksums, model keys and shapes,
+    embedding optimizer kinds, slots and shapes, presence of the dense optimizer
+    state), then written.
 
     Args:
         model: the model to restore, built as the saved one was.
@@ -139,11 +240,30 @@ def load_state_dict(
         The checkpoint's ``extra`` dict.
 
     Raises:
+        CheckpointError: a damaged entry (the message names it); nothing was changed.
         ValueError: the checkpoint does not fit ``model`` / ``optimizer``; nothing was changed.
     """
+    return _load_checked(model, checkpoint, optimizer, restore_rng=restore_rng, source="the checkpoint")
+
+
+def _check_integrity(checkpoint: Any, source: str) -> None:
+    """Raises unless ``checkpoint`` is of this format with every checksum matching (old ones: a warning)."""
     if not isinstance(checkpoint, Mapping) or checkpoint.get("format") != FORMAT:
         found = checkpoint.get("format") if isinstance(checkpoint, Mapping) else type(checkpoint).__name__
         raise ValueError(f"not a {FORMAT} checkpoint (format: {found!r}); write one with tpurec.sparse.checkpoint.save")
+    if "checksums" in checkpoint:
+        _verify_checksums(checkpoint, source)
+    else:
+        _warn_unchecked(source)
+    for key in ("model", "embedding_optimizers", "optimizer"):
+        if key not in checkpoint:
+            raise CheckpointError(f"{source}: entry '/{key}' is missing (the checkpoint is damaged); use another checkpoint")
+
+
+def _load_checked(
+    model: nn.Module, checkpoint: Mapping[str, Any], optimizer: torch.optim.Optimizer | None, *, restore_rng: bool, source: str
+) -> dict[str, Any]:
+    _check_integrity(checkpoint, source)
     _check_model_state(model, checkpoint["model"])
     modules = _embedding_modules(model)
     saved = checkpoint["embedding_optimizers"]
@@ -189,11 +309,12 @@ def _validate_dense_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[s
 
 
 def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: Mapping[str, Any] | None = None) -> Path:
-    """Writes :func:`state_dict` to ``path`` atomically.
+    """Writes :func:`state_dict` to ``path`` atomically, with checksums.
 
-    The file is written under a temporary name in the same folder, flushed to
-    disk, then renamed over ``path``: a crash mid-write leaves the previous
-    checkpoint intact, never a torn file.
+    The file is written under a temporary name in the same folder, sealed with
+    the sha256 of its bytes, flushed to disk, then renamed over ``path``: a crash
+    mid-write leaves the previous checkpoint intact, never a torn file.
+    Temporary files that earlier, interrupted saves left in the folder are removed.
 
     Args:
         path: the checkpoint file.
@@ -206,14 +327,19 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    _remove_leftovers(path.parent)
     checkpoint = state_dict(model, optimizer, extra)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "w+b") as f:
+            # Held until the rename: a later save's clean-up never removes a file being written.
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX)
             torch.save(checkpoint, f)
             f.flush()
+            _seal(f)
+            f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
+            os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -221,8 +347,73 @@ def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     return path
 
 
+def _seal(f: Any) -> None:
+    """Appends the sha256 of the file's bytes as its zip comment (``f`` holds one zip, at its end)."""
+    f.seek(-22, os.SEEK_END)
+    end = f.read(22)
+    if end[:4] != _EOCD or end[-2:] != b"\0\0":
+        raise RuntimeError("torch.save wrote no zip end record; cannot seal the checkpoint")
+    f.seek(-2, os.SEEK_END)
+    f.write(_SEAL_LENGTH.to_bytes(2, "little"))
+    f.flush()
+    f.seek(0)
+    digest = _file_sha256(f, os.fstat(f.fileno()).st_size)
+    f.seek(0, os.SEEK_END)
+    f.write(_SEAL + digest.encode())
+
+
+def _file_sha256(f: Any, length: int) -> str:
+    h = hashlib.sha256()
+    left = length
+    while left > 0:
+        block = f.read(min(left, 1 << 20))
+        if not block:
+            break
+        h.update(block)
+        left -= len(block)
+    return h.hexdigest()
+
+
+def _check_seal(path: Path) -> bool:
+    """True when ``path`` carries a file hash and it matches; False when it has none (an older file).
+
+    Raises:
+        CheckpointError: the file hash does not match (a damaged or partly written file).
+    """
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 22 + _SEAL_LENGTH:
+            return False
+        f.seek(size - _SEAL_LENGTH - 22)
+        end = f.read(22 + _SEAL_LENGTH)
+        if end[:4] != _EOCD or end[22 : 22 + len(_SEAL)] != _SEAL:
+            return False
+        f.seek(0)
+        if _file_sha256(f, size - _SEAL_LENGTH) != end[22 + len(_SEAL) :].decode("ascii", "replace"):
+            raise CheckpointError(
+                f"{path}: the file is damaged (its sha256 does not match the one recorded when it was saved); "
+                "use another checkpoint"
+            )
+    return True
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Removes temporary files of interrupted saves (one being written is locked, and kept)."""
+    for candidate in folder.iterdir():
+        if not _TEMPORARY.match(candidate.name) or not candidate.is_file():
+            continue
+        try:
+            with open(candidate, "rb") as f:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                candidate.unlink()
+        except OSError:
+            continue  # being written by another save, or already gone
+
+
 def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = True) -> dict[str, Any]:
     """Restores a checkpoint written by :func:`save` (see :func:`load_state_dict`).
+
+    The file's hash and every entry's checksum are checked before anything is written.
 
     Args:
         path: the checkpoint file.
@@ -232,6 +423,44 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
 
     Returns:
         The ``extra`` dict given to :func:`save`.
+
+    Raises:
+        CheckpointError: the file is missing, damaged or incomplete (the message names it); nothing was changed.
+        ValueError: the checkpoint does not fit ``model`` / ``optimizer``; nothing was changed.
     """
-    checkpoint = torch.load(Path(path), map_location="cpu", weights_only=True)
-    return load_state_dict(model, checkpoint, optimizer, restore_rng=restore_rng)
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: no such checkpoint file")
+    sealed = _check_seal(path)
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch reports a damaged zip or pickle in many ways
+        raise CheckpointError(f"{path}: not a readable checkpoint, the file is damaged ({type(e).__name__}: {e})") from e
+    if isinstance(checkpoint, Mapping) and "checksums" in checkpoint and not sealed:
+        raise CheckpointError(f"{path}: the file hash written by save is missing (a truncated or damaged file); use another checkpoint")
+    return _load_checked(model, checkpoint, optimizer, restore_rng=restore_rng, source=str(path))
+
+
+def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
+    """The committed checkpoints in ``directory``, oldest first (newest last).
+
+    Lists the files written by :func:`save` and the folders written by
+    :func:`tpurec.sparse.sharding.checkpoint.save`; leaves out the temporary files
+    and folders of saves that did not finish. A listed checkpoint is still checked
+    when it is loaded.
+
+    Args:
+        directory: the folder to look in.
+
+    Returns:
+        Their paths, by modification time (then name).
+    """
+    found = []
+    for entry in Path(directory).iterdir():
+        if entry.name.startswith(".") or entry.name.endswith(".tmp") or "orbax-checkpoint-tmp" in entry.name:
+            continue
+        if entry.is_file() and zipfile.is_zipfile(entry):
+            found.append(entry)
+        elif entry.is_dir() and (entry / "_CHECKPOINT_METADATA").is_file():
+            found.append(entry)  # Orbax writes it last, into the temporary folder it then renames
+    return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
