@@ -13,11 +13,11 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from helpers import make_tables, random_kjt
 from torchrec import EmbeddingBagCollection as TorchrecEBC
 from torchrec.models.dlrm import DLRM
 
 import tpurec.sparse as sp
-from helpers import make_tables, random_kjt
 from tpurec.sparse import checkpoint
 
 TABLES = make_tables(dims=(4, 4, 4))

@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import os
 import re
 import tempfile
@@ -459,8 +460,17 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     for entry in Path(directory).iterdir():
         if entry.name.startswith(".") or entry.name.endswith(".tmp") or "orbax-checkpoint-tmp" in entry.name:
             continue
-        if entry.is_file() and zipfile.is_zipfile(entry):
+        if (entry.is_file() and zipfile.is_zipfile(entry)) or (entry.is_dir() and _committed_sharded(entry)):
             found.append(entry)
-        elif entry.is_dir() and (entry / "_CHECKPOINT_METADATA").is_file():
-            found.append(entry)  # Orbax writes it last, into the temporary folder it then renames
     return sorted(found, key=lambda p: (p.stat().st_mtime_ns, p.name))
+
+
+def _committed_sharded(folder: Path) -> bool:
+    """A sharded checkpoint whose save finished: with its manifest (or an older one, committed by Orbax)."""
+    if (folder / "tpurec_manifest.json").is_file():
+        return True
+    try:
+        custom = json.loads((folder / "_CHECKPOINT_METADATA").read_text()).get("custom_metadata") or {}
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(custom, dict) and "tpurec" not in custom  # a newer one without its manifest did not finish

@@ -11,6 +11,20 @@ model saved table-wise on 8 devices loads row-wise on 4: the moves between
 layouts are gathers and scatters inside one XLA program each, so values are
 bit-identical. Dense parameters and buffers are stored replicated.
 
+Integrity: the checkpoint records, for every table, optimizer slot and dense
+tensor, a 96-bit checksum of its values (computed by XLA where the arrays live,
+so every process agrees without gathering), and describes the model it came
+from (collections, tables with rows, dims and dtypes, optimizer and slot names,
+dense shapes) in Orbax's ``_CHECKPOINT_METADATA``. :func:`load` refuses, before
+anything is written, a checkpoint that does not fit the model (with the messages
+of :mod:`tpurec.sparse.checkpoint`), a damaged or incomplete one (a
+:class:`~tpurec.sparse.checkpoint.CheckpointError` naming the file or entry),
+and an interrupted save. Checkpoints written before checksums existed load
+with one warning, checked by names and dims only; save them again to add the
+checksums. :func:`save` removes the temporary folders that interrupted saves
+left beside the new one (do not run two saves into one folder at once);
+:func:`list_checkpoints` lists the committed checkpoints of a folder.
+
 Example::
 
     save(sharded_model, "/ckpt/step_100")
@@ -20,18 +34,31 @@ Example::
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
+import tempfile
+import warnings
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from torch import nn
 
+from tpurec.sparse.checkpoint import CheckpointError, list_checkpoints
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
 
-__all__ = ["save", "load"]
+__all__ = ["FORMAT", "CheckpointError", "list_checkpoints", "load", "save"]
+
+FORMAT = "tpurec.sparse.sharding.checkpoint/1"
+_TEMPORARY = ".orbax-checkpoint-tmp"  # what Orbax appends to a checkpoint's name while writing it
+_MANIFEST = "tpurec_manifest.json"  # every file's size and sha256, written once Orbax has committed
 
 
 def _padded_rows(rows: int, devices: int) -> int:
@@ -166,10 +193,20 @@ def save(model: nn.Module, directory: str | os.PathLike) -> None:
     """
     import orbax.checkpoint as ocp
 
+    directory = os.path.abspath(directory)
+    if jax.process_index() == 0:
+        _remove_leftovers(Path(directory).parent)
     tree = _tree(model)
+    tree["checksums"] = _checksums(model, tree)
     with ocp.StandardCheckpointer() as checkpointer:
-        checkpointer.save(os.path.abspath(directory), tree)
+        checkpointer.save(directory, tree, custom_metadata={"tpurec": _description(model)})
         checkpointer.wait_until_finished()
+    if jax.process_index() == 0:
+        _write_manifest(Path(directory))
+    if jax.process_count() > 1:  # nobody loads it before the manifest is there
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("tpurec sharded checkpoint manifest")
 
 
 def load(model: nn.Module, directory: str | os.PathLike) -> None:
@@ -179,17 +216,23 @@ def load(model: nn.Module, directory: str | os.PathLike) -> None:
     parameters and buffers are replicated on ``model``'s mesh.
 
     Raises:
-        ValueError: the checkpoint's collections or tables do not match the model's.
+        CheckpointError: the checkpoint is missing, damaged or incomplete (the message names the
+            file or entry); nothing was changed.
+        ValueError: the checkpoint's collections, tables, shapes, dtypes, optimizer or slots
+            do not match the model's; nothing was changed.
     """
     import orbax.checkpoint as ocp
 
     modules = _modules(model)
     dense = _dense(model)
     path = os.path.abspath(directory)
+    _check_committed(path)
+    has_manifest = _check_manifest(Path(path))
     with ocp.StandardCheckpointer() as checkpointer:
-        stored = checkpointer.metadata(path)
-        stored_tree = getattr(stored, "item_metadata", stored)
-        stored_tree = getattr(stored_tree, "tree", stored_tree)
+        stored_tree, description = _read_metadata(checkpointer, path)
+        if description is not None and not has_manifest:
+            raise CheckpointError(f"{path}/{_MANIFEST}: missing, the save did not finish or the file was removed; use another checkpoint")
+        _check_fits(path, modules, dense, stored_tree, description)
         saved_paths = set(stored_tree["embeddings"])
         mine = {_key(path_) for path_ in modules}
         if saved_paths != mine:
@@ -212,8 +255,11 @@ def load(model: nn.Module, directory: str | os.PathLike) -> None:
         for name, t in dense.items():
             array = t._storage.array
             target["dense"][_key(name)] = jax.ShapeDtypeStruct(tuple(t.shape), array.dtype, sharding=array.sharding)
-        # strict=False: the row padding depends on the device count, which may differ.
-        restored = checkpointer.restore(path, target, strict=False)
+        if "checksums" in stored_tree:
+            target["checksums"] = jax.tree.map(lambda _: np.zeros(3, np.uint32), _checksum_layout(modules, dense))
+        restored = _restore(checkpointer, path, target)
+    if "checksums" in stored_tree:
+        _verify_checksums(path, modules, dense, restored)
     for mpath, module in modules.items():
         entry = restored["embeddings"][_key(mpath)]
         canonical = entry["tables"]
@@ -230,3 +276,287 @@ def load(model: nn.Module, directory: str | os.PathLike) -> None:
         module._step = int(np.asarray(entry["step"]))
     for name, t in dense.items():
         t._storage.array = restored["dense"][_key(name)]
+
+
+# --- integrity: checksums, the model description, strict checks --------------------------------
+
+
+def _fmix(h: jax.Array) -> jax.Array:
+    """MurmurHash3's 32-bit finalizer: a bijection that spreads every input bit over the output."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def _digest(x: jax.Array) -> jax.Array:
+    """``[3]`` uint32: two hashed sums over (position, bits) of every element, and the element count.
+
+    A sum of per-element hashes does not depend on how the array is sharded (integer
+    sums are exact), so every process computes the same value where the shards live;
+    changing any one element always changes both sums (the hash is a bijection).
+    """
+    flat = jnp.ravel(x)
+    if flat.dtype == jnp.bool_:
+        bits = flat.astype(jnp.uint32)
+    elif flat.dtype.itemsize == 8:
+        bits = jnp.ravel(lax.bitcast_convert_type(flat, jnp.uint32))
+    else:
+        unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[flat.dtype.itemsize]
+        bits = lax.bitcast_convert_type(flat, unsigned).astype(jnp.uint32)
+    position = lax.iota(jnp.uint32, bits.shape[0])
+    sums = [jnp.sum(_fmix(bits ^ _fmix(position * jnp.uint32(0x9E3779B1) + jnp.uint32(seed))), dtype=jnp.uint32) for seed in (0x1B873593, 0x7FEB352D)]
+    return jnp.stack([*sums, jnp.uint32(bits.shape[0])])
+
+
+def _checksum_layout(modules: dict[str, ShardedEmbeddingBagCollection], dense: dict[str, Any]) -> dict[str, Any]:
+    """``{"embeddings": {collection: {table: {"weight"|slot: rows}}}, "dense": {key: None}}``."""
+    return {
+        "embeddings": {
+            _key(mpath): {c.name: {k: c.num_embeddings for k in ("weight", *m.optimizer.slots)} for c in m.embedding_bag_configs()}
+            for mpath, m in modules.items()
+        },
+        "dense": {_key(name): -1 for name in dense},
+    }
+
+
+def _digests(modules: dict[str, ShardedEmbeddingBagCollection], dense: dict[str, Any], embeddings: dict[str, Any], dense_values: dict[str, Any]) -> dict[str, Any]:
+    """The checksums of canonical tables (their real rows, not the padding) and dense values, as numpy."""
+    layout = _checksum_layout(modules, dense)
+    values = {
+        "embeddings": {k: {t: {s: embeddings[k][t][s] for s in slots} for t, slots in tables.items()} for k, tables in layout["embeddings"].items()},
+        "dense": {k: dense_values[k] for k in layout["dense"]},
+    }
+
+    def fn(values):
+        rows = jax.tree.map(lambda v, r: v if r < 0 else v[:r], values, layout)
+        return jax.tree.map(_digest, rows)
+
+    out = jax.jit(fn)(values)
+    return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), out)
+
+
+def _checksums(model: nn.Module, tree: dict[str, Any]) -> dict[str, Any]:
+    modules, dense = _modules(model), _dense(model)
+    embeddings = {k: v["tables"] for k, v in tree["embeddings"].items()}
+    return _digests(modules, dense, embeddings, tree["dense"])
+
+
+def _optimizer_name(module: ShardedEmbeddingBagCollection) -> str:
+    return type(module.optimizer).__name__
+
+
+def _description(model: nn.Module) -> dict[str, Any]:
+    """What the checkpoint holds, for the strict checks of :func:`load` (JSON, in ``_CHECKPOINT_METADATA``)."""
+    from tpurec.core.dispatch import value_of
+
+    collections = {}
+    for mpath, m in _modules(model).items():
+        collections[_key(mpath)] = {
+            "path": mpath,
+            "optimizer": _optimizer_name(m),
+            "slots": list(m.optimizer.slots),
+            "tables": {c.name: {"rows": c.num_embeddings, "dim": c.embedding_dim, "dtype": "float32"} for c in m.embedding_bag_configs()},
+        }
+    dense = {}
+    for name, t in _dense(model).items():
+        dense[_key(name)] = {"name": name, "shape": list(t.shape), "dtype": str(value_of(t, "checkpoint").dtype)}
+    return {"format": FORMAT, "collections": collections, "dense": dense}
+
+
+def _check_committed(path: str) -> None:
+    """Raises CheckpointError unless ``path`` is a checkpoint folder whose save finished."""
+    folder = Path(path)
+    if _TEMPORARY in folder.name:
+        raise CheckpointError(f"{path}: the temporary folder of a save that did not finish, not a checkpoint; use another checkpoint")
+    if not folder.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    for name in ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt"):
+        if not (folder / name).is_file():
+            raise CheckpointError(f"{folder / name}: missing, the checkpoint is incomplete or damaged; use another checkpoint")
+
+
+def _read_metadata(checkpointer: Any, path: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The stored tree's array metadata and the model description (None for older checkpoints)."""
+    try:
+        stored = checkpointer.metadata(path)
+    except Exception as e:  # Orbax reports unreadable metadata in many ways
+        raise CheckpointError(f"{path}/_CHECKPOINT_METADATA or _METADATA: unreadable, the checkpoint is damaged ({type(e).__name__}: {e})") from e
+    stored_tree = getattr(stored, "item_metadata", stored)
+    stored_tree = getattr(stored_tree, "tree", stored_tree)
+    if not isinstance(stored_tree, dict) or not isinstance(stored_tree.get("embeddings"), dict) or not isinstance(stored_tree.get("dense"), dict):
+        raise CheckpointError(f"{path}/_METADATA: damaged or not a tpurec sharded checkpoint; use another checkpoint")
+    custom = getattr(stored, "custom_metadata", None) or {}
+    description = custom.get("tpurec") if isinstance(custom, dict) else None
+    if description is None:
+        if "checksums" in stored_tree:
+            raise CheckpointError(f"{path}/_CHECKPOINT_METADATA: the model description is missing, the checkpoint is damaged")
+        _warn_unchecked(path)
+        return stored_tree, None
+    if not isinstance(description, dict) or description.get("format") != FORMAT or "checksums" not in stored_tree:
+        raise CheckpointError(f"{path}/_CHECKPOINT_METADATA: damaged (not a {FORMAT} description); use another checkpoint")
+    return stored_tree, description
+
+
+_warned_unchecked: set[str] = set()
+
+
+def _warn_unchecked(path: str) -> None:
+    if path in _warned_unchecked:
+        return
+    _warned_unchecked.add(path)
+    warnings.warn(
+        f"{path} was written without checksums (by an older tpurec) and is loaded checked by names and dims only; "
+        "save it again with tpurec.sparse.sharding.checkpoint.save to add them",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+def _check_fits(path: str, modules: dict[str, ShardedEmbeddingBagCollection], dense: dict[str, Any], stored_tree: dict[str, Any], description: dict[str, Any] | None) -> None:
+    """Raises ValueError unless the checkpoint holds exactly the model's tables, slots and dense tensors.
+
+    The messages are those of the single-device format (:mod:`tpurec.sparse.checkpoint`).
+    """
+    from tpurec.core.dispatch import value_of
+
+    saved_paths, mine = set(stored_tree["embeddings"]), {_key(p) for p in modules}
+    if saved_paths != mine:
+        raise ValueError(f"the checkpoint holds sharded collections {sorted(saved_paths)}, the model {sorted(mine)}")
+    for mpath, module in modules.items():
+        key = _key(mpath)
+        saved_tables = stored_tree["embeddings"][key].get("tables")
+        names = {c.name for c in module.embedding_bag_configs()}
+        if not isinstance(saved_tables, dict) or set(saved_tables) != names:
+            got = sorted(saved_tables) if isinstance(saved_tables, dict) else saved_tables
+            raise ValueError(f"collection '{mpath}': the checkpoint has tables {got}, the model {sorted(names)}")
+        saved = None if description is None else description["collections"].get(key)
+        mine_name = _optimizer_name(module)
+        if saved is not None and saved.get("optimizer") != mine_name:
+            raise ValueError(
+                f"embedding optimizer state of module '{mpath or '<model>'}': the optimizer state is of {saved.get('optimizer')}, "
+                f"but this EmbeddingBagCollection uses {mine_name}; build the module with the optimizer the checkpoint was trained with"
+            )
+        slots = sorted(module.optimizer.slots)
+        for cfg in module.embedding_bag_configs():
+            state_key = f"{mpath}.embedding_bags.{cfg.name}.weight" if mpath else f"embedding_bags.{cfg.name}.weight"
+            got_slots = sorted(k for k in saved_tables[cfg.name] if k != "weight")
+            if "weight" not in saved_tables[cfg.name] or got_slots != slots:
+                raise ValueError(
+                    f"embedding optimizer state of module '{mpath or '<model>'}': the optimizer state of {state_key} has slots "
+                    f"{got_slots}, but {mine_name} needs {slots}"
+                )
+            meta = saved_tables[cfg.name]["weight"]
+            rows = cfg.num_embeddings
+            if saved is not None:
+                table = saved["tables"][cfg.name]
+                rows, dtype = table["rows"], table["dtype"]
+                if dtype != "float32" or str(meta.dtype) != "float32":
+                    raise ValueError(f"checkpoint entry {state_key} has dtype {dtype}, the model's is float32")
+            got = (rows, *tuple(meta.shape)[1:])
+            if got != (cfg.num_embeddings, cfg.embedding_dim):
+                raise ValueError(f"checkpoint entry {state_key} has shape {got}, the model's is {(cfg.num_embeddings, cfg.embedding_dim)}")
+    saved_dense = set(stored_tree["dense"])
+    missing = sorted(name for name in dense if _key(name) not in saved_dense)
+    unexpected = sorted(k.replace("~", ".") for k in saved_dense - {_key(n) for n in dense})
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit the model: missing keys {missing}, unexpected keys {unexpected}")
+    for name, t in dense.items():
+        meta = stored_tree["dense"][_key(name)]
+        if tuple(meta.shape) != tuple(t.shape):
+            raise ValueError(f"checkpoint entry {name} has shape {tuple(meta.shape)}, the model's is {tuple(t.shape)}")
+        want = value_of(t, "checkpoint").dtype
+        if np.dtype(meta.dtype) != np.dtype(want):
+            raise ValueError(f"checkpoint entry {name} has dtype {meta.dtype}, the model's is {want}")
+
+
+def _restore(checkpointer: Any, path: str, target: dict[str, Any]) -> dict[str, Any]:
+    try:
+        # strict=False: the row padding depends on the device count, which may differ.
+        return checkpointer.restore(path, target, strict=False)
+    except Exception as e:  # TensorStore and Orbax report damaged files in many ways
+        raise CheckpointError(f"{path}: a file of the checkpoint is damaged or missing ({type(e).__name__}: {e})") from e
+
+
+def _verify_checksums(path: str, modules: dict[str, ShardedEmbeddingBagCollection], dense: dict[str, Any], restored: dict[str, Any]) -> None:
+    """Raises CheckpointError naming the first restored entry whose checksum differs from the saved one."""
+    embeddings = {k: v["tables"] for k, v in restored["embeddings"].items()}
+    found = _digests(modules, dense, embeddings, restored["dense"])
+    saved = restored["checksums"]
+    for mpath in modules:
+        key = _key(mpath)
+        for table, slots in found["embeddings"][key].items():
+            for slot, digest in slots.items():
+                if not np.array_equal(np.asarray(saved["embeddings"][key][table][slot]), digest):
+                    raise CheckpointError(
+                        f"{path}: entry '{mpath}' table '{table}' {slot} is damaged (its checksum does not match the one saved); "
+                        "use another checkpoint"
+                    )
+    for name in dense:
+        if not np.array_equal(np.asarray(saved["dense"][_key(name)]), found["dense"][_key(name)]):
+            raise CheckpointError(f"{path}: entry '{name}' is damaged (its checksum does not match the one saved); use another checkpoint")
+
+
+def _remove_leftovers(folder: Path) -> None:
+    """Removes the temporary folders of saves that did not finish (Orbax never reuses them)."""
+    if not folder.is_dir():
+        return
+    for entry in folder.iterdir():
+        if _TEMPORARY in entry.name and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _write_manifest(folder: Path) -> None:
+    """Records every file of a committed checkpoint (size, sha256), atomically, in :data:`_MANIFEST`."""
+    files = {}
+    for file in sorted(folder.rglob("*")):
+        if file.is_file() and file.name != _MANIFEST:
+            files[file.relative_to(folder).as_posix()] = {"size": file.stat().st_size, "sha256": _file_sha256(file)}
+    data = json.dumps({"format": FORMAT, "files": files}, indent=1).encode()
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{_MANIFEST}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, folder / _MANIFEST)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _check_manifest(folder: Path) -> bool:
+    """Checks every file against the manifest; False when there is none (an older checkpoint).
+
+    Raises:
+        CheckpointError: the manifest is damaged, or a file is missing, cut or changed (named).
+    """
+    manifest = folder / _MANIFEST
+    if not manifest.exists():
+        return False
+    try:
+        record = json.loads(manifest.read_text())
+        files = record["files"]
+        if record.get("format") != FORMAT or not isinstance(files, dict):
+            raise ValueError("not a tpurec manifest")
+        entries = [(name, int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{manifest}: damaged ({type(e).__name__}: {e}); use another checkpoint") from e
+    for name, size, sha256 in entries:
+        file = folder / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing, the checkpoint is incomplete; use another checkpoint")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"{file}: {file.stat().st_size} bytes, {size} were saved (a cut or damaged file); use another checkpoint")
+        if _file_sha256(file) != sha256:
+            raise CheckpointError(f"{file}: damaged (its sha256 does not match the one saved); use another checkpoint")
+    return True
