@@ -1,4 +1,9 @@
-"""tpurec's persistent cache folder, shared by compiled programs and built native kernels."""
+"""tpurec's persistent cache folder, shared by compiled programs and built native kernels.
+
+Nothing in it depends on where it is: a warm folder moved or copied elsewhere (with
+``TPUREC_CACHE_DIR`` pointing at the new place) serves its compiled programs and its
+native library as before.
+"""
 
 from __future__ import annotations
 

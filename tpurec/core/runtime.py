@@ -356,6 +356,9 @@ def enable_disk_cache(path: str | None = None) -> str | None:
         path: the folder; defaults to ``xla/`` under :func:`cache_root` (a private temporary
             folder, with a warning, if that one is not writable).
 
+    The cache keys do not depend on the folder's path: a warm cache that is moved or
+    copied elsewhere (``TPUREC_CACHE_DIR`` pointing at the new place) is still hit.
+
     Returns:
         The folder in use, or None when persistence is off.
     """
@@ -369,6 +372,10 @@ def enable_disk_cache(path: str | None = None) -> str | None:
     # Cache every program: eager mode compiles many small ones, each cheap but numerous.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    # JAX otherwise also turns on XLA:GPU's autotuning cache, under this folder: its absolute
+    # path then becomes part of every program's cache key, so a moved or copied cache would
+    # miss on every program. tpurec compiles for CPU and TPU, which that cache does not serve.
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     return path
 
 
