@@ -48,8 +48,14 @@ print("counts", s["compile_requests"], s["disk_hits"], s["compilations"])
 
 
 def _counts(cache) -> tuple[int, int, int]:
-    env = {**os.environ, "TPUREC_CACHE_DIR": str(cache), "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(__file__)))}
-    result = subprocess.run([sys.executable, "-c", WARM], capture_output=True, text=True, timeout=600, env=env, check=False)
+    env = {
+        **os.environ,
+        "TPUREC_CACHE_DIR": str(cache),
+        "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", WARM], capture_output=True, text=True, timeout=600, env=env, check=False
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rebuilding" not in result.stderr  # the native library moved with the cache and is reused
     requests, hits, compilations = map(int, result.stdout.split("counts", 1)[1].split())

@@ -37,7 +37,9 @@ def _env(cache: Path) -> dict[str, str]:
 
 
 def _run(cache: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=False, timeout=600, env=_env(cache))
+    return subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, check=False, timeout=600, env=_env(cache)
+    )
 
 
 def _library(cache: Path) -> Path:
@@ -126,7 +128,9 @@ def test_a_verified_library_is_reused_without_a_rebuild(warm_cache, tmp_path):
 def test_processes_starting_at_once_on_an_empty_cache_all_succeed(tmp_path):
     cache = tmp_path / "cache"
     procs = [
-        subprocess.Popen([sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(cache))
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(cache)
+        )
         for _ in range(2)
     ]
     outputs = [p.communicate(timeout=600) for p in procs]

@@ -164,7 +164,9 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_entry(saved, other)
 def test_an_adam_checkpoint_is_refused_by_an_adagrad_model(saved):
     model, dense_optimizer = _model(optimizer=sp.Adagrad(0.1), seed=1)
     before = _everything(model, dense_optimizer)
-    with pytest.raises(ValueError, match=r"module 'sparse_arch.embedding_bag_collection'.*state is of Adam, but .* uses Adagrad"):
+    with pytest.raises(
+        ValueError, match=r"module 'sparse_arch.embedding_bag_collection'.*state is of Adam, but .* uses Adagrad"
+    ):
         checkpoint.load(saved, model, dense_optimizer)
     _assert_same(_everything(model, dense_optimizer), before)
 

@@ -71,7 +71,9 @@ def _everything(model) -> dict[str, np.ndarray]:
     tables, slots = ebc.full_tables()
     state = {f"table/{k}": v for k, v in tables.items()}
     state.update({f"slot/{t}/{s}": v for t, d in slots.items() for s, v in d.items()})
-    state.update({f"dense/{k}": v.cpu().numpy() for k, v in model.state_dict().items() if "embedding_bag_collection" not in k})
+    state.update(
+        {f"dense/{k}": v.cpu().numpy() for k, v in model.state_dict().items() if "embedding_bag_collection" not in k}
+    )
     state["step"] = np.array(ebc._step)
     return {k: np.array(v, copy=True) for k, v in state.items()}
 
@@ -172,9 +174,18 @@ def test_a_missing_folder_and_an_interrupted_save_are_refused(saved, target, tmp
 @pytest.mark.parametrize(
     ("other", "match"),
     [
-        ({"rows": (41, 23, 17)}, r"checkpoint entry sparse_arch.embedding_bag_collection.embedding_bags.t0.weight has shape \(40, 8\), the model's is \(41, 8\)"),
-        ({"rows": (40, 22, 17)}, r"checkpoint entry sparse_arch.embedding_bag_collection.embedding_bags.t1.weight has shape \(23, 8\), the model's is \(22, 8\)"),
-        ({"dense_sizes": (32, 8)}, r"checkpoint entry dense_arch.model._mlp.0._linear.weight has shape \(16, 5\), the model's is \(32, 5\)"),
+        (
+            {"rows": (41, 23, 17)},
+            r"checkpoint entry sparse_arch.embedding_bag_collection.embedding_bags.t0.weight has shape \(40, 8\), the model's is \(41, 8\)",
+        ),
+        (
+            {"rows": (40, 22, 17)},
+            r"checkpoint entry sparse_arch.embedding_bag_collection.embedding_bags.t1.weight has shape \(23, 8\), the model's is \(22, 8\)",
+        ),
+        (
+            {"dense_sizes": (32, 8)},
+            r"checkpoint entry dense_arch.model._mlp.0._linear.weight has shape \(16, 5\), the model's is \(32, 5\)",
+        ),
     ],
     ids=["more-rows", "fewer-rows", "other-dense"],
 )
