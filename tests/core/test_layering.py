@@ -25,7 +25,7 @@ from tpurec.core import tensor as core_tensor
 PACKAGE_ROOT = pathlib.Path(tpurec.__file__).parent
 CORE_DIR = PACKAGE_ROOT / "core"
 # Modules outside the core that the core may import: they sit below it.
-FOUNDATION = ("tpurec.dense", "tpurec.amp", "tpurec.composites", "tpurec.cache", "tpurec.native")
+FOUNDATION = ("tpurec.config", "tpurec.dense", "tpurec.amp", "tpurec.composites", "tpurec.cache", "tpurec.native")
 
 
 def _type_checking_only(tree: ast.AST) -> set[int]:
