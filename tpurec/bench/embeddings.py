@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
-from tpurec.bench.sparse import _fbgemm, _jax_kernels, _median_ms
 from tpurec import config
+from tpurec.bench.sparse import _fbgemm, _jax_kernels, _median_ms
 from tpurec.cli import positive_int
 
 LR, EPS = 0.01, 1e-8

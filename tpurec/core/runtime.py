@@ -113,8 +113,17 @@ def _on_duration(event: str, duration: float, **kwargs) -> None:
         _stats.compile_requests += 1
 
 
-monitoring.register_event_listener(_on_event)
-monitoring.register_event_duration_secs_listener(_on_duration)
+_listening = False
+
+
+def listen_to_jax() -> None:
+    """Registers the two JAX monitoring listeners behind :func:`stats` (once, for the process)."""
+    global _listening
+    if _listening:
+        return
+    _listening = True
+    monitoring.register_event_listener(_on_event)
+    monitoring.register_event_duration_secs_listener(_on_duration)
 
 
 # --- hooks that the layers above install at import -------------------------------
