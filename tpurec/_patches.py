@@ -367,6 +367,7 @@ PATCHES: tuple[Patch, ...] = (
 )
 
 _installed: list[str] = []
+_complete = False
 
 
 def resolve(dotted: str) -> Any:
@@ -406,9 +407,12 @@ def install() -> None:
     Raises:
         RuntimeError: a patch's ``requires`` is missing from the installed torch/JAX.
     """
-    if _installed:
+    global _complete
+    if _complete:
         return
     for patch in PATCHES:
+        if patch.name in _installed:  # a failed import of tpurec applied it already (patches are idempotent)
+            continue
         for dotted in patch.requires:
             try:
                 resolve(dotted)
@@ -423,6 +427,7 @@ def install() -> None:
                 ) from None
         patch.apply()
         _installed.append(patch.name)
+    _complete = True
     mismatched = check_versions()
     if mismatched:
         import jax

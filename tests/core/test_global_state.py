@@ -140,6 +140,7 @@ def test_a_missing_attribute_stops_install_with_the_patch_named(monkeypatch):
     )
     monkeypatch.setattr(_patches, "PATCHES", (broken,))
     monkeypatch.setattr(_patches, "_installed", [])
+    monkeypatch.setattr(_patches, "_complete", False)
     with pytest.raises(
         RuntimeError, match=r"patch 'probe' \(nothing\): torch.nn.Module._no_such_attribute does not exist"
     ):
