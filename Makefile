@@ -46,10 +46,5 @@ zoo: $(STAMP)
 coverage: $(STAMP)
 	$(PY) tests/dense/opinfo_device.py --doc docs/ops.md
 
-# docs/config.md: the table of the TPUREC_* flags, generated from tpurec/config.py.
-.PHONY: docs-config
-docs-config: $(STAMP)
-	$(PY) -c 'from tpurec import config; print(config.render_docs(), end="")' > docs/config.md
-
 clean:
 	rm -rf $(VENV)

@@ -158,7 +158,7 @@ def _memory_api() -> None:
 
 
 def _foreach_optimizers() -> None:
-    from torch.optim import optimizer
+    optimizer = importlib.import_module("torch.optim.optimizer")
 
     from tpurec.core.tensor import TpuTensor
 

@@ -42,7 +42,6 @@ __all__ = [
     "override",
     "parse",
     "program_settings",
-    "render_docs",
     "update",
 ]
 
@@ -446,7 +445,7 @@ def _shown_default(f: Flag) -> str:
 
 
 def markdown_table() -> str:
-    """The table of every flag, as in ``docs/config.md``."""
+    """The table of every flag (``docs/config.md``; ``python tests/gen_docs.py`` writes it there)."""
     rows = [
         "| Flag | Values | Default | Read | Changes programs | Meaning |",
         "|---|---|---|---|---|---|",
@@ -456,26 +455,3 @@ def markdown_table() -> str:
             f"| `{f.name}` | {f.allowed()} | {_shown_default(f)} | {f.read} | {'yes' if f.programs else 'no'} | {f.doc} |"
         )
     return "\n".join(rows) + "\n"
-
-
-def render_docs() -> str:
-    """The whole of ``docs/config.md`` (``make docs-config`` writes it)."""
-    return (
-        "# Settings\n\n"
-        "<!-- Generated from tpurec/config.py by `make docs-config`: edit the flags there, not this file. -->\n\n"
-        "tpurec reads the environment variables below. Each can also be read from Python, and set where it is\n"
-        "not read only at import:\n\n"
-        "```python\n"
-        "import tpurec\n\n"
-        'tpurec.config.get("TPUREC_FUSED_MAX_OPS")          # the environment\'s value, or the default\n'
-        'tpurec.config.update("TPUREC_NATIVE_MATMUL", False)  # from now on (None: back to the environment)\n'
-        'with tpurec.config.override(host_fallback="error"):  # for a block\n'
-        "    pass\n"
-        'tpurec.config.update("TPUREC_NATIVE_MATMUL", None)   # back to the environment\n'
-        "```\n\n"
-        "A value set from Python wins over the environment. A value that is not allowed raises a `ValueError`\n"
-        "naming the flag and the allowed values. *Read* says when tpurec looks at a flag: once at `import`,\n"
-        "at its `first use`, on `every call` of what it controls, or at `trace time` (while a program is\n"
-        "traced). Flags that change programs are part of every compiled program's cache key: after a change,\n"
-        "the next call traces (or finds) the program of the new setting.\n\n" + markdown_table()
-    )

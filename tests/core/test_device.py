@@ -105,6 +105,7 @@ _PIN_CASES = (
 def test_pinning_for_other_devices_behaves_as_without_tpurec():
     """CPU and CUDA pinning (``pin_memory(device=...)``) give what PyTorch gives without tpurec:
     on this machine the same exception type and message; on a CUDA machine, pinned memory."""
+
     def outcomes(first: str) -> str:
         code = first + _PIN_CASES + "import sys\nprint(repr(cases), 'tpurec' in sys.modules)"
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)

@@ -108,7 +108,7 @@ def _on_event(event: str, **kwargs) -> None:
         _stats.disk_hits += 1
 
 
-def _on_duration(event: str, duration: float, **kwargs) -> None:
+def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
         _stats.compile_requests += 1
 
@@ -242,8 +242,8 @@ def _lockstep() -> bool:
     """
     global _LOCKSTEP
     if _LOCKSTEP is None:
-        _LOCKSTEP = config.get("TPUREC_CPU_LOCKSTEP") and jax.process_count() > 1 and jax.default_backend() == "cpu"
-    return _LOCKSTEP
+        _LOCKSTEP = bool(config.get("TPUREC_CPU_LOCKSTEP")) and jax.process_count() > 1 and jax.default_backend() == "cpu"
+    return bool(_LOCKSTEP)
 
 
 _LOCKSTEP: bool | None = None

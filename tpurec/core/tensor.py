@@ -266,8 +266,12 @@ def install_serialization() -> None:
     if _serialization_installed:
         return
     _serialization_installed = True
-    torch.serialization.add_safe_globals([_rebuild_tpu_tensor, (_rebuild_tpu_tensor, "tpurec.tensor._rebuild_tpu_tensor")])
-    torch._utils._get_restore_location = _restore_location
+    torch.serialization.add_safe_globals(
+        [_rebuild_tpu_tensor, (_rebuild_tpu_tensor, "tpurec.tensor._rebuild_tpu_tensor")]
+    )
+    import torch._utils as torch_utils
+
+    torch_utils._get_restore_location = _restore_location
     torch.serialization.register_package(11, _never_tag, _keep_on_host)
 
 
