@@ -261,8 +261,9 @@ def test_a_checkpoint_naming_the_old_tensor_path_loads_with_weights_only():
 SPARSE_DIR = PACKAGE_ROOT / "sparse"
 # Outside tpurec.sparse, its device parts may import the runtime below them; its device-free
 # parts (tpurec.sparse.DEVICE_FREE_LAYERS) only the command-line helpers.
-SPARSE_FOUNDATION = ("tpurec.core", "tpurec.dense", "tpurec.library", "tpurec.native", "tpurec.cli")
-DEVICE_FREE_FOUNDATION = ("tpurec.cli",)
+# tpurec.config imports nothing of tpurec (the flags), so every part may read it.
+SPARSE_FOUNDATION = ("tpurec.config", "tpurec.core", "tpurec.dense", "tpurec.library", "tpurec.native", "tpurec.cli")
+DEVICE_FREE_FOUNDATION = ("tpurec.config", "tpurec.cli")
 
 
 def _within(name: str, prefixes: Sequence[str]) -> bool:

@@ -66,8 +66,10 @@ def torchrun_settings(environ: dict[str, str] | None = None) -> dict[str, object
     if missing:
         raise ValueError(f"torchrun environment incomplete: {present} are set but {missing} are not")
     # From the environment given (the variable is a tpurec flag, parsed as tpurec.config does).
-    port = config.get("TPUREC_COORDINATOR_PORT") if environ is None else config.parse(
-        "TPUREC_COORDINATOR_PORT", env.get("TPUREC_COORDINATOR_PORT")
+    port = (
+        config.get("TPUREC_COORDINATOR_PORT")
+        if environ is None
+        else config.parse("TPUREC_COORDINATOR_PORT", env.get("TPUREC_COORDINATOR_PORT"))
     )
     try:
         port = port or int(env["MASTER_PORT"]) + 1
