@@ -9,6 +9,7 @@ Parts:
 * ``lowered-ops`` (docs/lowerings.md): the ATen ops each family file of that page lowers.
 * ``not-lowered`` (docs/lowerings.md): the ATen ops that OpInfo entries reach and that have no
   lowering (from ``tests/dense/opinfo_known_failures.txt``, kept by ``make coverage``).
+* ``flags`` (docs/config.md): the table of every ``TPUREC_*`` flag, from ``tpurec.config.FLAGS``.
 """
 
 from __future__ import annotations
@@ -60,12 +61,19 @@ def render_not_lowered(ops: dict[str, str]) -> str:
     )
 
 
+def render_flags() -> str:
+    from tpurec import config
+
+    return config.markdown_table().removesuffix("\n")
+
+
 def parts() -> dict[tuple[str, str], str]:
     """(page, part name) -> the generated text."""
     ops = lowered_ops()
     return {
         ("docs/lowerings.md", "lowered-ops"): render_lowered(ops),
         ("docs/lowerings.md", "not-lowered"): render_not_lowered(ops),
+        ("docs/config.md", "flags"): render_flags(),
     }
 
 

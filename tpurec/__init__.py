@@ -19,20 +19,14 @@ except _metadata.PackageNotFoundError:  # a source checkout on sys.path, never i
     __version__ = "0+unknown"
 del _metadata
 
-from tpurec.native import host_allocator as _host_allocator  # noqa: E402
+from tpurec import _patches  # noqa: E402
 
-# Before JAX starts its CPU runtime threads (see the module).
-_host_allocator.tune()
-
-import jax  # noqa: E402
-
-# torch int64/float64 values must round-trip exactly.
-jax.config.update("jax_enable_x64", True)
+# Every change import tpurec makes to torch, JAX and the process, in order, with its reason: tpurec/_patches.py.
+_patches.install()
 
 import sys as _sys  # noqa: E402
 
 from tpurec import core  # noqa: E402
-from tpurec.core import device as _device  # noqa: E402
 
 # The runtime modules' paths before tpurec.core (``tpurec.runtime``, ``tpurec.device``, ...)
 # keep working: each is the very same module object (one state), registered here instead of
@@ -42,33 +36,8 @@ for _name in _OLD_PATHS:
     _sys.modules[f"{__name__}.{_name}"] = globals()[_name] = getattr(core, _name)
 del _name
 
-_device.register()
-core.conversion.install()  # module.to("tpu") keeps Parameter objects, as on CUDA
-
-from tpurec.core.dispatch import register_factories as _register_factories  # noqa: E402
-
-_register_factories()
-
-from tpurec.amp import register as _register_autocast  # noqa: E402
-
-_register_autocast()
-
-from tpurec.dense.grouped_mm import register_fake_rule as _register_grouped_mm_fake  # noqa: E402
-
-_register_grouped_mm_fake()
-
-from tpurec.compile import register as _register_compile  # noqa: E402
-
-_register_compile()
-
-from tpurec.distributed import register_c10d_backend as _register_c10d_backend  # noqa: E402
-
-_register_c10d_backend()  # torch.distributed.init_process_group("tpu")
-
 from tpurec import library  # noqa: E402,F401
 from tpurec import debug  # noqa: E402,F401 (TPUREC_SHADOW=cpu starts shadowing at import)
-from tpurec.core import memory as _memory  # noqa: E402
-from tpurec.core.device import TpuModule as _TpuModule  # noqa: E402
 from tpurec.core.device import platform  # noqa: E402
 from tpurec.core.modes import get_mode, mode, set_mode  # noqa: E402
 from tpurec.core.recompiles import explain_recompiles  # noqa: E402
@@ -76,14 +45,7 @@ from tpurec.core.runtime import enable_disk_cache, reset_stats, stats, synchroni
 from tpurec.core.tensor import TpuTensor  # noqa: E402
 from tpurec.profiler import profile  # noqa: E402
 
-enable_disk_cache()
-_memory.install(_TpuModule)  # torch.tpu.memory_allocated() and friends
-
-# torch.optim picks its foreach (multi-tensor) path only for listed tensor types, as on CUDA.
-import torch.optim.optimizer as _optimizer  # noqa: E402
-
-if TpuTensor not in _optimizer._foreach_supported_types:
-    _optimizer._foreach_supported_types.append(TpuTensor)
+from tpurec import config  # noqa: E402,F401
 
 
 

@@ -12,6 +12,8 @@ import os
 import tempfile
 import warnings
 
+from tpurec import config
+
 __all__ = ["cache_root", "writable_cache_root"]
 
 
@@ -21,7 +23,7 @@ def cache_root() -> str | None:
     Holds ``xla/`` (compiled programs) and ``native/`` (built kernels).
     ``TPUREC_CACHE_DIR=off`` turns persistence off: None.
     """
-    root = os.environ.get("TPUREC_CACHE_DIR")
+    root = config.get("TPUREC_CACHE_DIR")
     if root and root.lower() in ("off", "none", "0"):
         return None
     if root:

@@ -39,6 +39,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
+from tpurec import config
 from tpurec.core import dispatch as _dispatch
 from tpurec.core import errors, fused, modes
 from tpurec.core.tensor import TpuTensor, jax_to_host
@@ -823,14 +824,8 @@ def shadow(rtol: float | None = None, atol: float | None = None) -> Iterator[Sha
         _raise_pending()
 
 
-_VALUES = {"": False, "0": False, "off": False, "none": False, "cpu": True}
-
-
 def _from_environment() -> None:
-    value = os.environ.get("TPUREC_SHADOW", "").strip().lower()
-    if value not in _VALUES:
-        raise ValueError(f"TPUREC_SHADOW={value!r} is not a shadow; use 'cpu' (or leave it unset)")
-    if not _VALUES[value]:
+    if config.get("TPUREC_SHADOW") == "off":
         return
     if modes.get_mode() != "debug":
         raise ValueError(

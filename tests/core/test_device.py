@@ -85,3 +85,42 @@ def test_fused_mode_keeps_each_device_in_its_own_graph():
         assert c.to_jax().devices() == {jax.devices()[1]}
         assert a.tolist() == [2.0] * 3 and c.tolist() == [4.0] * 3
     assert tpurec.stats()["sync_points"].get("device change", 0) == 1
+
+
+# --- pin_memory: tpurec pins for tpu only -----------------------------------------------------
+
+_PIN_CASES = (
+    "import warnings, torch\n"
+    "warnings.simplefilter('ignore')  # device= is deprecated\n"
+    "def outcome(device):\n"
+    "    try:\n"
+    "        r = torch.arange(4.0).pin_memory(device=device)\n"
+    "        return ('ok', r.device.type, r.tolist())\n"
+    "    except Exception as e:\n"
+    "        return (type(e).__name__, str(e).splitlines()[0])\n"
+    "cases = {d: outcome(d) for d in ('cpu', 'cuda', 'meta')}\n"
+)
+
+
+def test_pinning_for_other_devices_behaves_as_without_tpurec():
+    """CPU and CUDA pinning (``pin_memory(device=...)``) give what PyTorch gives without tpurec:
+    on this machine the same exception type and message; on a CUDA machine, pinned memory."""
+
+    def outcomes(first: str) -> str:
+        code = first + _PIN_CASES + "import sys\nprint(repr(cases), 'tpurec' in sys.modules)"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return out.stdout.strip()
+
+    without, with_tpurec = outcomes(""), outcomes("import tpurec\n")
+    assert without.endswith(" False") and with_tpurec.endswith(" True")
+    assert with_tpurec.removesuffix(" True") == without.removesuffix(" False")
+
+
+def test_pinning_for_tpu_is_a_contiguous_host_copy():
+    """With no device, pinning is for the current accelerator: tpu in a process with tpurec."""
+    assert torch.accelerator.current_accelerator() == torch.device("tpu")
+    host = torch.arange(6.0).reshape(2, 3).t()
+    for pinned in (host.pin_memory(), host.pin_memory(device="tpu")):
+        assert pinned.device.type == "cpu" and pinned.is_contiguous() and torch.equal(pinned, host)
+        assert pinned.data_ptr() != host.data_ptr()

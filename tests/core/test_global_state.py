@@ -3,6 +3,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def test_import_leaves_torch_decomposition_table_alone():
     # A decomposition added to torch's global table makes inductor refuse to
@@ -19,3 +21,128 @@ def test_import_leaves_torch_decomposition_table_alone():
         "assert not added, sorted(map(str, added))\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# What import tpurec changes, observed from outside: attributes of the torch and JAX namespaces
+# that tpurec patches or might, plus containers and registries it may add to. Run in a fresh
+# process with tpurec/_patches.py loaded from its file (the package is not imported yet).
+_OBSERVE = r"""
+import importlib.util, json, sys, types
+
+spec = importlib.util.spec_from_file_location("patch_list", sys.argv[1])
+patch_list = sys.modules["patch_list"] = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(patch_list)
+assert "tpurec" not in sys.modules
+
+import jax, jax._src.monitoring as monitoring, torch, torch._dynamo, torch._dynamo.trace_rules
+import torch._subclasses.fake_impls, torch._subclasses.fake_tensor, torch.autograd.variable, torch.optim.optimizer
+import torch._dynamo.variables.builder as builder
+optimizer = importlib.import_module("torch.optim.optimizer")
+variable = importlib.import_module("torch.autograd.variable")
+
+NAMESPACES = {
+    "torch": torch, "torch.Tensor": torch.Tensor, "torch.nn.Module": torch.nn.Module, "torch._utils": torch._utils,
+    "torch.serialization": torch.serialization, "torch.optim.optimizer": optimizer,
+    "torch.autograd.variable.Variable": variable.Variable, "torch.library": torch.library,
+    "torch._dynamo.variables.builder": builder, "torch._dynamo.variables.builder.VariableBuilder": builder.VariableBuilder,
+    "torch._subclasses.fake_tensor.FakeTensorMode": torch._subclasses.fake_tensor.FakeTensorMode,
+    "torch.utils.data.DataLoader": torch.utils.data.DataLoader, "torch.accelerator": torch.accelerator,
+    "torch.distributed.Backend": torch.distributed.Backend,
+}
+KEYS = ("CPU", "CUDA", "Meta", "CompositeExplicitAutograd", "CompositeImplicitAutograd", "Autograd", "AutogradCPU")
+
+def snapshot():
+    seen = {}
+    for prefix, space in NAMESPACES.items():
+        for name, value in list(vars(space).items()):
+            if not isinstance(value, types.ModuleType):  # importing a submodule is not a patch
+                seen[f"{prefix}.{name}"] = repr(id(value))
+    seen.update({f"jax.config.{k}": repr(v) for k, v in jax.config.values.items()})
+    seen["jax.monitoring event listeners"] = repr(len(monitoring.get_event_listeners()))
+    seen["jax.monitoring duration listeners"] = repr(len(monitoring.get_event_duration_listeners()))
+    seen["torch.serialization._package_registry"] = repr(len(torch.serialization._package_registry))
+    seen["torch.serialization.get_safe_globals()"] = repr(len(torch.serialization.get_safe_globals()))
+    seen["torch.optim.optimizer._foreach_supported_types"] = repr(list(map(id, optimizer._foreach_supported_types)))
+    seen["torch._dynamo.trace_rules.SKIP_DIRS"] = repr(len(torch._dynamo.trace_rules.SKIP_DIRS))
+    seen["torch._subclasses.fake_impls.op_implementations_checks"] = repr(len(torch._subclasses.fake_impls.op_implementations_checks))
+    seen["torch._dynamo.list_backends()"] = repr(sorted(torch._dynamo.list_backends(exclude_tags=())))
+    seen["torch.distributed.Backend.backend_list"] = repr(list(torch.distributed.Backend.backend_list))
+    seen["torch._C._get_privateuse1_backend_name()"] = torch._C._get_privateuse1_backend_name()
+    regs = {k: set(torch._C._dispatch_get_registrations_for_dispatch_key(k)) for k in KEYS}
+    return seen, regs
+
+before, regs_before = snapshot()
+import tpurec
+after, regs_after = snapshot()
+changed = sorted(k for k in after if before.get(k) != after[k])
+added = sorted([op, key] for key in KEYS for op in regs_after[key] - regs_before[key])
+from tpurec.native import host_allocator
+print(json.dumps({
+    "changed": changed, "added": added, "installed": list(tpurec._patches.installed()),
+    "listed": [p.name for p in patch_list.PATCHES],
+    "targets": sorted({t for p in patch_list.PATCHES for t in p.targets}),
+    "dispatcher": sorted([op, key] for p in patch_list.PATCHES for op, key in p.dispatcher),
+    "malloc_tuned": host_allocator.tuned(),
+}))
+"""
+
+
+def test_the_patch_list_is_what_import_changes(tmp_path):
+    """Every change ``import tpurec`` makes to the observed torch/JAX state is a listed patch's
+    target, every listed target changes, and import applies the whole list, in order."""
+    import json
+    import os
+    import pathlib
+
+    import tpurec._patches
+
+    env = {
+        **os.environ,
+        "TPUREC_CACHE_DIR": str(tmp_path / "cache"),
+        "PYTHONPATH": str(pathlib.Path(tpurec.__file__).parent.parent),
+    }
+    env.pop("TPUREC_TUNE_MALLOC", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _OBSERVE, tpurec._patches.__file__],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["installed"] == seen["listed"]
+    assert seen["changed"] == seen["targets"], "changed by import but not listed / listed but not changed"
+    assert seen["added"] == seen["dispatcher"]
+    assert seen["malloc_tuned"] == (sys.platform == "linux")
+
+
+def test_every_patch_says_why_and_what_it_relies_on():
+    from tpurec import _patches
+
+    names = [p.name for p in _patches.PATCHES]
+    assert len(set(names)) == len(names)
+    for p in _patches.PATCHES:
+        assert p.changes and p.reason and p.library in ("torch", "jax", "process"), p.name
+        for dotted in p.requires:
+            _patches.resolve(dotted)  # the version guard holds on the installed torch/JAX
+        if p.private:
+            assert p.requires, f"{p.name} patches private attributes but checks none"
+    assert _patches.check_versions() == []  # the lock's torch and JAX are the ones the patches were written for
+
+
+def test_a_missing_attribute_stops_install_with_the_patch_named(monkeypatch):
+    from tpurec import _patches
+
+    broken = _patches.Patch(
+        "probe", "nothing", "a test", lambda: None, requires=("torch.nn.Module._no_such_attribute",)
+    )
+    monkeypatch.setattr(_patches, "PATCHES", (broken,))
+    monkeypatch.setattr(_patches, "_installed", [])
+    monkeypatch.setattr(_patches, "_complete", False)
+    with pytest.raises(
+        RuntimeError, match=r"patch 'probe' \(nothing\): torch.nn.Module._no_such_attribute does not exist"
+    ):
+        _patches.install()
+    assert _patches.installed() == ()

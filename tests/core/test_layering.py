@@ -25,7 +25,7 @@ from tpurec.core import tensor as core_tensor
 PACKAGE_ROOT = pathlib.Path(tpurec.__file__).parent
 CORE_DIR = PACKAGE_ROOT / "core"
 # Modules outside the core that the core may import: they sit below it.
-FOUNDATION = ("tpurec.dense", "tpurec.amp", "tpurec.composites", "tpurec.cache", "tpurec.native")
+FOUNDATION = ("tpurec.config", "tpurec.dense", "tpurec.amp", "tpurec.composites", "tpurec.cache", "tpurec.native")
 
 
 def _type_checking_only(tree: ast.AST) -> set[int]:
@@ -261,8 +261,9 @@ def test_a_checkpoint_naming_the_old_tensor_path_loads_with_weights_only():
 SPARSE_DIR = PACKAGE_ROOT / "sparse"
 # Outside tpurec.sparse, its device parts may import the runtime below them; its device-free
 # parts (tpurec.sparse.DEVICE_FREE_LAYERS) only the command-line helpers.
-SPARSE_FOUNDATION = ("tpurec.core", "tpurec.dense", "tpurec.library", "tpurec.native", "tpurec.cli")
-DEVICE_FREE_FOUNDATION = ("tpurec.cli",)
+# tpurec.config imports nothing of tpurec (the flags), so every part may read it.
+SPARSE_FOUNDATION = ("tpurec.config", "tpurec.core", "tpurec.dense", "tpurec.library", "tpurec.native", "tpurec.cli")
+DEVICE_FREE_FOUNDATION = ("tpurec.config", "tpurec.cli")
 
 
 def _within(name: str, prefixes: Sequence[str]) -> bool:

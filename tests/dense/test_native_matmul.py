@@ -208,3 +208,56 @@ def test_remembered_transposes_are_forgotten_with_their_value():
     del y
     gc.collect()
     assert len(trace_context._TRANSPOSES) == before - 1
+
+
+@pytest.mark.parametrize("how", ["environment", "python"])
+@pytest.mark.parametrize("mode", ["eager", "fused", "compiled"])
+def test_switching_the_kernel_off_between_two_calls_runs_the_program_of_the_new_setting(mode, how, monkeypatch):
+    """``TPUREC_NATIVE_MATMUL`` changes the traced program, so it is part of the program cache key:
+    after a switch the next call traces the product again with the new setting, and switching
+    back reuses the first program."""
+    from tpurec import config
+    from tpurec.core import fused, runtime
+
+    runtime.programs.clear()
+    fused.clear_programs()
+    torch._dynamo.reset()
+    traced = []  # what each trace of aten.bmm's lowering decided: native kernel or XLA's dot
+    real = native_matmul.applies
+
+    def recording(a, b):
+        traced.append(real(a, b))
+        return traced[-1]
+
+    monkeypatch.setattr(native_matmul, "applies", recording)
+    monkeypatch.delenv("TPUREC_NATIVE_MATMUL", raising=False)
+
+    def switch(on: bool) -> None:
+        if how == "environment":
+            monkeypatch.setenv("TPUREC_NATIVE_MATMUL", "1" if on else "0")
+        else:
+            config.update("TPUREC_NATIVE_MATMUL", on)
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 3, 5, generator=g), torch.randn(4, 5, 2, generator=g)
+    ta, tb = a.to("tpu"), b.to("tpu")
+    fn = torch.compile(torch.bmm, backend="tpu", fullgraph=True) if mode == "compiled" else torch.bmm
+
+    def run() -> torch.Tensor:
+        with tpurec.mode("eager" if mode == "compiled" else mode), torch.no_grad():
+            return fn(ta, tb).cpu()
+
+    try:
+        torch.testing.assert_close(run(), torch.bmm(a, b), rtol=RTOL, atol=ATOL)
+        first = len(traced)  # fused mode traces the product twice: its op program, then the window
+        assert first and all(traced)
+        switch(False)
+        torch.testing.assert_close(run(), torch.bmm(a, b), rtol=RTOL, atol=ATOL)
+        assert len(traced) > first, "the program traced with the native kernel ran after it was switched off"
+        assert not any(traced[first:])
+        second = len(traced)
+        switch(True)
+        torch.testing.assert_close(run(), torch.bmm(a, b), rtol=RTOL, atol=ATOL)
+        assert len(traced) == second, "switching back should reuse the first program"
+    finally:
+        config.update("TPUREC_NATIVE_MATMUL", None)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from tpurec import config
 from tpurec.bench.sparse import _fbgemm, _jax_kernels, _median_ms
 from tpurec.cli import positive_int
 
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench embe
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
     args = parser.parse_args(argv)
     if args.threads:
-        os.environ["TPUREC_CPU_THREADS"] = str(args.threads)
+        config.update("TPUREC_CPU_THREADS", args.threads)
 
     import torch
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor

@@ -20,6 +20,7 @@ from typing import Callable
 
 import numpy as np
 
+from tpurec import config
 from tpurec.cli import positive_int
 
 LR, EPS = 0.01, 1e-8
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench spar
     parser.add_argument("--skip-reference", action="store_true", help="skip the (slow) JAX reference kernel")
     args = parser.parse_args(argv)
     if args.threads:
-        os.environ["TPUREC_CPU_THREADS"] = str(args.threads)  # read by the native kernels on each call
+        config.update("TPUREC_CPU_THREADS", args.threads)  # read by the native kernels on each call
 
     import torch
     from torchrec import EmbeddingBagConfig
@@ -131,17 +132,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench spar
     fit = next(iter(sp.preprocess_kjt(kjt, tables, args.partitions).stacks.values()))
     capacity = sp.Capacity(int(fit.max_ids.max()), int(fit.max_unique_ids.max()))
     preprocess_ms, batches = {}, {}
-    chosen = os.environ.get("TPUREC_PREPROCESS")
     for backend in ("native", "numpy"):
-        os.environ["TPUREC_PREPROCESS"] = backend
-        try:
+        with config.override(preprocess=backend):
             batches[backend] = sp.preprocess_kjt(kjt, tables, args.partitions, capacity)
             preprocess_ms[backend] = _median_ms(lambda: sp.preprocess_kjt(kjt, tables, args.partitions, capacity), args.iters, warmup=1)
-        finally:
-            if chosen is None:
-                del os.environ["TPUREC_PREPROCESS"]
-            else:
-                os.environ["TPUREC_PREPROCESS"] = chosen
     identical = all(
         a.tobytes() == b.tobytes()
         for x, y in zip(batches["native"].stacks.values(), batches["numpy"].stacks.values())

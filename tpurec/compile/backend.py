@@ -25,6 +25,7 @@ import jax
 import torch
 import torch.fx
 
+from tpurec import config
 from tpurec.core import fused, modes, profiler, recompiles, rng, runtime
 from tpurec.compile.graph import CompileError, GraphProgram
 from tpurec.dense.registry import get_lowering
@@ -101,8 +102,9 @@ class CompiledGraph:
         self.out_dtypes = [
             o.meta["val"].dtype if t else None for o, t in zip(self.program.output_node.args[0], self.tensor_out)
         ]
-        # One program per input-shape signature. Kept here, not in the runtime's
-        # cache, so that the programs die with the graph (torch._dynamo.reset()).
+        # One program per input-shape signature and setting of the flags that change
+        # programs (tpurec.config). Kept here, not in the runtime's cache, so that the
+        # programs die with the graph (torch._dynamo.reset()).
         self.variants: dict[tuple, _Variant] = {}
         # AOTAutograd passes the argument list itself (we free it early). An instance
         # attribute, so that functools.wraps carries it through AOTAutograd's wrappers.
@@ -116,9 +118,10 @@ class CompiledGraph:
             boxed.clear()
         deferred = modes.get_mode() == "fused"
         inputs, signature, index = self._inputs(args, deferred)
-        variant = self.variants.get(signature)
+        key = (signature, config.program_settings())
+        variant = self.variants.get(key)
         if variant is None:
-            variant = self.variants[signature] = self._build(signature)
+            variant = self.variants[key] = self._build(signature, key[1])
         else:
             runtime.counters().cache_hits += 1
         seeds = [rng.next_seed_and_counter() for _ in self.program.random_nodes]
@@ -158,13 +161,16 @@ class CompiledGraph:
                 signature.append(("scalar", a))
         return inputs, tuple(signature), index
 
-    def _build(self, signature: tuple) -> _Variant:
+    def _build(self, signature: tuple, settings: tuple = ()) -> _Variant:
         if self.variants:
+            last_signature, last_settings = list(self.variants)[-1]
             log.warning(
-                "tpurec.compile: recompiling %s (variant %d): a dynamic dim took a new value: %s",
+                "tpurec.compile: recompiling %s (variant %d): %s",
                 self.name,
                 len(self.variants) + 1,
-                _changes(list(self.variants)[-1], signature),
+                f"a dynamic dim took a new value: {_changes(last_signature, signature)}"
+                if last_signature != signature
+                else f"a setting that changes programs changed: {_setting_changes(last_settings, settings)}",
             )
         _count_build()
         program = self.program
@@ -247,6 +253,12 @@ def _changes(old: tuple, new: tuple) -> str:
 
     diffs = [f"input {i}: {show(a)} -> {show(b)}" for i, (a, b) in enumerate(zip(old, new)) if a != b]
     return "; ".join(diffs) or "input signature changed"
+
+
+def _setting_changes(old: tuple, new: tuple) -> str:
+    """Which flags of ``tpurec.config.program_settings()`` differ, e.g. "TPUREC_NATIVE_MATMUL: True -> False"."""
+    names = [f.name for f in config.FLAGS if f.programs]
+    return "; ".join(f"{n}: {a} -> {b}" for n, a, b in zip(names, old, new) if a != b) or "settings changed"
 
 
 def _example_device(example_inputs) -> int:

@@ -29,7 +29,13 @@ import importlib.util
 
 from tpurec.core.tensor import TpuTensor
 
-__all__ = ["apply"]
+__all__ = [
+    "apply",
+    "fake_mode_leaves_tpu_data_alone",
+    "not_a_subclass_for_dynamo",
+    "skip_runtime_modules",
+    "wrap_tpu_tensors_as_tensors",
+]
 
 # Modules Dynamo must not trace: they run eager tpu execution or build programs.
 _SKIPPED_MODULES = (
@@ -43,9 +49,22 @@ _SKIPPED_MODULES = (
 )
 
 _applied = False
+_done: set[str] = set()  # the patches below that are in place (each is applied once)
 
 
-def _wrap_tpu_tensors_as_tensors() -> None:
+def _once(fn):
+    def patch() -> None:
+        if fn.__name__ not in _done:
+            fn()
+            _done.add(fn.__name__)
+
+    patch.__name__, patch.__doc__ = fn.__name__, fn.__doc__
+    return patch
+
+
+@_once
+def wrap_tpu_tensors_as_tensors() -> None:
+    """Dynamo wraps a TpuTensor as a tensor (``VariableBuilder._wrap``)."""
     from torch._dynamo.variables import builder
 
     original = builder.VariableBuilder._wrap
@@ -59,7 +78,9 @@ def _wrap_tpu_tensors_as_tensors() -> None:
     builder.VariableBuilder._wrap = _wrap
 
 
-def _not_a_subclass_for_dynamo() -> None:
+@_once
+def not_a_subclass_for_dynamo() -> None:
+    """Dynamo's ``infer_subclass_type`` answers None for a TpuTensor."""
     from torch._dynamo.variables import builder
 
     original = builder.infer_subclass_type
@@ -73,7 +94,8 @@ def _not_a_subclass_for_dynamo() -> None:
     builder.infer_subclass_type = infer_subclass_type
 
 
-def _fake_mode_leaves_tpu_data_alone() -> None:
+@_once
+def fake_mode_leaves_tpu_data_alone() -> None:
     """Fake tensor mode's treatment of devices without a usable runtime (its ``avoid_device_init``).
 
     ``torch.tensor(data, device=d)`` otherwise moves the data to ``d`` with every
@@ -89,7 +111,9 @@ def _fake_mode_leaves_tpu_data_alone() -> None:
     FakeTensorMode.avoid_device_init = property(lambda self: True)
 
 
-def _skip_runtime_modules() -> None:
+@_once
+def skip_runtime_modules() -> None:
+    """Dynamo's skip list gets JAX and tpurec's runtime (``trace_rules.add``)."""
     from torch._dynamo import trace_rules
 
     for name in _SKIPPED_MODULES:
@@ -103,7 +127,7 @@ def apply() -> None:
     if _applied:
         return
     _applied = True
-    _wrap_tpu_tensors_as_tensors()
-    _not_a_subclass_for_dynamo()
-    _fake_mode_leaves_tpu_data_alone()
-    _skip_runtime_modules()
+    wrap_tpu_tensors_as_tensors()
+    not_a_subclass_for_dynamo()
+    fake_mode_leaves_tpu_data_alone()
+    skip_runtime_modules()

@@ -8,13 +8,14 @@ machines without TPUs).
 from __future__ import annotations
 
 import threading
+import warnings
 
 import jax
 import torch
 
 from tpurec.core import rng, runtime
 
-__all__ = ["platform", "jax_device", "TpuModule", "register"]
+__all__ = ["platform", "jax_device", "TpuModule", "register", "register_pinning"]
 
 
 def platform() -> str:
@@ -166,7 +167,6 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    _run_backward_on_calling_thread()
     if torch._C._get_privateuse1_backend_name() == "tpu":
         _registered = True
         return
@@ -174,3 +174,38 @@ def register() -> None:
 
     _setup_privateuseone_for_python_backend("tpu", backend_module=TpuModule, hook=_Hooks(), device_guard=_Guard())
     _registered = True
+
+
+# --- pin_memory() for the tpu device ----------------------------------------------
+
+_pinning = None
+_TORCH_PIN_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+
+
+def _pin_cpu_memory(self: torch.Tensor, device=None) -> torch.Tensor:
+    """``aten::_pin_memory`` of a CPU tensor: for tpu a contiguous copy, for anything else torch's own kernel.
+
+    Pinning with no device pins for the current accelerator, which in a process with
+    tpurec is tpu (PyTorch prefers a registered PrivateUse1 backend): that is what
+    ``DataLoader(pin_memory=True)`` does. PyTorch then asks PrivateUse1 for a pinned host
+    allocator, which a Python backend cannot provide; JAX stages host memory for its
+    transfers itself, so pinning for tpu is a contiguous private copy (``is_pinned()``
+    stays False). Any other target (``device="cuda"``, ``"cpu"``) goes to PyTorch's
+    own kernel, which pins or raises exactly as without tpurec.
+    """
+    target = torch.device(device) if device is not None else torch.accelerator.current_accelerator()
+    if target is None or target.type != torch._C._get_privateuse1_backend_name():
+        return torch.ops.aten._pin_memory.default.redispatch(_TORCH_PIN_KERNEL, self, device)
+    with torch._C._DisableTorchDispatch():
+        return self.clone(memory_format=torch.contiguous_format)
+
+
+def register_pinning() -> None:
+    """Registers :func:`_pin_cpu_memory` as the CPU kernel of ``aten::_pin_memory`` (once)."""
+    global _pinning
+    if _pinning is not None:
+        return
+    _pinning = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": on purpose
+        _pinning.impl("_pin_memory", _pin_cpu_memory, "CPU")

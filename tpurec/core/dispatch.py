@@ -1113,18 +1113,6 @@ _FACTORIES = [
 _library = None
 
 
-def _pin_cpu_memory(self: torch.Tensor, device=None) -> torch.Tensor:
-    """``pin_memory()`` of a CPU tensor for the tpu device: a contiguous copy (``is_pinned()`` stays False)."""
-    target = torch.device(device) if device is not None else torch.device("tpu")
-    if target.type != "tpu":
-        raise RuntimeError(
-            f"tpurec: pin_memory(device={str(target)!r}) is not available in a process using the tpu device; "
-            "pin for 'tpu' (or leave device unset)"
-        )
-    with torch._C._DisableTorchDispatch():
-        return self.clone(memory_format=torch.contiguous_format)
-
-
 def register_factories() -> None:
     """Registers PrivateUse1 kernels for ATen factories (``torch.zeros(..., device="tpu")``)."""
     global _library
@@ -1138,12 +1126,6 @@ def register_factories() -> None:
     # Autograd formulas' "known zero" gradients (sgn's, ...): a plain zeros tensor on tpu. (Not a
     # table entry: on CPU the op makes a storage-less ZeroTensor, which a lowering cannot match.)
     _library.impl("_efficientzerotensor", _factory(aten.zeros.default), "PrivateUse1")
-    # pin_memory() on a CPU tensor asks PrivateUse1 (the accelerator) for a pinned
-    # allocator, which a Python backend cannot provide. JAX stages host memory for
-    # transfers itself, so "pinning" for tpu is a contiguous private copy.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "Overriding a previously registered kernel": on purpose
-        _library.impl("_pin_memory", _pin_cpu_memory, "CPU")
     # Reached with Python dispatch excluded, e.g. by torch.tensor(data, device="tpu").
     _library.impl("_copy_from", lambda src, dst, non_blocking=False: _copy_(dst, src), "PrivateUse1")
     _library.impl("_copy_from_and_resize", lambda src, dst: _copy_(dst, src), "PrivateUse1")

@@ -11,11 +11,11 @@ outputs that live storages still hold; it is compiled once per structure
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import jax
 
+from tpurec import config
 from tpurec.core import profiler, runtime
 from tpurec.core.device import jax_device
 from tpurec.core.tensor import holders
@@ -63,7 +63,7 @@ def clear_programs() -> None:
 
 
 def max_ops() -> int:
-    return int(os.environ.get("TPUREC_FUSED_MAX_OPS", "2000"))
+    return config.get("TPUREC_FUSED_MAX_OPS")
 
 
 def is_pending(value) -> bool:

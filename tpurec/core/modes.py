@@ -17,9 +17,9 @@ Example::
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Iterator
 
+from tpurec import config
 from tpurec.core import fused
 
 __all__ = ["MODES", "set_mode", "get_mode", "mode"]
@@ -28,10 +28,7 @@ MODES = ("eager", "fused", "debug")
 
 
 def _initial() -> str:
-    value = os.environ.get("TPUREC_MODE", "eager").strip().lower()
-    if value not in MODES:
-        raise ValueError(f"TPUREC_MODE={value!r} is not a tpurec mode; use one of {', '.join(MODES)}")
-    return value
+    return config.get("TPUREC_MODE")
 
 
 _current = _initial()
@@ -78,13 +75,9 @@ def host_fallback_policy() -> str:
     without aborting the process), and the next tpu op outside the engine
     raises a RuntimeError naming it.
     """
-    value = os.environ.get("TPUREC_HOST_FALLBACK", "warn").strip().lower()
-    if value not in HOST_FALLBACK_POLICIES:
-        raise ValueError(
-            f"TPUREC_HOST_FALLBACK={value!r} is not a policy; use one of {', '.join(HOST_FALLBACK_POLICIES)}"
-        )
-    return value
+    return config.get("TPUREC_HOST_FALLBACK")
 
 
 def check_nan() -> bool:
-    return os.environ.get("TPUREC_CHECK_NAN", "0") not in ("", "0", "false", "False")
+    """Whether debug mode checks results for NaN/Inf (``TPUREC_CHECK_NAN``)."""
+    return config.get("TPUREC_CHECK_NAN")

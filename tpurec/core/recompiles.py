@@ -48,6 +48,7 @@ from typing import Any, Iterator
 import torch
 from torch._C._dynamo.eval_frame import set_eval_frame
 
+from tpurec import config
 from tpurec.core import errors, profiler, runtime
 
 __all__ = ["Recompilation", "explain_recompiles", "compiling", "logging_enabled"]
@@ -57,7 +58,7 @@ log = logging.getLogger("tpurec.recompiles")
 
 def logging_enabled() -> bool:
     """``TPUREC_LOG`` names ``recompiles`` (a comma-separated list of topics)."""
-    topics = {t.strip().lower() for t in os.environ.get("TPUREC_LOG", "").split(",")}
+    topics = config.get("TPUREC_LOG")
     return "recompiles" in topics or "all" in topics
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import torch.autograd.profiler as _torch_profiler
 from jax import monitoring
 
+from tpurec import config
 from tpurec.cache import cache_root, writable_cache_root
 from tpurec.dense.trace_context import traced_as_spmd
 from tpurec.core import profiler as _profiler
@@ -107,13 +108,22 @@ def _on_event(event: str, **kwargs) -> None:
         _stats.disk_hits += 1
 
 
-def _on_duration(event: str, duration: float, **kwargs) -> None:
+def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
         _stats.compile_requests += 1
 
 
-monitoring.register_event_listener(_on_event)
-monitoring.register_event_duration_secs_listener(_on_duration)
+_listening = False
+
+
+def listen_to_jax() -> None:
+    """Registers the two JAX monitoring listeners behind :func:`stats` (once, for the process)."""
+    global _listening
+    if _listening:
+        return
+    _listening = True
+    monitoring.register_event_listener(_on_event)
+    monitoring.register_event_duration_secs_listener(_on_duration)
 
 
 # --- hooks that the layers above install at import -------------------------------
@@ -232,10 +242,8 @@ def _lockstep() -> bool:
     """
     global _LOCKSTEP
     if _LOCKSTEP is None:
-        setting = os.environ.get("TPUREC_CPU_LOCKSTEP", "").strip().lower()
-        wanted = setting not in ("0", "off", "false", "no")
-        _LOCKSTEP = wanted and jax.process_count() > 1 and jax.default_backend() == "cpu"
-    return _LOCKSTEP
+        _LOCKSTEP = bool(config.get("TPUREC_CPU_LOCKSTEP")) and jax.process_count() > 1 and jax.default_backend() == "cpu"
+    return bool(_LOCKSTEP)
 
 
 _LOCKSTEP: bool | None = None
@@ -246,8 +254,8 @@ _LOCKSTEP: bool | None = None
 # every process to run the same programs in the same order; diffing the files of
 # a hung multi-process job shows whether they did (docs/sharding.md).
 _TRACE = None
-if os.environ.get("TPUREC_TRACE_PROGRAMS"):
-    _TRACE = open(os.environ["TPUREC_TRACE_PROGRAMS"] + f".{os.getpid()}", "w", buffering=1)
+if config.get("TPUREC_TRACE_PROGRAMS"):
+    _TRACE = open(config.get("TPUREC_TRACE_PROGRAMS") + f".{os.getpid()}", "w", buffering=1)
 
 
 def _describe(x: Any) -> str:
@@ -324,10 +332,23 @@ def _onto_common_mesh(args: tuple) -> tuple[tuple, bool]:
 
 
 class ProgramCache:
-    """Programs keyed by structure: op, shapes, dtypes, static arguments."""
+    """Programs keyed by structure: op, shapes, dtypes, static arguments.
+
+    And by the flags that change programs (``tpurec.config.program_settings()``): each
+    setting has its own table, so a program traced under one is never run under another.
+    """
 
     def __init__(self) -> None:
-        self._programs: dict[Any, Any] = {}
+        self._tables: dict[tuple, dict[Any, Any]] = {}
+
+    @property
+    def _programs(self) -> dict[Any, Any]:
+        """The programs of the current settings."""
+        settings = config.program_settings()
+        table = self._tables.get(settings)
+        if table is None:
+            table = self._tables[settings] = {}
+        return table
 
     def get(self, key, build: Callable[[], Any]):
         entry = self._programs.get(key)
@@ -340,10 +361,10 @@ class ProgramCache:
         return entry
 
     def __len__(self) -> int:
-        return len(self._programs)
+        return sum(len(table) for table in self._tables.values())
 
     def clear(self) -> None:
-        self._programs.clear()
+        self._tables.clear()
 
 
 programs = ProgramCache()

@@ -218,9 +218,6 @@ def _rebuild_tpu_tensor(values: torch.Tensor, device: str, requires_grad: bool) 
     return values.to(torch._utils._get_restore_location(device)).requires_grad_(requires_grad)
 
 
-# Under its own name and the one older checkpoints recorded (the module's path before tpurec.core).
-torch.serialization.add_safe_globals([_rebuild_tpu_tensor, (_rebuild_tpu_tensor, "tpurec.tensor._rebuild_tpu_tensor")])
-
 _torch_restore_location = torch._utils._get_restore_location
 
 
@@ -239,9 +236,6 @@ def _restore_location(device: str):
     return device if moved is None else str(moved.device)
 
 
-torch._utils._get_restore_location = _restore_location
-
-
 def _never_tag(storage) -> None:
     return None  # saving: tpu tensors are written as CPU values (see TpuTensor.__reduce_ex__)
 
@@ -256,8 +250,29 @@ def _keep_on_host(storage, location: str):
     return storage if location.startswith("tpu") else None
 
 
-# Priority 11: right after CPU's (10), before PyTorch's PrivateUse1 handler (23), which would fail.
-torch.serialization.register_package(11, _never_tag, _keep_on_host)
+_serialization_installed = False
+
+
+def install_serialization() -> None:
+    """torch.save/torch.load of tpu tensors (once): the three changes to ``torch.serialization``.
+
+    ``_rebuild_tpu_tensor`` is allowed under ``weights_only=True`` (under its own name
+    and the one older checkpoints recorded, the module's path before tpurec.core);
+    ``torch._utils._get_restore_location`` becomes :func:`_restore_location`; and a
+    location handler keeps the CPU values behind tpu tensors on the host, at priority 11:
+    right after CPU's (10), before PyTorch's PrivateUse1 handler (23), which would fail.
+    """
+    global _serialization_installed
+    if _serialization_installed:
+        return
+    _serialization_installed = True
+    torch.serialization.add_safe_globals(
+        [_rebuild_tpu_tensor, (_rebuild_tpu_tensor, "tpurec.tensor._rebuild_tpu_tensor")]
+    )
+    import torch._utils as torch_utils
+
+    torch_utils._get_restore_location = _restore_location
+    torch.serialization.register_package(11, _never_tag, _keep_on_host)
 
 
 def wrap(array: jax.Array, index: int, dtype: torch.dtype | None = None) -> TpuTensor:

@@ -26,14 +26,13 @@ Example::
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from tpurec import native
+from tpurec import config, native
 from tpurec.dense.trace_context import remember_transposer, tracing_spmd, transposed_from
 
 __all__ = ["applies", "batched_matmul", "bmm"]
@@ -53,7 +52,7 @@ def applies(a, b) -> bool:
         return False
     if k * b.shape[2] > _MAX_PANEL or m > _MAX_ROWS:
         return False
-    if os.environ.get("TPUREC_NATIVE_MATMUL", "1") == "0":
+    if not config.get("TPUREC_NATIVE_MATMUL"):
         return False
     return jax.default_backend() == "cpu" and not tracing_spmd()
 

@@ -34,6 +34,8 @@ from collections.abc import Sequence
 
 import jax
 
+from tpurec import config
+
 __all__ = [
     "initialize",
     "is_initialized",
@@ -63,8 +65,14 @@ def torchrun_settings(environ: dict[str, str] | None = None) -> dict[str, object
     missing = [n for n in names if n not in env]
     if missing:
         raise ValueError(f"torchrun environment incomplete: {present} are set but {missing} are not")
+    # From the environment given (the variable is a tpurec flag, parsed as tpurec.config does).
+    port = (
+        config.get("TPUREC_COORDINATOR_PORT")
+        if environ is None
+        else config.parse("TPUREC_COORDINATOR_PORT", env.get("TPUREC_COORDINATOR_PORT"))
+    )
     try:
-        port = int(env.get("TPUREC_COORDINATOR_PORT") or int(env["MASTER_PORT"]) + 1)
+        port = port or int(env["MASTER_PORT"]) + 1
         world, rank = int(env["WORLD_SIZE"]), int(env["RANK"])
     except ValueError as error:
         raise ValueError(f"torchrun environment: MASTER_PORT, WORLD_SIZE and RANK must be integers ({error})") from None

@@ -47,6 +47,7 @@ from pathlib import Path
 
 import jax
 
+from tpurec import config
 from tpurec.cache import writable_cache_root
 
 __all__ = ["FFI_TARGETS", "NativeBuildError", "ensure_registered", "library_path", "load_library"]
@@ -83,7 +84,7 @@ def _cpu_flags() -> set[str]:
 def _flags() -> list[str]:
     # -ffp-contract=off: no fused multiply-adds, so rounding matches XLA's.
     flags = ["-O3", "-fPIC", "-shared", "-std=c++17", "-pthread", "-ffp-contract=off"]
-    if os.environ.get("TPUREC_NATIVE_MARCH_NATIVE") == "1":
+    if config.get("TPUREC_NATIVE_MARCH_NATIVE"):
         flags.append("-march=native")
     elif platform.machine() in ("x86_64", "AMD64") and "avx2" in _cpu_flags():
         flags.append("-mavx2")  # wider vectors for the dim loops; only where this CPU has them
@@ -263,6 +264,8 @@ def ensure_registered() -> None:
     with _LOCK:
         if _LOADED is not None:
             return
+        # The kernels read TPUREC_CPU_THREADS themselves and would ignore a bad value: refuse it here.
+        config.get("TPUREC_CPU_THREADS")
         path = library_path()
         try:
             lib = ctypes.CDLL(str(path))

@@ -26,8 +26,9 @@ Example::
 from __future__ import annotations
 
 import ctypes
-import os
 import platform
+
+from tpurec import config
 
 __all__ = ["tune", "tuned"]
 
@@ -45,7 +46,7 @@ def tune() -> bool:
     global _tuned
     if _tuned:
         return True
-    if os.environ.get("TPUREC_TUNE_MALLOC", "1") == "0" or platform.system() != "Linux":
+    if not config.get("TPUREC_TUNE_MALLOC") or platform.system() != "Linux":
         return False
     if platform.libc_ver()[0] != "glibc":
         return False

@@ -22,7 +22,6 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import os
 import warnings
 from collections import OrderedDict
 from typing import Iterable, Literal, Mapping, Sequence
@@ -31,6 +30,8 @@ import numpy as np
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+from tpurec import config
 
 # Rule 3 (batch sizes) sits below the native kernels, which apply it too.
 from tpurec.sparse.batching import Batching, _is_integer, read_batching
@@ -465,9 +466,7 @@ _NATIVE_FAILED = False
 
 
 def _native_enabled() -> bool:
-    choice = os.environ.get("TPUREC_PREPROCESS", "auto")
-    if choice not in ("auto", "native", "numpy"):
-        raise ValueError(f"TPUREC_PREPROCESS must be 'auto', 'native' or 'numpy', got {choice!r}")
+    choice = config.get("TPUREC_PREPROCESS")
     return choice == "native" or (choice == "auto" and not _NATIVE_FAILED)
 
 
@@ -493,7 +492,7 @@ def _preprocess_native(
     try:
         return preprocess_native(kjt, stacks, num_partitions, per_stack, is_weighted, overflow)  # type: ignore[arg-type]
     except NativeBuildError as e:
-        if os.environ.get("TPUREC_PREPROCESS") == "native":
+        if config.get("TPUREC_PREPROCESS") == "native":
             raise
         _NATIVE_FAILED = True
         warnings.warn(f"native preprocessing unavailable, using numpy: {e}", RuntimeWarning, stacklevel=3)

@@ -1,0 +1,446 @@
+"""Every change ``import tpurec`` makes to torch, JAX and the process, in one list.
+
+Each :class:`Patch` says what it changes, why, and the attributes it relies on.
+:func:`install` (called by ``tpurec/__init__.py``) applies them in order, once; the
+implementations stay beside the code they serve. Before a patch is applied its
+``requires`` are looked up: one that is missing (a torch or JAX release renamed it)
+raises a ``RuntimeError`` naming the patch, instead of a failure somewhere later.
+Patches of private attributes were written for one torch/JAX release
+(``written_for``); with another one installed, :func:`install` warns once, naming them.
+
+This module imports nothing at module level beyond the standard library, so that
+``tests/core/test_global_state.py`` can read the list in a process without tpurec.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["PATCHES", "Patch", "check_versions", "install", "installed"]
+
+# The releases the private-API patches below were written against (the lock files' versions).
+TORCH_SERIES = "2.13"
+JAX_SERIES = "0.10"
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """One process-wide change.
+
+    Attributes:
+        name: a short identifier.
+        changes: what it changes, as the user would look it up.
+        reason: why tpurec needs it.
+        apply: makes the change (idempotent).
+        requires: dotted names that must exist before it is applied (the version guard).
+        library: ``"torch"``, ``"jax"`` or ``"process"``.
+        private: it relies on private attributes (underscore names), so it is checked
+            against the release it was written for.
+        targets: dotted names of the attributes it replaces or mutates (checked by the
+            global-state test).
+        dispatcher: ``(operator, dispatch key)`` kernel registrations it adds outside tpu's
+            own keys.
+    """
+
+    name: str
+    changes: str
+    reason: str
+    apply: Callable[[], Any]
+    requires: tuple[str, ...] = ()
+    library: str = "torch"
+    private: bool = False
+    targets: tuple[str, ...] = ()
+    dispatcher: tuple[tuple[str, str], ...] = ()
+
+
+def _tune_malloc() -> None:
+    from tpurec.native import host_allocator
+
+    host_allocator.tune()
+
+
+def _enable_x64() -> None:
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+
+
+def _listen_to_jax() -> None:
+    from tpurec.core import runtime
+
+    runtime.listen_to_jax()
+
+
+def _serialization() -> None:
+    from tpurec.core import tensor
+
+    tensor.install_serialization()
+
+
+def _register_device() -> None:
+    from tpurec.core import device
+
+    device.register()
+
+
+def _calling_thread_backward() -> None:
+    from tpurec.core import device
+
+    device._run_backward_on_calling_thread()
+
+
+def _keep_parameters() -> None:
+    from tpurec.core import conversion
+
+    conversion.install()  # module.to("tpu") keeps Parameter objects, as on CUDA
+
+
+def _register_factories() -> None:
+    from tpurec.core.dispatch import register_factories
+
+    register_factories()
+
+
+def _register_pinning() -> None:
+    from tpurec.core import device
+
+    device.register_pinning()
+
+
+def _register_autocast() -> None:
+    from tpurec.amp import register
+
+    register()
+
+
+def _grouped_mm_fake_rule() -> None:
+    from tpurec.dense.grouped_mm import register_fake_rule
+
+    register_fake_rule()
+
+
+def _compile_patch(name: str) -> Callable[[], None]:
+    def apply() -> None:
+        from tpurec.compile import patches
+
+        getattr(patches, name)()
+
+    return apply
+
+
+def _register_compile_backend() -> None:
+    from tpurec.compile import register
+
+    register()
+
+
+def _register_c10d_backend() -> None:
+    from tpurec.distributed import register_c10d_backend
+
+    register_c10d_backend()
+
+
+def _disk_cache() -> None:
+    from tpurec.core.runtime import enable_disk_cache
+
+    enable_disk_cache()
+
+
+def _memory_api() -> None:
+    from tpurec.core import memory
+    from tpurec.core.device import TpuModule
+
+    memory.install(TpuModule)  # torch.tpu.memory_allocated() and friends
+
+
+def _foreach_optimizers() -> None:
+    optimizer = importlib.import_module("torch.optim.optimizer")
+
+    from tpurec.core.tensor import TpuTensor
+
+    if TpuTensor not in optimizer._foreach_supported_types:
+        optimizer._foreach_supported_types.append(TpuTensor)
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        "glibc_malloc",
+        "glibc mallopt: one arena, no trimming, no mmap (TPUREC_TUNE_MALLOC=0 leaves glibc alone)",
+        "XLA:CPU mallocs each run's buffers; glibc unmapped them on free and the next run faulted the pages in "
+        "again (40 ms of a 165 ms DLRM step). Applied before JAX starts its CPU runtime threads.",
+        _tune_malloc,
+        library="process",
+    ),
+    Patch(
+        "jax_x64",
+        "jax_enable_x64 = True, for every JAX program in the process",
+        "torch int64/float64 values must round-trip exactly.",
+        _enable_x64,
+        requires=("jax.config.jax_enable_x64",),
+        library="jax",
+        targets=("jax.config.jax_enable_x64",),
+    ),
+    Patch(
+        "jax_monitoring",
+        "two JAX monitoring listeners (compile and disk-cache events)",
+        "tpurec.stats() counts XLA compilations and persistent-cache hits.",
+        _listen_to_jax,
+        requires=("jax.monitoring.register_event_listener", "jax.monitoring.register_event_duration_secs_listener"),
+        library="jax",
+        targets=("jax.monitoring event listeners", "jax.monitoring duration listeners"),
+    ),
+    Patch(
+        "torch_serialization",
+        "torch._utils._get_restore_location, torch.serialization's location handlers and weights_only allowlist",
+        "torch.load honours a callable map_location for tpu tensors, keeps their CPU values on the host, and "
+        "loads checkpoints written by older tpurec releases under weights_only=True.",
+        _serialization,
+        requires=(
+            "torch._utils._get_restore_location",
+            "torch.serialization._serialization_tls",
+            "torch.serialization.register_package",
+            "torch.serialization.add_safe_globals",
+        ),
+        private=True,
+        targets=(
+            "torch._utils._get_restore_location",
+            "torch.serialization._package_registry",
+            "torch.serialization.get_safe_globals()",
+        ),
+    ),
+    Patch(
+        "privateuse1_tpu",
+        "PrivateUse1 renamed to 'tpu': hooks, device guard, the torch.tpu module, and the methods PyTorch "
+        "generates for a renamed backend (Tensor.tpu(), Tensor.is_tpu, Module.tpu())",
+        'The device is a real PyTorch device: torch.device("tpu"), .to("tpu"), torch.tpu.*.',
+        _register_device,
+        requires=(
+            "torch.utils.backend_registration._setup_privateuseone_for_python_backend",
+            "torch._C._acc.PrivateUse1Hooks",
+        ),
+        private=True,
+        targets=(
+            "torch.tpu",
+            "torch._C._get_privateuse1_backend_name()",
+            "torch.Tensor.tpu",
+            "torch.Tensor.is_tpu",
+            "torch.nn.Module.tpu",
+        ),
+    ),
+    Patch(
+        "autograd_calling_thread",
+        "torch.autograd.variable.Variable._execution_engine wrapped: backward passes run on the calling thread",
+        "The engine sizes its per-device worker queues once, from the guards registered then; a Python backend's "
+        "guard reports one device, so a backward reaching tpu:1 (or run before import tpurec) failed an assert.",
+        _calling_thread_backward,
+        requires=("torch.autograd.variable.Variable._execution_engine", "torch.autograd.set_multithreading_enabled"),
+        private=True,
+        targets=("torch.autograd.variable.Variable._execution_engine",),
+    ),
+    Patch(
+        "module_apply",
+        "torch.nn.Module._apply wrapped",
+        'module.to("tpu") / .cpu() keep each Parameter object (ties, attributes, hooks), as on CUDA.',
+        _keep_parameters,
+        requires=("torch.nn.Module._apply",),
+        private=True,
+        targets=("torch.nn.Module._apply",),
+    ),
+    Patch(
+        "privateuse1_kernels",
+        "PrivateUse1 kernels of ATen factories and copies (empty, zeros, _copy_from, ...)",
+        'torch.zeros(..., device="tpu") and copies with Python dispatch excluded reach tpurec.',
+        _register_factories,
+        requires=("torch.library.Library",),
+    ),
+    Patch(
+        "cpu_pin_memory",
+        "the CPU kernel of aten::_pin_memory: pinning for tpu is a contiguous copy; other targets unchanged",
+        "In a process with tpurec the current accelerator is tpu, and PyTorch asks it for a pinned host "
+        "allocator, which a Python backend cannot provide (DataLoader(pin_memory=True) failed). Pinning for "
+        "any other device runs PyTorch's own kernel.",
+        _register_pinning,
+        requires=("torch.accelerator.current_accelerator", "torch._C.DispatchKey.CompositeExplicitAutograd"),
+        private=True,
+        dispatcher=(("aten::_pin_memory", "CPU"),),
+    ),
+    Patch(
+        "autocast_tpu",
+        "AutocastPrivateUse1 kernels (CUDA's autocast lists) and its fallthrough",
+        'torch.autocast("tpu") casts as torch.autocast("cuda") does.',
+        _register_autocast,
+        requires=("torch.library.fallthrough_kernel",),
+    ),
+    Patch(
+        "grouped_mm_fake_rule",
+        "a fake-tensor rule for aten._grouped_mm on tpu tensors (other devices keep the meta kernel)",
+        "PyTorch's meta kernel states CUDA's limits, so torch.compile refused float32 MoE layers that run eagerly.",
+        _grouped_mm_fake_rule,
+        requires=("torch._subclasses.fake_impls.register_op_impl", "torch.ops.aten._grouped_mm"),
+        private=True,
+        targets=("torch._subclasses.fake_impls.op_implementations_checks",),
+    ),
+    Patch(
+        "dynamo_wrap_tpu_tensors",
+        "torch._dynamo.variables.builder.VariableBuilder._wrap wrapped",
+        "Dynamo wraps tpu tensors as tensors, not as __torch_function__ subclasses it cannot rebuild.",
+        _compile_patch("wrap_tpu_tensors_as_tensors"),
+        requires=("torch._dynamo.variables.builder.VariableBuilder._wrap",),
+        private=True,
+        targets=("torch._dynamo.variables.builder.VariableBuilder._wrap",),
+    ),
+    Patch(
+        "dynamo_subclass_type",
+        "torch._dynamo.variables.builder.infer_subclass_type wrapped",
+        "A tpu tensor is a plain tensor to Dynamo.",
+        _compile_patch("not_a_subclass_for_dynamo"),
+        requires=("torch._dynamo.variables.builder.infer_subclass_type",),
+        private=True,
+        targets=("torch._dynamo.variables.builder.infer_subclass_type",),
+    ),
+    Patch(
+        "fake_mode_avoid_device_init",
+        "torch._subclasses.fake_tensor.FakeTensorMode.avoid_device_init is always True",
+        "Fake tensor mode never holds a real tpu tensor (PyTorch does the same on machines without CUDA).",
+        _compile_patch("fake_mode_leaves_tpu_data_alone"),
+        requires=("torch._subclasses.fake_tensor.FakeTensorMode.avoid_device_init",),
+        private=True,
+        targets=("torch._subclasses.fake_tensor.FakeTensorMode.avoid_device_init",),
+    ),
+    Patch(
+        "dynamo_skip_runtime",
+        "Dynamo's skip list: jax, jaxlib, ml_dtypes, opt_einsum, tpurec.compile, tpurec.core, tpurec.dense",
+        "Dynamo never traces the runtime core or JAX: after a graph break, eager tpu ops run untraced.",
+        _compile_patch("skip_runtime_modules"),
+        requires=("torch._dynamo.trace_rules.add",),
+        private=True,
+        targets=("torch._dynamo.trace_rules.SKIP_DIRS",),
+    ),
+    Patch(
+        "dynamo_backend",
+        'torch.compile backend "tpu" registered',
+        'torch.compile(model, backend="tpu").',
+        _register_compile_backend,
+        requires=("torch._dynamo.backends.registry.register_backend",),
+        targets=("torch._dynamo.list_backends()",),
+    ),
+    Patch(
+        "c10d_backend",
+        'torch.distributed backend "tpu" registered (torch.distributed.Backend.TPU)',
+        'torch.distributed.init_process_group("tpu") (or "cpu:gloo,tpu:tpu") runs collectives on tpu tensors.',
+        _register_c10d_backend,
+        requires=("torch.distributed.Backend.register_backend", "torch.distributed.Backend.backend_list"),
+        targets=("torch.distributed.Backend.TPU", "torch.distributed.Backend.backend_list"),
+    ),
+    Patch(
+        "xla_disk_cache",
+        "JAX's persistent compilation cache on (xla/ under TPUREC_CACHE_DIR), for every program of size > 0",
+        "Eager mode compiles many small programs; each is cheap but they are numerous, so all are kept.",
+        _disk_cache,
+        requires=("jax.config.jax_compilation_cache_dir", "jax.config.jax_persistent_cache_min_compile_time_secs"),
+        library="jax",
+        targets=(
+            "jax.config.jax_compilation_cache_dir",
+            "jax.config.jax_persistent_cache_min_compile_time_secs",
+            "jax.config.jax_persistent_cache_min_entry_size_bytes",
+        ),
+    ),
+    Patch(
+        "torch_tpu_memory",
+        "torch.tpu.memory_allocated() and friends",
+        "The memory API of torch.cuda, for the tpu device.",
+        _memory_api,
+    ),
+    Patch(
+        "optim_foreach",
+        "torch.optim.optimizer._foreach_supported_types gets TpuTensor",
+        "torch.optim picks its foreach (multi-tensor) path only for listed tensor types, as on CUDA.",
+        _foreach_optimizers,
+        requires=("torch.optim.optimizer._foreach_supported_types",),
+        private=True,
+        targets=("torch.optim.optimizer._foreach_supported_types",),
+    ),
+)
+
+_installed: list[str] = []
+_complete = False
+
+
+def resolve(dotted: str) -> Any:
+    """The object named ``dotted`` (``"torch.nn.Module._apply"``): the longest importable module, then attributes.
+
+    Raises:
+        AttributeError: some part does not exist.
+    """
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            obj = getattr(obj, part)
+        return obj
+    raise AttributeError(f"no module in {dotted!r} can be imported")
+
+
+def _series(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def check_versions() -> list[str]:
+    """Names of the private-API patches whose library is not the release they were written for."""
+    import jax
+    import torch
+
+    mismatched = {"torch": _series(torch.__version__) != TORCH_SERIES, "jax": _series(jax.__version__) != JAX_SERIES}
+    return [p.name for p in PATCHES if p.private and mismatched.get(p.library, False)]
+
+
+def install() -> None:
+    """Applies every patch of :data:`PATCHES` in order (once).
+
+    Raises:
+        RuntimeError: a patch's ``requires`` is missing from the installed torch/JAX.
+    """
+    global _complete
+    if _complete:
+        return
+    for patch in PATCHES:
+        if patch.name in _installed:  # a failed import of tpurec applied it already (patches are idempotent)
+            continue
+        for dotted in patch.requires:
+            try:
+                resolve(dotted)
+            except AttributeError as error:
+                import jax
+                import torch
+
+                raise RuntimeError(
+                    f"tpurec cannot apply its patch {patch.name!r} ({patch.changes}): {dotted} does not exist in "
+                    f"torch {torch.__version__} / jax {jax.__version__} ({error}); tpurec was written for torch "
+                    f"{TORCH_SERIES} and jax {JAX_SERIES}. Install those versions (requirements.lock)."
+                ) from None
+        patch.apply()
+        _installed.append(patch.name)
+    _complete = True
+    mismatched = check_versions()
+    if mismatched:
+        import jax
+        import torch
+
+        warnings.warn(
+            f"tpurec was written for torch {TORCH_SERIES} and jax {JAX_SERIES}; with torch {torch.__version__} and "
+            f"jax {jax.__version__} these patches of private APIs may misbehave: {', '.join(mismatched)}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def installed() -> tuple[str, ...]:
+    """The names of the patches applied so far, in order."""
+    return tuple(_installed)

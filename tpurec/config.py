@@ -1,0 +1,457 @@
+"""tpurec's settings: every ``TPUREC_*`` environment variable, declared once.
+
+Each flag has a name (the environment variable), a type, a default, the moment
+tpurec reads it and a one-line description (the table in ``docs/config.md`` is
+generated from :data:`FLAGS`). A flag is read from the environment unless it was
+set from Python, which wins:
+
+Example::
+
+    import tpurec
+    tpurec.config.get("TPUREC_FUSED_MAX_OPS")        # 2000, or $TPUREC_FUSED_MAX_OPS
+    tpurec.config.fused_max_ops                      # the same, as an attribute
+    tpurec.config.update("TPUREC_NATIVE_MATMUL", False)
+    with tpurec.config.override(host_fallback="error"):
+        ...                                          # restored afterwards
+
+Names may be given as the variable (``TPUREC_NATIVE_MATMUL``) or without the
+prefix, in any case (``native_matmul``). A value that is not allowed raises a
+``ValueError`` naming the flag and the allowed values, from the environment when
+the flag is read and from Python at once. Flags read once, at import, cannot be set
+from Python (an error says how to set them instead). Flags that change the
+programs tpurec compiles (:func:`program_settings`) are part of every program's
+cache key, so a program is never reused under another setting.
+
+This module imports nothing of tpurec (every layer may read it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Iterator
+from typing import Any
+
+__all__ = [
+    "FLAGS",
+    "Flag",
+    "flag",
+    "get",
+    "markdown_table",
+    "override",
+    "parse",
+    "program_settings",
+    "update",
+]
+
+# When tpurec reads a flag (the docs table's "read" column).
+IMPORT = "import"
+FIRST_USE = "first use"
+EVERY_CALL = "every call"
+TRACE_TIME = "trace time"
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Flag:
+    """One ``TPUREC_*`` setting.
+
+    Attributes:
+        name: the environment variable.
+        kind: ``"bool"``, ``"int"``, ``"choice"``, ``"topics"`` (a comma-separated subset of
+            ``choices``) or ``"str"``.
+        default: the value when the variable is unset or empty.
+        read: when tpurec reads it: ``"import"``, ``"first use"``, ``"every call"`` or
+            ``"trace time"`` (while a program is traced).
+        doc: one line for the docs table.
+        choices: the allowed values of a ``choice`` or ``topics`` flag.
+        aliases: other spellings of a choice (``{"0": "off"}``).
+        minimum: the smallest allowed value of an ``int`` flag.
+        maximum: the largest allowed value of an ``int`` flag.
+        programs: the value changes compiled programs: it is part of the program cache key.
+        environ: read by native code from the process environment, so setting it from Python
+            sets the environment variable too.
+        instead: for an import-time flag, what to use from Python instead (for the error).
+        values: the allowed values of a ``str`` flag, in words.
+        settable: whether :func:`update` may set it (default: unless it is read at import).
+    """
+
+    name: str
+    kind: str
+    default: Any
+    read: str
+    doc: str
+    choices: tuple[str, ...] = ()
+    aliases: tuple[tuple[str, str], ...] = ()
+    minimum: int | None = None
+    maximum: int | None = None
+    programs: bool = False
+    environ: bool = False
+    instead: str = ""
+    values: str = "text"
+    settable: bool | None = None
+
+    def can_set(self) -> bool:
+        """Whether a value set from Python can still take effect."""
+        return self.read != IMPORT if self.settable is None else self.settable
+
+    def allowed(self) -> str:
+        """The allowed values, in words (for errors and the docs)."""
+        if self.kind == "bool":
+            return "1 or 0 (also true/false, yes/no, on/off)"
+        if self.kind == "int":
+            if self.maximum is not None:
+                return f"an integer from {self.minimum} to {self.maximum}"
+            return f"an integer >= {self.minimum}" if self.minimum is not None else "an integer"
+        if self.kind in ("choice", "topics"):
+            quoted = [repr(c) for c in self.choices]
+            listed = quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+            return listed if self.kind == "choice" else f"a comma-separated list of {listed}"
+        return self.values
+
+
+FLAGS: tuple[Flag, ...] = (
+    Flag(
+        "TPUREC_MODE",
+        "choice",
+        "eager",
+        IMPORT,
+        "The execution mode tpurec starts in.",
+        choices=("eager", "fused", "debug"),
+        instead="tpurec.set_mode() or tpurec.mode()",
+    ),
+    Flag(
+        "TPUREC_HOST_FALLBACK",
+        "choice",
+        "warn",
+        EVERY_CALL,
+        "An op that fails on the device during backward runs on the host: warn, or make the next tpu op raise.",
+        choices=("warn", "error"),
+    ),
+    Flag(
+        "TPUREC_CHECK_NAN",
+        "bool",
+        False,
+        EVERY_CALL,
+        "Debug mode also raises at the first op that produces NaN or Inf.",
+    ),
+    Flag(
+        "TPUREC_FUSED_MAX_OPS",
+        "int",
+        2000,
+        EVERY_CALL,
+        "Fused mode runs the recorded window once it holds this many ops.",
+        minimum=1,
+    ),
+    Flag(
+        "TPUREC_SHADOW",
+        "choice",
+        "off",
+        IMPORT,
+        "cpu: every op also runs on CPU and is compared, from import on (needs TPUREC_MODE=debug).",
+        choices=("off", "cpu"),
+        aliases=(("0", "off"), ("none", "off")),
+        instead="tpurec.debug.shadow()",
+    ),
+    Flag(
+        "TPUREC_LOG",
+        "topics",
+        frozenset(),
+        EVERY_CALL,
+        "Topics logged as they happen: recompiles (logger tpurec.recompiles), or all.",
+        choices=("recompiles", "all"),
+    ),
+    Flag(
+        "TPUREC_CACHE_DIR",
+        "str",
+        None,
+        IMPORT,
+        "The persistent cache folder (compiled programs, native library); default ~/.cache/tpurec; off: none. "
+        "Read again by tpurec.enable_disk_cache() and the first native build.",
+        values="a folder, or off",
+        settable=True,
+    ),
+    Flag(
+        "TPUREC_NATIVE_MATMUL",
+        "bool",
+        True,
+        TRACE_TIME,
+        "aten.bmm of small float32 matrices uses the native XLA:CPU kernel.",
+        programs=True,
+    ),
+    Flag(
+        "TPUREC_NATIVE_MARCH_NATIVE",
+        "bool",
+        False,
+        FIRST_USE,
+        "The native library is built with -march=native (for this CPU only).",
+    ),
+    Flag(
+        "TPUREC_CPU_THREADS",
+        "int",
+        None,
+        EVERY_CALL,
+        "At most this many threads per native kernel call; default: the CPUs this process may use.",
+        minimum=1,
+        environ=True,
+    ),
+    Flag(
+        "TPUREC_PREPROCESS",
+        "choice",
+        "auto",
+        EVERY_CALL,
+        "KeyedJaggedTensor preprocessing: native C++ where it builds (auto), always native, or numpy.",
+        choices=("auto", "native", "numpy"),
+    ),
+    Flag(
+        "TPUREC_TUNE_MALLOC",
+        "bool",
+        True,
+        IMPORT,
+        "glibc keeps freed memory for reuse (one arena, no trimming, no mmap) so XLA:CPU reuses buffers.",
+    ),
+    Flag(
+        "TPUREC_CPU_LOCKSTEP",
+        "bool",
+        True,
+        FIRST_USE,
+        "Multi-process XLA:CPU jobs run one mesh program at a time (read at the first mesh program).",
+    ),
+    Flag(
+        "TPUREC_TRACE_PROGRAMS",
+        "str",
+        None,
+        IMPORT,
+        "Every program run on a mesh appends one line to PREFIX.<pid>.",
+        values="a path PREFIX",
+    ),
+    Flag(
+        "TPUREC_COORDINATOR_PORT",
+        "int",
+        None,
+        EVERY_CALL,
+        "The port of JAX's coordinator under torchrun (default MASTER_PORT + 1).",
+        minimum=1,
+        maximum=65535,
+    ),
+)
+
+_BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
+
+# Values set from Python (update/override): they win over the environment.
+_overrides: dict[str, Any] = {}
+
+
+def flag(name: str) -> Flag:
+    """The declaration of flag ``name`` (``"TPUREC_MODE"``, ``"mode"``, ...).
+
+    Raises:
+        ValueError: no such flag.
+    """
+    key = name.strip().upper()
+    if not key.startswith("TPUREC_"):
+        key = "TPUREC_" + key
+    found = _BY_NAME.get(key)
+    if found is None:
+        raise ValueError(f"{name!r} is not a tpurec flag; the flags are {', '.join(_BY_NAME)}")
+    return found
+
+
+def _invalid(f: Flag, value: Any, where: str) -> ValueError:
+    return ValueError(f"{f.name} must be {f.allowed()}, got {value!r} ({f.name}={value!r} {where})")
+
+
+def _parse_text(f: Flag, text: str, where: str) -> Any:
+    raw = text.strip()
+    if raw == "":
+        return f.default
+    if f.kind == "bool":
+        low = raw.lower()
+        if low in _TRUE:
+            return True
+        if low in _FALSE:
+            return False
+        raise _invalid(f, text, where)
+    if f.kind == "int":
+        try:
+            number = int(raw)
+        except ValueError:
+            raise _invalid(f, text, where) from None
+        return _check_int(f, number, text, where)
+    if f.kind == "choice":
+        low = dict(f.aliases).get(raw.lower(), raw.lower())
+        if low not in f.choices:
+            raise _invalid(f, text, where)
+        return low
+    if f.kind == "topics":
+        topics = frozenset(t.strip().lower() for t in raw.split(",") if t.strip())
+        if not topics <= set(f.choices):
+            raise _invalid(f, text, where)
+        return topics
+    return text
+
+
+def _check_int(f: Flag, number: int, shown: Any, where: str) -> int:
+    if (f.minimum is not None and number < f.minimum) or (f.maximum is not None and number > f.maximum):
+        raise _invalid(f, shown, where)
+    return number
+
+
+def parse(name: str, value: Any, where: str = "in the environment") -> Any:
+    """Flag ``name``'s typed value for ``value`` (text as in the environment, or a Python value).
+
+    Args:
+        name: the flag.
+        value: a string (parsed as the environment variable would be), None (the default) or
+            a value of the flag's type (``True``, ``8``, ``"fused"``, ``{"recompiles"}``).
+        where: where the value came from, for the error message.
+
+    Raises:
+        ValueError: the value is not allowed (the message names the flag and the allowed values).
+    """
+    f = flag(name)
+    if value is None:
+        return f.default
+    if isinstance(value, str):
+        return _parse_text(f, value, where)
+    if f.kind == "bool" and isinstance(value, bool):
+        return value
+    if f.kind == "int" and isinstance(value, int) and not isinstance(value, bool):
+        return _check_int(f, value, value, where)
+    if (
+        f.kind == "topics"
+        and isinstance(value, (set, frozenset, list, tuple))
+        and all(isinstance(t, str) for t in value)
+    ):
+        return _parse_text(f, ",".join(value), where)
+    raise _invalid(f, value, where)
+
+
+def get(name: str) -> Any:
+    """Flag ``name``'s value: set from Python, else from the environment, else its default.
+
+    Raises:
+        ValueError: unknown flag, or the environment holds a value that is not allowed.
+    """
+    f = flag(name)
+    if f.name in _overrides:
+        return _overrides[f.name]
+    return parse(f.name, os.environ.get(f.name))
+
+
+def _settable(f: Flag) -> None:
+    if not f.can_set():
+        instead = f"; from Python use {f.instead}" if f.instead else ""
+        raise ValueError(
+            f"{f.name} is read once, when tpurec is imported: set the environment variable before "
+            f"importing tpurec{instead}"
+        )
+
+
+def _apply(f: Flag, value: Any) -> None:
+    """Sets (``value`` not None) or clears the Python value of ``f`` (already validated)."""
+    if value is None:
+        _overrides.pop(f.name, None)
+        if f.environ:
+            os.environ.pop(f.name, None)
+        return
+    _overrides[f.name] = value
+    if f.environ:
+        # Native code reads the process environment (getenv): keep it in step.
+        os.environ[f.name] = (
+            ",".join(sorted(value)) if f.kind == "topics" else str(int(value) if f.kind == "bool" else value)
+        )
+
+
+def update(name: str, value: Any) -> None:
+    """Sets flag ``name`` from Python (as ``jax.config.update``); None goes back to the environment.
+
+    Args:
+        name: the flag (``"TPUREC_NATIVE_MATMUL"`` or ``"native_matmul"``).
+        value: a value of the flag's type, or its text as in the environment.
+
+    Raises:
+        ValueError: unknown flag, a value that is not allowed, or a flag read only at import.
+            Nothing changes then.
+    """
+    f = flag(name)
+    _settable(f)
+    _apply(f, None if value is None else parse(f.name, value, "from tpurec.config.update"))
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[None]:
+    """Sets flags for the block, then restores what was set before (keyword names without the prefix).
+
+    Example::
+
+        with tpurec.config.override(native_matmul=False, fused_max_ops=8):
+            ...
+
+    Raises:
+        ValueError: as :func:`update`, before any flag changes.
+    """
+    parsed = {}
+    for name, value in values.items():
+        f = flag(name)
+        _settable(f)
+        parsed[f] = None if value is None else parse(f.name, value, "from tpurec.config.override")
+    saved = {f: (_overrides.get(f.name), f.name in _overrides, os.environ.get(f.name)) for f in parsed}
+    try:
+        for f, value in parsed.items():
+            _apply(f, value)
+        yield
+    finally:
+        for f, (value, was_set, env) in saved.items():
+            if was_set:
+                _overrides[f.name] = value
+            else:
+                _overrides.pop(f.name, None)
+            if f.environ:
+                if env is None:
+                    os.environ.pop(f.name, None)
+                else:
+                    os.environ[f.name] = env
+
+
+def program_settings() -> tuple:
+    """The values of the flags that change compiled programs, as a hashable cache-key part."""
+    return tuple(get(f.name) for f in _PROGRAM_FLAGS)
+
+
+_PROGRAM_FLAGS = tuple(f for f in FLAGS if f.programs)
+
+
+def __getattr__(name: str) -> Any:
+    # tpurec.config.native_matmul / tpurec.config.TPUREC_NATIVE_MATMUL
+    try:
+        f = flag(name)
+    except ValueError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    return get(f.name)
+
+
+def _shown_default(f: Flag) -> str:
+    if f.default is None:
+        return "unset"
+    if f.kind == "bool":
+        return "1" if f.default else "0"
+    if f.kind == "topics":
+        return ",".join(sorted(f.default)) or "unset"
+    return str(f.default)
+
+
+def markdown_table() -> str:
+    """The table of every flag (``docs/config.md``; ``python tests/gen_docs.py`` writes it there)."""
+    rows = [
+        "| Flag | Values | Default | Read | Changes programs | Meaning |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in FLAGS:
+        rows.append(
+            f"| `{f.name}` | {f.allowed()} | {_shown_default(f)} | {f.read} | {'yes' if f.programs else 'no'} | {f.doc} |"
+        )
+    return "\n".join(rows) + "\n"
