@@ -339,7 +339,8 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "xla_disk_cache",
         "JAX's persistent compilation cache on (xla/ under TPUREC_CACHE_DIR), for every program of size > 0",
-        "Eager mode compiles many small programs; each is cheap but they are numerous, so all are kept.",
+        "Eager mode compiles many small programs; each is cheap but they are numerous, so all are kept. "
+        "XLA:GPU's autotune cache stays off: it would put the folder's path into every key (a moved cache would miss).",
         _disk_cache,
         requires=("jax.config.jax_compilation_cache_dir", "jax.config.jax_persistent_cache_min_compile_time_secs"),
         library="jax",
@@ -347,6 +348,7 @@ PATCHES: tuple[Patch, ...] = (
             "jax.config.jax_compilation_cache_dir",
             "jax.config.jax_persistent_cache_min_compile_time_secs",
             "jax.config.jax_persistent_cache_min_entry_size_bytes",
+            "jax.config.jax_persistent_cache_enable_xla_caches",
         ),
     ),
     Patch(

@@ -472,7 +472,7 @@ def _splits(name: str, which: str, sizes: Sequence[int], t: torch.Tensor, n: int
 
 def _join(store: Store, rank: int, size: int) -> None:
     """Joins this process to JAX's multi-controller runtime (once), for the default group."""
-    from tpurec import distributed
+    from tpurec.distributed import startup as distributed
 
     if distributed.is_initialized() or size == 1:
         return
