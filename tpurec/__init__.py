@@ -24,17 +24,7 @@ from tpurec import _patches  # noqa: E402
 # Every change import tpurec makes to torch, JAX and the process, in order, with its reason: tpurec/_patches.py.
 _patches.install()
 
-import sys as _sys  # noqa: E402
-
 from tpurec import core  # noqa: E402
-
-# The runtime modules' paths before tpurec.core (``tpurec.runtime``, ``tpurec.device``, ...)
-# keep working: each is the very same module object (one state), registered here instead of
-# as files at the old paths so that git follows every module to its new path.
-_OLD_PATHS = ("device", "dispatch", "errors", "fused", "memory", "modes", "recompiles", "rng", "runtime", "tensor", "views")
-for _name in _OLD_PATHS:
-    _sys.modules[f"{__name__}.{_name}"] = globals()[_name] = getattr(core, _name)
-del _name
 
 from tpurec import library  # noqa: E402,F401
 from tpurec import debug  # noqa: E402,F401 (TPUREC_SHADOW=cpu starts shadowing at import)

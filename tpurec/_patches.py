@@ -157,6 +157,10 @@ def _memory_api() -> None:
     memory.install(TpuModule)  # torch.tpu.memory_allocated() and friends
 
 
+def _old_module_paths() -> None:
+    importlib.import_module("tpurec._old_paths").install()
+
+
 def _foreach_optimizers() -> None:
     optimizer = importlib.import_module("torch.optim.optimizer")
 
@@ -365,6 +369,14 @@ PATCHES: tuple[Patch, ...] = (
         requires=("torch.optim.optimizer._foreach_supported_types",),
         private=True,
         targets=("torch.optim.optimizer._foreach_supported_types",),
+    ),
+    Patch(
+        "old_module_paths",
+        "a finder appended to sys.meta_path for the module paths of older releases (tpurec.tensor, ...)",
+        "pickle resolves the names older checkpoints hold (tpurec.tensor._rebuild_tpu_tensor) by importing "
+        "them; only those paths are found, read-only, and only when imported (see tpurec/_old_paths.py).",
+        _old_module_paths,
+        library="process",
     ),
 )
 

@@ -11,8 +11,15 @@ and those must import nothing of tpurec but each other.
 from __future__ import annotations
 
 import ast
+import importlib
 import io
+import os
 import pathlib
+import pickle
+import pickletools
+import subprocess
+import sys
+import types
 from typing import Sequence
 
 import pytest
@@ -209,20 +216,72 @@ def test_foundation_modules_import_nothing_of_the_core():
 # --- the old paths ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("module", [m for m in tpurec.core.LAYERS if m in tpurec._OLD_PATHS])  # modules older than tpurec.core
-def test_old_module_paths_are_the_core_modules(module):
-    import importlib
+class _OldNamePickler(pickle._Pickler):
+    """Writes the tpu tensor rebuild function under the path older releases wrote (``tpurec.tensor``)."""
 
-    core_module = getattr(tpurec.core, module)
-    assert importlib.import_module(f"tpurec.{module}") is core_module
-    assert getattr(tpurec, module) is core_module
+    def save(self, obj, save_persistent_id=True):
+        if obj is core_tensor._rebuild_tpu_tensor:
+            self.write(pickle.GLOBAL + b"tpurec.tensor\n_rebuild_tpu_tensor\n")
+            return
+        super().save(obj, save_persistent_id)
+
+
+class _OldTpuTensor:
+    """Pickles as a tpu tensor did before the runtime moved to tpurec.core."""
+
+    def __reduce__(self):
+        return core_tensor._rebuild_tpu_tensor, (torch.arange(3.0), "tpu:0", True)
+
+
+_OLD_PICKLE = types.SimpleNamespace(Pickler=_OldNamePickler, Unpickler=pickle.Unpickler, __name__="pickle")
+
+_LOAD_OLD_CHECKPOINT = """
+import pickle, sys, torch, tpurec
+old = [m for m in sys.modules if m in ("tpurec.tensor", "tpurec.runtime", "tpurec.jax")]
+assert old == [] and not hasattr(tpurec, "tensor"), old  # nothing registered up front
+for loaded in (torch.load(sys.argv[1], weights_only=False)["w"], pickle.loads(open(sys.argv[2], "rb").read())["w"]):
+    assert loaded.device.type == "tpu" and loaded.requires_grad, loaded
+    assert torch.equal(loaded.detach().cpu(), torch.arange(3.0)), loaded
+print("ok")
+"""
+
+
+def test_a_checkpoint_naming_the_old_tensor_path_loads_without_weights_only(tmp_path):
+    # pickle (and torch.load(weights_only=False)) imports tpurec.tensor to resolve the name.
+    checkpoint, raw = tmp_path / "old.pt", tmp_path / "old.pkl"
+    torch.save({"w": _OldTpuTensor()}, checkpoint, pickle_module=_OLD_PICKLE)
+    buffer = io.BytesIO()
+    _OldNamePickler(buffer, protocol=2).dump({"w": _OldTpuTensor()})
+    raw.write_bytes(buffer.getvalue())
+    opcodes = [arg for op, arg, _ in pickletools.genops(buffer.getvalue()) if op.name == "GLOBAL"]
+    assert "tpurec.tensor _rebuild_tpu_tensor" in opcodes and not any("tpurec.core" in str(a) for a in opcodes)
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE_ROOT.parent)}
+    done = subprocess.run(
+        [sys.executable, "-c", _LOAD_OLD_CHECKPOINT, str(checkpoint), str(raw)],
+        check=False, capture_output=True, text=True, timeout=300, env=env,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_old_module_paths_offer_only_what_a_checkpoint_can_name():
+    import tpurec.runtime as old_runtime
+
+    assert old_runtime is not tpurec.core.runtime  # not an alias: a read-only view for unpickling
+    assert old_runtime.synchronize is tpurec.core.runtime.synchronize  # a function: a pickle may name it
+    with pytest.raises(AttributeError, match=r"tpurec.runtime is an old module path.*tpurec.core.runtime.programs"):
+        _ = old_runtime.programs  # module state, not a class or function
+    with pytest.raises(AttributeError, match=r"read-only old module path; set 'synchronize' on tpurec.core.runtime"):
+        old_runtime.synchronize = None
+    assert tpurec.core.runtime.synchronize is old_runtime.synchronize  # the failed write changed nothing
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("tpurec.jax")  # only the modules that moved have old paths
 
 
 def test_public_names_are_unchanged():
     for name in tpurec.__all__:
         assert getattr(tpurec, name) is not None, name
+    from tpurec.core.runtime import enable_disk_cache, reset_stats, stats, synchronize  # noqa: F401
     from tpurec.profiler import enabled, profile, program_label, record  # noqa: F401
-    from tpurec.runtime import enable_disk_cache, reset_stats, stats, synchronize  # noqa: F401
 
     assert tpurec.synchronize is tpurec.core.runtime.synchronize
     assert tpurec.TpuTensor is tpurec.core.tensor.TpuTensor

@@ -66,9 +66,9 @@ def test_mode_switch_api():
     with tpurec.mode("fused"):
         assert tpurec.get_mode() == "fused"
         x = torch.ones(3, device="tpu") * 2
-        assert tpurec.fused.pending_ops() > 0
+        assert tpurec.core.fused.pending_ops() > 0
     with tpurec.mode("eager"):
-        assert tpurec.fused.pending_ops() == 0
+        assert tpurec.core.fused.pending_ops() == 0
     assert tpurec.get_mode() == before
     assert x.tolist() == [2.0, 2.0, 2.0]
     with pytest.raises(ValueError, match="not a tpurec mode"):

@@ -227,7 +227,7 @@ STEP = """
         print("step", step, "ok", flush=True)
         right = get_lowering(torch.ops.aten.mul.Tensor)  # now one product goes wrong
         LOWERINGS[right.op] = Lowering(right.op, lambda *a: right.fn(*a) * 1.001)
-        tpurec.runtime.programs.clear()
+        tpurec.core.runtime.programs.clear()
 """
 
 

@@ -32,7 +32,7 @@ Where a lower module must reach a higher one, the higher one installs a hook at 
 Outside the core, the modules here may import only ``tpurec.dense`` (the lowering table),
 ``tpurec.amp`` and ``tpurec.composites``, which import nothing of the core.
 ``tests/core/test_layering.py`` checks all of this. The old paths (``tpurec.runtime``,
-``tpurec.device``, ...) are aliases of these modules.
+``tpurec.device``, ...) load older checkpoints only (see ``tpurec._old_paths``).
 
 Importing this package imports every layer in order, so the hooks are always installed.
 """

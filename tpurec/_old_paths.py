@@ -1,0 +1,92 @@
+"""Module paths of older tpurec releases that checkpoints name, resolved when imported.
+
+Before the runtime moved to ``tpurec.core``, its modules lived at ``tpurec.tensor``,
+``tpurec.runtime``, ... A checkpoint written then names them: a tpu tensor pickled as
+``tpurec.tensor._rebuild_tpu_tensor(values, device, requires_grad)``. ``pickle`` (and
+``torch.load(..., weights_only=False)``) resolves such a name by importing
+``tpurec.tensor``, so those paths stay importable, through a finder on ``sys.meta_path``
+(``torch.load``'s default ``weights_only=True`` needs no import: the rebuild function is
+registered as a safe global under its old name too).
+
+Nothing is registered in ``sys.modules`` or on the ``tpurec`` package until something
+imports an old path; then it is a small read-only module whose attributes are the
+classes and functions of the ``tpurec.core`` module (the globals a pickle can name).
+Its other names raise an error that says where they are now: code should use the
+public ``tpurec`` API.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import inspect
+import sys
+import types
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["OLD_PATHS", "install"]
+
+# Old path -> the module it became.
+OLD_PATHS: dict[str, str] = {
+    f"tpurec.{name}": f"tpurec.core.{name}"
+    for name in ("device", "dispatch", "errors", "fused", "memory", "modes", "recompiles", "rng", "runtime", "tensor", "views")
+}
+
+
+class OldPath(types.ModuleType):
+    """An old module path: the classes and functions of the module it became, read-only."""
+
+    def __init__(self, name: str, target: str) -> None:
+        super().__init__(name, f"Old path of {target}, kept so that checkpoints naming it load.")
+        object.__setattr__(self, "_target", target)
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):  # import machinery probes (__path__, __file__, ...)
+            raise AttributeError(name)
+        target = importlib.import_module(object.__getattribute__(self, "_target"))
+        value = getattr(target, name, None)
+        # What a pickle can name: a class or function defined in that module (under
+        # its new path, or its old one as the checkpoints of older releases wrote it).
+        defined_here = getattr(value, "__module__", None) in (target.__name__, self.__name__)
+        if (inspect.isclass(value) or inspect.isroutine(value)) and defined_here:
+            return value
+        raise AttributeError(
+            f"{self.__name__} is an old module path, kept only so that checkpoints naming it load; "
+            f"{name!r} is not a class or function of {target.__name__}. Use the public tpurec API "
+            f"(e.g. tpurec.stats, tpurec.synchronize, tpurec.flush) or {target.__name__}.{name}."
+        )
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name.startswith("__"):  # set by the import system when the module is made
+            object.__setattr__(self, name, value)
+            return
+        raise AttributeError(
+            f"{self.__name__} is a read-only old module path; set {name!r} on "
+            f"{object.__getattribute__(self, '_target')} instead"
+        )
+
+
+class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds the old paths (only those) and makes each an :class:`OldPath` module."""
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in OLD_PATHS:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+        return OldPath(spec.name, OLD_PATHS[spec.name])
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        pass  # nothing to run: attributes are looked up in the new module on access
+
+
+def install() -> None:
+    """Makes the old paths importable (once per process; appended, so real modules win)."""
+    if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
+        sys.meta_path.append(_Finder())
