@@ -37,19 +37,24 @@ from tpurec.profiler import profile  # noqa: E402
 
 from tpurec import config  # noqa: E402,F401
 
+from tpurec._api import flush, shard  # noqa: E402
 
-
-def shard(model, plan=None, mesh=None, **kwargs):
-    """Shards ``model``'s embeddings by ``plan`` over ``mesh`` and makes its dense part data-parallel.
-
-    See :func:`tpurec.sparse.sharding.shard` (imported on first use).
-    """
-    from tpurec.sparse.sharding import shard as _shard
-
-    return _shard(model, plan, mesh, **kwargs)
-
-
+# The public API: what ``from tpurec import *`` and the docs promise. Everything else
+# here (``tpurec.core``, ``tpurec.compile``, ...) is an implementation module.
 __all__ = [
-    "shard", "platform", "stats", "reset_stats", "synchronize", "set_mode", "get_mode", "mode", "enable_disk_cache",
-    "TpuTensor", "library", "debug", "profile", "explain_recompiles",
+    "TpuTensor",
+    "debug",
+    "enable_disk_cache",
+    "explain_recompiles",
+    "flush",
+    "get_mode",
+    "library",
+    "mode",
+    "platform",
+    "profile",
+    "reset_stats",
+    "set_mode",
+    "shard",
+    "stats",
+    "synchronize",
 ]

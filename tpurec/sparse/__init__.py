@@ -2,6 +2,10 @@
 ``torch.ops.tpurec`` sparse op set, and embedding modules with fused optimizers.
 
 The planner (``tpurec.sparse.planner``) is imported on demand, not here.
+``__all__`` is the public API. The preprocessing steps behind the collections
+(``preprocess_kjt``, ``read_kjt``, ``stack_tables`` and their types, ``PAD_ID``)
+are implementation details, importable from ``tpurec.sparse.preprocess`` and
+``tpurec.sparse.types``.
 
 Example::
 
@@ -17,11 +21,14 @@ from tpurec.sparse.sequence import EmbeddingCollection
 from tpurec.sparse.quant import QuantEmbeddingBagCollection
 from tpurec.sparse.optimizers import SGD, Adagrad, Adam, EmbeddingOptimizer, RowWiseAdagrad, optimizer_from_torch
 from tpurec.sparse.pipeline import TrainPipeline
-from tpurec.sparse.preprocess import preprocess_kjt, read_kjt, stack_tables, suggest_capacities
-from tpurec.sparse.types import (
+from tpurec.sparse.preprocess import suggest_capacities
+from tpurec.sparse.types import Capacity, CapacityError
+
+# Not public (not in __all__), kept as attributes so that code written against earlier
+# releases (``sparse.preprocess_kjt(...)``) keeps working.
+from tpurec.sparse.preprocess import preprocess_kjt, read_kjt, stack_tables  # noqa: F401
+from tpurec.sparse.types import (  # noqa: F401
     PAD_ID,
-    Capacity,
-    CapacityError,
     FeatureSlot,
     SparseCoreInput,
     StackedCsr,
@@ -30,30 +37,21 @@ from tpurec.sparse.types import (
 )
 
 __all__ = [
-    "PAD_ID",
-    "Capacity",
-    "CapacityError",
-    "FeatureSlot",
-    "SparseCoreInput",
-    "StackedCsr",
-    "StackedTable",
-    "TableInStack",
-    "preprocess_kjt",
-    "read_kjt",
-    "stack_tables",
-    "suggest_capacities",
-    "EmbeddingOptimizer",
     "SGD",
     "Adagrad",
-    "RowWiseAdagrad",
     "Adam",
-    "optimizer_from_torch",
+    "Capacity",
+    "CapacityError",
     "EmbeddingBagCollection",
     "EmbeddingCollection",
+    "EmbeddingOptimizer",
     "QuantEmbeddingBagCollection",
-    "from_torchrec",
+    "RowWiseAdagrad",
     "TrainPipeline",
     "checkpoint",
+    "from_torchrec",
+    "optimizer_from_torch",
+    "suggest_capacities",
 ]
 
 # The parts of tpurec.sparse, lowest first: each imports only parts below it (even inside
