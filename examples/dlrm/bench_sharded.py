@@ -72,7 +72,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     import tpurec
     import tpurec.sparse as sparse
-    from tpurec.core import fused
 
     D = args.devices
     if torch.tpu.device_count() < D:
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
             loss.backward()
             optimizer.step()
             if tpurec.get_mode() == "fused":
-                fused.flush("step")  # as the pipeline does: the step goes out as one program
+                tpurec.flush("step")  # as the pipeline does: the step goes out as one program
             losses.append(loss.item())
         return times, losses
 

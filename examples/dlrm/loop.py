@@ -35,9 +35,7 @@ def end_step() -> None:
     """Marks a step boundary: in fused mode the step's recorded ops run now, as
     one program, without waiting for it (XLA dispatch is asynchronous)."""
     if tpurec.get_mode() == "fused":
-        from tpurec.core import fused  # the window flush behind torch.tpu.synchronize, minus the wait
-
-        fused.flush("step")
+        tpurec.flush("step")  # the window flush behind torch.tpu.synchronize, minus the wait
 
 
 class PipelinedStep:
@@ -147,7 +145,7 @@ class TrainStep(nn.Module):
         labels = batch.labels
         mesh = getattr(self.model, "mesh", None)
         if mesh is not None:
-            from tpurec.sparse.sharding.model import distribute_batch
+            from tpurec.sparse.sharding import distribute_batch
 
             labels = distribute_batch(labels, mesh)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels.float())

@@ -66,7 +66,7 @@ def dense_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     The tables are updated inside the backward (fused) and get no gradient, so
     they are left out.
     """
-    from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
+    from tpurec.sparse.sharding import ShardedEmbeddingBagCollection
 
     kinds = (sparse.EmbeddingBagCollection, ShardedEmbeddingBagCollection)
     tables = {id(p) for m in model.modules() if isinstance(m, kinds) for p in m.parameters()}

@@ -110,6 +110,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench spar
 
     import tpurec.sparse as sp
     from tpurec.sparse.kernels import native, reference
+    from tpurec.sparse.preprocess import preprocess_kjt  # the step being measured (not public API)
 
     num_tables, rows, dim, batch, bag = (4, 10_000, 32, 256, 4) if args.small else (26, 100_000, 64, 2048, 4)
     threads = args.threads or len(os.sched_getaffinity(0))
@@ -129,13 +130,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench spar
     )
     # Capacities sized to this batch (the shapes of capacities=None), then the
     # native and the numpy (reference) preprocessing timed on them.
-    fit = next(iter(sp.preprocess_kjt(kjt, tables, args.partitions).stacks.values()))
+    fit = next(iter(preprocess_kjt(kjt, tables, args.partitions).stacks.values()))
     capacity = sp.Capacity(int(fit.max_ids.max()), int(fit.max_unique_ids.max()))
     preprocess_ms, batches = {}, {}
     for backend in ("native", "numpy"):
         with config.override(preprocess=backend):
-            batches[backend] = sp.preprocess_kjt(kjt, tables, args.partitions, capacity)
-            preprocess_ms[backend] = _median_ms(lambda: sp.preprocess_kjt(kjt, tables, args.partitions, capacity), args.iters, warmup=1)
+            batches[backend] = preprocess_kjt(kjt, tables, args.partitions, capacity)
+            preprocess_ms[backend] = _median_ms(lambda: preprocess_kjt(kjt, tables, args.partitions, capacity), args.iters, warmup=1)
     identical = all(
         a.tobytes() == b.tobytes()
         for x, y in zip(batches["native"].stacks.values(), batches["numpy"].stacks.values())
