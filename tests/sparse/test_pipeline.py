@@ -101,6 +101,55 @@ def test_cpu_device_matches_too():
     assert pipeline_losses(sparse.TrainPipeline(model, optimizer, "cpu"), batches) == expected
 
 
+def test_is_a_torchrec_train_pipeline_driven_by_a_torchrec_loop():
+    from torchrec.distributed.train_pipeline import TrainPipeline as TorchRecTrainPipeline
+    from torchrec.distributed.train_pipeline.types import PipelineState
+
+    batches = make_batches(3, seed=2)
+    model, optimizer = make_model()
+    expected = plain_losses(model, optimizer, batches, "tpu")
+    model, optimizer = make_model()
+    pipeline = sparse.TrainPipeline(model, optimizer, torch.device("tpu"))
+    assert isinstance(pipeline, TorchRecTrainPipeline)
+    assert pipeline._state is PipelineState.IDLE
+    # TorchRec's training loop, as written for its own pipelines.
+    it = iter(batches)
+    got = []
+    while True:
+        try:
+            loss, _, _ = pipeline.progress(it)
+        except StopIteration:
+            break
+        assert pipeline._state is PipelineState.CALL_BWD  # the last phase reached, as TorchRec reports it
+        got.append(loss.item())
+    assert got == expected  # same programs on the same inputs: identical
+    assert pipeline._state is PipelineState.IDLE
+    with pytest.raises(StopIteration):  # exhausted stays exhausted
+        pipeline.progress(it)
+    # reset() drops what was prepared; a new iterator trains on.
+    pipeline.reset()
+    loss, _, _ = pipeline.progress(iter(make_batches(1, seed=3)))
+    assert np.isfinite(loss.item())
+    pipeline.close()
+
+
+def test_a_failing_forward_leaves_torchrec_state_at_the_forward():
+    from torchrec.distributed.train_pipeline.types import PipelineState
+
+    model, optimizer = make_model()
+
+    def fail(*_):
+        raise RuntimeError("forward failed")
+
+    handle = model.register_forward_pre_hook(fail)
+    pipeline = sparse.TrainPipeline(model, optimizer, "tpu")
+    with pytest.raises(RuntimeError, match="forward failed"):
+        pipeline.progress(iter(make_batches(1)))
+    assert pipeline._state is PipelineState.CALL_FWD
+    handle.remove()
+    pipeline.close()
+
+
 class _Gate:
     """An iterator whose batch i+1 must be read while step i is still running."""
 

@@ -1,7 +1,7 @@
 """A training pipeline that hides host work behind the device step.
 
-:class:`TrainPipeline` has TorchRec's ``progress(dataloader_iter)`` shape
-(``torchrec.distributed.train_pipeline.TrainPipelineBase``): each call runs one
+:class:`TrainPipeline` is a TorchRec ``torchrec.distributed.train_pipeline.TrainPipeline``
+with ``progress(dataloader_iter)`` as in TorchRec's ``TrainPipelineBase``: each call runs one
 training step and returns the model's output. While the device runs step
 ``i``, a background thread reads batch ``i + 1`` from the iterator,
 preprocesses its KeyedJaggedTensors into SparseCore CSR for every tpurec
@@ -36,9 +36,11 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from typing import Any, Generic, Iterator, TypeVar
+from typing import Any, Iterator, TypeVar
 
 import torch
+from torchrec.distributed.train_pipeline import TrainPipeline as TorchRecTrainPipeline
+from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.sparse.managed import remapped_features
@@ -60,9 +62,12 @@ class _Failure:
 _END = object()
 
 
-class TrainPipeline(Generic[In, Out]):
+class TrainPipeline(TorchRecTrainPipeline[In, Out]):
     """Overlaps reading, preprocessing and transferring batch ``i + 1`` with step ``i``.
 
+    A TorchRec ``torchrec.distributed.train_pipeline.TrainPipeline``: code written
+    for TorchRec's pipelines (``while True: pipeline.progress(it)`` until
+    ``StopIteration``, ``reset()``, the ``_state`` it reports) runs on it unchanged.
     Works in every tpurec mode (eager, fused, debug) and with
     ``torch.compile(..., backend="tpu")`` models: the step itself is the
     caller's model and optimizer, unchanged; only where its input comes from
@@ -82,6 +87,7 @@ class TrainPipeline(Generic[In, Out]):
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | str, *, prefetch: int = 1) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1 (batches prepared ahead), got {prefetch}")
+        super().__init__()  # TorchRec's pipeline state (IDLE)
         self._model = model
         self._optimizer = optimizer
         self._device = torch.device(device)
@@ -167,8 +173,10 @@ class TrainPipeline(Generic[In, Out]):
     def progress(self, dataloader_iter: Iterator[In]) -> Out:
         """Runs one training step on the next batch of ``dataloader_iter``.
 
-        The first call (or a call with a new iterator) starts the worker that
-        prepares batches ahead.
+        TorchRec's contract: one step per call, the model's output returned,
+        ``StopIteration`` once the iterator is exhausted (and on every call after,
+        until a new iterator or :meth:`reset`). The first call (or a call with a
+        new iterator) starts the worker that prepares batches ahead.
 
         In fused mode the step is dispatched as one program at the end of the
         call (asynchronously: reading a value of the output waits for it).
@@ -179,6 +187,7 @@ class TrainPipeline(Generic[In, Out]):
         Raises:
             StopIteration: the iterator is exhausted.
         """
+        self._state = PipelineState.IDLE
         if self._iterator is not dataloader_iter or self._queue is None:
             self._connect(dataloader_iter)
         if self._exhausted:
@@ -198,8 +207,10 @@ class TrainPipeline(Generic[In, Out]):
         training = self._model.training
         if training:
             self._optimizer.zero_grad()
+        self._state = PipelineState.CALL_FWD
         losses, output = self._model(batch)
         if training:
+            self._state = PipelineState.CALL_BWD
             torch.sum(losses, dim=0).backward() if losses.dim() else losses.backward()
             self._optimizer.step()
         if self._device.type == "tpu":
@@ -211,7 +222,12 @@ class TrainPipeline(Generic[In, Out]):
                 # device runs, and every step is the same (cached) program even
                 # if the caller reads no value.
                 fused.flush("step")
-        return output
+        return output  # _state stays at the last phase reached, as in TorchRec's pipelines
+
+    def reset(self) -> None:
+        """TorchRec's ``reset``: drops the batches prepared ahead; the next ``progress`` starts over from its iterator."""
+        self.close()
+        self._state = PipelineState.IDLE
 
     def close(self) -> None:
         """Stops the worker thread (batches it prepared are dropped)."""
