@@ -32,7 +32,19 @@ __all__ = ["OLD_PATHS", "install"]
 # Old path -> the module it became.
 OLD_PATHS: dict[str, str] = {
     f"tpurec.{name}": f"tpurec.core.{name}"
-    for name in ("device", "dispatch", "errors", "fused", "memory", "modes", "recompiles", "rng", "runtime", "tensor", "views")
+    for name in (
+        "device",
+        "dispatch",
+        "errors",
+        "fused",
+        "memory",
+        "modes",
+        "recompiles",
+        "rng",
+        "runtime",
+        "tensor",
+        "views",
+    )
 }
 
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import queue
 import threading
-from typing import Any, Iterator, TypeVar
+from typing import Any, Generic, Iterator, TypeVar
 
 import torch
 from torchrec.distributed.train_pipeline import TrainPipeline as TorchRecTrainPipeline
@@ -62,7 +62,9 @@ class _Failure:
 _END = object()
 
 
-class TrainPipeline(TorchRecTrainPipeline[In, Out]):
+# TorchRec bounds its batch type by Pipelineable (has .to); batches here may also be
+# dicts, tuples and lists of tensors and KJTs, so In is unbounded.
+class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
     """Overlaps reading, preprocessing and transferring batch ``i + 1`` with step ``i``.
 
     A TorchRec ``torchrec.distributed.train_pipeline.TrainPipeline``: code written
