@@ -43,6 +43,7 @@ from tpurec._api import flush, shard  # noqa: E402
 # here (``tpurec.core``, ``tpurec.compile``, ...) is an implementation module.
 __all__ = [
     "TpuTensor",
+    "config",
     "debug",
     "enable_disk_cache",
     "explain_recompiles",
