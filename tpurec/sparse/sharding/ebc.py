@@ -44,7 +44,7 @@ from tpurec.sparse.preprocess import read_kjt, shared_features, stack_tables
 from tpurec.sparse.sharding.layout import Layout
 from tpurec.sparse.sharding.specs import TableSharding
 from tpurec.sparse.types import PAD_ID, CapacityError, StackedTable
-from tpurec.core.tensor import wrap
+from tpurec.core.tensor import replace_array, wrap
 
 __all__ = ["ShardedEmbeddingBagCollection"]
 
@@ -282,7 +282,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 else:
                     self.register_buffer(name, tensor, persistent=False)
             else:
-                getattr(self, name)._storage.array = array
+                replace_array(getattr(self, name), array)
 
     def _arrays(self, prefix: str, count: int) -> tuple[list[jax.Array], list[list[jax.Array]]]:
         from tpurec.core.dispatch import value_of
@@ -829,9 +829,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         new_w, new_s, new_dw, new_ds, dots = program(grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper)
         for prefix, ws, ss in (("shard", new_w, new_s), ("dp", new_dw, new_ds)):
             for g, (w, s) in enumerate(zip(ws, ss)):
-                getattr(self, f"{prefix}_weight_{g}")._storage.array = w
+                replace_array(getattr(self, f"{prefix}_weight_{g}"), w)
                 for name, value in zip(self.optimizer.slots, s):
-                    getattr(self, f"{prefix}_{name}_{g}")._storage.array = value
+                    replace_array(getattr(self, f"{prefix}_{name}_{g}"), value)
         if origins is None:
             return None
         entries, num_ids = origins
