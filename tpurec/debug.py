@@ -42,7 +42,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from tpurec import config
 from tpurec.core import dispatch as _dispatch
 from tpurec.core import errors, fused, modes
-from tpurec.core.tensor import TpuTensor, jax_to_host
+from tpurec.core.tensor import TpuTensor, array_of, jax_to_host
 from tpurec.dense.registry import get_lowering
 
 __all__ = ["shadow", "ShadowMismatch", "ShadowReport", "DEFAULT_TOLERANCES", "FLOAT64_FACTOR"]
@@ -384,10 +384,10 @@ class _Inputs:
             if isinstance(x, TpuTensor):
                 self.keys.setdefault(id(x), x._key)
             if isinstance(x, TpuTensor) and id(x._storage) not in self.before:
-                array = x._storage.array
+                array = array_of(x)
                 if fused.is_pending(array):
                     fused.flush("tpurec.debug.shadow")
-                    array = x._storage.array
+                    array = array_of(x)
                 self.before[id(x._storage)] = (x._storage, array)
 
     def on_cpu(self, widen: bool = False, unify: bool = False):

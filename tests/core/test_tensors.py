@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import tpurec  # noqa: F401
+import tpurec
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool]
 
@@ -73,3 +73,34 @@ def test_manual_seed_reproducible_on_device():
     torch.tpu.set_rng_state(state)
     assert torch.equal(c, torch.randn(8, device="tpu").cpu())
     assert not torch.equal(a, c)
+
+
+def test_array_accessors_read_and_replace_the_storage():
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from tpurec.core.tensor import array_of, is_global, replace_array
+
+    t = torch.arange(8, dtype=torch.float32, device="tpu")
+    view = t[2:4]
+    tpurec.synchronize()
+    assert array_of(view) is array_of(t)  # a view reads its whole storage
+    replace_array(t, jnp.full((8,), 3.0, jnp.float32))
+    assert view.tolist() == [3.0, 3.0] and t.sum().item() == 24.0
+    assert not is_global(t) and not is_global(torch.zeros(2))
+
+    mesh = Mesh(jax.devices()[:2], ("d",))
+    replace_array(t, jax.device_put(array_of(t), NamedSharding(mesh, PartitionSpec("d"))))
+    assert is_global(t) and t.tolist() == [3.0] * 8
+
+    before = array_of(t)
+    with pytest.raises(ValueError, match=r"float32\[4\].*storage is float32\[8\]"):
+        replace_array(t, jnp.zeros((4,), jnp.float32))
+    with pytest.raises(ValueError, match=r"int32\[8\].*keeps the shape and dtype"):
+        replace_array(t, jnp.zeros((8,), jnp.int32))
+    assert array_of(t) is before  # unchanged after the errors
+    with pytest.raises(TypeError, match="tpu device, got a Tensor on cpu"):
+        array_of(torch.zeros(2))
+    with pytest.raises(TypeError, match="needs a jax.Array"):
+        replace_array(t, torch.zeros(8))

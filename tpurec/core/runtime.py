@@ -20,7 +20,7 @@ from tpurec.cache import cache_root, writable_cache_root
 from tpurec.dense.trace_context import traced_as_spmd
 from tpurec.core import profiler as _profiler
 
-__all__ = ["Stats", "stats", "reset_stats", "ProgramCache", "Program", "programs", "cache_root", "enable_disk_cache"]
+__all__ = ["Stats", "stats", "reset_stats", "register_stats_source", "ProgramCache", "Program", "programs", "cache_root", "enable_disk_cache"]
 
 
 @dataclasses.dataclass
@@ -77,6 +77,23 @@ class Stats:
 
 _stats = Stats()
 
+# Counters kept above the core (e.g. sparse's dropped entries), reported by stats()
+# under their name: name -> (snapshot, reset). See register_stats_source.
+_stats_sources: dict[str, tuple[Callable[[], Any], Callable[[], None]]] = {}
+
+
+def register_stats_source(name: str, snapshot: Callable[[], Any], reset: Callable[[], None]) -> None:
+    """Adds a counter kept by a layer above the core to :func:`stats` (the layer calls this at import).
+
+    Args:
+        name: its key in :func:`stats` (must not be one of the runtime's own).
+        snapshot: returns its current value (a copy).
+        reset: sets it back to zero (called by :func:`reset_stats`).
+    """
+    if name in {f.name for f in dataclasses.fields(Stats)}:
+        raise ValueError(f"stats source {name!r} would hide the runtime counter of that name")
+    _stats_sources[name] = (snapshot, reset)
+
 
 def stats() -> dict[str, Any]:
     """A snapshot of the runtime counters.
@@ -89,14 +106,22 @@ def stats() -> dict[str, Any]:
         tpurec.reset_stats()
         train_step()
         assert tpurec.stats()["compilations"] == 0
+
+    Counters of the layers above are included under their names (``dropped_entries``:
+    entries that collections with ``overflow="drop"`` left out, by feature).
     """
-    return _stats.as_dict()
+    d = _stats.as_dict()
+    for name, (snapshot, _) in _stats_sources.items():
+        d[name] = snapshot()
+    return d
 
 
 def reset_stats() -> None:
     """Sets every counter of :func:`stats` back to zero."""
     global _stats
     _stats = Stats()
+    for _, reset in _stats_sources.values():
+        reset()
 
 
 def counters() -> Stats:

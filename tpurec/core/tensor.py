@@ -12,10 +12,22 @@ import torch
 
 from tpurec.core import memory as _memory
 from tpurec.core import profiler as _profiler
+from tpurec.core import runtime as _runtime
 from tpurec.core.views import contiguous_strides, is_full
 from tpurec.dense.registry import to_jax_dtype, to_torch_dtype
 
-__all__ = ["Storage", "TpuTensor", "wrap", "host_array", "host_to_jax", "jax_to_host", "install_dispatcher"]
+__all__ = [
+    "Storage",
+    "TpuTensor",
+    "wrap",
+    "array_of",
+    "replace_array",
+    "is_global",
+    "host_array",
+    "host_to_jax",
+    "jax_to_host",
+    "install_dispatcher",
+]
 
 
 # The op dispatcher (tpurec.core.dispatch) sits a layer above this module and imports it;
@@ -281,6 +293,58 @@ def wrap(array: jax.Array, index: int, dtype: torch.dtype | None = None) -> TpuT
     if dtype is None:
         dtype = to_torch_dtype(array.dtype)
     return TpuTensor(Storage(array, index), shape, contiguous_strides(shape), 0, dtype)
+
+
+def _require_tpu(t: Any, what: str) -> TpuTensor:
+    if not isinstance(t, TpuTensor):
+        where = f" on {t.device}" if isinstance(t, torch.Tensor) else ""
+        raise TypeError(f"{what} needs a tensor on the tpu device, got a {type(t).__name__}{where}")
+    return t
+
+
+def array_of(t: torch.Tensor) -> Any:
+    """The array behind tpu tensor ``t``: its whole storage, as it is now.
+
+    No copy and no sync. For a view this is the storage the view looks into, not
+    the view's values. In the fused mode it may be a pending value of the
+    deferred window (``tpurec.core.fused.is_pending``); ``t.to_jax()`` gives the
+    tensor's own values as a concrete ``jax.Array``.
+
+    Raises:
+        TypeError: ``t`` is not a tpu tensor.
+    """
+    return _require_tpu(t, "array_of")._storage.array
+
+
+def replace_array(t: torch.Tensor, array: jax.Array) -> None:
+    """Makes tpu tensor ``t`` (and every view of its storage) hold ``array``, in place.
+
+    For results of programs that update a tensor outside the dispatcher (a fused
+    optimizer, a restore, a move onto a mesh): the tensor keeps its identity
+    (a ``Parameter`` stays the same object) and its metadata, so ``array`` must
+    have the storage's shape and dtype; its sharding may differ.
+
+    Raises:
+        TypeError: ``t`` is not a tpu tensor, or ``array`` is not a jax.Array.
+        ValueError: ``array``'s shape or dtype differs from the storage's (nothing changes).
+    """
+    t = _require_tpu(t, "replace_array")
+    if not isinstance(array, jax.Array):
+        raise TypeError(f"replace_array needs a jax.Array, got {type(array).__name__}")
+    old = t._storage.array
+    shape, dtype = tuple(old.shape), np.dtype(old.dtype)
+    if tuple(array.shape) != shape or np.dtype(array.dtype) != dtype:
+        raise ValueError(
+            f"replace_array: the new array is {array.dtype}{list(array.shape)} but the tensor's storage is "
+            f"{dtype}{list(shape)}; an in-place replacement keeps the shape and dtype (make a new "
+            "tensor with wrap() to change them)"
+        )
+    t._storage.array = array
+
+
+def is_global(t: Any) -> bool:
+    """``t`` is a tpu tensor whose array spans several devices of a mesh (a sharded or replicated global array)."""
+    return isinstance(t, TpuTensor) and _runtime._is_global(t._storage.array)
 
 
 def host_to_jax(t: torch.Tensor, device: jax.Device) -> jax.Array:

@@ -62,6 +62,7 @@ LAYERS = (
     "planner",  # the TPU sharding planner (calls nothing of the executor)
     "types",  # Capacity, stacked tables, SparseCore CSR input
     "batching",  # the batch sizes of a KeyedJaggedTensor
+    "drops",  # entries dropped by overflow="drop", counted per module and in tpurec.stats()
     "kernels",  # the lookup kernels (reference, SparseCore, native)
     "preprocess",  # KeyedJaggedTensor -> SparseCore CSR
     "ops",  # torch.ops.tpurec.*

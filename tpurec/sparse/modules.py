@@ -35,6 +35,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.core import modes
 from tpurec.sparse import export as _export
+from tpurec.sparse.drops import DropCounter
 from tpurec.sparse.optimizers import SGD, Adam, EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
 from tpurec.sparse.ops import touched_rows_update_cpu
@@ -108,7 +109,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         capacities: static per-partition capacities (one for all stacks or per
             stack name, see ``suggest_capacities``). None grows them on demand
             to powers of two (each growth compiles the kernels again).
-        overflow: ``"error"`` or ``"drop"`` (see ``preprocess_kjt``).
+        overflow: ``"error"`` or ``"drop"`` (see ``preprocess_kjt``); dropped entries are
+            counted per feature in :meth:`dropped_entries` and ``tpurec.stats()``.
         stack: stack tables of equal dim and data_type.
         output_dtype: dtype of the pooled output (FBGEMM's ``output_dtype``;
             TorchRec's sharder ``fused_params["output_dtype"]``): float32 (the
@@ -173,6 +175,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._pending_lookups: weakref.WeakSet[Any] = weakref.WeakSet()
         self.num_partitions = num_partitions
         self.overflow = overflow
+        self._drops = DropCounter()  # entries overflow="drop" left out, per feature
         # CPU tables: update the touched rows in place instead of calling the
         # functional gradient op (same math; False forces the op, for tests).
         self.cpu_in_place = True
@@ -277,6 +280,14 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             caps = {st.name: self._auto_capacities.get(st.name, Capacity(8)) for st in self._stacks}
             return preprocess_kjt(features, self._stacks, self.num_partitions, caps, is_weighted=self._is_weighted)
 
+    def dropped_entries(self) -> dict[str, int]:
+        """Entries ``overflow="drop"`` left out of this collection's batches so far, per feature.
+
+        Features that never dropped an entry are absent; the process-wide sum is
+        ``tpurec.stats()["dropped_entries"]``.
+        """
+        return self._drops.by_feature()
+
     @property
     def feature_names(self) -> list[str]:
         """The KJT keys this collection looks up (once each, also when two tables share one)."""
@@ -358,6 +369,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._check_trainable_lookup(features)
         prefetched = self._take_prefetched(features)
         batch = self.preprocess(features) if prefetched is None else prefetched[0]
+        self._drops.add(batch.dropped_by_feature)
         device = self.device
         out_batch = batch.output_batch_size
         stack_outputs = []

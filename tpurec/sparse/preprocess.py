@@ -366,10 +366,11 @@ def _stack_csr(
     overflow: Overflow,
 ) -> StackedCsr:
     """CSR arrays of one stack, ``batch_size`` rows per slot; ``capacity=None`` sizes the buffers to fit."""
-    ids_l, samples_l, gains_l = [], [], []
-    for slot in stack.features:
+    ids_l, samples_l, gains_l, slots_l = [], [], [], []
+    for k, slot in enumerate(stack.features):
         fb = features[slot.feature]
         ids_l.append(fb.ids + slot.row_offset)
+        slots_l.append(np.full(fb.ids.shape[0], k, np.int32))  # which feature: counts drops per feature
         # A feature's bags fill the first rows of its slot (fewer than batch_size with VBE).
         bags = np.arange(fb.lengths.shape[0], dtype=np.int64)
         samples_l.append(np.repeat(bags + slot.slot * batch_size, fb.lengths))
@@ -381,10 +382,11 @@ def _stack_csr(
     ids = np.concatenate(ids_l) if ids_l else np.zeros(0, np.int64)
     samples = np.concatenate(samples_l) if samples_l else np.zeros(0, np.int64)
     gains = np.concatenate(gains_l) if gains_l else np.zeros(0, np.float64)
+    slot_of = np.concatenate(slots_l) if slots_l else np.zeros(0, np.int32)
     P = num_partitions
     part = ids % P
     order = _sort_order(part, ids, samples, P, stack.num_rows, max(stack.num_slots * batch_size, 1))
-    ids, samples, gains, part = ids[order], samples[order], gains[order], part[order]
+    ids, samples, gains, part, slot_of = ids[order], samples[order], gains[order], part[order], slot_of[order]
     n = ids.shape[0]
 
     # Merge duplicate (sample, id) pairs: one entry, gains summed.
@@ -402,10 +404,11 @@ def _stack_csr(
             split = unrepresentable[np.cumsum(new_pair) - 1]
             keep = new_pair | split
             gains = np.where(split, gains, merged[np.cumsum(new_pair) - 1])[keep]
-            ids, samples, part = ids[keep], samples[keep], part[keep]
+            ids, samples, part, slot_of = ids[keep], samples[keep], part[keep], slot_of[keep]
         else:
             gains = merged
-            ids, samples, part = ids[starts], samples[starts], part[starts]
+            # A merged pair is one sample of one slot: one feature.
+            ids, samples, part, slot_of = ids[starts], samples[starts], part[starts], slot_of[starts]
     n = ids.shape[0]
     new_id = np.empty(n, bool)
     if n:
@@ -417,6 +420,7 @@ def _stack_csr(
     if capacity is None:
         capacity = Capacity(max(int(counts.max()), 1), max(int(unique_counts.max()), 1))
     dropped = 0
+    dropped_by_feature: dict[str, int] = {}
     too_many = counts > capacity.max_ids_per_partition
     too_many_unique = unique_counts > capacity.max_unique_ids_per_partition
     if too_many.any() or too_many_unique.any():
@@ -436,6 +440,10 @@ def _stack_csr(
         rank = np.cumsum(keep) - 1 - (np.cumsum(kept_counts) - kept_counts)[part]
         keep &= rank < capacity.max_ids_per_partition
         dropped = int(n - keep.sum())
+        for k, count in enumerate(np.bincount(slot_of[~keep], minlength=len(stack.features)).tolist()):
+            if count:
+                feature = stack.features[k].feature
+                dropped_by_feature[feature] = dropped_by_feature.get(feature, 0) + count
         ids, samples, gains, part = ids[keep], samples[keep], gains[keep], part[keep]
     kept = np.bincount(part, minlength=P)
     rank = np.arange(ids.shape[0]) - (np.cumsum(kept) - kept)[part]
@@ -448,7 +456,10 @@ def _stack_csr(
     out_samples[pos] = samples
     out_gains[pos] = gains
     row_pointers = (np.arange(P) * size + kept).astype(np.int32)
-    return StackedCsr(row_pointers, out_ids, out_samples, out_gains, counts.astype(np.int32), unique_counts.astype(np.int32), dropped)
+    return StackedCsr(
+        row_pointers, out_ids, out_samples, out_gains, counts.astype(np.int32), unique_counts.astype(np.int32), dropped,
+        dropped_by_feature,
+    )
 
 
 def _capacity_for(capacities: Capacity | Mapping[str, Capacity] | None, stack: StackedTable) -> Capacity | None:
@@ -548,7 +559,9 @@ def preprocess_kjt(
         # The native code merges duplicate (sample, id) gains without the float32-range
         # rule of _stack_csr (sums past float32 stay unmerged): a non-finite gain sends
         # the batch to the reference, which applies it (or agrees, for inf weights).
-        if batch is not None and all(np.isfinite(csr.gains).all() for csr in batch.stacks.values()):
+        # A batch that dropped entries also runs the reference, which says which features they
+        # were of (the native code counts a total per stack): the same arrays, dropped per feature.
+        if batch is not None and all(np.isfinite(csr.gains).all() and not csr.dropped for csr in batch.stacks.values()):
             return batch
     batching, features = _read_kjt(kjt, stacks, is_weighted, variable_batch=True)
     rows = batching.rows

@@ -36,6 +36,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.library import jax_op
 from tpurec.sparse.kernels.reference import _valid
+from tpurec.sparse.drops import DropCounter
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.preprocess import stack_tables
 from tpurec.sparse.types import Capacity, StackedTable
@@ -230,6 +231,7 @@ class QuantEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self.row_alignment = row_alignment
         self.num_partitions = num_partitions
         self.overflow = overflow
+        self._drops = DropCounter()  # entries overflow="drop" left out, per feature
         self._fixed_capacities = capacities
         self._auto_capacities: dict[str, Capacity] = {}
         # Stacks hold one data type each (the bits per value are a property of the buffer).
@@ -301,6 +303,7 @@ class QuantEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     # stacks, partitions, capacities, overflow, is_weighted): the same validation, the
     # same errors for a bad batch, the same CSR.
     preprocess = EmbeddingBagCollection.preprocess
+    dropped_entries = EmbeddingBagCollection.dropped_entries
 
     @torch.compiler.disable
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -335,6 +338,7 @@ class QuantEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 "no inverse_indices."
             )
         batch = self.preprocess(features)
+        self._drops.add(batch.dropped_by_feature)
         device = self.device
         dtype = OUTPUT_DTYPES[self._output_dtype]
         stack_outputs = []

@@ -147,6 +147,10 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
     def optimizer(self) -> EmbeddingOptimizer | None:
         return self.bags.optimizer
 
+    def dropped_entries(self) -> dict[str, int]:
+        """Entries the inner collection's ``overflow="drop"`` left out, per feature (see its docs)."""
+        return self.bags.dropped_entries()
+
     @property
     def device(self) -> torch.device:
         return self.bags.device

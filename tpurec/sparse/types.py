@@ -162,6 +162,7 @@ class StackedCsr:
         max_ids: observed entries per partition (before any drop), ``[num_partitions]``.
         max_unique_ids: observed distinct ids per partition, ``[num_partitions]``.
         dropped: entries dropped for capacity (``overflow="drop"`` only).
+        dropped_by_feature: ``dropped`` per feature (features with drops only).
     """
 
     row_pointers: np.ndarray
@@ -171,6 +172,7 @@ class StackedCsr:
     max_ids: np.ndarray
     max_unique_ids: np.ndarray
     dropped: int = 0
+    dropped_by_feature: dict[str, int] = dataclasses.field(default_factory=dict)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """``(row_pointers, embedding_ids, sample_ids, gains)``: the op inputs."""
@@ -206,3 +208,12 @@ class SparseCoreInput:
     def dropped(self) -> Mapping[str, int]:
         """Entries dropped per stack (all zero unless ``overflow="drop"``)."""
         return {name: csr.dropped for name, csr in self.stacks.items()}
+
+    @property
+    def dropped_by_feature(self) -> dict[str, int]:
+        """Entries dropped per feature, over all stacks (features with drops only)."""
+        out: dict[str, int] = {}
+        for csr in self.stacks.values():
+            for feature, n in csr.dropped_by_feature.items():
+                out[feature] = out.get(feature, 0) + n
+        return out

@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 from torch import nn
 
 from tpurec.sparse.checkpoint import CheckpointError, list_checkpoints
+from tpurec.core.tensor import array_of, replace_array
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
 
 __all__ = ["FORMAT", "CheckpointError", "list_checkpoints", "load", "save"]
@@ -253,7 +254,7 @@ def load(model: nn.Module, directory: str | os.PathLike) -> None:
                 tables[cfg.name] = entry
             target["embeddings"][_key(mpath)] = {"tables": tables, "step": np.zeros((), np.int64)}
         for name, t in dense.items():
-            array = t._storage.array
+            array = array_of(t)
             target["dense"][_key(name)] = jax.ShapeDtypeStruct(tuple(t.shape), array.dtype, sharding=array.sharding)
         if "checksums" in stored_tree:
             target["checksums"] = jax.tree.map(lambda _: np.zeros(3, np.uint32), _checksum_layout(modules, dense))
@@ -270,12 +271,12 @@ def load(model: nn.Module, directory: str | os.PathLike) -> None:
         weights, slots, dp_weights, dp_slots = jax.jit(_stacked_fn(module), out_shardings=out_shardings)(canonical)
         for prefix, ws, ss in (("shard", weights, slots), ("dp", dp_weights, dp_slots)):
             for g, (w, s) in enumerate(zip(ws, ss)):
-                getattr(module, f"{prefix}_weight_{g}")._storage.array = w
+                replace_array(getattr(module, f"{prefix}_weight_{g}"), w)
                 for slot_name, value in zip(module.optimizer.slots, s):
-                    getattr(module, f"{prefix}_{slot_name}_{g}")._storage.array = value
+                    replace_array(getattr(module, f"{prefix}_{slot_name}_{g}"), value)
         module._step = int(np.asarray(entry["step"]))
     for name, t in dense.items():
-        t._storage.array = restored["dense"][_key(name)]
+        replace_array(t, restored["dense"][_key(name)])
 
 
 # --- integrity: checksums, the model description, strict checks --------------------------------

@@ -1,54 +1,47 @@
-"""A tpurec EmbeddingBagCollection sharded over a device mesh.
+"""A tpurec EmbeddingBagCollection sharded over a device mesh: the module.
 
-Per step (see docs/sharding.md):
+Three parts, as TorchRec splits a sharded module into input distribution,
+compute and output distribution (see docs/sharding.md):
 
-* host, per process: the local batch is validated (``read_kjt``) and each of
-  its ids is routed to the shards holding its row: fixed-capacity
-  ``[local devices, devices, capacity]`` arrays per group (source device,
-  destination device, entry), made global arrays on the mesh. Under
+* ``routing.py`` (host, per process): validates the local batch and routes each
+  id to the shards holding its row, in fixed-capacity arrays on the mesh. Under
   :class:`~tpurec.sparse.TrainPipeline` this runs in :meth:`prefetch` on the
   pipeline's worker thread for batch ``i + 1`` while step ``i`` runs;
-* forward program (SPMD, ``shard_map``): ``all_to_all`` moves the entries to
-  their owners, each device runs the lookup kernel (the native XLA:CPU kernel
-  on CPU, SparseCore on TPU) on its local stack, and pooled rows return to the
-  batch owners (``all_to_all``; ``psum_scatter`` for row-wise tables);
-  data-parallel tables are looked up locally;
-* backward program: the same collectives reversed bring each shard the
-  gradients of its pooled rows, and every shard applies the fused optimizer to
-  its rows in place (buffers donated). Data-parallel replicas all-gather the
-  batch's entries and gradients and apply the same update.
+* ``programs.py`` (SPMD): the forward program (entries to their owners, lookups,
+  pooled rows back to the batch owners) and the backward program (gradients to
+  the shards, the fused optimizer on each, buffers donated);
+* this module: the tables and optimizer slots as parameters and buffers, state
+  dicts, the optimizer state, and ``forward`` joining the two through autograd.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import weakref
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, Literal, Mapping
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from torch import nn
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.core import runtime
-from tpurec.sparse.ops import kernel_for
+from tpurec.core.tensor import replace_array, wrap
+from tpurec.sparse.drops import DropCounter
 from tpurec.sparse.modules import EmbeddingBagCollection
+from tpurec.sparse.ops import kernel_for
 from tpurec.sparse.optimizers import EmbeddingOptimizer
-from tpurec.sparse.preprocess import read_kjt, shared_features, stack_tables
+from tpurec.sparse.preprocess import shared_features, stack_tables
+from tpurec.sparse.sharding import programs
 from tpurec.sparse.spec.layout import Layout
+from tpurec.sparse.sharding.routing import InputRouter, Prefetched, Routed
 from tpurec.sparse.spec.shards import TableSharding
-from tpurec.sparse.types import PAD_ID, CapacityError, StackedTable
-from tpurec.core.tensor import wrap
+from tpurec.sparse.types import StackedTable
 
-__all__ = ["ShardedEmbeddingBagCollection"]
-
-_ALIGN = 8
+__all__ = ["ShardedEmbeddingBagCollection", "host_values"]
 
 
 def _global_from_host(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -69,41 +62,6 @@ def host_values(array: jax.Array) -> np.ndarray:
 
 _MAX_PREFETCHED = 8
 """Batches :meth:`ShardedEmbeddingBagCollection.prefetch` keeps for forward (a pipeline needs 1-2)."""
-
-
-@dataclasses.dataclass
-class _Routed:
-    """A validated batch with every entry's route (host arrays; before capacities are applied).
-
-    Attributes:
-        per_device: samples per device.
-        groups: per sharded group, then per data-parallel group:
-            ``(key, rows, out, gains, origin, counts, destinations)`` where ``key`` is
-            ``local source device * destinations + destination``, ``origin`` the
-            index of the entry's id in the KJT's values, ``counts`` the histogram of ``key``.
-        num_ids: ids in this process's KJT.
-        needs: per group, the most entries one source sends one destination.
-    """
-
-    per_device: int
-    groups: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, int]]
-    needs: list[int]
-    num_ids: int = 0
-
-
-@dataclasses.dataclass
-class _Prefetched:
-    """What :meth:`ShardedEmbeddingBagCollection.prefetch` prepared for one KJT object.
-
-    ``batch`` (on the mesh) and ``dropped`` when the arrays could be built on
-    the worker; else only ``routed`` (several processes: the capacity agreement
-    is a collective, so it runs in the step, in the same order on every process).
-    """
-
-    features: KeyedJaggedTensor
-    routed: _Routed | None = None
-    batch: dict[str, Any] | None = None
-    dropped: int = 0
 
 
 class _ShardedLookup(torch.autograd.Function):
@@ -148,7 +106,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             group and step; None grows it on demand to powers of two (a growth
             compiles the programs again).
         overflow: ``"error"`` (raise :class:`CapacityError`) or ``"drop"`` (count
-            the dropped entries in ``dropped``).
+            the dropped entries in ``dropped`` and, per feature, :meth:`dropped_entries`).
 
     Example::
 
@@ -204,27 +162,18 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self.mesh = mesh
         self.axis = tuple(mesh.axis_names)
         self.layout = Layout(configs, dict(shardings), mesh.devices.size)
-        self.fixed_capacity = None if capacity is None else -(-capacity // _ALIGN) * _ALIGN
-        self.overflow = overflow
-        self.dropped = 0
-        self._capacities = [_ALIGN] * (len(self.layout.groups) + len(self.layout.dp_groups))
+        self.dropped = 0  # entries overflow="drop" left out, in all (dropped_entries(): per feature)
+        self._drops = DropCounter()
         self._step = max(getattr(source, "_steps", [0]) or [0])
         self._stacks = stack_tables(configs, stack=False)
+        # Host routing of each batch (capacities, this process's devices): see routing.py.
+        self.router = InputRouter(configs, self._stacks, self.layout, mesh, self._is_weighted, capacity, overflow)
         # id(kjt) -> what prefetch() (TrainPipeline's worker thread) prepared for
         # that KJT object; taken by forward() of the same object.
-        self._prefetched: dict[int, _Prefetched] = {}
+        self._prefetched: dict[int, Prefetched] = {}
         self._embedding_names = [n for names in get_embedding_names_by_table(configs) for n in names]
         self._length_per_key = [t.embedding_dim for t in configs for _ in t.feature_names]
 
-        # Which mesh positions this process feeds: its local batch is split over them in order.
-        me = jax.process_index()
-        positions = [i for i, d in enumerate(mesh.devices.flat) if d.process_index == me]
-        if not positions or positions != list(range(positions[0], positions[0] + len(positions))):
-            raise ValueError(
-                f"process {me}'s devices must be a contiguous run of the mesh's devices (mesh positions {positions}); "
-                "order the mesh by process"
-            )
-        self._first_device, self._local_devices = positions[0], len(positions)
         self._sharded = NamedSharding(mesh, P(self.axis))
         self._replicated = NamedSharding(mesh, P())
 
@@ -282,7 +231,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 else:
                     self.register_buffer(name, tensor, persistent=False)
             else:
-                getattr(self, name)._storage.array = array
+                replace_array(getattr(self, name), array)
 
     def _arrays(self, prefix: str, count: int) -> tuple[list[jax.Array], list[list[jax.Array]]]:
         from tpurec.core.dispatch import value_of
@@ -474,10 +423,10 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         """
         routed = self._route(features)
         if jax.process_count() > 1:
-            entry = _Prefetched(features, routed=routed)
+            entry = Prefetched(features, routed=routed)
         else:
             batch, dropped = self._pack(routed)
-            entry = _Prefetched(features, batch=batch, dropped=dropped)
+            entry = Prefetched(features, batch=batch, dropped=dropped)
         self._prefetched[id(features)] = entry
         # A model that hands a different KJT object to this module never takes
         # its prefetched batches: keep only the newest few, not every batch.
@@ -497,7 +446,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if entry.batch is None:
             assert entry.routed is not None
             entry.batch, entry.dropped = self._pack(entry.routed)
-        self.dropped += entry.dropped
+        self._count_drops(entry.batch, entry.dropped)
         return entry.batch
 
     def distribute_input(self, features: KeyedJaggedTensor) -> dict[str, Any]:
@@ -519,139 +468,49 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             CapacityError: a fixed ``capacity`` overflows with ``overflow="error"``.
         """
         batch, dropped = self._pack(self._route(features))
-        self.dropped += dropped
+        self._count_drops(batch, dropped)
         return batch
 
-    def _route(self, features: KeyedJaggedTensor) -> _Routed:
-        """Validates ``features`` and finds every entry's source device, shard and output slot.
+    def _count_drops(self, batch: dict[str, Any], dropped: int) -> None:
+        """Counts the entries a batch taken by a step left out (``overflow="drop"``)."""
+        self.dropped += dropped
+        self._drops.add(batch.get("dropped", {}))
 
-        Host numpy only: no collective, no state change (safe on a worker thread).
+    def dropped_entries(self) -> dict[str, int]:
+        """Entries ``overflow="drop"`` left out of this process's batches so far, per feature.
+
+        Features that never dropped an entry are absent; the process-wide sum is
+        ``tpurec.stats()["dropped_entries"]`` (``dropped`` is the total here).
         """
-        L, D = self.layout, self.layout.num_devices
-        local_batch, feats = read_kjt(features, self._stacks, is_weighted=self._is_weighted)  # refuses VBE
-        if features.inverse_indices_or_none() is not None:
-            raise NotImplementedError(
-                "the KeyedJaggedTensor has inverse_indices, which TorchRec's EmbeddingBagCollection uses to expand "
-                "the pooled rows, but the sharded EmbeddingBagCollection does not; expand the batch first or look "
-                "it up with the unsharded tpurec.sparse.EmbeddingBagCollection"
-            )
-        n_local = self._local_devices
-        if local_batch % n_local:
-            raise ValueError(
-                f"the local batch of {local_batch} samples does not split evenly over this process's {n_local} devices; "
-                f"use a multiple of {n_local}"
-            )
-        b = local_batch // n_local
-        first = self._first_device
-        n_groups = len(L.groups)
-        # Where each feature's ids start in the KJT's values (and weights): keys are in KJT order.
-        starts, num_ids = {}, 0
-        for key in features.keys():
-            starts[key] = num_ids
-            num_ids += feats[key].ids.shape[0]
-        parts: list[list[tuple[np.ndarray, ...]]] = [[] for _ in range(n_groups + len(L.dp_groups))]
-        for cfg in self._embedding_bag_configs:
-            for f in cfg.feature_names:
-                fb = feats[f]
-                samples = np.repeat(np.arange(local_batch, dtype=np.int64), fb.lengths)
-                gains = np.ones(fb.ids.shape[0], np.float64) if fb.weights is None else fb.weights.astype(np.float64)
-                if cfg.pooling == PoolingType.MEAN:
-                    gains = gains / np.repeat(fb.lengths, fb.lengths)
-                src, within = samples // b + first, samples % b
-                origin = starts[f] + np.arange(fb.ids.shape[0], dtype=np.int64)
-                if cfg.name in L.dp_group_of:
-                    g = L.dp_group_of[cfg.name]
-                    dg = L.dp_groups[g]
-                    k = dg.slots.index((cfg.name, f))
-                    rows = dg.offsets[cfg.name] + fb.ids
-                    # Sample ids are global (source-major), so replicas can all-gather them.
-                    out = (src * len(dg.slots) + k) * b + within
-                    parts[n_groups + g].append((src - first, np.zeros_like(src), rows, out, gains, origin))
-                    continue
-                place = L.placements[cfg.name]
-                block = np.searchsorted(place.row_starts, fb.ids, side="right") - 1
-                for c, g in enumerate(place.group_of_block):
-                    dst = place.device[c][block]
-                    rows = place.base[c][block] + fb.ids
-                    out = (src * L.groups[g].num_slots + place.slot[c][f][block]) * b + within
-                    parts[g].append((src - first, dst, rows, out, gains, origin))
-        packed = []
-        needs = []
-        for j, chunks in enumerate(parts):
-            destinations = D if j < n_groups else 1
-            if chunks:
-                src, dst, rows, out, gains, origin = (np.concatenate(x) for x in zip(*chunks))
-            else:
-                src = dst = rows = out = origin = np.zeros(0, np.int64)
-                gains = np.zeros(0, np.float64)
-            key = src * destinations + dst
-            counts = np.bincount(key, minlength=n_local * destinations)
-            needs.append(int(counts.max()) if counts.size else 0)
-            packed.append((key, rows, out, gains, origin, counts, destinations))
-        return _Routed(per_device=b, groups=packed, needs=needs, num_ids=num_ids)
+        return self._drops.by_feature()
 
-    def _pack(self, routed: _Routed) -> tuple[dict[str, Any], int]:
-        """Fixed-capacity entry arrays of a routed batch, sent to the mesh (asynchronous copies).
+    def _route(self, features: KeyedJaggedTensor) -> Routed:
+        """Validates ``features`` and routes its entries (host only; see :meth:`InputRouter.route`)."""
+        return self.router.route(features)
 
-        Returns:
-            ``(batch, dropped)``: the batch as :meth:`distribute_input` returns
-            it, and how many entries ``overflow="drop"`` left out.
-        """
-        D, n_local, n_groups = self.layout.num_devices, self._local_devices, len(self.layout.groups)
-        capacities = self._capacities_for(routed.needs)
-        dropped = 0
-        result_groups, result_dp, origins = [], [], []
-        for j, (key, rows, out, gains, origin, counts, destinations) in enumerate(routed.groups):
-            C = capacities[j]
-            order = np.argsort(key, kind="stable")
-            key, rows, out, gains, origin = key[order], rows[order], out[order], gains[order], origin[order]
-            starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
-            position = np.arange(key.shape[0]) - starts[key]
-            keep = position < C
-            dropped += int((~keep).sum())
-            flat = key[keep] * C + position[keep]
-            shape = (n_local, D, C) if destinations == D else (n_local, C)
-            size = int(np.prod(shape))
-            r = np.full(size, PAD_ID, np.int32)
-            s = np.full(size, PAD_ID, np.int32)
-            v = np.zeros(size, np.float32)
-            r[flat], s[flat], v[flat] = rows[keep], out[keep], gains[keep]
-            arrays = tuple(self._to_global(x.reshape(shape)) for x in (r, s, v))
-            (result_groups if j < n_groups else result_dp).append(arrays)
-            # (this process's flat entry position, KJT value index) of each kept entry: maps the
-            # per-entry gradients of per-id weights back to the KJT's weights.
-            origins.append((flat, origin[keep]))
-        batch = {"per_device": routed.per_device, "groups": result_groups, "dp": result_dp}
-        batch["origins"], batch["num_ids"] = origins, routed.num_ids
-        return batch, dropped
+    def _pack(self, routed: Routed) -> tuple[dict[str, Any], int]:
+        """The routed batch's fixed-capacity arrays on the mesh (see :meth:`InputRouter.pack`)."""
+        return self.router.pack(routed)
 
-    def _capacities_for(self, needs: list[int]) -> list[int]:
-        """Per-group capacities for a batch needing ``needs`` entries (all processes agree)."""
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
+    @property
+    def fixed_capacity(self) -> int | None:
+        """The fixed capacity (entries per source device, destination and group), or None (automatic)."""
+        return self.router.fixed_capacity
 
-            needs = [int(x) for x in np.max(multihost_utils.process_allgather(np.array(needs, np.int64)), axis=0)]
-        if self.fixed_capacity is not None:
-            over = [n for n in needs if n > self.fixed_capacity]
-            if over and self.overflow == "error":
-                raise CapacityError(
-                    f"a device sends up to {max(over)} entries to one shard this step but capacity={self.fixed_capacity}; "
-                    "raise capacity, or pass overflow='drop' to drop (and count) the extra entries"
-                )
-            return [self.fixed_capacity] * len(needs)
-        # The pipeline's worker thread may grow capacities while a step packs a
-        # batch inline: each batch gets capacities computed from its own needs
-        # (never re-read from the shared list), and the shared list only grows.
-        capacities = [
-            c if n <= c else max(_ALIGN, 2 ** math.ceil(math.log2(n))) for c, n in zip(list(self._capacities), needs)
-        ]
-        self._capacities = [max(a, c) for a, c in zip(self._capacities, capacities)]
-        return capacities
+    @fixed_capacity.setter
+    def fixed_capacity(self, value: int | None) -> None:
+        self.router.fixed_capacity = value
 
-    def _to_global(self, local: np.ndarray) -> jax.Array:
-        if jax.process_count() == 1:
-            return jax.device_put(local, self._sharded)
-        return jax.make_array_from_process_local_data(self._sharded, local)
+    @property
+    def overflow(self) -> Literal["error", "drop"]:
+        """What a batch beyond a fixed capacity does: ``"error"`` or ``"drop"`` (settable between steps)."""
+        return self.router.overflow
+
+    @overflow.setter
+    def overflow(self, value: Literal["error", "drop"]) -> None:
+        if value not in ("error", "drop"):
+            raise ValueError(f"overflow must be 'error' or 'drop', got {value!r}")
+        self.router.overflow = value
 
     # --- programs -------------------------------------------------------------------
 
@@ -659,159 +518,30 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         return kernel_for(name)
 
     def _forward_fn(self, weights, dp_weights, groups, dp, b: int, with_rows: bool = False):
-        """The forward program: ids to owners, lookups, pooled rows back to batch owners.
-
-        With ``with_rows`` it also returns, per group, every received entry's table row
-        as it is now (kept on its shard for the backward's per-id weight gradients).
-        """
-        L, D, axis = self.layout, self.layout.num_devices, self.axis
+        """:func:`programs.forward` on this collection's layout, mesh and lookup kernel."""
         lookup = self._kernel("sparse_dense_matmul")
-        dest = jnp.asarray(L.dest_columns, jnp.int32)
-
-        def entry_rows(table, rows):
-            return table[jnp.where(rows == PAD_ID, 0, rows)]
-
-        def body(weights, dp_weights, groups, dp):
-            received, flats, kept = [], [], []
-            for grp, table, (rows, samples, gains) in zip(L.groups, weights, groups):
-                K, K2 = grp.num_slots, grp.num_a2a
-                # [1, dest, C] -> [source, 1, C]: every device gets the entries of its shards.
-                rows, samples, gains = (jax.lax.all_to_all(x, axis, 1, 0, tiled=True).reshape(-1) for x in (rows, samples, gains))
-                received.append((rows, samples, gains))
-                if with_rows:
-                    kept.append(entry_rows(table, rows))
-                rp = jnp.full((1,), rows.shape[0], jnp.int32)
-                pooled = lookup(rp, rows, samples, gains, table, batch_size=D * K * b).reshape(D, K, b, grp.width)
-                if K2:
-                    back = jax.lax.all_to_all(pooled[:, :K2], axis, 0, 0, tiled=True)
-                    flats.append(back.transpose(2, 0, 1, 3).reshape(b, -1))
-                if K > K2:
-                    summed = jax.lax.psum_scatter(pooled[:, K2:], axis, scatter_dimension=0, tiled=True)
-                    flats.append(summed[0].transpose(1, 0, 2).reshape(b, -1))
-            me = jax.lax.axis_index(axis)
-            for dg, table, (rows, samples, gains) in zip(L.dp_groups, dp_weights, dp):
-                K = len(dg.slots)
-                rows, samples, gains = rows.reshape(-1), samples.reshape(-1), gains.reshape(-1)
-                local = jnp.where(rows == PAD_ID, PAD_ID, samples - me * K * b)
-                rp = jnp.full((1,), rows.shape[0], jnp.int32)
-                pooled = lookup(rp, rows, local, gains, table, batch_size=K * b).reshape(K, b, dg.width)
-                flats.append(pooled.transpose(1, 0, 2).reshape(b, -1))
-                if with_rows:
-                    kept.append(entry_rows(table, rows))
-            values = jnp.concatenate(flats, axis=1)
-            out = jnp.zeros((b, L.total_dim + 1), values.dtype).at[:, dest].add(values)[:, : L.total_dim]
-            return out, received, kept
-
-        spec = P(self.axis)
-        n_kept = len(groups) + len(dp) if with_rows else 0
-        fn = jax.shard_map(
-            body,
-            mesh=self.mesh,
-            in_specs=([spec] * len(weights), [P()] * len(dp_weights), [(spec,) * 3] * len(groups), [(spec,) * 3] * len(dp)),
-            out_specs=(spec, [(spec,) * 3] * len(groups), [spec] * n_kept),
-            check_vma=False,
-        )
-        return fn(weights, dp_weights, groups, dp)
+        return programs.forward(self.layout, self.mesh, lookup, weights, dp_weights, groups, dp, b, with_rows)
 
     def _backward_fn(self, grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper, b: int):
-        """The backward program: gradients back to the shards, fused optimizer on each.
-
-        With ``kept`` (the forward's entry rows, ``with_rows``) it also returns each
-        entry's ``row . gradient of its bag``, the gradient of its gain (TorchRec's
-        gradient of a per-id weight with SUM pooling), back on the entry's source
-        device: ``[source, destination, C]`` per sharded group, ``[device, C]`` per
-        data-parallel group.
-        """
-        L, D, axis = self.layout, self.layout.num_devices, self.axis
+        """:func:`programs.backward` on this collection's layout, mesh and optimizer kernel."""
         update = self._kernel(self.optimizer.op_name)
-        dest = jnp.asarray(L.dest_columns, jnp.int32)
-        segments = np.cumsum(L.segments)[:-1].tolist()
-
-        def entry_dots(rows_of_entries, rows, samples, g):
-            """Each entry's row . its bag's gradient (0 for padding entries)."""
-            bag = g[jnp.where(rows == PAD_ID, 0, samples)]
-            return jnp.where(rows == PAD_ID, 0.0, jnp.sum(rows_of_entries * bag, axis=-1))
-
-        def body(grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper):
-            extended = jnp.concatenate([grad, jnp.zeros((b, 1), grad.dtype)], axis=1)
-            pieces = jnp.split(extended[:, dest], segments, axis=1) if segments else [extended[:, dest]]
-            it = iter(pieces)
-            kept_rows = iter(kept)
-            new_w, new_s, dots = [], [], []
-            for grp, table, table_slots, (rows, samples, gains) in zip(L.groups, weights, slots, received):
-                K, K2, w = grp.num_slots, grp.num_a2a, grp.width
-                a2a, rs = next(it), next(it)
-                blocks = []
-                if K2:
-                    sent = a2a.reshape(b, D, K2, w).transpose(1, 2, 0, 3)
-                    blocks.append(jax.lax.all_to_all(sent, axis, 0, 0, tiled=True))
-                if K > K2:
-                    mine = rs.reshape(b, K - K2, w).transpose(1, 0, 2)
-                    blocks.append(jax.lax.all_gather(mine, axis, axis=0, tiled=False))
-                g = jnp.concatenate(blocks, axis=1).reshape(D * K * b, w)
-                if kept:
-                    # [source * C] on the owner -> [1, destination, C] back on each source.
-                    d = entry_dots(next(kept_rows), rows, samples, g).reshape(D, 1, -1)
-                    dots.append(jax.lax.all_to_all(d, axis, 0, 1, tiled=True))
-                rp = jnp.full((1,), rows.shape[0], jnp.int32)
-                out = update(rp, rows, samples, gains, g, table, *table_slots, **hyper)
-                out = out if isinstance(out, (tuple, list)) else (out,)
-                new_w.append(out[0])
-                new_s.append(list(out[1:]))
-            new_dw, new_ds = [], []
-            for dg, table, table_slots, (rows, samples, gains) in zip(L.dp_groups, dp_weights, dp_slots, dp):
-                K, w = len(dg.slots), dg.width
-                mine = next(it).reshape(b, K, w).transpose(1, 0, 2)
-                if kept:
-                    me = jax.lax.axis_index(axis)
-                    flat_rows, flat_samples = rows.reshape(-1), samples.reshape(-1)
-                    local = jnp.where(flat_rows == PAD_ID, 0, flat_samples - me * K * b)
-                    dots.append(entry_dots(next(kept_rows), flat_rows, local, mine.reshape(K * b, w)).reshape(1, -1))
-                # Every replica sees the whole batch's entries and gradients: the same update everywhere.
-                g = jax.lax.all_gather(mine, axis, axis=0, tiled=True).reshape(D * K * b, w)
-                rows, samples, gains = (jax.lax.all_gather(x.reshape(-1), axis, axis=0, tiled=True) for x in (rows, samples, gains))
-                rp = jnp.full((1,), rows.shape[0], jnp.int32)
-                out = update(rp, rows, samples, gains, g, table, *table_slots, **hyper)
-                out = out if isinstance(out, (tuple, list)) else (out,)
-                new_dw.append(out[0])
-                new_ds.append(list(out[1:]))
-            return new_w, new_s, new_dw, new_ds, dots
-
-        spec = P(self.axis)
-        n_slots = len(self.optimizer.slots)
-        fn = jax.shard_map(
-            body,
-            mesh=self.mesh,
-            in_specs=(
-                spec,
-                [spec] * len(weights),
-                [[spec] * n_slots] * len(slots),
-                [P()] * len(dp_weights),
-                [[P()] * n_slots] * len(dp_slots),
-                [(spec,) * 3] * len(received),
-                [(spec,) * 3] * len(dp),
-                [spec] * len(kept),
-                {k: P() for k in hyper},
-            ),
-            out_specs=(
-                [spec] * len(weights),
-                [[spec] * n_slots] * len(slots),
-                [P()] * len(dp_weights),
-                [[P()] * n_slots] * len(dp_slots),
-                [spec] * len(kept),
-            ),
-            check_vma=False,
+        return programs.backward(
+            self.layout, self.mesh, update, grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper, b
         )
-        return fn(grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper)
 
     def _run_forward(self, batch: dict[str, Any], with_rows: bool = False) -> tuple[torch.Tensor, tuple]:
         L = self.layout
         weights, _ = self._arrays("shard", len(L.groups))
         dp_weights, _ = self._arrays("dp", len(L.dp_groups))
         b = batch["per_device"]
+        origins = (batch["origins"], batch["num_ids"]) if with_rows else None
+        if b == 0:
+            # An empty batch: nothing to look up; the programs would split by zero samples.
+            # The [0, dims] output is batch-sharded like every other (as unsharded: [0, D]).
+            empty = np.zeros((0, L.total_dim), np.float32)
+            return wrap(self.router.to_global(empty), 0), ([], batch["dp"], [], origins, b)
         program = self._programs(b, with_rows)[0]
         out, received, kept = program(weights, dp_weights, batch["groups"], batch["dp"])
-        origins = (batch["origins"], batch["num_ids"]) if with_rows else None
         return wrap(out, 0), (received, batch["dp"], kept, origins, b)
 
     def _run_backward(self, saved: tuple, grad_output: torch.Tensor) -> np.ndarray | None:
@@ -820,6 +550,10 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
         received, dp, kept, origins, b = saved
         L = self.layout
+        if b == 0:
+            # An empty batch updates no row, but counts as a step (as the unsharded collection does).
+            self._step += 1
+            return None if origins is None else np.zeros(origins[1], np.float32)
         grad = value_of(grad_output.contiguous(), "sharded embedding backward")
         weights, slots = self._arrays("shard", len(L.groups))
         dp_weights, dp_slots = self._arrays("dp", len(L.dp_groups))
@@ -829,20 +563,13 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         new_w, new_s, new_dw, new_ds, dots = program(grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper)
         for prefix, ws, ss in (("shard", new_w, new_s), ("dp", new_dw, new_ds)):
             for g, (w, s) in enumerate(zip(ws, ss)):
-                getattr(self, f"{prefix}_weight_{g}")._storage.array = w
+                replace_array(getattr(self, f"{prefix}_weight_{g}"), w)
                 for name, value in zip(self.optimizer.slots, s):
-                    getattr(self, f"{prefix}_{name}_{g}")._storage.array = value
+                    replace_array(getattr(self, f"{prefix}_{name}_{g}"), value)
         if origins is None:
             return None
         entries, num_ids = origins
-        id_grad = np.zeros(num_ids, np.float64)
-        for (flat, origin), group_dots in zip(entries, dots):
-            # This process's rows of the [source device, ...] array: its own entries, in the
-            # flat order _pack numbered them. A column-wise id adds one term per column block.
-            shards = sorted(group_dots.addressable_shards, key=lambda shard: shard.index[0].start or 0)
-            local = np.concatenate([np.asarray(shard.data) for shard in shards])
-            np.add.at(id_grad, origin, local.reshape(-1)[flat].astype(np.float64))
-        return id_grad.astype(np.float32)
+        return programs.id_weight_gradient(dots, entries, num_ids)
 
     def _programs(self, b: int, with_rows: bool = False) -> tuple[runtime.Program, runtime.Program]:
         """The forward and backward programs for ``b`` samples per device (cached).
@@ -852,10 +579,8 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         cache = self.__dict__.setdefault("_program_cache", {})
         key = (b, with_rows)
         if key not in cache:
-            cache[key] = (
-                runtime.Program(lambda *a: self._forward_fn(*a, b=b, with_rows=with_rows)),
-                runtime.Program(lambda *a: self._backward_fn(*a, b=b), donate_argnums=(1, 2, 3, 4)),
-            )
+            # Through the methods, so a kernel chosen per instance (``_kernel``) is used.
+            cache[key] = programs.make_programs(self._forward_fn, self._backward_fn, b, with_rows)
         return cache[key]
 
     # --- forward ----------------------------------------------------------------------

@@ -27,7 +27,7 @@ from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
 from tpurec.sparse.spec.batch import map_batch
 from tpurec.sparse.spec.mesh import batch_sharded_array, local_device_count
 from tpurec.sparse.spec.shards import TableSharding, module_plans, table_shardings
-from tpurec.core.tensor import TpuTensor, host_array, wrap
+from tpurec.core.tensor import TpuTensor, host_array, is_global, replace_array, wrap
 
 __all__ = ["shard", "batch_sharded_array", "default_mesh", "distribute_batch", "local_device_count", "replicate"]
 
@@ -36,10 +36,6 @@ def default_mesh() -> Mesh:
     """All devices of every process on one mesh axis named ``"devices"``, ordered by process."""
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     return Mesh(np.array(devices), ("devices",))
-
-
-def _is_global(t: torch.Tensor) -> bool:
-    return isinstance(t, TpuTensor) and runtime._is_global(t._storage.array)
 
 
 def distribute_batch(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -55,7 +51,7 @@ def distribute_batch(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
     Returns:
         A tpu tensor ``[global batch, ...]`` sharded on its first dim.
     """
-    if _is_global(tensor):
+    if is_global(tensor):
         return tensor
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"expected a tensor, got {type(tensor).__name__}")
@@ -72,17 +68,17 @@ def replicate(tensor: torch.Tensor, mesh: Mesh) -> None:
     """Makes tpu tensor ``tensor`` hold a copy of its values on every mesh device (in place)."""
     from tpurec.core.dispatch import value_of
 
-    if _is_global(tensor):
+    if is_global(tensor):
         return
     if not isinstance(tensor, TpuTensor) or not tensor.is_full:
         raise ValueError("only whole tpu tensors (not views) can be replicated onto a mesh; move the model to 'tpu' first")
     value = value_of(tensor, "replicate onto the mesh")
     sharding = NamedSharding(mesh, P())
     if jax.process_count() == 1:
-        tensor._storage.array = jax.device_put(value, sharding)
+        replace_array(tensor, jax.device_put(value, sharding))
     else:
         host = np.asarray(value)
-        tensor._storage.array = jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+        replace_array(tensor, jax.make_array_from_callback(host.shape, sharding, lambda index: host[index]))
 
 
 def _check_mesh(mesh: Any) -> None:
