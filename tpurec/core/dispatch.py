@@ -31,24 +31,17 @@ import torch.autograd.profiler as _torch_profiler
 from tpurec import amp
 from tpurec.composites import COMPOSITES
 from tpurec.core import fused, modes, profiler, rng, runtime
-from tpurec.dense import dtype_rules
-from tpurec.dense.registry import (
-    DYNAMIC,
-    DYNAMIC_LIST,
-    STATIC,
-    TENSOR,
-    TENSOR_LIST,
-    Lowering,
-    argument_kinds,
-    get_lowering,
-    to_jax_dtype,
-)
+from tpurec.dense import calling, dtype_rules
+from tpurec.dense.calling import argument_kinds
+from tpurec.dense.registry import TABLE, Kind, Lowering, get_lowering, lower, mark, to_jax_dtype
 from tpurec.core.device import jax_device
 from tpurec.core.errors import ArgumentError, lowering_failed, unsupported_op
 from tpurec.core.tensor import Storage, TpuTensor, host_array, host_to_jax, install_dispatcher, jax_to_host, wrap
 from tpurec.core.views import contiguous_strides, read_view, reinterpretation, view_capacity, write_view
 
 aten = torch.ops.aten
+# The KERNEL part of the one lowering table (tpurec/dense/registry.py): this module's device kernels.
+_KERNELS = TABLE[Kind.KERNEL]
 
 __all__ = ["dispatch", "fresh", "pending_value", "value_of"]
 
@@ -170,52 +163,15 @@ class _Call:
         raise TypeError(f"expected a tensor, got {type(t).__name__}")
 
 
-def _static(value):
-    if isinstance(value, list):
-        return tuple(_static(v) for v in value)
-    if isinstance(value, torch.device):
-        return str(value)
-    if isinstance(value, (torch.SymInt, torch.SymFloat)):
-        raise NotImplementedError("symbolic sizes are not supported by eager tpu execution")
-    return value
+_static = calling.static_value
 
 
-def _split(call: _Call, kind: str, value):
-    """Records one argument; returns how the program rebuilds it."""
-    if value is None:
-        return ("none",)
-    if kind == TENSOR and isinstance(value, torch.Tensor):
-        return call.tensor(value)
-    if kind == TENSOR_LIST:
-        return ("list", tuple(("none",) if v is None else call.tensor(v) for v in value))
-    if kind in (DYNAMIC, TENSOR) and type(value) in (int, float):
-        # Python numbers in Tensor positions are PyTorch's "wrapped numbers": runtime scalars too.
-        call.inputs.append(value)
-        return ("d", type(value))
-    if kind == DYNAMIC_LIST and all(type(v) in (int, float) for v in value):
-        call.inputs.extend(value)
-        return ("dl", tuple(type(v) for v in value))
-    if isinstance(value, torch.Tensor):
-        return call.tensor(value)
-    return ("c", _static(value))
-
-
-def _rebuild(spec, it):
-    tag = spec[0]
-    if tag == "none":
-        return None
-    if tag == "t":
+def _rebuild_tensor(spec: tuple, it):
+    """A tensor argument inside the program: its view of a storage, or a CPU scalar operand."""
+    if spec[0] == "t":
         _, shape, dtype, size, stride, offset, storage_dtype = spec
         return read_view(next(it), size, stride, offset, reinterpretation(storage_dtype, dtype))
-    if tag == "s":
-        return next(it).astype(to_jax_dtype(spec[1]))
-    if tag == "list":
-        return [_rebuild(s, it) for s in spec[1]]
-    if tag == "d":
-        return next(it)
-    if tag == "dl":
-        return [next(it) for _ in spec[1]]
-    return spec[1] if not isinstance(spec[1], tuple) else list(spec[1])
+    return next(it).astype(to_jax_dtype(spec[1]))  # "s": a CPU 0-dim tensor
 
 
 def _flatten_out(out) -> list:
@@ -271,10 +227,11 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
             variants), one per output; ``None`` returns fresh tensors.
         device: device index for ops without tensor inputs.
     """
-    positional, by_name = argument_kinds(func, lowering.static_scalars)
+    kinds = argument_kinds(func, lowering.static_scalars)
     call = _Call()
-    arg_specs = tuple(_split(call, positional[i] if i < len(positional) else STATIC, a) for i, a in enumerate(args))
-    kw_specs = tuple((k, _split(call, by_name.get(k, STATIC), v)) for k, v in kwargs.items())
+    inputs, record = call.inputs, call.tensor
+    arg_specs = tuple(calling.split(calling.kind_of(kinds, i), a, inputs, record) for i, a in enumerate(args))
+    kw_specs = tuple((k, calling.split(calling.kind_of(kinds, k), v, inputs, record)) for k, v in kwargs.items())
     target_specs = ()
     if targets is not None:
         target_specs = tuple(call.tensor(t) for t in targets)
@@ -295,8 +252,8 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
 
         def program(*inputs):
             it = iter(inputs)
-            a = [_rebuild(s, it) for s in arg_specs]
-            kw = {k: _rebuild(s, it) for k, s in kw_specs}
+            a = [calling.rebuild(s, it, _rebuild_tensor) for s in arg_specs]
+            kw = {k: calling.rebuild(s, it, _rebuild_tensor) for k, s in kw_specs}
             storages = [next(it) for _ in target_specs]
             if random:
                 kw["key"] = rng.key_from(next(it), next(it), next(it))
@@ -483,16 +440,19 @@ def _device_index(device) -> int:
     return index
 
 
+@lower(aten.empty_like.default, kind=Kind.KERNEL)
 def _empty_like(self, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
     index = _device_index(device) if device is not None else self._storage.index
     return _new_storage(self.size(), None, dtype or self.dtype, index)
 
 
+@lower(aten.new_empty.default, kind=Kind.KERNEL)
 def _new_empty(self, size, *, dtype=None, layout=None, device=None, pin_memory=None):
     index = _device_index(device) if device is not None else self._storage.index
     return _new_storage(size, None, dtype or self.dtype, index)
 
 
+@lower(aten.new_empty_strided.default, kind=Kind.KERNEL)
 def _new_empty_strided(self, size, stride, *, dtype=None, layout=None, device=None, pin_memory=None):
     index = _device_index(device) if device is not None else self._storage.index
     return _new_storage(size, stride, dtype or self.dtype, index)
@@ -509,6 +469,7 @@ def _cast_program(key, dtype):
     return _compile(("cast", key, jdtype), cast)
 
 
+@lower(aten._to_copy.default, kind=Kind.KERNEL)
 def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
     dtype = dtype or self.dtype
     target = torch.device(device) if device is not None else self.device
@@ -541,6 +502,7 @@ def _copy_program(dst_key, src_key):
     return _compile(("copy", dst_key, src_key), copy)
 
 
+@lower(aten.copy_.default, kind=Kind.KERNEL)
 def _copy_(dst, src, non_blocking=False):
     if not isinstance(dst, TpuTensor):
         # tpu -> cpu: bring the values over, then let the CPU kernel do the rest.
@@ -570,10 +532,12 @@ def _copy_(dst, src, non_blocking=False):
     return dst
 
 
+@lower(aten._local_scalar_dense.default, torch.ops.prims.item.default, kind=Kind.KERNEL)
 def _local_scalar_dense(self):
     return jax_to_host(value_of(self, "item")).item()
 
 
+@lower(aten.detach.default, kind=Kind.KERNEL)
 def _detach(self):
     return TpuTensor(
         self._storage, self.size(), self.stride(), self.storage_offset(), self.dtype, storage_dtype=self.storage_dtype
@@ -588,6 +552,7 @@ def _grow_program(shape: tuple, length: int):
     return _compile(("grow", shape, length), grow)
 
 
+@lower(aten.resize_.default, kind=Kind.KERNEL)
 def _resize_(self, size, memory_format=None):
     """``resize_`` as on CPU: the new size with contiguous strides, the storage grown if needed.
 
@@ -620,6 +585,7 @@ def _resize_(self, size, memory_format=None):
     return self
 
 
+@lower(aten.native_batch_norm.default, kind=Kind.KERNEL)
 def _native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
     """``native_batch_norm``: in eval mode with running statistics, the saved statistics are empty, as on CPU.
 
@@ -632,6 +598,7 @@ def _native_batch_norm(input, weight, bias, running_mean, running_var, training,
     return _fallback(aten.native_batch_norm.default, (input, weight, bias, running_mean, running_var, training, momentum, eps), {})
 
 
+@lower(aten._native_batch_norm_legit.default, kind=Kind.KERNEL)
 def _native_batch_norm_legit(input, weight, bias, running_mean, running_var, training, momentum, eps):
     """``_native_batch_norm_legit``: the functional lowering, then the running statistics written back."""
     out, mean, invstd, new_mean, new_var = aten._native_batch_norm_legit_functional.default(
@@ -643,6 +610,7 @@ def _native_batch_norm_legit(input, weight, bias, running_mean, running_var, tra
     return out, mean, invstd
 
 
+@lower(aten._batch_norm_with_update.default, kind=Kind.KERNEL)
 def _batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
     """``_batch_norm_with_update``: training-mode batch norm; the reserve space is empty, as on CPU."""
     out, mean, invstd = _native_batch_norm_legit(input, weight, bias, running_mean, running_var, True, momentum, eps)
@@ -683,6 +651,7 @@ def _adjacent_views(tensors, dim: int):
     return first.as_strided(joined, stride, offset)
 
 
+@lower(aten.cat.default, kind=Kind.KERNEL)
 def _cat(tensors, dim=0):
     joined = _adjacent_views(tensors, dim)
     if joined is not None:
@@ -690,6 +659,7 @@ def _cat(tensors, dim=0):
     return execute(aten.cat.default, get_lowering(aten.cat.default), (tensors, dim), {})[0]
 
 
+@lower(aten.embedding.default, kind=Kind.KERNEL)
 def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     """``embedding``: the lowering, but ``sparse=True`` with a gradient is refused up front.
 
@@ -705,6 +675,7 @@ def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse
     return execute(aten.embedding.default, get_lowering(aten.embedding.default), (weight, indices, padding_idx, scale_grad_by_freq, sparse), {})[0]
 
 
+@lower(aten.rrelu_with_noise.default, kind=Kind.KERNEL)
 def _rrelu_with_noise(input, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None):
     """``rrelu_with_noise`` writes the slopes it drew into ``noise`` (a positional argument, so it has no
     out= twin): its functional form, then the slopes copied into ``noise``."""
@@ -714,14 +685,17 @@ def _rrelu_with_noise(input, noise, lower=0.125, upper=1.0 / 3.0, training=False
     return out
 
 
+@lower(aten._pin_memory.default, kind=Kind.KERNEL)
 def _pin_tpu_tensor(self, device=None):
     raise RuntimeError(f"cannot pin a {self.device} tensor: only CPU tensors can be pinned (as for CUDA tensors)")
 
 
+@lower(aten.allclose.default, kind=Kind.KERNEL)
 def _allclose(self, other, rtol=1e-05, atol=1e-08, equal_nan=False) -> bool:
     return bool(torch.isclose(self, other, rtol, atol, equal_nan).all())
 
 
+@lower(aten.equal.default, kind=Kind.KERNEL)
 def _equal(self, other) -> bool:
     # Like the CPU kernel: False for different shapes, never a broadcast.
     return self.shape == other.shape and bool(torch.eq(self, other).all())
@@ -730,6 +704,7 @@ def _equal(self, other) -> bool:
 # --- torch.compile support (tpurec/compile) ------------------------------------
 
 
+@lower(aten._assert_async.default, aten._assert_async.msg, kind=Kind.KERNEL)
 def _assert_async(self, assert_msg=None) -> None:
     """Eager and debug modes check on the host, as the CPU kernel does; fused mode does not sync
     (like CUDA's asynchronous device assert; the lowering is a no-op inside programs)."""
@@ -743,36 +718,28 @@ def _assert_async(self, assert_msg=None) -> None:
     return None
 
 
-_SPECIAL = {
-    aten.allclose.default: _allclose,
-    aten.equal.default: _equal,
-    aten.copy_.default: _copy_,
-    aten._to_copy.default: _to_copy,
-    aten._local_scalar_dense.default: _local_scalar_dense,
-    torch.ops.prims.item.default: _local_scalar_dense,
-    aten.empty_like.default: _empty_like,
-    aten.new_empty.default: _new_empty,
-    aten.new_empty_strided.default: _new_empty_strided,
-    aten.detach.default: _detach,
-    aten.resize_.default: _resize_,
-    aten.native_batch_norm.default: _native_batch_norm,
-    aten._native_batch_norm_legit.default: _native_batch_norm_legit,
-    aten._batch_norm_with_update.default: _batch_norm_with_update,
-    aten.embedding.default: _embedding,
-    aten.cat.default: _cat,
-    aten.rrelu_with_noise.default: _rrelu_with_noise,
-    aten.is_pinned.default: lambda self, device=None: False,
-    aten._pin_memory.default: _pin_tpu_tensor,
-    aten._amp_foreach_non_finite_check_and_unscale_.default: amp.non_finite_check_and_unscale_,
-    aten._amp_update_scale_.default: amp.update_scale_,
-    aten.lift_fresh.default: lambda self: self,
-    # The conj bit is a flag on a CPU/CUDA tensor's key set that a tpu tensor does not carry:
-    # treated as a view, conj() returned the unconjugated values (ifft of real input was wrong).
-    # So conj materialises on tpu: is_conj() stays False and the values are conjugated.
-    aten._conj.default: lambda self: _dispatch(aten._conj_physical.default, (self,), {}),
-    aten._assert_async.default: _assert_async,
-    aten._assert_async.msg: _assert_async,
-}
+@lower(aten.is_pinned.default, kind=Kind.KERNEL)
+def _is_pinned(self, device=None) -> bool:
+    return False
+
+
+lower(aten._amp_foreach_non_finite_check_and_unscale_.default, kind=Kind.KERNEL)(amp.non_finite_check_and_unscale_)
+
+
+lower(aten._amp_update_scale_.default, kind=Kind.KERNEL)(amp.update_scale_)
+
+
+@lower(aten.lift_fresh.default, kind=Kind.KERNEL)
+def _lift_fresh(self):
+    return self
+
+
+@lower(aten._conj.default, kind=Kind.KERNEL)
+# The conj bit is a flag on a CPU/CUDA tensor's key set that a tpu tensor does not carry:
+# treated as a view, conj() returned the unconjugated values (ifft of real input was wrong).
+# So conj materialises on tpu: is_conj() stays False and the values are conjugated.
+def _conj(self):
+    return _dispatch(aten._conj_physical.default, (self,), {})
 
 
 # --- in-place and out= variants ----------------------------------------------
@@ -857,7 +824,8 @@ def _fallback(func, args, kwargs):
     """Ops without a lowering: a decomposition into ops that have one, or a clear error."""
     from torch._decomp import decomposition_table
 
-    decomposition = COMPOSITES.get(func) or decomposition_table.get(func)
+    composite = COMPOSITES.get(func)
+    decomposition = composite.fn if composite is not None else decomposition_table.get(func)
     if decomposition is not None:
         return decomposition(*args, **kwargs)
     if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
@@ -875,7 +843,7 @@ def _fallback(func, args, kwargs):
 
 # Ops whose output shape depends on input values: XLA needs static shapes, so
 # they run on the host (a sync point in fused mode) and their result comes back.
-_DATA_DEPENDENT = {
+mark(
     aten.nonzero.default,
     aten.masked_select.default,
     aten._unique2.default,
@@ -884,7 +852,9 @@ _DATA_DEPENDENT = {
     aten.unique_consecutive.default,
     aten.bincount.default,
     aten.repeat_interleave.Tensor,
-}
+    kind=Kind.DATA_DEPENDENT,
+)
+_DATA_DEPENDENT = TABLE[Kind.DATA_DEPENDENT]
 
 
 # --- index tensors on another device -------------------------------------------
@@ -1022,9 +992,9 @@ def _dispatch_checked(func, args: tuple, kwargs: dict):
 
 def _dispatch(func, args: tuple, kwargs: dict):
     runtime.counters().ops_by_name[func.__name__] += 1
-    special = _SPECIAL.get(func)
-    if special is not None:
-        return special(*args, **kwargs)
+    kernel = _KERNELS.get(func)
+    if kernel is not None:
+        return kernel.fn(*args, **kwargs)
     if func in _INDEXING:
         args, result = _indexing_across_devices(func, args)
         if args is None:
@@ -1089,26 +1059,27 @@ def _factory(func):
     return kernel
 
 
-_FACTORIES = [
-    "empty.memory_format",
-    "empty_strided",
-    "full",
-    "zeros",
-    "ones",
-    "arange",
-    "arange.start",
-    "arange.start_step",
-    "scalar_tensor",
-    "rand",
-    "randn",
-    "randint",
-    "randint.low",
-    "randperm",
-    "linspace",
-    "logspace",
-    "eye",
-    "eye.m",
-]
+mark(
+    aten.empty.memory_format,
+    aten.empty_strided.default,
+    aten.full.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.arange.default,
+    aten.arange.start,
+    aten.arange.start_step,
+    aten.scalar_tensor.default,
+    aten.rand.default,
+    aten.randn.default,
+    aten.randint.default,
+    aten.randint.low,
+    aten.randperm.default,
+    aten.linspace.default,
+    aten.logspace.default,
+    aten.eye.default,
+    aten.eye.m,
+    kind=Kind.FACTORY,
+)
 
 _library = None
 
@@ -1131,10 +1102,10 @@ def register_factories() -> None:
     if _library is not None:
         return
     _library = torch.library.Library("aten", "IMPL")
-    for name in _FACTORIES:
-        packet, _, overload = name.partition(".")
-        func = getattr(getattr(aten, packet), overload or "default")
-        _library.impl(name, _factory(func), "PrivateUse1")
+    for func in TABLE[Kind.FACTORY]:
+        name = func._schema.name.split("::")[1]
+        overload = func._schema.overload_name
+        _library.impl(f"{name}.{overload}" if overload else name, _factory(func), "PrivateUse1")
     # Autograd formulas' "known zero" gradients (sgn's, ...): a plain zeros tensor on tpu. (Not a
     # table entry: on CPU the op makes a storage-less ZeroTensor, which a lowering cannot match.)
     _library.impl("_efficientzerotensor", _factory(aten.zeros.default), "PrivateUse1")
