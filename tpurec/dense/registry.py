@@ -1,7 +1,15 @@
-"""The lowering table: one JAX function per supported ATen overload.
+"""The lowering table: how the tpu device runs each supported ATen overload.
 
 Eager, fused and compiled execution all read this one table (docs/design.md,
-contract 1). A lowering receives the ATen op's arguments exactly as the
+contract 1). Each entry says its :class:`Kind`: most are ``JAX`` lowerings
+(below); the others are the device kernels eager runs itself (``tpurec.core``),
+the functional forms of views, allocations and size queries that compiled
+graphs use (``tpurec.compile``), composites written in torch ops
+(``tpurec.composites``), and marks for data-dependent ops and factories. All
+register through :func:`lower` (``kind=``); the families of JAX lowerings are
+the modules listed in :data:`FAMILIES`, imported with ``tpurec.dense``.
+
+A JAX lowering receives the ATen op's arguments exactly as the
 dispatcher passed them, with every ``Tensor`` replaced by a ``jax.Array`` (and
 ``Tensor[]`` by a list of them). Arguments whose schema type is ``Scalar`` or
 ``float`` arrive as *traced* JAX scalars (weakly typed), so a learning rate that
