@@ -102,8 +102,18 @@ def transformer_encoder_layer_fwd(
 
     def attention(x: torch.Tensor) -> torch.Tensor:
         out, _ = native_multi_head_attention(
-            x, x, x, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias,
-            mask, need_weights=False, mask_type=mask_type,
+            x,
+            x,
+            x,
+            embed_dim,
+            num_heads,
+            qkv_weight,
+            qkv_bias,
+            proj_weight,
+            proj_bias,
+            mask,
+            need_weights=False,
+            mask_type=mask_type,
         )
         return out
 
@@ -134,4 +144,3 @@ def register_composite(op: torch._ops.OpOverload):
     falls back on gains a decomposition.
     """
     return lower(op, kind=Kind.COMPOSITE)
-

@@ -20,7 +20,7 @@ def test_each_entry_says_the_kind_it_is_filed_under():
     for kind, entries in TABLE.items():
         for op, found in entries.items():
             assert found.kind is kind and found.op is op, (kind, op)
-            assert (found.fn is None) == (kind in (Kind.DATA_DEPENDENT, Kind.FACTORY)), (kind, op)
+            assert callable(found.fn), (kind, op)
     assert LOWERINGS is TABLE[Kind.JAX]
 
 
@@ -42,7 +42,11 @@ def test_a_second_entry_of_one_kind_is_refused_and_the_table_is_unchanged():
     with pytest.raises(ValueError, match="two view entries"):
         lower(aten.view.default, kind=Kind.VIEW)(lambda x, size: x)
     with pytest.raises(ValueError, match="needs a function"):
-        lower(aten.relu.default, kind=Kind.KERNEL)(None)
+        registry.mark(aten.relu.default, kind=Kind.KERNEL)
+    with pytest.raises(ValueError, match="holds no function"):
+        lower(aten.relu.default, kind=Kind.FACTORY)
+    with pytest.raises(TypeError, match="holds no function to run"):
+        entry(aten.nonzero.default, Kind.DATA_DEPENDENT)()
     assert TABLE[Kind.VIEW] == before
 
 

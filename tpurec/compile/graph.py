@@ -70,7 +70,7 @@ def describe_node(node: torch.fx.Node) -> str:
         outside = [i for i in frames if not _in_torch(lines[i])]
         if frames:
             last = (outside or frames)[-1]
-            text += "\n  from user code:\n    " + "\n    ".join(l.strip() for l in lines[last:last + 2])
+            text += "\n  from user code:\n    " + "\n    ".join(l.strip() for l in lines[last : last + 2])
     return text
 
 
@@ -80,7 +80,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 def _in_torch(frame_line: str) -> bool:
     """A stack-trace line ``File "...", line N, in f`` of a file in torch's own package."""
     start = frame_line.find('"')
-    return start >= 0 and frame_line[start + 1:].startswith(_TORCH_DIR)
+    return start >= 0 and frame_line[start + 1 :].startswith(_TORCH_DIR)
 
 
 # --- small ops that need no lowering -----------------------------------------
@@ -145,7 +145,7 @@ def _sym_storage_offset(x):
 
 
 def _contiguous_stride(shape, dim: int) -> int:
-    return math.prod(max(n, 1) for n in shape[dim + 1:]) if dim >= 0 else _contiguous_stride(shape, dim + len(shape))
+    return math.prod(max(n, 1) for n in shape[dim + 1 :]) if dim >= 0 else _contiguous_stride(shape, dim + len(shape))
 
 
 # The kinds of entry the interpreter runs itself (never decomposed), in the order it looks.
@@ -311,9 +311,11 @@ def _cast(out, dtypes):
         return out
     if isinstance(dtypes, torch.dtype):
         return out.astype(to_jax_dtype(dtypes)) if hasattr(out, "astype") else out
-    return type(out)(
-        o if d is None or o is None else o.astype(to_jax_dtype(d)) for o, d in zip(out, dtypes)
-    ) if isinstance(out, (list, tuple)) else out
+    return (
+        type(out)(o if d is None or o is None else o.astype(to_jax_dtype(d)) for o, d in zip(out, dtypes))
+        if isinstance(out, (list, tuple))
+        else out
+    )
 
 
 def _constant(value):

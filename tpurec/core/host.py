@@ -62,11 +62,11 @@ def _indexing_across_devices(func, args):
     self, indices = args[0], args[1]
     if isinstance(self, TpuTensor):
         index = self._storage.index
-        move = lambda t: wrap(host_to_jax(t, jax_device(index)), index)
-        foreign = lambda t: isinstance(t, torch.Tensor) and not isinstance(t, TpuTensor) and t.device.type == "cpu"
+        move = lambda t: wrap(host_to_jax(t, jax_device(index)), index)  # noqa: E731
+        foreign = lambda t: isinstance(t, torch.Tensor) and not isinstance(t, TpuTensor) and t.device.type == "cpu"  # noqa: E731
     elif isinstance(self, torch.Tensor) and self.device.type == "cpu":
-        move = lambda t: jax_to_host(value_of(t, "indexing a CPU tensor"))
-        foreign = lambda t: isinstance(t, TpuTensor)
+        move = lambda t: jax_to_host(value_of(t, "indexing a CPU tensor"))  # noqa: E731
+        foreign = lambda t: isinstance(t, TpuTensor)  # noqa: E731
     else:
         return args, None
     if not any(foreign(i) for i in indices):
@@ -100,11 +100,11 @@ def _on_host(func, args, kwargs):
 
 def _on_host_run(func, args, kwargs):
     index = next(a._storage.index for a in tree_flatten((args, kwargs))[0] if isinstance(a, TpuTensor))
-    to_host = lambda x: jax_to_host(value_of(x, "data-dependent op")) if isinstance(x, TpuTensor) else x
+    to_host = lambda x: jax_to_host(value_of(x, "data-dependent op")) if isinstance(x, TpuTensor) else x  # noqa: E731
     host_args, host_kwargs = tree_map(to_host, (args, kwargs))
     out = func(*host_args, **host_kwargs)
     device = jax_device(index)
-    back = lambda x: wrap(host_to_jax(x, device), index) if isinstance(x, torch.Tensor) else x
+    back = lambda x: wrap(host_to_jax(x, device), index) if isinstance(x, torch.Tensor) else x  # noqa: E731
     if func._schema.is_mutable:
         targets, returns = _mutated(func, args, kwargs)
         for t, h in zip(targets, _mutated(func, host_args, host_kwargs)[0]):

@@ -35,8 +35,13 @@ aten = torch.ops.aten
 
 __all__ = ["install_redispatch"]
 
+
+def _not_installed(func, args: tuple, kwargs: dict):
+    raise RuntimeError("tpurec: the dispatcher is not installed (import tpurec.core, not one of its layers alone)")
+
+
 # The dispatcher's op runner, ``run(func, args, kwargs)``: installed by tpurec.core.dispatch.
-_redispatch = None
+_redispatch = _not_installed
 
 
 def install_redispatch(run) -> None:
@@ -225,8 +230,12 @@ def _native_batch_norm(input, weight, bias, running_mean, running_var, training,
     statistics, which normalises with the batch's own) goes through its decomposition.
     """
     if not training and running_mean is not None and running_var is not None:
-        return aten._native_batch_norm_legit_no_training.default(input, weight, bias, running_mean, running_var, momentum, eps)
-    return _fallback(aten.native_batch_norm.default, (input, weight, bias, running_mean, running_var, training, momentum, eps), {})
+        return aten._native_batch_norm_legit_no_training.default(
+            input, weight, bias, running_mean, running_var, momentum, eps
+        )
+    return _fallback(
+        aten.native_batch_norm.default, (input, weight, bias, running_mean, running_var, training, momentum, eps), {}
+    )
 
 
 @lower(aten._native_batch_norm_legit.default, kind=Kind.KERNEL)
@@ -303,7 +312,12 @@ def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse
             "sparse gradients have no tpu layout. Use sparse=False (a dense gradient; optimizers give the same "
             "result), or tpurec.sparse for large embedding tables."
         )
-    return execute(aten.embedding.default, get_lowering(aten.embedding.default), (weight, indices, padding_idx, scale_grad_by_freq, sparse), {})[0]
+    return execute(
+        aten.embedding.default,
+        get_lowering(aten.embedding.default),
+        (weight, indices, padding_idx, scale_grad_by_freq, sparse),
+        {},
+    )[0]
 
 
 @lower(aten.rrelu_with_noise.default, kind=Kind.KERNEL)
@@ -345,7 +359,9 @@ def _assert_async(self, assert_msg=None) -> None:
         values = "no values" if self.numel() == 0 else "more than one value"
         raise RuntimeError(f"Boolean value of Tensor with {values} is ambiguous")
     if not bool(jax_to_host(value_of(self, "_assert_async")).item()):
-        raise RuntimeError(assert_msg if assert_msg is not None else "Expected Tensor with single nonzero value, but got zero")
+        raise RuntimeError(
+            assert_msg if assert_msg is not None else "Expected Tensor with single nonzero value, but got zero"
+        )
     return
 
 

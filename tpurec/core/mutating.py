@@ -81,7 +81,9 @@ def _run_mutating(func, args, kwargs):
         results = _fallback(functional, call_args, call_kwargs)
         for t, r in zip(targets, _flatten_out(results)):
             if isinstance(t, TpuTensor):
-                if tuple(r.shape) != tuple(t.shape) and tuple(t.shape) != tuple(torch.broadcast_shapes(r.shape, t.shape)):
+                if tuple(r.shape) != tuple(t.shape) and tuple(t.shape) != tuple(
+                    torch.broadcast_shapes(r.shape, t.shape)
+                ):
                     _resize_(t, r.shape)
                 _copy_(t, r)
         return returns

@@ -66,9 +66,7 @@ def _view_metas(func, args, kwargs) -> list | None:
     out = func(meta_base, *args[1:], **kwargs)
     outs = _flatten_out(out)
     storage_dtype = base.storage_dtype
-    aliased = all(
-        _shares_layout(storage_dtype, o.dtype) and o.untyped_storage()._cdata == storage._cdata for o in outs
-    )
+    aliased = all(_shares_layout(storage_dtype, o.dtype) and o.untyped_storage()._cdata == storage._cdata for o in outs)
     metas = [(tuple(o.size()), tuple(o.stride()), o.storage_offset(), o.dtype) for o in outs] if aliased else None
     _view_cache[key] = metas
     return metas
@@ -83,7 +81,11 @@ def _view(func, args, kwargs):
     _check_in_storage(base, metas)
     # In inference mode a view of a normal tensor is a normal tensor (PyTorch then
     # shares the base's version counter with it, which an inference tensor refuses).
-    with torch.inference_mode(False) if torch.is_inference_mode_enabled() and not base.is_inference() else contextlib.nullcontext():
+    with (
+        torch.inference_mode(False)
+        if torch.is_inference_mode_enabled() and not base.is_inference()
+        else contextlib.nullcontext()
+    ):
         views = [
             TpuTensor(base._storage, size, stride, offset, dtype, storage_dtype=base.storage_dtype)
             for size, stride, offset, dtype in metas
@@ -139,7 +141,7 @@ def _inplace_view(func, args, kwargs):
     """``squeeze_``, ``unsqueeze_``, ``t_``, ``transpose_``, ``as_strided_``...: ``self`` changes shape."""
     self = args[0]
     meta = _meta_base(self)
-    to_meta = lambda x: _meta_base(x) if isinstance(x, TpuTensor) else x
+    to_meta = lambda x: _meta_base(x) if isinstance(x, TpuTensor) else x  # noqa: E731 (resize_as_'s template)
     func(meta, *tree_map(to_meta, args[1:]), **tree_map(to_meta, kwargs))
     _check_in_storage(self, [(tuple(meta.size()), tuple(meta.stride()), meta.storage_offset(), self.dtype)])
     _set_metadata(self, tuple(meta.size()), tuple(meta.stride()), meta.storage_offset())

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Callable, Iterable
+from typing import Callable, Iterable, TypeVar
 
 import jax.numpy as jnp
 import torch
@@ -60,6 +60,7 @@ from tpurec.dense.calling import (  # noqa: F401
 __all__ = [
     "FAMILIES",
     "LOWERINGS",
+    "MARKS",
     "TABLE",
     "Kind",
     "Lowering",
@@ -100,8 +101,8 @@ class Lowering:
 
     Args:
         op: the ATen overload, e.g. ``torch.ops.aten.add.Tensor``.
-        fn: the function (see :class:`Kind` for what it receives); None for the
-            kinds that only mark an op (``DATA_DEPENDENT``, ``FACTORY``).
+        fn: the function (see :class:`Kind` for what it receives); for the kinds
+            that only mark an op (``DATA_DEPENDENT``, ``FACTORY``), one that refuses to run.
         random: the op consumes randomness; ``fn`` gets ``key=`` (``JAX`` entries).
         static_scalars: treat ``Scalar``/``float`` arguments as static values
             (for ops whose output shape depends on them, like ``arange``).
@@ -109,7 +110,7 @@ class Lowering:
     """
 
     op: torch._ops.OpOverload
-    fn: Callable | None
+    fn: Callable
     random: bool = False
     static_scalars: bool = False
     kind: Kind = Kind.JAX
@@ -125,7 +126,8 @@ class Lowering:
 TABLE: dict[Kind, dict[torch._ops.OpOverload, Lowering]] = {kind: {} for kind in Kind}
 LOWERINGS: dict[torch._ops.OpOverload, Lowering] = TABLE[Kind.JAX]
 
-_MARKS = (Kind.DATA_DEPENDENT, Kind.FACTORY)
+MARKS = (Kind.DATA_DEPENDENT, Kind.FACTORY)
+_F = TypeVar("_F", bound=Callable)
 
 
 def _overloads(op) -> Iterable[torch._ops.OpOverload]:
@@ -134,7 +136,17 @@ def _overloads(op) -> Iterable[torch._ops.OpOverload]:
     return [op]
 
 
-def lower(*ops, kind: Kind = Kind.JAX, random: bool = False, static_scalars: bool = False):
+def _add(ops: tuple, fn: Callable, kind: Kind, random: bool, static_scalars: bool) -> None:
+    entries = TABLE[kind]
+    overloads = [overload for op in ops for overload in _overloads(op)]
+    for overload in overloads:
+        if overload in entries:
+            raise ValueError(f"{overload} has two {kind.value} entries")
+    for overload in overloads:
+        entries[overload] = Lowering(overload, fn, random, static_scalars, kind)
+
+
+def lower(*ops, kind: Kind = Kind.JAX, random: bool = False, static_scalars: bool = False) -> Callable[[_F], _F]:
     """Registers the decorated function as the ``kind`` entry of ``ops``.
 
     Args:
@@ -144,26 +156,32 @@ def lower(*ops, kind: Kind = Kind.JAX, random: bool = False, static_scalars: boo
         static_scalars: see :class:`Lowering`.
 
     Raises:
-        ValueError: an op already has an entry of this kind, or a marking kind got a function.
+        ValueError: an op already has an entry of this kind (then none is added), or
+            ``kind`` is one that holds no function (use :func:`mark`).
     """
+    if kind in MARKS:
+        raise ValueError(f"a {kind.value} entry holds no function: use mark(*ops, kind=...)")
 
-    def register(fn: Callable | None) -> Callable | None:
-        if (fn is None) != (kind in _MARKS):
-            raise ValueError(f"a {kind.value} entry {'has no' if kind in _MARKS else 'needs a'} function")
-        entries = TABLE[kind]
-        for op in ops:
-            for overload in _overloads(op):
-                if overload in entries:
-                    raise ValueError(f"{overload} has two {kind.value} entries")
-                entries[overload] = Lowering(overload, fn, random, static_scalars, kind)
+    def register(fn: _F) -> _F:
+        _add(ops, fn, kind, random, static_scalars)
         return fn
 
     return register
 
 
 def mark(*ops, kind: Kind) -> None:
-    """Registers ``ops`` as entries of a kind that holds no function (``DATA_DEPENDENT``, ``FACTORY``)."""
-    lower(*ops, kind=kind)(None)
+    """Registers ``ops`` as entries of a kind that holds no function (``DATA_DEPENDENT``, ``FACTORY``).
+
+    Raises:
+        ValueError: ``kind`` is not such a kind, or an op already has an entry of it.
+    """
+    if kind not in MARKS:
+        raise ValueError(f"a {kind.value} entry needs a function: use @lower(*ops, kind=...)")
+
+    def refuse(*args, **kwargs):
+        raise TypeError(f"a {kind.value} entry marks its op and holds no function to run")
+
+    _add(ops, refuse, kind, False, False)
 
 
 def entry(op: torch._ops.OpOverload, kind: Kind) -> Lowering | None:
