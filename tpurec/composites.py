@@ -5,7 +5,8 @@ in eval mode under ``torch.no_grad()`` that calls one fused kernel per layer
 (``_transformer_encoder_layer_fwd``, ``_native_multi_head_attention``). Those
 have CPU/CUDA kernels only, so here they are written in terms of ordinary ops
 (linear, softmax, layer_norm...), each of which the tpu device lowers. Eager
-dispatch and the ``torch.compile`` backend both use :data:`COMPOSITES`.
+dispatch and the ``torch.compile`` backend both use :data:`COMPOSITES`, the
+``COMPOSITE`` part of the one lowering table (``tpurec.dense.registry``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import math
 
 import torch
 import torch.nn.functional as F
+
+from tpurec.dense.registry import TABLE, Kind, lower
 
 __all__ = ["COMPOSITES", "native_multi_head_attention", "register_composite", "transformer_encoder_layer_fwd"]
 
@@ -35,6 +38,7 @@ def _apply_mask(scores: torch.Tensor, mask: torch.Tensor | None, mask_type: int 
     return scores + mask.to(scores.dtype)
 
 
+@lower(aten._native_multi_head_attention.default, kind=Kind.COMPOSITE)
 def native_multi_head_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -71,6 +75,7 @@ def native_multi_head_attention(
     return out, weights.mean(dim=1) if average_attn_weights else weights
 
 
+@lower(aten._transformer_encoder_layer_fwd.default, kind=Kind.COMPOSITE)
 def transformer_encoder_layer_fwd(
     src: torch.Tensor,
     embed_dim: int,
@@ -97,8 +102,18 @@ def transformer_encoder_layer_fwd(
 
     def attention(x: torch.Tensor) -> torch.Tensor:
         out, _ = native_multi_head_attention(
-            x, x, x, embed_dim, num_heads, qkv_weight, qkv_bias, proj_weight, proj_bias,
-            mask, need_weights=False, mask_type=mask_type,
+            x,
+            x,
+            x,
+            embed_dim,
+            num_heads,
+            qkv_weight,
+            qkv_bias,
+            proj_weight,
+            proj_bias,
+            mask,
+            need_weights=False,
+            mask_type=mask_type,
         )
         return out
 
@@ -115,24 +130,17 @@ def transformer_encoder_layer_fwd(
     return F.layer_norm(x + feed_forward(x), shape, norm_weight_2, norm_bias_2, eps)
 
 
-COMPOSITES = {
-    aten._native_multi_head_attention.default: native_multi_head_attention,
-    aten._transformer_encoder_layer_fwd.default: transformer_encoder_layer_fwd,
-}
+# op -> entry (callable like its function).
+COMPOSITES = TABLE[Kind.COMPOSITE]
 
 
 def register_composite(op: torch._ops.OpOverload):
     """Decorator: ``fn`` is how the tpu device runs ``op`` (eager and compiled).
 
-    tpurec keeps its decompositions here, never in ``torch._decomp``'s global
+    The same as ``lower(op, kind=Kind.COMPOSITE)``. tpurec keeps its
+    decompositions in its own table, never in ``torch._decomp``'s global
     table: an entry there changes what every other backend (inductor
     included) sees, and inductor refuses to start under ``CI=1`` when an op it
     falls back on gains a decomposition.
     """
-
-    def wrap(fn):
-        COMPOSITES[op] = fn
-        return fn
-
-    return wrap
-
+    return lower(op, kind=Kind.COMPOSITE)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tpurec
-from tpurec.core import dispatch, runtime
+from tpurec.core import dispatch, kernels, runtime
 from tpurec.dense.registry import LOWERINGS, Lowering, get_lowering
 
 aten = torch.ops.aten
@@ -317,13 +317,13 @@ def test_float_to_int_casts_of_nan_inf_and_out_of_range_values_are_not_divergenc
         torch.zeros(2, 8, dtype=torch.int32, device="tpu")[1].copy_(x)
     assert report.undefined_casts == {"aten._to_copy.default": 5, "aten.copy_.default": 1}
     # The defined elements are still compared: a cast that gets 3.7 wrong is a divergence.
-    right = dispatch._cast_program
+    right = kernels._cast_program
 
     def wrong(key, dtype):
         program = right(key, dtype)
         return dispatch._compile(("wrong cast", key, dtype), lambda storage: [v + (v == 3) for v in program.raw(storage)])
 
-    monkeypatch.setattr(dispatch, "_cast_program", wrong)
+    monkeypatch.setattr(kernels, "_cast_program", wrong)
     with pytest.raises(tpurec.debug.ShadowMismatch, match=r"1 of 8 elements differ .* first at \[5\]: tpu 4, CPU 3"):
         with tpurec.debug.shadow():
             x.to(torch.int32)

@@ -292,14 +292,12 @@ def decompositions() -> dict:
     from torch._decomp import core_aten_decompositions, decomposition_table
 
     from tpurec.compile.graph import handled_without_lowering
-    from tpurec.dense.registry import _load_families
+    from tpurec.dense.registry import TABLE, Kind
 
-    _load_families()  # the families add their composites as they load
     table = {op: fn for op, fn in decomposition_table.items() if isinstance(op, torch._ops.OpOverload)}
     table.update(core_aten_decompositions())
-    from tpurec.composites import COMPOSITES
-
-    table.update(COMPOSITES)
+    # The COMPOSITE entries (tpurec.composites and the families' own, all loaded with tpurec.dense).
+    table.update({op: composite.fn for op, composite in TABLE[Kind.COMPOSITE].items()})
     return {op: fn for op, fn in table.items() if get_lowering(op) is None and not handled_without_lowering(op)}
 
 

@@ -33,16 +33,10 @@ import torch.fx
 from torch._dynamo.exc import ShortenTraceback
 
 from tpurec.core import rng
-from tpurec.compile.views import view_lowering
-from tpurec.dense.registry import (
-    DYNAMIC,
-    DYNAMIC_LIST,
-    STATIC,
-    TENSOR,
-    argument_kinds,
-    get_lowering,
-    to_jax_dtype,
-)
+from tpurec.compile import views as _views  # noqa: F401 (registers the VIEW entries)
+from tpurec.dense import calling
+from tpurec.dense.calling import argument_kinds
+from tpurec.dense.registry import Kind, entry, get_lowering, lower, to_jax_dtype
 from tpurec.core.tensor import host_to_jax
 
 aten = torch.ops.aten
@@ -76,7 +70,7 @@ def describe_node(node: torch.fx.Node) -> str:
         outside = [i for i in frames if not _in_torch(lines[i])]
         if frames:
             last = (outside or frames)[-1]
-            text += "\n  from user code:\n    " + "\n    ".join(l.strip() for l in lines[last:last + 2])
+            text += "\n  from user code:\n    " + "\n    ".join(l.strip() for l in lines[last : last + 2])
     return text
 
 
@@ -86,60 +80,81 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 def _in_torch(frame_line: str) -> bool:
     """A stack-trace line ``File "...", line N, in f`` of a file in torch's own package."""
     start = frame_line.find('"')
-    return start >= 0 and frame_line[start + 1:].startswith(_TORCH_DIR)
+    return start >= 0 and frame_line[start + 1 :].startswith(_TORCH_DIR)
 
 
 # --- small ops that need no lowering -----------------------------------------
 
 
+# Allocations have no meaningful values; zeros keeps programs deterministic.
+@lower(aten.empty.memory_format, kind=Kind.GRAPH)
 def _zeros(size, *args, dtype=None, **kwargs):
     return jnp.zeros(tuple(size), to_jax_dtype(dtype or torch.get_default_dtype()))
 
 
+@lower(aten.empty_strided.default, kind=Kind.GRAPH)
+def _empty_strided(size, stride, **kwargs):
+    return _zeros(size, **kwargs)
+
+
+@lower(aten.empty_like.default, kind=Kind.GRAPH)
 def _empty_like(x, *args, dtype=None, **kwargs):
     return jnp.zeros(x.shape, to_jax_dtype(dtype) if dtype is not None else x.dtype)
 
 
+@lower(aten.new_empty.default, kind=Kind.GRAPH)
 def _new_empty(x, size, *args, dtype=None, **kwargs):
     return jnp.zeros(tuple(size), to_jax_dtype(dtype) if dtype is not None else x.dtype)
 
 
+@lower(aten.new_empty_strided.default, kind=Kind.GRAPH)
+def _new_empty_strided(x, size, stride, **kwargs):
+    return _new_empty(x, size, **kwargs)
+
+
+@lower(aten.copy.default, kind=Kind.GRAPH)
 def _copy(x, src, non_blocking: bool = False):
     # The functional copy_: src's values, broadcast to x's shape, in x's dtype.
     return jnp.broadcast_to(src, x.shape).astype(x.dtype)
 
 
+@lower(torch.ops.prims.convert_element_type.default, kind=Kind.GRAPH)
 def _convert_element_type(x, dtype):
     return x.astype(to_jax_dtype(dtype))
 
 
-# Allocations have no meaningful values; zeros keeps programs deterministic.
-_SPECIAL: dict[Any, Callable] = {
-    aten.empty.memory_format: _zeros,
-    aten.empty_strided.default: lambda size, stride, **kw: _zeros(size, **kw),
-    aten.empty_like.default: _empty_like,
-    aten.new_empty.default: _new_empty,
-    aten.new_empty_strided.default: lambda x, size, stride, **kw: _new_empty(x, size, **kw),
-    aten.copy.default: _copy,
-    torch.ops.prims.convert_element_type.default: _convert_element_type,
-}
-
 # Symbolic-size queries: answered from the concrete shapes seen while tracing.
-_SIZE_QUERIES: dict[Any, Callable] = {
-    aten.sym_size.int: lambda x, dim: x.shape[dim],
-    aten.sym_numel.default: lambda x: math.prod(x.shape),
-    aten.sym_stride.int: lambda x, dim: _contiguous_stride(x.shape, dim),
-    aten.sym_storage_offset.default: lambda x: 0,
-}
+@lower(aten.sym_size.int, kind=Kind.SIZE_QUERY)
+def _sym_size(x, dim):
+    return x.shape[dim]
+
+
+@lower(aten.sym_numel.default, kind=Kind.SIZE_QUERY)
+def _sym_numel(x):
+    return math.prod(x.shape)
+
+
+@lower(aten.sym_stride.int, kind=Kind.SIZE_QUERY)
+def _sym_stride(x, dim):
+    return _contiguous_stride(x.shape, dim)
+
+
+@lower(aten.sym_storage_offset.default, kind=Kind.SIZE_QUERY)
+def _sym_storage_offset(x):
+    return 0
 
 
 def _contiguous_stride(shape, dim: int) -> int:
-    return math.prod(max(n, 1) for n in shape[dim + 1:]) if dim >= 0 else _contiguous_stride(shape, dim + len(shape))
+    return math.prod(max(n, 1) for n in shape[dim + 1 :]) if dim >= 0 else _contiguous_stride(shape, dim + len(shape))
+
+
+# The kinds of entry the interpreter runs itself (never decomposed), in the order it looks.
+_OWN_KINDS = (Kind.VIEW, Kind.GRAPH, Kind.SIZE_QUERY)
 
 
 def handled_without_lowering(op) -> bool:
     """Ops the interpreter runs itself (views, allocations, size queries): never decomposed."""
-    return view_lowering(op) is not None or op in _SPECIAL or op in _SIZE_QUERIES
+    return any(entry(op, kind) is not None for kind in _OWN_KINDS)
 
 
 # --- planning ----------------------------------------------------------------
@@ -152,8 +167,7 @@ class _Step:
     node: torch.fx.Node
     fn: Callable
     kind: str  # "lowering", "view", "special", "size", "python", "getitem"
-    kinds: tuple = ()  # per positional argument: TENSOR/DYNAMIC/... (lowerings only)
-    kw_kinds: dict = dataclasses.field(default_factory=dict)
+    kinds: tuple = ((), {})  # the travel kinds of the arguments (lowerings only), see tpurec.dense.calling
     random: bool = False
     dtypes: Any = None  # the meta dtypes to cast outputs to
 
@@ -174,18 +188,19 @@ def _plan_node(node: torch.fx.Node) -> _Step:
     if not isinstance(target, torch._ops.OpOverload):
         # operator.mul on SymInts, math.ceil, torch.sym_float, ...: plain Python at trace time.
         return _Step(node, target, "python")
-    if target in _SIZE_QUERIES:
-        return _Step(node, _SIZE_QUERIES[target], "size")
+    size_query = entry(target, Kind.SIZE_QUERY)
+    if size_query is not None:
+        return _Step(node, size_query.fn, "size")
     lowering = get_lowering(target)
     if lowering is not None:
-        positional, by_name = argument_kinds(target, lowering.static_scalars)
-        return _Step(node, lowering.fn, "lowering", positional, by_name, lowering.random, _meta_dtypes(node))
-    view = view_lowering(target)
+        kinds = argument_kinds(target, lowering.static_scalars)
+        return _Step(node, lowering.fn, "lowering", kinds, lowering.random, _meta_dtypes(node))
+    view = entry(target, Kind.VIEW)
     if view is not None:
-        return _Step(node, view, "view")
-    special = _SPECIAL.get(target)
+        return _Step(node, view.fn, "view")
+    special = entry(target, Kind.GRAPH)
     if special is not None:
-        return _Step(node, special, "special", dtypes=_meta_dtypes(node))
+        return _Step(node, special.fn, "special", dtypes=_meta_dtypes(node))
     from tpurec.core.errors import unsupported_op
 
     raise CompileError(f"{unsupported_op(target)}\n  in {describe_node(node)}")
@@ -218,9 +233,9 @@ class GraphProgram:
                 continue
             node = step.node
             for i, a in enumerate(node.args):
-                constants.extend(_dynamic_values(step.kinds[i] if i < len(step.kinds) else STATIC, a))
+                constants.extend(_dynamic_values(calling.kind_of(step.kinds, i), a))
             for k, a in node.kwargs.items():
-                constants.extend(_dynamic_values(step.kw_kinds.get(k, STATIC), a))
+                constants.extend(_dynamic_values(calling.kind_of(step.kinds, k), a))
         return constants
 
     def ops(self) -> list[str]:
@@ -256,11 +271,9 @@ class GraphProgram:
                 if step.kind == "special":
                     out = _cast(out, step.dtypes)
                 return out
-            args = [
-                _bind(step.kinds[i] if i < len(step.kinds) else STATIC, a, scalar_it, load)
-                for i, a in enumerate(node.args)
-            ]
-            kwargs = {k: _bind(step.kw_kinds.get(k, STATIC), a, scalar_it, load) for k, a in node.kwargs.items()}
+            kinds = step.kinds
+            args = [_bind(calling.kind_of(kinds, i), a, scalar_it, load) for i, a in enumerate(node.args)]
+            kwargs = {k: _bind(calling.kind_of(kinds, k), a, scalar_it, load) for k, a in node.kwargs.items()}
             if step.random:
                 kwargs["key"] = rng.key_from(*next(seed_it))
             return _cast(step.fn(*args, **kwargs), step.dtypes)
@@ -271,14 +284,11 @@ class GraphProgram:
 
 
 def _dynamic_values(kind: str, value) -> list:
-    """The values of one argument that travel as runtime scalars (see dispatch._split)."""
+    """The graph constants of one argument that travel as runtime scalars, as in eager
+    execution (:func:`tpurec.dense.calling.runtime_scalars`); a node's value is never one."""
     if isinstance(value, torch.fx.Node) or value is None:
         return []
-    if kind in (DYNAMIC, TENSOR) and type(value) in (int, float):
-        return [value]
-    if kind == DYNAMIC_LIST and isinstance(value, (list, tuple)) and all(type(v) in (int, float) for v in value):
-        return list(value)
-    return []
+    return calling.runtime_scalars(kind, value) or []
 
 
 def _bind(kind: str, value, scalar_it, load: Callable):
@@ -301,9 +311,11 @@ def _cast(out, dtypes):
         return out
     if isinstance(dtypes, torch.dtype):
         return out.astype(to_jax_dtype(dtypes)) if hasattr(out, "astype") else out
-    return type(out)(
-        o if d is None or o is None else o.astype(to_jax_dtype(d)) for o, d in zip(out, dtypes)
-    ) if isinstance(out, (list, tuple)) else out
+    return (
+        type(out)(o if d is None or o is None else o.astype(to_jax_dtype(d)) for o, d in zip(out, dtypes))
+        if isinstance(out, (list, tuple))
+        else out
+    )
 
 
 def _constant(value):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from tpurec.dense.registry import to_jax_dtype
+from tpurec.dense.registry import TABLE, Kind, entry, lower, to_jax_dtype
 from tpurec.core.views import read_view, write_view
 from tpurec.dense.trace_context import transpose as _transpose
 
@@ -39,18 +39,29 @@ def _shape(x, size: Sequence[int]) -> tuple[int, ...]:
     return tuple(size)
 
 
+@lower(
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten._reshape_alias.default,
+    aten.view_copy.default,
+    kind=Kind.VIEW,
+)
 def reshape(x, size, *_):
     return jnp.reshape(x, _shape(x, size))
 
 
+@lower(aten.permute.default, kind=Kind.VIEW)
 def permute(x, dims):
     return _transpose(x, [_dim(d, x.ndim) for d in dims])
 
 
+@lower(aten.t.default, kind=Kind.VIEW)
 def t(x):
     return x.T if x.ndim == 2 else x
 
 
+@lower(aten.transpose.int, kind=Kind.VIEW)
 def transpose(x, dim0: int, dim1: int):
     if not x.ndim:
         return x
@@ -60,10 +71,12 @@ def transpose(x, dim0: int, dim1: int):
     return _transpose(x, perm)
 
 
+@lower(aten.unsqueeze.default, kind=Kind.VIEW)
 def unsqueeze(x, dim: int):
     return jnp.expand_dims(x, _dim(dim, x.ndim + 1))
 
 
+@lower(aten.squeeze.default, aten.squeeze.dim, aten.squeeze.dims, kind=Kind.VIEW)
 def squeeze(x, dim=None):
     if dim is None:
         return jnp.squeeze(x)
@@ -73,6 +86,7 @@ def squeeze(x, dim=None):
     return jnp.squeeze(x, keep) if keep else x
 
 
+@lower(aten.expand.default, aten.expand_copy.default, kind=Kind.VIEW)
 def expand(x, size, implicit: bool = False):
     size = list(size)
     lead = len(size) - x.ndim
@@ -80,6 +94,7 @@ def expand(x, size, implicit: bool = False):
     return jnp.broadcast_to(x, shape)
 
 
+@lower(aten.slice.Tensor, kind=Kind.VIEW)
 def slice_(x, dim: int = 0, start=None, end=None, step: int = 1):
     d = _dim(dim, x.ndim)
     n = x.shape[d]
@@ -88,16 +103,19 @@ def slice_(x, dim: int = 0, start=None, end=None, step: int = 1):
     return lax.slice_in_dim(x, start, end, step, axis=d)
 
 
+@lower(aten.select.int, kind=Kind.VIEW)
 def select(x, dim: int, index: int):
     d = _dim(dim, x.ndim)
     index = index + x.shape[d] if index < 0 else index
     return lax.index_in_dim(x, index, axis=d, keepdims=False)
 
 
+@lower(aten.narrow.default, kind=Kind.VIEW)
 def narrow(x, dim: int, start: int, length: int):
     return slice_(x, dim, start, start + length if start >= 0 else start + x.shape[_dim(dim, x.ndim)] + length)
 
 
+@lower(aten.split.Tensor, kind=Kind.VIEW)
 def split(x, split_size: int, dim: int = 0):
     d = _dim(dim, x.ndim)
     n = x.shape[d]
@@ -105,6 +123,7 @@ def split(x, split_size: int, dim: int = 0):
     return split_with_sizes(x, sizes, dim)
 
 
+@lower(aten.split_with_sizes.default, kind=Kind.VIEW)
 def split_with_sizes(x, split_sizes, dim: int = 0):
     d = _dim(dim, x.ndim)
     out, start = [], 0
@@ -114,15 +133,18 @@ def split_with_sizes(x, split_sizes, dim: int = 0):
     return out
 
 
+@lower(aten.unbind.int, kind=Kind.VIEW)
 def unbind(x, dim: int = 0):
     d = _dim(dim, x.ndim)
     return [lax.index_in_dim(x, i, axis=d, keepdims=False) for i in range(x.shape[d])]
 
 
+@lower(aten.diagonal.default, kind=Kind.VIEW)
 def diagonal(x, offset: int = 0, dim1: int = 0, dim2: int = 1):
     return jnp.diagonal(x, offset, _dim(dim1, x.ndim), _dim(dim2, x.ndim))
 
 
+@lower(aten.unfold.default, kind=Kind.VIEW)
 def unfold(x, dimension: int, size: int, step: int):
     d = _dim(dimension, x.ndim)
     if x.ndim == 0:
@@ -134,26 +156,31 @@ def unfold(x, dimension: int, size: int, step: int):
     return jnp.moveaxis(jnp.stack(windows, axis=d), d + 1, -1)
 
 
+@lower(aten.as_strided.default, kind=Kind.VIEW)
 def as_strided(x, size, stride, storage_offset=None):
     """``as_strided`` over the value's contiguous layout (how functionalization emits it)."""
     return read_view(x.reshape(-1), tuple(size), tuple(stride), storage_offset or 0)
 
 
+@lower(aten.as_strided_scatter.default, kind=Kind.VIEW)
 def as_strided_scatter(x, src, size, stride, storage_offset=None):
     flat = write_view(x.reshape(-1), src, tuple(size), tuple(stride), storage_offset or 0)
     return flat.reshape(x.shape)
 
 
+@lower(aten.view_as_real.default, kind=Kind.VIEW)
 def view_as_real(x):
     """Complex (..., n) -> real (..., n, 2): real and imaginary parts side by side, as in memory."""
     return jnp.stack([jnp.real(x), jnp.imag(x)], axis=-1)
 
 
+@lower(aten.view_as_complex.default, kind=Kind.VIEW)
 def view_as_complex(x):
     """Real (..., n, 2) -> complex (..., n)."""
     return lax.complex(x[..., 0], x[..., 1])
 
 
+@lower(aten.view.dtype, kind=Kind.VIEW)
 def view_dtype(x, dtype: torch.dtype):
     target = to_jax_dtype(dtype)
     if jnp.issubdtype(x.dtype, jnp.complexfloating) and target == jnp.finfo(x.dtype).dtype:
@@ -167,47 +194,26 @@ def view_dtype(x, dtype: torch.dtype):
     return lax.bitcast_convert_type(x, target)
 
 
+@lower(aten.alias.default, aten.detach.default, aten.lift_fresh.default, aten.lift_fresh_copy.default, kind=Kind.VIEW)
 def identity(x, *_, **__):
     return x
 
 
-VIEWS: dict[torch._ops.OpOverload, Callable] = {
-    aten.view.default: reshape,
-    aten._unsafe_view.default: reshape,
-    aten.reshape.default: reshape,
-    aten._reshape_alias.default: reshape,
-    aten.view_copy.default: reshape,
-    aten.permute.default: permute,
-    aten.t.default: t,
-    aten.numpy_T.default: lambda x: jnp.transpose(x),
-    aten.transpose.int: transpose,
-    aten.unsqueeze.default: unsqueeze,
-    aten.squeeze.default: squeeze,
-    aten.squeeze.dim: squeeze,
-    aten.squeeze.dims: squeeze,
-    aten.expand.default: expand,
-    aten.expand_copy.default: expand,
-    aten.slice.Tensor: slice_,
-    aten.select.int: select,
-    aten.narrow.default: narrow,
-    aten.split.Tensor: split,
-    aten.split_with_sizes.default: split_with_sizes,
-    aten.unbind.int: unbind,
-    aten.diagonal.default: diagonal,
-    aten.unfold.default: unfold,
-    aten.as_strided.default: as_strided,
-    aten.as_strided_scatter.default: as_strided_scatter,
-    aten.view.dtype: view_dtype,
-    aten.view_as_real.default: view_as_real,
-    aten.view_as_complex.default: view_as_complex,
-    aten.alias.default: identity,
-    aten.detach.default: identity,
-    aten.lift_fresh.default: identity,
-    aten.lift_fresh_copy.default: identity,
-    aten._assert_tensor_metadata.default: lambda *a, **k: None,
-}
+@lower(aten.numpy_T.default, kind=Kind.VIEW)
+def numpy_T(x):
+    return jnp.transpose(x)
+
+
+@lower(aten._assert_tensor_metadata.default, kind=Kind.VIEW)
+def assert_tensor_metadata(*_, **__):
+    """Dynamo's metadata assertion: nothing to compute."""
+
+
+# op -> entry (callable like its function): the VIEW part of the one lowering table.
+VIEWS = TABLE[Kind.VIEW]
 
 
 def view_lowering(op) -> Callable | None:
     """The functional form of view op ``op`` (also covers a few value-preserving ops)."""
-    return VIEWS.get(op)
+    found = entry(op, Kind.VIEW)
+    return None if found is None else found.fn

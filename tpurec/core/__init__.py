@@ -17,7 +17,15 @@ Lowest first (``LAYERS``):
 ``conversion``  ``module.to("tpu")`` and back keep each ``Parameter`` object (ties, attributes)
 ``fused``       the fused mode's deferred window, run as one program at a sync point
 ``modes``       eager / fused / debug, and the environment switches
-``dispatch``    one ATen op on tpu tensors -> a cached program (or a recorded node)
+``programs``    running (or recording) an eager program; reading a tensor's values
+``calls``       one op call -> a cached program (the calling convention's split of the
+                arguments); composites and decompositions for ops without a lowering
+``view_ops``    eager views: new tensors over the same storage
+``kernels``     the device kernels (copies, casts, allocations, ``resize_``, ...)
+``mutating``    in-place and ``out=`` ops through their functional variant
+``host``        data-dependent ops on the host; index tensors on another device
+``dispatch``    one ATen op on tpu tensors -> a cached program (or a recorded node); the
+                PrivateUse1 factory kernels
 ==============  ===========================================================================
 
 Where a lower module must reach a higher one, the higher one installs a hook at import
@@ -25,6 +33,8 @@ Where a lower module must reach a higher one, the higher one installs a hook at 
 
 * ``dispatch`` -> ``tensor.install_dispatcher``: ``TpuTensor.__torch_dispatch__``, printing
   and ``TpuTensor.to_jax()`` reach the dispatcher;
+* ``dispatch`` -> ``kernels.install_redispatch``: a kernel that runs another op (``conj``)
+  reaches the dispatcher;
 * ``fused`` -> ``runtime.flush_pending_work_with``: ``synchronize`` runs the pending window;
 * ``recompiles`` -> ``runtime.observe_compilations``: each new program's first run is
   timed, profiled and checked for recompilation.
@@ -38,7 +48,8 @@ Importing this package imports every layer in order, so the hooks are always ins
 """
 
 from tpurec.core import errors, views, rng, profiler, runtime, recompiles  # noqa: I001 (layer order)
-from tpurec.core import device, memory, tensor, conversion, fused, modes, dispatch
+from tpurec.core import device, memory, tensor, conversion, fused, modes  # noqa: I001 (layer order)
+from tpurec.core import programs, calls, view_ops, kernels, mutating, host, dispatch
 
 LAYERS = (
     "errors",
@@ -53,6 +64,12 @@ LAYERS = (
     "conversion",
     "fused",
     "modes",
+    "programs",
+    "calls",
+    "view_ops",
+    "kernels",
+    "mutating",
+    "host",
     "dispatch",
 )
 

@@ -271,7 +271,7 @@ def _show(value: Any) -> str:
 
 
 def _spec_changes(name: str, old: tuple, new: tuple) -> tuple[list[str], str]:
-    """Changes between two argument specs of an eager program key (see dispatch._split)."""
+    """Changes between two argument specs of an eager program key (see tpurec.dense.calling.split)."""
     if old == new:
         return [], ""
     if old[0] != new[0]:

@@ -1,5 +1,18 @@
-"""The ATen lowering library: ATen overload -> JAX function, one file per op family."""
+"""The ATen lowering library: ATen overload -> JAX function, one file per op family.
 
-from tpurec.dense.registry import LOWERINGS, Lowering, get_lowering, lower
+Importing this package fills the lowering table (``tpurec.dense.registry``) with every
+family in ``FAMILIES``; the ``DEFERRED`` ones load on the first op of their namespace.
+"""
 
-__all__ = ["LOWERINGS", "Lowering", "get_lowering", "lower"]
+from tpurec.dense.registry import (
+    LOWERINGS,
+    Kind,
+    Lowering,
+    get_lowering,
+    load_families,
+    lower,
+)
+
+load_families()
+
+__all__ = ["LOWERINGS", "Kind", "Lowering", "get_lowering", "lower"]

@@ -16,7 +16,7 @@ from jax import lax
 from tpurec.dense import native_matmul
 from tpurec.dense._util import cast, is_float
 from tpurec.dense._util import acc_dtype as _acc
-from tpurec.dense.registry import lower
+from tpurec.dense.registry import Kind, lower
 
 aten = torch.ops.aten
 
@@ -465,13 +465,7 @@ def _check_errors_on_host(info: torch.Tensor, api_name: str, *, is_matrix: bool)
     aten._linalg_check_errors(host_info, api_name, is_matrix=is_matrix)
 
 
-def _register_check_errors() -> None:
-    from tpurec.composites import register_composite
-
-    register_composite(aten._linalg_check_errors.default)(_check_errors_on_host)
-
-
-_register_check_errors()
+lower(aten._linalg_check_errors.default, kind=Kind.COMPOSITE)(_check_errors_on_host)
 
 
 # --- Householder (LAPACK geqrf / orgqr / ormqr) ----------------------------------

@@ -1,7 +1,15 @@
-"""The lowering table: one JAX function per supported ATen overload.
+"""The lowering table: how the tpu device runs each supported ATen overload.
 
 Eager, fused and compiled execution all read this one table (docs/design.md,
-contract 1). A lowering receives the ATen op's arguments exactly as the
+contract 1). Each entry says its :class:`Kind`: most are ``JAX`` lowerings
+(below); the others are the device kernels eager runs itself (``tpurec.core``),
+the functional forms of views, allocations and size queries that compiled
+graphs use (``tpurec.compile``), composites written in torch ops
+(``tpurec.composites``), and marks for data-dependent ops and factories. All
+register through :func:`lower` (``kind=``); the families of JAX lowerings are
+the modules listed in :data:`FAMILIES`, imported with ``tpurec.dense``.
+
+A JAX lowering receives the ATen op's arguments exactly as the
 dispatcher passed them, with every ``Tensor`` replaced by a ``jax.Array`` (and
 ``Tensor[]`` by a list of them). Arguments whose schema type is ``Scalar`` or
 ``float`` arrive as *traced* JAX scalars (weakly typed), so a learning rate that
@@ -31,12 +39,60 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Iterable
+import enum
+from typing import Callable, Iterable, TypeVar
 
 import jax.numpy as jnp
 import torch
 
-__all__ = ["Lowering", "LOWERINGS", "lower", "get_lowering", "to_jax_dtype", "to_torch_dtype"]
+from tpurec.dense import calling
+
+# The calling convention's names, also importable from here.
+from tpurec.dense.calling import (  # noqa: F401
+    DYNAMIC,
+    DYNAMIC_LIST,
+    STATIC,
+    TENSOR,
+    TENSOR_LIST,
+    argument_kinds,
+)
+
+__all__ = [
+    "FAMILIES",
+    "LOWERINGS",
+    "MARKS",
+    "TABLE",
+    "Kind",
+    "Lowering",
+    "entry",
+    "get_lowering",
+    "load_families",
+    "lower",
+    "mark",
+    "to_jax_dtype",
+    "to_torch_dtype",
+]
+
+
+class Kind(enum.Enum):
+    """What an entry of the table is, and so who runs it and how."""
+
+    JAX = "jax"
+    """A JAX function: the op's lowering, run by eager, fused and compiled execution."""
+    KERNEL = "kernel"
+    """A device kernel on tpu tensors (copies, allocations, metadata): eager and fused only."""
+    VIEW = "view"
+    """The functional JAX form of a view op, for compiled graphs (eager views share storage)."""
+    GRAPH = "graph"
+    """A JAX function for an op eager runs as a kernel (allocations, copy), for compiled graphs."""
+    SIZE_QUERY = "size_query"
+    """A symbolic size query of a compiled graph, answered from the shapes seen while tracing."""
+    COMPOSITE = "composite"
+    """torch ops composing an op that has no lowering: eager runs it, compile decomposes with it."""
+    DATA_DEPENDENT = "data_dependent"
+    """An op whose output shape depends on input values: eager runs it on the host (no ``fn``)."""
+    FACTORY = "factory"
+    """A factory (no tensor inputs) that gets a PrivateUse1 kernel (no ``fn``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,19 +101,33 @@ class Lowering:
 
     Args:
         op: the ATen overload, e.g. ``torch.ops.aten.add.Tensor``.
-        fn: the JAX function.
-        random: the op consumes randomness; ``fn`` gets ``key=``.
+        fn: the function (see :class:`Kind` for what it receives); for the kinds
+            that only mark an op (``DATA_DEPENDENT``, ``FACTORY``), one that refuses to run.
+        random: the op consumes randomness; ``fn`` gets ``key=`` (``JAX`` entries).
         static_scalars: treat ``Scalar``/``float`` arguments as static values
             (for ops whose output shape depends on them, like ``arange``).
+        kind: what the entry is.
     """
 
     op: torch._ops.OpOverload
     fn: Callable
     random: bool = False
     static_scalars: bool = False
+    kind: Kind = Kind.JAX
+
+    def __call__(self, *args, **kwargs):
+        """Calls ``fn`` (so a kind's part of the table reads as a mapping of op -> function)."""
+        return self.fn(*args, **kwargs)
 
 
-LOWERINGS: dict[torch._ops.OpOverload, Lowering] = {}
+# The one table: per kind, op -> entry. One op may have entries of several kinds (a
+# kernel for eager and a JAX lowering for compiled graphs, e.g. ``_to_copy``), at most
+# one of each.
+TABLE: dict[Kind, dict[torch._ops.OpOverload, Lowering]] = {kind: {} for kind in Kind}
+LOWERINGS: dict[torch._ops.OpOverload, Lowering] = TABLE[Kind.JAX]
+
+MARKS = (Kind.DATA_DEPENDENT, Kind.FACTORY)
+_F = TypeVar("_F", bound=Callable)
 
 
 def _overloads(op) -> Iterable[torch._ops.OpOverload]:
@@ -66,59 +136,117 @@ def _overloads(op) -> Iterable[torch._ops.OpOverload]:
     return [op]
 
 
-def lower(*ops, random: bool = False, static_scalars: bool = False):
-    """Registers the decorated JAX function as the lowering of ``ops``.
+def _add(ops: tuple, fn: Callable, kind: Kind, random: bool, static_scalars: bool) -> None:
+    entries = TABLE[kind]
+    overloads = [overload for op in ops for overload in _overloads(op)]
+    for overload in overloads:
+        if overload in entries:
+            raise ValueError(f"{overload} has two {kind.value} entries")
+    for overload in overloads:
+        entries[overload] = Lowering(overload, fn, random, static_scalars, kind)
+
+
+def lower(*ops, kind: Kind = Kind.JAX, random: bool = False, static_scalars: bool = False) -> Callable[[_F], _F]:
+    """Registers the decorated function as the ``kind`` entry of ``ops``.
 
     Args:
         *ops: ATen overloads (or packets, meaning all their overloads).
+        kind: what the function is (:class:`Kind`); a JAX lowering by default.
         random: see :class:`Lowering`.
         static_scalars: see :class:`Lowering`.
-    """
 
-    def register(fn: Callable) -> Callable:
-        for op in ops:
-            for overload in _overloads(op):
-                if overload in LOWERINGS:
-                    raise ValueError(f"{overload} has two lowerings")
-                LOWERINGS[overload] = Lowering(overload, fn, random, static_scalars)
+    Raises:
+        ValueError: an op already has an entry of this kind (then none is added), or
+            ``kind`` is one that holds no function (use :func:`mark`).
+    """
+    if kind in MARKS:
+        raise ValueError(f"a {kind.value} entry holds no function: use mark(*ops, kind=...)")
+
+    def register(fn: _F) -> _F:
+        _add(ops, fn, kind, random, static_scalars)
         return fn
 
     return register
 
 
+def mark(*ops, kind: Kind) -> None:
+    """Registers ``ops`` as entries of a kind that holds no function (``DATA_DEPENDENT``, ``FACTORY``).
+
+    Raises:
+        ValueError: ``kind`` is not such a kind, or an op already has an entry of it.
+    """
+    if kind not in MARKS:
+        raise ValueError(f"a {kind.value} entry needs a function: use @lower(*ops, kind=...)")
+
+    def refuse(*args, **kwargs):
+        raise TypeError(f"a {kind.value} entry marks its op and holds no function to run")
+
+    _add(ops, refuse, kind, False, False)
+
+
+def entry(op: torch._ops.OpOverload, kind: Kind) -> Lowering | None:
+    """The ``kind`` entry of ``op``, or None."""
+    if kind is Kind.JAX:
+        return get_lowering(op)
+    return TABLE[kind].get(op)
+
+
 def get_lowering(op: torch._ops.OpOverload) -> Lowering | None:
-    """The lowering for ``op``, loading the op families on first use."""
-    _load_families()
+    """The JAX lowering of ``op``, loading a deferred family on the first op of its namespace."""
     lowering = LOWERINGS.get(op)
-    if lowering is None and getattr(op, "namespace", None) in _DEFERRED:
+    if lowering is None and getattr(op, "namespace", None) in DEFERRED:
         import importlib
 
-        importlib.import_module(f"tpurec.dense.{_DEFERRED[op.namespace]}")
+        importlib.import_module(f"tpurec.dense.{DEFERRED[op.namespace]}")
         lowering = LOWERINGS.get(op)
     return lowering
 
 
-_loaded = False
+# The op families, each a module of tpurec.dense that registers its entries when
+# imported; tpurec/dense/__init__.py imports them all (load_families).
+FAMILIES = (
+    "conv",
+    "creation",
+    "ctc",
+    "elementwise",
+    "fft",
+    "foreach",
+    "fractional_pooling",
+    "grid_sample",
+    "grouped_mm",
+    "histogram",
+    "linalg",
+    "margin_losses",
+    "nn",
+    "pooling",
+    "random",
+    "reductions",
+    "rnn",
+    "selection",
+    "shape",
+    "special",
+    "upsample",
+    "weight_norm",
+)
 # Families of another library's ops (namespace -> module), loaded on the first op of that
 # namespace: the ops exist only once their library is imported, and importing it for
 # every program (FBGEMM: half a second) would tax models that never use it.
-_DEFERRED = {"fbgemm": "jagged"}
+DEFERRED = {"fbgemm": "jagged"}
+_DEFERRED = DEFERRED
 
 
-def _load_families() -> None:
-    global _loaded
-    if _loaded:
-        return
-    _loaded = True
+def load_families() -> None:
+    """Imports every family of :data:`FAMILIES` (each once) and ``tpurec.composites``; the
+    deferred ones stay deferred. (The device kernels register with ``tpurec.core``, the
+    compiled graphs' entries with ``tpurec.compile``: the layers that run them.)"""
     import importlib
-    import pkgutil
 
-    import tpurec.dense as dense
+    for name in FAMILIES:
+        importlib.import_module(f"tpurec.dense.{name}")
+    importlib.import_module("tpurec.composites")
 
-    for info in pkgutil.iter_modules(dense.__path__):
-        if info.name.startswith("_") or info.name == "registry" or info.name in _DEFERRED.values():
-            continue
-        importlib.import_module(f"tpurec.dense.{info.name}")
+
+_load_families = load_families
 
 
 _TORCH_TO_JAX = {
@@ -155,54 +283,12 @@ def to_torch_dtype(dtype) -> torch.dtype:
     return _JAX_TO_TORCH[jnp.dtype(dtype)]
 
 
-# --- the calling convention -------------------------------------------------
-#
-# How each schema argument travels into a jitted lowering. "dynamic" arguments
-# are runtime values of the compiled program; "static" ones are part of the
-# cache key and baked into the program.
-
-TENSOR, TENSOR_LIST, DYNAMIC, DYNAMIC_LIST, STATIC = "tensor", "tensor_list", "dynamic", "dynamic_list", "static"
-
-
-def _arg_kind(arg: torch._C.Argument, static_scalars: bool) -> str:
-    t = arg.type
-    if isinstance(t, torch._C.OptionalType):
-        t = t.getElementType()
-    if isinstance(t, torch._C.TensorType):
-        return TENSOR
-    if isinstance(t, torch._C.ListType):
-        elem = t.getElementType()
-        if isinstance(elem, torch._C.OptionalType):
-            elem = elem.getElementType()
-        if isinstance(elem, torch._C.TensorType):
-            return TENSOR_LIST
-        if not static_scalars and isinstance(elem, (torch._C.NumberType, torch._C.FloatType)):
-            return DYNAMIC_LIST
-        return STATIC
-    if not static_scalars and isinstance(t, (torch._C.NumberType, torch._C.FloatType)):
-        return DYNAMIC
-    return STATIC
-
-
-_KINDS_CACHE: dict = {}
-
-
-def argument_kinds(op: torch._ops.OpOverload, static_scalars: bool = False) -> tuple[tuple[str, ...], dict[str, str]]:
-    """Per-argument travel kinds of ``op``: (positional kinds, kwarg kinds)."""
-    key = (op, static_scalars)
-    kinds = _KINDS_CACHE.get(key)
-    if kinds is None:
-        positional = tuple(_arg_kind(a, static_scalars) for a in op._schema.arguments)
-        by_name = {a.name: _arg_kind(a, static_scalars) for a in op._schema.arguments}
-        kinds = _KINDS_CACHE[key] = (positional, by_name)
-    return kinds
-
-
 def call_lowering(op: torch._ops.OpOverload, args: tuple, kwargs: dict | None = None, key=None):
     """Runs ``op``'s lowering once under ``jax.jit`` on CPU torch inputs.
 
-    The reference calling convention, for tests and debugging: tensors become
-    jax arrays, ``Scalar``/``float`` arguments become traced values, everything
+    The reference calling convention, for tests and debugging: the arguments
+    travel as eager execution passes them (:mod:`tpurec.dense.calling`): tensors
+    become jax arrays, ``Scalar``/``float`` arguments traced values, everything
     else is static. Returns jax arrays (not cast to torch's dtype).
 
     Example::
@@ -210,56 +296,36 @@ def call_lowering(op: torch._ops.OpOverload, args: tuple, kwargs: dict | None = 
         out = call_lowering(torch.ops.aten.add.Tensor, (x, y), {"alpha": 2})
     """
     import jax
-    import numpy as np
 
     lowering = get_lowering(op)
     if lowering is None:
         raise NotImplementedError(f"no lowering for {op}")
-    kwargs = dict(kwargs or {})
-    positional, by_name = argument_kinds(op, lowering.static_scalars)
+    kinds = argument_kinds(op, lowering.static_scalars)
+    inputs: list = []
 
-    def to_jax(x):
-        if isinstance(x, torch.Tensor):
-            x = x.detach().cpu()
-            if x.dtype == torch.bfloat16:
-                return jnp.asarray(x.view(torch.int16).numpy()).view(jnp.bfloat16)
-            return jnp.asarray(x.resolve_conj().resolve_neg().numpy())
-        return x
-
-    dyn_values: list = []
-    slots: list = []  # (where, name_or_index, kind, static value)
-
-    def split(where, ident, kind, value):
-        if kind == TENSOR and value is not None:
-            dyn_values.append(to_jax(value))
-            slots.append((where, ident, "dyn", None))
-        elif kind == TENSOR_LIST:
-            dyn_values.append([None if v is None else to_jax(v) for v in value])
-            slots.append((where, ident, "dyn", None))
-        elif kind == DYNAMIC and isinstance(value, (int, float, bool)) and not isinstance(value, bool):
-            dyn_values.append(value)
-            slots.append((where, ident, "dyn", None))
-        elif kind == DYNAMIC_LIST and value is not None:
-            dyn_values.append(list(value))
-            slots.append((where, ident, "dyn", None))
+    def record(x: torch.Tensor) -> tuple:
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:
+            inputs.append(jnp.asarray(x.view(torch.int16).numpy()).view(jnp.bfloat16))
         else:
-            slots.append((where, ident, "static", value))
+            inputs.append(jnp.asarray(x.resolve_conj().resolve_neg().numpy()))
+        return ("t",)
 
-    for i, value in enumerate(args):
-        split("arg", i, positional[i], value)
-    for name, value in kwargs.items():
-        split("kw", name, by_name[name], value)
+    arg_specs = [calling.split(calling.kind_of(kinds, i), a, inputs, record) for i, a in enumerate(args)]
+    kw_specs = [(k, calling.split(calling.kind_of(kinds, k), v, inputs, record)) for k, v in (kwargs or {}).items()]
 
     def program(dyn, rng):
         it = iter(dyn)
-        a, kw = [], {}
-        for where, ident, how, static in slots:
-            v = next(it) if how == "dyn" else static
-            (a.append(v) if where == "arg" else kw.__setitem__(ident, v))
+        a = [calling.rebuild(s, it, _next_input) for s in arg_specs]
+        kw = {k: calling.rebuild(s, it, _next_input) for k, s in kw_specs}
         if lowering.random:
             kw["key"] = rng
         return lowering.fn(*a, **kw)
 
     if lowering.random and key is None:
         key = jax.random.key(0)
-    return jax.jit(program)(dyn_values, key)
+    return jax.jit(program)(inputs, key)
+
+
+def _next_input(spec: tuple, it):
+    return next(it)

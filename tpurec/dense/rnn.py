@@ -25,9 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from tpurec.composites import register_composite
 from tpurec.dense._util import acc_dtype as _acc
-from tpurec.dense.registry import lower
+from tpurec.dense.registry import Kind, lower
 
 aten = torch.ops.aten
 
@@ -156,4 +155,4 @@ def _pack_padded_sequence(input: torch.Tensor, lengths: torch.Tensor, batch_firs
     return data, torch.from_numpy(batch_sizes.astype(np.int64))
 
 
-register_composite(aten._pack_padded_sequence.default)(_pack_padded_sequence)
+lower(aten._pack_padded_sequence.default, kind=Kind.COMPOSITE)(_pack_padded_sequence)

@@ -1,0 +1,211 @@
+"""One op call as one cached program: the arguments split by the calling convention.
+
+:func:`execute` runs a ``JAX`` lowering of the table on tpu tensors; the
+arguments travel as :mod:`tpurec.dense.calling` says (tensors and runtime
+scalars are program inputs, the rest is part of the key). :func:`_fallback`
+runs an op without a lowering through its composite or decomposition.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import torch
+from torch.utils._pytree import tree_map
+
+from tpurec.composites import COMPOSITES
+from tpurec.core import modes, rng, runtime
+from tpurec.core.errors import ArgumentError, lowering_failed, unsupported_op
+from tpurec.core.programs import _placed, _run, _store, fresh
+from tpurec.core.tensor import TpuTensor, host_array
+from tpurec.core.views import read_view, reinterpretation, write_view
+from tpurec.dense import calling, dtype_rules
+from tpurec.dense.calling import argument_kinds
+from tpurec.dense.registry import Lowering, to_jax_dtype
+
+__all__ = ["execute"]
+
+
+# --- building a call ---------------------------------------------------------
+
+
+class _Call:
+    """One op call split into runtime inputs (``inputs``) and the device they live on."""
+
+    __slots__ = ("inputs", "index")
+
+    def __init__(self) -> None:
+        self.inputs: list = []
+        self.index: int | None = None
+
+    def tensor(self, t) -> tuple:
+        """Records tensor ``t``; returns how the program rebuilds it."""
+        if isinstance(t, TpuTensor):
+            if self.index is None:
+                self.index = t._storage.index
+            elif t._storage.index != self.index:
+                raise RuntimeError(
+                    "Expected all tensors to be on the same device, but found at least two devices, "
+                    f"tpu:{self.index} and tpu:{t._storage.index}!"
+                )
+            self.inputs.append(t._storage.array)
+            return ("t",) + t._key
+        if isinstance(t, torch.Tensor):
+            if t.dim() == 0 and t.device.type == "cpu":
+                # A CPU 0-dim tensor is a scalar operand, as on CUDA; as a numpy value
+                # JAX moves it to wherever the program runs.
+                self.inputs.append(host_array(t))
+                return ("s", t.dtype)
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found a {t.device} tensor "
+                f"of shape {tuple(t.shape)} mixed with tpu tensors; move it with .to('tpu')"
+            )
+        raise TypeError(f"expected a tensor, got {type(t).__name__}")
+
+
+def _rebuild_tensor(spec: tuple, it):
+    """A tensor argument inside the program: its view of a storage, or a CPU scalar operand."""
+    if spec[0] == "t":
+        _, shape, dtype, size, stride, offset, storage_dtype = spec
+        return read_view(next(it), size, stride, offset, reinterpretation(storage_dtype, dtype))
+    return next(it).astype(to_jax_dtype(spec[1]))  # "s": a CPU 0-dim tensor
+
+
+def _flatten_out(out) -> list:
+    if isinstance(out, (tuple, list)):
+        return list(out)
+    return [out]
+
+
+def _meta_outputs(func, args, kwargs) -> list | None:
+    """(shape, dtype) of each output as PyTorch's meta kernels predict them, or None without one."""
+
+    def to_meta(x):
+        if isinstance(x, TpuTensor):
+            return torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
+        if isinstance(x, torch.device):
+            return torch.device("meta")
+        return x
+
+    meta_kwargs = {k: to_meta(v) for k, v in kwargs.items()}
+    if "device" in meta_kwargs:
+        meta_kwargs["device"] = torch.device("meta")
+    try:
+        out = func(*tree_map(to_meta, args), **meta_kwargs)
+    except Exception:
+        return None
+    return [(tuple(o.shape), o.dtype) if isinstance(o, torch.Tensor) else None for o in _flatten_out(out)]
+
+
+def _debug_check(func, outs, metas) -> None:
+    """Debug mode: each result against the meta shape/dtype, and optionally NaN/Inf."""
+    for i, o in enumerate(outs):
+        if o is None:
+            continue
+        if metas is not None and metas[i] is not None:
+            shape, dtype = metas[i]
+            if tuple(o.shape) != shape or o.dtype != to_jax_dtype(dtype):
+                raise RuntimeError(
+                    f"tpurec debug: {func} output {i} is {tuple(o.shape)} {o.dtype}, but PyTorch's meta kernel "
+                    f"says {shape} {dtype}; this is a lowering bug, please report it"
+                )
+        if modes.check_nan() and jnp.issubdtype(o.dtype, jnp.inexact) and not bool(jnp.isfinite(o).all()):
+            raise FloatingPointError(f"tpurec debug: {func} produced NaN or Inf in output {i} (TPUREC_CHECK_NAN=1)")
+
+
+def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list | None = None, device=None):
+    """Runs ``lowering`` for ``func`` as one cached program.
+
+    Args:
+        func: the functional ATen overload being run.
+        lowering: its table entry.
+        args, kwargs: the call, with tpu tensors.
+        targets: tpu tensors to overwrite with the outputs (in-place / out=
+            variants), one per output; ``None`` returns fresh tensors.
+        device: device index for ops without tensor inputs.
+    """
+    kinds = argument_kinds(func, lowering.static_scalars)
+    call = _Call()
+    inputs, record = call.inputs, call.tensor
+    arg_specs = tuple(calling.split(calling.kind_of(kinds, i), a, inputs, record) for i, a in enumerate(args))
+    kw_specs = tuple((k, calling.split(calling.kind_of(kinds, k), v, inputs, record)) for k, v in kwargs.items())
+    target_specs = ()
+    if targets is not None:
+        target_specs = tuple(call.tensor(t) for t in targets)
+    if lowering.random:
+        call.inputs.extend(rng.next_seed_and_counter())
+    index = call.index if call.index is not None else (device if device is not None else torch.tpu.current_device())
+    placed_on = index if call.index is None else None
+    key = (func, arg_specs, kw_specs, target_specs, placed_on)
+
+    def build():
+        # Mixed dtypes PyTorch refuses (JAX would promote them); once per program, not per call.
+        dtype_rules.check(func, args, kwargs, targets)
+        metas = _meta_outputs(func, args, kwargs)
+        dtypes = None if metas is None else [None if m is None else m[1] for m in metas]
+        if targets is not None and dtypes is not None:
+            dtype_rules.check_writable(dtypes, [t.dtype for t in targets])
+        random = lowering.random
+
+        def program(*inputs):
+            it = iter(inputs)
+            a = [calling.rebuild(s, it, _rebuild_tensor) for s in arg_specs]
+            kw = {k: calling.rebuild(s, it, _rebuild_tensor) for k, s in kw_specs}
+            storages = [next(it) for _ in target_specs]
+            if random:
+                kw["key"] = rng.key_from(next(it), next(it), next(it))
+            outs = _flatten_out(lowering.fn(*a, **kw))
+            if dtypes is not None:
+                outs = [o if d is None or o is None else o.astype(to_jax_dtype(d)) for o, d in zip(outs, dtypes)]
+            if not target_specs:
+                return outs
+            return [
+                write_view(storage, out, spec[3], spec[4], spec[5], reinterpretation(spec[6], spec[2]))
+                for storage, out, spec in zip(storages, outs, target_specs)
+            ]
+
+        entry = runtime.Program(program, **_placed(placed_on))
+        entry.metas = metas
+        return entry
+
+    program = runtime.programs.get(key, build)
+    try:
+        outs = _run(program, *call.inputs, device=index)
+    except Exception as error:
+        if program.ran or program.out_avals is not None or isinstance(error, ArgumentError):
+            raise
+        raise lowering_failed(func, error) from error
+    if targets is not None:
+        for t, new in zip(targets, outs):
+            _store(t._storage, new)
+        return targets
+    if modes.get_mode() == "debug":
+        _debug_check(func, outs, program.metas)
+    return [None if o is None else fresh(o, index) for o in outs]
+
+
+# --- ops without a lowering ---------------------------------------------------
+
+
+def _fallback(func, args, kwargs):
+    """Ops without a lowering: a decomposition into ops that have one, or a clear error."""
+    from torch._decomp import decomposition_table
+
+    composite = COMPOSITES.get(func)
+    decomposition = composite.fn if composite is not None else decomposition_table.get(func)
+    if decomposition is not None:
+        return decomposition(*args, **kwargs)
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        out = func.decompose(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    if func.namespace not in ("aten", "prims") and torch._C._dispatch_has_kernel_for_dispatch_key(
+        func.name(), "CompositeExplicitAutograd"
+    ):
+        # A library's device-independent implementation (torch.library.custom_op's default kernel,
+        # e.g. torch.nn's chunked linear_cross_entropy), written in torch ops that run here one by one.
+        return func._op_dk(torch._C.DispatchKey.CompositeExplicitAutograd, *args, **kwargs)
+    raise unsupported_op(func)
+
+
+# Ops whose output shape depends on input values: XLA needs static shapes, so
+# they run on the host (a sync point in fused mode) and their result comes back.
