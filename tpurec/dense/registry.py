@@ -236,14 +236,13 @@ _DEFERRED = DEFERRED
 
 
 def load_families() -> None:
-    """Imports every family of :data:`FAMILIES` (each once) and ``tpurec.composites``; the
-    deferred ones stay deferred. (The device kernels register with ``tpurec.core``, the
-    compiled graphs' entries with ``tpurec.compile``: the layers that run them.)"""
+    """Imports every family of :data:`FAMILIES` (each once); the deferred ones stay deferred.
+    (``tpurec.dense`` imports ``tpurec.composites`` next; the device kernels register with
+    ``tpurec.core``, the compiled graphs' entries with ``tpurec.compile``: the layers that run them.)"""
     import importlib
 
     for name in FAMILIES:
         importlib.import_module(f"tpurec.dense.{name}")
-    importlib.import_module("tpurec.composites")
 
 
 _load_families = load_families
