@@ -34,7 +34,7 @@ import threading
 import traceback
 import weakref
 from collections import Counter
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
@@ -178,7 +178,7 @@ def _forward_pre(module, args) -> None:
         return
     stack = _stack()
     path = _path_of(module, stack[-1] if stack else None)
-    stack.append(_Frame(module, path, torch._C._autograd._get_sequence_nr()))
+    stack.append(_Frame(module, path, torch._C._autograd._get_sequence_nr()))  # pyright: ignore[reportAttributeAccessIssue] (no stub)
 
 
 def _tensors(value) -> Iterator[torch.Tensor]:
@@ -220,17 +220,17 @@ def _forward_post(module, args, output) -> None:
         number = node._sequence_nr()
         if number < frame.start:
             continue
-        meta = node.metadata
+        meta: dict[str, str] = node.metadata  # pyright: ignore[reportAssignmentType] (a dict at run time; the stub says a method)
         if _MODULE_KEY not in meta:
             meta[_MODULE_KEY] = label
         if number != _NO_SEQUENCE:
-            todo.extend(n for n, _ in node.next_functions)
+            todo.extend(n for n, _ in node.next_functions if n is not None)
 
 
 def _current_module() -> str | None:
     node = torch._C._current_autograd_node()
     if node is not None:
-        module = node.metadata.get(_MODULE_KEY)
+        module = node.metadata.get(_MODULE_KEY)  # pyright: ignore[reportAttributeAccessIssue] (a dict at run time)
         name = type(node).__name__
         return f"backward of {module} (autograd node {name})" if module else f"backward (autograd node {name})"
     stack = _stack()
@@ -397,7 +397,7 @@ class _Inputs:
         of the first floating tensor.
         """
         storages: dict[int, torch.Tensor] = {}
-        common = None
+        common: torch.dtype | None = None
         if unify:
             common = next(x.dtype for x in tree_flatten((self.args, self.kwargs))[0] if isinstance(x, torch.Tensor) and x.is_floating_point())
 
@@ -416,7 +416,7 @@ class _Inputs:
                     dtype = _WIDE.get(dtype, dtype)
                 elif common is not None and dtype.is_floating_point:
                     dtype = common
-                base = flat if dtype == flat.dtype else flat.view(dtype)
+                base = flat if dtype == flat.dtype else flat.view(cast(torch.dtype, dtype))
                 return base.as_strided(size, stride, offset)
             if isinstance(x, torch.Tensor):
                 x = x.detach().clone()
@@ -696,6 +696,7 @@ _hook_handles: list = []
 def _raise_pending() -> None:
     global _pending
     error, _pending = _pending, None
+    assert error is not None, "_raise_pending is called only with a pending mismatch"
     raise error
 
 

@@ -69,7 +69,7 @@ def profile(logdir: str, *, device_trace: bool = True, **profiler_options: Any) 
     if os.path.exists(logdir) and not os.path.isdir(logdir):
         raise ValueError(f"tpurec.profile: {logdir!r} exists and is not a folder; pass a folder for the traces")
     os.makedirs(logdir, exist_ok=True)
-    options = {"activities": [torch.profiler.ProfilerActivity.CPU]}
+    options: dict[str, Any] = {"activities": [torch.profiler.ProfilerActivity.CPU]}
     options.update(profiler_options)
     prof = torch.profiler.profile(**options)
     if device_trace:
