@@ -8,6 +8,13 @@ raises a ``RuntimeError`` naming the patch, instead of a failure somewhere later
 Patches of private attributes were written for one torch/JAX release
 (``written_for``); with another one installed, :func:`install` warns once, naming them.
 
+All of them are made at import. What ``import tpurec`` leaves for later makes no
+process-wide change of its own: the op runtime (``tpurec.core.dispatch`` and the layers
+it needs) is imported by the first tpu op, through the kernels and hooks that
+``privateuse1_kernels`` and ``tpurec.core.entry`` install, and the compiler
+(``tpurec.compile``) by the first ``torch.compile(backend="tpu")`` call, through the
+backend that ``dynamo_backend`` registers (``tests/core/test_global_state.py`` checks both).
+
 This module imports nothing at module level beyond the standard library, so that
 ``tests/core/test_global_state.py`` can read the list in a process without tpurec.
 """
@@ -100,7 +107,7 @@ def _keep_parameters() -> None:
 
 
 def _register_factories() -> None:
-    from tpurec.core.dispatch import register_factories
+    from tpurec.core.entry import register_factories
 
     register_factories()
 
@@ -125,15 +132,15 @@ def _grouped_mm_fake_rule() -> None:
 
 def _compile_patch(name: str) -> Callable[[], None]:
     def apply() -> None:
-        from tpurec.compile import patches
+        from tpurec import _dynamo
 
-        getattr(patches, name)()
+        getattr(_dynamo, name)()
 
     return apply
 
 
 def _register_compile_backend() -> None:
-    from tpurec.compile import register
+    from tpurec._dynamo import register
 
     register()
 
@@ -256,7 +263,8 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "privateuse1_kernels",
-        "PrivateUse1 kernels of ATen factories and copies (empty, zeros, _copy_from, ...)",
+        "PrivateUse1 kernels of ATen factories and copies (empty, zeros, _copy_from, ...); the first one "
+        "called imports the op runtime (tpurec.core.dispatch)",
         'torch.zeros(..., device="tpu") and copies with Python dispatch excluded reach tpurec.',
         _register_factories,
         requires=("torch.library.Library",),
@@ -326,7 +334,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "dynamo_backend",
-        'torch.compile backend "tpu" registered',
+        'torch.compile backend "tpu" registered; its first call imports the compiler (tpurec.compile)',
         'torch.compile(model, backend="tpu").',
         _register_compile_backend,
         requires=("torch._dynamo.backends.registry.register_backend",),

@@ -40,8 +40,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from tpurec import config
-from tpurec.core import dispatch as _dispatch
-from tpurec.core import errors, fused, modes
+from tpurec.core import entry, errors, fused, modes
 from tpurec.core.tensor import TpuTensor, array_of, jax_to_host
 from tpurec.dense.registry import get_lowering
 
@@ -270,7 +269,8 @@ def _tolerance(dtype: torch.dtype, report: ShadowReport) -> tuple[float, float]:
 
 
 def _host(value) -> torch.Tensor:
-    value = _dispatch.value_of(value, "tpurec.debug.shadow") if isinstance(value, TpuTensor) else value
+    # A tpu value here is an op's input or output: the op runtime is loaded.
+    value = entry.load_runtime().value_of(value, "tpurec.debug.shadow") if isinstance(value, TpuTensor) else value
     value = jax_to_host(value) if not isinstance(value, torch.Tensor) else value
     return value.detach().resolve_conj().resolve_neg()
 
@@ -782,14 +782,14 @@ def _start(report: ShadowReport) -> None:
                 torch.nn.modules.module.register_module_forward_hook(_forward_post, always_call=True),
             ]
         )
-        _dispatch.install_shadow(_check)
+        entry.load_runtime().install_shadow(_check)  # the op runtime, loaded now if no tpu op ran yet
     _sessions.append(report)
 
 
 def _stop(report: ShadowReport) -> None:
     _sessions.remove(report)
     if not _sessions:
-        _dispatch.install_shadow(None)
+        entry.load_runtime().install_shadow(None)
         for handle in _hook_handles:
             handle.remove()
         _hook_handles.clear()

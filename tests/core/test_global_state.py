@@ -76,9 +76,18 @@ import tpurec
 after, regs_after = snapshot()
 changed = sorted(k for k in after if before.get(k) != after[k])
 added = sorted([op, key] for key in KEYS for op in regs_after[key] - regs_before[key])
+loaded_at_import = tpurec.core.entry.loaded()
+# The op runtime loads on the first tpu op, the compiler on the first torch.compile: neither
+# may change anything more (every process-wide change is made by import, from the list).
+(torch.ones(2, device="tpu") * 2).cpu()
+import tpurec.compile
+later, regs_later = snapshot()
+changed_later = sorted(k for k in later if after.get(k) != later[k])
+added_later = sorted([op, key] for key in KEYS for op in regs_later[key] - regs_after[key])
 from tpurec.native import host_allocator
 print(json.dumps({
     "changed": changed, "added": added, "installed": list(tpurec._patches.installed()),
+    "loaded_at_import": loaded_at_import, "changed_later": changed_later, "added_later": added_later,
     "listed": [p.name for p in patch_list.PATCHES],
     "targets": sorted({t for p in patch_list.PATCHES for t in p.targets}),
     "dispatcher": sorted([op, key] for p in patch_list.PATCHES for op, key in p.dispatcher),
@@ -89,7 +98,8 @@ print(json.dumps({
 
 def test_the_patch_list_is_what_import_changes(tmp_path):
     """Every change ``import tpurec`` makes to the observed torch/JAX state is a listed patch's
-    target, every listed target changes, and import applies the whole list, in order."""
+    target, every listed target changes, and import applies the whole list, in order; the first
+    tpu op and the compiler's import (which load the rest of tpurec) change nothing more."""
     import json
     import os
     import pathlib
@@ -115,6 +125,8 @@ def test_the_patch_list_is_what_import_changes(tmp_path):
     assert seen["installed"] == seen["listed"]
     assert seen["changed"] == seen["targets"], "changed by import but not listed / listed but not changed"
     assert seen["added"] == seen["dispatcher"]
+    assert seen["loaded_at_import"] is False  # import tpurec leaves the op runtime for the first tpu op
+    assert seen["changed_later"] == [] and seen["added_later"] == []
     assert seen["malloc_tuned"] == (sys.platform == "linux")
 
 

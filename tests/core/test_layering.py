@@ -193,13 +193,113 @@ def test_core_modules_import_only_downward():
 
 
 def test_the_core_package_imports_its_layers_in_order():
-    # Each layer's hooks into the ones below are installed by importing it: in order, all of them.
+    # Each layer's hooks into the ones below are installed by importing it: in order, the eager
+    # layers, then entry (the top layer, whose hooks load the lazy ones on the first tpu op).
     names = [
         name.split(".")[-1]
         for _, name in imported_modules((CORE_DIR / "__init__.py").read_text(), "tpurec.core")
         if name.startswith("tpurec.core.")
     ]
-    assert names == list(tpurec.core.LAYERS)
+    core = tpurec.core
+    assert names == [*core.EAGER_LAYERS, "entry"]
+    assert core.LAYERS == (*core.EAGER_LAYERS, *core.LAZY_LAYERS, "entry")
+    assert core.__all__ == ["EAGER_LAYERS", "LAYERS", "LAZY_LAYERS", *core.LAYERS]
+
+
+def _module_level_imports(source: str) -> list[str]:
+    """The modules ``source`` imports when it is imported: its top-level statements only."""
+    tree = ast.parse(source)
+    top = [node for node in tree.body if isinstance(node, (ast.Import, ast.ImportFrom))]
+    return [name for _, name in imported_modules(ast.unparse(ast.Module(top, [])), "tpurec.core")]
+
+
+def test_the_lazy_layers_load_only_through_dispatch():
+    # entry imports none of the op runtime at import, and in its functions only dispatch, which
+    # imports every other lazy layer itself: the first tpu op loads all of them, or none.
+    core = tpurec.core
+    entry_source = (CORE_DIR / "entry.py").read_text()
+    at_import = {_core_layer(n, core.LAYERS) for n in _module_level_imports(entry_source)} - {None}
+    assert at_import.isdisjoint(core.LAZY_LAYERS), at_import
+    anywhere = {_core_layer(n, core.LAYERS) for _, n in imported_modules(entry_source, "tpurec.core")} - {None}
+    assert anywhere & set(core.LAZY_LAYERS) == {"dispatch"}
+    dispatch_imports = {_core_layer(n, core.LAYERS) for n in _module_level_imports((CORE_DIR / "dispatch.py").read_text())}
+    assert set(core.LAZY_LAYERS) - {"dispatch"} <= dispatch_imports
+    for eager in core.EAGER_LAYERS:  # and nothing eager reaches a lazy layer (the layering forbids it anyway)
+        names = {_core_layer(n, core.LAYERS) for n in _module_level_imports((CORE_DIR / f"{eager}.py").read_text())}
+        assert names.isdisjoint(core.LAZY_LAYERS), (eager, names)
+
+
+def _run_python(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(PACKAGE_ROOT.parent)}
+    return subprocess.run(
+        [sys.executable, *args], check=False, capture_output=True, text=True, timeout=600, env=env
+    )
+
+
+def _imported(importtime_log: str) -> set[str]:
+    """The modules named by ``python -X importtime``'s log (stderr)."""
+    return {line.rsplit("|", 1)[-1].strip() for line in importtime_log.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("-c", "import tpurec"),
+        ("-c", "import tpurec.sparse.planner"),
+        ("-m", "tpurec", "plan", "--help"),
+    ],
+    ids=["import tpurec", "import planner", "tpurec plan --help"],
+)
+def test_importing_or_planning_leaves_the_op_runtime_out(args):
+    done = _run_python("-X", "importtime", *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    imported = _imported(done.stderr)
+    assert "tpurec.core.entry" in imported  # the log is read right: the device is there
+    runtime = {f"tpurec.core.{layer}" for layer in tpurec.core.LAZY_LAYERS} | {"tpurec.compile"}
+    assert imported & runtime == set()
+
+
+_FIRST_OPS = """
+import sys, torch, tpurec
+lazy = [f"tpurec.core.{layer}" for layer in tpurec.core.LAZY_LAYERS]
+assert not any(m in sys.modules for m in [*lazy, "tpurec.compile"]) and not tpurec.core.entry.loaded()
+assert torch.tpu.device_count() >= 1 and "tpu" in torch._dynamo.list_backends()  # the device is there
+torch.manual_seed(0)
+linear = torch.nn.Linear(3, 2)
+x = torch.randn(4, 3)
+moved = linear.to("tpu")  # the first tpu op: empty_strided and _copy_from reach entry's kernels
+assert all(m in sys.modules for m in lazy) and tpurec.core.entry.loaded()
+assert moved is linear and linear.weight.device.type == "tpu"
+y = linear(x.to("tpu"))
+assert torch.allclose(y.cpu(), torch.nn.functional.linear(x, linear.weight.cpu(), linear.bias.cpu()), rtol=1e-5, atol=1e-6)
+assert torch.equal(torch.arange(5, device="tpu").cpu(), torch.arange(5))  # a factory, through dispatch's kernel now
+assert "tpurec.compile" not in sys.modules
+double = torch.compile(lambda t: t * 2 + 1, backend="tpu")  # the registered backend loads tpurec.compile
+assert torch.equal(double(torch.arange(3.0, device="tpu")).cpu(), torch.tensor([1.0, 3.0, 5.0]))
+assert "tpurec.compile" in sys.modules
+print("ok")
+"""
+
+
+def test_the_first_tpu_op_loads_the_op_runtime():
+    done = _run_python("-c", _FIRST_OPS)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+_FIRST_OP_IS_A_FACTORY = """
+import sys, torch, tpurec
+assert not tpurec.core.entry.loaded()
+t = torch.zeros(2, 3, device="tpu")  # through the factory kernel entry registered at import
+assert tpurec.core.entry.loaded() and torch.equal(t.cpu(), torch.zeros(2, 3))
+print(torch.tensor([1.5, 2.5], device="tpu"))  # _copy_from with Python dispatch excluded
+print("ok")
+"""
+
+
+def test_the_first_tpu_op_may_be_a_factory():
+    done = _run_python("-c", _FIRST_OP_IS_A_FACTORY)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    assert "tensor([1.5000, 2.5000], device='tpu:0')" in done.stdout
 
 
 def test_foundation_modules_import_nothing_of_the_core():
@@ -289,6 +389,7 @@ def test_public_names_are_unchanged():
 
 def test_the_hooks_of_the_layers_above_are_installed():
     # Cycles are broken by hooks; a missing one would silently drop work, so check each.
+    tpurec.core.entry.load_runtime()  # what the first tpu op does: dispatch replaces entry's loaders
     assert core_tensor._dispatch is tpurec.core.dispatch.dispatch
     assert core_tensor._value_of is tpurec.core.dispatch.value_of
     assert tpurec.core.runtime._flush_pending_work is tpurec.core.fused.flush

@@ -14,23 +14,11 @@ Example::
 
 from __future__ import annotations
 
+from tpurec._dynamo import register
 from tpurec.compile.backend import CompiledGraph, decompositions, tpu_backend
 from tpurec.compile.graph import CompileError
 
+# ``import tpurec`` registers the backend and Dynamo's patches (tpurec/_dynamo.py) without
+# importing this package, which imports the op runtime; the registered backend imports it
+# on the first compilation.
 __all__ = ["register", "tpu_backend", "decompositions", "CompiledGraph", "CompileError"]
-
-_registered = False
-
-
-def register() -> None:
-    """Makes ``backend="tpu"`` available to ``torch.compile`` (called by ``import tpurec``)."""
-    global _registered
-    if _registered:
-        return
-    _registered = True
-    from torch._dynamo.backends.registry import register_backend
-
-    from tpurec.compile import patches
-
-    patches.apply()
-    register_backend(compiler_fn=tpu_backend, name="tpu")

@@ -25,14 +25,24 @@ Lowest first (``LAYERS``):
 ``mutating``    in-place and ``out=`` ops through their functional variant
 ``host``        data-dependent ops on the host; index tensors on another device
 ``dispatch``    one ATen op on tpu tensors -> a cached program (or a recorded node); the
-                PrivateUse1 factory kernels
+                factory kernels
+``entry``       where torch enters the device: the PrivateUse1 kernels of factories and
+                copies, and the loaders of the op runtime
 ==============  ===========================================================================
+
+Importing this package (``import tpurec``) imports the layers up to ``modes``
+(``EAGER_LAYERS``: devices, tensors, counters, modes) and ``entry``. The op runtime,
+``programs`` to ``dispatch`` (``LAZY_LAYERS``), is imported on the first tpu op, by
+``entry.load_runtime()`` (or by importing ``tpurec.core.dispatch``, or reading it as an
+attribute of this package), so a process that only plans sharding, reads the device's
+state or loads a checkpoint's metadata does not import it.
 
 Where a lower module must reach a higher one, the higher one installs a hook at import
 (there is no upward import, not even inside a function):
 
-* ``dispatch`` -> ``tensor.install_dispatcher``: ``TpuTensor.__torch_dispatch__``, printing
-  and ``TpuTensor.to_jax()`` reach the dispatcher;
+* ``entry`` -> ``tensor.install_dispatcher``: until the op runtime is loaded, the first
+  ``TpuTensor.__torch_dispatch__`` (or printing, ``TpuTensor.to_jax()``) loads it;
+* ``dispatch`` -> ``tensor.install_dispatcher``: then they reach the dispatcher itself;
 * ``dispatch`` -> ``kernels.install_redispatch``: a kernel that runs another op (``conj``)
   reaches the dispatcher;
 * ``fused`` -> ``runtime.flush_pending_work_with``: ``synchronize`` runs the pending window;
@@ -44,14 +54,50 @@ Outside the core, the modules here may import only ``tpurec.dense`` (the lowerin
 ``tests/core/test_layering.py`` checks all of this. The old paths (``tpurec.runtime``,
 ``tpurec.device``, ...) load older checkpoints only (see ``tpurec._old_paths``).
 
-Importing this package imports every layer in order, so the hooks are always installed.
+Importing this package imports the eager layers in order, then ``entry``; importing
+``dispatch`` imports the lazy ones in order. Either way each hook is installed before the
+layer below can need it.
 """
+
+import importlib
+from types import ModuleType
 
 from tpurec.core import errors, views, rng, profiler, runtime, recompiles  # noqa: I001 (layer order)
 from tpurec.core import device, memory, tensor, conversion, fused, modes  # noqa: I001 (layer order)
-from tpurec.core import programs, calls, view_ops, kernels, mutating, host, dispatch
+from tpurec.core import entry
 
-LAYERS = (
+# Imported with the package (import tpurec), lowest first.
+EAGER_LAYERS = (
+    "errors",
+    "views",
+    "rng",
+    "profiler",
+    "runtime",
+    "recompiles",
+    "device",
+    "memory",
+    "tensor",
+    "conversion",
+    "fused",
+    "modes",
+)
+# The op runtime: imported on the first tpu op (entry.load_runtime()), lowest first.
+LAZY_LAYERS = (
+    "programs",
+    "calls",
+    "view_ops",
+    "kernels",
+    "mutating",
+    "host",
+    "dispatch",
+)
+LAYERS = (*EAGER_LAYERS, *LAZY_LAYERS, "entry")
+
+# Written out (not built from LAYERS) so that tools read it; tests/core/test_layering.py checks it.
+__all__ = [
+    "EAGER_LAYERS",
+    "LAYERS",
+    "LAZY_LAYERS",
     "errors",
     "views",
     "rng",
@@ -71,6 +117,13 @@ LAYERS = (
     "mutating",
     "host",
     "dispatch",
-)
+    "entry",
+]
 
-__all__ = ["LAYERS", *LAYERS]
+
+def __getattr__(name: str) -> ModuleType:
+    # tpurec.core.dispatch (and the other lazy layers) read as attributes: the op runtime, loaded now.
+    if name in LAZY_LAYERS:
+        entry.load_runtime()  # imports all of them, in order
+        return importlib.import_module(f"tpurec.core.{name}")
+    raise AttributeError(f"module 'tpurec.core' has no attribute {name!r}")

@@ -1,7 +1,8 @@
 """Eager execution: one ATen op on tpu tensors -> one cached, compiled JAX program.
 
 ``TpuTensor.__torch_dispatch__`` lands here (and the PrivateUse1 factory kernels:
-``torch.zeros(..., device="tpu")``). The op is classified:
+``torch.zeros(..., device="tpu")``, registered by ``tpurec.core.entry``, which imports
+this module on the first tpu op). The op is classified:
 
 * view ops make a new tensor over the same storage (no computation);
 * in-place and ``out=`` ops run their functional variant and write the result
@@ -69,7 +70,7 @@ from tpurec.core.view_ops import (
     _view,
     _view_metas,
 )
-from tpurec.dense.registry import TABLE, Kind, get_lowering, mark
+from tpurec.dense.registry import TABLE, Kind, get_lowering
 
 aten = torch.ops.aten
 # The KERNEL part of the one lowering table (tpurec/dense/registry.py): the device kernels.
@@ -94,7 +95,7 @@ _FROM_BELOW = (
     _view_metas,
 )
 
-__all__ = ["dispatch", "execute", "fresh", "install_shadow", "pending_value", "register_factories", "value_of"]
+__all__ = ["copy_from", "dispatch", "execute", "factory_kernel", "fresh", "install_shadow", "pending_value", "value_of"]
 
 
 # --- the entry point -----------------------------------------------------------
@@ -210,7 +211,9 @@ kernels.install_redispatch(_dispatch)
 # --- factories: ops without tensor inputs reach the PrivateUse1 kernel ---------
 
 
-def _factory(func):
+def factory_kernel(func):
+    """The PrivateUse1 kernel of factory ``func`` (registered by ``tpurec.core.entry``, which hands over to it)."""
+
     def kernel(*args, **kwargs):
         if _shadow is not None:
             return _shadow(lambda func, args, kwargs: compute(*args, **kwargs), func, args, kwargs)
@@ -232,44 +235,7 @@ def _factory(func):
     return kernel
 
 
-mark(
-    aten.empty.memory_format,
-    aten.empty_strided.default,
-    aten.full.default,
-    aten.zeros.default,
-    aten.ones.default,
-    aten.arange.default,
-    aten.arange.start,
-    aten.arange.start_step,
-    aten.scalar_tensor.default,
-    aten.rand.default,
-    aten.randn.default,
-    aten.randint.default,
-    aten.randint.low,
-    aten.randperm.default,
-    aten.linspace.default,
-    aten.logspace.default,
-    aten.eye.default,
-    aten.eye.m,
-    kind=Kind.FACTORY,
-)
-
-_library = None
-
-
-def register_factories() -> None:
-    """Registers PrivateUse1 kernels for ATen factories (``torch.zeros(..., device="tpu")``)."""
-    global _library
-    if _library is not None:
-        return
-    _library = torch.library.Library("aten", "IMPL")
-    for func in TABLE[Kind.FACTORY]:
-        name = func._schema.name.split("::")[1]
-        overload = func._schema.overload_name
-        _library.impl(f"{name}.{overload}" if overload else name, _factory(func), "PrivateUse1")
-    # Autograd formulas' "known zero" gradients (sgn's, ...): a plain zeros tensor on tpu. (Not a
-    # table entry: on CPU the op makes a storage-less ZeroTensor, which a lowering cannot match.)
-    _library.impl("_efficientzerotensor", _factory(aten.zeros.default), "PrivateUse1")
-    # Reached with Python dispatch excluded, e.g. by torch.tensor(data, device="tpu").
-    _library.impl("_copy_from", lambda src, dst, non_blocking=False: _copy_(dst, src), "PrivateUse1")
-    _library.impl("_copy_from_and_resize", lambda src, dst: _copy_(dst, src), "PrivateUse1")
+def copy_from(src, dst, non_blocking: bool = False):
+    """The PrivateUse1 kernel of ``_copy_from`` and ``_copy_from_and_resize``: reached with Python dispatch
+    excluded, e.g. by ``torch.tensor(data, device="tpu")``."""
+    return _copy_(dst, src)

@@ -96,7 +96,8 @@ class Storage:
                 _memory.allocated(new, self.index)  # tpurec.memory hook: live-buffer accounting
         self._array = new
 
-    def __del__(self) -> None:
+    def __del__(self, _release=_release) -> None:
+        # The default argument: at interpreter exit this module's globals may be cleared first.
         _release(self._array)
 
     @property

@@ -1,4 +1,8 @@
-"""What Dynamo needs to see tpu tensors as ordinary tensors.
+"""What Dynamo needs to see tpu tensors as ordinary tensors, and the ``"tpu"`` backend's registration.
+
+``import tpurec`` applies these (``tpurec/_patches.py``) without importing the compiler
+(``tpurec.compile``) or the op runtime: the backend registered here imports
+``tpurec.compile`` when ``torch.compile`` first calls it.
 
 A tpu tensor is a Python wrapper subclass with its own ``__torch_dispatch__``
 (tpurec/core/tensor.py). Out of the box, torch.compile treats such a subclass as
@@ -27,13 +31,19 @@ from __future__ import annotations
 
 import importlib.util
 
+from typing import Any
+
+import torch
+
 from tpurec.core.tensor import TpuTensor
 
 __all__ = [
     "apply",
     "fake_mode_leaves_tpu_data_alone",
     "not_a_subclass_for_dynamo",
+    "register",
     "skip_runtime_modules",
+    "tpu_backend",
     "wrap_tpu_tensors_as_tensors",
 ]
 
@@ -131,3 +141,25 @@ def apply() -> None:
     not_a_subclass_for_dynamo()
     fake_mode_leaves_tpu_data_alone()
     skip_runtime_modules()
+
+
+def tpu_backend(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+    """The Dynamo backend ``"tpu"``: ``tpurec.compile``'s, imported on the first compilation."""
+    from tpurec.compile.backend import tpu_backend as compile_with_tpu
+
+    return compile_with_tpu(gm, example_inputs)
+
+
+_registered = False
+
+
+def register() -> None:
+    """Makes ``backend="tpu"`` available to ``torch.compile`` (called by ``import tpurec``), once."""
+    global _registered
+    if _registered:
+        return
+    _registered = True
+    from torch._dynamo.backends.registry import register_backend
+
+    apply()
+    register_backend(compiler_fn=tpu_backend, name="tpu")
