@@ -1,8 +1,10 @@
 """What Dynamo needs to see tpu tensors as ordinary tensors, and the ``"tpu"`` backend's registration.
 
-``import tpurec`` applies these (``tpurec/_patches.py``) without importing the compiler
-(``tpurec.compile``) or the op runtime: the backend registered here imports
-``tpurec.compile`` when ``torch.compile`` first calls it.
+``import tpurec`` does not import Dynamo: ``tpurec/_patches.py`` applies these as
+``torch._dynamo``'s import completes (``torch.compile`` imports it, so does TorchRec), or
+at once if it is imported already. They import neither the compiler (``tpurec.compile``)
+nor the op runtime: the backend registered here imports ``tpurec.compile`` when
+``torch.compile`` first calls it.
 
 A tpu tensor is a Python wrapper subclass with its own ``__torch_dispatch__``
 (tpurec/core/tensor.py). Out of the box, torch.compile treats such a subclass as

@@ -8,8 +8,11 @@ raises a ``RuntimeError`` naming the patch, instead of a failure somewhere later
 Patches of private attributes were written for one torch/JAX release
 (``written_for``); with another one installed, :func:`install` warns once, naming them.
 
-All of them are made at import. What ``import tpurec`` leaves for later makes no
-process-wide change of its own: the op runtime (``tpurec.core.dispatch`` and the layers
+All of them are made at import, but those marked ``after_import``: ``import tpurec`` does
+not import Dynamo (``torch._dynamo``), so its patches wait on ``sys.meta_path`` (a finder
+that only wraps that one module's import) and are applied the moment anything imports it
+(``torch.compile``, TorchRec, the user); if it is imported already, at once. What
+``import tpurec`` leaves for later makes no process-wide change of its own: the op runtime (``tpurec.core.dispatch`` and the layers
 it needs) is imported by the first tpu op, through the kernels and hooks that
 ``privateuse1_kernels`` and ``tpurec.core.entry`` install, and the compiler
 (``tpurec.compile``) by the first ``torch.compile(backend="tpu")`` call, through the
@@ -23,11 +26,15 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PATCHES", "Patch", "check_versions", "install", "installed"]
+__all__ = ["PATCHES", "Patch", "check_versions", "install", "installed", "waiting"]
 
 # The releases the private-API patches below were written against (the lock files' versions).
 TORCH_SERIES = "2.13"
@@ -51,6 +58,10 @@ class Patch:
             global-state test).
         dispatcher: ``(operator, dispatch key)`` kernel registrations it adds outside tpu's
             own keys.
+        after_import: a module ``import tpurec`` does not import itself (``"torch._dynamo"``,
+            over a second to import): while it is not imported, :func:`install` leaves the
+            patch waiting, and applies it (its ``requires`` checked then) as that module's
+            import completes, before any code can use the module.
     """
 
     name: str
@@ -62,6 +73,7 @@ class Patch:
     private: bool = False
     targets: tuple[str, ...] = ()
     dispatcher: tuple[tuple[str, str], ...] = ()
+    after_import: str = ""
 
 
 def _tune_malloc() -> None:
@@ -298,21 +310,23 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "dynamo_wrap_tpu_tensors",
-        "torch._dynamo.variables.builder.VariableBuilder._wrap wrapped",
+        "torch._dynamo.variables.builder.VariableBuilder._wrap wrapped (when torch._dynamo is imported)",
         "Dynamo wraps tpu tensors as tensors, not as __torch_function__ subclasses it cannot rebuild.",
         _compile_patch("wrap_tpu_tensors_as_tensors"),
         requires=("torch._dynamo.variables.builder.VariableBuilder._wrap",),
         private=True,
         targets=("torch._dynamo.variables.builder.VariableBuilder._wrap",),
+        after_import="torch._dynamo",
     ),
     Patch(
         "dynamo_subclass_type",
-        "torch._dynamo.variables.builder.infer_subclass_type wrapped",
+        "torch._dynamo.variables.builder.infer_subclass_type wrapped (when torch._dynamo is imported)",
         "A tpu tensor is a plain tensor to Dynamo.",
         _compile_patch("not_a_subclass_for_dynamo"),
         requires=("torch._dynamo.variables.builder.infer_subclass_type",),
         private=True,
         targets=("torch._dynamo.variables.builder.infer_subclass_type",),
+        after_import="torch._dynamo",
     ),
     Patch(
         "fake_mode_avoid_device_init",
@@ -325,20 +339,24 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "dynamo_skip_runtime",
-        "Dynamo's skip list: jax, jaxlib, ml_dtypes, opt_einsum, tpurec.compile, tpurec.core, tpurec.dense",
+        "Dynamo's skip list: jax, jaxlib, ml_dtypes, opt_einsum, tpurec.compile, tpurec.core, tpurec.dense "
+        "(when torch._dynamo is imported)",
         "Dynamo never traces the runtime core or JAX: after a graph break, eager tpu ops run untraced.",
         _compile_patch("skip_runtime_modules"),
         requires=("torch._dynamo.trace_rules.add",),
         private=True,
         targets=("torch._dynamo.trace_rules.SKIP_DIRS",),
+        after_import="torch._dynamo",
     ),
     Patch(
         "dynamo_backend",
-        'torch.compile backend "tpu" registered; its first call imports the compiler (tpurec.compile)',
+        'torch.compile backend "tpu" registered (when torch._dynamo is imported); its first call imports the '
+        "compiler (tpurec.compile)",
         'torch.compile(model, backend="tpu").',
         _register_compile_backend,
         requires=("torch._dynamo.backends.registry.register_backend",),
         targets=("torch._dynamo.list_backends()",),
+        after_import="torch._dynamo",
     ),
     Patch(
         "c10d_backend",
@@ -390,6 +408,8 @@ PATCHES: tuple[Patch, ...] = (
 
 _installed: list[str] = []
 _complete = False
+# module -> the patches waiting for its import to complete, in list order.
+_waiting: dict[str, list[Patch]] = {}
 
 
 def resolve(dotted: str) -> Any:
@@ -423,8 +443,88 @@ def check_versions() -> list[str]:
     return [p.name for p in PATCHES if p.private and mismatched.get(p.library, False)]
 
 
+def _apply(patch: Patch) -> None:
+    """Checks ``patch``'s ``requires``, then applies it.
+
+    Raises:
+        RuntimeError: a ``requires`` is missing from the installed torch/JAX.
+    """
+    for dotted in patch.requires:
+        try:
+            resolve(dotted)
+        except AttributeError as error:
+            import jax
+            import torch
+
+            raise RuntimeError(
+                f"tpurec cannot apply its patch {patch.name!r} ({patch.changes}): {dotted} does not exist in "
+                f"torch {torch.__version__} / jax {jax.__version__} ({error}); tpurec was written for torch "
+                f"{TORCH_SERIES} and jax {JAX_SERIES}. Install those versions (requirements.lock)."
+            ) from None
+    patch.apply()
+    _installed.append(patch.name)
+
+
+class _ThenPatch(importlib.abc.Loader):
+    """The loader of a module patches wait for: the module's own loader, then the patches."""
+
+    def __init__(self, loader: importlib.abc.Loader, name: str) -> None:
+        self._loader = loader
+        self._name = name
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: types.ModuleType) -> None:
+        # The module sees its own loader (inspect, linecache, importlib.resources ask it).
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._loader.exec_module(module)
+        _apply_waiting(self._name)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._loader, name)
+
+
+class _AfterImport(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps the loader of a module that patches wait for."""
+
+    def find_spec(
+        self, fullname: str, path: Any, target: types.ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname not in _waiting:
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _ThenPatch(spec.loader, fullname)
+                return spec
+        return None
+
+
+_finder = _AfterImport()
+
+
+def _apply_waiting(module: str) -> None:
+    for patch in _waiting.pop(module, []):
+        _apply(patch)
+    if not _waiting and _finder in sys.meta_path:
+        sys.meta_path.remove(_finder)
+
+
+def waiting() -> tuple[str, ...]:
+    """The names of the patches waiting for a module's import (``after_import``), in order."""
+    return tuple(p.name for patches in _waiting.values() for p in patches)
+
+
 def install() -> None:
-    """Applies every patch of :data:`PATCHES` in order (once).
+    """Applies every patch of :data:`PATCHES` in order (once); one whose ``after_import``
+    module is not imported yet is applied when that import completes.
 
     Raises:
         RuntimeError: a patch's ``requires`` is missing from the installed torch/JAX.
@@ -433,22 +533,14 @@ def install() -> None:
     if _complete:
         return
     for patch in PATCHES:
-        if patch.name in _installed:  # a failed import of tpurec applied it already (patches are idempotent)
+        if patch.name in _installed or patch.name in waiting():  # a failed import of tpurec got this far
             continue
-        for dotted in patch.requires:
-            try:
-                resolve(dotted)
-            except AttributeError as error:
-                import jax
-                import torch
-
-                raise RuntimeError(
-                    f"tpurec cannot apply its patch {patch.name!r} ({patch.changes}): {dotted} does not exist in "
-                    f"torch {torch.__version__} / jax {jax.__version__} ({error}); tpurec was written for torch "
-                    f"{TORCH_SERIES} and jax {JAX_SERIES}. Install those versions (requirements.lock)."
-                ) from None
-        patch.apply()
-        _installed.append(patch.name)
+        if patch.after_import and patch.after_import not in sys.modules:
+            _waiting.setdefault(patch.after_import, []).append(patch)
+            if _finder not in sys.meta_path:
+                sys.meta_path.insert(0, _finder)  # before the finders that would load the module
+            continue
+        _apply(patch)
     _complete = True
     mismatched = check_versions()
     if mismatched:

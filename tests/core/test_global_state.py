@@ -130,6 +130,54 @@ def test_the_patch_list_is_what_import_changes(tmp_path):
     assert seen["malloc_tuned"] == (sys.platform == "linux")
 
 
+_DYNAMO_LATER = r"""
+import json, sys
+import torch, tpurec
+from tpurec import _patches
+state = {
+    "dynamo_at_import": "torch._dynamo" in sys.modules,
+    "waiting": list(_patches.waiting()),
+    "marked": [p.name for p in _patches.PATCHES if p.after_import == "torch._dynamo"],
+}
+import torch._dynamo  # what torch.compile, TorchRec or the user does first
+from torch._dynamo.variables import builder
+state.update(
+    waiting_after=list(_patches.waiting()),
+    installed=sorted(_patches.installed()),
+    listed=sorted(p.name for p in _patches.PATCHES),
+    finder_left=[type(f).__name__ for f in sys.meta_path if type(f).__module__ == "tpurec._patches"],
+    wrap=builder.VariableBuilder._wrap.__module__,
+    backend="tpu" in torch._dynamo.list_backends(),
+)
+print(json.dumps(state))
+"""
+
+
+def test_dynamos_patches_wait_for_its_import(tmp_path):
+    """``import tpurec`` does not import Dynamo; its patches are applied as Dynamo's import completes."""
+    import json
+    import os
+    import pathlib
+
+    import tpurec
+
+    env = {
+        **os.environ,
+        "TPUREC_CACHE_DIR": str(tmp_path / "cache"),
+        "PYTHONPATH": str(pathlib.Path(tpurec.__file__).parent.parent),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _DYNAMO_LATER], capture_output=True, text=True, env=env, timeout=300, check=False
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen["dynamo_at_import"] is False
+    assert seen["waiting"] == seen["marked"] and seen["marked"], seen
+    assert seen["waiting_after"] == [] and seen["installed"] == seen["listed"]
+    assert seen["finder_left"] == []  # the import hook is gone once nothing waits
+    assert seen["wrap"] == "tpurec._dynamo" and seen["backend"] is True
+
+
 def test_every_patch_says_why_and_what_it_relies_on():
     from tpurec import _patches
 
