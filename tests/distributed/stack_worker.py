@@ -3,7 +3,8 @@
 ``torchrun --nproc-per-node N stack_worker.py CHECKS OUT [ARGS]`` with CHECKS one of
 
 * ``functional``: ``torch.distributed._functional_collectives`` on tpu tensors (eager and fused
-  mode) equal the same calls on CPU copies through a gloo group;
+  mode, and inside ``torch.compile(backend="tpu")``) equal the same calls on CPU copies through a
+  gloo group;
 * ``dtensor``: DTensor on ``init_device_mesh("tpu", (N,))`` equals plain CPU tensors;
 * ``fsdp CKPT``: ``fully_shard`` on a 2-layer transformer trains STEPS steps (losses and final
   parameters to ``OUT.fsdp.npz``), then saves its state with ``torch.distributed.checkpoint``
@@ -149,6 +150,48 @@ def functional(rank: int, n: int, done: list[str]) -> None:
             wants = funcol.all_gather_into_tensor_coalesced([x, x * 2], gloo)
             for i, (o, w) in enumerate(zip(outs, wants, strict=True)):
                 same(f"{mode} all_gather_into_tensor_coalesced {i}", o, w)
+
+
+def compiled(rank: int, n: int, done: list[str]) -> None:
+    """Functional collectives inside ``torch.compile(backend="tpu")``: forward and backward == gloo on CPU."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    world: Any = dist.group.WORLD
+    gloo: Any = dist.new_group(backend="gloo")
+    gen = torch.Generator().manual_seed(200 + rank)
+
+    def step(x: torch.Tensor, group: Any) -> torch.Tensor:
+        y = torch.tanh(x) * 2
+        y = funcol.all_reduce(y, "sum", group)
+        z = funcol.all_gather_tensor(y + 1, 0, group)
+        return funcol.reduce_scatter_tensor(z * z, "sum", 0, group)
+
+    compiled_step = torch.compile(step, backend="tpu", fullgraph=True)
+    for trial in range(2):  # the second call reuses the compiled pieces
+        x = torch.randn(2, 3, generator=gen)
+        got = compiled_step(x.to("tpu"), world)
+        torch.testing.assert_close(got.cpu(), step(x, gloo), rtol=1e-6, atol=1e-6)
+        done.append(f"compiled collectives {trial}")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 2)
+    twin = torch.nn.Linear(3, 2)
+    twin.load_state_dict(model.state_dict())
+    model = model.to("tpu")
+
+    def loss_of(m: torch.nn.Module, x: torch.Tensor, group: Any) -> torch.Tensor:
+        return funcol.all_reduce(m(x), "sum", group).pow(2).sum()
+
+    x = torch.randn(4, 3, generator=gen)
+    loss = torch.compile(loss_of, backend="tpu")(model, x.to("tpu"), world)
+    loss.backward()
+    want = loss_of(twin, x, gloo)
+    want.backward()
+    torch.testing.assert_close(loss.detach().cpu(), want.detach(), rtol=1e-6, atol=1e-6)
+    assert model.weight.grad is not None and twin.weight.grad is not None
+    torch.testing.assert_close(model.weight.grad.cpu(), twin.weight.grad, rtol=1e-6, atol=1e-6)
+    done.append("compiled collective backward")
 
 
 def dtensor(rank: int, n: int, done: list[str]) -> None:
@@ -308,6 +351,7 @@ def main(checks: str, out_path: str, *args: str) -> None:
     done: list[str] = []
     if checks == "functional":
         functional(rank, n, done)
+        compiled(rank, n, done)
     elif checks == "dtensor":
         dtensor(rank, n, done)
     elif checks == "fsdp":

@@ -1,6 +1,7 @@
 """torch.distributed._functional_collectives on tpu tensors over a "tpu" group equal gloo's on CPU copies.
 
-The checks each rank makes are in stack_worker.py (``functional``); they run in eager and in fused mode.
+The checks each rank makes are in stack_worker.py (``functional``): in eager and in fused mode, and inside
+``torch.compile(backend="tpu")`` graphs (forward and backward).
 """
 
 from __future__ import annotations
@@ -41,3 +42,5 @@ def test_functional_collectives_two_processes(tmp_path):
         for rank, report in enumerate(reports):
             missing = [w for w in wanted if w not in report]
             assert not missing, (rank, missing, report)
+    for rank, report in enumerate(reports):
+        assert {"compiled collectives 1", "compiled collective backward"} <= set(report), (rank, report)
