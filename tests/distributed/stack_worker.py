@@ -91,6 +91,7 @@ def functional(rank: int, n: int, done: list[str]) -> None:
     import torch.distributed._functional_collectives as funcol
 
     import tpurec
+    from tpurec.distributed.agreement import CollectiveMismatch
 
     # Any: torch's stubs type these as optional; both are groups here.
     world: Any = dist.group.WORLD
@@ -144,6 +145,15 @@ def functional(rank: int, n: int, done: list[str]) -> None:
             out = torch.ops._c10d_functional.all_reduce(t, "sum", world.group_name)
             out = torch.ops._c10d_functional.wait_tensor(out)
             same(f"{mode} _c10d_functional.all_reduce + wait_tensor", out, funcol.all_reduce(x, "sum", gloo))
+            # Ranks that disagree fail on every rank with the mismatch named, and the group goes on.
+            try:
+                funcol.all_reduce(torch.ones(3 + rank, device="tpu"), "sum", world)
+            except CollectiveMismatch as error:
+                if "rank 0 called all_reduce (shapes [[3]]" not in str(error):
+                    raise
+            else:
+                raise AssertionError("a functional all_reduce with shapes that differ between ranks did not raise")
+            done.append(f"{mode} mismatch detected")
             # Coalesced form (FSDP-style bucketing of several tensors in one call).
             pair = [t, t * 2]
             outs = funcol.all_gather_into_tensor_coalesced(pair, world)
@@ -192,6 +202,19 @@ def compiled(rank: int, n: int, done: list[str]) -> None:
     assert model.weight.grad is not None and twin.weight.grad is not None
     torch.testing.assert_close(model.weight.grad.cpu(), twin.weight.grad, rtol=1e-6, atol=1e-6)
     done.append("compiled collective backward")
+    # The c10d call form inside a compiled function (Dynamo rewrites it to a functional collective).
+
+    def c10d_step(x: torch.Tensor) -> torch.Tensor:
+        x = x * 2
+        dist.all_reduce(x)
+        return x + 1
+
+    x = torch.randn(3, generator=gen)
+    want = x * 2
+    dist.all_reduce(want, group=gloo)
+    got = torch.compile(c10d_step, backend="tpu")(x.to("tpu"))
+    torch.testing.assert_close(got.cpu(), want + 1, rtol=1e-6, atol=1e-6)
+    done.append("compiled c10d all_reduce")
 
 
 def dtensor(rank: int, n: int, done: list[str]) -> None:

@@ -38,9 +38,13 @@ def test_functional_collectives_two_processes(tmp_path):
     for mode in ("eager", "fused"):
         wanted = [f"{mode} all_reduce avg", f"{mode} all_gather_tensor dim 1", f"{mode} reduce_scatter_tensor",
                   f"{mode} broadcast", f"{mode} all_to_all_single uneven", f"{mode} all_to_all_single even",
-                  f"{mode} _c10d_functional.all_reduce + wait_tensor", f"{mode} all_gather_into_tensor_coalesced 1"]  # fmt: skip
+                  f"{mode} _c10d_functional.all_reduce + wait_tensor", f"{mode} all_gather_into_tensor_coalesced 1",
+                  f"{mode} mismatch detected"]  # fmt: skip
         for rank, report in enumerate(reports):
             missing = [w for w in wanted if w not in report]
             assert not missing, (rank, missing, report)
     for rank, report in enumerate(reports):
-        assert {"compiled collectives 1", "compiled collective backward"} <= set(report), (rank, report)
+        assert {"compiled collectives 1", "compiled collective backward", "compiled c10d all_reduce"} <= set(report), (
+            rank,
+            report,
+        )
