@@ -163,6 +163,12 @@ def _register_c10d_backend() -> None:
     register_c10d_backend()
 
 
+def _fsdp_storage() -> None:
+    from tpurec.distributed import fsdp
+
+    fsdp.install()
+
+
 def _disk_cache() -> None:
     from tpurec.core.runtime import enable_disk_cache
 
@@ -365,6 +371,25 @@ PATCHES: tuple[Patch, ...] = (
         _register_c10d_backend,
         requires=("torch.distributed.Backend.register_backend", "torch.distributed.Backend.backend_list"),
         targets=("torch.distributed.Backend.TPU", "torch.distributed.Backend.backend_list"),
+    ),
+    Patch(
+        "fsdp2_storage",
+        "FSDP2's free_storage / alloc_storage (torch.distributed.fsdp._fully_shard) free and re-allocate the "
+        "jax.Array of tpu tensors; other devices keep torch's code",
+        "fully_shard frees unsharded parameters with untyped_storage().resize_(0), which a tpu tensor's storage "
+        "(a jax.Array) cannot do.",
+        _fsdp_storage,
+        requires=(
+            "torch.distributed.fsdp._fully_shard._fsdp_param.free_storage",
+            "torch.distributed.fsdp._fully_shard._fsdp_param.alloc_storage",
+            "torch.distributed.fsdp._fully_shard._fsdp_param_group.alloc_storage",
+        ),
+        private=True,
+        targets=(
+            "torch.distributed.fsdp._fully_shard._fsdp_param.alloc_storage",
+            "torch.distributed.fsdp._fully_shard._fsdp_param.free_storage",
+            "torch.distributed.fsdp._fully_shard._fsdp_param_group.alloc_storage",
+        ),
     ),
     Patch(
         "xla_disk_cache",

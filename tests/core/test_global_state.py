@@ -37,6 +37,8 @@ assert "tpurec" not in sys.modules
 import jax, jax._src.monitoring as monitoring, torch, torch._dynamo, torch._dynamo.trace_rules
 import torch._subclasses.fake_impls, torch._subclasses.fake_tensor, torch.autograd.variable, torch.optim.optimizer
 import torch._dynamo.variables.builder as builder
+fsdp_param = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_param")
+fsdp_param_group = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_param_group")
 optimizer = importlib.import_module("torch.optim.optimizer")
 variable = importlib.import_module("torch.autograd.variable")
 
@@ -48,6 +50,8 @@ NAMESPACES = {
     "torch._subclasses.fake_tensor.FakeTensorMode": torch._subclasses.fake_tensor.FakeTensorMode,
     "torch.utils.data.DataLoader": torch.utils.data.DataLoader, "torch.accelerator": torch.accelerator,
     "torch.distributed.Backend": torch.distributed.Backend,
+    "torch.distributed.fsdp._fully_shard._fsdp_param": fsdp_param,
+    "torch.distributed.fsdp._fully_shard._fsdp_param_group": fsdp_param_group,
 }
 KEYS = ("CPU", "CUDA", "Meta", "CompositeExplicitAutograd", "CompositeImplicitAutograd", "Autograd", "AutogradCPU")
 

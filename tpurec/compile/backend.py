@@ -304,8 +304,70 @@ def decompositions() -> dict:
 _backend = None
 
 
+def _is_collective(node: torch.fx.Node) -> bool:
+    """A call of a functional collective (``_c10d_functional`` / ``_c10d_functional_autograd`` ops)."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return False
+    return str(target).startswith("_c10d_functional")  # "_c10d_functional.all_reduce.default", ...
+
+
+class _CompiledOnFirstCall(torch.nn.Module):
+    """A piece of a graph between collectives, compiled by the tpu backend with its first real inputs."""
+
+    def __init__(self, piece: torch.fx.GraphModule) -> None:
+        super().__init__()
+        # AOTAutograd takes graphs that return a tuple; split_module's pieces return a lone value bare.
+        output = next(n for n in reversed(piece.graph.nodes) if n.op == "output")
+        self._single = not isinstance(output.args[0], (tuple, list))
+        if self._single:
+            output.args = ((output.args[0],),)
+            piece.recompile()
+        self.piece = piece
+        self._compiled: Callable | None = None
+
+    def forward(self, *args):
+        if self._compiled is None:
+            self._compiled = _compile_whole(self.piece, list(args))
+        outs = self._compiled(*args)
+        return outs[0] if self._single else outs
+
+
+def _split_at_collectives(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` cut into compiled pieces with the functional collectives between them, run eagerly.
+
+    A collective spans the processes: each process's compiled program runs on its own device, so
+    the collective runs between two programs, as the same XLA collective eager mode runs (through
+    the tpu process group). The pieces are compiled on their first call.
+    """
+    from torch.fx.passes.split_module import split_module
+
+    parts: dict[str, int] = {}
+    part, previous = 0, None
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        kind = _is_collective(node)
+        if previous is not None and (kind or previous):
+            part += 1
+        parts[node.name] = part
+        previous = kind
+    split = split_module(gm, gm, lambda node: parts[node.name], keep_original_order=True)
+    collective_parts = {parts[n.name] for n in gm.graph.nodes if n.name in parts and _is_collective(n)}
+    for name, piece in list(split.named_children()):
+        if int(name.removeprefix("submod_")) not in collective_parts and isinstance(piece, torch.fx.GraphModule):
+            setattr(split, name, _CompiledOnFirstCall(piece))
+    return split
+
+
 def tpu_backend(gm: torch.fx.GraphModule, example_inputs):
     """The Dynamo backend ``"tpu"`` (``torch.compile(model, backend="tpu")``)."""
+    if any(_is_collective(node) for node in gm.graph.nodes):
+        return _split_at_collectives(gm)
+    return _compile_whole(gm, example_inputs)
+
+
+def _compile_whole(gm: torch.fx.GraphModule, example_inputs):
     global _backend
     if _backend is None:
         from torch._dynamo.backends.common import aot_autograd
@@ -317,4 +379,3 @@ def tpu_backend(gm: torch.fx.GraphModule, example_inputs):
             decompositions=decompositions(),
         )
     return _backend(gm, example_inputs)
-

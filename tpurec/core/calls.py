@@ -8,6 +8,8 @@ runs an op without a lowering through its composite or decomposition.
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
 import torch
 from torch.utils._pytree import tree_map
@@ -129,13 +131,19 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
     arg_specs = tuple(calling.split(calling.kind_of(kinds, i), a, inputs, record) for i, a in enumerate(args))
     kw_specs = tuple((k, calling.split(calling.kind_of(kinds, k), v, inputs, record)) for k, v in kwargs.items())
     target_specs = ()
+    # For each target, the first target over the same storage: views of one storage (the
+    # destinations of _foreach_copy_ into split views of one buffer, as FSDP2's copy-in) are
+    # written one after another into one value, so no write is lost.
+    shared: tuple[int, ...] = ()
     if targets is not None:
         target_specs = tuple(call.tensor(t) for t in targets)
+        firsts: dict[int, int] = {}
+        shared = tuple(firsts.setdefault(id(t._storage), i) for i, t in enumerate(targets))
     if lowering.random:
         call.inputs.extend(rng.next_seed_and_counter())
     index = call.index if call.index is not None else (device if device is not None else torch.tpu.current_device())
     placed_on = index if call.index is None else None
-    key = (func, arg_specs, kw_specs, target_specs, placed_on)
+    key = (func, arg_specs, kw_specs, target_specs, shared, placed_on)
 
     def build():
         # Mixed dtypes PyTorch refuses (JAX would promote them); once per program, not per call.
@@ -158,10 +166,12 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
                 outs = [o if d is None or o is None else o.astype(to_jax_dtype(d)) for o, d in zip(outs, dtypes)]
             if not target_specs:
                 return outs
-            return [
-                write_view(storage, out, spec[3], spec[4], spec[5], reinterpretation(spec[6], spec[2]))
-                for storage, out, spec in zip(storages, outs, target_specs)
-            ]
+            written: dict[int, Any] = {}
+            for storage, out, spec, first in zip(storages, outs, target_specs, shared):
+                base = written.get(first, storage)
+                value: Any = out  # an output of the lowering (None only for outputs that are not written)
+                written[first] = write_view(base, value, spec[3], spec[4], spec[5], reinterpretation(spec[6], spec[2]))
+            return [written[first] for first in shared]
 
         entry = runtime.Program(program, **_placed(placed_on))
         entry.metas = metas
@@ -184,6 +194,27 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
 
 
 # --- ops without a lowering ---------------------------------------------------
+
+
+# Non-ATen op -> whether its library registered a PrivateUse1 (= tpu) kernel (cached: asked per call).
+_LIBRARY_DEVICE_KERNELS: dict = {}
+
+
+def library_device_kernel(func) -> bool:
+    """A library (not ATen) gave ``func`` a kernel for PrivateUse1 devices, written in torch ops.
+
+    FSDP2's ``fsdp::all_gather_copy_in`` / ``split_with_sizes_copy`` / ``chunk_cat`` are such
+    kernels (registered for CUDA, XPU, ..., PrivateUse1 alike). tpurec's tensors reach Python
+    dispatch before any backend kernel runs, so without this they would have no kernel at all;
+    running the library's kernel runs its torch ops on tpu, each through the lowering table.
+    """
+    found = _LIBRARY_DEVICE_KERNELS.get(func)
+    if found is None:
+        found = _LIBRARY_DEVICE_KERNELS[func] = func.namespace not in (
+            "aten",
+            "prims",
+        ) and torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "PrivateUse1")
+    return found
 
 
 def _fallback(func, args, kwargs):

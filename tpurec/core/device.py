@@ -7,8 +7,10 @@ machines without TPUs).
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
+from collections.abc import Iterator
 
 import jax
 import torch
@@ -48,8 +50,118 @@ class _State(threading.local):
 _state = _State()
 
 
+def _index(device: torch.device | str | int | None) -> int:
+    """The tpu index of ``device`` (the current device for None or a bare ``"tpu"``)."""
+    if device is None:
+        return _state.current
+    if isinstance(device, int):
+        return device
+    index = torch.device(device).index
+    return _state.current if index is None else index
+
+
+class Event:
+    """``torch.tpu.Event``: a point in a device's work (for device-agnostic code such as FSDP2).
+
+    tpurec runs each device's work in the order it was issued (JAX tracks what every pending value
+    depends on), so work issued after an event already follows it: waiting on an event is satisfied
+    by that order. :meth:`synchronize` waits for all the device work issued so far.
+    """
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self._recorded = False
+
+    def record(self, stream: Stream | None = None) -> None:
+        """Marks the work issued so far."""
+        self._recorded = True
+
+    def wait(self, stream: Stream | None = None) -> None:
+        """Later work follows this event (already true in issue order)."""
+
+    def query(self) -> bool:
+        """Whether the marked work is done; JAX offers no cheap test, so this waits for it, then says True."""
+        if self._recorded:
+            runtime.synchronize()
+        return True
+
+    def synchronize(self) -> None:
+        """Waits until the device work issued before the event is computed."""
+        runtime.synchronize()
+
+
+class Stream:
+    """``torch.tpu.Stream``: a name for the device's one ordered queue of work.
+
+    PyTorch code written for CUDA streams (FSDP2's all-gather and reduce-scatter streams) creates
+    streams and orders them with events. On tpu every stream is the device's single issue-ordered
+    queue, so ``wait_stream`` / ``wait_event`` hold already and cost nothing.
+
+    Args:
+        device: the tpu device (default the current one).
+        priority: accepted for ``torch.cuda.Stream`` compatibility; the queue has one priority.
+    """
+
+    def __init__(self, device: torch.device | str | int | None = None, priority: int = 0, **kwargs: object) -> None:
+        self.device = torch.device("tpu", _index(device))
+        self.priority = priority
+
+    def wait_stream(self, stream: Stream) -> None:
+        """Later work on this stream follows ``stream``'s work (already true in issue order)."""
+
+    def wait_event(self, event: Event | None) -> None:
+        """Later work on this stream follows ``event`` (already true in issue order)."""
+
+    def record_event(self, event: Event | None = None) -> Event:
+        """An event marking the work issued so far."""
+        event = Event() if event is None else event
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        """Whether the stream's work is done; this waits for it, then says True (as :meth:`Event.query`)."""
+        runtime.synchronize()
+        return True
+
+    def synchronize(self) -> None:
+        """Waits until the device work issued so far is computed."""
+        runtime.synchronize()
+
+
+class _Streams(threading.local):
+    current: Stream | None = None
+
+
+_streams = _Streams()
+
+
 class TpuModule:
     """``torch.tpu``: the device module, shaped like ``torch.cuda``."""
+
+    Stream = Stream
+    Event = Event
+
+    @staticmethod
+    def current_stream(device: torch.device | str | int | None = None) -> Stream:
+        """The stream work is issued on (see :class:`Stream`: every stream is the one device queue)."""
+        if _streams.current is None:
+            _streams.current = Stream(device)
+        return _streams.current
+
+    @staticmethod
+    def default_stream(device: torch.device | str | int | None = None) -> Stream:
+        return TpuModule.current_stream(device)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def stream(stream: Stream | None) -> Iterator[None]:
+        """Makes ``stream`` the current stream inside the block (as ``torch.cuda.stream``)."""
+        previous = _streams.current
+        if stream is not None:
+            _streams.current = stream
+        try:
+            yield
+        finally:
+            _streams.current = previous
 
     @staticmethod
     def is_available() -> bool:
@@ -73,8 +185,10 @@ class TpuModule:
 
     @staticmethod
     def set_device(device) -> None:
-        index = torch.device(device, 0).index if isinstance(device, str) and ":" not in device else (
-            torch.device(device).index if not isinstance(device, int) else device
+        index = (
+            torch.device(device, 0).index
+            if isinstance(device, str) and ":" not in device
+            else (torch.device(device).index if not isinstance(device, int) else device)
         )
         jax_device(index)  # validates
         _state.current = index

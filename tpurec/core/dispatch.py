@@ -32,6 +32,7 @@ from tpurec.core.calls import (
     _Call,
     _debug_check,
     _fallback,
+    library_device_kernel,
     _flatten_out,
     _meta_outputs,
     execute,
@@ -167,6 +168,8 @@ def _dispatch(func, args: tuple, kwargs: dict):
     kernel = _KERNELS.get(func)
     if kernel is not None:
         return kernel.fn(*args, **kwargs)
+    if library_device_kernel(func):
+        return func._op_dk(torch._C.DispatchKey.PrivateUse1, *args, **kwargs)
     if func in _INDEXING:
         args, result = _indexing_across_devices(func, args)
         if args is None:

@@ -63,8 +63,12 @@ def _mutated(func, args, kwargs) -> tuple[list, Any]:
         returns = None if not schema.returns else args[0]
         return list(targets), returns
     outs = [kwargs[a.name] for a in schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
+    # A Tensor[] out argument (split_with_sizes_copy.out, ...): each of its tensors is a destination.
+    targets = [t for out in outs for t in (out if isinstance(out, (list, tuple)) else [out])]
+    if not schema.returns:  # e.g. split_with_sizes_copy.out(..., *, Tensor(a!)[] out) -> ()
+        return targets, None
     returns = outs[0] if len(outs) == 1 else tuple(outs)
-    return outs, returns
+    return targets, returns
 
 
 def _run_mutating(func, args, kwargs):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import Any, Callable
 
 import jax
@@ -10,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
+from tpurec.core import device as _device
 from tpurec.core import memory as _memory
 from tpurec.core import profiler as _profiler
 from tpurec.core import runtime as _runtime
@@ -23,6 +25,8 @@ __all__ = [
     "array_of",
     "replace_array",
     "is_global",
+    "free_storage",
+    "alloc_storage",
     "host_array",
     "host_to_jax",
     "jax_to_host",
@@ -346,6 +350,46 @@ def replace_array(t: torch.Tensor, array: jax.Array) -> None:
 def is_global(t: Any) -> bool:
     """``t`` is a tpu tensor whose array spans several devices of a mesh (a sharded or replicated global array)."""
     return isinstance(t, TpuTensor) and _runtime._is_global(t._storage.array)
+
+
+# Freed storage -> the (shape, dtype) of the array it held, to give it memory of that size back.
+_freed: weakref.WeakKeyDictionary[Storage, tuple[tuple[int, ...], np.dtype]] = weakref.WeakKeyDictionary()
+
+
+def free_storage(t: torch.Tensor) -> None:
+    """Releases the device memory behind tpu tensor ``t``'s storage, for ``t`` and all its views.
+
+    What ``t.untyped_storage().resize_(0)`` does on CUDA (FSDP2 frees unsharded parameters so);
+    a tpu tensor's storage is a jax.Array that torch cannot resize. Until :func:`alloc_storage`
+    the storage holds no elements, so reading a view of it fails. Freeing freed storage does nothing.
+
+    Raises:
+        TypeError: ``t`` is not a tpu tensor.
+    """
+    storage = _require_tpu(t, "free_storage")._storage
+    if storage in _freed:
+        return
+    old: Any = storage.array  # a jax.Array or a pending value of the fused window; both have shape and dtype
+    shape, dtype = tuple(old.shape), np.dtype(old.dtype)
+    storage.array = jax.device_put(np.zeros((0,), dtype), _device.jax_device(storage.index))
+    _freed[storage] = (shape, dtype)
+
+
+def alloc_storage(t: torch.Tensor) -> None:
+    """Gives storage freed by :func:`free_storage` device memory of its old size back (zeros).
+
+    As ``untyped_storage().resize_(n)`` on CUDA, the contents are not the old ones: the caller
+    writes them (FSDP2's all-gather does). Storage that was not freed is left as it is.
+
+    Raises:
+        TypeError: ``t`` is not a tpu tensor.
+    """
+    storage = _require_tpu(t, "alloc_storage")._storage
+    freed = _freed.pop(storage, None)
+    if freed is None:
+        return
+    shape, dtype = freed
+    storage.array = jax.device_put(np.zeros(shape, dtype), _device.jax_device(storage.index))
 
 
 def host_to_jax(t: torch.Tensor, device: jax.Device) -> jax.Array:

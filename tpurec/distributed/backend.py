@@ -126,6 +126,8 @@ class TpuBackend(dist.ProcessGroup):
         self._cpu: Any = None
         self._group = collectives.Group(global_ranks)
         self._agreement = Agreement(store, rank, size, timeout)
+        self._group_name = ""
+        self._group_desc = ""
         if self._group.rank != rank:
             raise RuntimeError(
                 f"tpu backend: group rank {rank} is JAX process {jax.process_index()}, expected process "
@@ -134,6 +136,22 @@ class TpuBackend(dist.ProcessGroup):
 
     def getBackendName(self) -> str:  # c10d's name
         return "tpu"
+
+    # c10d keeps a group's name in its per-device C++ backends, which a Python group has none of;
+    # these overrides (C++ names, called through c10d's trampoline) keep it on the group instead,
+    # so that ``group.group_name`` and the functional collectives' lookup by name work.
+    def getGroupName(self) -> str:
+        """The name c10d registered this group under (what the functional collectives resolve)."""
+        return self._group_name
+
+    def setGroupName(self, name: str) -> None:
+        self._group_name = name
+
+    def getGroupDesc(self) -> str:
+        return self._group_desc
+
+    def setGroupDesc(self, desc: str) -> None:
+        self._group_desc = desc
 
     # -- helpers --------------------------------------------------------------------------
 
