@@ -375,7 +375,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         "fsdp2_storage",
         "FSDP2's free_storage / alloc_storage (torch.distributed.fsdp._fully_shard) free and re-allocate the "
-        "jax.Array of tpu tensors; other devices keep torch's code",
+        "jax.Array of tpu tensors; other devices keep torch's code (when FSDP2 is imported)",
         "fully_shard frees unsharded parameters with untyped_storage().resize_(0), which a tpu tensor's storage "
         "(a jax.Array) cannot do.",
         _fsdp_storage,
@@ -390,6 +390,8 @@ PATCHES: tuple[Patch, ...] = (
             "torch.distributed.fsdp._fully_shard._fsdp_param.free_storage",
             "torch.distributed.fsdp._fully_shard._fsdp_param_group.alloc_storage",
         ),
+        # FSDP2's import costs seconds (it loads DTensor and more): waits for the user's.
+        after_import="torch.distributed.fsdp._fully_shard._fsdp_param_group",
     ),
     Patch(
         "xla_disk_cache",

@@ -141,9 +141,11 @@ from tpurec import _patches
 state = {
     "dynamo_at_import": "torch._dynamo" in sys.modules,
     "waiting": list(_patches.waiting()),
-    "marked": [p.name for p in _patches.PATCHES if p.after_import == "torch._dynamo"],
+    "marked": [p.name for p in _patches.PATCHES if p.after_import],
+    "modules": sorted({p.after_import for p in _patches.PATCHES if p.after_import}),
 }
 import torch._dynamo  # what torch.compile, TorchRec or the user does first
+from torch.distributed.fsdp import fully_shard  # FSDP2
 from torch._dynamo.variables import builder
 state.update(
     waiting_after=list(_patches.waiting()),
@@ -158,7 +160,7 @@ print(json.dumps(state))
 
 
 def test_dynamos_patches_wait_for_its_import(tmp_path):
-    """``import tpurec`` does not import Dynamo; its patches are applied as Dynamo's import completes."""
+    """``import tpurec`` imports neither Dynamo nor FSDP2; their patches are applied as their imports complete."""
     import json
     import os
     import pathlib
@@ -176,6 +178,7 @@ def test_dynamos_patches_wait_for_its_import(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["dynamo_at_import"] is False
+    assert seen["modules"] == ["torch._dynamo", "torch.distributed.fsdp._fully_shard._fsdp_param_group"]
     assert seen["waiting"] == seen["marked"] and seen["marked"], seen
     assert seen["waiting_after"] == [] and seen["installed"] == seen["listed"]
     assert seen["finder_left"] == []  # the import hook is gone once nothing waits
