@@ -124,11 +124,13 @@ def main() -> None:
             if rank == 0:
                 np.save(os.path.join(folder, f"losses-{step}.npy"), np.array(losses))
     out = setting("OUT", "")
-    if out and rank == 0:
+    if out:  # every process gathers (a collective), process 0 writes
         full, slots = model.sparse_arch.embedding_bag_collection.full_tables()
         arrays = {"losses": np.array(losses), **{f"table/{k}": v for k, v in full.items()}}
+        arrays.update({f"slot/{k}/{s}": v for k, d in slots.items() for s, v in d.items()})
         arrays.update({f"dense/{k}": v.cpu().numpy() for k, v in model.state_dict().items() if "embedding_bag" not in k})
-        np.savez(out, **arrays)
+        if rank == 0:
+            np.savez(out, **arrays)
     print("done", flush=True)
 
 

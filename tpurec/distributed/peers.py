@@ -295,11 +295,20 @@ class Peers:
                 self.client.key_value_set(f"{_PREFIX}finished/{self.rank}", str(self.step), allow_overwrite=True)
             except Exception:
                 pass
+        start = time.monotonic()
         while self.failure is None:
             with self._lock:
                 if len(self._finished) == self.count - 1:
                     return None
+                waiting = [r for r in range(self.count) if r != self.rank and r not in self._finished]
             if self.check() is not None:
+                break
+            if time.monotonic() - start > self.step_timeout:
+                self.post_failure(
+                    f"processes {waiting} did not finish within {self.step_timeout:g} s (TPUREC_STEP_TIMEOUT) of "
+                    f"process {self.rank} finishing its program after step {self.step}, though they are alive: they "
+                    "may wait in a collective that this process did not make"
+                )
                 break
             time.sleep(self.interval / 2)
         deadline = time.monotonic() + self.peer_timeout + 2 * self.interval

@@ -125,6 +125,10 @@ def initialize(
         settings: dict[str, object] | None = given
     else:
         settings = torchrun_settings()
+        if settings is not None:
+            # torchrun stops the workers of a failed attempt with SIGTERM (then restarts them with
+            # --max-restarts); JAX's preemption notifier would catch it and keep the process running.
+            jax.config.update("jax_enable_preemption_service", False)
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
