@@ -6,7 +6,8 @@ the test or by torchrun, on 4 XLA:CPU devices per process. Settings come from th
 
 * ``ROWS`` (40): rows of table t0; ``PLAN`` (mixed | row_wise); ``BATCH`` (8): local batch size;
   ``STEPS`` (6): steps to run;
-* ``SIGNAL_AT`` (``STEP:SIGNAL``): this process sends itself SIGNAL (KILL, STOP) before that step;
+* ``SIGNAL_AT`` (``STEP:SIGNAL[:mid]``): this process sends itself SIGNAL (KILL, STOP) before that
+  step, or (``mid``) after its forward, while the others go on into its backward's collectives;
 * ``CKPT``: a folder: save a sharded checkpoint after every ``CKPT_EVERY`` (2) steps (``step-N``) and,
   when one exists, resume from the last committed one (the DLRM example's ``--resume``);
 * ``OUT``: process 0 writes the losses and final tables there (``.npz``).
@@ -108,13 +109,22 @@ def main() -> None:
         losses = list(np.load(os.path.join(folder, f"losses-{start}.npy")))
         print(f"resumed after step {start}", flush=True)
     for step in range(start + 1, steps + 1):
-        if signal_at and int(signal_at.split(":")[0]) == step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
-            print(f"sending SIG{signal_at.split(':')[1]} to myself before step {step}", flush=True)
-            os.kill(os.getpid(), getattr(signal, "SIG" + signal_at.split(":")[1]))
+        fault = signal_at.split(":") if signal_at else []
+        # (only on the first attempt of an elastic job)
+        if fault and int(fault[0]) == step and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            where = fault[2] if len(fault) > 2 else "before"
+        else:
+            where = None
+        if where == "before":
+            print(f"sending SIG{fault[1]} to myself before step {step}", flush=True)
+            os.kill(os.getpid(), getattr(signal, "SIG" + fault[1]))
         dense, kjt, labels = batch(tables, step, rank, local)
         optimizer.zero_grad()
         logits = model(dense, kjt).squeeze(-1)
         loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, distribute_batch(labels, model.mesh))
+        if where == "mid":  # the others go on into the backward's collectives
+            print(f"sending SIG{fault[1]} to myself in step {step}", flush=True)
+            os.kill(os.getpid(), getattr(signal, "SIG" + fault[1]))
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
@@ -128,7 +138,9 @@ def main() -> None:
         full, slots = model.sparse_arch.embedding_bag_collection.full_tables()
         arrays = {"losses": np.array(losses), **{f"table/{k}": v for k, v in full.items()}}
         arrays.update({f"slot/{k}/{s}": v for k, d in slots.items() for s, v in d.items()})
-        arrays.update({f"dense/{k}": v.cpu().numpy() for k, v in model.state_dict().items() if "embedding_bag" not in k})
+        arrays.update(
+            {f"dense/{k}": v.cpu().numpy() for k, v in model.state_dict().items() if "embedding_bag" not in k}
+        )
         if rank == 0:
             np.savez(out, **arrays)
     print("done", flush=True)

@@ -10,7 +10,6 @@ the last committed checkpoint ends where an uninterrupted run does.
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -67,7 +66,9 @@ class Job:
             env = _env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(r), LOCAL_RANK=str(r),
                        **settings)  # fmt: skip
             with open(self.logs[r], "w") as log:
-                self.procs.append(subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=log, stderr=subprocess.STDOUT))
+                self.procs.append(
+                    subprocess.Popen([sys.executable, str(WORKER)], env=env, stdout=log, stderr=subprocess.STDOUT)
+                )
 
     def log(self, r: int) -> str:
         return self.logs[r].read_text()
@@ -105,7 +106,10 @@ def _last_error(text: str) -> str:
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"FAULT_ROWS_1": "50"}, "collection sparse_arch.embedding_bag_collection.tables.t0.rows is 40 on process 0 but 50 on process 1"),
+        (
+            {"FAULT_ROWS_1": "50"},
+            "collection sparse_arch.embedding_bag_collection.tables.t0.rows is 40 on process 0 but 50 on process 1",
+        ),
         ({"FAULT_PLAN_1": "row_wise"}, "tables.t0.sharding is table_wise on process 0 but row_wise on process 1"),
         ({"FAULT_BATCH_1": "4"}, "the batch of step 1: local batch size is 8 on process 0 but 4 on process 1"),
         ({"FAULT_STEPS_1": "2"}, "process 1 finished its program after step 2 while process 0 is at step 3"),
@@ -128,9 +132,15 @@ def test_processes_that_disagree_all_fail_with_the_same_error(tmp_path, settings
     assert elapsed < LIMIT, elapsed
 
 
-@pytest.mark.parametrize("sig", ["KILL", "STOP"])
-def test_a_lost_process_ends_the_other_with_an_error_naming_it(tmp_path, sig):
-    job = Job(tmp_path, FAULT_STEPS="5", FAULT_SIGNAL_AT_1=f"3:{sig}")
+@pytest.mark.parametrize(
+    "sig, where, seen",
+    [("KILL", "before", 2), ("STOP", "before", 2), ("STOP", "mid", 3)],
+    ids=["kill-between-steps", "stop-between-steps", "stop-inside-a-step"],
+)
+def test_a_lost_process_ends_the_other_with_an_error_naming_it(tmp_path, sig, where, seen):
+    """``mid``: process 1 stops after its forward; process 0 goes on into the backward's collectives,
+    where no Python error reaches it (its watching thread ends it)."""
+    job = Job(tmp_path, FAULT_STEPS="5", FAULT_SIGNAL_AT_1=f"3:{sig}:{where}")
     try:
         signalled = job.wait_for(1, f"sending SIG{sig}")
         code = job.wait(0, LIMIT + 30)
@@ -140,12 +150,14 @@ def test_a_lost_process_ends_the_other_with_an_error_naming_it(tmp_path, sig):
     assert code == 1, job.log(0)[-3000:]
     error = _last_error(job.log(0))
     assert "process 1 is lost: no heartbeat for 20 s (it died, was stopped or hangs)" in error, error
-    assert "last seen at its step 2; this process 0 is at step 3" in error, error
+    assert f"last seen at its step {seen}; this process 0 is at step 3" in error, error
     assert elapsed < LIMIT, elapsed
     assert "Aborted" not in job.log(0) and "SIGABRT" not in job.log(0)
 
 
-def _torchrun(tmp_path: Path, port: int, *extra: str, timeout: float = 400, **settings: str) -> subprocess.CompletedProcess:
+def _torchrun(
+    tmp_path: Path, port: int, *extra: str, timeout: float = 400, **settings: str
+) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(port), *extra, str(WORKER)]  # fmt: skip
     return subprocess.run(command, env=_env(**settings), capture_output=True, text=True, timeout=timeout, cwd=tmp_path)

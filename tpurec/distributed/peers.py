@@ -210,7 +210,16 @@ class Peers:
         self._rounds[name] = n + 1
         step = self.step if step is None else step
         keys = [f"tpurec/exchange/{name}/{n}/{r}" for r in range(self.count)]
-        self.client.key_value_set(keys[self.rank], json.dumps(value))
+        try:
+            self.client.key_value_set(keys[self.rank], json.dumps(value))
+        except Exception:  # the coordinator is unreachable: say so once the watch finds out why
+            deadline = time.monotonic() + self.peer_timeout + 3 * self.interval
+            while time.monotonic() < deadline:
+                reason = self.check()
+                if reason is not None:
+                    raise PeerLost(reason) from None
+                time.sleep(self.interval / 2)
+            raise
         values: list[Any] = [None] * self.count
         values[self.rank] = value
         waiting = [r for r in range(self.count) if r != self.rank]
@@ -319,6 +328,7 @@ class Peers:
                     break
             time.sleep(self.interval / 2)
         return self.failure
+
 
 _peers: Peers | None = None
 

@@ -13,7 +13,14 @@ import jax
 from tpurec import config
 from tpurec.distributed import peers
 
-__all__ = ["CoordinatorPortInUse", "initialize", "is_initialized", "process_count", "process_index", "torchrun_settings"]
+__all__ = [
+    "CoordinatorPortInUse",
+    "initialize",
+    "is_initialized",
+    "process_count",
+    "process_index",
+    "torchrun_settings",
+]
 
 
 class CoordinatorPortInUse(RuntimeError):
@@ -49,6 +56,7 @@ def check_coordinator_port(address: str) -> None:
                     "TPUREC_COORDINATOR_PORT"
                 ) from None
             return
+
 
 _initialized = False
 
@@ -157,7 +165,9 @@ def initialize(
     if jax.process_count() > 1:
         from jax._src import distributed as jax_distributed
 
-        peers.start(jax_distributed.global_state.client, jax.process_index(), jax.process_count(), peer_timeout, step_timeout)
+        peers.start(
+            jax_distributed.global_state.client, jax.process_index(), jax.process_count(), peer_timeout, step_timeout
+        )
 
 
 def is_initialized() -> bool:
