@@ -34,7 +34,17 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["PeerError", "PeerLost", "PeerMismatch", "PeerTimeout", "Peers", "active", "exchange", "set_step", "start"]
+__all__ = [
+    "PeerError",
+    "PeerLost",
+    "PeerMismatch",
+    "PeerTimeout",
+    "Peers",
+    "active",
+    "exchange",
+    "set_step",
+    "start",
+]
 
 _PREFIX = "tpurec/peers/"
 EXIT_CODE = 1
@@ -352,8 +362,18 @@ def exchange(name: str, value: Any, *, step: int | None = None) -> list[Any]:
     return _peers.exchange(name, value, step=step)
 
 
+_ending = threading.Lock()
+
+
 def _end_process(message: str) -> None:
-    """Ends this process with the failure, skipping JAX's shutdown (a peer is gone, it would wait for it)."""
+    """Ends this process with the failure, skipping JAX's shutdown (a peer is gone, it would wait for it).
+
+    Once per process: a second thread that gets here (the watch thread and JAX's coordinator
+    callback may both find a failure) waits for the first to end the process.
+    """
+    if not _ending.acquire(blocking=False):
+        while True:
+            time.sleep(60)
     try:
         print(f"tpurec: {message}; ending this process (exit status {EXIT_CODE})", file=sys.stderr, flush=True)
         sys.stdout.flush()
