@@ -384,27 +384,24 @@ def _end_process(message: str) -> None:
 def start(client: Any, rank: int, count: int, peer_timeout: float, step_timeout: float) -> Peers:
     """Starts watching the other processes (``initialize`` calls it once, after JAX's start-up).
 
-    Also hooks the process's end: an uncaught exception is posted to the others, and at exit
-    this process waits for the others (bounded) and skips JAX's shutdown barrier when one is lost.
+    Also registers an exit hook: it posts an uncaught exception to the others, waits for them
+    (bounded) and skips JAX's shutdown barrier when one is lost or failed.
     """
     global _peers
     peers = Peers(client, rank, count, peer_timeout, step_timeout)
     peers.begin()
     _peers = peers
 
-    previous_hook = sys.excepthook
-
-    def report(kind: type[BaseException], error: BaseException, tb: Any) -> None:
-        text = "".join(traceback.format_exception_only(kind, error)).strip().splitlines()
-        peers.post_failure(text[-1] if text else kind.__name__, own=True)
-        peers.own_failure = True
-        previous_hook(kind, error, tb)
-
-    sys.excepthook = report
-
     # JAX registered its shutdown (a barrier that waits for every process) at import; atexit runs
     # hooks last-in first-out, so this one runs before it.
     def at_exit() -> None:
+        # An uncaught exception ended the program: Python printed it and set sys.last_value before
+        # running the exit hooks. The others end with it (the first line of what was printed).
+        error = getattr(sys, "last_value", None)
+        if error is not None:
+            text = "".join(traceback.format_exception_only(type(error), error)).strip().splitlines()
+            peers.post_failure(text[-1] if text else type(error).__name__, own=True)
+            peers.own_failure = True
         reason = peers.finish()
         peers.stop()
         if reason is not None:
