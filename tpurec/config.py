@@ -237,6 +237,24 @@ FLAGS: tuple[Flag, ...] = (
         minimum=1,
         maximum=65535,
     ),
+    Flag(
+        "TPUREC_PEER_TIMEOUT",
+        "int",
+        20,
+        FIRST_USE,
+        "Seconds without a heartbeat after which a multi-process job declares a process lost and ends "
+        "(read by tpurec.distributed.initialize).",
+        minimum=1,
+    ),
+    Flag(
+        "TPUREC_STEP_TIMEOUT",
+        "int",
+        600,
+        FIRST_USE,
+        "Seconds a process waits for live peers to reach the same step or start-up check before it "
+        "fails naming them (read by tpurec.distributed.initialize).",
+        minimum=1,
+    ),
 )
 
 _BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}

@@ -424,7 +424,7 @@ SPARSE_DIR = PACKAGE_ROOT / "sparse"
 # Outside tpurec.sparse, its device parts may import the runtime below them; its device-free
 # parts (tpurec.sparse.DEVICE_FREE_LAYERS) only the command-line helpers.
 # tpurec.config imports nothing of tpurec (the flags), so every part may read it.
-SPARSE_FOUNDATION = ("tpurec.config", "tpurec.core", "tpurec.dense", "tpurec.library", "tpurec.native", "tpurec.cli")
+SPARSE_FOUNDATION = ("tpurec.config", "tpurec.core", "tpurec.distributed", "tpurec.dense", "tpurec.library", "tpurec.native", "tpurec.cli")
 DEVICE_FREE_FOUNDATION = ("tpurec.config", "tpurec.cli")
 
 

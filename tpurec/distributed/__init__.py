@@ -18,6 +18,12 @@ in order:
 
 On XLA:CPU the processes' collectives run over gloo.
 
+With several processes, each watches the others (:mod:`tpurec.distributed.peers`): a
+process that dies, is stopped, fails or finishes early ends the others within
+``TPUREC_PEER_TIMEOUT`` seconds with a :class:`PeerLost` naming it and its step, and
+``tpurec.shard`` first checks that every process shards the same model alike
+(:class:`PeerMismatch` on every process otherwise).
+
 Example::
 
     # torchrun --nproc-per-node 2 train.py
@@ -28,9 +34,22 @@ Example::
 
 from __future__ import annotations
 
-from tpurec.distributed.startup import initialize, is_initialized, process_count, process_index, torchrun_settings
+from tpurec.distributed.peers import PeerError, PeerLost, PeerMismatch, PeerTimeout
+from tpurec.distributed.startup import (
+    CoordinatorPortInUse,
+    initialize,
+    is_initialized,
+    process_count,
+    process_index,
+    torchrun_settings,
+)
 
 __all__ = [
+    "CoordinatorPortInUse",
+    "PeerError",
+    "PeerLost",
+    "PeerMismatch",
+    "PeerTimeout",
     "initialize",
     "is_initialized",
     "process_count",

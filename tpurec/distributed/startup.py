@@ -2,15 +2,61 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import socket
 from typing import Any
 from collections.abc import Sequence
 
 import jax
 
 from tpurec import config
+from tpurec.distributed import peers
 
-__all__ = ["initialize", "is_initialized", "process_count", "process_index", "torchrun_settings"]
+__all__ = [
+    "CoordinatorPortInUse",
+    "initialize",
+    "is_initialized",
+    "process_count",
+    "process_index",
+    "torchrun_settings",
+]
+
+
+class CoordinatorPortInUse(RuntimeError):
+    """Another program listens on the port JAX's coordinator needs (process 0 checks before it starts)."""
+
+
+def check_coordinator_port(address: str) -> None:
+    """Raises :class:`CoordinatorPortInUse` when the coordinator could not listen on ``address``'s port.
+
+    JAX's coordinator listens on every interface; a port that another program holds makes it
+    crash (SIGSEGV) with no Python error, and the other processes wait out their start-up timeout.
+
+    Args:
+        address: the coordinator's ``host:port``.
+    """
+    port = int(address.rpartition(":")[2])
+    for family, host in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+        try:
+            probe = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:  # no IPv6 on this host
+            continue
+        with probe:
+            # As the coordinator does: a port left in TIME_WAIT by an earlier run (an elastic restart) is free.
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, port))
+            except OSError as error:
+                if error.errno != errno.EADDRINUSE:
+                    continue
+                raise CoordinatorPortInUse(
+                    f"port {port} for JAX's coordinator (process 0, {address}) is already in use by another program; "
+                    "free it, or choose another one: torchrun --master-port (tpurec uses MASTER_PORT + 1) or "
+                    "TPUREC_COORDINATOR_PORT"
+                ) from None
+            return
+
 
 _initialized = False
 
@@ -65,9 +111,14 @@ def initialize(
         local_device_ids: the local devices this process uses (default all).
         initialization_timeout: seconds to wait for every process.
 
+    With several processes, each then watches the others (:mod:`tpurec.distributed.peers`):
+    a process that dies, is stopped, fails or finishes early ends every other process within
+    ``TPUREC_PEER_TIMEOUT`` seconds with an error naming it and its step.
+
     Raises:
         ValueError: arguments are given only in part, or the environment is incomplete.
         RuntimeError: JAX's devices were already in use (initialize must come first).
+        CoordinatorPortInUse: (process 0) another program listens on the coordinator's port.
     """
     global _initialized
     if _initialized:
@@ -82,6 +133,10 @@ def initialize(
         settings: dict[str, object] | None = given
     else:
         settings = torchrun_settings()
+        if settings is not None:
+            # torchrun stops the workers of a failed attempt with SIGTERM (then restarts them with
+            # --max-restarts); JAX's preemption notifier would catch it and keep the process running.
+            jax.config.update("jax_enable_preemption_service", False)
     from jax._src import xla_bridge
 
     if xla_bridge.backends_are_initialized():
@@ -96,9 +151,23 @@ def initialize(
     kwargs: dict[str, Any] = dict(settings or {})
     if local_device_ids is not None:
         kwargs["local_device_ids"] = local_device_ids
-    # Without settings JAX detects the cluster (Cloud TPU metadata, SLURM, ...).
-    jax.distributed.initialize(initialization_timeout=initialization_timeout, **kwargs)
+    if kwargs.get("process_id") == 0 and kwargs.get("coordinator_address"):
+        check_coordinator_port(str(kwargs["coordinator_address"]))
+    peer_timeout, step_timeout = config.get("TPUREC_PEER_TIMEOUT"), config.get("TPUREC_STEP_TIMEOUT")
+    # Without settings JAX detects the cluster (Cloud TPU metadata, SLURM, ...). JAX's own heartbeat
+    # limit stays above tpurec's, so that tpurec's message (naming the process) comes first.
+    jax.distributed.initialize(
+        initialization_timeout=initialization_timeout,
+        heartbeat_timeout_seconds=max(100, 3 * peer_timeout),
+        **kwargs,
+    )
     _initialized = True
+    if jax.process_count() > 1:
+        from jax._src import distributed as jax_distributed
+
+        peers.start(
+            jax_distributed.global_state.client, jax.process_index(), jax.process_count(), peer_timeout, step_timeout
+        )
 
 
 def is_initialized() -> bool:

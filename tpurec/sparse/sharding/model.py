@@ -24,6 +24,7 @@ from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.sequence import EmbeddingCollection
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
+from tpurec.sparse.sharding.fingerprint import agree_on_model, model_fingerprint
 from tpurec.sparse.spec.batch import map_batch
 from tpurec.sparse.spec.mesh import batch_sharded_array, local_device_count
 from tpurec.sparse.spec.shards import TableSharding, module_plans, table_shardings
@@ -203,6 +204,8 @@ def shard(
 
     Raises:
         ValueError, TypeError: a bad plan or mesh; raised before anything changes.
+        tpurec.distributed.PeerMismatch: (several processes) the processes' models, plans or
+            arguments differ; every process raises it, naming the first difference.
 
     Example::
 
@@ -264,6 +267,15 @@ def shard(
     off_device = [tuple(t.shape) for t in dense if t.device.type != "tpu"]
     if off_device:
         raise ValueError(f"parameters/buffers of shapes {off_device} are not on 'tpu'; move the model to 'tpu' first")
+    if jax.process_count() > 1:
+        # Before anything changes or any collective runs: every process must shard the same model alike.
+        named = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers()) if id(t) not in inside]
+        agree_on_model(
+            model_fingerprint(
+                ebcs, specs, named, mesh_shape=tuple(mesh.devices.shape), capacity=capacity, overflow=overflow,
+                optimizer=embedding_optimizer,
+            )
+        )  # fmt: skip
 
     sharded = {}
     for path, ebc in ebcs.items():

@@ -24,6 +24,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.sparse.preprocess import read_kjt
+from tpurec.sparse.sharding.fingerprint import agree_on_step
 from tpurec.sparse.spec.layout import Layout
 from tpurec.sparse.types import PAD_ID, CapacityError, StackedTable
 
@@ -89,6 +90,10 @@ class InputRouter:
         ValueError: this process's devices are not a contiguous run of the mesh.
     """
 
+    # Routers made so far: a router's number names its per-step agreement (processes make
+    # their sharded collections in the same order, which tpurec.shard's agreement checks).
+    created = 0
+
     def __init__(
         self,
         configs: Sequence[EmbeddingBagConfig],
@@ -105,6 +110,9 @@ class InputRouter:
         self.is_weighted = is_weighted
         self.fixed_capacity = None if capacity is None else -(-capacity // ALIGN) * ALIGN
         self.overflow = overflow
+        self.number = InputRouter.created
+        InputRouter.created += 1
+        self.steps = 0  # batches packed (the per-step agreement's step)
         # Automatic capacities per group (sharded groups, then data-parallel ones); they only grow.
         self.capacities = [ALIGN] * (len(layout.groups) + len(layout.dp_groups))
         # Which mesh positions this process feeds: its local batch is split over them in order.
@@ -255,9 +263,16 @@ class InputRouter:
         """
         local_needs = list(needs)
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
+            self.steps += 1
+            local_batch = -1 if routed is None else routed.per_device * self.local_devices
+            # Through the coordinator's store (tpurec.distributed.initialize): also checks the local
+            # batch sizes, and a lost or finished process is an error instead of a collective that waits.
+            everyone = agree_on_step(self.number, self.steps, local_batch, [int(n) for n in needs])
+            if len(everyone) == 1:  # JAX started without tpurec.distributed.initialize: no store exchange
+                from jax.experimental import multihost_utils
 
-            needs = [int(x) for x in np.max(multihost_utils.process_allgather(np.array(needs, np.int64)), axis=0)]
+                everyone = multihost_utils.process_allgather(np.array(needs, np.int64)).tolist()
+            needs = [max(int(x) for x in column) for column in zip(*everyone)]
         if self.fixed_capacity is not None:
             over = [n for n in needs if n > self.fixed_capacity]
             if over and self.overflow == "error":
