@@ -259,14 +259,31 @@ def local_stack_values(
         num_rows, width: the stack's shape.
     """
     kinds, a, b, k2 = (jnp.asarray(x) for x in params)
-    r = jnp.arange(num_rows, dtype=jnp.int32)
-    j = jnp.clip(jnp.searchsorted(starts, r, side="right") - 1, 0, starts.shape[0] - 1)
-    local = r - starts[j]
-    inside = (local >= 0) & (local < counts[j])
-    t = tables[j]
-    rows = row_offsets[j].astype(jnp.uint32) + local.astype(jnp.uint32)
-    cols = col_offsets[j].astype(jnp.uint32)[:, None] + jnp.arange(width, dtype=jnp.uint32)[None, :]
-    values = element_values(
-        kinds[t][:, None], a[t][:, None], b[t][:, None], jnp.uint32(k1), k2[t][:, None], rows[:, None], cols
-    )
-    return jnp.where(inside[:, None], values, jnp.float32(0))
+    # Blocks of rows, written into the stack in place: the generator's temporaries stay a
+    # block's size, not the stack's (the last block is shifted back to end at num_rows; its
+    # rows overlap the previous block's and get the same values again).
+    block = min(num_rows, _BLOCK_ROWS)
+
+    def values_at(first: jax.Array) -> jax.Array:
+        r = first + jnp.arange(block, dtype=jnp.int32)
+        j = jnp.clip(jnp.searchsorted(starts, r, side="right") - 1, 0, starts.shape[0] - 1)
+        local = r - starts[j]
+        inside = (local >= 0) & (local < counts[j])
+        t = tables[j]
+        rows = row_offsets[j].astype(jnp.uint32) + local.astype(jnp.uint32)
+        cols = col_offsets[j].astype(jnp.uint32)[:, None] + jnp.arange(width, dtype=jnp.uint32)[None, :]
+        values = element_values(
+            kinds[t][:, None], a[t][:, None], b[t][:, None], jnp.uint32(k1), k2[t][:, None], rows[:, None], cols
+        )
+        return jnp.where(inside[:, None], values, jnp.float32(0))
+
+    def body(i: jax.Array, stack: jax.Array) -> jax.Array:
+        first = jnp.minimum(i * block, num_rows - block)
+        return jax.lax.dynamic_update_slice(stack, values_at(first), (first, 0))
+
+    blocks = -(-num_rows // block) if block else 0
+    return jax.lax.fori_loop(0, blocks, body, jnp.zeros((num_rows, width), jnp.float32))
+
+
+_BLOCK_ROWS = 2048
+"""Rows :func:`local_stack_values` generates at once."""

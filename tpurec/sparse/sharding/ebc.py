@@ -260,10 +260,10 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         keys = [table_key(seed, c.name) for c in configs]
         k1 = keys[0][0]
         params = (
-            np.array([i.code for i in inits], np.int32),
-            np.array([i.a for i in inits], np.float32),
-            np.array([i.b for i in inits], np.float32),
-            np.array([k[1] for k in keys], np.uint32),
+            jnp.asarray(np.array([i.code for i in inits], np.int32)),
+            jnp.asarray(np.array([i.a for i in inits], np.float32)),
+            jnp.asarray(np.array([i.b for i in inits], np.float32)),
+            jnp.asarray(np.array([k[1] for k in keys], np.uint32)),
         )
         index = {c.name: i for i, c in enumerate(configs)}
         kinds = self.optimizer.slots

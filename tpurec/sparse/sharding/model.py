@@ -162,12 +162,15 @@ def _move_to_tpu(model: nn.Module, moving: set[int]) -> None:
     ``model.to("tpu")`` would copy them off the mesh).
     """
     for module in model.modules():
-        for name, param in list(module._parameters.items()):
+        # In place in the module's own dicts, as nn.Module._apply moves them.
+        parameters: dict[str, Any] = vars(module)["_parameters"]
+        buffers: dict[str, Any] = vars(module)["_buffers"]
+        for name, param in list(parameters.items()):
             if param is not None and id(param) in moving:
-                module._parameters[name] = nn.Parameter(param.detach().to("tpu"), requires_grad=param.requires_grad)
-        for name, buffer in list(module._buffers.items()):
+                parameters[name] = nn.Parameter(param.detach().to("tpu"), requires_grad=param.requires_grad)
+        for name, buffer in list(buffers.items()):
             if buffer is not None and id(buffer) in moving:
-                module._buffers[name] = buffer.to("tpu")
+                buffers[name] = buffer.to("tpu")
 
 
 def shard(
@@ -260,9 +263,11 @@ def shard(
     born = [path for path, ebc in ebcs.items() if ebc.device.type == "meta"]
     for path in born:
         # Every table born on meta must be creatable shard by shard: refuse before anything changes.
+        collection = ebcs[path]
+        assert isinstance(collection, EmbeddingBagCollection)  # what _collections finds
         table_key(seed, "")
-        check_rows_fit(ebcs[path].embedding_bag_configs())
-        for cfg in ebcs[path].embedding_bag_configs():
+        check_rows_fit(collection.embedding_bag_configs())
+        for cfg in collection.embedding_bag_configs():
             table_init(cfg)
     embedding_optimizer = None if optimizer is None else optimizer_from_torch(optimizer, optimizer_kwargs)
 
