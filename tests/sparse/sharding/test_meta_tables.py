@@ -333,8 +333,8 @@ BIG_ROWS = 1 << 20  # x 64 float32: 256 MiB
 SLACK_MB = 384  # 1.5 of the big table over what its shards take
 
 
-def _run(tmp_path: Path, mode: str, slack_mb: int | None) -> dict:
-    out = tmp_path / mode
+def _run(tmp_path: Path, mode: str, slack_mb: int | None, name: str | None = None) -> dict:
+    out = tmp_path / (name or mode)
     out.mkdir()
     env = {
         **os.environ,
@@ -353,11 +353,13 @@ def _run(tmp_path: Path, mode: str, slack_mb: int | None) -> dict:
 
 @pytest.mark.slow
 def test_a_table_born_sharded_under_an_address_space_cap_trains_like_the_one_built_whole(tmp_path):
-    """The big table sharded row-wise from meta over 8 devices within a cap (RLIMIT_AS) that building it
-    whole exceeds; it then trains and checkpoints exactly like the model built whole and sharded normally."""
+    """One process, 8 devices: the big table is built, sharded row-wise from meta and trained within a cap
+    (RLIMIT_AS: what the process had mapped, plus the table, which its devices hold, plus 384 MiB) that
+    building the same model whole exceeds; it trains and checkpoints exactly like the model built whole and
+    sharded normally (losses and every table, slot and dense value equal)."""
     born = _run(tmp_path, "meta", SLACK_MB)
     assert "error" not in born, born["error"]
-    refused = _run(tmp_path, "normal", SLACK_MB)
+    refused = _run(tmp_path, "normal", SLACK_MB, name="normal-capped")
     assert "error" in refused and re.search(
         r"MemoryError|RESOURCE_EXHAUSTED|can.t allocate memory|Unable to allocate", refused["error"]
     ), refused
