@@ -61,6 +61,7 @@ def shard(
     capacity: int | None = None,
     overflow: Literal["error", "drop"] = "error",
     planner_batch_size: int = 4096,
+    seed: int = 0,
 ) -> nn.Module:
     """Shards ``model``'s embedding tables by ``plan`` over ``mesh`` and makes its dense part data-parallel.
 
@@ -73,6 +74,9 @@ def shard(
         model: a model on ``tpu`` holding tpurec ``EmbeddingBagCollection`` s or
             sequence ``EmbeddingCollection`` s (e.g. from
             ``tpurec.sparse.from_torchrec(...).to("tpu")``), or one such collection.
+            Their tables may be on ``meta`` (e.g. ``from_torchrec(model, device="meta")``):
+            then each shard is created on its device and the rest of the model is
+            moved to ``tpu`` from the host.
         plan: a torchrec ``ShardingPlan`` (module path -> table plans), or one
             module's table plan. None asks the TPU planner.
         mesh: a ``jax.sharding.Mesh``; plan rank ``r`` is ``mesh.devices.flat[r]``.
@@ -82,6 +86,12 @@ def shard(
         capacity: entries a device may send one shard per step (None: grow on demand).
         overflow: ``"error"`` or ``"drop"`` when a batch exceeds ``capacity``.
         planner_batch_size: global batch size the planner assumes (``plan=None``).
+        seed: for collections whose tables are on ``meta``: every shard is born
+            on its own device from ``(seed, table name, row, column)``, so no
+            process holds a whole table and the same seed gives the same tables
+            under any plan or mesh (the config's distribution, see
+            :mod:`tpurec.sparse.table_init`); optimizer slots start at zero. Every
+            process must pass the same seed. Unused for tables with values.
 
     Returns:
         ``model`` with its collections replaced by sharded ones (the sharded
@@ -89,6 +99,8 @@ def shard(
 
     Raises:
         ValueError, TypeError: a bad plan or mesh; raised before anything changes.
+        NotImplementedError: a table on ``meta`` whose ``init_fn`` cannot be applied
+            shard by shard; raised before anything changes.
 
     Example::
 
@@ -109,4 +121,5 @@ def shard(
         capacity=capacity,
         overflow=overflow,
         planner_batch_size=planner_batch_size,
+        seed=seed,
     )

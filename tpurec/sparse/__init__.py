@@ -67,6 +67,7 @@ LAYERS = (
     "preprocess",  # KeyedJaggedTensor -> SparseCore CSR
     "ops",  # torch.ops.tpurec.*
     "optimizers",  # fused embedding optimizers
+    "table_init",  # initial table values independent of the sharding (tables born on meta)
     "export",  # torch.export / tracing of the collections
     "modules",  # EmbeddingBagCollection
     "sequence",  # EmbeddingCollection

@@ -227,7 +227,10 @@ def from_torchrec(
     Args:
         model: a module containing torchrec embedding bag collections.
         optimizer: fallback optimizer for tables without one (None: inference).
-        device: device of the new tables (default: where the old ones were).
+        device: device of the new tables (default: where the old ones were; tables
+            on ``meta`` are then materialised on the host). ``"meta"`` keeps them
+            without values, for :func:`tpurec.shard` to create each shard on its
+            own device (tables born sharded, see docs/sharding.md).
         num_partitions: MOD partitions.
         capacities: static capacities (see ``suggest_capacities``).
         max_seq_len: positions per sequence of converted ``EmbeddingCollection`` modules

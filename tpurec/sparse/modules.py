@@ -104,7 +104,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             inference module, whose tables never change; a backward through
             its lookup raises instead of silently applying some optimizer.
         optimizer_kwargs: keyword arguments of a torch optimizer class.
-        device: where the tables live, e.g. ``"tpu"`` (default CPU).
+        device: where the tables live, e.g. ``"tpu"`` (default CPU). ``"meta"``:
+            no values and no memory, for :func:`tpurec.shard` to create each shard
+            on its own device (see :mod:`tpurec.sparse.table_init`); such a
+            collection cannot look ids up before it is sharded.
         num_partitions: MOD partitions of every table.
         capacities: static per-partition capacities (one for all stacks or per
             stack name, see ``suggest_capacities``). None grows them on demand
@@ -206,12 +209,16 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             else:
                 self._output_runs.append((i, slot, slot + 1))
         configs = {t.name: t for t in self._embedding_bag_configs}
+        # On "meta" the tables get no values (and no host memory): tpurec.shard creates each
+        # shard on its own device (tpurec.sparse.table_init); an unsharded lookup refuses.
+        on_meta = device is not None and torch.device(device).type == "meta"
+        where = torch.device("meta") if on_meta else None
         for i, st in enumerate(self._stacks):
             # A stack holds tables of one data_type (stack_tables groups by dim and type);
             # the weights are stored in it, the optimizer slots in float32 (as FBGEMM keeps them).
             dtype = TABLE_DTYPES[configs[st.tables[0].name].data_type]
-            weight = torch.empty(st.num_rows, st.embedding_dim, dtype=dtype)
-            for t in st.tables:
+            weight = torch.empty(st.num_rows, st.embedding_dim, dtype=dtype, device=where)
+            for t in st.tables if not on_meta else ():
                 cfg = configs[t.name]
                 rows = weight[t.row_offset : t.row_offset + t.num_embeddings]
                 if cfg.init_fn is not None:
@@ -221,8 +228,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             self.register_parameter(f"stacked_weight_{i}", nn.Parameter(weight))
             for slot, shape in self._slot_names_and_shapes():
                 size = (st.num_rows,) if shape == "row" else (st.num_rows, st.embedding_dim)
-                self.register_buffer(f"stacked_{slot}_{i}", torch.zeros(size, dtype=torch.float32), persistent=False)
-        if device is not None:
+                self.register_buffer(f"stacked_{slot}_{i}", torch.zeros(size, dtype=torch.float32, device=where), persistent=False)
+        if device is not None and not on_meta:
             self.to(device)
 
     def _slot_names_and_shapes(self) -> list[tuple[str, str]]:
@@ -366,6 +373,12 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         """
         if _export.is_tracing(features):  # torch.export / torch.fx: one traceable op (tpurec/sparse/export.py)
             return _export.traced_forward(self, features)
+        if self.device.type == "meta":
+            raise RuntimeError(
+                f"the tables {[c.name for c in self._embedding_bag_configs]} are on 'meta' and have no values: "
+                "shard the model with tpurec.shard(model, plan, seed=...), which creates each shard on its device, "
+                "or build the collection on a device (device='tpu' or the host) to look ids up unsharded"
+            )
         self._check_trainable_lookup(features)
         prefetched = self._take_prefetched(features)
         batch = self.preprocess(features) if prefetched is None else prefetched[0]

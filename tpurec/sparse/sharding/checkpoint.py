@@ -34,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -66,17 +67,95 @@ def _padded_rows(rows: int, devices: int) -> int:
     return -(-rows // devices) * devices
 
 
+@dataclasses.dataclass
+class _Block:
+    """One column block of a sharded table: where its rows lie in its group's local stacks.
+
+    Attributes:
+        table: the table's name.
+        col_offset: its first column; ``width`` columns.
+        group: the group whose stacks hold it.
+        local: ``[devices, M]`` local stack row of each of the block's rows on
+            that device, in table-row order (-1: none); the *extracted* array is
+            ``[devices * M, width]``, device ``d``'s rows at ``d * M``.
+        gather: canonical row ``r`` -> its row in the extracted array, or None when
+            the two coincide (row-wise in rank order, the canonical layout itself):
+            then save and load move no row between devices.
+    """
+
+    table: str
+    col_offset: int
+    width: int
+    group: int
+    local: np.ndarray
+    gather: np.ndarray | None
+
+
+def _blocks(module: ShardedEmbeddingBagCollection) -> list[_Block]:
+    L, D = module.layout, module.layout.num_devices
+    out = []
+    for cfg in module.embedding_bag_configs():
+        if cfg.name in L.dp_group_of:
+            continue
+        per_row = _padded_rows(cfg.num_embeddings, D) // D
+        pieces = L.shardings[cfg.name].pieces
+        for c0 in sorted({p.col_offset for p in pieces}):
+            cells = sorted((p for p in pieces if p.col_offset == c0), key=lambda p: p.row_offset)
+            g = next(i for i, grp in enumerate(L.groups) if cells[0] in grp.offsets)
+            grp = L.groups[g]
+            on = [[p for p in cells if p.device == d] for d in range(D)]
+            aligned = all(len(c) <= 1 for c in on) and all(p.row_offset == p.device * per_row and p.rows <= per_row for p in cells)
+            m = per_row if aligned else max(1, max(sum(p.rows for p in c) for c in on))
+            local = np.full((D, m), -1, np.int32)
+            first: dict[Any, int] = {}
+            for d, c in enumerate(on):
+                k = 0
+                for p in c:
+                    local[d, k : k + p.rows] = grp.offsets[p] + np.arange(p.rows)
+                    first[p] = d * m + k
+                    k += p.rows
+            gather = None if aligned else np.concatenate([first[p] + np.arange(p.rows) for p in cells]).astype(np.int32)
+            out.append(_Block(cfg.name, c0, cells[0].cols, g, local, gather))
+    return out
+
+
+def _local_take(array: jax.Array, index: jax.Array) -> jax.Array:
+    """``array[index]`` on one device, zeros where ``index`` is -1."""
+    valid = index >= 0
+    rows = jnp.take(array, jnp.where(valid, index, 0), axis=0)
+    return jnp.where(valid.reshape(valid.shape + (1,) * (rows.ndim - 1)), rows, jnp.zeros((), rows.dtype))
+
+
 def _canonical_fn(module: ShardedEmbeddingBagCollection):
-    """A function: (stacked weights, slots, dp weights, dp slots) -> {table: {"weight"|slot: [padded rows, ...]}}."""
+    """A function: (stacked weights, slots, dp weights, dp slots) -> {table: {"weight"|slot: [padded rows, ...]}}.
+
+    Each device first extracts its own rows of every table (no communication);
+    a row-wise table in rank order is then already canonical, so saving it
+    moves no row and no device ever holds more than its shards. Other tables
+    are gathered from their extracted rows (at most one table's rows at once).
+    """
     L, D = module.layout, module.layout.num_devices
     kinds = module.optimizer.slots
     configs = module.embedding_bag_configs()
+    blocks = _blocks(module)
+    spec = P(module.axis)
 
     def fn(weights, slots, dp_weights, dp_slots):
+        extracted: dict[int, list[jax.Array]] = {}
+        for g in range(len(L.groups)):
+            mine = [b for b in blocks if b.group == g]
+
+            def extract(stacks, indices):
+                return [[_local_take(a, index[0]) for a in stacks] for index in indices]
+
+            indices = [jnp.asarray(b.local) for b in mine]
+            run = jax.shard_map(extract, mesh=module.mesh, in_specs=([spec] * (1 + len(kinds)), [spec] * len(mine)), out_specs=[[spec] * (1 + len(kinds))] * len(mine), check_vma=False)
+            for b, arrays in zip(mine, run([weights[g], *slots[g]], indices)):
+                extracted[id(b)] = arrays
         out: dict[str, dict[str, jax.Array]] = {}
         for cfg in configs:
             rows = cfg.num_embeddings
-            pad = _padded_rows(rows, D) - rows
+            padded = _padded_rows(rows, D)
             values: dict[str, jax.Array] = {}
             if cfg.name in L.dp_group_of:
                 g = L.dp_group_of[cfg.name]
@@ -84,51 +163,63 @@ def _canonical_fn(module: ShardedEmbeddingBagCollection):
                 values["weight"] = dp_weights[g][first : first + rows]
                 for s, stack in zip(kinds, dp_slots[g]):
                     values[s] = stack[first : first + rows]
-            else:
-                pieces = module.layout.shardings[cfg.name].pieces
-                column_blocks = sorted({p.col_offset for p in pieces})
-                blocks: dict[str, list[jax.Array]] = {"weight": [], **{s: [] for s in kinds}}
-                for c0 in column_blocks:
-                    cells = sorted((p for p in pieces if p.col_offset == c0), key=lambda p: p.row_offset)
-                    g = next(i for i, grp in enumerate(L.groups) if cells[0] in grp.offsets)
-                    grp = L.groups[g]
-                    index = np.concatenate([p.device * grp.rows_per_device + grp.offsets[p] + np.arange(p.rows) for p in cells])
-                    blocks["weight"].append(jnp.take(weights[g], index, axis=0))
-                    for (s, kind), stack in zip(kinds.items(), slots[g]):
-                        # A row-wise slot is kept once per column shard: take the first.
-                        if kind != "row" or c0 == 0:
-                            blocks[s].append(jnp.take(stack, index, axis=0))
-                values["weight"] = jnp.concatenate(blocks["weight"], axis=1)
-                for s, kind in kinds.items():
-                    values[s] = blocks[s][0] if kind == "row" else jnp.concatenate(blocks[s], axis=1)
-            out[cfg.name] = {k: jnp.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1)) for k, v in values.items()}
+                out[cfg.name] = {k: jnp.pad(v, [(0, padded - rows)] + [(0, 0)] * (v.ndim - 1)) for k, v in values.items()}
+                continue
+            parts: list[list[jax.Array]] = []
+            for b in (b for b in blocks if b.table == cfg.name):
+                arrays = extracted[id(b)]
+                if b.gather is not None:
+                    arrays = [jnp.pad(jnp.take(a, b.gather, axis=0), [(0, padded - rows)] + [(0, 0)] * (a.ndim - 1)) for a in arrays]
+                parts.append(arrays)
+            values["weight"] = jnp.concatenate([p[0] for p in parts], axis=1)
+            for i, (s, kind) in enumerate(kinds.items(), start=1):
+                # A row-wise slot is kept once per column shard: take the first.
+                values[s] = parts[0][i] if kind == "row" else jnp.concatenate([p[i] for p in parts], axis=1)
+            out[cfg.name] = values
         return out
 
     return fn
 
 
 def _stacked_fn(module: ShardedEmbeddingBagCollection):
-    """The inverse of :func:`_canonical_fn` for ``module``'s layout."""
+    """The inverse of :func:`_canonical_fn` for ``module``'s layout (rows move as little as there)."""
     L = module.layout
     kinds = module.optimizer.slots
     configs = {c.name: c for c in module.embedding_bag_configs()}
+    blocks = _blocks(module)
+    spec = P(module.axis)
+    sharded = NamedSharding(module.mesh, spec)
 
     def fn(canonical):
         weights, slots = [], []
-        for grp in L.groups:
-            n = L.num_devices * grp.rows_per_device
-            w = jnp.zeros((n, grp.width), jnp.float32)
-            ss = {s: jnp.zeros((n,) if k == "row" else (n, grp.width), jnp.float32) for s, k in kinds.items()}
-            for p, offset in grp.offsets.items():
-                index = p.device * grp.rows_per_device + offset + np.arange(p.rows)
-                rows = slice(p.row_offset, p.row_offset + p.rows)
-                cols = slice(p.col_offset, p.col_offset + p.cols)
-                w = w.at[index].set(canonical[p.table]["weight"][rows, cols])
+        for g, grp in enumerate(L.groups):
+            mine = [b for b in blocks if b.group == g]
+            sources = []
+            for b in mine:
+                table = canonical[b.table]
+                arrays = [table["weight"][:, b.col_offset : b.col_offset + b.width]]
                 for s, k in kinds.items():
-                    value = canonical[p.table][s]
-                    ss[s] = ss[s].at[index].set(value[rows] if k == "row" else value[rows, cols])
-            weights.append(w)
-            slots.append([ss[s] for s in kinds])
+                    arrays.append(table[s] if k == "row" else table[s][:, b.col_offset : b.col_offset + b.width])
+                if b.gather is not None:
+                    inverse = np.zeros(b.local.size, np.int32)
+                    inverse[b.gather] = np.arange(b.gather.size)
+                    arrays = [jax.lax.with_sharding_constraint(jnp.take(a, inverse, axis=0), sharded) for a in arrays]
+                sources.append(arrays)
+            R, w = grp.rows_per_device, grp.width
+
+            def place(sources, indices, R=R, w=w):
+                stacks = [jnp.zeros((R, w), jnp.float32)] + [jnp.zeros((R,) if k == "row" else (R, w), jnp.float32) for k in kinds.values()]
+                for arrays, index in zip(sources, indices):
+                    target = jnp.where(index[0] >= 0, index[0], R)  # -1: dropped
+                    stacks = [st.at[target].set(a, mode="drop") for st, a in zip(stacks, arrays)]
+                return stacks
+
+            indices = [jnp.asarray(b.local) for b in mine]
+            n = 1 + len(kinds)
+            run = jax.shard_map(place, mesh=module.mesh, in_specs=([[spec] * n] * len(mine), [spec] * len(mine)), out_specs=[spec] * n, check_vma=False)
+            stacks = run(sources, indices)
+            weights.append(stacks[0])
+            slots.append(list(stacks[1:]))
         dp_weights, dp_slots = [], []
         for dg in L.dp_groups:
             w = jnp.zeros((dg.num_rows, dg.width), jnp.float32)
@@ -143,6 +234,30 @@ def _stacked_fn(module: ShardedEmbeddingBagCollection):
         return weights, slots, dp_weights, dp_slots
 
     return fn
+
+
+def _canonical_program(module: ShardedEmbeddingBagCollection) -> Any:
+    """:func:`_canonical_fn` jitted, its outputs in the canonical layout (rows over the mesh)."""
+    L = module.layout
+    weights, slots = module._arrays("shard", len(L.groups))
+    dp_weights, dp_slots = module._arrays("dp", len(L.dp_groups))
+    shapes = jax.eval_shape(_canonical_fn(module), weights, slots, dp_weights, dp_slots)
+    shardings = jax.tree.map(lambda s: _canonical_sharding(module, len(s.shape)), shapes)
+    return jax.jit(_canonical_fn(module), out_shardings=shardings)
+
+
+def _stacked_program(module: ShardedEmbeddingBagCollection) -> Any:
+    """:func:`_stacked_fn` jitted, its outputs laid out as ``module``'s stacks."""
+    L = module.layout
+    spec, rep = NamedSharding(module.mesh, P(module.axis)), NamedSharding(module.mesh, P())
+    n_slots = len(module.optimizer.slots)
+    out_shardings = (
+        [spec] * len(L.groups),
+        [[spec] * n_slots] * len(L.groups),
+        [rep] * len(L.dp_groups),
+        [[rep] * n_slots] * len(L.dp_groups),
+    )
+    return jax.jit(_stacked_fn(module), out_shardings=out_shardings)
 
 
 def _key(name: str) -> str:
@@ -176,9 +291,7 @@ def _tree(model: nn.Module) -> dict[str, Any]:
         L = module.layout
         weights, slots = module._arrays("shard", len(L.groups))
         dp_weights, dp_slots = module._arrays("dp", len(L.dp_groups))
-        shapes = jax.eval_shape(_canonical_fn(module), weights, slots, dp_weights, dp_slots)
-        shardings = jax.tree.map(lambda s: _canonical_sharding(module, len(s.shape)), shapes)
-        canonical = jax.jit(_canonical_fn(module), out_shardings=shardings)(weights, slots, dp_weights, dp_slots)
+        canonical = _canonical_program(module)(weights, slots, dp_weights, dp_slots)
         tree["embeddings"][_key(path)] = {"tables": canonical, "step": np.array(module._step, np.int64)}
     for name, t in _dense(model).items():
         tree["dense"][_key(name)] = value_of(t, "checkpoint")
@@ -264,11 +377,7 @@ def load(model: nn.Module, directory: str | os.PathLike) -> None:
     for mpath, module in modules.items():
         entry = restored["embeddings"][_key(mpath)]
         canonical = entry["tables"]
-        L = module.layout
-        spec, rep = NamedSharding(module.mesh, P(module.axis)), NamedSharding(module.mesh, P())
-        n_slots = len(module.optimizer.slots)
-        out_shardings = ([spec] * len(L.groups), [[spec] * n_slots] * len(L.groups), [rep] * len(L.dp_groups), [[rep] * n_slots] * len(L.dp_groups))
-        weights, slots, dp_weights, dp_slots = jax.jit(_stacked_fn(module), out_shardings=out_shardings)(canonical)
+        weights, slots, dp_weights, dp_slots = _stacked_program(module)(canonical)
         for prefix, ws, ss in (("shard", weights, slots), ("dp", dp_weights, dp_slots)):
             for g, (w, s) in enumerate(zip(ws, ss)):
                 replace_array(getattr(module, f"{prefix}_weight_{g}"), w)

@@ -16,10 +16,12 @@ compute and output distribution (see docs/sharding.md):
 
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Any, Literal, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -39,6 +41,7 @@ from tpurec.sparse.sharding import programs
 from tpurec.sparse.spec.layout import Layout
 from tpurec.sparse.sharding.routing import InputRouter, Prefetched, Routed
 from tpurec.sparse.spec.shards import TableSharding
+from tpurec.sparse.table_init import check_rows_fit, local_stack_values, table_init, table_key
 from tpurec.sparse.types import StackedTable
 
 __all__ = ["ShardedEmbeddingBagCollection", "host_values"]
@@ -107,6 +110,10 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             compiles the programs again).
         overflow: ``"error"`` (raise :class:`CapacityError`) or ``"drop"`` (count
             the dropped entries in ``dropped`` and, per feature, :meth:`dropped_entries`).
+        seed: when ``source``'s tables are on ``meta``: the seed every shard is
+            born from, on its own device (see :mod:`tpurec.sparse.table_init`;
+            the same seed gives the same tables under any plan); optimizer
+            slots start at zero. Unused for a source with values.
 
     Example::
 
@@ -121,6 +128,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         mesh: Mesh,
         capacity: int | None = None,
         overflow: Literal["error", "drop"] = "error",
+        seed: int = 0,
     ) -> None:
         super().__init__()
         if overflow not in ("error", "drop"):
@@ -177,6 +185,11 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._sharded = NamedSharding(mesh, P(self.axis))
         self._replicated = NamedSharding(mesh, P())
 
+        if source.device.type == "meta":
+            # Born sharded: each shard is created on its device; no host ever holds a table.
+            self._init_on_mesh(seed)
+            runtime.mesh_arrays_in_use()
+            return
         host_tables = {c.name: source.table_weight(c.name).detach().cpu().numpy().astype(np.float32) for c in configs}
         opt_state = source.optimizer_state_dict()["state"]
         host_slots = {
@@ -232,6 +245,74 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     self.register_buffer(name, tensor, persistent=False)
             else:
                 replace_array(getattr(self, name), array)
+
+    def _init_on_mesh(self, seed: int) -> None:
+        """Registers the tables, born on their devices from ``seed``, and zero optimizer slots.
+
+        Each device computes only its own rows (``shard_map`` over the piece
+        lists of its local stack); data-parallel stacks are computed on every
+        device. Values: :func:`tpurec.sparse.table_init.local_stack_values`.
+        """
+        L, D = self.layout, self.layout.num_devices
+        configs = self._embedding_bag_configs
+        check_rows_fit(configs)
+        inits = [table_init(c) for c in configs]  # raises for an init_fn it cannot apply per shard
+        keys = [table_key(seed, c.name) for c in configs]
+        k1 = keys[0][0]
+        params = (
+            jnp.asarray(np.array([i.code for i in inits], np.int32)),
+            jnp.asarray(np.array([i.a for i in inits], np.float32)),
+            jnp.asarray(np.array([i.b for i in inits], np.float32)),
+            jnp.asarray(np.array([k[1] for k in keys], np.uint32)),
+        )
+        index = {c.name: i for i, c in enumerate(configs)}
+        kinds = self.optimizer.slots
+
+        def piece_arrays(pieces: list[list[tuple[int, int, int, int, int]]]) -> list[np.ndarray]:
+            # [devices, pieces] (start, rows, table, row offset, col offset); padding pieces hold no row.
+            width = max(1, max(len(p) for p in pieces))
+            out = [np.zeros((len(pieces), width), dtype) for dtype in (np.int32, np.int32, np.int32, np.uint32, np.uint32)]
+            for d, entries in enumerate(pieces):
+                for j, entry in enumerate(sorted(entries)):
+                    for array, value in zip(out, entry):
+                        array[d, j] = value
+                for j in range(len(entries), width):
+                    out[0][d, j] = np.iinfo(np.int32).max
+            return out
+
+        def zeros(shape: tuple[int, ...], sharding: NamedSharding) -> jax.Array:
+            return jax.jit(lambda: jnp.zeros(shape, jnp.float32), out_shardings=sharding)()
+
+        arrays: dict[str, jax.Array] = {}
+        spec = P(self.axis)
+        for g, grp in enumerate(L.groups):
+            R, w = grp.rows_per_device, grp.width
+            per_device: list[list[tuple[int, int, int, int, int]]] = [[] for _ in range(D)]
+            for p, offset in grp.offsets.items():
+                per_device[p.device].append((offset, p.rows, index[p.table], p.row_offset, p.col_offset))
+            host = piece_arrays(per_device)
+            pieces = [_global_from_host(a, self._sharded) for a in host]
+
+            def local(starts, counts, tables, row_offsets, col_offsets, R=R, w=w):
+                return local_stack_values(starts[0], counts[0], tables[0], row_offsets[0], col_offsets[0], params, k1, R, w)
+
+            born = jax.shard_map(local, mesh=self.mesh, in_specs=(spec,) * 5, out_specs=spec, check_vma=False)
+            arrays[f"shard_weight_{g}"] = jax.jit(born, out_shardings=self._sharded)(*pieces)
+            for s, k in kinds.items():
+                arrays[f"shard_{s}_{g}"] = zeros((D * R,) if k == "row" else (D * R, w), self._sharded)
+        for g, dg in enumerate(L.dp_groups):
+            entries = [(offset, configs[index[name]].num_embeddings, index[name], 0, 0) for name, offset in dg.offsets.items()]
+            host = [a[0] for a in piece_arrays([entries])]
+            stack = functools.partial(local_stack_values, params=params, k1=k1, num_rows=dg.num_rows, width=dg.width)
+            arrays[f"dp_weight_{g}"] = jax.jit(stack, out_shardings=self._replicated)(*host)
+            for s, k in kinds.items():
+                arrays[f"dp_{s}_{g}"] = zeros((dg.num_rows,) if k == "row" else (dg.num_rows, dg.width), self._replicated)
+        for name, array in arrays.items():
+            tensor = wrap(array, 0)
+            if "weight" in name:
+                self.register_parameter(name, nn.Parameter(tensor))
+            else:
+                self.register_buffer(name, tensor, persistent=False)
 
     def _arrays(self, prefix: str, count: int) -> tuple[list[jax.Array], list[list[jax.Array]]]:
         from tpurec.core.dispatch import value_of

@@ -30,6 +30,7 @@ def model_fingerprint(
     capacity: int | None,
     overflow: str,
     optimizer: Any,
+    seed: int | None = None,
 ) -> dict[str, Any]:
     """What every process of a job must share about a model ``tpurec.shard`` is about to shard (JSON-able).
 
@@ -41,8 +42,12 @@ def model_fingerprint(
         capacity: the ``capacity`` argument of ``tpurec.shard``.
         overflow: its ``overflow`` argument.
         optimizer: the fused embedding optimizer given to ``tpurec.shard`` (or None).
+        seed: the seed that creates tables born on ``meta`` (None: no table is on ``meta``);
+            each process creates its own shards, so a different seed would be a different model.
     """
-    fp = {"mesh": list(mesh_shape), "capacity": capacity, "overflow": overflow}
+    fp: dict[str, Any] = {"mesh": list(mesh_shape), "capacity": capacity, "overflow": overflow}
+    if seed is not None:
+        fp["seed of the tables on meta"] = seed
     if optimizer is not None:
         fp["optimizer"] = _optimizer(optimizer)
     for path, ebc in collections.items():

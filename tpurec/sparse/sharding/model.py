@@ -28,6 +28,7 @@ from tpurec.sparse.sharding.fingerprint import agree_on_model, model_fingerprint
 from tpurec.sparse.spec.batch import map_batch
 from tpurec.sparse.spec.mesh import batch_sharded_array, local_device_count
 from tpurec.sparse.spec.shards import TableSharding, module_plans, table_shardings
+from tpurec.sparse.table_init import check_rows_fit, table_init, table_key
 from tpurec.core.tensor import TpuTensor, host_array, is_global, replace_array, wrap
 
 __all__ = ["shard", "batch_sharded_array", "default_mesh", "distribute_batch", "local_device_count", "replicate"]
@@ -155,6 +156,24 @@ def _collections(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
     return found
 
 
+def _move_to_tpu(model: nn.Module, moving: set[int]) -> None:
+    """Moves the host parameters and buffers whose ids are in ``moving`` to ``tpu``, in their modules.
+
+    Only those: the sharded collections' global arrays are left alone (a
+    ``model.to("tpu")`` would copy them off the mesh).
+    """
+    for module in model.modules():
+        # In place in the module's own dicts, as nn.Module._apply moves them.
+        parameters: dict[str, Any] = vars(module)["_parameters"]
+        buffers: dict[str, Any] = vars(module)["_buffers"]
+        for name, param in list(parameters.items()):
+            if param is not None and id(param) in moving:
+                parameters[name] = nn.Parameter(param.detach().to("tpu"), requires_grad=param.requires_grad)
+        for name, buffer in list(buffers.items()):
+            if buffer is not None and id(buffer) in moving:
+                buffers[name] = buffer.to("tpu")
+
+
 def shard(
     model: nn.Module,
     plan: Any = None,
@@ -165,6 +184,7 @@ def shard(
     capacity: int | None = None,
     overflow: Literal["error", "drop"] = "error",
     planner_batch_size: int = 4096,
+    seed: int = 0,
 ) -> nn.Module:
     """Shards every tpurec ``EmbeddingBagCollection`` of ``model`` and makes the rest data-parallel.
 
@@ -180,7 +200,12 @@ def shard(
         model: a model on ``tpu`` holding tpurec ``EmbeddingBagCollection`` s
             or sequence ``EmbeddingCollection`` s (e.g. from
             ``tpurec.sparse.from_torchrec(...).to("tpu")``), or one such
-            collection. A sequence collection keeps its module (its output is
+            collection. Their tables may be on ``meta`` (``from_torchrec(model,
+            device="meta")`` of TorchRec modules built on ``meta``, or
+            ``EmbeddingBagCollection(..., device="meta")``): then each shard is
+            created on its own device, no process ever holds a whole table, and
+            the rest of the model, on ``tpu`` or the host, is moved to ``tpu``
+            (as TorchRec's ``DistributedModelParallel`` moves the dense part). A sequence collection keeps its module (its output is
             unstacked from the sharded lookup of its one-id bags); its inner
             ``_bags`` collection becomes the sharded one.
         plan: a torchrec ``ShardingPlan`` (module path -> table plans, e.g. from
@@ -197,13 +222,22 @@ def shard(
         capacity: entries a device may send one shard per step (None: grow on demand).
         overflow: ``"error"`` or ``"drop"`` when a batch exceeds ``capacity``.
         planner_batch_size: global batch size the planner assumes (``plan=None``).
+        seed: for collections whose tables are on ``meta``: every shard is born
+            on its own device from ``(seed, table name, row, column)``, so no
+            process holds a whole table and the same seed gives the same tables
+            under any plan or mesh (the config's distribution, see
+            :mod:`tpurec.sparse.table_init`); optimizer slots start at zero. Every
+            process must pass the same seed. Unused for tables with values.
 
     Returns:
         ``model`` with its collections replaced by :class:`ShardedEmbeddingBagCollection`
         (the sharded collection itself when ``model`` is one).
 
     Raises:
-        ValueError, TypeError: a bad plan or mesh; raised before anything changes.
+        ValueError, TypeError: a bad plan, mesh or seed; raised before anything changes.
+        NotImplementedError: a table on ``meta`` whose ``init_fn`` cannot be applied
+            shard by shard (see :func:`tpurec.sparse.table_init.table_init`);
+            raised before anything changes.
         tpurec.distributed.PeerMismatch: (several processes) the processes' models, plans or
             arguments differ; every process raises it, naming the first difference.
 
@@ -224,8 +258,20 @@ def shard(
         )
     _refuse_managed_collisions(model)
     for path, ebc in ebcs.items():
-        if ebc.device.type != "tpu":
-            raise ValueError(f"EmbeddingBagCollection '{path}' is on {ebc.device}; move the model to 'tpu' first")
+        if ebc.device.type not in ("tpu", "meta"):
+            raise ValueError(
+                f"EmbeddingBagCollection '{path}' is on {ebc.device}; move the model to 'tpu' first (or build its "
+                "tables on 'meta' for tpurec.shard to create each shard on its device)"
+            )
+    born = [path for path, ebc in ebcs.items() if ebc.device.type == "meta"]
+    for path in born:
+        # Every table born on meta must be creatable shard by shard: refuse before anything changes.
+        collection = ebcs[path]
+        assert isinstance(collection, EmbeddingBagCollection)  # what _collections finds
+        table_key(seed, "")
+        check_rows_fit(collection.embedding_bag_configs())
+        for cfg in collection.embedding_bag_configs():
+            table_init(cfg)
     embedding_optimizer = None if optimizer is None else optimizer_from_torch(optimizer, optimizer_kwargs)
 
     # Every check first: a bad plan must leave the model untouched.
@@ -264,16 +310,23 @@ def shard(
     }
     inside = {id(p) for ebc in ebcs.values() for p in ebc.parameters()} | {id(b) for ebc in ebcs.values() for b in ebc.buffers()}
     dense = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in inside]
-    off_device = [tuple(t.shape) for t in dense if t.device.type != "tpu"]
+    # With tables on meta the rest of the model may still be on the host: it moves to tpu
+    # below, as TorchRec's DMP moves a model's dense part to its device.
+    allowed = ("tpu", "cpu") if born else ("tpu",)
+    off_device = [(tuple(t.shape), t.device.type) for t in dense if t.device.type not in allowed]
     if off_device:
-        raise ValueError(f"parameters/buffers of shapes {off_device} are not on 'tpu'; move the model to 'tpu' first")
+        hint = " (a model with tables on 'meta' may have its dense part on the host or 'tpu', not 'meta')" if born else ""
+        raise ValueError(
+            f"parameters/buffers of shapes and devices {off_device} are not on 'tpu'; move the model to 'tpu' "
+            f"first{hint}"
+        )
     if jax.process_count() > 1:
         # Before anything changes or any collective runs: every process must shard the same model alike.
         named = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers()) if id(t) not in inside]
         agree_on_model(
             model_fingerprint(
                 ebcs, specs, named, mesh_shape=tuple(mesh.devices.shape), capacity=capacity, overflow=overflow,
-                optimizer=embedding_optimizer,
+                optimizer=embedding_optimizer, seed=seed if born else None,
             )
         )  # fmt: skip
 
@@ -281,7 +334,9 @@ def shard(
     for path, ebc in ebcs.items():
         if embedding_optimizer is not None:
             ebc.optimizer = embedding_optimizer
-        sharded[path] = ShardedEmbeddingBagCollection(ebc, specs[path], mesh, capacity=capacity, overflow=overflow)
+        sharded[path] = ShardedEmbeddingBagCollection(
+            ebc, specs[path], mesh, capacity=capacity, overflow=overflow, seed=seed
+        )
         if embedding_optimizer is not None:
             # An explicit fused optimizer updates once per lookup, as FBGEMM's kernels do.
             sharded[path].optimizer_semantics = "fbgemm"
@@ -291,6 +346,9 @@ def shard(
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path), name, new)
     runtime.mesh_arrays_in_use()
+    if born:
+        _move_to_tpu(model, {id(t) for t in dense if t.device.type == "cpu"})
+        dense = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in inside]
     for t in dense:
         replicate(t, mesh)
 
