@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,36 @@ def test_text_with_buckets_compiles_at_most_twice_per_bucket_and_matches_cpu():
     # batch (all-ones attention mask, which transformers skips) one forward program more
     assert fused["compile_requests"] <= 2 * fused["buckets_seen"] + fused["exact_fit_buckets"], fused
     assert fused["loss_relative_difference"] <= 1e-5, fused
+
+
+def test_collectives_reports_tpu_and_gloo_per_collective_and_size():
+    result = bench("collectives", "--processes", "2", "--sizes", "8", "64", "--repeats", "2", "--warmup", "1")
+    assert result["benchmark"] == "collectives" and result["processes"] == 2 and result["dtype"] == "float32"
+    rows = result["results"]
+    expected = {"all_reduce", "broadcast", "all_gather_into_tensor", "reduce_scatter_tensor",
+                "all_to_all_single_even", "all_to_all_single_uneven"}  # fmt: skip
+    assert {(r["collective"], r["elements"]) for r in rows} == {(c, s) for c in expected for s in (8, 64)}
+    assert len(rows) == 12
+    for row in rows:
+        assert row["tpu_ms"] > 0 and row["gloo_ms"] > 0, row
+        assert row["tpu_vs_gloo"] == pytest.approx(row["tpu_ms"] / row["gloo_ms"]), row
+
+
+def test_collectives_refuses_sizes_that_do_not_split_evenly():
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpurec.bench", "collectives", "--processes", "2", "--sizes", "7"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert "every --sizes value must be a multiple of --processes (2)" in proc.stderr
+
+
+def test_collectives_run_is_bounded_by_its_timeout():
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpurec.bench", "collectives", "--sizes", "8", "--timeout", "1"],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT)), cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "rank 0 of the 2-process benchmark did not finish within 1 s (--timeout)" in proc.stderr
+    assert time.monotonic() - start < 120

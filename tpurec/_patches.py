@@ -243,8 +243,9 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "privateuse1_tpu",
-        "PrivateUse1 renamed to 'tpu': hooks, device guard, the torch.tpu module, and the methods PyTorch "
-        "generates for a renamed backend (Tensor.tpu(), Tensor.is_tpu, Module.tpu())",
+        "PrivateUse1 renamed to 'tpu': hooks (C++ ones from tpurec/native/privateuse1_hooks.cc, with pinned "
+        "host memory; the Python ones where that library cannot be built), device guard, the torch.tpu module, "
+        "and the methods PyTorch generates for a renamed backend (Tensor.tpu(), Tensor.is_tpu, Module.tpu())",
         'The device is a real PyTorch device: torch.device("tpu"), .to("tpu"), torch.tpu.*.',
         _register_device,
         requires=(

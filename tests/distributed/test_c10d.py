@@ -3,62 +3,18 @@ the same CPU tensors (see c10d_worker.py for the checks each rank makes)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launch import launch
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-# Each launch's bound: the ranks' own watchdog (TPUREC_TEST_HANG_SECONDS) fires first.
-LAUNCH_SECONDS = 240
-
-
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free (torchrun's store, then JAX's coordinator)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 def _launch(processes: int, backend: str, out: Path, *flags: str, checks: tuple[str, ...]) -> None:
     """Runs c10d_worker.py under torchrun; fails with its output unless every rank passed."""
-    env = {
-        **os.environ,
-        # One XLA:CPU device per process, as one tpu device per process on a pod.
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-        "JAX_PLATFORMS": "cpu",
-        "TPUREC_TEST_HANG_SECONDS": str(LAUNCH_SECONDS - 30),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port_pair()),
-        str(HERE / "c10d_worker.py"), backend, str(out), *flags,
-    ]  # fmt: skip
-    # Its own session: on a timeout the whole launch (torchrun and its ranks) is killed, nothing else.
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the {processes}-process launch did not end within {LAUNCH_SECONDS} s:\n{output[-6000:]}")
-    assert proc.returncode == 0, output[-6000:]
+    launch(HERE / "c10d_worker.py", processes, backend, str(out), *flags)
     reports = [Path(f"{out}.{rank}").read_text().split("\n") for rank in range(processes)]
     for rank, report in enumerate(reports):
         # The sub-group checks run on its members, the odd ranks.

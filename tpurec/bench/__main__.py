@@ -11,6 +11,9 @@ import sys
 from tpurec.cli import Subcommand, run_subcommand
 
 BENCHMARKS = {
+    "collectives": Subcommand(
+        "tpurec.bench.collectives", "torch.distributed collectives on tpu vs gloo on CPU tensors"
+    ),
     "dispatch": Subcommand("tpurec.bench.dispatch", "the host cost of one cached op: eager and fused vs PyTorch CPU"),
     "dlrm": Subcommand("tpurec.bench.dlrm", "a DLRM training step: tpurec on tpu vs TorchRec on CPU"),
     "embeddings": Subcommand("tpurec.bench.embeddings", "embedding lookups over dims and bag sizes vs FBGEMM"),
@@ -30,8 +33,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench") ->
     Returns:
         The exit status, 0.
     """
-    result = run_subcommand(prog, "Run one benchmark, print its result as JSON.", BENCHMARKS,
-                            sys.argv[1:] if argv is None else argv)
+    result = run_subcommand(
+        prog, "Run one benchmark, print its result as JSON.", BENCHMARKS, sys.argv[1:] if argv is None else argv
+    )
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0

@@ -286,6 +286,12 @@ def register() -> None:
         return
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
+    from tpurec.native import torch_hooks
+
+    # The C++ hooks first (PyTorch takes PrivateUse1 hooks once, and then refuses the Python
+    # ones): they add pinned host memory, which DDP's reducer needs. Where they cannot be
+    # built the Python hooks serve.
+    torch_hooks.register()
     _setup_privateuseone_for_python_backend("tpu", backend_module=TpuModule, hook=_Hooks(), device_guard=_Guard())
     _registered = True
 

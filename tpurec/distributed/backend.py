@@ -13,6 +13,7 @@ import datetime
 import functools
 import os
 import socket
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -508,8 +509,29 @@ def _join(store: Store, rank: int, size: int) -> None:
     distributed.initialize(address, size, rank)
 
 
+def _warn_without_pinned_memory() -> None:
+    """Says once why DDP's ``find_unused_parameters`` / ``static_graph`` will fail, where they will."""
+    global _warned_pinned
+    from tpurec.native import torch_hooks
+
+    if _warned_pinned or torch_hooks.registered() or torch_hooks.failure() is None:
+        return
+    _warned_pinned = True
+    warnings.warn(
+        "tpu backend: DistributedDataParallel with find_unused_parameters=True or static_graph=True stages "
+        "through pinned host memory, which tpurec's C++ PrivateUse1 hooks provide, and they are not "
+        f"registered: {torch_hooks.failure()}. Install a C++ compiler (or set CXX) and restart the process.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+
+
+_warned_pinned = False
+
+
 def create(options: Any, backend_options: Any = None) -> TpuBackend:
     """c10d's creator for ``"tpu"`` (extended API): the backend of one group."""
+    _warn_without_pinned_memory()
     ranks = list(options.global_ranks_in_group) or list(range(options.group_size))
     if not options.global_ranks_in_group:
         _join(options.store, options.group_rank, options.group_size)

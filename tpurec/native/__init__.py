@@ -43,6 +43,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import jax
@@ -174,17 +175,23 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def _build(cxx: str, flags: list[str], out: Path, build_id: str) -> None:
-    """Compiles the library to ``out`` and records it; the caller holds the folder's lock."""
+def _build(cxx: str, flags: list[str], out: Path, build_id: str, compile_args: Sequence[str] | None = None) -> None:
+    """Compiles a library to ``out`` and records it; the caller holds the folder's lock.
+
+    ``compile_args`` are the include options and sources (default: the kernels' sources,
+    against JAX's FFI headers).
+    """
     fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".tmp")
     os.close(fd)
-    include = jax.ffi.include_dir()
-    cmd = [cxx, *flags, "-isystem", include, "-I", str(_HERE), *map(str, _SOURCES), "-o", tmp]
+    if compile_args is None:
+        compile_args = ["-isystem", jax.ffi.include_dir(), "-I", str(_HERE), *map(str, _SOURCES)]
+    cmd = [cxx, *flags, *compile_args, "-o", tmp]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if result.returncode != 0:
+            sources = ", ".join(Path(a).name for a in compile_args if a.endswith(".cc"))
             raise NativeBuildError(
-                f"compiling {', '.join(s.name for s in _SOURCES)} failed (exit {result.returncode}):\n  {' '.join(cmd)}\n{result.stderr}{result.stdout}"
+                f"compiling {sources} failed (exit {result.returncode}):\n  {' '.join(cmd)}\n{result.stderr}{result.stdout}"
             )
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())  # the bytes are on disk before the name points at them
@@ -201,7 +208,7 @@ def _build(cxx: str, flags: list[str], out: Path, build_id: str) -> None:
 
 def _remove_leftovers(out_dir: Path) -> None:
     """Removes temporary files of builds that were killed (only the lock holder builds)."""
-    for leftover in out_dir.glob("tpurec_cpu-*.tmp"):
+    for leftover in out_dir.glob("tpurec_*-*.tmp"):
         try:
             leftover.unlink()
         except OSError:
@@ -219,8 +226,22 @@ def library_path() -> Path:
     cxx = os.environ.get("CXX", "g++")
     flags = _flags()
     build_id = _build_id(cxx, flags)
+    return verified_build("tpurec_cpu", build_id, lambda out: _build(cxx, flags, out, build_id))
+
+
+def verified_build(name: str, build_id: str, build: Callable[[Path], None]) -> Path:
+    """The cached library ``name`` of build ``build_id``, built by ``build(path)`` unless verified.
+
+    Args:
+        name: the library's file name prefix (``tpurec_<what>``).
+        build_id: a hash of everything the library is built from.
+        build: compiles the library to the path it is given and records it (see :func:`_build`).
+
+    Returns:
+        The library's path, matching its build record.
+    """
     out_dir = _cache_dir()
-    out = out_dir / f"tpurec_cpu-{build_id[:16]}.so"
+    out = out_dir / f"{name}-{build_id[:16]}.so"
     if _verified(out, build_id):
         return out
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -235,9 +256,9 @@ def library_path() -> Path:
                 f"tpurec: the native library {out} does not match its build record (damaged, "
                 "truncated or replaced); rebuilding it.",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
-        _build(cxx, flags, out, build_id)
+        build(out)
         if not _verified(out, build_id):  # e.g. another program writes into the folder
             raise NativeBuildError(f"the native library built at {out} does not match its build record")
     return out

@@ -4,33 +4,18 @@ plain loop and through TrainPipeline; their sharded checkpoint loads in 1 proces
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from ports import free_port_pair
 
 import tpurec.distributed as distributed
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[2]
-
-
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free (torchrun's store, then JAX's coordinator)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 @pytest.mark.slow
@@ -46,7 +31,7 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
     two = tmp_path / "two.npz"
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(_free_port_pair()), str(HERE / "multiprocess_train.py"), str(two), str(tmp_path / "ckpt"),
+        "--master-port", str(free_port_pair()), str(HERE / "multiprocess_train.py"), str(two), str(tmp_path / "ckpt"),
     ]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
