@@ -135,6 +135,20 @@ class TpuBackend(dist.ProcessGroup):
     def getBackendName(self) -> str:  # c10d's name
         return "tpu"
 
+    # c10d's ProcessGroup keeps its name on its per-device C++ backends, which a Python group has
+    # none of, so the C++ getter raises "ProcessGroup name not set"; DeviceMesh (and so TorchRec's
+    # ShardingEnv) reads it. The group keeps the name c10d gives it itself.
+    def _set_group_name(self, name: str) -> None:
+        self._name = name
+
+    @property
+    def group_name(self) -> str:  # pyright: ignore[reportIncompatibleMethodOverride] (a property in C++ too)
+        """The name c10d registered the group under (``_new_process_group_helper`` sets it)."""
+        name = getattr(self, "_name", None)
+        if name is None:
+            raise RuntimeError("tpu backend: the process group's name is not set yet (c10d sets it on creation)")
+        return name
+
     # -- helpers --------------------------------------------------------------------------
 
     def _gloo(self) -> Any:
