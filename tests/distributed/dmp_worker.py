@@ -29,21 +29,36 @@ LEARNING_RATE = 0.05
 TABLES = (("t0", 12, 16), ("t1", 16, 16), ("t2", 10, 16), ("t3", 14, 32))
 # Each table's sharding type in the mixed plan.
 MIXED = {"t0": "table_wise", "t1": "row_wise", "t2": "table_wise", "t3": "column_wise"}
-PLANS = ("table_wise", "row_wise", "column_wise", "mixed")
+# "ec_*": an EmbeddingCollection (unpooled lookups; one dim for every table) sharded that way.
+PLANS = ("table_wise", "row_wise", "column_wise", "mixed", "ec_row_wise", "ec_table_wise")
 
 
-def _configs():
-    from torchrec import EmbeddingBagConfig
+def _tables(plan: str) -> tuple[tuple[str, int, int], ...]:
+    """The tables of the collection ``plan`` shards (an EmbeddingCollection's all have dim 16)."""
+    return tuple((n, r, 16) for n, r, _d in TABLES) if plan.startswith("ec_") else TABLES
 
-    return [
+
+def _collection(plan: str, device: str):
+    """TorchRec's EmbeddingBagCollection (or EmbeddingCollection for "ec_*" plans) of the tables."""
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+
+    if plan.startswith("ec_"):
+        configs = [
+            EmbeddingConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f{n}"])
+            for n, r, d in _tables(plan)
+        ]
+        return EmbeddingCollection(tables=configs, device=torch.device(device))
+    bag_configs = [
         EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f{n}"]) for n, r, d in TABLES
     ]
+    return EmbeddingBagCollection(tables=bag_configs, device=torch.device(device))
 
 
-def _weights() -> dict[str, np.ndarray]:
+def _weights(plan: str) -> dict[str, np.ndarray]:
     """The tables' starting values."""
     rng = np.random.default_rng(0)
-    return {n: rng.uniform(-0.5, 0.5, (r, d)).astype(np.float32) for n, r, d in TABLES}
+    return {n: rng.uniform(-0.5, 0.5, (r, d)).astype(np.float32) for n, r, d in _tables(plan)}
 
 
 def _batches():
@@ -82,6 +97,24 @@ def _loss(pooled, target, mix):
     return ((pooled * mix).sum(1) - target).pow(2).mean()
 
 
+def _sequence_loss(out, samples: int, mix):
+    """An EmbeddingCollection's loss: every looked-up row's squared projection, summed, per sample."""
+    import torch
+
+    parts = [
+        (((out[f"f{n}"].values() * mix[16 * i : 16 * (i + 1)]).sum(1) - 0.1) ** 2).sum()
+        for i, (n, _r, _d) in enumerate(TABLES)
+    ]
+    return torch.stack(parts).sum() / samples
+
+
+def _step_loss(plan: str, out, target, mix, samples: int):
+    """The loss of one step: the pooled loss for an EmbeddingBagCollection, else the sequence loss."""
+    if plan.startswith("ec_"):
+        return _sequence_loss(out, samples, mix)
+    return _loss(_pooled(out), target, mix)
+
+
 def _mix(device: str = "cpu"):
     import torch
 
@@ -89,25 +122,29 @@ def _mix(device: str = "cpu"):
     return torch.from_numpy(np.random.default_rng(2).uniform(-1, 1, dims).astype(np.float32)).to(device)
 
 
-def reference() -> tuple[list[float], dict[str, np.ndarray]]:
-    """TorchRec's EmbeddingBagCollection on CPU, one process, the whole batch: losses and final tables."""
-    import torch
-    from torchrec import EmbeddingBagCollection
+def _table_modules(plan: str, collection) -> dict:
+    modules = collection.embeddings if plan.startswith("ec_") else collection.embedding_bags
+    return {n: modules[n] for n, _r, _d in TABLES}
 
-    ebc = EmbeddingBagCollection(tables=_configs())
-    bags = {n: cast(torch.nn.EmbeddingBag, ebc.embedding_bags[n]) for n, _r, _d in TABLES}
+
+def reference(plan: str = "table_wise") -> tuple[list[float], dict[str, np.ndarray]]:
+    """The same TorchRec collection on CPU, one process, the whole batch: losses and final tables."""
+    import torch
+
+    collection = _collection(plan, "cpu")
+    tables = _table_modules(plan, collection)
     with torch.no_grad():
-        for n, w in _weights().items():
-            bags[n].weight.copy_(torch.from_numpy(w))
-    optimizer = torch.optim.SGD(ebc.parameters(), lr=LEARNING_RATE)
+        for n, w in _weights(plan).items():
+            tables[n].weight.copy_(torch.from_numpy(w))
+    optimizer = torch.optim.SGD(collection.parameters(), lr=LEARNING_RATE)
     mix, losses = _mix(), []
     for ids, target in _batches():
         optimizer.zero_grad()
-        loss = _loss(_pooled(ebc(_kjt(ids, slice(None)))), torch.from_numpy(target), mix)
+        loss = _step_loss(plan, collection(_kjt(ids, slice(None))), torch.from_numpy(target), mix, GLOBAL_BATCH)
         loss.backward()
         optimizer.step()
         losses.append(loss.item())
-    return losses, {n: bags[n].weight.detach().numpy() for n, _r, _d in TABLES}
+    return losses, {n: tables[n].weight.detach().numpy() for n, _r, _d in TABLES}
 
 
 def train_sharded(out_path: str, plan_name: str) -> None:
@@ -115,7 +152,7 @@ def train_sharded(out_path: str, plan_name: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
@@ -126,7 +163,8 @@ def train_sharded(out_path: str, plan_name: str) -> None:
 
     # TorchRec's planner, for the tpu device; one device per process, so each rank's shards live on
     # its tpu:0 (local_world_size=1 makes the plan's placements say so).
-    types = {name: MIXED[name] if plan_name == "mixed" else plan_name for name, _r, _d in TABLES}
+    kind = plan_name.removeprefix("ec_")
+    types = {name: MIXED[name] if kind == "mixed" else kind for name, _r, _d in TABLES}
     constraints = {
         name: ParameterConstraints(sharding_types=[types[name]], compute_kernels=["unfused_tpu"], min_partition=16)
         for name, _r, _d in TABLES
@@ -134,20 +172,24 @@ def train_sharded(out_path: str, plan_name: str) -> None:
     planner = EmbeddingShardingPlanner(
         topology=Topology(world_size=n, compute_device="tpu", local_world_size=1), constraints=constraints
     )
-    sharder = cast(ModuleSharder[torch.nn.Module], EmbeddingBagCollectionSharder())
-    ebc = EmbeddingBagCollection(tables=_configs(), device=torch.device("meta"))
-    plan = planner.collective_plan(ebc, [sharder], dist.GroupMember.WORLD)
+    ec = plan_name.startswith("ec_")
+    sharder = cast(
+        ModuleSharder[torch.nn.Module], EmbeddingCollectionSharder() if ec else EmbeddingBagCollectionSharder()
+    )
+    collection = _collection(plan_name, "meta")
+    plan = planner.collective_plan(collection, [sharder], dist.GroupMember.WORLD)
     got = {name: p.sharding_type for name, p in plan.plan[""].items()}  # pyright: ignore[reportAttributeAccessIssue]
     if got != types:
         raise AssertionError(f"the planner chose {got}, not {types}")
-    model = DistributedModelParallel(ebc, device=torch.device("tpu"), plan=plan, sharders=[sharder])
+    model = DistributedModelParallel(collection, device=torch.device("tpu"), plan=plan, sharders=[sharder])
 
     # The reference's starting tables, written through the state_dict's local shards.
-    start = _weights()
+    start = _weights(plan_name)
     state = model.state_dict()
+    prefix = "embeddings" if ec else "embedding_bags"
     with torch.no_grad():
         for name, _r, _d in TABLES:
-            table = state[f"embedding_bags.{name}.weight"]
+            table = state[f"{prefix}.{name}.weight"]
             if not isinstance(table, ShardedTensor):
                 raise AssertionError(f"{name}: the state_dict holds a {type(table).__name__}, not a ShardedTensor")
             for shard in table.local_shards():
@@ -159,9 +201,7 @@ def train_sharded(out_path: str, plan_name: str) -> None:
     # TorchRec 1.9.2's UNFUSED_TPU kernel does not register its tables with the sharded module
     # (its BatchedTPUEmbeddingBag fills no _param_per_table), so model.parameters() holds empty
     # placeholders for them; the state_dict's local shards are the kernel's parameters themselves.
-    tables = [
-        shard.tensor for name, _r, _d in TABLES for shard in state[f"embedding_bags.{name}.weight"].local_shards()
-    ]
+    tables = [shard.tensor for name, _r, _d in TABLES for shard in state[f"{prefix}.{name}.weight"].local_shards()]
     if not all(isinstance(t, torch.nn.Parameter) and t.requires_grad for t in tables):
         raise AssertionError("the state_dict's local shards are not the kernel's parameters")
     optimizer = torch.optim.SGD(tables, lr=LEARNING_RATE)
@@ -170,8 +210,8 @@ def train_sharded(out_path: str, plan_name: str) -> None:
     for ids, target in _batches():
         optimizer.zero_grad()
         samples = slice(rank * local, (rank + 1) * local)
-        pooled = _pooled(model(_kjt(ids, samples).to(torch.device("tpu"))).wait())
-        loss = _loss(pooled, torch.from_numpy(target[samples]).to("tpu"), mix)
+        out = model(_kjt(ids, samples).to(torch.device("tpu"))).wait()
+        loss = _step_loss(plan_name, out, torch.from_numpy(target[samples]).to("tpu"), mix, local)
         loss.backward()
         optimizer.step()
         loss = loss.detach()

@@ -1,6 +1,7 @@
-"""TorchRec's own DistributedModelParallel on the tpu device, unmodified: a collection sharded
-table-, row- and column-wise (each alone and mixed in one plan) by TorchRec's planner, on 2 and
-4 processes, trains like TorchRec's collection on CPU in one process (see dmp_worker.py)."""
+"""TorchRec's own DistributedModelParallel on the tpu device, unmodified: an EmbeddingBagCollection
+sharded table-, row- and column-wise (each alone and mixed in one plan) by TorchRec's planner, on 2
+and 4 processes, and an EmbeddingCollection sharded row- and table-wise, train like the same TorchRec
+collection on CPU in one process (see dmp_worker.py)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def _launch(processes: int, out: Path, plans: tuple[str, ...]) -> None:
 
 def _check(out: Path, plan: str, processes: int) -> None:
     """Losses (1e-5 relative) and tables assembled from every rank's shards equal the CPU reference."""
-    losses, tables = dmp_worker.reference()
+    losses, tables = dmp_worker.reference(plan)
     ranks = [np.load(f"{out}.{plan}.{rank}.npz") for rank in range(processes)]
     np.testing.assert_allclose(ranks[0]["losses"], losses, rtol=1e-5, atol=0, err_msg=f"{plan}: losses")
     assembled = {name: np.full_like(t, np.nan) for name, t in tables.items()}
@@ -67,10 +68,11 @@ def _check(out: Path, plan: str, processes: int) -> None:
             shards[name] += 1
     for name, want in tables.items():
         np.testing.assert_allclose(assembled[name], want, rtol=1e-5, atol=1e-6, err_msg=f"{plan}: table {name}")
-    kinds = {name: dmp_worker.MIXED[name] if plan == "mixed" else plan for name in tables}
+    kind_of_plan = plan.removeprefix("ec_")
+    kinds = {name: dmp_worker.MIXED[name] if kind_of_plan == "mixed" else kind_of_plan for name in tables}
     for name, kind in kinds.items():
         wanted = {"table_wise": 1, "row_wise": processes, "column_wise": 2}[kind]
-        dim = dict((n, d) for n, _r, d in dmp_worker.TABLES)[name]
+        dim = dict((n, d) for n, _r, d in dmp_worker._tables(plan))[name]
         if kind == "column_wise" and dim == 16:
             wanted = 1  # one column shard of the smallest width
         assert shards[name] == wanted, (plan, name, kind, shards[name])
@@ -82,6 +84,15 @@ def test_two_processes_each_sharding_type_and_a_mixed_plan(tmp_path):
     _launch(2, tmp_path / "two", plans)
     for plan in plans:
         _check(tmp_path / "two", plan, 2)
+
+
+@pytest.mark.slow
+def test_two_processes_embedding_collection_row_and_table_wise(tmp_path):
+    """An EmbeddingCollection (unpooled lookups) on the UNFUSED_TPU kernel matches its CPU twin."""
+    plans = ("ec_row_wise", "ec_table_wise")
+    _launch(2, tmp_path / "ec", plans)
+    for plan in plans:
+        _check(tmp_path / "ec", plan, 2)
 
 
 @pytest.mark.slow
