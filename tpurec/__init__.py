@@ -38,6 +38,11 @@ from tpurec.profiler import profile  # noqa: E402
 from tpurec import config  # noqa: E402,F401
 
 from tpurec._api import flush, shard  # noqa: E402
+from tpurec.dense.registry import defer as _defer  # noqa: E402
+
+# TorchRec's TPU lookup ops (its UNFUSED_TPU kernel under DistributedModelParallel) lower to the
+# sparse op set, a layer above the lowering table: their family loads on the first such op.
+_defer("torchrec", "tpurec.sparse.torchrec_ops")
 
 # The public API: what ``from tpurec import *`` and the docs promise. Everything else
 # here (``tpurec.core``, ``tpurec.compile``, ...) is an implementation module.

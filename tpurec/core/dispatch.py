@@ -195,6 +195,9 @@ def _dispatch(func, args: tuple, kwargs: dict):
         return _run_mutating(func, args, kwargs)
     lowering = get_lowering(func)
     if lowering is None:
+        if func in _DATA_DEPENDENT:  # marked by a deferred family that get_lowering just loaded
+            runtime.counters().host_ops[func.__name__] += 1
+            return _on_host(func, args, kwargs)
         return _fallback(func, args, kwargs)
     outs = execute(func, lowering, args, kwargs)
     returns = func._schema.returns

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from tpurec.dense.registry import lower
+from tpurec.dense.registry import Kind, lower, mark
 
 fbgemm = torch.ops.fbgemm
 
@@ -76,7 +76,9 @@ def _check_offsets(offsets: Sequence[jax.Array], max_lengths: Sequence[int], op:
         )
     for level, off in enumerate(offsets):
         if off.ndim != 1 or off.shape[0] < 1:
-            raise ValueError(f"{op}: offsets[{level}] must be 1-D with at least one entry, got shape {tuple(off.shape)}")
+            raise ValueError(
+                f"{op}: offsets[{level}] must be 1-D with at least one entry, got shape {tuple(off.shape)}"
+            )
         if off.dtype not in _OFFSET_DTYPES:
             raise TypeError(f"{op}: offsets[{level}] must be int32 or int64 (as FBGEMM's kernel), got {off.dtype}")
     if len({off.dtype for off in offsets}) > 1:
@@ -134,7 +136,9 @@ def jagged_to_padded_dense(
     op = "jagged_to_padded_dense"
     _check_offsets(offsets, max_lengths, op)
     if values.ndim not in (1, 2):
-        raise ValueError(f"{op}: values must be 1-D or 2-D [total, D] (as FBGEMM's kernel), got shape {tuple(values.shape)}")
+        raise ValueError(
+            f"{op}: values must be 1-D or 2-D [total, D] (as FBGEMM's kernel), got shape {tuple(values.shape)}"
+        )
     total = values.shape[0]
     batch = offsets[0].shape[0] - 1
     shape = (batch, *max_lengths, *values.shape[1:])
@@ -199,3 +203,21 @@ def dense_to_jagged(dense: jax.Array, x_offsets: list[jax.Array], total_L: int |
         )
     _check_dense(dense, x_offsets, op)
     return padded_dense_to_jagged(dense, x_offsets, total_L)
+
+
+# FBGEMM's sparse-feature index ops that TorchRec's input distribution runs on a
+# KeyedJaggedTensor's lengths and values (permuting features, bucketizing ids by the row
+# shard that owns them, inverting permutations). The sizes of their outputs are sums of
+# the lengths they read, so they run on the host like every data-dependent op (a sync
+# point; the inputs are integer ids and lengths, as in tpurec's own input routing) with
+# FBGEMM's own CPU kernels, and their results come back to the device.
+mark(
+    fbgemm.permute_2D_sparse_data,
+    fbgemm.permute_1D_sparse_data,
+    fbgemm.permute_2D_sparse_data_input1D,
+    fbgemm.block_bucketize_sparse_features,
+    fbgemm.invert_permute,
+    fbgemm.expand_into_jagged_permute,
+    fbgemm.keyed_jagged_index_select_dim1,
+    kind=Kind.DATA_DEPENDENT,
+)

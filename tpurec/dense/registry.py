@@ -64,6 +64,7 @@ __all__ = [
     "TABLE",
     "Kind",
     "Lowering",
+    "defer",
     "entry",
     "get_lowering",
     "load_families",
@@ -194,12 +195,30 @@ def entry(op: torch._ops.OpOverload, kind: Kind) -> Lowering | None:
 def get_lowering(op: torch._ops.OpOverload) -> Lowering | None:
     """The JAX lowering of ``op``, loading a deferred family on the first op of its namespace."""
     lowering = LOWERINGS.get(op)
-    if lowering is None and getattr(op, "namespace", None) in DEFERRED:
+    namespace = getattr(op, "namespace", None)
+    if lowering is None and (namespace in DEFERRED or namespace in DEFERRED_ABOVE):
         import importlib
 
-        importlib.import_module(f"tpurec.dense.{DEFERRED[op.namespace]}")
+        module = f"tpurec.dense.{DEFERRED[namespace]}" if namespace in DEFERRED else DEFERRED_ABOVE[namespace]
+        importlib.import_module(module)
         lowering = LOWERINGS.get(op)
     return lowering
+
+
+def defer(namespace: str, module: str) -> None:
+    """Loads ``module`` (a dotted path) on the first op of ``namespace`` that has no entry yet.
+
+    For a family of another library's ops that lives above the lowering table (one whose
+    lowerings use the sparse op set, say): the layer that owns it registers the deferral, so
+    the table never imports upwards.
+
+    Raises:
+        ValueError: ``namespace`` is already deferred to another module.
+    """
+    known = DEFERRED_ABOVE.get(namespace) or (f"tpurec.dense.{DEFERRED[namespace]}" if namespace in DEFERRED else None)
+    if known is not None and known != module:
+        raise ValueError(f"the {namespace!r} namespace is already deferred to {known}, not {module}")
+    DEFERRED_ABOVE[namespace] = module
 
 
 # The op families, each a module of tpurec.dense that registers its entries when
@@ -233,6 +252,8 @@ FAMILIES = (
 # every program (FBGEMM: half a second) would tax models that never use it.
 DEFERRED = {"fbgemm": "jagged"}
 _DEFERRED = DEFERRED
+# Namespace -> dotted module of a deferred family above the table (registered with defer()).
+DEFERRED_ABOVE: dict[str, str] = {}
 
 
 def load_families() -> None:

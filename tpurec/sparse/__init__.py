@@ -66,6 +66,7 @@ LAYERS = (
     "kernels",  # the lookup kernels (reference, SparseCore, native)
     "preprocess",  # KeyedJaggedTensor -> SparseCore CSR
     "ops",  # torch.ops.tpurec.*
+    "torchrec_ops",  # TorchRec's TPU lookup ops (UNFUSED_TPU) as sparse_dense_matmul
     "optimizers",  # fused embedding optimizers
     "table_init",  # initial table values independent of the sharding (tables born on meta)
     "export",  # torch.export / tracing of the collections

@@ -1,0 +1,249 @@
+"""One rank of the TorchRec DistributedModelParallel tests (``torchrun --nproc-per-node N dmp_worker.py OUT PLAN[,PLAN...]``).
+
+The model is TorchRec's own ``EmbeddingBagCollection``, sharded by TorchRec's own
+``DistributedModelParallel`` on the ``tpu`` device with a plan from TorchRec's
+``EmbeddingShardingPlanner`` (every table constrained to the sharding type ``PLAN`` names,
+or a mix of them) and TorchRec's ``UNFUSED_TPU`` compute kernel. The tables start from the
+weights of the reference model (written through the DMP state_dict's local shards), train
+``STEPS`` steps of SGD on this rank's slice of every global batch, and each rank writes
+``OUT.<PLAN>.<rank>.npz``: its local shards (with their offsets) and, on rank 0, the global loss
+of every step. The test assembles the tables and compares them with :func:`reference`,
+the same model trained by TorchRec on CPU in one process on the whole batch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import faulthandler
+import os
+import sys
+from typing import Any, cast
+
+import numpy as np
+
+GLOBAL_BATCH = 8
+STEPS = 10
+LEARNING_RATE = 0.05
+# name, rows, dim (the UNFUSED_TPU kernel takes dims that are multiples of 16; t3 splits
+# column-wise into two shards of 16).
+TABLES = (("t0", 12, 16), ("t1", 16, 16), ("t2", 10, 16), ("t3", 14, 32))
+# Each table's sharding type in the mixed plan.
+MIXED = {"t0": "table_wise", "t1": "row_wise", "t2": "table_wise", "t3": "column_wise"}
+# "ec_*": an EmbeddingCollection (unpooled lookups; one dim for every table) sharded that way.
+PLANS = ("table_wise", "row_wise", "column_wise", "mixed", "ec_row_wise", "ec_table_wise")
+
+
+def _tables(plan: str) -> tuple[tuple[str, int, int], ...]:
+    """The tables of the collection ``plan`` shards (an EmbeddingCollection's all have dim 16)."""
+    return tuple((n, r, 16) for n, r, _d in TABLES) if plan.startswith("ec_") else TABLES
+
+
+def _collection(plan: str, device: str):
+    """TorchRec's EmbeddingBagCollection (or EmbeddingCollection for "ec_*" plans) of the tables."""
+    import torch
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+
+    if plan.startswith("ec_"):
+        configs = [
+            EmbeddingConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f{n}"])
+            for n, r, d in _tables(plan)
+        ]
+        return EmbeddingCollection(tables=configs, device=torch.device(device))
+    bag_configs = [
+        EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f{n}"]) for n, r, d in TABLES
+    ]
+    return EmbeddingBagCollection(tables=bag_configs, device=torch.device(device))
+
+
+def _weights(plan: str) -> dict[str, np.ndarray]:
+    """The tables' starting values."""
+    rng = np.random.default_rng(0)
+    return {n: rng.uniform(-0.5, 0.5, (r, d)).astype(np.float32) for n, r, d in _tables(plan)}
+
+
+def _batches():
+    """STEPS global batches: per feature, per sample 0-3 ids; a target per sample."""
+    rng = np.random.default_rng(1)
+    for _ in range(STEPS):
+        ids = {}
+        for n, rows, _d in TABLES:
+            lengths = rng.integers(0, 4, GLOBAL_BATCH)
+            ids[n] = [rng.integers(0, rows, int(k)).tolist() for k in lengths]
+        yield ids, rng.standard_normal(GLOBAL_BATCH).astype(np.float32)
+
+
+def _kjt(ids: dict[str, list[list[int]]], samples: slice):
+    import torch
+    from torchrec import KeyedJaggedTensor
+
+    keys = [f"f{n}" for n, _r, _d in TABLES]
+    lengths = [len(s) for n, _r, _d in TABLES for s in ids[n][samples]]
+    values = [v for n, _r, _d in TABLES for s in ids[n][samples] for v in s]
+    return KeyedJaggedTensor(
+        keys=keys, values=torch.tensor(values, dtype=torch.int64), lengths=torch.tensor(lengths, dtype=torch.int64)
+    )
+
+
+def _pooled(kt):
+    """The pooled embeddings in the order of TABLES (a sharded collection orders its keys by shard)."""
+    import torch
+
+    by_key = kt.to_dict()
+    return torch.cat([by_key[f"f{n}"] for n, _r, _d in TABLES], dim=1)
+
+
+def _loss(pooled, target, mix):
+    """Mean squared error of a fixed projection of the pooled embeddings (no dense parameters)."""
+    return ((pooled * mix).sum(1) - target).pow(2).mean()
+
+
+def _sequence_loss(out, samples: int, mix):
+    """An EmbeddingCollection's loss: every looked-up row's squared projection, summed, per sample."""
+    import torch
+
+    parts = [
+        (((out[f"f{n}"].values() * mix[16 * i : 16 * (i + 1)]).sum(1) - 0.1) ** 2).sum()
+        for i, (n, _r, _d) in enumerate(TABLES)
+    ]
+    return torch.stack(parts).sum() / samples
+
+
+def _step_loss(plan: str, out, target, mix, samples: int):
+    """The loss of one step: the pooled loss for an EmbeddingBagCollection, else the sequence loss."""
+    if plan.startswith("ec_"):
+        return _sequence_loss(out, samples, mix)
+    return _loss(_pooled(out), target, mix)
+
+
+def _mix(device: str = "cpu"):
+    import torch
+
+    dims = sum(d for _n, _r, d in TABLES)
+    return torch.from_numpy(np.random.default_rng(2).uniform(-1, 1, dims).astype(np.float32)).to(device)
+
+
+def _table_modules(plan: str, collection) -> dict:
+    modules = collection.embeddings if plan.startswith("ec_") else collection.embedding_bags
+    return {n: modules[n] for n, _r, _d in TABLES}
+
+
+def reference(plan: str = "table_wise") -> tuple[list[float], dict[str, np.ndarray]]:
+    """The same TorchRec collection on CPU, one process, the whole batch: losses and final tables."""
+    import torch
+
+    collection = _collection(plan, "cpu")
+    tables = _table_modules(plan, collection)
+    with torch.no_grad():
+        for n, w in _weights(plan).items():
+            tables[n].weight.copy_(torch.from_numpy(w))
+    optimizer = torch.optim.SGD(collection.parameters(), lr=LEARNING_RATE)
+    mix, losses = _mix(), []
+    for ids, target in _batches():
+        optimizer.zero_grad()
+        loss = _step_loss(plan, collection(_kjt(ids, slice(None))), torch.from_numpy(target), mix, GLOBAL_BATCH)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: tables[n].weight.detach().numpy() for n, _r, _d in TABLES}
+
+
+def train_sharded(out_path: str, plan_name: str) -> None:
+    """Shards the collection with the plan ``plan_name`` names, trains it, writes ``OUT.<plan>.<rank>.npz``."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ModuleSharder
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+
+    # TorchRec's planner, for the tpu device; one device per process, so each rank's shards live on
+    # its tpu:0 (local_world_size=1 makes the plan's placements say so).
+    kind = plan_name.removeprefix("ec_")
+    types = {name: MIXED[name] if kind == "mixed" else kind for name, _r, _d in TABLES}
+    constraints = {
+        name: ParameterConstraints(sharding_types=[types[name]], compute_kernels=["unfused_tpu"], min_partition=16)
+        for name, _r, _d in TABLES
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=n, compute_device="tpu", local_world_size=1), constraints=constraints
+    )
+    ec = plan_name.startswith("ec_")
+    sharder = cast(
+        ModuleSharder[torch.nn.Module], EmbeddingCollectionSharder() if ec else EmbeddingBagCollectionSharder()
+    )
+    collection = _collection(plan_name, "meta")
+    plan = planner.collective_plan(collection, [sharder], dist.GroupMember.WORLD)
+    got = {name: p.sharding_type for name, p in plan.plan[""].items()}  # pyright: ignore[reportAttributeAccessIssue]
+    if got != types:
+        raise AssertionError(f"the planner chose {got}, not {types}")
+    model = DistributedModelParallel(collection, device=torch.device("tpu"), plan=plan, sharders=[sharder])
+
+    # The reference's starting tables, written through the state_dict's local shards.
+    start = _weights(plan_name)
+    state = model.state_dict()
+    prefix = "embeddings" if ec else "embedding_bags"
+    with torch.no_grad():
+        for name, _r, _d in TABLES:
+            table = state[f"{prefix}.{name}.weight"]
+            if not isinstance(table, ShardedTensor):
+                raise AssertionError(f"{name}: the state_dict holds a {type(table).__name__}, not a ShardedTensor")
+            for shard in table.local_shards():
+                (r0, c0), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+                if shard.tensor.device.type != "tpu":
+                    raise AssertionError(f"{name}: a shard lives on {shard.tensor.device}")
+                shard.tensor.copy_(torch.from_numpy(start[name][r0 : r0 + rows, c0 : c0 + cols]))
+
+    # TorchRec 1.9.2's UNFUSED_TPU kernel does not register its tables with the sharded module
+    # (its BatchedTPUEmbeddingBag fills no _param_per_table), so model.parameters() holds empty
+    # placeholders for them; the state_dict's local shards are the kernel's parameters themselves.
+    tables = [shard.tensor for name, _r, _d in TABLES for shard in state[f"{prefix}.{name}.weight"].local_shards()]
+    if not all(isinstance(t, torch.nn.Parameter) and t.requires_grad for t in tables):
+        raise AssertionError("the state_dict's local shards are not the kernel's parameters")
+    optimizer = torch.optim.SGD(tables, lr=LEARNING_RATE)
+    mix, losses = _mix("tpu"), []
+    local = GLOBAL_BATCH // n
+    for ids, target in _batches():
+        optimizer.zero_grad()
+        samples = slice(rank * local, (rank + 1) * local)
+        out = model(_kjt(ids, samples).to(torch.device("tpu"))).wait()
+        loss = _step_loss(plan_name, out, torch.from_numpy(target[samples]).to("tpu"), mix, local)
+        loss.backward()
+        optimizer.step()
+        loss = loss.detach()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # equal slices: the mean of the means is the global loss
+        losses.append(loss.item())
+
+    shards: dict[str, np.ndarray] = {}
+    for name, table in model.state_dict().items():
+        if isinstance(table, ShardedTensor):
+            for i, shard in enumerate(table.local_shards()):
+                key = f"{name.split('.')[1]}|{i}"
+                shards[key + "|offsets"] = np.array(shard.metadata.shard_offsets)
+                shards[key] = shard.tensor.detach().cpu().numpy()
+    shards["losses"] = np.array(losses)
+    np.savez(f"{out_path}.{plan_name}.{rank}.npz", **cast(dict[str, Any], shards))
+
+
+def main(out_path: str, plans: list[str]) -> None:
+    import torch.distributed as dist
+
+    import tpurec  # noqa: F401 (registers the "tpu" backend)
+
+    dist.init_process_group("cpu:gloo,tpu:tpu", timeout=datetime.timedelta(seconds=60))
+    for plan in plans:
+        if plan not in PLANS:
+            raise ValueError(f"unknown plan {plan!r}: use one of {PLANS}")
+        train_sharded(out_path, plan)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    # A hung collective ends this rank with every thread's stack instead of stalling the test.
+    faulthandler.dump_traceback_later(float(os.environ.get("TPUREC_TEST_HANG_SECONDS", "150")), exit=True)
+    main(sys.argv[1], sys.argv[2].split(","))
