@@ -193,7 +193,9 @@ def test_the_seed_of_tables_born_on_meta_is_part_of_the_fingerprint():
     from tpurec.sparse.sharding.fingerprint import model_fingerprint
 
     def fingerprint(seed):
-        return model_fingerprint({}, {}, [], mesh_shape=(2, 4), capacity=None, overflow="raise", optimizer=None, seed=seed)
+        return model_fingerprint(
+            {}, {}, [], mesh_shape=(2, 4), capacity=None, overflow="raise", optimizer=None, seed=seed
+        )
 
     assert first_difference(fingerprint(0), fingerprint(1)) == ("seed of the tables on meta", 0, 1)
     assert "seed of the tables on meta" not in fingerprint(None)  # no table on meta: the seed is not used
