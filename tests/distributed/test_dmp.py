@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ports import free_port_pair
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -20,7 +21,6 @@ LAUNCH_SECONDS = 420
 sys.path.insert(0, str(HERE))
 try:
     import dmp_worker
-    from test_c10d import _free_port_pair
 finally:
     sys.path.remove(str(HERE))
 
@@ -37,7 +37,7 @@ def _launch(processes: int, out: Path, plans: tuple[str, ...]) -> None:
     }
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port_pair()),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()),
         str(HERE / "dmp_worker.py"), str(out), ",".join(plans),
     ]  # fmt: skip
     proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

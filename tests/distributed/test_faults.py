@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from ports import free_port_pair
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -25,21 +26,6 @@ WORKER = HERE / "fault_worker.py"
 LIMIT = 60  # seconds: every failure must end the job within this (issue 21)
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free (torchrun's store, then JAX's coordinator)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 def _env(**settings: str) -> dict[str, str]:
@@ -59,7 +45,7 @@ class Job:
     """Two worker processes started as torchrun would (its environment), each with a log file."""
 
     def __init__(self, tmp_path: Path, **settings: str) -> None:
-        port = _free_port_pair()
+        port = free_port_pair()
         self.logs = [tmp_path / f"rank{r}.log" for r in range(2)]
         self.procs = []
         for r in range(2):
@@ -164,7 +150,7 @@ def _torchrun(
 
 
 def test_a_taken_coordinator_port_is_an_error_naming_it(tmp_path):
-    port = _free_port_pair()
+    port = free_port_pair()
     with socket.socket() as squatter:  # another program on JAX's coordinator port (MASTER_PORT + 1)
         squatter.bind(("127.0.0.1", port + 1))
         squatter.listen()
@@ -182,14 +168,14 @@ def test_a_taken_coordinator_port_is_an_error_naming_it(tmp_path):
 
 def test_an_elastic_restart_from_the_last_checkpoint_equals_an_uninterrupted_run(tmp_path):
     whole = tmp_path / "whole.npz"
-    run = _torchrun(tmp_path, _free_port_pair(), FAULT_STEPS="6", FAULT_OUT=str(whole))
+    run = _torchrun(tmp_path, free_port_pair(), FAULT_STEPS="6", FAULT_OUT=str(whole))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     # Process 1 dies (SIGKILL) before step 5 of the first attempt; torchrun starts both again and they
     # resume from step-4, the last committed checkpoint.
     resumed = tmp_path / "resumed.npz"
     run = _torchrun(
-        tmp_path, _free_port_pair(), "--max-restarts", "1", "--monitor-interval", "0.5", FAULT_STEPS="6",
+        tmp_path, free_port_pair(), "--max-restarts", "1", "--monitor-interval", "0.5", FAULT_STEPS="6",
         FAULT_OUT=str(resumed), FAULT_CKPT=str(tmp_path / "ckpt"), FAULT_SIGNAL_AT_1="5:KILL", timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]

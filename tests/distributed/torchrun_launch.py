@@ -4,30 +4,15 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from ports import free_port_pair
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free (torchrun's store, then JAX's coordinator)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 def torchrun(script: str, processes: int, out: Path, *args: str, seconds: int = 240) -> list[list[str]]:

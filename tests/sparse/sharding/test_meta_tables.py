@@ -19,6 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from ports import free_port_pair
 import torch
 from jax.extend.random import threefry_2x32
 from torchrec import EmbeddingBagConfig
@@ -391,23 +392,6 @@ def _compare_checkpoints(a: Path, b: Path, atol: float) -> None:
         torch.testing.assert_close(da[key], db[key], atol=atol, rtol=0, msg=key)
 
 
-def _free_port_pair() -> int:
-    """A port p with p and p + 1 free (torchrun's store, then JAX's coordinator)."""
-    import socket
-
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
-
-
 MULTI_SLACK_MB = 96  # each process may map its half of the big table plus 96 MiB: less than the table
 
 
@@ -428,7 +412,7 @@ def test_two_processes_each_unable_to_hold_the_table_shard_it_from_meta_and_trai
     }
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(_free_port_pair()), str(HERE / "meta_tables_run.py"), str(out), "meta", str(BIG_ROWS),
+        "--master-port", str(free_port_pair()), str(HERE / "meta_tables_run.py"), str(out), "meta", str(BIG_ROWS),
         str(MULTI_SLACK_MB),
     ]  # fmt: skip
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=800)
