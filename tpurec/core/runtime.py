@@ -365,6 +365,7 @@ class ProgramCache:
 
     def __init__(self) -> None:
         self._tables: dict[tuple, dict[Any, Any]] = {}
+        self._fast_tables: dict[tuple, dict[Any, Any]] = {}
 
     @property
     def _programs(self) -> dict[Any, Any]:
@@ -373,6 +374,19 @@ class ProgramCache:
         table = self._tables.get(settings)
         if table is None:
             table = self._tables[settings] = {}
+        return table
+
+    def fast_table(self) -> dict[Any, Any]:
+        """The calls of the current settings that a caller may repeat with no key building.
+
+        ``tpurec.core.calls`` keeps here, per op and argument metadata, what a repeated
+        call needs (the program, where its inputs come from, its outputs' metadata), so
+        that a cached op skips the calling convention's split. Cleared with the programs.
+        """
+        settings = config.program_settings()
+        table = self._fast_tables.get(settings)
+        if table is None:
+            table = self._fast_tables[settings] = {}
         return table
 
     def get(self, key, build: Callable[[], Any]):
@@ -390,6 +404,7 @@ class ProgramCache:
 
     def clear(self) -> None:
         self._tables.clear()
+        self._fast_tables.clear()
 
 
 programs = ProgramCache()

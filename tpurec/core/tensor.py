@@ -22,6 +22,7 @@ __all__ = [
     "Storage",
     "TpuTensor",
     "wrap",
+    "with_key",
     "array_of",
     "replace_array",
     "is_global",
@@ -106,7 +107,14 @@ class Storage:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("tpu", self.index)
+        device = _DEVICES.get(self.index)
+        if device is None:
+            device = _DEVICES[self.index] = torch.device("tpu", self.index)
+        return device
+
+
+# tpu:N as torch.device objects, made once: every new tensor needs its device.
+_DEVICES: dict[int, torch.device] = {}
 
 
 class TpuTensor(torch.Tensor):
@@ -290,6 +298,21 @@ def install_serialization() -> None:
 
     torch_utils._get_restore_location = _restore_location
     torch.serialization.register_package(11, _never_tag, _keep_on_host)
+
+
+def with_key(storage: Storage, key: tuple) -> TpuTensor:
+    """A tpu tensor over ``storage`` whose metadata tuple ``key`` (``TpuTensor._key``) is known.
+
+    For results of cached calls (``tpurec.core.calls``): the same tensor as ``TpuTensor(...)``
+    makes, without working the metadata out again. ``key[0]`` must be the storage's shape.
+    """
+    _, dtype, size, stride, offset, _ = key
+    t = torch.Tensor._make_wrapper_subclass(
+        TpuTensor, size, strides=stride, storage_offset=offset, dtype=dtype, device=storage.device
+    )
+    t._storage = storage
+    t._key = key
+    return t
 
 
 def wrap(array: jax.Array, index: int, dtype: torch.dtype | None = None) -> TpuTensor:
