@@ -208,15 +208,20 @@ class Program:
         self.jitted = jax.jit(raw, **jit_options)
         self.serial = next(_serials)
         self.ran = False
-        self.out_avals = None
-        self.metas = None
+        # Per output (shape, dtype), or None where there is no tensor: set by the fused mode's first recording.
+        self.out_avals: list | None = None
+        self.metas: list | None = None
         self._options = jit_options
         self._spmd = None
-        self.origin = None  # ("op", cache key) or ("fused", key, device): what this program is
+        self.origin: tuple | None = None  # ("op", cache key) or ("fused", key, device): what this program is
         self.reused = False
 
     def __call__(self, *args):
         _stats.executions += 1
+        if self.ran and not _mesh_arrays_exist and not _torch_profiler._is_profiler_enabled:
+            # The common case of a warm program, with no frame more than needed (an eager op's host cost).
+            self.reused = True
+            return self.jitted(*args)
         jitted = self.jitted
         on_mesh = False
         if _mesh_arrays_exist:
