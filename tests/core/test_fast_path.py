@@ -96,6 +96,8 @@ def test_repeated_views_give_their_own_metadata_and_share_the_storage():
             (t[:, 1:5:2], a[:, 1:5:2]),
             (t.T, a.T),
             (t.unbind(0)[2], a.unbind(0)[2]),
+            (t.view(6, 4), a.view(6, 4)),  # sizes as a list
+            (t.view(3, 8), a.view(3, 8)),
         ):
             assert view.shape == expected.shape and view.stride() == expected.stride()
             assert view.storage_offset() == expected.storage_offset()
@@ -190,3 +192,22 @@ def test_a_window_that_leaves_the_replayed_structure_midway_still_computes_right
         torch.testing.assert_close(out.cpu(), ((a + b) - b).sum())
         shorter = ta + tb
         torch.testing.assert_close(shorter.cpu(), a + b)
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_tensor_lists_and_foreach_ops_on_the_fast_path(mode):
+    g = torch.Generator().manual_seed(6)
+    xs = [torch.randn(3, generator=g), torch.randn(2, 2, generator=g)]
+    ts = [x.to("tpu") for x in xs]
+    cats = []
+    with tpurec.mode(mode):
+        for step in range(3):
+            torch._foreach_add_(ts, 1.5)
+            torch._foreach_mul_(ts, [0.5, 2.0 + step])  # a scalar list: runtime inputs
+            cats.append(torch.cat([ts[0], ts[1].flatten()]))
+            torch._foreach_add_(xs, 1.5)
+            torch._foreach_mul_(xs, [0.5, 2.0 + step])
+            torch.testing.assert_close(cats[-1].cpu(), torch.cat([xs[0], xs[1].flatten()]), msg=f"step {step}")
+    for t, x in zip(ts, xs):
+        torch.testing.assert_close(t.cpu(), x)
+    assert any(signature[0] == id(aten._foreach_mul.ScalarList) for signature in runtime.programs.fast_table())

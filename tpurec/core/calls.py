@@ -129,6 +129,7 @@ def _debug_check(func, outs, metas) -> None:
 # ``True`` and ``1`` are different signatures.
 _STATIC_ATOMS = frozenset({bool, str, torch.dtype, torch.memory_format, torch.layout, torch.device})
 _TENSOR, _DYNAMIC, _STATIC = calling.TENSOR, calling.DYNAMIC, calling.STATIC
+_TENSOR_LIST, _DYNAMIC_LIST = calling.TENSOR_LIST, calling.DYNAMIC_LIST
 
 
 class _Fast:
@@ -147,8 +148,8 @@ def _gather(func, kinds: tuple, args: tuple, kwargs: dict, targets: list | None)
 
     The inputs are gathered in :func:`tpurec.dense.calling.split`'s order (arguments, keyword
     arguments, targets); only calls whose arguments are tpu tensors, Python numbers, ``None``
-    and simple static values take this path (CPU scalar tensors, tensor lists and number
-    lists take the full one).
+    (also in lists) and simple static values take this path (CPU scalar tensors take the
+    full one).
     """
     positional, by_name = kinds
     if len(args) > len(positional):
@@ -192,13 +193,38 @@ def _gather(func, kinds: tuple, args: tuple, kwargs: dict, targets: list | None)
                     add((kind_of_value, value))
                 else:
                     return None
-            elif kind_of_value in _STATIC_ATOMS and kind != calling.TENSOR_LIST and kind != calling.DYNAMIC_LIST:
+            elif kind_of_value in _STATIC_ATOMS and kind != _TENSOR_LIST and kind != _DYNAMIC_LIST:
                 add((kind_of_value, value))
             elif kind == _STATIC and (kind_of_value is list or kind_of_value is tuple):
                 for item in value:
                     if type(item) is not int:
                         return None
                 add((kind_of_value, tuple(value)))
+            elif kind == _TENSOR_LIST and (kind_of_value is list or kind_of_value is tuple):
+                add(len(value))  # cat's inputs, a foreach op's tensors
+                for item in value:
+                    if isinstance(item, TpuTensor):
+                        storage = item._storage
+                        if index is None:
+                            index = storage.index
+                        elif storage.index != index:
+                            return None
+                        add(item._key)
+                        array = storage.array
+                        if type(array) is Pending:
+                            pending = True
+                        put(array)
+                    elif item is None:
+                        add(None)
+                    else:
+                        return None
+            elif kind == _DYNAMIC_LIST and (kind_of_value is list or kind_of_value is tuple):
+                types = tuple(type(item) for item in value)  # a foreach op's scalars: runtime inputs
+                for item_type in types:
+                    if item_type is not int and item_type is not float:
+                        return None
+                add(types)
+                inputs.extend(value)
             else:
                 return None
     if targets is not None:

@@ -171,7 +171,7 @@ def _dispatch_checked(func, args: tuple, kwargs: dict):
 # id(op) -> (how, table, table key, entry, ...): the op's table entry (a device kernel, its
 # lowering, or its functional variant's lowering) as it was found. A route is followed only
 # while the table still holds that entry, so replacing a lowering takes effect at once.
-_KERNEL, _LOWERED, _IN_PLACE = "kernel", "lowered", "in place"
+_KERNEL, _LOWERED, _IN_PLACE, _VIEW = "kernel", "lowered", "in place", "view"
 _routes: dict[int, tuple] = {}
 # How an op's outputs are returned: the one output, the list of them, or a tuple.
 _ONE, _LIST, _TUPLE = 0, 1, 2
@@ -192,6 +192,8 @@ def _dispatch(func, args: tuple, kwargs: dict):
         if how is _KERNEL:
             return route[3].fn(*args, **kwargs)
         if not torch.is_inference_mode_enabled():  # inference mode decomposes first (_dispatch_full)
+            if how is _VIEW:
+                return _view(func, args, kwargs)
             if how is _LOWERED:
                 outs = execute(func, route[3], args, kwargs, kinds=route[4])
                 returned = route[5]
@@ -199,6 +201,9 @@ def _dispatch(func, args: tuple, kwargs: dict):
             target = args[0]  # _IN_PLACE: an op that writes its first argument, through its functional variant
             if isinstance(target, TpuTensor):
                 execute(route[2], route[3], args, kwargs, targets=[target], kinds=route[4])
+                return target if route[5] else None
+            if type(target) is list and all(isinstance(t, TpuTensor) for t in target):  # _foreach_*_
+                execute(route[2], route[3], args, kwargs, targets=list(target), kinds=route[4])
                 return target if route[5] else None
     return _dispatch_full(func, args, kwargs)
 
@@ -228,6 +233,8 @@ def _dispatch_full(func, args: tuple, kwargs: dict):
         if out is not NotImplemented:
             return out
     if func.is_view:
+        if func not in _INDEXING and func not in _DATA_DEPENDENT and func.overloadpacket is not aten.to:
+            _routes[id(func)] = (_VIEW, _KERNELS, func, None)  # followed while the op has no kernel
         return _view(func, args, kwargs)
     if torch.Tag.inplace_view in func.tags:
         return _inplace_view(func, args, kwargs)
@@ -259,8 +266,11 @@ def _remember_in_place(func) -> None:
     first = arguments[0]
     if first.kwarg_only or first.alias_info is None or not first.alias_info.is_write:
         return
-    if not isinstance(first.type, torch._C.TensorType):
-        return  # a list of tensors (_foreach_*_): the full path
+    kind = first.type
+    if isinstance(kind, torch._C.ListType):
+        kind = kind.getElementType()  # _foreach_*_: each tensor of the list is a target
+    if not isinstance(kind, torch._C.TensorType):
+        return
     functional = _functional_variant(func)
     lowering = None if functional is None else get_lowering(functional)
     if functional is None or lowering is None:

@@ -88,8 +88,12 @@ def _view(func, args, kwargs):
     key = (id(func), base._key, args[1:])
     try:
         known = _fast_views.get(key)
-    except TypeError:  # an unhashable argument (a list of sizes)
-        return _view_full(func, args, kwargs)
+    except TypeError:  # an unhashable argument: a list of sizes (as a tuple), or a symbolic one
+        try:
+            key = (id(func), base._key, tuple((list, *a) if type(a) is list else a for a in args[1:]))
+            known = _fast_views.get(key)
+        except TypeError:
+            return _view_full(func, args, kwargs)
     if known is None:
         out = _view_full(func, args, kwargs)
         _remember_view(key, func, base, out)
