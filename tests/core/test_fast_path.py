@@ -202,11 +202,11 @@ def test_tensor_lists_and_foreach_ops_on_the_fast_path(mode):
     cats = []
     with tpurec.mode(mode):
         for step in range(3):
-            torch._foreach_add_(ts, 1.5)
-            torch._foreach_mul_(ts, [0.5, 2.0 + step])  # a scalar list: runtime inputs
+            aten._foreach_add_.Scalar(ts, 1.5)
+            aten._foreach_mul_.ScalarList(ts, [0.5, 2.0 + step])  # a scalar list: runtime inputs
             cats.append(torch.cat([ts[0], ts[1].flatten()]))
-            torch._foreach_add_(xs, 1.5)
-            torch._foreach_mul_(xs, [0.5, 2.0 + step])
+            aten._foreach_add_.Scalar(xs, 1.5)
+            aten._foreach_mul_.ScalarList(xs, [0.5, 2.0 + step])
             torch.testing.assert_close(cats[-1].cpu(), torch.cat([xs[0], xs[1].flatten()]), msg=f"step {step}")
     for t, x in zip(ts, xs):
         torch.testing.assert_close(t.cpu(), x)
