@@ -211,3 +211,16 @@ def test_tensor_lists_and_foreach_ops_on_the_fast_path(mode):
     for t, x in zip(ts, xs):
         torch.testing.assert_close(t.cpu(), x)
     assert any(signature[0] == id(aten._foreach_mul.ScalarList) for signature in runtime.programs.fast_table())
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_targets_sharing_a_storage_or_not_are_different_calls(mode):
+    """Views of one buffer and views of two buffers with the same metadata need different programs."""
+    srcs = [torch.full((3,), 1.0).to("tpu"), torch.full((3,), 2.0).to("tpu")]
+    with tpurec.mode(mode):
+        for _ in range(2):
+            one, two = torch.zeros(6).to("tpu"), torch.zeros(6).to("tpu")
+            aten._foreach_copy_.default([two[0:3], one[3:6]], srcs)  # two storages
+            aten._foreach_copy_.default([one[0:3], one[3:6]], srcs)  # one storage: both writes kept
+            torch.testing.assert_close(one.cpu(), torch.tensor([1.0, 1, 1, 2, 2, 2]))
+            torch.testing.assert_close(two.cpu(), torch.tensor([1.0, 1, 1, 0, 0, 0]))

@@ -229,6 +229,11 @@ def _gather(func, kinds: tuple, args: tuple, kwargs: dict, targets: list | None)
                 return None
     if targets is not None:
         add("targets")
+        if len(targets) > 1:
+            # Which targets share a storage: their writes go one after another into one value
+            # (see _execute), so the program differs with it.
+            firsts: dict[int, int] = {}
+            add(tuple(firsts.setdefault(id(t._storage), i) for i, t in enumerate(targets)))
         for t in targets:
             storage = t._storage
             if storage.index != index:
