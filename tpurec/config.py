@@ -354,10 +354,42 @@ def get(name: str) -> Any:
     Raises:
         ValueError: unknown flag, or the environment holds a value that is not allowed.
     """
-    f = flag(name)
+    f = _BY_NAME.get(name) or flag(name)
     if f.name in _overrides:
         return _overrides[f.name]
-    return parse(f.name, os.environ.get(f.name))
+    # Read on every op (the program cache's settings, the fused window's size): the parsed
+    # value is remembered with the environment text it came from, so a repeated read costs
+    # two dict lookups. (Parsed values are immutable: bool, int, str, frozenset.)
+    raw = _environ_get(f.name)
+    seen = _parsed.get(f.name)
+    if seen is not None and seen[0] == raw:
+        return seen[1]
+    value = parse(f.name, os.environ.get(f.name))
+    _parsed[f.name] = (raw, value)
+    return value
+
+
+# flag name -> (the raw environment value it was parsed from, the parsed value)
+_parsed: dict[str, tuple[Any, Any]] = {}
+
+
+def _environ_get(name: str) -> Any:
+    """The raw environment value of ``name`` (None when unset), cheaply.
+
+    On POSIX ``os.environ`` keeps its values in a private dict keyed by the encoded
+    name; its ``get`` encodes the name on each call, which costs more than the rest
+    of a cached op's lookup. Elsewhere this is ``os.environ.get``.
+    """
+    data = getattr(os.environ, "_data", None)
+    if isinstance(data, dict):
+        key = _ENCODED.get(name)
+        if key is None:
+            key = _ENCODED[name] = os.environ.encodekey(name)  # pyright: ignore[reportAttributeAccessIssue]
+        return data.get(key)
+    return os.environ.get(name)
+
+
+_ENCODED: dict[str, Any] = {}
 
 
 def _settable(f: Flag) -> None:
@@ -437,10 +469,11 @@ def override(**values: Any) -> Iterator[None]:
 
 def program_settings() -> tuple:
     """The values of the flags that change compiled programs, as a hashable cache-key part."""
-    return tuple(get(f.name) for f in _PROGRAM_FLAGS)
+    return tuple(get(name) for name in _PROGRAM_FLAG_NAMES)
 
 
 _PROGRAM_FLAGS = tuple(f for f in FLAGS if f.programs)
+_PROGRAM_FLAG_NAMES = tuple(f.name for f in _PROGRAM_FLAGS)
 
 
 def __getattr__(name: str) -> Any:

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import torch
 from torch.utils._pytree import tree_map
 
 from tpurec.composites import COMPOSITES
-from tpurec.core import modes, rng, runtime
+from tpurec.core import fused, modes, rng, runtime
 from tpurec.core.errors import ArgumentError, lowering_failed, unsupported_op
-from tpurec.core.programs import _placed, _run, _store, fresh
+from tpurec.core.fused import Pending
+from tpurec.core.programs import _placed, _run, _store, fresh, fresh_with_key
 from tpurec.core.tensor import TpuTensor, host_array
 from tpurec.core.views import read_view, reinterpretation, write_view
 from tpurec.dense import calling, dtype_rules
@@ -114,7 +116,202 @@ def _debug_check(func, outs, metas) -> None:
             raise FloatingPointError(f"tpurec debug: {func} produced NaN or Inf in output {i} (TPUREC_CHECK_NAN=1)")
 
 
-def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list | None = None, device=None):
+# --- the fast path: a call repeated with the same argument metadata ------------------------
+#
+# The calling convention's split (one spec tuple per argument, the program key, the program
+# cache under the current settings) is the same for every call of an op with the same
+# argument metadata. A repeated call gathers its runtime inputs and a flat signature in one
+# loop, finds everything else in ``runtime.programs.fast_table()`` and wraps the outputs with
+# their metadata known. The first call of each signature takes the full path and checks that
+# both gather the same inputs before the signature is kept.
+
+# Static (baked-in) argument types a signature holds by value; with their type, so that
+# ``True`` and ``1`` are different signatures.
+_STATIC_ATOMS = frozenset({bool, str, torch.dtype, torch.memory_format, torch.layout, torch.device})
+_TENSOR, _DYNAMIC, _STATIC = calling.TENSOR, calling.DYNAMIC, calling.STATIC
+_TENSOR_LIST, _DYNAMIC_LIST = calling.TENSOR_LIST, calling.DYNAMIC_LIST
+
+
+class _Fast:
+    """What a repeated call needs: the program and its outputs' metadata (``TpuTensor._key``)."""
+
+    __slots__ = ("program", "outputs", "random")
+
+    def __init__(self, program: runtime.Program, outputs: tuple, random: bool) -> None:
+        self.program = program
+        self.outputs = outputs  # per output: its tensor key, or None (no tensor)
+        self.random = random
+
+
+def _gather(func, kinds: tuple, args: tuple, kwargs: dict, targets: list | None):
+    """The signature, runtime inputs, device and pending flag of a call, or None when it needs the full path.
+
+    The inputs are gathered in :func:`tpurec.dense.calling.split`'s order (arguments, keyword
+    arguments, targets); only calls whose arguments are tpu tensors, Python numbers, ``None``
+    (also in lists) and simple static values take this path (CPU scalar tensors take the
+    full one).
+    """
+    positional, by_name = kinds
+    if len(args) > len(positional):
+        return None
+    signature: list[Any]
+    if kwargs:
+        values = (*args, *kwargs.values())
+        order = (*positional[: len(args)], *(by_name.get(k, _STATIC) for k in kwargs))
+        signature = [id(func), tuple(kwargs)]  # id: an OpOverload's own hash is Python code
+    else:
+        values, order = args, positional
+        signature = [id(func)]
+    add = signature.append
+    inputs: list = []
+    put = inputs.append
+    index = None
+    pending = False
+    for kind, value in zip(order, values):
+        if isinstance(value, TpuTensor):
+            if kind != _TENSOR:
+                return None
+            storage = value._storage
+            if index is None:
+                index = storage.index
+            elif storage.index != index:
+                return None  # the full path raises the device error
+            add(value._key)
+            array = storage.array
+            if type(array) is Pending:
+                pending = True
+            put(array)
+        elif value is None:
+            add(None)
+        else:
+            kind_of_value = type(value)
+            if kind_of_value is int or kind_of_value is float:
+                if kind == _TENSOR or kind == _DYNAMIC:
+                    add(kind_of_value)  # a runtime scalar: its value is an input, not part of the key
+                    put(value)
+                elif kind == _STATIC:
+                    add((kind_of_value, value))
+                else:
+                    return None
+            elif kind_of_value in _STATIC_ATOMS and kind != _TENSOR_LIST and kind != _DYNAMIC_LIST:
+                add((kind_of_value, value))
+            elif kind == _STATIC and (kind_of_value is list or kind_of_value is tuple):
+                for item in value:
+                    if type(item) is not int:
+                        return None
+                add((kind_of_value, tuple(value)))
+            elif kind == _TENSOR_LIST and (kind_of_value is list or kind_of_value is tuple):
+                add(len(value))  # cat's inputs, a foreach op's tensors
+                for item in value:
+                    if isinstance(item, TpuTensor):
+                        storage = item._storage
+                        if index is None:
+                            index = storage.index
+                        elif storage.index != index:
+                            return None
+                        add(item._key)
+                        array = storage.array
+                        if type(array) is Pending:
+                            pending = True
+                        put(array)
+                    elif item is None:
+                        add(None)
+                    else:
+                        return None
+            elif kind == _DYNAMIC_LIST and (kind_of_value is list or kind_of_value is tuple):
+                types = tuple(type(item) for item in value)  # a foreach op's scalars: runtime inputs
+                for item_type in types:
+                    if item_type is not int and item_type is not float:
+                        return None
+                add(types)
+                inputs.extend(value)
+            else:
+                return None
+    if targets is not None:
+        add("targets")
+        if len(targets) > 1:
+            # Which targets share a storage: their writes go one after another into one value
+            # (see _execute), so the program differs with it.
+            firsts: dict[int, int] = {}
+            add(tuple(firsts.setdefault(id(t._storage), i) for i, t in enumerate(targets)))
+        for t in targets:
+            storage = t._storage
+            if storage.index != index:
+                return None
+            add(t._key)
+            array = storage.array
+            if type(array) is Pending:
+                pending = True
+            put(array)
+    if index is None:
+        return None  # no tensor input: placed by the device argument (the full path)
+    return tuple(signature), inputs, index, pending
+
+
+def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list | None = None, device=None, kinds=None):
+    """Runs ``lowering`` for ``func``: the fast path for a repeated call, else :func:`_execute`.
+
+    Args, returns: as :func:`_execute`; ``kinds``: ``argument_kinds(func, lowering.static_scalars)``
+    if the caller has them.
+    """
+    mode = modes.get_mode()
+    if mode == "debug" or device is not None:
+        return _execute(func, lowering, args, kwargs, targets, device)
+    if kinds is None:
+        kinds = argument_kinds(func, lowering.static_scalars)
+    gathered = _gather(func, kinds, args, kwargs, targets)
+    if gathered is None:
+        return _execute(func, lowering, args, kwargs, targets, device)
+    signature, inputs, index, pending = gathered
+    table = runtime.programs.fast_table()
+    fast = table.get(signature)
+    if fast is None:
+        return _execute_and_remember(func, lowering, args, kwargs, targets, signature, inputs, table)
+    runtime.counters().cache_hits += 1
+    program = fast.program
+    if fast.random:
+        inputs.extend(rng.next_seed_and_counter())
+    if mode == "fused":
+        outs = fused.record(program, tuple(inputs), index)
+    else:
+        if pending:
+            inputs = [fused.resolve(x) for x in inputs]
+        outs = program(*inputs)
+    if targets is not None:
+        for t, new in zip(targets, outs):
+            _store(t._storage, new)
+        return targets
+    return [None if key is None else fresh_with_key(o, index, key) for o, key in zip(outs, fast.outputs)]
+
+
+def _execute_and_remember(func, lowering: Lowering, args, kwargs, targets, signature: tuple, inputs: list, table: dict):
+    """The first call of ``signature``: the full path, then what a repeat needs is kept."""
+    seen_inputs: list = []
+    outs = _execute(func, lowering, args, kwargs, targets, None, seen=seen_inputs)
+    program = seen_inputs.pop()
+    if lowering.random:
+        del seen_inputs[-3:]
+    same = len(seen_inputs) == len(inputs) and all(
+        a is b or (type(a) is type(b) and not isinstance(a, (jax.Array, Pending)) and a == b)
+        for a, b in zip(seen_inputs, inputs)
+    )
+    # A signature equal to itself (a NaN static argument is not) whose inputs the full path
+    # gathered the same way: a repeat may take the fast path.
+    if same and signature == signature:
+        outputs = tuple(None if o is None else o._key for o in outs) if targets is None else ()
+        table[signature] = _Fast(program, outputs, lowering.random)
+    return outs
+
+
+def _execute(
+    func,
+    lowering: Lowering,
+    args: tuple,
+    kwargs: dict,
+    targets: list | None = None,
+    device=None,
+    seen: list | None = None,
+):
     """Runs ``lowering`` for ``func`` as one cached program.
 
     Args:
@@ -124,6 +321,7 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
         targets: tpu tensors to overwrite with the outputs (in-place / out=
             variants), one per output; ``None`` returns fresh tensors.
         device: device index for ops without tensor inputs.
+        seen: if given, receives the runtime inputs and then the program (for the fast path).
     """
     kinds = argument_kinds(func, lowering.static_scalars)
     call = _Call()
@@ -178,6 +376,9 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
         return entry
 
     program = runtime.programs.get(key, build)
+    if seen is not None:
+        seen.extend(call.inputs)
+        seen.append(program)
     try:
         outs = _run(program, *call.inputs, device=index)
     except Exception as error:

@@ -52,7 +52,7 @@ from tpurec.core.kernels import (
     _new_storage,
     _to_copy,
 )
-from tpurec.core.mutating import _run_mutating
+from tpurec.core.mutating import _functional_variant, _run_mutating
 from tpurec.core.programs import (
     _compile,
     _placed,
@@ -63,7 +63,7 @@ from tpurec.core.programs import (
     pending_value,
     value_of,
 )
-from tpurec.core.tensor import install_dispatcher
+from tpurec.core.tensor import TpuTensor, install_dispatcher
 from tpurec.core.view_ops import (
     _inplace_view,
     _meta_base,
@@ -71,7 +71,8 @@ from tpurec.core.view_ops import (
     _view,
     _view_metas,
 )
-from tpurec.dense.registry import TABLE, Kind, get_lowering
+from tpurec.dense.calling import argument_kinds
+from tpurec.dense.registry import LOWERINGS, TABLE, Kind, get_lowering
 
 aten = torch.ops.aten
 # The KERNEL part of the one lowering table (tpurec/dense/registry.py): the device kernels.
@@ -128,7 +129,9 @@ def install_shadow(hook) -> None:
 def dispatch(func, args: tuple, kwargs: dict):
     if _shadow is not None:
         return _shadow(_dispatch_profiled, func, args, kwargs)
-    return _dispatch_profiled(func, args, kwargs)
+    if _torch_profiler._is_profiler_enabled:
+        return _dispatch_profiled(func, args, kwargs)
+    return _dispatch_checked(func, args, kwargs)
 
 
 def _dispatch_profiled(func, args: tuple, kwargs: dict):
@@ -163,10 +166,52 @@ def _dispatch_checked(func, args: tuple, kwargs: dict):
         return _on_host(func, args, kwargs)
 
 
+# --- routes: how an op was handled, kept so that its next call goes straight there ---------
+#
+# id(op) -> (how, table, table key, entry, ...): the op's table entry (a device kernel, its
+# lowering, or its functional variant's lowering) as it was found. A route is followed only
+# while the table still holds that entry, so replacing a lowering takes effect at once.
+_KERNEL, _LOWERED, _IN_PLACE, _VIEW = "kernel", "lowered", "in place", "view"
+_routes: dict[int, tuple] = {}
+# How an op's outputs are returned: the one output, the list of them, or a tuple.
+_ONE, _LIST, _TUPLE = 0, 1, 2
+
+
+def _returned(func) -> int:
+    returns = func._schema.returns
+    if len(returns) == 1 and not isinstance(returns[0].type, torch._C.ListType):
+        return _ONE
+    return _LIST if len(returns) == 1 else _TUPLE
+
+
 def _dispatch(func, args: tuple, kwargs: dict):
     runtime.counters().ops_by_name[func.__name__] += 1
+    route = _routes.get(id(func))
+    if route is not None and route[1].get(route[2]) is route[3]:
+        how = route[0]
+        if how is _KERNEL:
+            return route[3].fn(*args, **kwargs)
+        if not torch.is_inference_mode_enabled():  # inference mode decomposes first (_dispatch_full)
+            if how is _VIEW:
+                return _view(func, args, kwargs)
+            if how is _LOWERED:
+                outs = execute(func, route[3], args, kwargs, kinds=route[4])
+                returned = route[5]
+                return outs[0] if returned == _ONE else outs if returned == _LIST else tuple(outs)
+            target = args[0]  # _IN_PLACE: an op that writes its first argument, through its functional variant
+            if isinstance(target, TpuTensor):
+                execute(route[2], route[3], args, kwargs, targets=[target], kinds=route[4])
+                return target if route[5] else None
+            if type(target) is list and all(isinstance(t, TpuTensor) for t in target):  # _foreach_*_
+                execute(route[2], route[3], args, kwargs, targets=list(target), kinds=route[4])
+                return target if route[5] else None
+    return _dispatch_full(func, args, kwargs)
+
+
+def _dispatch_full(func, args: tuple, kwargs: dict):
     kernel = _KERNELS.get(func)
     if kernel is not None:
+        _routes[id(func)] = (_KERNEL, _KERNELS, func, kernel)
         return kernel.fn(*args, **kwargs)
     if library_device_kernel(func):
         return func._op_dk(torch._C.DispatchKey.PrivateUse1, *args, **kwargs)
@@ -188,10 +233,13 @@ def _dispatch(func, args: tuple, kwargs: dict):
         if out is not NotImplemented:
             return out
     if func.is_view:
+        if func not in _INDEXING and func not in _DATA_DEPENDENT and func.overloadpacket is not aten.to:
+            _routes[id(func)] = (_VIEW, _KERNELS, func, None)  # followed while the op has no kernel
         return _view(func, args, kwargs)
     if torch.Tag.inplace_view in func.tags:
         return _inplace_view(func, args, kwargs)
     if func._schema.is_mutable:
+        _remember_in_place(func)
         return _run_mutating(func, args, kwargs)
     lowering = get_lowering(func)
     if lowering is None:
@@ -199,13 +247,39 @@ def _dispatch(func, args: tuple, kwargs: dict):
             runtime.counters().host_ops[func.__name__] += 1
             return _on_host(func, args, kwargs)
         return _fallback(func, args, kwargs)
-    outs = execute(func, lowering, args, kwargs)
-    returns = func._schema.returns
-    if len(returns) == 1 and not isinstance(returns[0].type, torch._C.ListType):
-        return outs[0]
-    if len(returns) == 1:
-        return outs
-    return tuple(outs)
+    kinds = argument_kinds(func, lowering.static_scalars)
+    if func not in _INDEXING and func.overloadpacket is not aten.to:
+        _routes[id(func)] = (_LOWERED, LOWERINGS, func, lowering, kinds, _returned(func))
+    outs = execute(func, lowering, args, kwargs, kinds=kinds)
+    returned = _returned(func)
+    return outs[0] if returned == _ONE else outs if returned == _LIST else tuple(outs)
+
+
+def _remember_in_place(func) -> None:
+    """Keeps the route of an op that writes its first (positional) argument and nothing else.
+
+    Such an op (``add_``, ``mul_``...) runs its functional variant's lowering with the first
+    argument as the target, as :func:`tpurec.core.mutating._run_mutating` does.
+    """
+    if func in _INDEXING or func in _DATA_DEPENDENT:
+        return
+    arguments = func._schema.arguments
+    if not arguments or any(a.alias_info is not None and a.alias_info.is_write for a in arguments[1:]):
+        return
+    first = arguments[0]
+    if first.kwarg_only or first.alias_info is None or not first.alias_info.is_write:
+        return
+    kind = first.type
+    if isinstance(kind, torch._C.ListType):
+        kind = kind.getElementType()  # _foreach_*_: each tensor of the list is a target
+    if not isinstance(kind, torch._C.TensorType):
+        return
+    functional = _functional_variant(func)
+    lowering = None if functional is None else get_lowering(functional)
+    if functional is None or lowering is None:
+        return
+    kinds = argument_kinds(functional, lowering.static_scalars)
+    _routes[id(func)] = (_IN_PLACE, LOWERINGS, functional, lowering, kinds, bool(func._schema.returns))
 
 
 # TpuTensor lives a layer below this module: it reaches the dispatcher through this hook.

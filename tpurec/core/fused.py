@@ -23,43 +23,86 @@ from tpurec.core.tensor import holders
 __all__ = ["Pending", "record", "flush", "is_pending", "pending_ops", "clear_programs"]
 
 
+try:  # JAX's concrete array type: ``type(x) is`` it is cheaper than ``isinstance(x, jax.Array)``
+    from jax._src.array import ArrayImpl as _ArrayImpl
+except ImportError:  # another JAX layout: every check takes the isinstance path
+    _ArrayImpl = jax.Array
+
+
 class Pending:
     """The not yet computed output ``index`` of a recorded node."""
 
     __slots__ = ("node", "index", "shape", "dtype", "value")
 
-    def __init__(self, node: "_Node", index: int, aval) -> None:
+    def __init__(self, node: "_Node", index: int, shape: tuple, dtype) -> None:
         self.value = None  # the jax.Array, once a flush computed it
         self.node = node
         self.index = index
-        self.shape = tuple(aval.shape)
-        self.dtype = aval.dtype
+        self.shape = shape
+        self.dtype = dtype
 
 
 class _Node:
-    __slots__ = ("program", "inputs", "__weakref__")
+    __slots__ = ("program", "inputs", "position", "window", "__weakref__")
 
-    def __init__(self, program: runtime.Program, inputs: tuple) -> None:
+    def __init__(self, program: runtime.Program, inputs: tuple, position: int, window: int) -> None:
         self.program = program
         self.inputs = inputs
+        self.position = position  # its place in the window
+        self.window = window  # the window's serial: a pending value of an earlier window is no input
+
+
+class _Steady:
+    """One window structure that ran: what a later window is expected to repeat (replay).
+
+    ``wiring`` is the window's node list (program serials and where each input comes from);
+    ``programs`` its compiled programs by live outputs and donated inputs; ``next`` the
+    structure of the window that followed it last time on its device. A training step with
+    several windows (a loss read in the middle splits it) makes a cycle of them. A window
+    recorded node for node as the expected one (checked as each op is recorded: one small
+    comparison per op) runs the program found here, with no key built over the whole window
+    at the sync point.
+    """
+
+    __slots__ = ("wiring", "programs", "next")
+
+    def __init__(self, wiring: tuple) -> None:
+        self.wiring = wiring
+        self.programs: dict = {}
+        self.next: _Steady | None = None
 
 
 class _Window:
-    def __init__(self) -> None:
+    def __init__(self, serial: int = 0) -> None:
+        self.serial = serial
         self.device = 0  # one window, one device: a node for another device flushes first
         self.nodes: list[_Node] = []
-        self.storages: weakref.WeakSet = weakref.WeakSet()
+        # Weak references to the storages given pending values (plain references: a WeakSet's
+        # callbacks would cost more per op than sorting out the dead ones at the flush).
+        self.storages: list[weakref.ref] = []
         # Buffers that storages dropped for a pending value: donated if nobody else holds them.
         self.replaced: dict[int, jax.Array] = {}
+        # The window's structure, built as ops are recorded: per node (program serial, sources),
+        # its external inputs (concrete arrays once each, runtime scalars) in order.
+        self.wiring: list[tuple] = []
+        self.external: list = []
+        self.external_index: dict[int, int] = {}
+        self.expected: _Steady | None = None  # the structure this window should repeat (see _Steady)
+        self.matching = True  # every node so far is the expected one
 
 
 _window = _Window()
 _fused_programs: dict = {}
+# Window structures that ran, by wiring, and the last one run on each device.
+_steady: dict[tuple, _Steady] = {}
+_last: dict[int, _Steady] = {}
 
 
 def clear_programs() -> None:
     """Forgets the compiled fused programs: the next window of each structure is traced again."""
     _fused_programs.clear()
+    _steady.clear()
+    _last.clear()
 
 
 def max_ops() -> int:
@@ -83,18 +126,57 @@ def _abstract(value):
 
 def record(program: runtime.Program, inputs: tuple, device: int = 0) -> list:
     """Records ``program(*inputs)`` for ``tpu:device``; returns its outputs as Pending values."""
-    if _window.nodes and device != _window.device:
+    window = _window
+    if window.nodes and device != window.device:
         flush("device change")
         inputs = tuple(resolve(x) for x in inputs)
-    if len(_window.nodes) >= max_ops():
+    if len(window.nodes) >= max_ops():
         flush("graph size limit")
         inputs = tuple(resolve(x) for x in inputs)
-    _window.device = device
-    if program.out_avals is None:
-        program.out_avals = jax.eval_shape(program.raw, *map(_abstract, inputs))
-    node = _Node(program, inputs)
-    _window.nodes.append(node)
-    return [None if aval is None else Pending(node, i, aval) for i, aval in enumerate(program.out_avals)]
+    window = _window
+    nodes = window.nodes
+    position = len(nodes)
+    if not position:
+        window.device = device
+        last = _last.get(device)
+        window.expected = None if last is None else last.next or last
+    outs = program.out_avals
+    if outs is None:
+        avals = jax.eval_shape(program.raw, *map(_abstract, inputs))
+        outs = program.out_avals = [None if a is None else (tuple(a.shape), a.dtype) for a in avals]
+    sources = []
+    external = window.external
+    for x in inputs:
+        kind = type(x)
+        if kind is Pending:
+            node = x.node
+            if node.window != window.serial:
+                if x.value is None:
+                    raise RuntimeError("internal error: a pending value was dropped by a flush while still in use")
+                x = x.value  # computed by an earlier window: a concrete input
+                kind = type(x)
+            else:
+                sources.append((node.position, x.index))
+                continue
+        if kind is _ArrayImpl or isinstance(x, jax.Array):
+            k = window.external_index.get(id(x))
+            if k is None:
+                k = window.external_index[id(x)] = len(external)
+                external.append(x)
+            sources.append((-1, k))
+        else:  # a runtime scalar: its Python type shapes the trace
+            sources.append((-2 - len(external), kind))
+            external.append(x)
+    entry = (program.serial, tuple(sources))
+    if window.matching:
+        expected = window.expected
+        window.matching = (
+            expected is not None and position < len(expected.wiring) and expected.wiring[position] == entry
+        )
+    window.wiring.append(entry)
+    node = _Node(program, inputs, position, window.serial)
+    nodes.append(node)
+    return [None if out is None else Pending(node, i, out[0], out[1]) for i, out in enumerate(outs)]
 
 
 def track(storage, replaced=None) -> None:
@@ -104,8 +186,8 @@ def track(storage, replaced=None) -> None:
         storage: the storage.
         replaced: the concrete array it held before, a candidate for donation.
     """
-    _window.storages.add(storage)
-    if isinstance(replaced, jax.Array):
+    _window.storages.append(weakref.ref(storage))
+    if replaced is not None and (type(replaced) is _ArrayImpl or isinstance(replaced, jax.Array)):
         _window.replaced[id(replaced)] = replaced
 
 
@@ -122,77 +204,61 @@ def resolve(value):
 
 def flush(reason: str) -> None:
     """Runs every recorded op as one program and fills in the live storages."""
+    global _window
     window = _window
     if not window.nodes:
         return
-    nodes, storages = window.nodes, [s for s in window.storages if isinstance(s.array, Pending)]
-    device = window.device
-    replaced = window.replaced
-    window.nodes, window.storages, window.replaced = [], weakref.WeakSet(), {}
+    _window = _Window(window.serial + 1)
     counters = runtime.counters()
     counters.sync_points[reason] += 1
     with profiler.record(f"tpurec::sync ({reason})"):  # tpurec.profiler hook
-        _flush(nodes, storages, device, replaced, counters)
+        _flush(window, counters)
 
 
 # synchronize() (in runtime, a layer below) runs the pending window first.
 runtime.flush_pending_work_with(flush)
 
 
-def _flush(nodes: list, storages: list, device: int, replaced: dict, counters: runtime.Stats) -> None:
-    """Builds (or reuses) the program of one window of ``nodes``, runs it and fills in ``storages``."""
-    node_index = {id(n): j for j, n in enumerate(nodes)}
-    external: list = []
-    external_index: dict[int, int] = {}
-    wiring = []
-    for node in nodes:
-        sources = []
-        for x in node.inputs:
-            if isinstance(x, Pending):
-                sources.append((node_index[id(x.node)], x.index))
-            elif isinstance(x, jax.Array):
-                k = external_index.get(id(x))
-                if k is None:
-                    k = external_index[id(x)] = len(external)
-                    external.append(x)
-                sources.append((-1, k))
-            else:  # a runtime scalar: its Python type shapes the trace
-                sources.append((-2 - len(external), type(x)))
-                external.append(x)
-        wiring.append((node.program.serial, tuple(sources)))
-    # Sorted, so the key does not depend on the order the weak set yields storages.
-    outputs = sorted({(node_index[id(s.array.node)], s.array.index) for s in storages})
+def _flush(window: _Window, counters: runtime.Stats) -> None:
+    """Builds (or reuses) the program of one recorded ``window``, runs it and fills in its live storages."""
+    nodes, external, replaced, device = window.nodes, window.external, window.replaced, window.device
+    live: dict[int, object] = {}
+    for ref in window.storages:
+        storage = ref()
+        if storage is not None and type(storage.array) is Pending:
+            live[id(storage)] = storage
+    storages = list(live.values())
+    # Sorted, so the key does not depend on the order the storages were tracked in.
+    outputs = tuple(sorted({(s.array.node.position, s.array.index) for s in storages}))  # pyright: ignore[reportAttributeAccessIssue]
     seen = {where: k for k, where in enumerate(outputs)}
     donate = tuple(
-        k for k, x in enumerate(external)
-        if isinstance(x, jax.Array) and id(x) in replaced and holders(x) == 0 and not x.is_deleted()
+        k
+        for k, x in enumerate(external)
+        if id(x) in replaced and isinstance(x, jax.Array) and holders(x) == 0 and not x.is_deleted()
     )
-    key = (tuple(wiring), tuple(outputs), donate, device)
-
-    program = _fused_programs.get(key)
+    steady = window.expected
+    if window.matching and steady is not None and len(nodes) == len(steady.wiring):
+        wiring = steady.wiring  # recorded node for node as expected: a replay, no key built again
+    else:
+        wiring = tuple(window.wiring)
+        steady = _steady.get(wiring)
+        if steady is None:
+            steady = _steady[wiring] = _Steady(wiring)
+    last = _last.get(device)
+    if last is not None:
+        last.next = steady
+    _last[device] = steady
+    program = steady.programs.get((outputs, donate))
     if program is None:
-        counters.programs_built += 1
-        raws = [n.program.raw for n in nodes]
-        plan = [w[1] for w in wiring]
-
-        def fused(donated, kept):
-            ext = _merge(donated, kept, donate)
-            results = []
-            for raw, sources in zip(raws, plan):
-                args = []
-                for j, i in sources:
-                    if j == -1:
-                        args.append(ext[i])
-                    elif j < -1:
-                        args.append(ext[-2 - j])
-                    else:
-                        args.append(results[j][i])
-                results.append(raw(*args))
-            return [results[j][i] for j, i in outputs]
-
-        placed = jax.sharding.SingleDeviceSharding(jax_device(device))
-        program = _fused_programs[key] = runtime.Program(fused, donate_argnums=(0,), out_shardings=placed)
-        program.origin = ("fused", key, device)  # for recompilation diagnostics
+        key = (wiring, outputs, donate, device)
+        program = _fused_programs.get(key)
+        if program is None:
+            counters.programs_built += 1
+            program = _fused_programs[key] = _build(nodes, [w[1] for w in wiring], outputs, donate, device)
+            program.origin = ("fused", key, device)  # for recompilation diagnostics
+        else:
+            counters.cache_hits += 1
+        steady.programs[(outputs, donate)] = program
     else:
         counters.cache_hits += 1
     counters.fused_graphs += 1
@@ -204,8 +270,31 @@ def _flush(nodes: list, storages: list, device: int, replaced: dict, counters: r
         [x for k, x in enumerate(external) if k not in donated_set],
     )
     for storage in storages:
-        p = storage.array
-        p.value = storage.array = values[seen[(node_index[id(p.node)], p.index)]]
+        p = storage.array  # pyright: ignore[reportAttributeAccessIssue]
+        p.value = storage.array = values[seen[(p.node.position, p.index)]]  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def _build(nodes: list, plan: list, outputs: tuple, donate: tuple, device: int) -> runtime.Program:
+    """The program of a window: each node's traceable program in order, returning the live outputs."""
+    raws = [n.program.raw for n in nodes]
+
+    def fused(donated, kept):
+        ext = _merge(donated, kept, donate)
+        results = []
+        for raw, sources in zip(raws, plan):
+            args = []
+            for j, i in sources:
+                if j == -1:
+                    args.append(ext[i])
+                elif j < -1:
+                    args.append(ext[-2 - j])
+                else:
+                    args.append(results[j][i])
+            results.append(raw(*args))
+        return [results[j][i] for j, i in outputs]
+
+    placed = jax.sharding.SingleDeviceSharding(jax_device(device))
+    return runtime.Program(fused, donate_argnums=(0,), out_shardings=placed)
 
 
 def _merge(donated: list, kept: list, donate: tuple) -> list:

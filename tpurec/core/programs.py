@@ -12,7 +12,7 @@ import torch
 
 from tpurec.core import fused, modes, runtime
 from tpurec.core.device import jax_device
-from tpurec.core.tensor import Storage, TpuTensor, wrap
+from tpurec.core.tensor import Storage, TpuTensor, with_key, wrap
 from tpurec.core.views import read_view, reinterpretation
 
 __all__ = ["fresh", "pending_value", "value_of"]
@@ -59,6 +59,15 @@ def fresh(array, index: int, dtype: torch.dtype | None = None) -> TpuTensor:
     t = wrap(array, index, dtype)
     if fused.is_pending(array):
         fused.track(t._storage)
+    return t
+
+
+def fresh_with_key(array, index: int, key: tuple) -> TpuTensor:
+    """:func:`fresh` for an output whose tensor metadata (``TpuTensor._key``) is known."""
+    storage = Storage(array, index)
+    t = with_key(storage, key)
+    if type(array) is fused.Pending:
+        fused.track(storage)
     return t
 
 

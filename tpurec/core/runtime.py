@@ -208,15 +208,20 @@ class Program:
         self.jitted = jax.jit(raw, **jit_options)
         self.serial = next(_serials)
         self.ran = False
-        self.out_avals = None
-        self.metas = None
+        # Per output (shape, dtype), or None where there is no tensor: set by the fused mode's first recording.
+        self.out_avals: list | None = None
+        self.metas: list | None = None
         self._options = jit_options
         self._spmd = None
-        self.origin = None  # ("op", cache key) or ("fused", key, device): what this program is
+        self.origin: tuple | None = None  # ("op", cache key) or ("fused", key, device): what this program is
         self.reused = False
 
     def __call__(self, *args):
         _stats.executions += 1
+        if self.ran and not _mesh_arrays_exist and not _torch_profiler._is_profiler_enabled:
+            # The common case of a warm program, with no frame more than needed (an eager op's host cost).
+            self.reused = True
+            return self.jitted(*args)
         jitted = self.jitted
         on_mesh = False
         if _mesh_arrays_exist:
@@ -365,6 +370,7 @@ class ProgramCache:
 
     def __init__(self) -> None:
         self._tables: dict[tuple, dict[Any, Any]] = {}
+        self._fast_tables: dict[tuple, dict[Any, Any]] = {}
 
     @property
     def _programs(self) -> dict[Any, Any]:
@@ -373,6 +379,19 @@ class ProgramCache:
         table = self._tables.get(settings)
         if table is None:
             table = self._tables[settings] = {}
+        return table
+
+    def fast_table(self) -> dict[Any, Any]:
+        """The calls of the current settings that a caller may repeat with no key building.
+
+        ``tpurec.core.calls`` keeps here, per op and argument metadata, what a repeated
+        call needs (the program, where its inputs come from, its outputs' metadata), so
+        that a cached op skips the calling convention's split. Cleared with the programs.
+        """
+        settings = config.program_settings()
+        table = self._fast_tables.get(settings)
+        if table is None:
+            table = self._fast_tables[settings] = {}
         return table
 
     def get(self, key, build: Callable[[], Any]):
@@ -390,6 +409,7 @@ class ProgramCache:
 
     def clear(self) -> None:
         self._tables.clear()
+        self._fast_tables.clear()
 
 
 programs = ProgramCache()

@@ -22,6 +22,7 @@ __all__ = [
     "Storage",
     "TpuTensor",
     "wrap",
+    "with_key",
     "array_of",
     "replace_array",
     "is_global",
@@ -56,15 +57,32 @@ def install_dispatcher(dispatch: Callable[[Any, tuple, dict], Any], value_of: Ca
 _holders: dict[int, int] = {}
 
 
-def _release(array, _array_type=jax.Array, _freed=_memory.freed) -> None:
-    # The default arguments keep the type and the hook alive for __del__ at interpreter exit.
-    if isinstance(array, _array_type) and _holders is not None:
+try:  # JAX's concrete array type: ``type(x) is`` it is cheaper than ``isinstance(x, jax.Array)``
+    from jax._src.array import ArrayImpl as _ArrayImpl
+except ImportError:  # another JAX layout: every check takes the isinstance path
+    _ArrayImpl = jax.Array
+
+
+def _release(array, _array_type=jax.Array, _concrete=_ArrayImpl, _freed=_memory.freed) -> None:
+    # The default arguments keep the types and the hook alive for __del__ at interpreter exit.
+    if array is None:
+        return
+    if (type(array) is _concrete or isinstance(array, _array_type)) and _holders is not None:
         left = _holders.get(id(array), 0) - 1
         if left > 0:
             _holders[id(array)] = left
         else:
             _holders.pop(id(array), None)
             _freed(array)  # tpurec.memory hook: live-buffer accounting
+
+
+def _hold(array, index: int) -> None:
+    """Counts one more storage holding ``array`` (a concrete array; pending values are not counted)."""
+    if type(array) is _ArrayImpl or isinstance(array, jax.Array):
+        held = _holders.get(id(array), 0)
+        _holders[id(array)] = held + 1
+        if not held:
+            _memory.allocated(array, index)  # tpurec.memory hook: live-buffer accounting
 
 
 def holders(array) -> int:
@@ -82,9 +100,9 @@ class Storage:
     __slots__ = ("_array", "index", "__weakref__")
 
     def __init__(self, array: jax.Array, index: int) -> None:
-        self._array = None
         self.index = index  # before the array: memory accounting reads it
-        self.array = array
+        _hold(array, index)
+        self._array = array
 
     @property
     def array(self):
@@ -93,11 +111,7 @@ class Storage:
     @array.setter
     def array(self, new) -> None:
         _release(self._array)
-        if isinstance(new, jax.Array):
-            held = _holders.get(id(new), 0)
-            _holders[id(new)] = held + 1
-            if not held:
-                _memory.allocated(new, self.index)  # tpurec.memory hook: live-buffer accounting
+        _hold(new, self.index)
         self._array = new
 
     def __del__(self, _release=_release) -> None:
@@ -106,7 +120,14 @@ class Storage:
 
     @property
     def device(self) -> torch.device:
-        return torch.device("tpu", self.index)
+        device = _DEVICES.get(self.index)
+        if device is None:
+            device = _DEVICES[self.index] = torch.device("tpu", self.index)
+        return device
+
+
+# tpu:N as torch.device objects, made once: every new tensor needs its device.
+_DEVICES: dict[int, torch.device] = {}
 
 
 class TpuTensor(torch.Tensor):
@@ -290,6 +311,21 @@ def install_serialization() -> None:
 
     torch_utils._get_restore_location = _restore_location
     torch.serialization.register_package(11, _never_tag, _keep_on_host)
+
+
+def with_key(storage: Storage, key: tuple) -> TpuTensor:
+    """A tpu tensor over ``storage`` whose metadata tuple ``key`` (``TpuTensor._key``) is known.
+
+    For results of cached calls (``tpurec.core.calls``): the same tensor as ``TpuTensor(...)``
+    makes, without working the metadata out again. ``key[0]`` must be the storage's shape.
+    """
+    _, dtype, size, stride, offset, _ = key
+    t = torch.Tensor._make_wrapper_subclass(
+        TpuTensor, size, strides=stride, storage_offset=offset, dtype=dtype, device=storage.device
+    )
+    t._storage = storage
+    t._key = key
+    return t
 
 
 def wrap(array: jax.Array, index: int, dtype: torch.dtype | None = None) -> TpuTensor:

@@ -12,7 +12,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from tpurec.core.calls import _flatten_out
-from tpurec.core.tensor import Storage, TpuTensor
+from tpurec.core.tensor import Storage, TpuTensor, with_key
 from tpurec.core.views import reinterpretation, view_capacity
 from tpurec.dense.calling import static_value
 
@@ -72,8 +72,58 @@ def _view_metas(func, args, kwargs) -> list | None:
     return metas
 
 
+# (id(op), base key, the other arguments) -> (the outputs' keys, how they are returned):
+# views already checked, so that a repeated view only makes its tensors. Only calls
+# without keyword arguments whose arguments are hashable as they come (ints, None; not
+# lists) are kept; the rest take the full path each time.
+_fast_views: dict = {}
+_ONE, _LIST, _TUPLE = 0, 1, 2
+
+
 def _view(func, args, kwargs):
     """A view op: new tensors over the same storage, with metadata from the meta kernel."""
+    base = args[0]
+    if kwargs or torch.is_inference_mode_enabled():
+        return _view_full(func, args, kwargs)
+    key = (id(func), base._key, args[1:])
+    try:
+        known = _fast_views.get(key)
+    except TypeError:  # an unhashable argument: a list of sizes (as a tuple), or a symbolic one
+        try:
+            key = (id(func), base._key, tuple((list, *a) if type(a) is list else a for a in args[1:]))
+            known = _fast_views.get(key)
+        except TypeError:
+            return _view_full(func, args, kwargs)
+    if known is None:
+        out = _view_full(func, args, kwargs)
+        _remember_view(key, func, base, out)
+        return out
+    keys, returned = known
+    storage = base._storage
+    if returned == _ONE:
+        return with_key(storage, keys[0])
+    views = [with_key(storage, k) for k in keys]
+    return views if returned == _LIST else tuple(views)
+
+
+def _remember_view(key: tuple, func, base: TpuTensor, out) -> None:
+    """Keeps the outputs' keys of a view just made (when they are views of ``base``'s storage)."""
+    if key != key:  # a NaN argument: never equal to itself, a cache entry would never be found again
+        return
+    outs = _flatten_out(out)
+    if not all(isinstance(o, TpuTensor) and o._storage is base._storage and not o.requires_grad for o in outs):
+        return  # copied (_view_that_copies), or something a repeat would not rebuild the same way
+    returns = func._schema.returns
+    if len(returns) == 1 and not isinstance(returns[0].type, torch._C.ListType):
+        returned = _ONE
+    else:
+        returned = _LIST if isinstance(returns[0].type, torch._C.ListType) else _TUPLE
+    if len(_fast_views) < 100_000:  # views of many shapes (a model over varying lengths): bounded
+        _fast_views[key] = (tuple(o._key for o in outs), returned)
+
+
+def _view_full(func, args, kwargs):
+    """:func:`_view` from the op's meta kernel (cached per op, layout and static arguments)."""
     base = args[0]
     metas = _view_metas(func, args, kwargs)
     if metas is None:
