@@ -311,8 +311,9 @@ def _spec_kind(spec: tuple) -> str:
 
 
 def _op_changes(old: Any, new: Any) -> tuple[float, list[str], str]:
-    """Changes between two eager program keys ``(op, arg_specs, kw_specs, target_specs, placed_on)``."""
-    if not (isinstance(old, tuple) and isinstance(new, tuple) and len(old) == 5 and len(new) == 5
+    """Changes between two eager program keys
+    ``(op, arg_specs, kw_specs, target_specs, shared_targets, placed_on)``."""
+    if not (isinstance(old, tuple) and isinstance(new, tuple) and len(old) == 6 and len(new) == 6
             and isinstance(new[0], torch._ops.OpOverload)):
         return _generic_changes(old, new)
     op = new[0]
@@ -340,7 +341,9 @@ def _op_changes(old: Any, new: Any) -> tuple[float, list[str], str]:
         changes += c
         hint = hint or h
     if old[4] != new[4]:
-        changes.append(f"placed on tpu:{new[4]} instead of tpu:{old[4]}")
+        changes.append("written tensors share storage differently (which written tensors are views of one buffer)")
+    if old[5] != new[5]:
+        changes.append(f"placed on tpu:{new[5]} instead of tpu:{old[5]}")
     return _distance(old, new), changes, hint or _HINT_STATIC
 
 
