@@ -27,7 +27,9 @@ TIMEOUT = 300  # seconds: `import tpurec` alone takes several on a loaded 2-core
 def run(*command: str) -> subprocess.CompletedProcess:
     """Runs ``command`` in its own process with the checkout's tpurec; output as text."""
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    return subprocess.run(list(command), capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=env, check=False)
+    return subprocess.run(
+        list(command), capture_output=True, text=True, timeout=TIMEOUT, cwd=ROOT, env=env, check=False
+    )
 
 
 def tpurec_script() -> str:
@@ -201,4 +203,3 @@ def test_planner_flag_values_are_checked_by_argparse(flag, value, message, capsy
         plan_main([*argv, flag, value], prog="tpurec plan")
     assert exit_info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"tpurec plan: error: {message}")
-

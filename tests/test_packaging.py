@@ -32,7 +32,16 @@ def test_license_is_declared_and_shipped():
 def test_every_runtime_import_is_a_declared_dependency():
     # What tpurec imports (directly or lazily) must come with `pip install .`, not only with the lock.
     declared = {_name(req) for req in _pyproject()["project"]["dependencies"]}
-    for needed in ("torch", "torchrec", "fbgemm-gpu-cpu", "jax", "jaxlib", "jax-tpu-embedding", "numpy", "orbax-checkpoint"):
+    for needed in (
+        "torch",
+        "torchrec",
+        "fbgemm-gpu-cpu",
+        "jax",
+        "jaxlib",
+        "jax-tpu-embedding",
+        "numpy",
+        "orbax-checkpoint",
+    ):
         assert needed in declared, needed
 
 

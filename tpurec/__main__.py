@@ -22,8 +22,16 @@ def main(argv: list[str] | None = None) -> int:
     Args:
         argv: the arguments after ``tpurec``.
     """
-    return run_subcommand("tpurec", "Recommendation models on TPUs from plain PyTorch.", COMMANDS,
-                          sys.argv[1:] if argv is None else argv, version=tpurec.__version__) or 0
+    return (
+        run_subcommand(
+            "tpurec",
+            "Recommendation models on TPUs from plain PyTorch.",
+            COMMANDS,
+            sys.argv[1:] if argv is None else argv,
+            version=tpurec.__version__,
+        )
+        or 0
+    )
 
 
 if __name__ == "__main__":

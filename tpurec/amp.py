@@ -43,7 +43,9 @@ upsample_bilinear2d upsample_trilinear3d upsample_bicubic2d
 """.split()
 
 # Run with dtype=float32 unless the caller gave a dtype (CUDA's fp32_set_opt_dtype list).
-FLOAT32_OPTIONAL_DTYPE_OPS = "prod softmax log_softmax cumprod cumsum linalg_vector_norm linalg_matrix_norm sum nansum".split()
+FLOAT32_OPTIONAL_DTYPE_OPS = (
+    "prod softmax log_softmax cumprod cumsum linalg_vector_norm linalg_matrix_norm sum nansum".split()
+)
 
 # Run in the widest floating type among the inputs (CUDA's promote list).
 PROMOTE_OPS = "addcdiv addcmul atan2 bilinear cross dot vdot grid_sampler index_put scatter_add tensordot cat stack index_copy".split()
@@ -78,7 +80,7 @@ def _kernel(op: torch._ops.OpOverload, policy: str) -> Callable[..., Any]:
                 if dtype_position is not None and _eligible(first):
                     if len(args) > dtype_position:
                         if args[dtype_position] is None:
-                            args = args[:dtype_position] + (torch.float32,) + args[dtype_position + 1:]
+                            args = args[:dtype_position] + (torch.float32,) + args[dtype_position + 1 :]
                     elif kwargs.get("dtype") is None:
                         kwargs = {**kwargs, "dtype": torch.float32}
             else:  # promote

@@ -301,8 +301,9 @@ def _index(flat: int, shape) -> list[int]:
 
 
 def _difference(actual: torch.Tensor, expected: torch.Tensor, bad: torch.Tensor, rtol: float, atol: float) -> str:
-    a, e = actual.to(torch.complex128 if actual.is_complex() else torch.float64), expected.to(
-        torch.complex128 if expected.is_complex() else torch.float64
+    a, e = (
+        actual.to(torch.complex128 if actual.is_complex() else torch.float64),
+        expected.to(torch.complex128 if expected.is_complex() else torch.float64),
     )
     nan = a.isnan() != e.isnan()
     if bool(nan.any()):
@@ -369,7 +370,12 @@ def _judge(actual: torch.Tensor, expected: torch.Tensor, reference, report: Shad
 # --- one op on CPU ---------------------------------------------------------------------
 
 
-_WIDE = {torch.float32: torch.float64, torch.bfloat16: torch.float64, torch.float16: torch.float64, torch.complex64: torch.complex128}
+_WIDE = {
+    torch.float32: torch.float64,
+    torch.bfloat16: torch.float64,
+    torch.float16: torch.float64,
+    torch.complex64: torch.complex128,
+}
 
 
 class _Inputs:
@@ -399,7 +405,11 @@ class _Inputs:
         storages: dict[int, torch.Tensor] = {}
         common: torch.dtype | None = None
         if unify:
-            common = next(x.dtype for x in tree_flatten((self.args, self.kwargs))[0] if isinstance(x, torch.Tensor) and x.is_floating_point())
+            common = next(
+                x.dtype
+                for x in tree_flatten((self.args, self.kwargs))[0]
+                if isinstance(x, torch.Tensor) and x.is_floating_point()
+            )
 
         def convert(x):
             if isinstance(x, TpuTensor):
@@ -483,7 +493,11 @@ def _same_ties(func, cpu_args, cpu_kwargs, indices: torch.Tensor, values: torch.
     if bool(((indices < 0) | (indices >= source.shape[dim])).any()):
         return False
     picked = source.gather(dim, indices)
-    return bool(((picked == values) | (picked.isnan() & values.isnan()) if picked.is_floating_point() else picked == values).all())
+    return bool(
+        (
+            (picked == values) | (picked.isnan() & values.isnan()) if picked.is_floating_point() else picked == values
+        ).all()
+    )
 
 
 def _meta_run(func, inputs: _Inputs):
@@ -516,7 +530,9 @@ def _meta_output(func, inputs: _Inputs, i: int) -> tuple | None:
 
 def _refused(error: Exception) -> bool:
     """``error`` says the inputs are invalid (not that a kernel is missing for this backend)."""
-    return isinstance(error, (RuntimeError, ValueError, IndexError, TypeError)) and not isinstance(error, NotImplementedError)
+    return isinstance(error, (RuntimeError, ValueError, IndexError, TypeError)) and not isinstance(
+        error, NotImplementedError
+    )
 
 
 def _is_random(func) -> bool:
@@ -547,7 +563,11 @@ def _compare(func, inputs: _Inputs, out, report: ShadowReport) -> list[str] | No
             # CPU and the meta kernel refuse these inputs (baddbmm of float32 and bfloat16): PyTorch
             # raises where tpu computed something.
             return [f"PyTorch refuses these inputs and tpu accepted them: {type(error).__name__}: {_first_line(error)}"]
-        dtypes = {x.dtype for x in tree_flatten((inputs.args, inputs.kwargs))[0] if isinstance(x, torch.Tensor) and x.is_floating_point()}
+        dtypes = {
+            x.dtype
+            for x in tree_flatten((inputs.args, inputs.kwargs))[0]
+            if isinstance(x, torch.Tensor) and x.is_floating_point()
+        }
         if len(dtypes) > 1 and not isinstance(meta, Exception):
             # Where tpu follows the meta kernel's dtypes (float32 statistics of a bfloat16 layer norm),
             # CPU's kernel may refuse them in its backward: ask it with every float in one dtype.
@@ -606,7 +626,12 @@ def _compare(func, inputs: _Inputs, out, report: ShadowReport) -> list[str] | No
             if a.shape != e.shape:
                 continue
             a = a.to(e.dtype)  # so judged at CPU's precision
-        if i == 1 and func in _TIES and not torch.equal(a, e) and _same_ties(func, cpu_args, cpu_kwargs, a, expected_flat[0]):
+        if (
+            i == 1
+            and func in _TIES
+            and not torch.equal(a, e)
+            and _same_ties(func, cpu_args, cpu_kwargs, a, expected_flat[0])
+        ):
             report.ties[name] += 1
             continue
         undefined = _undefined_casts(func, cpu_args, e)

@@ -142,7 +142,9 @@ class _Signature:
             for a in schema.arguments
         ]
         self.kwarg_only = [a.kwarg_only for a in schema.arguments]
-        self.defaults = [a.default_value if a.has_default_value() else inspect.Parameter.empty for a in schema.arguments]
+        self.defaults = [
+            a.default_value if a.has_default_value() else inspect.Parameter.empty for a in schema.arguments
+        ]
         self.num_outputs = len(schema.returns)
         self.returns_list = self.num_outputs == 1 and isinstance(schema.returns[0].type, torch._C.ListType)
 
@@ -207,8 +209,11 @@ def _abstract(t: torch.Tensor) -> jax.ShapeDtypeStruct:
 
 def _describe(specs: Sequence[Any]) -> str:
     return ", ".join(
-        f"{list(s.shape)} {jnp.dtype(s.dtype).name}" if isinstance(s, jax.ShapeDtypeStruct)
-        else "[" + _describe(s) + "]" if isinstance(s, list) else repr(s)
+        f"{list(s.shape)} {jnp.dtype(s.dtype).name}"
+        if isinstance(s, jax.ShapeDtypeStruct)
+        else "[" + _describe(s) + "]"
+        if isinstance(s, list)
+        else repr(s)
         for s in specs
     )
 
@@ -222,7 +227,9 @@ def _host_kernel(signature: _Signature, fn: Callable) -> Callable:
 
     def kernel(*args, **kwargs):
         values = signature.bind(args, kwargs)
-        runtime_value = [t or tl or isinstance(v, float) for v, t, tl in zip(values, signature.tensor, signature.tensor_list)]
+        runtime_value = [
+            t or tl or isinstance(v, float) for v, t, tl in zip(values, signature.tensor, signature.tensor_list)
+        ]
         statics = tuple((i, v) for i, (v, r) in enumerate(zip(values, runtime_value)) if not r)
         program = cache.get(statics)
         if program is None:

@@ -46,8 +46,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilations)")
     p.add_argument("--rounds", type=int, default=2, help="plain/pipeline rounds, alternating which goes first")
     p.add_argument("--modes", nargs="+", default=["fused", "eager"], choices=["fused", "eager", "compiled"])
-    p.add_argument("--dense-only", action="store_true",
-                   help="also time the pipeline moving only the dense tensors (the ids routed in the step)")
+    p.add_argument(
+        "--dense-only",
+        action="store_true",
+        help="also time the pipeline moving only the dense tensors (the ids routed in the step)",
+    )
     args = p.parse_args(argv)
     if args.batch % args.devices:
         p.error(f"--batch {args.batch} must be a multiple of --devices {args.devices}")
@@ -66,7 +69,13 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.datasets.utils import Batch
-    from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_wise
+    from torchrec.distributed.sharding_plan import (
+        column_wise,
+        construct_module_sharding_plan,
+        data_parallel,
+        row_wise,
+        table_wise,
+    )
     from torchrec.distributed.types import ShardingPlan
     from torchrec.models.dlrm import DLRM, DLRMTrain
 
@@ -80,13 +89,26 @@ def main(argv: list[str] | None = None) -> dict:
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[f"f{i}"])
         for i in range(args.tables)
     ]
-    kinds = [lambda i: table_wise(rank=i % D), lambda i: row_wise(),
-             lambda i: column_wise(ranks=[i % D, (i + 1) % D]), lambda i: data_parallel()]
+    kinds = [
+        lambda i: table_wise(rank=i % D),
+        lambda i: row_wise(),
+        lambda i: column_wise(ranks=[i % D, (i + 1) % D]),
+        lambda i: data_parallel(),
+    ]
     generators = {c.name: kinds[i % 4](i) for i, c in enumerate(configs)}
     meta = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    plan = ShardingPlan({"model.sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
-        meta, generators, local_size=D, world_size=D, device_type="cpu")})
-    layers = {"dense_in_features": 13, "dense_arch_layer_sizes": [512, 256, args.dim], "over_arch_layer_sizes": [512, 256, 1]}
+    plan = ShardingPlan(
+        {
+            "model.sparse_arch.embedding_bag_collection": construct_module_sharding_plan(
+                meta, generators, local_size=D, world_size=D, device_type="cpu"
+            )
+        }
+    )
+    layers = {
+        "dense_in_features": 13,
+        "dense_arch_layer_sizes": [512, 256, args.dim],
+        "over_arch_layer_sizes": [512, 256, 1],
+    }
     torch.manual_seed(0)
     state = DLRMTrain(DLRM(embedding_bag_collection=EmbeddingBagCollection(configs), **layers)).state_dict()
 
@@ -104,8 +126,10 @@ def main(argv: list[str] | None = None) -> dict:
         for _ in range(args.warmup + args.steps):
             n = args.batch * args.tables * args.ids_per_bag
             kjt = KeyedJaggedTensor.from_lengths_sync(
-                keys=[c.feature_names[0] for c in configs], values=torch.from_numpy(rng.integers(0, args.rows, n)),
-                lengths=torch.full((args.batch * args.tables,), args.ids_per_bag, dtype=torch.int64))
+                keys=[c.feature_names[0] for c in configs],
+                values=torch.from_numpy(rng.integers(0, args.rows, n)),
+                lengths=torch.full((args.batch * args.tables,), args.ids_per_bag, dtype=torch.int64),
+            )
             dense = torch.from_numpy(rng.standard_normal((args.batch, 13)).astype(np.float32))
             labels = torch.from_numpy(rng.integers(0, 2, args.batch).astype(np.float32))
             yield Batch(dense_features=dense, sparse_features=kjt, labels=labels)
@@ -167,16 +191,18 @@ def main(argv: list[str] | None = None) -> dict:
                 order = list(loops) if r % 2 == 0 else list(reversed(loops))
                 runs = {name: loops[name]() for name in order}
                 for name, (times, _) in runs.items():
-                    timed[name] += times[args.warmup:]
+                    timed[name] += times[args.warmup :]
                 for name, (_, losses) in runs.items():
                     loss_gap = max(loss_gap, max(abs(a - b) for a, b in zip(runs["plain"][1], losses)))
         ms = {name: statistics.median(times) * 1e3 for name, times in timed.items()}
         result[mode] = {f"{name}_step_ms": round(value, 2) for name, value in ms.items()}
-        result[mode].update({
-            "speedup": round(ms["plain"] / ms["pipeline"], 3),
-            "max_loss_difference": loss_gap,
-            "samples_per_s_pipeline": round(args.batch / ms["pipeline"] * 1e3),
-        })
+        result[mode].update(
+            {
+                "speedup": round(ms["plain"] / ms["pipeline"], 3),
+                "max_loss_difference": loss_gap,
+                "samples_per_s_pipeline": round(args.batch / ms["pipeline"] * 1e3),
+            }
+        )
         if "pipeline_dense_only" in ms:
             result[mode]["speedup_dense_only"] = round(ms["plain"] / ms["pipeline_dense_only"], 3)
     # What the pipeline can hide at most: the host work of one batch for the
@@ -187,7 +213,9 @@ def main(argv: list[str] | None = None) -> dict:
     for b in batches():
         start = time.perf_counter()
         ebc.prefetch(b.sparse_features)
-        for arrays in ebc._prefetched[id(b.sparse_features)].batch["groups"] + ebc._prefetched[id(b.sparse_features)].batch["dp"]:
+        for arrays in (
+            ebc._prefetched[id(b.sparse_features)].batch["groups"] + ebc._prefetched[id(b.sparse_features)].batch["dp"]
+        ):
             for a in arrays:
                 a.block_until_ready()
         prepare.append(time.perf_counter() - start)

@@ -102,8 +102,9 @@ def sharded_path(directory: str) -> str | None:
     return os.path.join(directory, folder)
 
 
-def _save_sharded(directory: str, model: nn.Module, dense_optimizer: torch.optim.Optimizer, progress: dict[str, Any],
-                  numpy_state: Any) -> str:
+def _save_sharded(
+    directory: str, model: nn.Module, dense_optimizer: torch.optim.Optimizer, progress: dict[str, Any], numpy_state: Any
+) -> str:
     from tpurec.sparse.sharding import checkpoint as sharded
 
     # A unique name: a crashed save's leftovers never collide with this one.
@@ -111,7 +112,11 @@ def _save_sharded(directory: str, model: nn.Module, dense_optimizer: torch.optim
     try:
         os.makedirs(tmp)
         sharded.save(model, os.path.join(tmp, SHARDED_TABLES))  # Orbax commits this folder itself
-        state = {"dense_optimizer": _to_host(dense_optimizer.state_dict()), "progress": progress, "numpy_random_state": numpy_state}
+        state = {
+            "dense_optimizer": _to_host(dense_optimizer.state_dict()),
+            "progress": progress,
+            "numpy_random_state": numpy_state,
+        }
         _write_atomically(os.path.join(tmp, SHARDED_STATE), lambda f: torch.save(state, f))
         folder = f"{SHARDED_PREFIX}{time.time_ns()}"
         os.replace(tmp, os.path.join(directory, folder))
@@ -120,7 +125,9 @@ def _save_sharded(directory: str, model: nn.Module, dense_optimizer: torch.optim
         raise
     _sync_directory(directory)
     # Only now does the checkpoint become the one --resume reads.
-    _write_atomically(os.path.join(directory, SHARDED_POINTER), lambda f: f.write(json.dumps({"folder": folder}).encode()))
+    _write_atomically(
+        os.path.join(directory, SHARDED_POINTER), lambda f: f.write(json.dumps({"folder": folder}).encode())
+    )
     _sync_directory(directory)
     for name in os.listdir(directory):  # older checkpoints and leftovers of crashed saves
         if name != folder and (name.startswith(SHARDED_PREFIX) or name.startswith(f".{SHARDED_PREFIX}tmp-")):
@@ -134,8 +141,11 @@ def _load_sharded(directory: str, model: nn.Module, dense_optimizer: torch.optim
 
     path = sharded_path(directory)
     if path is None:
-        hint = (" (it holds a one-device checkpoint: resume with --num_devices 1)"
-                if os.path.isfile(os.path.join(directory, FILE_NAME)) else f"; run once with --checkpoint_dir {directory} first")
+        hint = (
+            " (it holds a one-device checkpoint: resume with --num_devices 1)"
+            if os.path.isfile(os.path.join(directory, FILE_NAME))
+            else f"; run once with --checkpoint_dir {directory} first"
+        )
         raise ConfigError(f"--resume: no sharded checkpoint ({SHARDED_POINTER}) in {directory}{hint}")
     try:
         state = torch.load(os.path.join(path, SHARDED_STATE), map_location="cpu", weights_only=False)
@@ -153,8 +163,13 @@ def _load_sharded(directory: str, model: nn.Module, dense_optimizer: torch.optim
     return {"progress": state["progress"], "numpy_random_state": state["numpy_random_state"]}
 
 
-def save(directory: str, model: nn.Module, dense_optimizer: torch.optim.Optimizer, progress: dict[str, Any],
-         numpy_state: Any = None) -> str:
+def save(
+    directory: str,
+    model: nn.Module,
+    dense_optimizer: torch.optim.Optimizer,
+    progress: dict[str, Any],
+    numpy_state: Any = None,
+) -> str:
     """Writes the checkpoint of ``model`` and its optimizers to ``directory``.
 
     A sharded model (``tpurec.shard``) is written in tpurec's sharded format
@@ -177,7 +192,9 @@ def save(directory: str, model: nn.Module, dense_optimizer: torch.optim.Optimize
         return _save_sharded(directory, model, dense_optimizer, progress, numpy_state)
     payload = {
         "model": _to_host(model.state_dict()),
-        "embedding_optimizers": {name: _to_host(m.optimizer_state_dict()) for name, m in embedding_collections(model).items()},
+        "embedding_optimizers": {
+            name: _to_host(m.optimizer_state_dict()) for name, m in embedding_collections(model).items()
+        },
         "dense_optimizer": _to_host(dense_optimizer.state_dict()),
         "progress": progress,
         "numpy_random_state": numpy_state,
@@ -205,8 +222,11 @@ def load(directory: str, model: nn.Module, dense_optimizer: torch.optim.Optimize
         return _load_sharded(directory, model, dense_optimizer)
     path = os.path.join(directory, FILE_NAME)
     if not os.path.isfile(path):
-        hint = (" (it holds a sharded checkpoint: resume with --num_devices > 1)"
-                if os.path.isfile(os.path.join(directory, SHARDED_POINTER)) else f"; run once with --checkpoint_dir {directory} first")
+        hint = (
+            " (it holds a sharded checkpoint: resume with --num_devices > 1)"
+            if os.path.isfile(os.path.join(directory, SHARDED_POINTER))
+            else f"; run once with --checkpoint_dir {directory} first"
+        )
         raise ConfigError(f"--resume: no checkpoint at {path}{hint}")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=False)

@@ -82,7 +82,9 @@ class SyntheticClicks:
         seed: base seed.
     """
 
-    def __init__(self, feature_names: list[str], table_rows: list[int], batch_size: int, num_batches: int, stage: str, seed: int) -> None:
+    def __init__(
+        self, feature_names: list[str], table_rows: list[int], batch_size: int, num_batches: int, stage: str, seed: int
+    ) -> None:
         self.feature_names, self.table_rows = feature_names, table_rows
         self.batch_size, self.num_batches = batch_size, num_batches
         self.stage_id, self.seed = STAGES.index(stage), seed
@@ -130,8 +132,10 @@ def _day_files(directory: str, suffix: str, flag: str) -> list[str]:
         if m:
             found[int(m.group(1))] = path
     if len(found) < 2:
-        raise ConfigError(f"{flag} {directory!r} needs day_N{suffix} files for at least two days "
-                          f"(training days, then the last day for val/test); found {len(found)}")
+        raise ConfigError(
+            f"{flag} {directory!r} needs day_N{suffix} files for at least two days "
+            f"(training days, then the last day for val/test); found {len(found)}"
+        )
     return [found[d] for d in sorted(found)]
 
 
@@ -166,10 +170,14 @@ class InMemoryCriteo:
         flag: the flag that named ``directory`` (for messages).
     """
 
-    def __init__(self, directory: str, stage: str, batch_size: int, cfg: Config, flag: str = "--in_memory_binary_criteo_path") -> None:
+    def __init__(
+        self, directory: str, stage: str, batch_size: int, cfg: Config, flag: str = "--in_memory_binary_criteo_path"
+    ) -> None:
         if len(cfg.feature_names) != CAT_FEATURE_COUNT:
-            raise ConfigError(f"Criteo data has {CAT_FEATURE_COUNT} sparse features but --num_embeddings_per_feature "
-                              f"gives {len(cfg.feature_names)}; give {CAT_FEATURE_COUNT} values")
+            raise ConfigError(
+                f"Criteo data has {CAT_FEATURE_COUNT} sparse features but --num_embeddings_per_feature "
+                f"gives {len(cfg.feature_names)}; give {CAT_FEATURE_COUNT} values"
+            )
         dense = _day_files(directory, "_dense.npy", flag)
         days = [os.path.basename(p)[: -len("_dense.npy")] for p in dense]
         sparse = [os.path.join(directory, f"{d}_sparse.npy") for d in days]
@@ -183,10 +191,18 @@ class InMemoryCriteo:
         self.source = directory
         try:
             self.pipe = InMemoryBinaryCriteoIterDataPipe(
-                stage, dense[pick], sparse[pick], labels[pick], batch_size=batch_size, rank=0, world_size=1,
+                stage,
+                dense[pick],
+                sparse[pick],
+                labels[pick],
+                batch_size=batch_size,
+                rank=0,
+                world_size=1,
                 # Only training batches shuffle: held-out metrics do not depend on the order,
                 # and numpy's global generator then serves the training data alone.
-                drop_last=False, shuffle_batches=cfg.shuffle_batches and stage == "train", mmap_mode=cfg.mmap_mode,
+                drop_last=False,
+                shuffle_batches=cfg.shuffle_batches and stage == "train",
+                mmap_mode=cfg.mmap_mode,
                 hashes=cfg.table_rows if cfg.hash_ids else None,
             )
         except (ValueError, OSError, EOFError) as e:
@@ -211,8 +227,10 @@ class MultiHotCriteo:
     def __init__(self, directory: str, stage: str, batch_size: int, cfg: Config) -> None:
         flag = "--synthetic_multi_hot_criteo_path"
         if len(cfg.feature_names) != CAT_FEATURE_COUNT:
-            raise ConfigError(f"MLPerf multi-hot Criteo has {CAT_FEATURE_COUNT} sparse features but "
-                              f"--num_embeddings_per_feature gives {len(cfg.feature_names)}; give {CAT_FEATURE_COUNT} values")
+            raise ConfigError(
+                f"MLPerf multi-hot Criteo has {CAT_FEATURE_COUNT} sparse features but "
+                f"--num_embeddings_per_feature gives {len(cfg.feature_names)}; give {CAT_FEATURE_COUNT} values"
+            )
         sparse_files = _day_files(directory, "_sparse_multi_hot.npz", flag)
         days = [os.path.basename(p)[: -len("_sparse_multi_hot.npz")] for p in sparse_files]
         chosen = days[:-1] if stage == "train" else days[-1:]
@@ -224,7 +242,9 @@ class MultiHotCriteo:
                 with np.load(npz) as members:
                     columns = [np.asarray(members[f"{k}.npy"]) for k in range(CAT_FEATURE_COUNT)]
             except (KeyError, ValueError, OSError, EOFError, zipfile.BadZipFile) as e:
-                raise ConfigError(f"cannot read {npz} as MLPerf multi-hot ids 0.npy..{CAT_FEATURE_COUNT - 1}.npy ({type(e).__name__}: {e})") from None
+                raise ConfigError(
+                    f"cannot read {npz} as MLPerf multi-hot ids 0.npy..{CAT_FEATURE_COUNT - 1}.npy ({type(e).__name__}: {e})"
+                ) from None
             _check_day(dp, lp, {f"{npz}:{k}.npy": c.shape for k, c in enumerate(columns)})
             dense.append(np.load(dp))
             labels.append(np.load(lp))
@@ -260,7 +280,9 @@ class MultiHotCriteo:
                 values=torch.from_numpy(np.concatenate([c.reshape(-1) for c in cols])),
                 lengths=torch.from_numpy(lengths),
             )
-            yield Batch(torch.from_numpy(np.ascontiguousarray(dense)), kjt, torch.from_numpy(np.ascontiguousarray(labels)))
+            yield Batch(
+                torch.from_numpy(np.ascontiguousarray(dense)), kjt, torch.from_numpy(np.ascontiguousarray(labels))
+            )
 
 
 def _tsv_files(spec: str) -> list[str]:
@@ -268,7 +290,11 @@ def _tsv_files(spec: str) -> list[str]:
         files = [s for s in spec.split(",") if s]
     elif os.path.isdir(spec):
         files = sorted(
-            (p for p in glob.glob(os.path.join(spec, "*")) if os.path.isfile(p) and re.search(r"(day_\d+|\.tsv|\.txt)$", p)),
+            (
+                p
+                for p in glob.glob(os.path.join(spec, "*"))
+                if os.path.isfile(p) and re.search(r"(day_\d+|\.tsv|\.txt)$", p)
+            ),
             key=lambda p: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", os.path.basename(p))],
         )
     else:
@@ -277,7 +303,9 @@ def _tsv_files(spec: str) -> list[str]:
         if not os.path.isfile(f):
             raise ConfigError(f"missing data file {f} (--tsv_criteo_path)")
     if len(files) < 2:
-        raise ConfigError(f"--tsv_criteo_path {spec!r} needs at least two files (training files, then the last one for val/test); found {len(files)}")
+        raise ConfigError(
+            f"--tsv_criteo_path {spec!r} needs at least two files (training files, then the last one for val/test); found {len(files)}"
+        )
     return files
 
 
@@ -298,7 +326,9 @@ def check_tsv(path: str) -> int:
             fields = line.rstrip("\n").rstrip("\r").split("\t")
             where = f"{path} line {number}"
             if len(fields) != columns:
-                raise ConfigError(f"{where}: {len(fields)} tab separated fields, expected {columns} (label, 13 integers, 26 hex ids)")
+                raise ConfigError(
+                    f"{where}: {len(fields)} tab separated fields, expected {columns} (label, 13 integers, 26 hex ids)"
+                )
             if fields[0] not in ("0", "1"):
                 raise ConfigError(f"{where}: label {fields[0]!r} is not 0 or 1")
             for i, v in enumerate(fields[1 : 1 + INT_FEATURE_COUNT]):
@@ -356,11 +386,15 @@ class MultiHot:
         for k, key in enumerate(kjt.keys()):
             ids = kjt[key].values().numpy()
             if ids.shape[0] != size:
-                raise ConfigError(f"--multi_hot_sizes needs one-hot input, but feature {key} has {ids.shape[0]} ids for {size} samples")
+                raise ConfigError(
+                    f"--multi_hot_sizes needs one-hot input, but feature {key} has {ids.shape[0]} ids for {size} samples"
+                )
             values.append(self.expand(k, ids).reshape(-1))
             lengths.append(np.full(size, self.sizes[k], dtype=np.int32))
         new = KeyedJaggedTensor.from_lengths_sync(
-            keys=kjt.keys(), values=torch.from_numpy(np.concatenate(values)), lengths=torch.from_numpy(np.concatenate(lengths))
+            keys=kjt.keys(),
+            values=torch.from_numpy(np.concatenate(values)),
+            lengths=torch.from_numpy(np.concatenate(lengths)),
         )
         return Batch(batch.dense_features, new, batch.labels)
 
@@ -397,7 +431,9 @@ class Loader:
         self.source, self.limit, self.name = source, limit, name
         self.feature_names, self.table_rows = cfg.feature_names, cfg.table_rows
         self.multi_hot = (
-            MultiHot(cfg.multi_hot_sizes, cfg.table_rows, cfg.multi_hot_distribution_type) if cfg.multi_hot_sizes else None
+            MultiHot(cfg.multi_hot_sizes, cfg.table_rows, cfg.multi_hot_distribution_type)
+            if cfg.multi_hot_sizes
+            else None
         )
 
     def __len__(self) -> int:
@@ -419,13 +455,18 @@ def make_loaders(cfg: Config) -> dict[str, Loader]:
     """The train, val and test loaders the flags ask for."""
     limits = {"train": cfg.limit_train_batches, "val": cfg.limit_val_batches, "test": cfg.limit_test_batches}
     # --batch_size is per device (dlrm_main.py's per-rank batch): one process feeds all of them.
-    sizes = {"train": cfg.batch_size * cfg.num_devices, "val": cfg.test_batch_size * cfg.num_devices,
-             "test": cfg.test_batch_size * cfg.num_devices}
+    sizes = {
+        "train": cfg.batch_size * cfg.num_devices,
+        "val": cfg.test_batch_size * cfg.num_devices,
+        "test": cfg.test_batch_size * cfg.num_devices,
+    }
     loaders = {}
     tsv_dir = tsv_to_npy_dir(cfg.tsv_criteo_path) if cfg.tsv_criteo_path else None
     for stage in STAGES:
         if cfg.synthetic:
-            source: Iterable = SyntheticClicks(cfg.feature_names, cfg.table_rows, sizes[stage], limits[stage], stage, cfg.seed)
+            source: Iterable = SyntheticClicks(
+                cfg.feature_names, cfg.table_rows, sizes[stage], limits[stage], stage, cfg.seed
+            )
             name = f"synthetic {stage} data"
         elif cfg.synthetic_multi_hot_criteo_path:
             source = MultiHotCriteo(cfg.synthetic_multi_hot_criteo_path, stage, sizes[stage], cfg)

@@ -82,7 +82,11 @@ class Config:
     @property
     def synthetic(self) -> bool:
         """True when no data path is given (the synthetic click data is used)."""
-        return self.in_memory_binary_criteo_path is None and self.synthetic_multi_hot_criteo_path is None and self.tsv_criteo_path is None
+        return (
+            self.in_memory_binary_criteo_path is None
+            and self.synthetic_multi_hot_criteo_path is None
+            and self.tsv_criteo_path is None
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,50 +100,138 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, default=1, help="number of epochs to train")
     p.add_argument("--batch_size", type=int, default=32, help="batch size to use for training")
     p.add_argument("--drop_last_training_batch", action="store_true", help="drop the last non-full training batch")
-    p.add_argument("--test_batch_size", type=int, default=None, help="batch size for validation and testing (default: --batch_size)")
+    p.add_argument(
+        "--test_batch_size",
+        type=int,
+        default=None,
+        help="batch size for validation and testing (default: --batch_size)",
+    )
     p.add_argument("--limit_train_batches", type=int, default=None, help="number of train batches per epoch")
     p.add_argument("--limit_val_batches", type=int, default=None, help="number of validation batches")
     p.add_argument("--limit_test_batches", type=int, default=None, help="number of test batches")
     p.add_argument("--dataset_name", type=str, default="criteo_1t", help="criteo_1t or criteo_kaggle (informational)")
-    p.add_argument("--num_embeddings", type=int, default=100_000, help="rows of each table when --num_embeddings_per_feature is not given")
-    p.add_argument("--num_embeddings_per_feature", type=str, default=None, help="comma separated rows per sparse feature (one table each)")
-    p.add_argument("--dense_arch_layer_sizes", type=str, default="512,256,64", help="comma separated dense arch layer sizes; the last equals --embedding_dim")
-    p.add_argument("--over_arch_layer_sizes", type=str, default="512,512,256,1", help="comma separated over arch layer sizes; the last is 1")
+    p.add_argument(
+        "--num_embeddings",
+        type=int,
+        default=100_000,
+        help="rows of each table when --num_embeddings_per_feature is not given",
+    )
+    p.add_argument(
+        "--num_embeddings_per_feature",
+        type=str,
+        default=None,
+        help="comma separated rows per sparse feature (one table each)",
+    )
+    p.add_argument(
+        "--dense_arch_layer_sizes",
+        type=str,
+        default="512,256,64",
+        help="comma separated dense arch layer sizes; the last equals --embedding_dim",
+    )
+    p.add_argument(
+        "--over_arch_layer_sizes",
+        type=str,
+        default="512,512,256,1",
+        help="comma separated over arch layer sizes; the last is 1",
+    )
     p.add_argument("--embedding_dim", type=int, default=64, help="size of each embedding")
-    p.add_argument("--interaction_branch1_layer_sizes", type=str, default="2048,2048", help="projection interaction: branch 1 layer sizes")
-    p.add_argument("--interaction_branch2_layer_sizes", type=str, default="2048,2048", help="projection interaction: branch 2 layer sizes")
+    p.add_argument(
+        "--interaction_branch1_layer_sizes",
+        type=str,
+        default="2048,2048",
+        help="projection interaction: branch 1 layer sizes",
+    )
+    p.add_argument(
+        "--interaction_branch2_layer_sizes",
+        type=str,
+        default="2048,2048",
+        help="projection interaction: branch 2 layer sizes",
+    )
     p.add_argument("--dcn_num_layers", type=int, default=3, help="DCN interaction: number of cross layers")
     p.add_argument("--dcn_low_rank_dim", type=int, default=512, help="DCN interaction: low rank dimension")
-    p.add_argument("--undersampling_rate", type=float, default=None, help="accepted for compatibility; not supported (must be unset)")
+    p.add_argument(
+        "--undersampling_rate",
+        type=float,
+        default=None,
+        help="accepted for compatibility; not supported (must be unset)",
+    )
     p.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
     p.add_argument("--pin_memory", action="store_true", help="accepted; no effect on tpu")
-    p.add_argument("--mmap_mode", action="store_true", help="keep the npy files on disk (memory-mapped) instead of loading them")
-    p.add_argument("--in_memory_binary_criteo_path", type=str, default=None, help="directory of day_N_{dense,sparse,labels}.npy files")
-    p.add_argument("--synthetic_multi_hot_criteo_path", type=str, default=None, help="directory of MLPerf v2 synthetic multi-hot files (day_N_sparse_multi_hot.npz)")
+    p.add_argument(
+        "--mmap_mode", action="store_true", help="keep the npy files on disk (memory-mapped) instead of loading them"
+    )
+    p.add_argument(
+        "--in_memory_binary_criteo_path",
+        type=str,
+        default=None,
+        help="directory of day_N_{dense,sparse,labels}.npy files",
+    )
+    p.add_argument(
+        "--synthetic_multi_hot_criteo_path",
+        type=str,
+        default=None,
+        help="directory of MLPerf v2 synthetic multi-hot files (day_N_sparse_multi_hot.npz)",
+    )
     p.add_argument("--learning_rate", type=float, default=15.0, help="learning rate (dense and embedding optimizers)")
     p.add_argument("--eps", type=float, default=1e-8, help="epsilon of the Adagrad/Adam optimizers")
     p.add_argument("--shuffle_batches", action="store_true", help="shuffle the samples within each batch")
     p.add_argument("--shuffle_training_set", action="store_true", help="accepted; not supported (must be unset)")
-    p.add_argument("--validation_freq_within_epoch", type=int, default=None, help="validate every this many training steps")
+    p.add_argument(
+        "--validation_freq_within_epoch", type=int, default=None, help="validate every this many training steps"
+    )
     p.add_argument("--adagrad", action="store_true", help="use Adagrad (dense and embeddings) instead of SGD")
     p.add_argument("--interaction_type", type=str, default="original", help="original, dcn or projection")
     p.add_argument("--collect_multi_hot_freqs_stats", action="store_true", help="accepted; no effect")
-    p.add_argument("--multi_hot_sizes", type=str, default=None, help="comma separated multi-hot size per sparse feature (1-hot ids become bags)")
-    p.add_argument("--multi_hot_distribution_type", type=str, choices=["uniform", "pareto"], default="uniform", help="distribution of the extra multi-hot ids")
+    p.add_argument(
+        "--multi_hot_sizes",
+        type=str,
+        default=None,
+        help="comma separated multi-hot size per sparse feature (1-hot ids become bags)",
+    )
+    p.add_argument(
+        "--multi_hot_distribution_type",
+        type=str,
+        choices=["uniform", "pareto"],
+        default="uniform",
+        help="distribution of the extra multi-hot ids",
+    )
     p.add_argument("--lr_warmup_steps", type=int, default=0, help="accepted; must be 0 (no schedule yet)")
     p.add_argument("--lr_decay_start", type=int, default=0, help="accepted; must be 0 (no schedule yet)")
     p.add_argument("--lr_decay_steps", type=int, default=0, help="accepted; must be 0 (no schedule yet)")
     p.add_argument("--print_lr", action="store_true", help="print the learning rate at each validation")
     p.add_argument("--allow_tf32", action="store_true", help="accepted; no effect on tpu")
-    p.add_argument("--print_sharding_plan", action="store_true", help="print the TPU sharding plan of the tables (tpurec planner)")
+    p.add_argument(
+        "--print_sharding_plan", action="store_true", help="print the TPU sharding plan of the tables (tpurec planner)"
+    )
     # --- tpurec's own ------------------------------------------------------------------
     p.add_argument("--mode", choices=EXECUTION_MODES, default="fused", help="tpurec execution mode of the dense model")
     p.add_argument("--num_devices", type=int, default=1, help="tpu devices to train on")
-    p.add_argument("--topology", type=str, default=None, help="TPU topology for --print_sharding_plan, e.g. v5p-8 (default: v5p of --num_devices chips)")
-    p.add_argument("--embedding_optimizer", choices=EMBEDDING_OPTIMIZERS, default=None, help="fused embedding optimizer (default: adagrad with --adagrad, else sgd)")
-    p.add_argument("--tsv_criteo_path", type=str, default=None, help="raw Criteo TSV files: a directory of day_N / *.tsv / *.txt files or a comma separated list; the last file is split into val and test")
-    p.add_argument("--hash_ids", action="store_true", help="take ids modulo the table size, as TorchRec's Criteo loaders do (default: ids beyond a table are an error)")
-    p.add_argument("--checkpoint_dir", type=str, default=None, help="save checkpoints here (at each validation and at the end)")
+    p.add_argument(
+        "--topology",
+        type=str,
+        default=None,
+        help="TPU topology for --print_sharding_plan, e.g. v5p-8 (default: v5p of --num_devices chips)",
+    )
+    p.add_argument(
+        "--embedding_optimizer",
+        choices=EMBEDDING_OPTIMIZERS,
+        default=None,
+        help="fused embedding optimizer (default: adagrad with --adagrad, else sgd)",
+    )
+    p.add_argument(
+        "--tsv_criteo_path",
+        type=str,
+        default=None,
+        help="raw Criteo TSV files: a directory of day_N / *.tsv / *.txt files or a comma separated list; the last file is split into val and test",
+    )
+    p.add_argument(
+        "--hash_ids",
+        action="store_true",
+        help="take ids modulo the table size, as TorchRec's Criteo loaders do (default: ids beyond a table are an error)",
+    )
+    p.add_argument(
+        "--checkpoint_dir", type=str, default=None, help="save checkpoints here (at each validation and at the end)"
+    )
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint_dir")
     p.add_argument("--profile_dir", type=str, default=None, help="write a trace of a few training steps here")
     p.add_argument("--plot", type=str, default=None, help="write a PNG of the loss and AUC curves to this path")
@@ -178,30 +270,52 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         SystemExit: argparse's own errors (unknown flag, bad number), status 2.
     """
     a = build_parser().parse_args(argv)
-    _check(a.interaction_type in INTERACTION_TYPES,
-           f"unknown --interaction_type {a.interaction_type!r}; choose one of {', '.join(INTERACTION_TYPES)}")
-    for name in ("epochs", "batch_size", "embedding_dim", "dcn_num_layers", "dcn_low_rank_dim", "num_devices", "loss_every"):
+    _check(
+        a.interaction_type in INTERACTION_TYPES,
+        f"unknown --interaction_type {a.interaction_type!r}; choose one of {', '.join(INTERACTION_TYPES)}",
+    )
+    for name in (
+        "epochs",
+        "batch_size",
+        "embedding_dim",
+        "dcn_num_layers",
+        "dcn_low_rank_dim",
+        "num_devices",
+        "loss_every",
+    ):
         _check(getattr(a, name) > 0, f"--{name} must be positive, got {getattr(a, name)}")
-    for name in ("test_batch_size", "limit_train_batches", "limit_val_batches", "limit_test_batches", "validation_freq_within_epoch"):
+    for name in (
+        "test_batch_size",
+        "limit_train_batches",
+        "limit_val_batches",
+        "limit_test_batches",
+        "validation_freq_within_epoch",
+    ):
         value = getattr(a, name)
         _check(value is None or value > 0, f"--{name} must be positive, got {value}")
     _check(a.learning_rate > 0, f"--learning_rate must be positive, got {a.learning_rate}")
     _check(a.undersampling_rate is None, "--undersampling_rate is not supported by this script; drop it")
     _check(not a.shuffle_training_set, "--shuffle_training_set is not supported by this script; use --shuffle_batches")
-    _check(a.lr_warmup_steps == a.lr_decay_start == a.lr_decay_steps == 0,
-           "learning rate schedules (--lr_warmup_steps/--lr_decay_start/--lr_decay_steps) are not supported yet; drop them")
+    _check(
+        a.lr_warmup_steps == a.lr_decay_start == a.lr_decay_steps == 0,
+        "learning rate schedules (--lr_warmup_steps/--lr_decay_start/--lr_decay_steps) are not supported yet; drop them",
+    )
     dense_sizes = _int_list("dense_arch_layer_sizes", a.dense_arch_layer_sizes)
     over_sizes = _int_list("over_arch_layer_sizes", a.over_arch_layer_sizes)
     branch1 = _int_list("interaction_branch1_layer_sizes", a.interaction_branch1_layer_sizes)
     branch2 = _int_list("interaction_branch2_layer_sizes", a.interaction_branch2_layer_sizes)
     per_feature = _int_list("num_embeddings_per_feature", a.num_embeddings_per_feature)
     multi_hot = _int_list("multi_hot_sizes", a.multi_hot_sizes)
-    _check(dense_sizes[-1] == a.embedding_dim,
-           f"the last --dense_arch_layer_sizes ({dense_sizes[-1]}) must equal --embedding_dim ({a.embedding_dim})")
+    _check(
+        dense_sizes[-1] == a.embedding_dim,
+        f"the last --dense_arch_layer_sizes ({dense_sizes[-1]}) must equal --embedding_dim ({a.embedding_dim})",
+    )
     _check(over_sizes[-1] == 1, f"the last --over_arch_layer_sizes must be 1 (one logit), got {over_sizes[-1]}")
     if a.interaction_type == "projection":
-        _check(branch1[-1] % a.embedding_dim == 0 and branch2[-1] % a.embedding_dim == 0,
-               f"the last --interaction_branch1/2_layer_sizes ({branch1[-1]}, {branch2[-1]}) must be multiples of --embedding_dim ({a.embedding_dim})")
+        _check(
+            branch1[-1] % a.embedding_dim == 0 and branch2[-1] % a.embedding_dim == 0,
+            f"the last --interaction_branch1/2_layer_sizes ({branch1[-1]}, {branch2[-1]}) must be multiples of --embedding_dim ({a.embedding_dim})",
+        )
     if per_feature is not None:
         feature_names = [f"cat_{i}" for i in range(len(per_feature))]
         table_rows = per_feature
@@ -210,13 +324,23 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         feature_names = list(DEFAULT_CAT_NAMES)
         table_rows = [a.num_embeddings] * len(feature_names)
     if multi_hot is not None:
-        _check(len(multi_hot) == len(feature_names),
-               f"--multi_hot_sizes has {len(multi_hot)} values but there are {len(feature_names)} sparse features; give one per feature")
-    data_paths = [x for x in (a.in_memory_binary_criteo_path, a.synthetic_multi_hot_criteo_path, a.tsv_criteo_path) if x is not None]
-    _check(len(data_paths) <= 1,
-           "--in_memory_binary_criteo_path, --synthetic_multi_hot_criteo_path and --tsv_criteo_path are mutually exclusive; give one")
-    _check(multi_hot is None or a.synthetic_multi_hot_criteo_path is None,
-           "--multi_hot_sizes converts 1-hot ids to multi-hot; it is inapplicable with --synthetic_multi_hot_criteo_path")
+        _check(
+            len(multi_hot) == len(feature_names),
+            f"--multi_hot_sizes has {len(multi_hot)} values but there are {len(feature_names)} sparse features; give one per feature",
+        )
+    data_paths = [
+        x
+        for x in (a.in_memory_binary_criteo_path, a.synthetic_multi_hot_criteo_path, a.tsv_criteo_path)
+        if x is not None
+    ]
+    _check(
+        len(data_paths) <= 1,
+        "--in_memory_binary_criteo_path, --synthetic_multi_hot_criteo_path and --tsv_criteo_path are mutually exclusive; give one",
+    )
+    _check(
+        multi_hot is None or a.synthetic_multi_hot_criteo_path is None,
+        "--multi_hot_sizes converts 1-hot ids to multi-hot; it is inapplicable with --synthetic_multi_hot_criteo_path",
+    )
     _check(not a.resume or a.checkpoint_dir is not None, "--resume needs --checkpoint_dir (where the checkpoint is)")
     embedding_optimizer = a.embedding_optimizer or ("adagrad" if a.adagrad else "sgd")
     synthetic = not data_paths

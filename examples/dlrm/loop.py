@@ -54,7 +54,9 @@ class PipelinedStep:
             ``torch.compile`` form).
     """
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, device: str, forward: Callable | None = None) -> None:
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, device: str, forward: Callable | None = None
+    ) -> None:
         self.model, self.optimizer, self.device = model, optimizer, device
         self.forward = model if forward is None else forward
         self.train_module = TrainStep(model, self.forward)
@@ -116,8 +118,14 @@ def place_model(model: nn.Module, cfg: Config) -> nn.Module:
     part data-parallel; ``--batch_size`` is per device, as in ``dlrm_main.py``)."""
     available = torch.tpu.device_count()
     if cfg.num_devices > available:
-        raise ConfigError(f"--num_devices {cfg.num_devices} but only {available} tpu device(s) are visible"
-                          + (" (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)" if tpurec.platform() == "cpu" else ""))
+        raise ConfigError(
+            f"--num_devices {cfg.num_devices} but only {available} tpu device(s) are visible"
+            + (
+                " (on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)"
+                if tpurec.platform() == "cpu"
+                else ""
+            )
+        )
     if cfg.num_devices == 1:
         return model
     import jax
@@ -244,8 +252,14 @@ def plot(path: str, history: History) -> None:
     plt.close(fig)
 
 
-def train(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, loaders: dict[str, Loader],
-          device: str = "tpu", log: Callable[[str], None] = print) -> RunResult:
+def train(
+    cfg: Config,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loaders: dict[str, Loader],
+    device: str = "tpu",
+    log: Callable[[str], None] = print,
+) -> RunResult:
     """Trains ``--epochs`` epochs with validation, checkpoints and a test pass.
 
     Args:
@@ -286,18 +300,29 @@ def train(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, loade
         if cfg.checkpoint_dir:
             read_losses(keep_newest=False)
             numpy_state = batches.state_before(step_in_epoch) if batches is not None else np.random.get_state()
-            checkpoint.save(cfg.checkpoint_dir, model, optimizer, {
-                "epoch": epoch, "step_in_epoch": step_in_epoch, "global_step": global_step,
-                "history": dataclasses.asdict(history),
-            }, numpy_state=numpy_state)
+            checkpoint.save(
+                cfg.checkpoint_dir,
+                model,
+                optimizer,
+                {
+                    "epoch": epoch,
+                    "step_in_epoch": step_in_epoch,
+                    "global_step": global_step,
+                    "history": dataclasses.asdict(history),
+                },
+                numpy_state=numpy_state,
+            )
 
     def validate(epoch: int, step_in_epoch: int, batches: ReplayableBatches | None) -> None:
         before, began = tpurec.stats()["compilations"], time.perf_counter()
         result = evaluate(model, pipeline.forward, loaders["val"], device, "val")
         history.val.append({"step": global_step, "auc": result.auc, "ne": result.normalized_entropy})
         lr = f", lr {cfg.learning_rate}" if cfg.print_lr else ""
-        tqdm.write(f"AUROC over val set: {result.auc:.6f}, NE {result.normalized_entropy:.4f} "
-                   f"(epoch {epoch}, step {global_step}{lr}).", file=sys.stdout)
+        tqdm.write(
+            f"AUROC over val set: {result.auc:.6f}, NE {result.normalized_entropy:.4f} "
+            f"(epoch {epoch}, step {global_step}{lr}).",
+            file=sys.stdout,
+        )
         save(epoch, step_in_epoch, batches)
         timer["eval_compilations"] += tpurec.stats()["compilations"] - before
         timer["eval_seconds"] += time.perf_counter() - began
@@ -340,11 +365,17 @@ def train(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, loade
                     if len(pending) >= cfg.loss_every:
                         read_losses(keep_newest=True)
                         now = time.perf_counter()
-                        window = history.losses[-cfg.loss_every:]
-                        bar.set_postfix(loss=f"{sum(window) / len(window):.4f}",
-                                        samples_per_s=f"{window_samples / max(now - window_start, 1e-9):,.0f}")
+                        window = history.losses[-cfg.loss_every :]
+                        bar.set_postfix(
+                            loss=f"{sum(window) / len(window):.4f}",
+                            samples_per_s=f"{window_samples / max(now - window_start, 1e-9):,.0f}",
+                        )
                         window_start, window_samples = now, 0
-                    if cfg.validation_freq_within_epoch and step_in_epoch % cfg.validation_freq_within_epoch == 0 and step_in_epoch < total:
+                    if (
+                        cfg.validation_freq_within_epoch
+                        and step_in_epoch % cfg.validation_freq_within_epoch == 0
+                        and step_in_epoch < total
+                    ):
                         validate(epoch, step_in_epoch, batches)
             except BaseException:
                 pipeline.close()
@@ -359,8 +390,12 @@ def train(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer, loade
             start_step = 0
         read_losses(keep_newest=False)
         tpurec.synchronize()
-        elapsed = time.perf_counter() - timer["start"] - timer["eval_seconds"] if timer["start"] is not None else float("nan")
-        compilations = tpurec.stats()["compilations"] - timer["eval_compilations"] if timer["start"] is not None else None
+        elapsed = (
+            time.perf_counter() - timer["start"] - timer["eval_seconds"] if timer["start"] is not None else float("nan")
+        )
+        compilations = (
+            tpurec.stats()["compilations"] - timer["eval_compilations"] if timer["start"] is not None else None
+        )
         final = evaluate(model, pipeline.forward, loaders["test"], device, "test")
     history.test = {"step": global_step, "auc": final.auc, "ne": final.normalized_entropy}
     log(f"AUROC over test set: {final.auc:.6f}, NE {final.normalized_entropy:.4f}, {final.samples} samples.")

@@ -55,15 +55,19 @@ def run(argv: list[str] | None = None) -> loop.RunResult:
     model = loop.place_model(model, cfg)
     optimizer = model_lib.dense_optimizer(cfg, model)
     rows = sum(cfg.table_rows)
-    print(f"{cfg.interaction_type} DLRM on tpu (XLA:{tpurec.platform().upper()}), mode {cfg.mode}: "
-          f"{len(cfg.table_rows)} tables, {rows:,} rows x dim {cfg.embedding_dim}, batch {cfg.batch_size}, "
-          f"{cfg.embedding_optimizer} embeddings / {'adagrad' if cfg.adagrad else 'sgd'} dense at lr {cfg.learning_rate}")
+    print(
+        f"{cfg.interaction_type} DLRM on tpu (XLA:{tpurec.platform().upper()}), mode {cfg.mode}: "
+        f"{len(cfg.table_rows)} tables, {rows:,} rows x dim {cfg.embedding_dim}, batch {cfg.batch_size}, "
+        f"{cfg.embedding_optimizer} embeddings / {'adagrad' if cfg.adagrad else 'sgd'} dense at lr {cfg.learning_rate}"
+    )
     result = loop.train(cfg, model, optimizer, loaders)
     final = result.final
     compiled = "n/a" if result.compilations_after_warmup is None else str(result.compilations_after_warmup)
-    print(f"held-out AUC {final.auc:.4f}, normalized entropy {final.normalized_entropy:.4f} ({final.samples} test samples); "
-          f"{len(result.history.losses)} steps, last loss {result.history.losses[-1]:.4f}; "
-          f"{result.samples_per_second:,.0f} samples/s after warm-up; {compiled} compilations after warm-up")
+    print(
+        f"held-out AUC {final.auc:.4f}, normalized entropy {final.normalized_entropy:.4f} ({final.samples} test samples); "
+        f"{len(result.history.losses)} steps, last loss {result.history.losses[-1]:.4f}; "
+        f"{result.samples_per_second:,.0f} samples/s after warm-up; {compiled} compilations after warm-up"
+    )
     return result
 
 

@@ -20,6 +20,7 @@ import tpurec
 class DLRMDense(nn.Module):
     def __init__(self, tables: int = 26, dim: int = 64) -> None:
         super().__init__()
+
         def mlp(sizes: list[int]) -> nn.Sequential:
             return nn.Sequential(*[m for a, b in zip(sizes, sizes[1:]) for m in (nn.Linear(a, b), nn.ReLU())][:-1])
 

@@ -9,7 +9,9 @@ from torch import nn
 class MLP(nn.Module):
     def __init__(self, d_in: int = 16, hidden: int = 32) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+        self.net = nn.Sequential(
+            nn.Linear(d_in, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 1)
+        )
 
     def forward(self, x, y):
         return nn.functional.binary_cross_entropy_with_logits(self.net(x), y)

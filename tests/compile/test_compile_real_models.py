@@ -62,8 +62,15 @@ def _arange_and_full(x):
 
 @pytest.mark.parametrize(
     "fn",
-    [_constant_list, _constant_times_two, _constant_scalar, _cpu_constant_moved, _growing_cache, _empty_then_cat,
-     _arange_and_full],
+    [
+        _constant_list,
+        _constant_times_two,
+        _constant_scalar,
+        _cpu_constant_moved,
+        _growing_cache,
+        _empty_then_cat,
+        _arange_and_full,
+    ],
 )
 def test_factory_tensors_inside_compiled_code_match_cpu(fn):
     x = torch.randn(3)
@@ -166,7 +173,7 @@ class _TopTwoRouter(torch.nn.Module):
         weights, chosen = torch.topk(probs, 2)
         mask = F.one_hot(chosen, len(self.experts)).to(x.dtype)  # [tokens, 2, experts]
         combine = (weights.unsqueeze(-1) * mask).sum(1)
-        out = sum(combine[:, e:e + 1] * expert(x) for e, expert in enumerate(self.experts))
+        out = sum(combine[:, e : e + 1] * expert(x) for e, expert in enumerate(self.experts))
         balance = (mask.sum(1).mean(0) * probs.mean(0)).sum() * len(self.experts)
         return out.square().mean() + 0.01 * balance
 
@@ -195,16 +202,24 @@ def _hf_model(name):
     import transformers
 
     torch.manual_seed(0)
-    common = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64)
+    common = dict(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     if name == "llama":
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
     if name == "qwen2":
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**common))
     if name == "mixtral":
         # Experts as a loop over the routed tokens (F.one_hot, nonzero: graph breaks on CPU too).
-        config = transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2,
-                                            experts_implementation="eager")
+        config = transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2, experts_implementation="eager"
+        )
         return transformers.MixtralForCausalLM(config)
     if name == "mixtral_grouped_mm":
         # transformers' default experts: one torch._grouped_mm per projection.
@@ -212,14 +227,30 @@ def _hf_model(name):
         return transformers.MixtralForCausalLM(config)
     if name == "bert":
         # An encoder (masked LM; its decoder bias is one parameter shared by two modules).
-        config = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                                         intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                                         attention_probs_dropout_prob=0.0, tie_word_embeddings=False)
+        config = transformers.BertConfig(
+            vocab_size=64,
+            hidden_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+            tie_word_embeddings=False,
+        )
         return transformers.BertForMaskedLM(config)
     if name == "gpt2":
         # No dropout: the CPU twin's random masks are not the device's.
-        config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=64,
-                                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        config = transformers.GPT2Config(
+            vocab_size=64,
+            n_embd=32,
+            n_layer=1,
+            n_head=4,
+            n_positions=64,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         return transformers.GPT2LMHeadModel(config)
     raise KeyError(name)
 
@@ -287,10 +318,13 @@ def test_hf_causal_lm_compiled_greedy_generate_matches_cpu(name):
     tpu.forward = torch.compile(tpu.forward, backend="tpu")
     with torch.no_grad():
         expected, cpu_breaks = _graph_breaks(
-            lambda: cpu.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0))
+            lambda: cpu.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+        )
         got, tpu_breaks = _graph_breaks(
-            lambda: tpu.generate(ids.to("tpu"), attention_mask=mask.to("tpu"), max_new_tokens=4, do_sample=False,
-                                 pad_token_id=0))
+            lambda: tpu.generate(
+                ids.to("tpu"), attention_mask=mask.to("tpu"), max_new_tokens=4, do_sample=False, pad_token_id=0
+            )
+        )
     assert torch.equal(got.cpu(), expected)
     assert tpu_breaks == cpu_breaks, (tpu_breaks, cpu_breaks)
 
@@ -348,8 +382,11 @@ def test_error_names_the_users_frame_not_torchs():
 # --- grouped_mm (Hugging Face MoE experts on tpu) while tracing -----------------
 
 
-@pytest.mark.parametrize("shapes", [((10, 8), (3, 8, 4), True), ((3, 4, 8), (3, 8, 4), False), ((3, 4, 8), (8, 4), True)],
-                         ids=["2d_3d", "3d_3d", "3d_2d"])
+@pytest.mark.parametrize(
+    "shapes",
+    [((10, 8), (3, 8, 4), True), ((3, 4, 8), (3, 8, 4), False), ((3, 4, 8), (8, 4), True)],
+    ids=["2d_3d", "3d_3d", "3d_2d"],
+)
 def test_grouped_mm_fake_of_float32_tpu_tensors_matches_cpu(shapes):
     # PyTorch's meta kernel accepts only bf16 (CUDA's rule); tpu computes float32 too.
     from torch._subclasses.fake_tensor import FakeTensorMode

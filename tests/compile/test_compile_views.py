@@ -55,5 +55,7 @@ def test_as_strided_scatter_matches_torch():
     base = torch.zeros(12)
     src = torch.arange(6, dtype=torch.float32).reshape(3, 2)
     want = torch.as_strided_scatter(base, src, [3, 2], [1, 4], 1)
-    got = VIEWS[aten.as_strided_scatter.default](jnp.zeros(12, jnp.float32), jnp.asarray(src.numpy()), [3, 2], [1, 4], 1)
+    got = VIEWS[aten.as_strided_scatter.default](
+        jnp.zeros(12, jnp.float32), jnp.asarray(src.numpy()), [3, 2], [1, 4], 1
+    )
     np.testing.assert_array_equal(np.asarray(got), want.numpy())

@@ -56,8 +56,11 @@ def cpu_losses() -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("mode,compiled", [("fused", False), ("fused", True), ("eager", True)],
-                         ids=["fused", "compiled-fused", "compiled-eager"])
+@pytest.mark.parametrize(
+    "mode,compiled",
+    [("fused", False), ("fused", True), ("eager", True)],
+    ids=["fused", "compiled-fused", "compiled-eager"],
+)
 def test_warm_dense_step_compiles_nothing_and_matches_cpu(mode, compiled, cpu_losses):
     losses, stats = _run("tpu", mode, compiled)
     assert [s["compilations"] for s in stats] == [0] * STEPS
@@ -98,8 +101,23 @@ def test_bench_modes_cli_reports_one_program_per_step_and_no_compilations():
     import subprocess
     import sys
 
-    command = [sys.executable, "-m", "tpurec.bench", "modes", "--batch", "8", "--steps", "2", "--warmup", "1",
-               "--modes", "cpu_pytorch", "fused", "compiled", "compiled_eager"]
+    command = [
+        sys.executable,
+        "-m",
+        "tpurec.bench",
+        "modes",
+        "--batch",
+        "8",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--modes",
+        "cpu_pytorch",
+        "fused",
+        "compiled",
+        "compiled_eager",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     (run,) = json.loads(done.stdout)["runs"]

@@ -107,7 +107,9 @@ def test_autocast_mode_results_agree_with_each_other():
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_transformer_encoder_eval_under_no_grad(mode, norm_first):
     torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True, norm_first=norm_first, activation="gelu")
+    layer = torch.nn.TransformerEncoderLayer(
+        16, 2, 32, dropout=0.0, batch_first=True, norm_first=norm_first, activation="gelu"
+    )
     encoder = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
     inputs = [torch.randn(2, 5, 16) for _ in range(10)]
     padding = torch.tensor([[False] * 5, [False] * 3 + [True] * 2])
@@ -183,7 +185,9 @@ def test_pin_memory_of_a_cpu_tensor_works_for_tpu_transfers():
     pinned = host.pin_memory()
     assert pinned.device.type == "cpu" and torch.equal(pinned, host) and pinned.is_contiguous()
     assert torch.equal(pinned.to("tpu", non_blocking=True).cpu(), host)
-    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.arange(4.0)), batch_size=2, pin_memory=True)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.arange(4.0)), batch_size=2, pin_memory=True
+    )
     assert [b[0].tolist() for b in loader] == [[0.0, 1.0], [2.0, 3.0]]
 
 

@@ -20,7 +20,9 @@ _cpu_only_negate.register_fake(lambda x: torch.empty_like(x))
 
 def test_op_without_lowering_names_the_overload():
     x = torch.ones(4, device="tpu")
-    with pytest.raises(NotImplementedError, match=r"tpurec_test::cpu_only_negate.*not supported on the tpu device.*report"):
+    with pytest.raises(
+        NotImplementedError, match=r"tpurec_test::cpu_only_negate.*not supported on the tpu device.*report"
+    ):
         torch.ops.tpurec_test.cpu_only_negate(x)
 
 
@@ -132,4 +134,6 @@ def test_user_line_found_in_a_checkout_under_folders_named_like_the_libraries(tm
     script.write_text(USER_SCRIPT)
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "called from" in result.stdout and "train.py" in result.stdout and "the user's line" in result.stdout, result.stdout
+    assert "called from" in result.stdout and "train.py" in result.stdout and "the user's line" in result.stdout, (
+        result.stdout
+    )

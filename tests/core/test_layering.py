@@ -107,10 +107,14 @@ def layering_violations(module: str, source: str, layers: Sequence[str]) -> list
         target = _core_layer(name, layers)
         if target is not None:
             if layers.index(target) >= level:
-                violations.setdefault((line, target), f"{module}.py:{line}: imports {name} ({target} is not below {module})")
+                violations.setdefault(
+                    (line, target), f"{module}.py:{line}: imports {name} ({target} is not below {module})"
+                )
         elif name.startswith("tpurec.core."):
             undeclared = ".".join(name.split(".")[:3])
-            violations.setdefault((line, undeclared), f"{module}.py:{line}: imports {undeclared}, a core module not in LAYERS")
+            violations.setdefault(
+                (line, undeclared), f"{module}.py:{line}: imports {undeclared}, a core module not in LAYERS"
+            )
         elif not any(name == f or name.startswith(f + ".") for f in FOUNDATION):
             package = ".".join(name.split(".")[:2])
             violations.setdefault(
@@ -222,7 +226,9 @@ def test_the_lazy_layers_load_only_through_dispatch():
     assert at_import.isdisjoint(core.LAZY_LAYERS), at_import
     anywhere = {_core_layer(n, core.LAYERS) for _, n in imported_modules(entry_source, "tpurec.core")} - {None}
     assert anywhere & set(core.LAZY_LAYERS) == {"dispatch"}
-    dispatch_imports = {_core_layer(n, core.LAYERS) for n in _module_level_imports((CORE_DIR / "dispatch.py").read_text())}
+    dispatch_imports = {
+        _core_layer(n, core.LAYERS) for n in _module_level_imports((CORE_DIR / "dispatch.py").read_text())
+    }
     assert set(core.LAZY_LAYERS) - {"dispatch"} <= dispatch_imports
     for eager in core.EAGER_LAYERS:  # and nothing eager reaches a lazy layer (the layering forbids it anyway)
         names = {_core_layer(n, core.LAYERS) for n in _module_level_imports((CORE_DIR / f"{eager}.py").read_text())}
@@ -231,9 +237,7 @@ def test_the_lazy_layers_load_only_through_dispatch():
 
 def _run_python(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(PACKAGE_ROOT.parent)}
-    return subprocess.run(
-        [sys.executable, *args], check=False, capture_output=True, text=True, timeout=600, env=env
-    )
+    return subprocess.run([sys.executable, *args], check=False, capture_output=True, text=True, timeout=600, env=env)
 
 
 def _imported(importtime_log: str) -> set[str]:
@@ -360,7 +364,11 @@ def test_a_checkpoint_naming_the_old_tensor_path_loads_without_weights_only(tmp_
     env = {**os.environ, "PYTHONPATH": str(PACKAGE_ROOT.parent)}
     done = subprocess.run(
         [sys.executable, "-c", _LOAD_OLD_CHECKPOINT, str(checkpoint), str(raw)],
-        check=False, capture_output=True, text=True, timeout=300, env=env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
@@ -424,7 +432,15 @@ SPARSE_DIR = PACKAGE_ROOT / "sparse"
 # Outside tpurec.sparse, its device parts may import the runtime below them; its device-free
 # parts (tpurec.sparse.DEVICE_FREE_LAYERS) only the command-line helpers.
 # tpurec.config imports nothing of tpurec (the flags), so every part may read it.
-SPARSE_FOUNDATION = ("tpurec.config", "tpurec.core", "tpurec.distributed", "tpurec.dense", "tpurec.library", "tpurec.native", "tpurec.cli")
+SPARSE_FOUNDATION = (
+    "tpurec.config",
+    "tpurec.core",
+    "tpurec.distributed",
+    "tpurec.dense",
+    "tpurec.library",
+    "tpurec.native",
+    "tpurec.cli",
+)
 DEVICE_FREE_FOUNDATION = ("tpurec.config", "tpurec.cli")
 
 
@@ -460,7 +476,9 @@ def sparse_layering_violations(
         if parts[:2] == ["tpurec", "sparse"]:
             target = parts[2]
             if target not in layers:
-                violations.setdefault((line, target), f"{where}:{line}: imports {name}, a part of tpurec.sparse not in LAYERS")
+                violations.setdefault(
+                    (line, target), f"{where}:{line}: imports {name}, a part of tpurec.sparse not in LAYERS"
+                )
             elif layers.index(target) > level:
                 violations.setdefault((line, target), f"{where}:{line}: imports {name} ({target} is not below {part})")
             continue
@@ -468,7 +486,8 @@ def sparse_layering_violations(
         if not _within(name, allowed):
             kind = "device-free " if part in device_free else ""
             violations.setdefault(
-                (line, ".".join(parts[:2])), f"{where}:{line}: imports {name}, which the {kind}part {part} may not import"
+                (line, ".".join(parts[:2])),
+                f"{where}:{line}: imports {name}, which the {kind}part {part} may not import",
             )
     return list(violations.values())
 
@@ -494,7 +513,9 @@ SPARSE_LAYERS_FOR_CHECKER = ("spec", "planner", "modules", "sharding")
 )
 def test_sparse_checker_reports_an_upward_import(part, source):
     package = f"tpurec.sparse.{part}"
-    violations = sparse_layering_violations(f"{part}/x.py", part, source, package, SPARSE_LAYERS_FOR_CHECKER, ("spec", "planner"))
+    violations = sparse_layering_violations(
+        f"{part}/x.py", part, source, package, SPARSE_LAYERS_FOR_CHECKER, ("spec", "planner")
+    )
     assert len(violations) == 1, violations
     assert violations[0].startswith(f"{part}/x.py:")
 
@@ -514,7 +535,12 @@ def test_sparse_checker_reports_an_upward_import(part, source):
 )
 def test_sparse_checker_accepts_downward_and_foundation_imports(part, source):
     package = f"tpurec.sparse.{part}"
-    assert sparse_layering_violations(f"{part}/x.py", part, source, package, SPARSE_LAYERS_FOR_CHECKER, ("spec", "planner")) == []
+    assert (
+        sparse_layering_violations(
+            f"{part}/x.py", part, source, package, SPARSE_LAYERS_FOR_CHECKER, ("spec", "planner")
+        )
+        == []
+    )
 
 
 def _sparse_files() -> list[tuple[str, pathlib.Path]]:
@@ -543,8 +569,12 @@ def test_sparse_parts_import_only_downward():
     violations = []
     for part, path in _sparse_files():
         violations += sparse_layering_violations(
-            str(path.relative_to(SPARSE_DIR)), part, path.read_text(), _package_of(path),
-            tpurec.sparse.LAYERS, tpurec.sparse.DEVICE_FREE_LAYERS,
+            str(path.relative_to(SPARSE_DIR)),
+            part,
+            path.read_text(),
+            _package_of(path),
+            tpurec.sparse.LAYERS,
+            tpurec.sparse.DEVICE_FREE_LAYERS,
         )
     assert violations == [], "\n".join(violations)
 

@@ -200,7 +200,10 @@ def test_user_backward_must_return_one_gradient_per_tensor():
 def test_pallas_example_trains_like_pytorch():
     out = subprocess.run(
         [sys.executable, os.path.join(ROOT, "examples/pallas_kernel.py"), "--steps", "5", "--mode", "fused"],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert out.returncode == 0, out.stderr[-3000:]
     worst = float(out.stdout.split("largest loss difference: ")[1].split(";")[0])

@@ -37,8 +37,10 @@ def test_allocating_and_freeing_moves_allocated_and_peak_like_cuda():
     assert torch.tpu.max_memory_allocated() == base + 2 * MIB  # the peak stays
     torch.tpu.reset_peak_memory_stats()
     assert torch.tpu.max_memory_allocated() == base
-    assert torch.tpu.memory_allocated(0) == torch.tpu.memory_allocated("tpu:0") == torch.tpu.memory_allocated(
-        torch.device("tpu", 0)
+    assert (
+        torch.tpu.memory_allocated(0)
+        == torch.tpu.memory_allocated("tpu:0")
+        == torch.tpu.memory_allocated(torch.device("tpu", 0))
     )
 
 

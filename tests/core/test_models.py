@@ -26,7 +26,11 @@ def compare(make_model, make_inputs, loss_fn, rtol=1e-5, atol=1e-6):
 def test_dlrm_dense_arch_with_dot_interaction():
     def inputs():
         g = torch.Generator().manual_seed(1)
-        return torch.randn(16, 13, generator=g), torch.randn(16, 26, 64, generator=g), torch.rand(16, 1, generator=g).round()
+        return (
+            torch.randn(16, 13, generator=g),
+            torch.randn(16, 26, 64, generator=g),
+            torch.rand(16, 1, generator=g).round(),
+        )
 
     compare(DenseStep, inputs, lambda m, d, s, y: torch.nn.functional.binary_cross_entropy_with_logits(m(d, s), y))
 
@@ -35,7 +39,9 @@ class TinyLM(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.embed = torch.nn.Embedding(50, 32)
-        self.block = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, activation="gelu", batch_first=True)
+        self.block = torch.nn.TransformerEncoderLayer(
+            32, 4, dim_feedforward=64, dropout=0.0, activation="gelu", batch_first=True
+        )
         self.head = torch.nn.Linear(32, 50)
 
     def forward(self, tokens):
@@ -55,7 +61,9 @@ def test_transformer_block_with_embedding_and_cross_entropy():
 
 def test_mse_tanh_sigmoid_log_softmax_mlp():
     def model():
-        return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Sigmoid(), torch.nn.Linear(8, 3))
+        return torch.nn.Sequential(
+            torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.Sigmoid(), torch.nn.Linear(8, 3)
+        )
 
     def inputs():
         g = torch.Generator().manual_seed(3)
@@ -111,7 +119,9 @@ def test_embedding_bag_forward_and_backward(mode, weighted):
     offsets = torch.tensor([0, 2, 2, 6])  # bag 2 is empty; index 3 is padding
     weights = torch.rand(9) if weighted else None
     out_cpu = cpu(indices, offsets, per_sample_weights=weights)
-    out_dev = dev(indices.to("tpu"), offsets.to("tpu"), per_sample_weights=None if weights is None else weights.to("tpu"))
+    out_dev = dev(
+        indices.to("tpu"), offsets.to("tpu"), per_sample_weights=None if weights is None else weights.to("tpu")
+    )
     torch.testing.assert_close(out_dev.cpu(), out_cpu)
     g = torch.randn_like(out_cpu)
     out_cpu.backward(g)
@@ -125,11 +135,15 @@ def test_embedding_bag_include_last_offset_and_sample_weight_grad():
     indices = torch.tensor([0, 4, 4, 7, 11, 2])
     offsets = torch.tensor([0, 3, 3, 6])
     psw = torch.rand(6, requires_grad=True)
-    ref = torch.nn.functional.embedding_bag(indices, weight, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True)
+    ref = torch.nn.functional.embedding_bag(
+        indices, weight, offsets, mode="sum", per_sample_weights=psw, include_last_offset=True
+    )
     ref.square().sum().backward()
     w_dev = weight.detach().to("tpu").requires_grad_()
     p_dev = psw.detach().to("tpu").requires_grad_()
-    out = torch.nn.functional.embedding_bag(indices.to("tpu"), w_dev, offsets.to("tpu"), mode="sum", per_sample_weights=p_dev, include_last_offset=True)
+    out = torch.nn.functional.embedding_bag(
+        indices.to("tpu"), w_dev, offsets.to("tpu"), mode="sum", per_sample_weights=p_dev, include_last_offset=True
+    )
     out.square().sum().backward()
     torch.testing.assert_close(out.cpu(), ref.detach())
     torch.testing.assert_close(w_dev.grad.cpu(), weight.grad)

@@ -157,14 +157,16 @@ def test_gpt2_keeps_its_tied_embedding_and_its_first_gradient_matches_cpu():
     ids = torch.randint(0, 64, (2, 8))
     model(ids.to("tpu"), labels=ids.to("tpu")).loss.backward()
     reference(ids, labels=ids).loss.backward()
-    torch.testing.assert_close(model.transformer.wte.weight.grad.cpu(), reference.transformer.wte.weight.grad,
-                               rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(
+        model.transformer.wte.weight.grad.cpu(), reference.transformer.wte.weight.grad, rtol=1e-4, atol=1e-6
+    )
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def test_cpu_backward_before_import_then_tpu_backward_in_a_subprocess():

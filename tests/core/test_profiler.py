@@ -23,7 +23,6 @@ def _start_in_eager_mode():
         yield
 
 
-
 def _dlrm():
     torch.manual_seed(0)
     tables = [

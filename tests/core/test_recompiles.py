@@ -131,14 +131,16 @@ def test_a_dynamic_graph_recompiles_its_xla_program_per_size_and_says_so():
 
 def test_tpurec_log_recompiles_logs_each_one_on_stderr(tmp_path):
     script = tmp_path / "loop.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import torch, tpurec
         x = torch.ones(8, 3).to("tpu")
         with tpurec.mode("fused"):
             for size in (8, 8, 8, 7, 7):
                 (x[:size] * 3).sum().item()
         print("recompilations", tpurec.stats()["recompilations"])
-    """))
+    """)
+    )
     env = dict(os.environ, TPUREC_LOG="recompiles", TPUREC_CACHE_DIR="off")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -53,7 +53,9 @@ class Block(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.norm = torch.nn.LayerNorm(8)
-        self.mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.25), torch.nn.Linear(16, 8))
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Dropout(0.25), torch.nn.Linear(16, 8)
+        )
 
     def forward(self, x):
         return x + self.mlp(self.norm(x))
@@ -137,7 +139,7 @@ def test_a_wrong_backward_lowering_is_raised_after_backward(wrong_lowering):
     assert error.op == "aten.gelu_backward.default"
     # the last block's GELU is the first whose gradient is computed
     assert error.module == "backward of blocks.1.mlp.1 (GELU) (autograd node GeluBackward0)"
-    assert f'line {_line_of("loss.backward()  # the backward")}' in error.where
+    assert f"line {_line_of('loss.backward()  # the backward')}" in error.where
     assert "backward called at:" in str(error)
 
 
@@ -187,7 +189,9 @@ def test_integers_must_be_equal_and_nans_in_the_same_places(wrong_lowering):
         with tpurec.debug.shadow():
             torch.tensor([1, 3, 4, 7], device="tpu") + 1
     wrong_lowering(aten.sqrt.default, how=lambda out: out.at[0].set(float("nan")))
-    with pytest.raises(tpurec.debug.ShadowMismatch, match=r"NaN in different places: 1 elements, first at \[0\] \(NaN on tpu only\)"):
+    with pytest.raises(
+        tpurec.debug.ShadowMismatch, match=r"NaN in different places: 1 elements, first at \[0\] \(NaN on tpu only\)"
+    ):
         with tpurec.debug.shadow():
             torch.tensor([4.0, -1.0, 9.0], device="tpu").sqrt()
 
@@ -242,7 +246,10 @@ def test_environment_switch_checks_each_step():
 
 def test_environment_switch_needs_debug_mode():
     result = _run("import tpurec", TPUREC_MODE="eager", TPUREC_SHADOW="cpu")
-    assert result.returncode == 1 and "TPUREC_SHADOW=cpu compares each op as it runs, which needs TPUREC_MODE=debug" in result.stderr
+    assert (
+        result.returncode == 1
+        and "TPUREC_SHADOW=cpu compares each op as it runs, which needs TPUREC_MODE=debug" in result.stderr
+    )
 
 
 def test_outputs_the_meta_kernel_shapes_differently_from_cpu_are_not_divergences():
@@ -277,7 +284,12 @@ def test_a_tiny_llama_training_step_reports_nothing(wrong_lowering):
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
     )
     model = transformers.LlamaForCausalLM(config).to("tpu")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -321,7 +333,9 @@ def test_float_to_int_casts_of_nan_inf_and_out_of_range_values_are_not_divergenc
 
     def wrong(key, dtype):
         program = right(key, dtype)
-        return dispatch._compile(("wrong cast", key, dtype), lambda storage: [v + (v == 3) for v in program.raw(storage)])
+        return dispatch._compile(
+            ("wrong cast", key, dtype), lambda storage: [v + (v == 3) for v in program.raw(storage)]
+        )
 
     monkeypatch.setattr(kernels, "_cast_program", wrong)
     with pytest.raises(tpurec.debug.ShadowMismatch, match=r"1 of 8 elements differ .* first at \[5\]: tpu 4, CPU 3"):
@@ -353,7 +367,10 @@ def test_sort_and_topk_indices_may_order_ties_differently_but_must_pick_cpus_val
         torch.sort(ties, stable=False)
         torch.topk(ties.float(), 3)
     assert report.ties == {"aten.sort.default": 1, "aten.sort.stable": 1, "aten.topk.default": 1}
-    with pytest.raises(tpurec.debug.ShadowMismatch, match=r"aten.sort.default .*\n(.*\n)*.*output 1 \[4\] int64: 4 of 4 elements differ"):
+    with pytest.raises(
+        tpurec.debug.ShadowMismatch,
+        match=r"aten.sort.default .*\n(.*\n)*.*output 1 \[4\] int64: 4 of 4 elements differ",
+    ):
         with tpurec.debug.shadow():
             torch.sort(torch.tensor([3, 1, 2, 0], device="tpu"))
     with pytest.raises(tpurec.debug.ShadowMismatch, match="aten.sort.stable"):

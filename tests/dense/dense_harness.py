@@ -119,8 +119,10 @@ class LoweringChecker(TorchDispatchMode):
         lowering = get_lowering(func)
         if lowering is None or func._schema.is_mutable:
             return out
-        if any(isinstance(t, torch.Tensor) and (t.is_sparse or t.is_complex() or t.layout != torch.strided)
-               for t in tree_flatten((args, kwargs))[0]):
+        if any(
+            isinstance(t, torch.Tensor) and (t.is_sparse or t.is_complex() or t.layout != torch.strided)
+            for t in tree_flatten((args, kwargs))[0]
+        ):
             return out
         sig = _signature(func, args, kwargs)
         if sig in self.seen:  # same op, shapes and static args: nothing new to learn

@@ -409,7 +409,9 @@ def _is_random(op, sample) -> bool:
 def _compare_cpu(a, b) -> None:
     for x, y in zip(tree_flatten(a)[0], tree_flatten(b)[0]):
         if isinstance(x, torch.Tensor):
-            if not torch.equal(x.detach(), y.detach()) and not (x.isnan().any() and torch.allclose(x, y, equal_nan=True)):
+            if not torch.equal(x.detach(), y.detach()) and not (
+                x.isnan().any() and torch.allclose(x, y, equal_nan=True)
+            ):
                 raise Mismatch("random")
 
 
@@ -556,7 +558,9 @@ def check_entry(
                         grads,
                         "input grad",
                         tol=tol,
-                        reference64=None if reference is None else functools.partial(reference.grads, expected, cotangents),
+                        reference64=None
+                        if reference is None
+                        else functools.partial(reference.grads, expected, cotangents),
                     )
                 fell_back = _host_fallback_names(fallbacks_before)
                 if fell_back:
@@ -567,7 +571,9 @@ def check_entry(
                 dispatch._pending_fallback_error = None
                 if fell_back and not (isinstance(error, Mismatch) and "host fallback" in str(error)):
                     error = Mismatch(f"host fallback in backward: {', '.join(fell_back)}")
-                backward_outcomes.append(_first_line(error) if isinstance(error, Mismatch) else f"error: {_first_line(error)}")
+                backward_outcomes.append(
+                    _first_line(error) if isinstance(error, Mismatch) else f"error: {_first_line(error)}"
+                )
     dispatch._pending_fallback_error = None
     result.forward = _summary(forward)
     result.backward = _summary(backward_outcomes)
@@ -784,7 +790,10 @@ def main(argv: list[str] | None = None) -> int:
         r = check_entry(op)
         results.append(r)
         problems += surprises(r, known)
-        print(f"[{i + 1}/{len(entries)}] {r.name}: forward {r.forward} | backward {r.backward} ({r.seconds:.1f}s)", flush=True)
+        print(
+            f"[{i + 1}/{len(entries)}] {r.name}: forward {r.forward} | backward {r.backward} ({r.seconds:.1f}s)",
+            flush=True,
+        )
     seconds = time.perf_counter() - start
     if args.update_known:
         write_known(results, keep=current if args.only else None)

@@ -85,7 +85,11 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), ignore_index=-100)
 
 
-MODELS = {"cnn": (SmallCNN, _cnn_batch), "lstm_lm": (LSTMLanguageModel, _lm_batch), "bigru": (BiGRUClassifier, _gru_batch)}
+MODELS = {
+    "cnn": (SmallCNN, _cnn_batch),
+    "lstm_lm": (LSTMLanguageModel, _lm_batch),
+    "bigru": (BiGRUClassifier, _gru_batch),
+}
 
 
 def _train(model: nn.Module, batches, device: str, mode: str) -> list[float]:

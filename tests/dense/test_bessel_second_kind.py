@@ -72,6 +72,10 @@ def test_airy_ai_float64_against_scipy_and_edges_as_cpu():
     actual = torch.special.airy_ai(torch.tensor(x).to("tpu")).cpu().numpy()
     np.testing.assert_allclose(actual, scipy.special.airy(x)[0], rtol=1e-7, atol=1e-9)
     edges = torch.tensor([float("inf"), float("-inf"), float("nan")])
-    torch.testing.assert_close(torch.special.airy_ai(edges.to("tpu")).cpu(), torch.special.airy_ai(edges), equal_nan=True)
+    torch.testing.assert_close(
+        torch.special.airy_ai(edges.to("tpu")).cpu(), torch.special.airy_ai(edges), equal_nan=True
+    )
     x32 = torch.linspace(-30, 30, 601)
-    torch.testing.assert_close(torch.special.airy_ai(x32.to("tpu")).cpu(), torch.special.airy_ai(x32), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(
+        torch.special.airy_ai(x32.to("tpu")).cpu(), torch.special.airy_ai(x32), rtol=1e-4, atol=1e-5
+    )

@@ -23,6 +23,7 @@ def _same(tpu: torch.Tensor, cpu: torch.Tensor, *, signed_zeros: bool = True) ->
 
 # --- sign / sgn: NaN -> 0, -0 -> +0 as on CPU --------------------------------------------
 
+
 @pytest.mark.parametrize("op", [torch.sign, torch.sgn])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_sign_of_nan_and_signed_zero_is_positive_zero(op, dtype):
@@ -43,8 +44,19 @@ def test_sign_of_integers_and_bools(op, dtype):
 def test_sgn_of_complex_is_unit_phase_and_zero_at_zero(dtype):
     # Finite values and NaN only: for infinite components CPU's own result depends on which
     # of its kernels (vectorised or scalar) handles the element.
-    x = torch.tensor([complex(NAN, 0), complex(0, NAN), complex(-0.0, -0.0), 0j, complex(3, 4),
-                      complex(-1e-30, 1e-30), complex(1e30, -1e30), complex(0, -2)], dtype=dtype)
+    x = torch.tensor(
+        [
+            complex(NAN, 0),
+            complex(0, NAN),
+            complex(-0.0, -0.0),
+            0j,
+            complex(3, 4),
+            complex(-1e-30, 1e-30),
+            complex(1e30, -1e30),
+            complex(0, -2),
+        ],
+        dtype=dtype,
+    )
     tpu, cpu = torch.sgn(x.to("tpu")).cpu(), torch.sgn(x)
     assert tpu.dtype == cpu.dtype
     torch.testing.assert_close(tpu, cpu, rtol=1e-6, atol=0, equal_nan=True)
@@ -55,12 +67,15 @@ def test_sgn_of_complex_is_unit_phase_and_zero_at_zero(dtype):
 
 # --- mixed dtypes that PyTorch refuses (JAX would promote them) -----------------------------
 
+
 def _f(shape, dtype):
     return torch.arange(1, 1 + torch.Size(shape).numel(), dtype=dtype).reshape(shape) / 8
 
 
 def _idx():
     return torch.tensor([[0, 2, 1]])
+
+
 _MIXED = {
     "baddbmm": lambda a, b: torch.baddbmm(_f((2, 3, 3), a), _f((2, 3, 3), b), _f((2, 3, 3), b)),
     "addmm": lambda a, b: torch.addmm(_f((3, 3), a), _f((3, 3), b), _f((3, 3), b)),
@@ -156,7 +171,9 @@ def test_shifts_match_cpu(case, dtype):
     _same(tpu, cpu)
 
 
-@pytest.mark.parametrize("case", ["lshift_scalar", "rshift_tensor", "bitwise_left_shift_scalar", "rlshift", "and", "xor_scalar"])
+@pytest.mark.parametrize(
+    "case", ["lshift_scalar", "rshift_tensor", "bitwise_left_shift_scalar", "rlshift", "and", "xor_scalar"]
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bool])
 def test_shifts_of_floats_and_bools_and_float_bitwise_ops_are_refused_as_on_cpu(case, dtype):
     x = torch.tensor([1, 0, 1], dtype=dtype)
@@ -203,17 +220,31 @@ def test_writes_refuse_the_casts_cpu_refuses(case):
 _F32, _BF16, _F16, _F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 
 
-@pytest.mark.parametrize("x, w, b", [
-    (_F32, _BF16, _BF16), (_F32, _F64, _F64), (_BF16, _F16, _F16), (_BF16, _F32, _BF16), (_F64, _F32, _F32),
-    (_BF16, _BF16, _F32), (_F32, _F32, _BF16),
-    # accepted: one dtype, or float32 parameters of a bfloat16/float16 input
-    (_BF16, _F32, _F32), (_F16, _F32, _F32), (_BF16, _BF16, _BF16), (_F32, _F32, None),
-])
+@pytest.mark.parametrize(
+    "x, w, b",
+    [
+        (_F32, _BF16, _BF16),
+        (_F32, _F64, _F64),
+        (_BF16, _F16, _F16),
+        (_BF16, _F32, _BF16),
+        (_F64, _F32, _F32),
+        (_BF16, _BF16, _F32),
+        (_F32, _F32, _BF16),
+        # accepted: one dtype, or float32 parameters of a bfloat16/float16 input
+        (_BF16, _F32, _F32),
+        (_F16, _F32, _F32),
+        (_BF16, _BF16, _BF16),
+        (_F32, _F32, None),
+    ],
+)
 def test_layer_norm_parameter_dtypes_as_on_cpu(x, w, b):
     def run():
         return torch.ops.aten.native_layer_norm(
-            torch.linspace(-2, 3, 8, dtype=x).reshape(2, 4), [4],
-            torch.linspace(0.5, 2, 4, dtype=w), None if b is None else torch.linspace(-1, 1, 4, dtype=b), 1e-5,
+            torch.linspace(-2, 3, 8, dtype=x).reshape(2, 4),
+            [4],
+            torch.linspace(0.5, 2, 4, dtype=w),
+            None if b is None else torch.linspace(-1, 1, 4, dtype=b),
+            1e-5,
         )
 
     try:

@@ -25,7 +25,9 @@ def test_grid_points_on_the_borders_and_outside(mode, padding_mode, align_corner
     # hand-written gradient picks a side.
     torch.manual_seed(0)
     x = torch.randn(1, 2, 4, 5)
-    grid = torch.tensor([[-1.0, -1.0], [1.0, 1.0], [1.0, -0.3], [-1.7, 0.4], [2.3, 1.2], [0.25, 0.5]]).reshape(1, 2, 3, 2)
+    grid = torch.tensor([[-1.0, -1.0], [1.0, 1.0], [1.0, -0.3], [-1.7, 0.4], [2.3, 1.2], [0.25, 0.5]]).reshape(
+        1, 2, 3, 2
+    )
     host_x, host_grid = x.clone().requires_grad_(), grid.clone().requires_grad_()
     dev_x, dev_grid = x.to("tpu").requires_grad_(), grid.to("tpu").requires_grad_()
     cotangent = torch.randn(1, 2, 2, 3)
@@ -47,11 +49,15 @@ def test_every_small_3d_opinfo_sample_forward_and_backward():
 def test_3d_modes_with_points_on_and_past_the_borders(mode, padding_mode):
     torch.manual_seed(1)
     x = torch.randn(1, 2, 3, 4, 5)
-    grid = torch.tensor([[-1.0, -1.0, 1.0], [1.0, 0.3, -0.2], [1.6, -1.4, 0.5], [0.1, 0.7, -0.9]]).reshape(1, 1, 2, 2, 3)
+    grid = torch.tensor([[-1.0, -1.0, 1.0], [1.0, 0.3, -0.2], [1.6, -1.4, 0.5], [0.1, 0.7, -0.9]]).reshape(
+        1, 1, 2, 2, 3
+    )
     host_x, host_grid = x.clone().requires_grad_(), grid.clone().requires_grad_()
     dev_x, dev_grid = x.to("tpu").requires_grad_(), grid.to("tpu").requires_grad_()
     cotangent = torch.randn(1, 2, 1, 2, 2)
     F.grid_sample(host_x, host_grid, mode=mode, padding_mode=padding_mode, align_corners=False).backward(cotangent)
-    F.grid_sample(dev_x, dev_grid, mode=mode, padding_mode=padding_mode, align_corners=False).backward(cotangent.to("tpu"))
+    F.grid_sample(dev_x, dev_grid, mode=mode, padding_mode=padding_mode, align_corners=False).backward(
+        cotangent.to("tpu")
+    )
     torch.testing.assert_close(dev_x.grad.cpu(), host_x.grad, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dev_grid.grad.cpu(), host_grid.grad, rtol=1e-5, atol=1e-5)

@@ -176,10 +176,25 @@ def test_tiny_deepseek_v3_trains_one_adamw_step_as_on_cpu():
 
     transformers = pytest.importorskip("transformers")
     config = transformers.DeepseekV3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-        v_head_dim=8, n_group=1, topk_group=1, max_position_embeddings=64,
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_group=1,
+        topk_group=1,
+        max_position_embeddings=64,
     )
     torch.manual_seed(0)
     cpu_model = transformers.DeepseekV3ForCausalLM(config)

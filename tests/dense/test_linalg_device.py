@@ -51,7 +51,15 @@ def test_opinfo_through_device(name):
     assert check_opinfo(name, max_samples=3, **TOL) > 0
 
 
-FACTORIZATION_OUTPUTS = ["linalg.det", "linalg.slogdet", "logdet", "linalg.svd", "linalg.svdvals", "svd", "linalg.matrix_rank"]
+FACTORIZATION_OUTPUTS = [
+    "linalg.det",
+    "linalg.slogdet",
+    "logdet",
+    "linalg.svd",
+    "linalg.svdvals",
+    "svd",
+    "linalg.matrix_rank",
+]
 
 
 @pytest.mark.parametrize("name", FACTORIZATION_OUTPUTS)

@@ -131,7 +131,9 @@ def test_rrelu_training_draws_slopes_and_backward_uses_them():
 )
 def test_hash_tensor_matches_cpu_bit_for_bit(x):
     assert torch.equal(torch.hash_tensor(x.to("tpu")).cpu(), torch.hash_tensor(x))
-    assert torch.equal(torch.hash_tensor(x.to("tpu"), dim=[0], keepdim=True).cpu(), torch.hash_tensor(x, dim=[0], keepdim=True))
+    assert torch.equal(
+        torch.hash_tensor(x.to("tpu"), dim=[0], keepdim=True).cpu(), torch.hash_tensor(x, dim=[0], keepdim=True)
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64])

@@ -26,8 +26,15 @@ RTOL = ATOL = 1e-5
 # (batch, m, k, n): DLRM's interaction shape, ragged edges of the 3 x 32 tiles and of the 8 x 8
 # blocks a transposed op(b) is packed in, op(b) read in place (n a multiple of 32), empty dims.
 SHAPES = [
-    (16, 27, 64, 27), (3, 5, 7, 33), (2, 1, 1, 1), (4, 9, 16, 16), (3, 7, 5, 64), (3, 4, 13, 19),
-    (2, 0, 3, 2), (2, 3, 0, 2), (0, 3, 4, 5),
+    (16, 27, 64, 27),
+    (3, 5, 7, 33),
+    (2, 1, 1, 1),
+    (4, 9, 16, 16),
+    (3, 7, 5, 64),
+    (3, 4, 13, 19),
+    (2, 0, 3, 2),
+    (2, 3, 0, 2),
+    (0, 3, 4, 5),
 ]
 
 
@@ -101,10 +108,18 @@ def test_baddbmm_through_device(native_calls):
 
 def test_other_dtypes_and_large_matrices_keep_xlas_dot(native_calls):
     g = torch.Generator().manual_seed(0)
-    a64, b64 = torch.randn(4, 3, 5, dtype=torch.float64, generator=g), torch.randn(4, 5, 2, dtype=torch.float64, generator=g)
+    a64, b64 = (
+        torch.randn(4, 3, 5, dtype=torch.float64, generator=g),
+        torch.randn(4, 5, 2, dtype=torch.float64, generator=g),
+    )
     torch.testing.assert_close(torch.bmm(a64.to("tpu"), b64.to("tpu")).cpu(), torch.bmm(a64, b64))
-    big_a, big_b = torch.randn(2, 8, 512, generator=g), torch.randn(2, 512, 256, generator=g)  # K * N above the panel limit
-    torch.testing.assert_close(torch.bmm(big_a.to("tpu"), big_b.to("tpu")).cpu(), torch.bmm(big_a, big_b), rtol=1e-4, atol=1e-4)
+    big_a, big_b = (
+        torch.randn(2, 8, 512, generator=g),
+        torch.randn(2, 512, 256, generator=g),
+    )  # K * N above the panel limit
+    torch.testing.assert_close(
+        torch.bmm(big_a.to("tpu"), big_b.to("tpu")).cpu(), torch.bmm(big_a, big_b), rtol=1e-4, atol=1e-4
+    )
     assert native_calls == []
 
 
@@ -129,8 +144,15 @@ def test_jax_gradients_of_the_kernel_match_jnp():
 
 
 @settings(max_examples=60, deadline=None)
-@given(batch=st.integers(1, 3), m=st.integers(1, 40), k=st.integers(1, 70), n=st.integers(1, 70),
-       trans_a=st.booleans(), trans_b=st.booleans(), seed=st.integers(0, 2**31 - 1))
+@given(
+    batch=st.integers(1, 3),
+    m=st.integers(1, 40),
+    k=st.integers(1, 70),
+    n=st.integers(1, 70),
+    trans_a=st.booleans(),
+    trans_b=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_kernel_matches_numpy_on_random_shapes(batch, m, k, n, trans_a, trans_b, seed):
     """Every tile and packing edge (rows mod 3, columns mod 32, 8 x 8 blocks) against float64 numpy."""
     rng = np.random.default_rng(seed)
@@ -177,7 +199,9 @@ def test_transposed_view_of_a_product_through_device(mode):
 
 def test_export_for_tpu_keeps_xlas_dot():
     x = jnp.ones((8, 27, 64), jnp.float32)
-    exported = jax.export.export(jax.jit(lambda x: native_matmul.bmm(x, jnp.swapaxes(x, 1, 2), jnp.matmul)), platforms=["tpu"])(x)
+    exported = jax.export.export(
+        jax.jit(lambda x: native_matmul.bmm(x, jnp.swapaxes(x, 1, 2), jnp.matmul)), platforms=["tpu"]
+    )(x)
     text = exported.mlir_module()
     assert "tpurec_batched_matmul" not in text and "dot_general" in text
 

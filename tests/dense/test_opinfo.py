@@ -214,14 +214,29 @@ CASES: list[tuple[str, tuple, tuple[str, ...], dict]] = [
     # nn
     ("softmax", (f32, bf16), ("_softmax.default", "_softmax_backward_data.default"), {"tol": T}),
     ("log_softmax", (f32,), ("_log_softmax.default", "_log_softmax_backward_data.default"), {"tol": T}),
-    ("nn.functional.layer_norm", (f32, bf16), ("native_layer_norm.default", "native_layer_norm_backward.default"), {"tol": T}),
+    (
+        "nn.functional.layer_norm",
+        (f32, bf16),
+        ("native_layer_norm.default", "native_layer_norm_backward.default"),
+        {"tol": T},
+    ),
     ("nn.functional.batch_norm", (f32,), ("native_batch_norm_backward.default",), {"tol": T}),
     ("nn.functional.embedding", (f32,), ("embedding.default", "embedding_dense_backward.default"), {}),
     ("nn.functional.mse_loss", (f32,), ("mse_loss.default", "mse_loss_backward.default"), {}),
     ("nn.functional.smooth_l1_loss", (f32,), ("smooth_l1_loss.default", "smooth_l1_loss_backward.default"), {}),
     ("nn.functional.huber_loss", (f32,), ("huber_loss.default", "huber_loss_backward.default"), {}),
-    ("nn.functional.binary_cross_entropy", (f32,), ("binary_cross_entropy.default", "binary_cross_entropy_backward.default"), {"tol": T}),
-    ("nn.functional.binary_cross_entropy_with_logits", (f32,), ("binary_cross_entropy_with_logits.default",), {"tol": T}),
+    (
+        "nn.functional.binary_cross_entropy",
+        (f32,),
+        ("binary_cross_entropy.default", "binary_cross_entropy_backward.default"),
+        {"tol": T},
+    ),
+    (
+        "nn.functional.binary_cross_entropy_with_logits",
+        (f32,),
+        ("binary_cross_entropy_with_logits.default",),
+        {"tol": T},
+    ),
     ("nn.functional.nll_loss", (f32,), ("nll_loss_forward.default", "nll_loss_backward.default"), {}),
     ("nn.functional.cross_entropy", (f32,), ("_log_softmax.default", "nll_loss_forward.default"), {"tol": T}),
     ("native_dropout_backward", (f32,), ("native_dropout_backward.default",), {}),
@@ -253,8 +268,11 @@ def _run_sample(op, sample, backward: bool) -> None:
     out = op(sample.input, *sample.args, **sample.kwargs)
     if not backward:
         return
-    inputs = [t for t in tree_flatten((sample.input, sample.args, sample.kwargs))[0]
-              if isinstance(t, torch.Tensor) and t.requires_grad]
+    inputs = [
+        t
+        for t in tree_flatten((sample.input, sample.args, sample.kwargs))[0]
+        if isinstance(t, torch.Tensor) and t.requires_grad
+    ]
     outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
     if inputs and outs:
         grads = [torch.randn_like(o) for o in outs]
@@ -273,7 +291,13 @@ def test_lowering_matches_cpu(name, dtype, must, opts):
     if dtype not in op.supported_dtypes("cpu"):
         pytest.fail(f"{name} has no CPU {dtype} samples: fix the case list")
     backward = dtype.is_floating_point and op.supports_autograd
-    tol = opts["tol"] if isinstance(opts.get("tol"), dict) else TRANSCENDENTAL_TOL if opts.get("tol") == T else DEFAULT_TOL
+    tol = (
+        opts["tol"]
+        if isinstance(opts.get("tol"), dict)
+        else TRANSCENDENTAL_TOL
+        if opts.get("tol") == T
+        else DEFAULT_TOL
+    )
     checker = LoweringChecker(tol=tol, nondeterministic_outputs=LOOSE)
     torch.manual_seed(0)
     samples = list(op.sample_inputs("cpu", dtype, requires_grad=backward))[:MAX_SAMPLES]

@@ -47,7 +47,9 @@ arange linspace full eye scalar_tensor to randn signal.windows.hann cummax nn.fu
 logspace as_strided.partial_views matrix_exp logcumsumexp linalg.eigh fft.rfft view_as_complex polar
 """.split()
 
-FUSED_SLICE = "add matmul sum softmax nn.functional.layer_norm reshape transpose index_select nn.functional.cross_entropy".split()
+FUSED_SLICE = (
+    "add matmul sum softmax nn.functional.layer_norm reshape transpose index_select nn.functional.cross_entropy".split()
+)
 COMPILED_SLICE = "add matmul sum softmax nn.functional.layer_norm transpose".split()
 
 

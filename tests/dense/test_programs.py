@@ -38,8 +38,16 @@ def _mlp_step():
 
 
 def test_mlp_forward_backward():
-    run_checked(_mlp_step, must=[aten.addmm.default, aten.mm.default, aten.threshold_backward.default,
-                                 aten.sigmoid_backward.default, aten.binary_cross_entropy_with_logits.default])
+    run_checked(
+        _mlp_step,
+        must=[
+            aten.addmm.default,
+            aten.mm.default,
+            aten.threshold_backward.default,
+            aten.sigmoid_backward.default,
+            aten.binary_cross_entropy_with_logits.default,
+        ],
+    )
 
 
 def test_dlrm_dense_and_interaction():
@@ -63,25 +71,39 @@ def test_dlrm_dense_and_interaction():
 def test_transformer_block():
     def step():
         torch.manual_seed(0)
-        layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0,
-                                           batch_first=True, activation="gelu")
+        layer = nn.TransformerEncoderLayer(
+            d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True, activation="gelu"
+        )
         x = torch.randn(2, 5, 16)
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
             y = layer(x)
         F.cross_entropy(y.reshape(-1, 16), torch.randint(0, 16, (10,))).backward()
 
-    run_checked(step, must=[aten._safe_softmax.default, aten._softmax_backward_data.default,
-                            aten.native_layer_norm.default, aten.native_layer_norm_backward.default,
-                            aten.gelu_backward.default, aten.bmm.default, aten._log_softmax.default,
-                            aten.nll_loss_forward.default, aten.nll_loss_backward.default])
+    run_checked(
+        step,
+        must=[
+            aten._safe_softmax.default,
+            aten._softmax_backward_data.default,
+            aten.native_layer_norm.default,
+            aten.native_layer_norm_backward.default,
+            aten.gelu_backward.default,
+            aten.bmm.default,
+            aten._log_softmax.default,
+            aten.nll_loss_forward.default,
+            aten.nll_loss_backward.default,
+        ],
+    )
 
 
-@pytest.mark.parametrize("name,make", [
-    ("sgd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01, foreach=True)),
-    ("adam", lambda p: torch.optim.Adam(p, lr=0.01, foreach=True)),
-    ("adamw", lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True, foreach=True)),
-    ("adagrad", lambda p: torch.optim.Adagrad(p, lr=0.01, foreach=True)),
-])
+@pytest.mark.parametrize(
+    "name,make",
+    [
+        ("sgd", lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01, foreach=True)),
+        ("adam", lambda p: torch.optim.Adam(p, lr=0.01, foreach=True)),
+        ("adamw", lambda p: torch.optim.AdamW(p, lr=0.01, amsgrad=True, foreach=True)),
+        ("adagrad", lambda p: torch.optim.Adagrad(p, lr=0.01, foreach=True)),
+    ],
+)
 def test_optimizer_foreach_step(name, make):
     torch.manual_seed(0)
     params = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(3))]
@@ -173,14 +195,24 @@ def test_ops_not_reached_by_opinfo():
         aten.eq.Scalar(torch.tensor([1, 2]), 2)
         aten.cumsum.default(torch.tensor([True, False, True]), 0)
         aten.embedding_dense_backward.default(torch.randn(2, 3, 4), torch.tensor([[0, 1, 1], [4, 0, 2]]), 5, 0, True)
-        aten.nll_loss_forward.default(torch.randn(4, 3).log_softmax(1), torch.tensor([0, 2, -100, 1]), torch.rand(3), 1, -100)
+        aten.nll_loss_forward.default(
+            torch.randn(4, 3).log_softmax(1), torch.tensor([0, 2, -100, 1]), torch.rand(3), 1, -100
+        )
         aten.nll_loss2d_forward.default(torch.randn(2, 3, 2, 2), torch.randint(0, 3, (2, 2, 2)), None, 2, -100)
         aten.native_dropout_backward.default(torch.randn(3), torch.tensor([True, False, True]), 2.0)
         aten.addmm.default(torch.full((2, 2), float("nan")), torch.randn(2, 3), torch.randn(3, 2), beta=0)
         aten._addmm_activation.default(torch.randn(2), torch.randn(2, 3), torch.randn(3, 2), use_gelu=True)
 
-    run_checked(calls, must=[aten.pow.Scalar, aten.rsub.Scalar, aten.sort.stable, aten.nll_loss2d_forward.default,
-                             aten._addmm_activation.default])
+    run_checked(
+        calls,
+        must=[
+            aten.pow.Scalar,
+            aten.rsub.Scalar,
+            aten.sort.stable,
+            aten.nll_loss2d_forward.default,
+            aten._addmm_activation.default,
+        ],
+    )
 
 
 def test_factories():
@@ -205,19 +237,34 @@ def test_factories():
         x.fill_(3.0)
         x.zero_()
 
-    run_checked(calls, must=[aten.arange.default, aten.arange.start, aten.arange.start_step, aten.linspace.default,
-                             aten.eye.m, aten.full.default, aten.fill.Scalar, aten.zero.default],
-                tol=DEFAULT_TOL)
+    run_checked(
+        calls,
+        must=[
+            aten.arange.default,
+            aten.arange.start,
+            aten.arange.start_step,
+            aten.linspace.default,
+            aten.eye.m,
+            aten.full.default,
+            aten.fill.Scalar,
+            aten.zero.default,
+        ],
+        tol=DEFAULT_TOL,
+    )
 
 
-@pytest.mark.parametrize("op,args,kwargs", [
-    # CompositeImplicit on CPU: these never reach a dispatch mode, but the
-    # runtime may still see them (its own dispatch key), so check them directly.
-    (aten.isfinite.default, (torch.tensor([1.0, float("inf"), float("nan")]),), {}),
-    (aten.one_hot.default, (torch.tensor([0, 2, 1]), 4), {}),
-    (aten.repeat_interleave.self_int, (torch.arange(6.0).reshape(2, 3), 2, 1), {}),
-    (aten.repeat_interleave.self_Tensor, (torch.arange(3.0), torch.tensor([1, 0, 2])), {"output_size": 3}),
-], ids=lambda v: str(v) if isinstance(v, torch._ops.OpOverload) else "")
+@pytest.mark.parametrize(
+    "op,args,kwargs",
+    [
+        # CompositeImplicit on CPU: these never reach a dispatch mode, but the
+        # runtime may still see them (its own dispatch key), so check them directly.
+        (aten.isfinite.default, (torch.tensor([1.0, float("inf"), float("nan")]),), {}),
+        (aten.one_hot.default, (torch.tensor([0, 2, 1]), 4), {}),
+        (aten.repeat_interleave.self_int, (torch.arange(6.0).reshape(2, 3), 2, 1), {}),
+        (aten.repeat_interleave.self_Tensor, (torch.arange(3.0), torch.tensor([1, 0, 2])), {"output_size": 3}),
+    ],
+    ids=lambda v: str(v) if isinstance(v, torch._ops.OpOverload) else "",
+)
 def test_composite_ops_direct(op, args, kwargs):
     ref = op(*args, **kwargs)
     LoweringChecker()._compare(op, ref, call_lowering(op, args, kwargs))

@@ -57,7 +57,6 @@ def test_lstm_cell(bias):
     _compare_module(module, (x, h, c), reduce=lambda hc: hc[0] * 2 + hc[1])
 
 
-
 @pytest.mark.parametrize("bias", [True, False])
 def test_gru_cell(bias):
     torch.manual_seed(0)

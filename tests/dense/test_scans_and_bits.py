@@ -23,7 +23,9 @@ def test_entry_matches_cpu(name: str) -> None:
 @pytest.mark.parametrize("op", [torch.cummax, torch.cummin])
 def test_running_extreme_ties_and_nan(op) -> None:
     # torch's rule: ties go to the later index, and NaN (once seen) is the running value.
-    x = torch.tensor([[1.0, 3.0, 3.0, 0.0, float("nan"), 5.0, float("nan"), 2.0], [2.0, 2.0, 1.0, 1.0, 4.0, 4.0, -1.0, -1.0]])
+    x = torch.tensor(
+        [[1.0, 3.0, 3.0, 0.0, float("nan"), 5.0, float("nan"), 2.0], [2.0, 2.0, 1.0, 1.0, 4.0, 4.0, -1.0, -1.0]]
+    )
     for dim in (0, 1, -1):
         expected = op(x, dim)
         actual = op(x.to("tpu"), dim)
@@ -43,7 +45,9 @@ def test_bit_ops_special_values() -> None:
     torch.testing.assert_close(mantissa.cpu(), expected_mantissa, equal_nan=True)
     assert torch.equal(exponent.cpu(), expected_exponent)
     y = torch.tensor([1.0, -1.0, -3.0, 3.0, 0.0, 0.0, 1.0, 0.0])
-    assert torch.equal(torch.nextafter(x.to("tpu"), y.to("tpu")).cpu().view(torch.int32), torch.nextafter(x, y).view(torch.int32))
+    assert torch.equal(
+        torch.nextafter(x.to("tpu"), y.to("tpu")).cpu().view(torch.int32), torch.nextafter(x, y).view(torch.int32)
+    )
 
 
 @pytest.mark.parametrize("dims, correction", [([1], 1.0), ([0, 2], 0.0), ([], 1.0)])

@@ -11,8 +11,11 @@ import tpurec
 
 pytestmark = pytest.mark.usefixtures("no_host_fallback")
 
-TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.float64: dict(rtol=1e-12, atol=1e-12),
-       torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-6),
+    torch.float64: dict(rtol=1e-12, atol=1e-12),
+    torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2),
+}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])

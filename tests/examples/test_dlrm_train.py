@@ -24,10 +24,28 @@ from dlrm import checkpoint, data, flags, loop  # noqa: E402
 from dlrm import model as model_lib  # noqa: E402
 
 SMALL = [
-    "--num_embeddings_per_feature", "50,40,30,20", "--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8",
-    "--over_arch_layer_sizes", "16,1", "--batch_size", "32", "--dcn_num_layers", "2", "--dcn_low_rank_dim", "4",
-    "--interaction_branch1_layer_sizes", "16,16", "--interaction_branch2_layer_sizes", "16,8",
-    "--limit_val_batches", "2", "--limit_test_batches", "2",
+    "--num_embeddings_per_feature",
+    "50,40,30,20",
+    "--embedding_dim",
+    "8",
+    "--dense_arch_layer_sizes",
+    "16,8",
+    "--over_arch_layer_sizes",
+    "16,1",
+    "--batch_size",
+    "32",
+    "--dcn_num_layers",
+    "2",
+    "--dcn_low_rank_dim",
+    "4",
+    "--interaction_branch1_layer_sizes",
+    "16,16",
+    "--interaction_branch2_layer_sizes",
+    "16,8",
+    "--limit_val_batches",
+    "2",
+    "--limit_test_batches",
+    "2",
 ]
 # The MLPerf DLRM v2 (DCN) command line of TorchRec's dlrm_main README, scaled down:
 # smaller tables, dims, batch and low-rank dim; every flag name and form as there.
@@ -48,7 +66,9 @@ def run_script(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(out.args, out.returncode, out.stdout.decode(), out.stderr.decode())
 
 
-def write_criteo_npy(directory: str, days: int = 2, rows: int = 100, table_rows: list[int] | None = None, seed: int = 0) -> None:
+def write_criteo_npy(
+    directory: str, days: int = 2, rows: int = 100, table_rows: list[int] | None = None, seed: int = 0
+) -> None:
     """day_N_{dense,sparse,labels}.npy as TorchRec's npy_preproc_criteo writes them."""
     rng = np.random.default_rng(seed)
     table_rows = table_rows or [50] * 26
@@ -81,11 +101,25 @@ FBGEMM_OPTIMIZERS = {  # --embedding_optimizer -> TorchRec's fused (FBGEMM) opti
     ids=["original", "dcn", "projection", "original-sgd", "original-rowwise_adagrad"],
 )
 def test_first_20_steps_match_torchrec_fbgemm(interaction, optimizer_flags):
-    cfg = flags.parse_args([*SMALL, "--interaction_type", interaction, "--learning_rate", "0.05", *optimizer_flags, "--limit_train_batches", "20"])
+    cfg = flags.parse_args(
+        [
+            *SMALL,
+            "--interaction_type",
+            interaction,
+            "--learning_rate",
+            "0.05",
+            *optimizer_flags,
+            "--limit_train_batches",
+            "20",
+        ]
+    )
     ours = model_lib.build_model(cfg, "tpu")
     fused_type, fused_kwargs = FBGEMM_OPTIMIZERS[cfg.embedding_optimizer]
     reference = model_lib.build_torchrec_model(
-        cfg, FusedEmbeddingBagCollection(model_lib.table_configs(cfg), optimizer_type=fused_type, optimizer_kwargs=fused_kwargs(cfg))
+        cfg,
+        FusedEmbeddingBagCollection(
+            model_lib.table_configs(cfg), optimizer_type=fused_type, optimizer_kwargs=fused_kwargs(cfg)
+        ),
     )
     reference.load_state_dict({k: v.cpu() for k, v in ours.state_dict().items()})  # same init
     if cfg.adagrad:
@@ -151,8 +185,22 @@ def test_two_devices_compiled_trains_like_fused():
     """--num_devices 2 --mode compile: the sharded model's dense part compiled, through the pipeline."""
     runs = {}
     for mode in ("fused", "compile"):
-        cfg = flags.parse_args([*SMALL, "--batch_size", "16", "--num_devices", "2", "--adagrad", "--learning_rate", "0.05",
-                                "--limit_train_batches", "6", "--mode", mode])
+        cfg = flags.parse_args(
+            [
+                *SMALL,
+                "--batch_size",
+                "16",
+                "--num_devices",
+                "2",
+                "--adagrad",
+                "--learning_rate",
+                "0.05",
+                "--limit_train_batches",
+                "6",
+                "--mode",
+                mode,
+            ]
+        )
         model = loop.place_model(model_lib.build_model(cfg, "tpu"), cfg)
         ebc = next(m for m in model.modules() if hasattr(m, "distribute_input"))
         route, threads = ebc._route, []
@@ -170,8 +218,18 @@ def test_two_devices_compiled_trains_like_fused():
 
 @pytest.mark.parametrize("source", ["synthetic", "criteo_npy_shuffled"])
 def test_resume_10_plus_10_equals_20(tmp_path, source):
-    common = [*SMALL, "--adagrad", "--learning_rate", "0.05", "--embedding_optimizer", "rowwise_adagrad", "--loss_every", "3",
-              "--validation_freq_within_epoch", "4"]
+    common = [
+        *SMALL,
+        "--adagrad",
+        "--learning_rate",
+        "0.05",
+        "--embedding_optimizer",
+        "rowwise_adagrad",
+        "--loss_every",
+        "3",
+        "--validation_freq_within_epoch",
+        "4",
+    ]
     if source == "criteo_npy_shuffled":
         # TorchRec's reader shuffles each batch with numpy's global generator: the
         # checkpoint must carry that state from before the first unread batch.
@@ -179,9 +237,11 @@ def test_resume_10_plus_10_equals_20(tmp_path, source):
         common[1] = ",".join(["20"] * 26)  # --num_embeddings_per_feature: 26 Criteo features
         common += ["--in_memory_binary_criteo_path", str(tmp_path), "--shuffle_batches"]
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    for args in (["--limit_train_batches", "20", "--checkpoint_dir", straight],
-                 ["--limit_train_batches", "10", "--checkpoint_dir", split],
-                 ["--limit_train_batches", "20", "--checkpoint_dir", split, "--resume"]):
+    for args in (
+        ["--limit_train_batches", "20", "--checkpoint_dir", straight],
+        ["--limit_train_batches", "10", "--checkpoint_dir", split],
+        ["--limit_train_batches", "20", "--checkpoint_dir", split, "--resume"],
+    ):
         out = run_script(*common, *args)
         assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stdout
@@ -215,12 +275,28 @@ def _sharded_checkpoint(directory: str) -> tuple[dict, dict]:
 @pytest.mark.slow
 def test_two_devices_resume_10_plus_10_equals_20(tmp_path):
     """--num_devices 2: 10 steps, a sharded checkpoint, resume, 10 more == 20 steps straight."""
-    common = [*SMALL, "--batch_size", "16", "--num_devices", "2", "--adagrad", "--learning_rate", "0.05",
-              "--embedding_optimizer", "rowwise_adagrad", "--loss_every", "3", "--validation_freq_within_epoch", "4"]
+    common = [
+        *SMALL,
+        "--batch_size",
+        "16",
+        "--num_devices",
+        "2",
+        "--adagrad",
+        "--learning_rate",
+        "0.05",
+        "--embedding_optimizer",
+        "rowwise_adagrad",
+        "--loss_every",
+        "3",
+        "--validation_freq_within_epoch",
+        "4",
+    ]
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
-    for args in (["--limit_train_batches", "20", "--checkpoint_dir", straight],
-                 ["--limit_train_batches", "10", "--checkpoint_dir", split],
-                 ["--limit_train_batches", "20", "--checkpoint_dir", split, "--resume"]):
+    for args in (
+        ["--limit_train_batches", "20", "--checkpoint_dir", straight],
+        ["--limit_train_batches", "10", "--checkpoint_dir", split],
+        ["--limit_train_batches", "20", "--checkpoint_dir", split, "--resume"],
+    ):
         out = run_script(*common, *args)
         assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stdout
@@ -290,7 +366,9 @@ def test_sharded_checkpoint_is_written_atomically(tmp_path, monkeypatch):
 
 def test_in_memory_npy_batches_hold_the_file_rows(tmp_path):
     write_criteo_npy(str(tmp_path), days=3, rows=10)
-    cfg = flags.parse_args(["--in_memory_binary_criteo_path", str(tmp_path), "--batch_size", "4", "--num_embeddings", "50"])
+    cfg = flags.parse_args(
+        ["--in_memory_binary_criteo_path", str(tmp_path), "--batch_size", "4", "--num_embeddings", "50"]
+    )
     loaders = data.make_loaders(cfg)
     train = list(loaders["train"].epoch_batches(0))
     assert [b.labels.shape[0] for b in train] == [4, 4, 4, 4, 4]  # days 0-1: 20 rows
@@ -351,7 +429,9 @@ def test_mlperf_multi_hot_npz_is_read(tmp_path):
         np.savez(tmp_path / f"day_{day}_sparse_multi_hot.npz", **columns)
         if day == 0:
             day0 = columns
-    cfg = flags.parse_args(["--synthetic_multi_hot_criteo_path", str(tmp_path), "--batch_size", "8", "--num_embeddings", "30"])
+    cfg = flags.parse_args(
+        ["--synthetic_multi_hot_criteo_path", str(tmp_path), "--batch_size", "8", "--num_embeddings", "30"]
+    )
     batch = next(data.make_loaders(cfg)["train"].epoch_batches(0))
     for k, s in enumerate(sizes):
         jt = batch.sparse_features[f"cat_{k}"]
@@ -397,16 +477,33 @@ def _bad_npy_dir(tmp_path, kind: str) -> str:
 
 
 BAD_INPUTS = {
-    "missing_data": (lambda tmp: ["--in_memory_binary_criteo_path", os.path.join(tmp, "nowhere")], "is not a directory"),
-    "missing_file": (lambda tmp: ["--tsv_criteo_path", os.path.join(tmp, "day_0") + "," + os.path.join(tmp, "day_1")], "missing data file"),
+    "missing_data": (
+        lambda tmp: ["--in_memory_binary_criteo_path", os.path.join(tmp, "nowhere")],
+        "is not a directory",
+    ),
+    "missing_file": (
+        lambda tmp: ["--tsv_criteo_path", os.path.join(tmp, "day_0") + "," + os.path.join(tmp, "day_1")],
+        "missing data file",
+    ),
     "malformed_npy": (lambda tmp: ["--in_memory_binary_criteo_path", "@malformed"], "cannot read"),
     "malformed_tsv": (lambda tmp: ["--tsv_criteo_path", "@tsv"], "line 2: 3 tab separated fields"),
-    "ids_beyond_table": (lambda tmp: ["--in_memory_binary_criteo_path", "@big_ids"], "feature cat_3 has id 50, outside its table of 50 rows"),
-    "dense_arch_not_embedding_dim": (lambda tmp: ["--dense_arch_layer_sizes", "16,12"], "must equal --embedding_dim (8)"),
-    "unknown_interaction": (lambda tmp: ["--interaction_type", "transformer"], "unknown --interaction_type 'transformer'"),
+    "ids_beyond_table": (
+        lambda tmp: ["--in_memory_binary_criteo_path", "@big_ids"],
+        "feature cat_3 has id 50, outside its table of 50 rows",
+    ),
+    "dense_arch_not_embedding_dim": (
+        lambda tmp: ["--dense_arch_layer_sizes", "16,12"],
+        "must equal --embedding_dim (8)",
+    ),
+    "unknown_interaction": (
+        lambda tmp: ["--interaction_type", "transformer"],
+        "unknown --interaction_type 'transformer'",
+    ),
     "more_devices_than_visible": (lambda tmp: ["--num_devices", "64"], "--num_devices 64 but only"),
-    "resume_without_sharded_checkpoint": (lambda tmp: ["--num_devices", "2", "--checkpoint_dir", tmp, "--resume"],
-                                          "no sharded checkpoint (sharded.json)"),
+    "resume_without_sharded_checkpoint": (
+        lambda tmp: ["--num_devices", "2", "--checkpoint_dir", tmp, "--resume"],
+        "no sharded checkpoint (sharded.json)",
+    ),
 }
 
 
@@ -420,8 +517,24 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path):
         args[-1] = str(tmp_path)
     elif args[-1].startswith("@"):
         args[-1] = _bad_npy_dir(tmp_path, args[-1][1:])
-    base = ["--embedding_dim", "8", "--dense_arch_layer_sizes", "16,8", "--over_arch_layer_sizes", "8,1", "--batch_size", "8",
-            "--num_embeddings", "50", "--limit_train_batches", "2", "--limit_val_batches", "1", "--limit_test_batches", "1"]
+    base = [
+        "--embedding_dim",
+        "8",
+        "--dense_arch_layer_sizes",
+        "16,8",
+        "--over_arch_layer_sizes",
+        "8,1",
+        "--batch_size",
+        "8",
+        "--num_embeddings",
+        "50",
+        "--limit_train_batches",
+        "2",
+        "--limit_val_batches",
+        "1",
+        "--limit_test_batches",
+        "1",
+    ]
     out = run_script(*base, *args)
     # What a terminal shows: a progress bar rewrites its line with "\r" and is cleared on error.
     shown = [line.rsplit("\r", 1)[-1].strip() for line in out.stderr.split("\n")]

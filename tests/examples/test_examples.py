@@ -22,9 +22,28 @@ def run(script, *args):
 @pytest.mark.parametrize("mode", ["eager", "fused", "compile"])
 def test_dlrm_example_learns_without_recompiling(mode):
     text = run(
-        "examples/dlrm/train.py", "--batch_size", "256", "--num_embeddings", "1000", "--embedding_dim", "16",
-        "--dense_arch_layer_sizes", "32,16", "--over_arch_layer_sizes", "32,1", "--adagrad", "--learning_rate", "0.05",
-        "--limit_train_batches", "60", "--limit_val_batches", "4", "--limit_test_batches", "4", "--mode", mode,
+        "examples/dlrm/train.py",
+        "--batch_size",
+        "256",
+        "--num_embeddings",
+        "1000",
+        "--embedding_dim",
+        "16",
+        "--dense_arch_layer_sizes",
+        "32,16",
+        "--over_arch_layer_sizes",
+        "32,1",
+        "--adagrad",
+        "--learning_rate",
+        "0.05",
+        "--limit_train_batches",
+        "60",
+        "--limit_val_batches",
+        "4",
+        "--limit_test_batches",
+        "4",
+        "--mode",
+        mode,
     )
     losses = re.search(r"(\d+) steps, last loss (\d+\.\d+)", text)
     assert int(losses.group(1)) == 60 and float(losses.group(2)) < 0.6, text
@@ -63,4 +82,6 @@ def test_make_target_named_in_an_example_runs_it(script):
         targets = re.findall(r"``make (\w+)``", f.read())
     recipes = _make_recipes()
     for target in targets:
-        assert f"examples/{script}" in recipes.get(target, ""), f"examples/{script} names `make {target}`, which does not run it"
+        assert f"examples/{script}" in recipes.get(target, ""), (
+            f"examples/{script} names `make {target}`, which does not run it"
+        )

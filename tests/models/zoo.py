@@ -130,10 +130,23 @@ def _causal(model_cls, config_cls, **overrides) -> Callable[[], torch.nn.Module]
 def _bart():
     return T.BartForConditionalGeneration(
         T.BartConfig(
-            vocab_size=VOCAB, d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-            decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37, max_position_embeddings=64,
-            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, pad_token_id=0, bos_token_id=1,
-            eos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+            vocab_size=VOCAB,
+            d_model=32,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=37,
+            decoder_ffn_dim=37,
+            max_position_embeddings=64,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=2,
+            forced_eos_token_id=None,
         )
     )
 
@@ -141,8 +154,16 @@ def _bart():
 def _t5():
     return T.T5ForConditionalGeneration(
         T.T5Config(
-            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=37, num_layers=2, num_heads=4, dropout_rate=0.0,
-            pad_token_id=0, eos_token_id=1, decoder_start_token_id=0,
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=37,
+            num_layers=2,
+            num_heads=4,
+            dropout_rate=0.0,
+            pad_token_id=0,
+            eos_token_id=1,
+            decoder_start_token_id=0,
         )
     )
 
@@ -150,11 +171,27 @@ def _t5():
 def _whisper():
     return T.WhisperForConditionalGeneration(
         T.WhisperConfig(
-            vocab_size=VOCAB, num_mel_bins=8, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-            decoder_attention_heads=4, encoder_ffn_dim=37, decoder_ffn_dim=37, d_model=32,
-            max_source_positions=8, max_target_positions=32, dropout=0.0, attention_dropout=0.0,
-            activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
-            suppress_tokens=None, begin_suppress_tokens=None, apply_spec_augment=False,
+            vocab_size=VOCAB,
+            num_mel_bins=8,
+            encoder_layers=2,
+            decoder_layers=2,
+            encoder_attention_heads=4,
+            decoder_attention_heads=4,
+            encoder_ffn_dim=37,
+            decoder_ffn_dim=37,
+            d_model=32,
+            max_source_positions=8,
+            max_target_positions=32,
+            dropout=0.0,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            decoder_start_token_id=1,
+            suppress_tokens=None,
+            begin_suppress_tokens=None,
+            apply_spec_augment=False,
         )
     )
 
@@ -174,16 +211,31 @@ def _deepseek_v3():
     return T.DeepseekV3ForCausalLM(
         T.DeepseekV3Config(
             **{**_LM, "num_key_value_heads": 4},
-            moe_intermediate_size=16, n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2,
-            n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
-            qk_rope_head_dim=8, v_head_dim=8, qk_nope_head_dim=8,
+            moe_intermediate_size=16,
+            n_shared_experts=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            qk_rope_head_dim=8,
+            v_head_dim=8,
+            qk_nope_head_dim=8,
         )
     )
 
 
 def _vit():
     return T.ViTForImageClassification(
-        T.ViTConfig(image_size=16, patch_size=4, num_channels=3, num_labels=3, **{k: v for k, v in _ENC.items() if k not in ("vocab_size", "max_position_embeddings")})
+        T.ViTConfig(
+            image_size=16,
+            patch_size=4,
+            num_channels=3,
+            num_labels=3,
+            **{k: v for k, v in _ENC.items() if k not in ("vocab_size", "max_position_embeddings")},
+        )
     )
 
 
@@ -196,9 +248,19 @@ def _resnet():
 def _efficientnet():
     return T.EfficientNetForImageClassification(
         T.EfficientNetConfig(
-            image_size=32, width_coefficient=0.1, depth_coefficient=0.25, kernel_sizes=[3, 5],
-            in_channels=[32, 16], out_channels=[16, 24], strides=[1, 2], num_block_repeats=[1, 2],
-            expand_ratios=[1, 6], hidden_dim=128, dropout_rate=0.0, drop_connect_rate=0.0, num_labels=3,
+            image_size=32,
+            width_coefficient=0.1,
+            depth_coefficient=0.25,
+            kernel_sizes=[3, 5],
+            in_channels=[32, 16],
+            out_channels=[16, 24],
+            strides=[1, 2],
+            num_block_repeats=[1, 2],
+            expand_ratios=[1, 6],
+            hidden_dim=128,
+            dropout_rate=0.0,
+            drop_connect_rate=0.0,
+            num_labels=3,
         )
     )
 
@@ -212,11 +274,27 @@ def _convnext():
 def _clip():
     return T.CLIPModel(
         T.CLIPConfig(
-            text_config=dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=37, num_hidden_layers=2,
-                             num_attention_heads=4, max_position_embeddings=16, projection_dim=16,
-                             pad_token_id=0, bos_token_id=1, eos_token_id=2),
-            vision_config=dict(hidden_size=32, intermediate_size=37, num_hidden_layers=2, num_attention_heads=4,
-                               image_size=16, patch_size=4, projection_dim=16),
+            text_config=dict(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                intermediate_size=37,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                max_position_embeddings=16,
+                projection_dim=16,
+                pad_token_id=0,
+                bos_token_id=1,
+                eos_token_id=2,
+            ),
+            vision_config=dict(
+                hidden_size=32,
+                intermediate_size=37,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                image_size=16,
+                patch_size=4,
+                projection_dim=16,
+            ),
             projection_dim=16,
         )
     )
@@ -235,11 +313,26 @@ def _clip_inputs(g):
 def _wav2vec2():
     return T.Wav2Vec2ForCTC(
         T.Wav2Vec2Config(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-            conv_dim=(16, 16), conv_stride=(4, 2), conv_kernel=(8, 3), num_conv_pos_embeddings=8,
-            num_conv_pos_embedding_groups=2, hidden_dropout=0.0, activation_dropout=0.0, attention_dropout=0.0,
-            feat_proj_dropout=0.0, final_dropout=0.0, layerdrop=0.0, apply_spec_augment=False,
-            mask_time_prob=0.0, pad_token_id=0, ctc_loss_reduction="mean",
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=37,
+            conv_dim=(16, 16),
+            conv_stride=(4, 2),
+            conv_kernel=(8, 3),
+            num_conv_pos_embeddings=8,
+            num_conv_pos_embedding_groups=2,
+            hidden_dropout=0.0,
+            activation_dropout=0.0,
+            attention_dropout=0.0,
+            feat_proj_dropout=0.0,
+            final_dropout=0.0,
+            layerdrop=0.0,
+            apply_spec_augment=False,
+            mask_time_prob=0.0,
+            pad_token_id=0,
+            ctc_loss_reduction="mean",
         )
     )
 
@@ -253,23 +346,78 @@ FAMILIES: dict[str, Family] = {
     f.name: f
     for f in [
         Family("bert", lambda: T.BertForMaskedLM(T.BertConfig(**_ENC)), _lm_inputs),
-        Family("distilbert", lambda: T.DistilBertForMaskedLM(T.DistilBertConfig(
-            vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=37, max_position_embeddings=64,
-            dropout=0.0, attention_dropout=0.0, qa_dropout=0.0, seq_classif_dropout=0.0)), _lm_inputs),
+        Family(
+            "distilbert",
+            lambda: T.DistilBertForMaskedLM(
+                T.DistilBertConfig(
+                    vocab_size=VOCAB,
+                    dim=32,
+                    n_layers=2,
+                    n_heads=4,
+                    hidden_dim=37,
+                    max_position_embeddings=64,
+                    dropout=0.0,
+                    attention_dropout=0.0,
+                    qa_dropout=0.0,
+                    seq_classif_dropout=0.0,
+                )
+            ),
+            _lm_inputs,
+        ),
         Family("roberta", lambda: T.RobertaForMaskedLM(T.RobertaConfig(**{**_ENC, "pad_token_id": 1})), _lm_inputs),
-        Family("gpt2", lambda: T.GPT2LMHeadModel(T.GPT2Config(
-            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)), _lm_inputs, _prompt),
+        Family(
+            "gpt2",
+            lambda: T.GPT2LMHeadModel(
+                T.GPT2Config(
+                    vocab_size=VOCAB,
+                    n_embd=32,
+                    n_layer=2,
+                    n_head=4,
+                    n_positions=64,
+                    resid_pdrop=0.0,
+                    embd_pdrop=0.0,
+                    attn_pdrop=0.0,
+                    bos_token_id=1,
+                    eos_token_id=2,
+                    pad_token_id=0,
+                )
+            ),
+            _lm_inputs,
+            _prompt,
+        ),
         Family("llama", _causal(T.LlamaForCausalLM, T.LlamaConfig), _lm_inputs, _prompt),
         Family("mistral", _causal(T.MistralForCausalLM, T.MistralConfig, sliding_window=4), _lm_inputs, _prompt),
         Family("qwen2", _causal(T.Qwen2ForCausalLM, T.Qwen2Config), _lm_inputs, _prompt),
         Family("qwen3", _causal(T.Qwen3ForCausalLM, T.Qwen3Config, head_dim=8), _lm_inputs, _prompt),
         Family("phi3", _causal(T.Phi3ForCausalLM, T.Phi3Config), _lm_inputs, _prompt),
-        Family("gemma2", _causal(T.Gemma2ForCausalLM, T.Gemma2Config, head_dim=8, sliding_window=4), _lm_inputs, _prompt),
-        Family("gemma3", _causal(T.Gemma3ForCausalLM, T.Gemma3TextConfig, head_dim=8, sliding_window=4), _lm_inputs, _prompt),
-        Family("mixtral", _causal(T.MixtralForCausalLM, T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2), _lm_inputs, _prompt),
-        Family("qwen2_moe", _causal(T.Qwen2MoeForCausalLM, T.Qwen2MoeConfig, num_experts=4, num_experts_per_tok=2,
-                                    moe_intermediate_size=16, shared_expert_intermediate_size=32), _lm_inputs, _prompt),
+        Family(
+            "gemma2", _causal(T.Gemma2ForCausalLM, T.Gemma2Config, head_dim=8, sliding_window=4), _lm_inputs, _prompt
+        ),
+        Family(
+            "gemma3",
+            _causal(T.Gemma3ForCausalLM, T.Gemma3TextConfig, head_dim=8, sliding_window=4),
+            _lm_inputs,
+            _prompt,
+        ),
+        Family(
+            "mixtral",
+            _causal(T.MixtralForCausalLM, T.MixtralConfig, num_local_experts=4, num_experts_per_tok=2),
+            _lm_inputs,
+            _prompt,
+        ),
+        Family(
+            "qwen2_moe",
+            _causal(
+                T.Qwen2MoeForCausalLM,
+                T.Qwen2MoeConfig,
+                num_experts=4,
+                num_experts_per_tok=2,
+                moe_intermediate_size=16,
+                shared_expert_intermediate_size=32,
+            ),
+            _lm_inputs,
+            _prompt,
+        ),
         Family("deepseek_v3", _deepseek_v3, _lm_inputs, _prompt),
         Family("t5", _t5, _seq2seq_inputs, _prompt),
         Family("bart", _bart, _seq2seq_inputs, _prompt),
@@ -330,13 +478,21 @@ def initial(family: Family) -> tuple[torch.nn.Module, dict, dict | None]:
 
 def _generate(model, prompt: dict, device) -> torch.Tensor:
     model.eval()
-    out = model.generate(**_tree_to(prompt, device), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+    out = model.generate(
+        **_tree_to(prompt, device), max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+    )
     model.train()
     return _host(out)
 
 
-def train(model: torch.nn.Module, batch: dict, prompt: dict | None, device: str, mode: str = "eager",
-          dtype: torch.dtype | None = None) -> Trace:
+def train(
+    model: torch.nn.Module,
+    batch: dict,
+    prompt: dict | None,
+    device: str,
+    mode: str = "eager",
+    dtype: torch.dtype | None = None,
+) -> Trace:
     """``STEPS`` AdamW steps of ``model`` (moved to ``device``) on ``batch``, in ``mode``; then greedy ``generate``."""
     started = time.perf_counter()
     trace = Trace()
@@ -423,8 +579,10 @@ def judge(what: str, actual: torch.Tensor, expected: torch.Tensor, reference: Ca
     tpu_error, cpu_error = _max_error(actual, wide), _max_error(expected, wide)
     if tpu_error <= FLOAT64_FACTOR * cpu_error:
         return None
-    return (f"{what}: max |tpu - cpu| {_max_error(actual, expected):.3g} (|cpu| max {float(expected.abs().max()):.3g}); "
-            f"against float64 tpu errs by {tpu_error:.3g}, CPU float32 by {cpu_error:.3g}")
+    return (
+        f"{what}: max |tpu - cpu| {_max_error(actual, expected):.3g} (|cpu| max {float(expected.abs().max()):.3g}); "
+        f"against float64 tpu errs by {tpu_error:.3g}, CPU float32 by {cpu_error:.3g}"
+    )
 
 
 @dataclasses.dataclass
@@ -466,11 +624,15 @@ def run(name: str, mode: str) -> Report:
     twin = copy.deepcopy(model)
     moved = copy.deepcopy(model).to("tpu")
     if len(list(moved.named_parameters())) != len(list(twin.named_parameters())):
-        problems.append(f"named_parameters: {len(list(moved.named_parameters()))} on tpu, "
-                        f"{len(list(twin.named_parameters()))} on CPU (tied weights?)")
+        problems.append(
+            f"named_parameters: {len(list(moved.named_parameters()))} on tpu, "
+            f"{len(list(twin.named_parameters()))} on CPU (tied weights?)"
+        )
     if list(moved.state_dict()) != list(twin.state_dict()):
-        problems.append(f"state_dict keys differ: only tpu {sorted(set(moved.state_dict()) - set(twin.state_dict()))}, "
-                        f"only CPU {sorted(set(twin.state_dict()) - set(moved.state_dict()))}")
+        problems.append(
+            f"state_dict keys differ: only tpu {sorted(set(moved.state_dict()) - set(twin.state_dict()))}, "
+            f"only CPU {sorted(set(twin.state_dict()) - set(moved.state_dict()))}"
+        )
     del moved
     attn = getattr(model.config, "_attn_implementation", None)
     try:
@@ -483,7 +645,9 @@ def run(name: str, mode: str) -> Report:
     for n, e in cpu.grads.items():
         a = tpu.grads.get(n)
         if (a is None) != (e is None):
-            problems.append(f"grad of {n}: {'None' if a is None else 'a tensor'} on tpu, {'None' if e is None else 'a tensor'} on CPU")
+            problems.append(
+                f"grad of {n}: {'None' if a is None else 'a tensor'} on tpu, {'None' if e is None else 'a tensor'} on CPU"
+            )
         elif a is not None:
             problems.append(judge(f"grad of {n} after step 1", a, e, lambda n=n: float64().grads[n]))
     for n, e in cpu.params.items():
@@ -496,9 +660,18 @@ def run(name: str, mode: str) -> Report:
     elif prompt is not None and not torch.equal(tpu.tokens, cpu.tokens):
         problems.append(f"generate: {tpu.tokens.tolist()} on tpu, {cpu.tokens.tolist()} on CPU")
     if mode in ("fused", "compiled") and tpu.warm["compile_requests"]:
-        problems.append(f"{tpu.warm['compile_requests']} new programs after {WARMUP} warm-up steps "
-                        f"({tpu.warm['compilations']} compiled)")
+        problems.append(
+            f"{tpu.warm['compile_requests']} new programs after {WARMUP} warm-up steps "
+            f"({tpu.warm['compilations']} compiled)"
+        )
     if tpu.warm.get("host_fallbacks"):
         problems.append(f"host fallbacks in the warm steps: {tpu.warm['host_fallbacks']}")
-    return Report(name, mode, attn, [p for p in problems if p], tpu.warm, tpu.seconds,
-                  [tpu.generate_traceback] if tpu.generate_traceback else [])
+    return Report(
+        name,
+        mode,
+        attn,
+        [p for p in problems if p],
+        tpu.warm,
+        tpu.seconds,
+        [tpu.generate_traceback] if tpu.generate_traceback else [],
+    )

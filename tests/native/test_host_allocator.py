@@ -48,7 +48,9 @@ def test_host_allocator_keeps_large_blocks_for_reuse():
     runs = {}
     for setting in ("1", "0"):
         env = {**os.environ, "TPUREC_TUNE_MALLOC": setting}
-        out = subprocess.run([sys.executable, "-c", _ALLOCATE_ON_A_THREAD], env=env, capture_output=True, text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", _ALLOCATE_ON_A_THREAD], env=env, capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr
         runs[setting] = out.stdout.split()
     assert runs["1"] == ["True", "0", "True"], runs

@@ -55,10 +55,25 @@ from torchrec.modules.embedding_configs import PoolingType  # noqa: E402
 import tpurec.sparse as sp  # noqa: E402
 
 OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
-WEIGHT_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64}
+WEIGHT_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+}
 MUTATIONS = (
-    "id_too_large", "id_negative", "huge_length", "negative_length", "extra_value", "missing_value",
-    "weights_wrong_length", "integer_weights", "duplicate_key", "unknown_key", "missing_key", "float_ids",
+    "id_too_large",
+    "id_negative",
+    "huge_length",
+    "negative_length",
+    "extra_value",
+    "missing_value",
+    "weights_wrong_length",
+    "integer_weights",
+    "duplicate_key",
+    "unknown_key",
+    "missing_key",
+    "float_ids",
     "missing_weights",
 )
 # Forward: float32 sums of a few products of O(1) numbers.
@@ -89,14 +104,16 @@ def cases(draw) -> dict[str, Any]:
     weighted = draw(st.booleans())
     tables = []
     for name, dim, rows, features in LAYOUTS[draw(st.integers(0, len(LAYOUTS) - 1))]:
-        tables.append({
-            "name": name,
-            "dim": dim,  # FBGEMM needs multiples of 4
-            "rows": rows,
-            "features": list(features),
-            # torchrec pools weighted bags with SUM only.
-            "pooling": "SUM" if weighted else draw(st.sampled_from(["SUM", "MEAN"])),
-        })
+        tables.append(
+            {
+                "name": name,
+                "dim": dim,  # FBGEMM needs multiples of 4
+                "rows": rows,
+                "features": list(features),
+                # torchrec pools weighted bags with SUM only.
+                "pooling": "SUM" if weighted else draw(st.sampled_from(["SUM", "MEAN"])),
+            }
+        )
     capacity = draw(st.sampled_from(["fixed", "small", "auto"]))
     mutate = draw(st.booleans())
     return {
@@ -121,7 +138,10 @@ def cases(draw) -> dict[str, Any]:
 def _configs(case) -> list[EmbeddingBagConfig]:
     return [
         EmbeddingBagConfig(
-            name=t["name"], embedding_dim=t["dim"], num_embeddings=t["rows"], feature_names=list(t["features"]),
+            name=t["name"],
+            embedding_dim=t["dim"],
+            num_embeddings=t["rows"],
+            feature_names=list(t["features"]),
             pooling=PoolingType[t["pooling"]],
         )
         for t in case["tables"]
@@ -291,7 +311,9 @@ def _check_valid_step(case, configs, ebc, batch: Batch, rng) -> None:
     ours = out.values()
     assert ours.shape == (case["batch"], sum(c.embedding_dim * len(c.feature_names) for c in configs))
     ref_kjt = KeyedJaggedTensor(
-        keys=batch.keys, values=torch.from_numpy(batch.values), lengths=torch.from_numpy(batch.lengths),
+        keys=batch.keys,
+        values=torch.from_numpy(batch.values),
+        lengths=torch.from_numpy(batch.lengths),
         weights=None if batch.weights is None else batch.weights.float(),
     )
     if not drops:
@@ -357,9 +379,16 @@ def _check_step_against_reference(case, configs, ebc, reference, ref_kjt, upstre
         return
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
 
-    kind = {"sgd": EmbOptimType.EXACT_SGD, "adagrad": EmbOptimType.EXACT_ADAGRAD, "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD}[name]
+    kind = {
+        "sgd": EmbOptimType.EXACT_SGD,
+        "adagrad": EmbOptimType.EXACT_ADAGRAD,
+        "rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+    }[name]
     kwargs = {"learning_rate": 0.1} if name == "sgd" else {"learning_rate": 0.1, "eps": 1e-3}
     # FBGEMM pools one mode per TBE: one TBE per table keeps SUM and MEAN tables apart.
     for cfg in configs:
@@ -385,7 +414,9 @@ def _check_step_against_reference(case, configs, ebc, reference, ref_kjt, upstre
                 col += c.embedding_dim
         grad = torch.cat([upstream[:, cols[f][0] : cols[f][1]] for f in cfg.feature_names], dim=1)
         theirs.backward(grad)
-        torch.testing.assert_close(ebc.table_weight(cfg.name).detach(), tbe.split_embedding_weights()[0], atol=STEP_ATOL, rtol=STEP_RTOL)
+        torch.testing.assert_close(
+            ebc.table_weight(cfg.name).detach(), tbe.split_embedding_weights()[0], atol=STEP_ATOL, rtol=STEP_RTOL
+        )
         mine = list(ebc.optimizer_state_dict()["state"][f"embedding_bags.{cfg.name}.weight"].values())
         states = tbe.split_optimizer_states()  # [] for SGD
         theirs_slots = states[0] if states else []
@@ -409,14 +440,20 @@ def _mutate(case, configs, batch: Batch, rng: np.random.Generator) -> tuple[Keye
         return int(np.searchsorted(ends, index, side="right"))
 
     def rebuilt(**kw) -> KeyedJaggedTensor:
-        b = Batch(kw.get("keys", keys), kw.get("lengths", lengths), kw.get("values", values), kw.get("weights", weights), case)
+        b = Batch(
+            kw.get("keys", keys), kw.get("lengths", lengths), kw.get("values", values), kw.get("weights", weights), case
+        )
         return b.kjt(kw.get("values_dtype"))
 
     if m in ("id_too_large", "id_negative") and N:
         i = int(rng.integers(0, N))
         k = feature_of(i)
         big = case["id_dtype"] == "int64" and rng.random() < 0.5
-        values[i] = (rows[keys[k]] + int(rng.integers(0, 2**40 if big else 5))) if m == "id_too_large" else -1 - int(rng.integers(0, 5))
+        values[i] = (
+            (rows[keys[k]] + int(rng.integers(0, 2**40 if big else 5)))
+            if m == "id_too_large"
+            else -1 - int(rng.integers(0, 5))
+        )
         return rebuilt(values=values), [keys[k]]
     if m == "huge_length" and B:
         i = int(rng.integers(0, n_keys * B))
@@ -428,7 +465,12 @@ def _mutate(case, configs, batch: Batch, rng: np.random.Generator) -> tuple[Keye
         lengths[i] = -1 - int(rng.integers(0, 5))
         return rebuilt(lengths=lengths), [keys[i // B]]
     if m == "extra_value":
-        return rebuilt(values=np.append(values, 0), weights=None if weights is None else torch.cat([weights, weights[:1] if N else torch.ones(1, dtype=weights.dtype)])), [keys[-1]]
+        return rebuilt(
+            values=np.append(values, 0),
+            weights=None
+            if weights is None
+            else torch.cat([weights, weights[:1] if N else torch.ones(1, dtype=weights.dtype)]),
+        ), [keys[-1]]
     if m == "missing_value" and B:
         i = int(rng.integers(0, n_keys * B))
         k = i // B
@@ -447,16 +489,31 @@ def _mutate(case, configs, batch: Batch, rng: np.random.Generator) -> tuple[Keye
         block = lengths.reshape(n_keys, B)[k]
         lo = int(ends[k] - block.sum())
         extra_w = None if weights is None else torch.cat([weights, weights[lo : int(ends[k])]])
-        return rebuilt(keys=[*keys, keys[k]], lengths=np.concatenate([lengths, block]), values=np.concatenate([values, values[lo : int(ends[k])]]), weights=extra_w), [keys[k]]
+        return rebuilt(
+            keys=[*keys, keys[k]],
+            lengths=np.concatenate([lengths, block]),
+            values=np.concatenate([values, values[lo : int(ends[k])]]),
+            weights=extra_w,
+        ), [keys[k]]
     if m == "unknown_key" and B:
         extra_w = None if weights is None else torch.cat([weights, torch.ones(B, dtype=weights.dtype)])
-        return rebuilt(keys=[*keys, "zz"], lengths=np.concatenate([lengths, np.ones(B, np.int64)]), values=np.concatenate([values, np.zeros(B, np.int64)]), weights=extra_w), ["zz"]
+        return rebuilt(
+            keys=[*keys, "zz"],
+            lengths=np.concatenate([lengths, np.ones(B, np.int64)]),
+            values=np.concatenate([values, np.zeros(B, np.int64)]),
+            weights=extra_w,
+        ), ["zz"]
     if m == "missing_key" and n_keys > 1 and B:
         k = int(rng.integers(0, n_keys))
         block = lengths.reshape(n_keys, B)
         lo = int(ends[k] - block[k].sum())
         keep = np.r_[0:lo, int(ends[k]) : N]
-        return rebuilt(keys=[f for j, f in enumerate(keys) if j != k], lengths=np.delete(block, k, axis=0).reshape(-1), values=values[keep], weights=None if weights is None else weights[torch.from_numpy(keep)]), [keys[k]]
+        return rebuilt(
+            keys=[f for j, f in enumerate(keys) if j != k],
+            lengths=np.delete(block, k, axis=0).reshape(-1),
+            values=values[keep],
+            weights=None if weights is None else weights[torch.from_numpy(keep)],
+        ), [keys[k]]
     if m == "float_ids" and N:
         return rebuilt(values_dtype=torch.float32), [keys[0]]
     if m == "missing_weights" and case["weighted"]:
@@ -470,8 +527,12 @@ def check(case: dict[str, Any]) -> None:
     rng = np.random.default_rng(case["seed"])
     torch.manual_seed(case["seed"] % 2**31)
     ebc = sp.EmbeddingBagCollection(
-        configs, is_weighted=case["weighted"], optimizer=_optimizer(case["optimizer"]), num_partitions=case["partitions"],
-        capacities=_capacity(case), overflow=case["overflow"],
+        configs,
+        is_weighted=case["weighted"],
+        optimizer=_optimizer(case["optimizer"]),
+        num_partitions=case["partitions"],
+        capacities=_capacity(case),
+        overflow=case["overflow"],
     )
     batch = _valid_batch(case, configs, rng)
     _check_valid_step(case, configs, ebc, batch, rng)
@@ -497,7 +558,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--examples", type=int, default=100)
     parser.add_argument("--seed", type=int, default=None, help="hypothesis seed (default: random)")
-    parser.add_argument("--last", default=os.devnull, help="file that holds the case being run (the reproducer after a crash)")
+    parser.add_argument(
+        "--last", default=os.devnull, help="file that holds the case being run (the reproducer after a crash)"
+    )
     parser.add_argument("--replay", default=None, help="run one case given as JSON")
     parser.add_argument("--progress", type=int, default=0, help="print a line every this many examples")
     args = parser.parse_args(argv)
@@ -509,7 +572,11 @@ def main(argv: list[str] | None = None) -> int:
     crash_at = int(os.environ.get("TPUREC_FUZZ_CRASH_AT", "0"))
 
     @settings(
-        max_examples=args.examples, deadline=None, database=None, suppress_health_check=list(HealthCheck), print_blob=True
+        max_examples=args.examples,
+        deadline=None,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+        print_blob=True,
     )
     @given(cases())
     def run(case):

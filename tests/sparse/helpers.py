@@ -15,7 +15,9 @@ def make_tables(dims=(4, 4, 8), rows=(13, 7, 5), features=(("f0", "f1"), ("f2",)
     ]
 
 
-def random_kjt(tables, batch_size, rng: np.random.Generator, max_len=4, weighted=False, lengths=None) -> KeyedJaggedTensor:
+def random_kjt(
+    tables, batch_size, rng: np.random.Generator, max_len=4, weighted=False, lengths=None
+) -> KeyedJaggedTensor:
     keys, values, lens = [], [], []
     for t in tables:
         for f in t.feature_names:
@@ -27,4 +29,6 @@ def random_kjt(tables, batch_size, rng: np.random.Generator, max_len=4, weighted
     kwargs = {}
     if weighted:
         kwargs["weights"] = torch.from_numpy(rng.uniform(0.5, 2.0, v.numel()).astype(np.float32))
-    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=v, lengths=torch.from_numpy(np.concatenate(lens)).long(), **kwargs)
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=v, lengths=torch.from_numpy(np.concatenate(lens)).long(), **kwargs
+    )

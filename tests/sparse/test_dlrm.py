@@ -27,7 +27,9 @@ def test_dlrm_ten_steps_match_torchrec(optimizer_type, kwargs, device, mode):
     tables = make_tables(dims=(8, 8, 8), rows=(30, 20, 10))
     layers = {"dense_in_features": 5, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [16, 1]}
     reference = DLRM(
-        embedding_bag_collection=FusedEmbeddingBagCollection(tables, optimizer_type=optimizer_type, optimizer_kwargs=kwargs),
+        embedding_bag_collection=FusedEmbeddingBagCollection(
+            tables, optimizer_type=optimizer_type, optimizer_kwargs=kwargs
+        ),
         **layers,
     )
     ours = DLRM(embedding_bag_collection=TorchrecEBC(tables), **layers)

@@ -92,7 +92,11 @@ class TwoTower(torch.nn.Module):
 QUERY_TABLES = [
     EmbeddingBagConfig(name="user", embedding_dim=8, num_embeddings=40, feature_names=["user_id"]),
     EmbeddingBagConfig(
-        name="history", embedding_dim=8, num_embeddings=25, feature_names=["clicked", "bought"], pooling=PoolingType.MEAN
+        name="history",
+        embedding_dim=8,
+        num_embeddings=25,
+        feature_names=["clicked", "bought"],
+        pooling=PoolingType.MEAN,
     ),
 ]
 # Weighted features, two embedding dims (two stacked tables).
@@ -188,7 +192,9 @@ def test_export_of_a_variable_batch_kjt_raises():
     _, converted = _dlrm()
     dense = torch.zeros(2, DENSE_IN, device="tpu")
     vbe = KeyedJaggedTensor(
-        keys=["f0", "f1", "f2", "f3"], values=torch.arange(9) % 5, lengths=torch.ones(9, dtype=torch.long),
+        keys=["f0", "f1", "f2", "f3"],
+        values=torch.arange(9) % 5,
+        lengths=torch.ones(9, dtype=torch.long),
         stride_per_key_per_rank=[[2], [3], [2], [2]],
     )
     with pytest.raises(NotImplementedError, match="variable-batch"):

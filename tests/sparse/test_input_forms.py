@@ -40,7 +40,9 @@ def shared_tables() -> list[EmbeddingBagConfig]:
     """``shared`` is looked up in t0 (SUM, next to f0) and in t1 (MEAN, another dim)."""
     return [
         EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=13, feature_names=["f0", "shared"]),
-        EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=7, feature_names=["shared"], pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(
+            name="t1", embedding_dim=8, num_embeddings=7, feature_names=["shared"], pooling=PoolingType.MEAN
+        ),
         EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=5, feature_names=["f2", "shared"]),
     ]
 
@@ -76,7 +78,10 @@ def vbe_kjt(tables, batch, rng, max_len=3, inverse=True, strides=None, weighted=
     if weighted:
         kwargs["weights"] = torch.from_numpy(rng.uniform(0.5, 2.0, v.numel()).astype(np.float32))
     return KeyedJaggedTensor(
-        keys=keys, values=v, lengths=torch.from_numpy(np.concatenate(lengths)).long(), stride_per_key_per_rank=per_rank,
+        keys=keys,
+        values=v,
+        lengths=torch.from_numpy(np.concatenate(lengths)).long(),
+        stride_per_key_per_rank=per_rank,
         **kwargs,
     )
 
@@ -86,7 +91,9 @@ def uniform_kjt(tables, batch, rng, max_len=3) -> KeyedJaggedTensor:
     lengths = rng.integers(0, max_len + 1, (len(features), batch))
     values = np.concatenate([rng.integers(0, n, int(ls.sum())) for n, ls in zip(features.values(), lengths)])
     return KeyedJaggedTensor.from_lengths_sync(
-        keys=list(features), values=torch.from_numpy(values).long(), lengths=torch.from_numpy(lengths.reshape(-1)).long()
+        keys=list(features),
+        values=torch.from_numpy(values).long(),
+        lengths=torch.from_numpy(lengths.reshape(-1)).long(),
     )
 
 
@@ -117,7 +124,9 @@ def _fused_pair(tables, optimizer_class, kwargs):
     fused = FusedEmbeddingBagCollection(tables, optimizer_type=optimizer_class, optimizer_kwargs=dict(kwargs))
     reference = TorchrecEBC(tables)
     reference.load_state_dict(fused.state_dict())
-    apply_optimizer_in_backward(optimizer_class, reference.parameters(), {**kwargs, **_FBGEMM_DEFAULTS[optimizer_class]})
+    apply_optimizer_in_backward(
+        optimizer_class, reference.parameters(), {**kwargs, **_FBGEMM_DEFAULTS[optimizer_class]}
+    )
     return reference, sp.from_torchrec(fused, device="tpu")
 
 
@@ -130,7 +139,9 @@ FORMS = {
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(
-    "optimizer_class, kwargs", [(torch.optim.SGD, {"lr": 0.5}), (torch.optim.Adagrad, {"lr": 0.1})], ids=["sgd", "adagrad"]
+    "optimizer_class, kwargs",
+    [(torch.optim.SGD, {"lr": 0.5}), (torch.optim.Adagrad, {"lr": 0.1})],
+    ids=["sgd", "adagrad"],
 )
 @pytest.mark.parametrize("source", ["in-backward", "fused-module"])
 @pytest.mark.parametrize("form", list(FORMS))
@@ -159,7 +170,8 @@ def test_trains_as_torchrec(form, source, optimizer_class, kwargs, mode):
     [
         lambda tables, rng: vbe_kjt(tables, 4, rng, inverse=False, strides={f: 3 for f in _features(tables)}),
         lambda tables, rng: KeyedJaggedTensor.from_lengths_sync(
-            keys=["f0", "f1", "f2", "f3"], values=torch.tensor([1, 2, 3, 4, 0, 1]),
+            keys=["f0", "f1", "f2", "f3"],
+            values=torch.tensor([1, 2, 3, 4, 0, 1]),
             lengths=torch.tensor([1, 1, 0, 2, 0, 1, 1, 0]),
             inverse_indices=(["f3", "f2", "f1", "f0"], torch.tensor([[1, 0, 0], [0, 0, 1], [1, 1, 0], [0, 1, 1]])),
         ),
@@ -191,8 +203,12 @@ def test_weighted_vbe_gives_weights_torchrecs_gradient():
     for model in (reference, ours):
         weights = kjt.weights().clone().requires_grad_(True)
         batch = KeyedJaggedTensor(
-            keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(), weights=weights,
-            stride_per_key_per_rank=kjt.stride_per_key_per_rank(), inverse_indices=kjt.inverse_indices(),
+            keys=kjt.keys(),
+            values=kjt.values(),
+            lengths=kjt.lengths(),
+            weights=weights,
+            stride_per_key_per_rank=kjt.stride_per_key_per_rank(),
+            inverse_indices=kjt.inverse_indices(),
         )
         out = model(batch).values()
         out.pow(2).sum().backward()
@@ -234,23 +250,42 @@ def _bad_batches():
     good_inverse = torch.tensor([[0, 1, 1], [1, 0, 0], [0, 0, 1], [1, 1, 0]])
 
     def kjt(**changes):
-        args = dict(keys=keys, values=values, lengths=lengths, stride_per_key_per_rank=per_rank,
-                    inverse_indices=(keys, good_inverse))
+        args = dict(
+            keys=keys,
+            values=values,
+            lengths=lengths,
+            stride_per_key_per_rank=per_rank,
+            inverse_indices=(keys, good_inverse),
+        )
         args.update(changes)
         return KeyedJaggedTensor(**args)
 
     return tables, [
-        (kjt(stride_per_key_per_rank=[[2], [3], [2], [2]]), r"lengths has 8 entries but stride_per_key_per_rank gives 9 bags"),
-        (kjt(inverse_indices=(keys, good_inverse[:3])), r"inverse_indices name 4 features but its tensor has shape \(3, 3\)"),
+        (
+            kjt(stride_per_key_per_rank=[[2], [3], [2], [2]]),
+            r"lengths has 8 entries but stride_per_key_per_rank gives 9 bags",
+        ),
+        (
+            kjt(inverse_indices=(keys, good_inverse[:3])),
+            r"inverse_indices name 4 features but its tensor has shape \(3, 3\)",
+        ),
         (kjt(inverse_indices=(keys, good_inverse[0])), r"inverse_indices must be a 2-D integer tensor"),
         (kjt(inverse_indices=(keys, good_inverse.float())), r"inverse_indices must be a 2-D integer tensor"),
         (kjt(inverse_indices=(keys[:3], good_inverse[:3])), r"inverse_indices have no row for feature 'f3'"),
-        (kjt(inverse_indices=(keys, good_inverse + torch.tensor([[0], [0], [1], [0]]))),
-         r"inverse_indices of feature 'f2' hold 2, outside \[0, 2\) \(the feature's 2 bags\)"),
-        (KeyedJaggedTensor(keys=keys, values=values, lengths=torch.tensor([1, 1, 0, 2, 1, 0, 1, 0, 0]),
-                           stride_per_key_per_rank=[[2], [3], [2], [2]]),
-         r"features have different batch sizes \{'f0': 2, 'f1': 3, 'f2': 2, 'f3': 2\} but the KeyedJaggedTensor has no "
-         "inverse_indices"),
+        (
+            kjt(inverse_indices=(keys, good_inverse + torch.tensor([[0], [0], [1], [0]]))),
+            r"inverse_indices of feature 'f2' hold 2, outside \[0, 2\) \(the feature's 2 bags\)",
+        ),
+        (
+            KeyedJaggedTensor(
+                keys=keys,
+                values=values,
+                lengths=torch.tensor([1, 1, 0, 2, 1, 0, 1, 0, 0]),
+                stride_per_key_per_rank=[[2], [3], [2], [2]],
+            ),
+            r"features have different batch sizes \{'f0': 2, 'f1': 3, 'f2': 2, 'f3': 2\} but the KeyedJaggedTensor has no "
+            "inverse_indices",
+        ),
     ]
 
 
@@ -258,8 +293,19 @@ _TABLES, _BAD = _bad_batches()
 
 
 @pytest.mark.parametrize("preprocess", ["native", "numpy"])
-@pytest.mark.parametrize("index", range(len(_BAD)), ids=["strides-vs-lengths", "inverse-rows", "inverse-1d", "inverse-float",
-                                                          "inverse-missing-feature", "inverse-out-of-range", "no-inverse"])
+@pytest.mark.parametrize(
+    "index",
+    range(len(_BAD)),
+    ids=[
+        "strides-vs-lengths",
+        "inverse-rows",
+        "inverse-1d",
+        "inverse-float",
+        "inverse-missing-feature",
+        "inverse-out-of-range",
+        "no-inverse",
+    ],
+)
 def test_bad_vbe_input_is_a_clear_error_that_changes_nothing(index, preprocess, monkeypatch):
     monkeypatch.setenv("TPUREC_PREPROCESS", preprocess)
     kjt, message = _BAD[index]
@@ -350,7 +396,9 @@ def test_export_of_a_feature_in_two_tables_equals_eager_and_torchrec():
     torch.testing.assert_close(out.cpu(), expected, atol=1e-6, rtol=1e-5)
     # The exported lookup rebuilds the KJT from its tensors: inverse_indices would be lost.
     with_inverse = KeyedJaggedTensor.from_lengths_sync(
-        keys=kjt.keys(), values=kjt.values(), lengths=kjt.lengths(),
+        keys=kjt.keys(),
+        values=kjt.values(),
+        lengths=kjt.lengths(),
         inverse_indices=(kjt.keys(), torch.zeros(len(kjt.keys()), 4, dtype=torch.long)),
     )
     with pytest.raises(NotImplementedError, match="inverse_indices"):
@@ -378,7 +426,9 @@ def test_sharded_collection_refuses_vbe_and_inverse_indices():
         sharded["ebc"](vbe_kjt(tables, 8, rng))
     uniform = random_kjt(tables, 8, rng)
     with_inverse = KeyedJaggedTensor.from_lengths_sync(
-        keys=uniform.keys(), values=uniform.values(), lengths=uniform.lengths(),
+        keys=uniform.keys(),
+        values=uniform.values(),
+        lengths=uniform.lengths(),
         inverse_indices=(uniform.keys(), torch.zeros(2, 8, dtype=torch.long)),
     )
     with pytest.raises(NotImplementedError, match="inverse_indices"):

@@ -35,7 +35,14 @@ def _jte_entries(out, name, num_sc, num_partitions, batch_size):
         for p in range(num_partitions):
             end = int(rp[c, p])
             for i in range(start, end):
-                entries.append((p, int(ids[c, i]) * num_partitions + p, c * per_sc + int(samples[c, i]), round(float(gains[c, i]), 5)))
+                entries.append(
+                    (
+                        p,
+                        int(ids[c, i]) * num_partitions + p,
+                        c * per_sc + int(samples[c, i]),
+                        round(float(gains[c, i]), 5),
+                    )
+                )
             counts[p] += end - start
             start = -(-end // 8) * 8
     return sorted(entries), counts
@@ -47,7 +54,10 @@ def test_same_entries_as_jax_tpu_embedding(num_sc, weighted, pooling):
     batch_size = 8
     tables = [
         EmbeddingBagConfig(
-            name=f"t{i}", embedding_dim=8, num_embeddings=rows, feature_names=[f"f{i}"],
+            name=f"t{i}",
+            embedding_dim=8,
+            num_embeddings=rows,
+            feature_names=[f"f{i}"],
             pooling=PoolingType.SUM if pooling == "sum" else PoolingType.MEAN,
         )
         for i, rows in enumerate((37, 11))
@@ -67,11 +77,18 @@ def test_same_entries_as_jax_tpu_embedding(num_sc, weighted, pooling):
         all_weights.extend(ws)
         lengths.append(lens)
         table_spec = embedding_spec.TableSpec(
-            name=t.name, vocabulary_size=t.num_embeddings, embedding_dim=8,
-            initializer=lambda *a, **k: None, optimizer=embedding_spec.SGDOptimizerSpec(),
-            combiner=pooling, max_ids_per_partition=64, max_unique_ids_per_partition=64,
+            name=t.name,
+            vocabulary_size=t.num_embeddings,
+            embedding_dim=8,
+            initializer=lambda *a, **k: None,
+            optimizer=embedding_spec.SGDOptimizerSpec(),
+            combiner=pooling,
+            max_ids_per_partition=64,
+            max_unique_ids_per_partition=64,
         )
-        specs[f] = embedding_spec.FeatureSpec(name=f, table_spec=table_spec, input_shape=[batch_size, 1], output_shape=[batch_size, 8])
+        specs[f] = embedding_spec.FeatureSpec(
+            name=f, table_spec=table_spec, input_shape=[batch_size, 1], output_shape=[batch_size, 8]
+        )
     jte.prepare_feature_specs_for_training(specs, global_device_count=1, num_sc_per_device=num_sc)
     out, _ = jte.preprocess_sparse_dense_matmul_input(features, weights, specs, 1, 1, num_sc_per_device=num_sc)
 
@@ -81,7 +98,9 @@ def test_same_entries_as_jax_tpu_embedding(num_sc, weighted, pooling):
         lengths=torch.from_numpy(np.concatenate(lengths)),
         weights=torch.from_numpy(np.concatenate(all_weights)) if weighted else None,
     )
-    ours = sp.preprocess_kjt(kjt, sp.stack_tables(tables, stack=False), num_partitions=num_sc, capacities=sp.Capacity(64))
+    ours = sp.preprocess_kjt(
+        kjt, sp.stack_tables(tables, stack=False), num_partitions=num_sc, capacities=sp.Capacity(64)
+    )
     for t in tables:
         csr = ours.stacks[t.name]
         size = csr.embedding_ids.shape[0] // num_sc

@@ -55,8 +55,11 @@ def _mcc(tables, policy: str) -> ManagedCollisionCollection:
     return ManagedCollisionCollection(
         {
             t.name: MCHManagedCollisionModule(
-                zch_size=t.num_embeddings, device=torch.device("cpu"), eviction_policy=POLICIES[policy](),
-                eviction_interval=EVICTION_INTERVAL, input_hash_size=INPUT_HASH_SIZE,
+                zch_size=t.num_embeddings,
+                device=torch.device("cpu"),
+                eviction_policy=POLICIES[policy](),
+                eviction_interval=EVICTION_INTERVAL,
+                input_hash_size=INPUT_HASH_SIZE,
             )
             for t in tables
         },
@@ -348,7 +351,13 @@ def test_mc_embedding_collection_trains_as_torchrec():
         mine_state, theirs_state = _state(ours), _state(reference)
         assert list(mine_state) == list(theirs_state)
         for key, value in mine_state.items():
-            torch.testing.assert_close(value, theirs_state[key], atol=1e-5 if MC_PREFIX not in key else 0, rtol=1e-5 if MC_PREFIX not in key else 0, msg=key)
+            torch.testing.assert_close(
+                value,
+                theirs_state[key],
+                atol=1e-5 if MC_PREFIX not in key else 0,
+                rtol=1e-5 if MC_PREFIX not in key else 0,
+                msg=key,
+            )
 
 
 def _hash_zch_model() -> nn.Module:
@@ -356,7 +365,11 @@ def _hash_zch_model() -> nn.Module:
 
     tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=8, feature_names=["f0"])]
     mcc = ManagedCollisionCollection(
-        {"t0": HashZchManagedCollisionModule(zch_size=8, device=torch.device("cpu"), total_num_buckets=1, input_hash_size=100)},
+        {
+            "t0": HashZchManagedCollisionModule(
+                zch_size=8, device=torch.device("cpu"), total_num_buckets=1, input_hash_size=100
+            )
+        },
         tables,
     )
     return nn.ModuleDict({"mc": TorchrecMCEBC(TorchrecEBC(tables), mcc)})
@@ -365,7 +378,11 @@ def _hash_zch_model() -> nn.Module:
 def _meta_mch_model() -> nn.Module:
     tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=8, feature_names=["f0"])]
     mcc = ManagedCollisionCollection(
-        {"t0": MCHManagedCollisionModule(zch_size=8, device=torch.device("meta"), eviction_policy=LFU_EvictionPolicy(), eviction_interval=1)},
+        {
+            "t0": MCHManagedCollisionModule(
+                zch_size=8, device=torch.device("meta"), eviction_policy=LFU_EvictionPolicy(), eviction_interval=1
+            )
+        },
         tables,
     )
     return nn.ModuleDict({"mc": TorchrecMCEBC(TorchrecEBC(tables), mcc)})
@@ -423,7 +440,9 @@ def test_train_pipeline_trains_as_torchrec():
 def test_sharding_a_model_with_managed_collisions_is_refused():
     model = _fresh_converted()
     before = _state(model)
-    with pytest.raises(NotImplementedError, match=r"features \['f0', 'f1', 'f2'\] go through a managed-collision remap"):
+    with pytest.raises(
+        NotImplementedError, match=r"features \['f0', 'f1', 'f2'\] go through a managed-collision remap"
+    ):
         tpurec.shard(model)
     assert isinstance(model.sparse._embedding_module, sp.EmbeddingBagCollection)  # unchanged
     for key, value in _state(model).items():

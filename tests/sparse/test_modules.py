@@ -54,7 +54,11 @@ def test_forward_matches_torchrec(case):
 
 
 def test_forward_shared_table_duplicates_empty_bags():
-    tables = [EmbeddingBagConfig(name="t", embedding_dim=3, num_embeddings=4, feature_names=["a", "b"], pooling=PoolingType.MEAN)]
+    tables = [
+        EmbeddingBagConfig(
+            name="t", embedding_dim=3, num_embeddings=4, feature_names=["a", "b"], pooling=PoolingType.MEAN
+        )
+    ]
     kjt = KeyedJaggedTensor.from_lengths_sync(
         keys=["a", "b"], values=torch.tensor([1, 1, 1, 2, 3, 3]), lengths=torch.tensor([3, 0, 0, 3])
     )
@@ -179,7 +183,9 @@ def test_adam_equals_torch_adam_when_all_rows_touched():
     ebc = sp.EmbeddingBagCollection(tables, optimizer=torch.optim.Adam, optimizer_kwargs={"lr": 0.1})
     dense = torch.nn.Parameter(ebc.table_weight("t").detach().clone())
     adam = torch.optim.Adam([dense], lr=0.1, eps=1e-8)
-    kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([0, 1, 2, 3, 1]), lengths=torch.tensor([3, 2]))
+    kjt = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f"], values=torch.tensor([0, 1, 2, 3, 1]), lengths=torch.tensor([3, 2])
+    )
     for _ in range(10):
         ebc(kjt).values().pow(2).sum().backward()
         adam.zero_grad()
@@ -293,7 +299,11 @@ def test_from_torchrec_fused_and_in_backward():
     assert sp.from_torchrec(TorchrecEBC(tables)).optimizer is None  # inference (see test_reliability.py)
 
 
-@pytest.mark.parametrize("optimizer", [sp.SGD(0.1), sp.Adagrad(0.1), sp.RowWiseAdagrad(0.1, weight_decay=0.01), sp.Adam(0.1)], ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize(
+    "optimizer",
+    [sp.SGD(0.1), sp.Adagrad(0.1), sp.RowWiseAdagrad(0.1, weight_decay=0.01), sp.Adam(0.1)],
+    ids=lambda o: type(o).__name__,
+)
 def test_cpu_in_place_path_equals_gradient_op(optimizer):
     # The module's CPU fast path (touched rows written in place) and the
     # functional torch.ops.tpurec gradient op (what the tpu device runs) agree (up to
@@ -315,7 +325,13 @@ def test_cpu_in_place_path_equals_gradient_op(optimizer):
 def test_from_torchrec_materialises_meta_tables_from_their_configs():
     """Tables built on "meta" (as dlrm_main.py builds them) get the configs' initialisers."""
     tables = [
-        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=6, feature_names=["f0"], init_fn=lambda w: torch.nn.init.constant_(w, 0.25)),
+        EmbeddingBagConfig(
+            name="t0",
+            embedding_dim=4,
+            num_embeddings=6,
+            feature_names=["f0"],
+            init_fn=lambda w: torch.nn.init.constant_(w, 0.25),
+        ),
         EmbeddingBagConfig(name="t1", embedding_dim=4, num_embeddings=5, feature_names=["f1"]),
     ]
     meta = TorchrecEBC(tables=tables, device=torch.device("meta"))

@@ -26,14 +26,20 @@ OPTIMIZERS = {
 def _tables(pooling: PoolingType, rows: int = 23, dim: int = 8) -> list[EmbeddingBagConfig]:
     # Two tables stacked into one (row offsets), few rows so bags repeat ids.
     return [
-        EmbeddingBagConfig(name="a", embedding_dim=dim, num_embeddings=rows, feature_names=["f0", "f1"], pooling=pooling),
-        EmbeddingBagConfig(name="b", embedding_dim=dim, num_embeddings=rows // 2, feature_names=["f2"], pooling=pooling),
+        EmbeddingBagConfig(
+            name="a", embedding_dim=dim, num_embeddings=rows, feature_names=["f0", "f1"], pooling=pooling
+        ),
+        EmbeddingBagConfig(
+            name="b", embedding_dim=dim, num_embeddings=rows // 2, feature_names=["f2"], pooling=pooling
+        ),
     ]
 
 
 def _csr(seed: int, partitions: int, pooling=PoolingType.SUM, weighted=True, batch=16, rows=23, dim=8, capacity=256):
     tables = _tables(pooling, rows, dim)
-    kjt = random_kjt(tables, batch, np.random.default_rng(seed), max_len=6, weighted=weighted)  # max_len>0: empty bags too
+    kjt = random_kjt(
+        tables, batch, np.random.default_rng(seed), max_len=6, weighted=weighted
+    )  # max_len>0: empty bags too
     batch_in = sp.preprocess_kjt(kjt, tables, partitions, sp.Capacity(capacity))
     (stack,) = batch_in.stacks.values()
     return stack.arrays(), 3 * batch, rows + rows // 2, dim
@@ -58,7 +64,9 @@ def _jit(fn):
 
 
 @pytest.mark.parametrize("partitions", [1, 3, 8])
-@pytest.mark.parametrize("pooling,weighted", [(PoolingType.SUM, True), (PoolingType.MEAN, False), (PoolingType.SUM, False)])
+@pytest.mark.parametrize(
+    "pooling,weighted", [(PoolingType.SUM, True), (PoolingType.MEAN, False), (PoolingType.SUM, False)]
+)
 def test_forward_matches_reference(partitions, pooling, weighted):
     csr, batch, rows, dim = _csr(partitions, partitions, pooling, weighted)
     table = np.random.default_rng(7).standard_normal((rows, dim)).astype(np.float32)
@@ -96,7 +104,8 @@ def test_multithreaded_size_matches_reference():
     grad = np.random.default_rng(5).standard_normal((batch, dim)).astype(np.float32)
     np.testing.assert_allclose(
         np.asarray(_jit(native.sparse_dense_matmul)(*csr, table, batch_size=batch)),
-        np.asarray(_jit(reference.sparse_dense_matmul)(*csr, table, batch_size=batch)), **TOL,
+        np.asarray(_jit(reference.sparse_dense_matmul)(*csr, table, batch_size=batch)),
+        **TOL,
     )
     hp = OPTIMIZERS["rowwise_adagrad"][1]
     op = "sparse_dense_matmul_grad_with_rowwise_adagrad"
@@ -111,13 +120,17 @@ def test_garbage_past_row_pointers_is_ignored():
     table, _ = _state(0, rows, dim, 0, "sgd")
     grad = np.ones((batch, dim), np.float32)
     clean = _jit(native.sparse_dense_matmul)(rp, ids, samples, gains, table, batch_size=batch)
-    clean_sgd = jax.jit(native.sparse_dense_matmul_grad_with_sgd)(rp, ids, samples, gains, grad, table, learning_rate=0.1)
+    clean_sgd = jax.jit(native.sparse_dense_matmul_grad_with_sgd)(
+        rp, ids, samples, gains, grad, table, learning_rate=0.1
+    )
     size = ids.shape[0] // rp.shape[0]
     ids, samples, gains = ids.copy(), samples.copy(), gains.copy()
     for p in range(rp.shape[0]):
         ids[rp[p] : (p + 1) * size], samples[rp[p] : (p + 1) * size], gains[rp[p] : (p + 1) * size] = 3, 0, np.nan
     dirty = _jit(native.sparse_dense_matmul)(rp, ids, samples, gains, table, batch_size=batch)
-    dirty_sgd = jax.jit(native.sparse_dense_matmul_grad_with_sgd)(rp, ids, samples, gains, grad, table, learning_rate=0.1)
+    dirty_sgd = jax.jit(native.sparse_dense_matmul_grad_with_sgd)(
+        rp, ids, samples, gains, grad, table, learning_rate=0.1
+    )
     np.testing.assert_array_equal(np.asarray(clean), np.asarray(dirty))
     np.testing.assert_array_equal(np.asarray(clean_sgd), np.asarray(dirty_sgd))
 
@@ -139,7 +152,8 @@ def test_unsorted_and_misplaced_ids_match_reference(name):
     csr = (rp, ids, samples, gains)
     np.testing.assert_allclose(
         np.asarray(_jit(native.sparse_dense_matmul)(*csr, table, batch_size=batch)),
-        np.asarray(_jit(reference.sparse_dense_matmul)(*csr, table, batch_size=batch)), **TOL,
+        np.asarray(_jit(reference.sparse_dense_matmul)(*csr, table, batch_size=batch)),
+        **TOL,
     )
     op = f"sparse_dense_matmul_grad_with_{name}"
     got = _as_tuple(jax.jit(getattr(native, op))(*csr, grad, table, *slots, **hp))

@@ -129,7 +129,9 @@ def test_rejected_batches_fall_back_to_the_reference_messages():
         KeyedJaggedTensor(keys=["f0", "f0"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 1, 0])),
         KeyedJaggedTensor(keys=["f0", "f1"], values=torch.tensor([1, 2, 3]), offsets=torch.tensor([1, 2, 2, 3, 3])),
         KeyedJaggedTensor(
-            keys=["f0", "f1"], values=torch.tensor([1, 2]), lengths=torch.tensor([1, 0, 1, 0]),
+            keys=["f0", "f1"],
+            values=torch.tensor([1, 2]),
+            lengths=torch.tensor([1, 0, 1, 0]),
             weights=torch.ones(2).to(torch.float8_e4m3fn),
         ),
     ]
@@ -192,8 +194,11 @@ def random_case(draw):
         keys += features
         tables.append(
             EmbeddingBagConfig(
-                name=f"t{t}", embedding_dim=draw(st.sampled_from([4, 8])), num_embeddings=draw(st.integers(1, 40)),
-                feature_names=features, pooling=draw(st.sampled_from([PoolingType.SUM, PoolingType.MEAN])),
+                name=f"t{t}",
+                embedding_dim=draw(st.sampled_from([4, 8])),
+                num_embeddings=draw(st.integers(1, 40)),
+                feature_names=features,
+                pooling=draw(st.sampled_from([PoolingType.SUM, PoolingType.MEAN])),
             )
         )
     rows = {f: t.num_embeddings for t in tables for f in t.feature_names}
@@ -214,7 +219,8 @@ def random_case(draw):
         weights = draw(
             st.lists(
                 st.floats(-4, 4, width=32, allow_subnormal=False) | st.sampled_from([0.1, 1 / 3, -0.0, 3e38, -2e38]),
-                min_size=len(values), max_size=len(values),
+                min_size=len(values),
+                max_size=len(values),
             )
         )
     kjt = KeyedJaggedTensor(
@@ -252,9 +258,14 @@ def test_random_kjts_native_equals_numpy(case):
     if error is not None:
         assert native is None, f"numpy raised {error} but native accepted the batch"
         # Through preprocess_kjt the native path falls back and raises the same error.
-        assert _outcome(
-            lambda: sp.preprocess_kjt(kjt, tables, num_partitions, capacity, is_weighted=is_weighted, overflow=overflow)
-        )[1] == error
+        assert (
+            _outcome(
+                lambda: sp.preprocess_kjt(
+                    kjt, tables, num_partitions, capacity, is_weighted=is_weighted, overflow=overflow
+                )
+            )[1]
+            == error
+        )
         return
     assert native is not None, "native declined a batch the reference accepts"
     assert_identical(native, reference)

@@ -77,7 +77,9 @@ def test_sgd_grad_matches_dense_gradient():
     table = torch.randn(12, 4, requires_grad=True)
     grad = torch.randn(8, 4)
     offsets = torch.ops.fbgemm.asynchronous_complete_cumsum(kjt.lengths()).long()
-    out = torch.nn.functional.embedding_bag(kjt.values(), table, offsets[:-1], mode="sum", per_sample_weights=kjt.weights())
+    out = torch.nn.functional.embedding_bag(
+        kjt.values(), table, offsets[:-1], mode="sum", per_sample_weights=kjt.weights()
+    )
     out.backward(grad)
     new = torch.ops.tpurec.sparse_dense_matmul_grad_with_sgd(*csr, grad, table.detach(), learning_rate=0.5)
     torch.testing.assert_close(new, table.detach() - 0.5 * table.grad, atol=1e-6, rtol=0)
@@ -96,8 +98,17 @@ def test_every_op_has_a_lowering_and_traces_with_fake_tensors():
         out = torch.ops.tpurec.sparse_dense_matmul(*fake, table, batch_size=8)
         assert out.shape == (8, 4)
         t, m1, m2 = torch.ops.tpurec.sparse_dense_matmul_grad_with_adam(
-            *fake, out, table, torch.empty(12, 4), torch.empty(12, 4),
-            learning_rate=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1.0,
+            *fake,
+            out,
+            table,
+            torch.empty(12, 4),
+            torch.empty(12, 4),
+            learning_rate=0.1,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            step=1.0,
         )
         assert t.shape == m1.shape == m2.shape == (12, 4)
 

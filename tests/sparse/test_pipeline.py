@@ -46,7 +46,9 @@ def make_model(device: str = "tpu") -> tuple[torch.nn.Module, torch.optim.Optimi
         over_arch_layer_sizes=[16, 1],
     )
     model = sparse.from_torchrec(
-        DLRMTrain(dlrm), optimizer=sparse.RowWiseAdagrad(learning_rate=0.05), capacities=sparse.Capacity(4 * BATCH * TABLES)
+        DLRMTrain(dlrm),
+        optimizer=sparse.RowWiseAdagrad(learning_rate=0.05),
+        capacities=sparse.Capacity(4 * BATCH * TABLES),
     ).to(device)
     optimizer = torch.optim.Adagrad([p for p in model.parameters() if p.requires_grad], lr=0.05)
     return model, optimizer
@@ -236,8 +238,24 @@ def test_bench_dlrm_cli_pipeline_breakdown_and_plots(tmp_path):
     out = _run_bench(
         # Two warm-up steps: a torch.compile'd model in fused mode traces on its first call, and the
         # fused window holding the compiled graph first compiles on the second.
-        ["dlrm", "--batch", "64", "--tables", "3", "--rows", "200", "--dim", "8", "--steps", "2", "--warmup", "2",
-         "--breakdown", "--plot", str(tmp_path / "plots")],
+        [
+            "dlrm",
+            "--batch",
+            "64",
+            "--tables",
+            "3",
+            "--rows",
+            "200",
+            "--dim",
+            "8",
+            "--steps",
+            "2",
+            "--warmup",
+            "2",
+            "--breakdown",
+            "--plot",
+            str(tmp_path / "plots"),
+        ],
         tmp_path,
     )
     for mode in ("fused", "compiled", "eager"):
@@ -246,8 +264,16 @@ def test_bench_dlrm_cli_pipeline_breakdown_and_plots(tmp_path):
         assert run["max_loss_difference"] < 1e-3  # same model, weights and batches as torchrec
     for side in ("torchrec_cpu", "tpurec_eager_synchronized"):
         phases = out["breakdown"][side]
-        assert set(phases) == {"read", "preprocess", "transfer", "sparse_forward", "dense_forward_backward",
-                               "sparse_update", "dense_optimizer", "total"}
+        assert set(phases) == {
+            "read",
+            "preprocess",
+            "transfer",
+            "sparse_forward",
+            "dense_forward_backward",
+            "sparse_update",
+            "dense_optimizer",
+            "total",
+        }
         assert all(v >= 0 for v in phases.values()) and phases["total"] > 0
     assert out["breakdown"]["tpurec_eager_synchronized"]["preprocess"] > 0
     for path in out["plots"]:
@@ -257,8 +283,26 @@ def test_bench_dlrm_cli_pipeline_breakdown_and_plots(tmp_path):
 @pytest.mark.slow
 def test_bench_embeddings_cli_sweep(tmp_path):
     out = _run_bench(
-        ["embeddings", "--dims", "8", "16", "--pooling", "1", "3", "--tables", "2", "--rows", "100", "--batch", "16",
-         "--iters", "1", "--skip-reference", "--plot", str(tmp_path / "plots")],
+        [
+            "embeddings",
+            "--dims",
+            "8",
+            "16",
+            "--pooling",
+            "1",
+            "3",
+            "--tables",
+            "2",
+            "--rows",
+            "100",
+            "--batch",
+            "16",
+            "--iters",
+            "1",
+            "--skip-reference",
+            "--plot",
+            str(tmp_path / "plots"),
+        ],
         tmp_path,
     )
     assert out["copy_bandwidth_gb_s"] > 0

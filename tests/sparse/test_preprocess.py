@@ -69,7 +69,9 @@ def test_weighted_gains_and_empty_batch():
     assert entries(csr, 1) == [(0, 5, 0, 0.75), (0, 6, 1, 2.0)]
     csr = sp.preprocess_kjt(kjt, tables, 1, sp.Capacity(8), is_weighted=False).stacks["a"]
     assert entries(csr, 1) == [(0, 5, 0, 2.0), (0, 6, 1, 1.0)]
-    empty = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.tensor([], dtype=torch.long), lengths=torch.tensor([0, 0]))
+    empty = KeyedJaggedTensor.from_lengths_sync(
+        keys=["f"], values=torch.tensor([], dtype=torch.long), lengths=torch.tensor([0, 0])
+    )
     csr = sp.preprocess_kjt(empty, tables, 2, sp.Capacity(8)).stacks["a"]
     assert list(csr.row_pointers) == [0, 8] and (csr.embedding_ids == sp.PAD_ID).all()
 
@@ -77,7 +79,9 @@ def test_weighted_gains_and_empty_batch():
 def test_overflow_error_and_drop():
     tables = [EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=100, feature_names=["f"])]
     kjt = KeyedJaggedTensor.from_lengths_sync(keys=["f"], values=torch.arange(0, 20, 2), lengths=torch.tensor([6, 4]))
-    with pytest.raises(sp.CapacityError, match=r"partition 0 of 2: the batch needs 10 ids \(10 unique\).*max_ids_per_partition=4"):
+    with pytest.raises(
+        sp.CapacityError, match=r"partition 0 of 2: the batch needs 10 ids \(10 unique\).*max_ids_per_partition=4"
+    ):
         sp.preprocess_kjt(kjt, tables, 2, sp.Capacity(4))
     batch = sp.preprocess_kjt(kjt, tables, 2, sp.Capacity(4), overflow="drop")
     assert batch.dropped == {"a": 6}
@@ -92,9 +96,7 @@ def test_suggest_capacities_fit_every_batch():
     batches = [random_kjt(tables, 5, rng, max_len=int(rng.integers(1, 6))) for _ in range(8)]
     caps = sp.suggest_capacities(batches, tables, num_partitions=3)
     assert set(caps) == {"t0__t1", "t2"}
-    observed = max(
-        int(sp.preprocess_kjt(b, tables, 3).stacks["t0__t1"].max_ids.max()) for b in batches
-    )
+    observed = max(int(sp.preprocess_kjt(b, tables, 3).stacks["t0__t1"].max_ids.max()) for b in batches)
     assert caps["t0__t1"].max_ids_per_partition == observed
     for b in batches:
         sp.preprocess_kjt(b, tables, 3, caps)  # no CapacityError

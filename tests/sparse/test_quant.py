@@ -40,7 +40,9 @@ def _tables(weighted_dims=(16, 8, 16)):
     d0, d1, d2 = weighted_dims
     return [
         EmbeddingBagConfig(name="t0", embedding_dim=d0, num_embeddings=40, feature_names=["f0", "f3"]),
-        EmbeddingBagConfig(name="t1", embedding_dim=d1, num_embeddings=30, feature_names=["f1"], pooling=PoolingType.MEAN),
+        EmbeddingBagConfig(
+            name="t1", embedding_dim=d1, num_embeddings=30, feature_names=["f1"], pooling=PoolingType.MEAN
+        ),
         EmbeddingBagConfig(name="t2", embedding_dim=d2, num_embeddings=20, feature_names=["f2"]),
     ]
 
@@ -165,7 +167,9 @@ def test_dlrm_with_quantized_embeddings_matches_torchrec(mode):
     ]
     model = DLRM(
         embedding_bag_collection=TorchrecEBC(tables),
-        dense_in_features=5, dense_arch_layer_sizes=[16, 8], over_arch_layer_sizes=[16, 1],
+        dense_in_features=5,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
     ).eval()
     reference = quantize_embeddings(model, dtype=torch.qint8, inplace=False)
     assert type(reference.sparse_arch.embedding_bag_collection) is TorchrecQuantEBC
@@ -187,13 +191,21 @@ def test_bad_batches_raise_the_float_collections_errors():
     tables = _tables()
     reference = _quantized(tables, torch.qint8)
     ours = sp.from_torchrec(reference, device="tpu")
-    floats = sp.EmbeddingBagCollection([dataclasses.replace(t, data_type=DataType.FP32) for t in reference.embedding_bag_configs()])
+    floats = sp.EmbeddingBagCollection(
+        [dataclasses.replace(t, data_type=DataType.FP32) for t in reference.embedding_bag_configs()]
+    )
     keys = ["f0", "f3", "f1", "f2"]
     lengths = torch.tensor([1, 0, 1, 0, 1, 0, 1, 0])
     out_of_range = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.tensor([3, 40, 2, 1]), lengths=lengths)
     negative = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.tensor([3, 1, -1, 1]), lengths=lengths)
-    unknown = KeyedJaggedTensor.from_lengths_sync(keys=keys[:3] + ["zz"], values=torch.tensor([3, 1, 2, 1]), lengths=lengths)
-    for kjt, words in ((out_of_range, "feature 'f3' has id 40 outside [0, 40) of table 't0'"), (negative, "id -1"), (unknown, "zz")):
+    unknown = KeyedJaggedTensor.from_lengths_sync(
+        keys=keys[:3] + ["zz"], values=torch.tensor([3, 1, 2, 1]), lengths=lengths
+    )
+    for kjt, words in (
+        (out_of_range, "feature 'f3' has id 40 outside [0, 40) of table 't0'"),
+        (negative, "id -1"),
+        (unknown, "zz"),
+    ):
         with pytest.raises(ValueError) as theirs:
             floats(kjt)
         with pytest.raises(ValueError) as mine:
@@ -232,7 +244,9 @@ def test_unsupported_quantized_collections_are_refused_by_name():
     assert type(fp16_table[0]) is TorchrecQuantEBC  # nothing was changed
     with pytest.raises(ValueError, match="data_type=FP32"):
         sp.QuantEmbeddingBagCollection(tables)
-    odd = [EmbeddingBagConfig(name="t", embedding_dim=6, num_embeddings=4, feature_names=["f"], data_type=DataType.INT2)]
+    odd = [
+        EmbeddingBagConfig(name="t", embedding_dim=6, num_embeddings=4, feature_names=["f"], data_type=DataType.INT2)
+    ]
     with pytest.raises(ValueError, match="multiple of 4"):
         sp.QuantEmbeddingBagCollection(odd)
 

@@ -86,11 +86,15 @@ def test_empty_batch_matches_torchrec_and_changes_no_row(device, optimizer):
     ref = TorchrecEBC(tables)
     ebc = sp.from_torchrec(ref, optimizer=optimizer, device=device, num_partitions=2)
     keys = [f for t in tables for f in t.feature_names]
-    empty = KeyedJaggedTensor(keys=keys, values=torch.zeros(0, dtype=torch.long), lengths=torch.zeros(0, dtype=torch.int32))
+    empty = KeyedJaggedTensor(
+        keys=keys, values=torch.zeros(0, dtype=torch.long), lengths=torch.zeros(0, dtype=torch.int32)
+    )
     before = _state(ebc)
     out = ebc(empty)
     theirs = ref(empty)
-    assert out.values().shape == theirs.values().shape == (0, sum(t.embedding_dim * len(t.feature_names) for t in tables))
+    assert (
+        out.values().shape == theirs.values().shape == (0, sum(t.embedding_dim * len(t.feature_names) for t in tables))
+    )
     assert out.keys() == theirs.keys() and out.length_per_key() == theirs.length_per_key()
     out.values().sum().backward()
     for a, b in zip(_state(ebc), before):
@@ -103,7 +107,9 @@ def test_empty_batch_matches_torchrec_and_changes_no_row(device, optimizer):
 def test_empty_batch_through_preprocess_kjt_has_empty_partitions():
     tables = make_tables()
     keys = [f for t in tables for f in t.feature_names]
-    empty = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.zeros(0, dtype=torch.long), lengths=torch.zeros(0, dtype=torch.long))
+    empty = KeyedJaggedTensor.from_lengths_sync(
+        keys=keys, values=torch.zeros(0, dtype=torch.long), lengths=torch.zeros(0, dtype=torch.long)
+    )
     batch = sp.preprocess_kjt(empty, tables, num_partitions=2, capacities=sp.Capacity(8))
     assert batch.batch_size == 0
     for csr in batch.stacks.values():
@@ -132,7 +138,9 @@ def test_bfloat16_weights_do_not_hide_the_real_error():
     kjt = random_kjt(tables, 2, np.random.default_rng(0), lengths=1)
     values = kjt.values().clone()
     values[0] = 1000
-    bad = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), values, kjt.lengths(), weights=torch.ones(values.numel(), dtype=torch.bfloat16))
+    bad = KeyedJaggedTensor.from_lengths_sync(
+        kjt.keys(), values, kjt.lengths(), weights=torch.ones(values.numel(), dtype=torch.bfloat16)
+    )
     with pytest.raises(ValueError, match=r"feature 'f0' has id 1000"):
         sp.preprocess_kjt(bad, tables, is_weighted=True)
 
@@ -140,7 +148,9 @@ def test_bfloat16_weights_do_not_hide_the_real_error():
 def test_integer_weights_are_rejected():
     tables = make_tables()
     kjt = random_kjt(tables, 2, np.random.default_rng(0), lengths=1)
-    bad = KeyedJaggedTensor.from_lengths_sync(kjt.keys(), kjt.values(), kjt.lengths(), weights=torch.ones(kjt.values().numel(), dtype=torch.int64))
+    bad = KeyedJaggedTensor.from_lengths_sync(
+        kjt.keys(), kjt.values(), kjt.lengths(), weights=torch.ones(kjt.values().numel(), dtype=torch.int64)
+    )
     with pytest.raises(ValueError, match=r"weights .* must be float16, bfloat16, float32 or float64"):
         sp.preprocess_kjt(bad, tables, is_weighted=True)
 
@@ -151,7 +161,9 @@ def test_integer_weights_are_rejected():
 def test_duplicate_keys_are_rejected_naming_the_key():
     tables = _two_feature_tables()
     ebc = sp.EmbeddingBagCollection(tables, optimizer=sp.Adagrad(0.1))
-    kjt = KeyedJaggedTensor(keys=["f0", "f1", "f0", "f2"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1]))
+    kjt = KeyedJaggedTensor(
+        keys=["f0", "f1", "f0", "f2"], values=torch.tensor([1, 2, 3, 4]), lengths=torch.tensor([1, 1, 1, 1])
+    )
     before = _state(ebc)
     with pytest.raises(ValueError, match=r"feature 'f0' appears more than once"):
         ebc(kjt)
@@ -162,9 +174,17 @@ def test_duplicate_keys_are_rejected_naming_the_key():
 def test_stray_weights_of_the_wrong_length_are_rejected(n_weights):
     tables = _two_feature_tables()
     ebc = sp.EmbeddingBagCollection(tables, optimizer=sp.Adagrad(0.1))  # unweighted
-    kjt = KeyedJaggedTensor(keys=["f0", "f1", "f2"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([1, 1, 1]), weights=torch.ones(n_weights))
+    kjt = KeyedJaggedTensor(
+        keys=["f0", "f1", "f2"],
+        values=torch.tensor([1, 2, 3]),
+        lengths=torch.tensor([1, 1, 1]),
+        weights=torch.ones(n_weights),
+    )
     before = _state(ebc)
-    with pytest.raises(ValueError, match=rf"weights has {n_weights} entries but values has 3 ids \(first feature without matching weights: 'f2'\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"weights has {n_weights} entries but values has 3 ids \(first feature without matching weights: 'f2'\)",
+    ):
         ebc(kjt)
     _assert_unchanged(ebc, before, [0])
     with pytest.raises(Exception):  # torchrec refuses it too (with a split_with_sizes RuntimeError)
@@ -186,7 +206,9 @@ def test_duplicate_ids_with_huge_weights_stay_finite_like_torchrec():
     ref = TorchrecEBC(tables, is_weighted=True)
     ebc = sp.from_torchrec(ref, optimizer=sp.SGD(), num_partitions=2)
     kjt = KeyedJaggedTensor(
-        keys=["f0", "f1"], values=torch.tensor([3, 3, 3, 1, 2]), lengths=torch.tensor([3, 0, 1, 1]),
+        keys=["f0", "f1"],
+        values=torch.tensor([3, 3, 3, 1, 2]),
+        lengths=torch.tensor([3, 0, 1, 1]),
         weights=torch.tensor([3e38, 3e38, -2e38, 1.0, 0.5]),
     )
     theirs = ref(kjt).values()
@@ -220,20 +242,111 @@ def _bad_calls():
     rp, ids, samples, gains = csr
     fwd = "sparse_dense_matmul"
     calls = [
-        ("int64 ids", fwd, [rp, ids.long() + 2**32, samples, gains, table], {"batch_size": 3}, TypeError, r"embedding_ids must be int32, got int64"),
-        ("float ids", fwd, [rp, ids.float(), samples, gains, table], {"batch_size": 3}, TypeError, r"embedding_ids must be int32, got float32"),
-        ("int64 row pointers", fwd, [rp.long(), ids, samples, gains, table], {"batch_size": 3}, TypeError, r"row_pointers must be int32"),
-        ("float64 gains", fwd, [rp, ids, samples, gains.double(), table], {"batch_size": 3}, TypeError, r"gains must be float32"),
-        ("int table", fwd, [rp, ids, samples, gains, table.long()], {"batch_size": 3}, TypeError, r"table must be a floating point tensor"),
-        ("2-D ids", fwd, [rp, ids.view(2, -1), samples, gains, table], {"batch_size": 3}, ValueError, r"embedding_ids must be 1-D"),
-        ("ids not a multiple of partitions", fwd, [torch.tensor([2, 8, 10], dtype=torch.int32), ids, samples, gains, table], {"batch_size": 3}, ValueError, r"embedding_ids has 16 entries, not a multiple of the 3 partitions"),
-        ("short samples", fwd, [rp, ids, samples[:-1], gains, table], {"batch_size": 3}, ValueError, r"sample_ids has 15 entries, embedding_ids has 16"),
+        (
+            "int64 ids",
+            fwd,
+            [rp, ids.long() + 2**32, samples, gains, table],
+            {"batch_size": 3},
+            TypeError,
+            r"embedding_ids must be int32, got int64",
+        ),
+        (
+            "float ids",
+            fwd,
+            [rp, ids.float(), samples, gains, table],
+            {"batch_size": 3},
+            TypeError,
+            r"embedding_ids must be int32, got float32",
+        ),
+        (
+            "int64 row pointers",
+            fwd,
+            [rp.long(), ids, samples, gains, table],
+            {"batch_size": 3},
+            TypeError,
+            r"row_pointers must be int32",
+        ),
+        (
+            "float64 gains",
+            fwd,
+            [rp, ids, samples, gains.double(), table],
+            {"batch_size": 3},
+            TypeError,
+            r"gains must be float32",
+        ),
+        (
+            "int table",
+            fwd,
+            [rp, ids, samples, gains, table.long()],
+            {"batch_size": 3},
+            TypeError,
+            r"table must be a floating point tensor",
+        ),
+        (
+            "2-D ids",
+            fwd,
+            [rp, ids.view(2, -1), samples, gains, table],
+            {"batch_size": 3},
+            ValueError,
+            r"embedding_ids must be 1-D",
+        ),
+        (
+            "ids not a multiple of partitions",
+            fwd,
+            [torch.tensor([2, 8, 10], dtype=torch.int32), ids, samples, gains, table],
+            {"batch_size": 3},
+            ValueError,
+            r"embedding_ids has 16 entries, not a multiple of the 3 partitions",
+        ),
+        (
+            "short samples",
+            fwd,
+            [rp, ids, samples[:-1], gains, table],
+            {"batch_size": 3},
+            ValueError,
+            r"sample_ids has 15 entries, embedding_ids has 16",
+        ),
         ("1-D table", fwd, [rp, ids, samples, gains, table[:, 0]], {"batch_size": 3}, ValueError, r"table must be 2-D"),
-        ("negative batch", fwd, [rp, ids, samples, gains, table], {"batch_size": -1}, ValueError, r"batch_size must be >= 0"),
-        ("grad of the wrong dim", "sparse_dense_matmul_grad_with_sgd", [*csr, grad[:, :3], table], {"learning_rate": 0.1}, ValueError, r"grad_output must be \[batch, 4\]"),
-        ("adagrad slot shape", "sparse_dense_matmul_grad_with_adagrad", [*csr, grad, table, torch.zeros(6)], {"learning_rate": 0.1, "eps": 1e-8}, ValueError, r"accumulator must have the table's shape \(6, 4\)"),
-        ("rowwise slot shape", "sparse_dense_matmul_grad_with_rowwise_adagrad", [*csr, grad, table, torch.zeros(6, 4)], {"learning_rate": 0.1, "eps": 1e-8, "weight_decay": 0.0}, ValueError, r"accumulator must be \[rows\]"),
-        ("adam slot shape", "sparse_dense_matmul_grad_with_adam", [*csr, grad, table, torch.zeros(6, 4), torch.zeros(5, 4)], {"learning_rate": 0.1, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.0, "step": 1.0}, ValueError, r"momentum2 must have the table's shape"),
+        (
+            "negative batch",
+            fwd,
+            [rp, ids, samples, gains, table],
+            {"batch_size": -1},
+            ValueError,
+            r"batch_size must be >= 0",
+        ),
+        (
+            "grad of the wrong dim",
+            "sparse_dense_matmul_grad_with_sgd",
+            [*csr, grad[:, :3], table],
+            {"learning_rate": 0.1},
+            ValueError,
+            r"grad_output must be \[batch, 4\]",
+        ),
+        (
+            "adagrad slot shape",
+            "sparse_dense_matmul_grad_with_adagrad",
+            [*csr, grad, table, torch.zeros(6)],
+            {"learning_rate": 0.1, "eps": 1e-8},
+            ValueError,
+            r"accumulator must have the table's shape \(6, 4\)",
+        ),
+        (
+            "rowwise slot shape",
+            "sparse_dense_matmul_grad_with_rowwise_adagrad",
+            [*csr, grad, table, torch.zeros(6, 4)],
+            {"learning_rate": 0.1, "eps": 1e-8, "weight_decay": 0.0},
+            ValueError,
+            r"accumulator must be \[rows\]",
+        ),
+        (
+            "adam slot shape",
+            "sparse_dense_matmul_grad_with_adam",
+            [*csr, grad, table, torch.zeros(6, 4), torch.zeros(5, 4)],
+            {"learning_rate": 0.1, "beta1": 0.9, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.0, "step": 1.0},
+            ValueError,
+            r"momentum2 must have the table's shape",
+        ),
     ]
     return calls
 
@@ -364,12 +477,16 @@ def test_loading_tables_without_the_optimizer_state_warns():
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        sp.EmbeddingBagCollection(tables, optimizer=sp.SGD(0.1)).load_state_dict(trained.state_dict())  # SGD has no state
+        sp.EmbeddingBagCollection(tables, optimizer=sp.SGD(0.1)).load_state_dict(
+            trained.state_dict()
+        )  # SGD has no state
         sp.EmbeddingBagCollection(tables).load_state_dict(trained.state_dict())  # inference
 
 
 def _dlrm_model(tables, optimizer, device, seed):
-    model = sp.from_torchrec(_torchrec_dlrm(tables, seed), optimizer=optimizer, capacities=sp.Capacity(64), num_partitions=2)
+    model = sp.from_torchrec(
+        _torchrec_dlrm(tables, seed), optimizer=optimizer, capacities=sp.Capacity(64), num_partitions=2
+    )
     model = model.to(device)
     return model, torch.optim.Adam(model.parameters(), lr=0.01)
 

@@ -106,7 +106,9 @@ def _dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for name, p in model.named_parameters() if not name.startswith("ec.")]
 
 
-def _train_step(model: nn.Module, optimizer: torch.optim.Optimizer, kjt: KeyedJaggedTensor, labels: torch.Tensor) -> float:
+def _train_step(
+    model: nn.Module, optimizer: torch.optim.Optimizer, kjt: KeyedJaggedTensor, labels: torch.Tensor
+) -> float:
     optimizer.zero_grad()
     logits = model(kjt)
     loss = nn.functional.binary_cross_entropy_with_logits(logits, labels.to(logits.device))

@@ -44,7 +44,11 @@ LR = 0.05
 # (tpurec config, FBGEMM optimizer type and its kwargs)
 OPTIMIZERS = {
     "sgd": (lambda: sp.SGD(learning_rate=LR), EmbOptimType.EXACT_SGD, {"learning_rate": LR}),
-    "adagrad": (lambda: sp.Adagrad(learning_rate=LR, eps=1e-8), EmbOptimType.EXACT_ADAGRAD, {"learning_rate": LR, "eps": 1e-8}),
+    "adagrad": (
+        lambda: sp.Adagrad(learning_rate=LR, eps=1e-8),
+        EmbOptimType.EXACT_ADAGRAD,
+        {"learning_rate": LR, "eps": 1e-8},
+    ),
     "rowwise-adagrad": (
         lambda: sp.RowWiseAdagrad(learning_rate=LR, eps=1e-8),
         EmbOptimType.EXACT_ROWWISE_ADAGRAD,
@@ -59,7 +63,9 @@ def _tables(data_type: DataType) -> list[EmbeddingBagConfig]:
     # Two dims (two stacks), a table with two features, and an FP32 table next to the
     # low-precision ones: stacks must not mix dtypes.
     return [
-        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=13, feature_names=["f0", "f1"], data_type=data_type),
+        EmbeddingBagConfig(
+            name="t0", embedding_dim=4, num_embeddings=13, feature_names=["f0", "f1"], data_type=data_type
+        ),
         EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=7, feature_names=["f2"], data_type=data_type),
         EmbeddingBagConfig(name="t2", embedding_dim=4, num_embeddings=5, feature_names=["f3"], data_type=DataType.FP32),
     ]
@@ -67,10 +73,7 @@ def _tables(data_type: DataType) -> list[EmbeddingBagConfig]:
 
 def _initial_weights(tables, dtype_of) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {
-        t.name: (torch.rand(t.num_embeddings, t.embedding_dim, generator=g) - 0.5).to(dtype_of(t))
-        for t in tables
-    }
+    return {t.name: (torch.rand(t.num_embeddings, t.embedding_dim, generator=g) - 0.5).to(dtype_of(t)) for t in tables}
 
 
 def _batches(tables, weighted: bool = False) -> list[KeyedJaggedTensor]:
@@ -115,15 +118,19 @@ def _torchrec_fp16_run(name: str, output_dtype: torch.dtype = torch.float32, wei
     # stochastic_rounding=True is TorchRec's default; FBGEMM's CPU kernels ignore it.
     sharder = EmbeddingBagCollectionSharder(
         fused_params={
-            "optimizer": optim_type, **optim_kwargs, "stochastic_rounding": True,
+            "optimizer": optim_type,
+            **optim_kwargs,
+            "stochastic_rounding": True,
             "output_dtype": {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16}[output_dtype],
         }
     )
     constraints = {t.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value]) for t in tables}
-    plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints).plan(
-        ebc, [sharder]
+    plan = EmbeddingShardingPlanner(
+        topology=Topology(world_size=1, compute_device="cpu"), constraints=constraints
+    ).plan(ebc, [sharder])
+    model = DistributedModelParallel(
+        ebc, device=torch.device("cpu"), plan=plan, sharders=[sharder], init_data_parallel=False
     )
-    model = DistributedModelParallel(ebc, device=torch.device("cpu"), plan=plan, sharders=[sharder], init_data_parallel=False)
     state = model.state_dict()
     start = _initial_weights(tables, lambda t: state[f"embedding_bags.{t.name}.weight"].local_tensor().dtype)
     with torch.no_grad():
@@ -151,7 +158,9 @@ def _torchrec_fp16_run(name: str, output_dtype: torch.dtype = torch.float32, wei
     return _TORCHREC_RUNS[key]
 
 
-def _fbgemm_cpu_steps(tables, name: str, start: dict[str, torch.Tensor], output_dtype: torch.dtype = torch.float32) -> dict:
+def _fbgemm_cpu_steps(
+    tables, name: str, start: dict[str, torch.Tensor], output_dtype: torch.dtype = torch.float32
+) -> dict:
     """FBGEMM's CPU TBE training written out in torch (the BF16 reference; see the module doc).
 
     Forward: rows widened to float32 and summed, rounded to ``output_dtype``. Backward: per touched row
@@ -162,10 +171,18 @@ def _fbgemm_cpu_steps(tables, name: str, start: dict[str, torch.Tensor], output_
     expression, rounded once. Momenta are float32.
     """
     weights = {k: v.clone() for k, v in start.items()}
-    slots = {
-        t.name: {"momentum1": torch.zeros(t.num_embeddings) if name == "rowwise-adagrad" else torch.zeros(t.num_embeddings, t.embedding_dim)}
-        for t in tables
-    } if name != "sgd" else {t.name: {} for t in tables}
+    slots = (
+        {
+            t.name: {
+                "momentum1": torch.zeros(t.num_embeddings)
+                if name == "rowwise-adagrad"
+                else torch.zeros(t.num_embeddings, t.embedding_dim)
+            }
+            for t in tables
+        }
+        if name != "sgd"
+        else {t.name: {} for t in tables}
+    )
     outputs = []
     for kjt in _batches(tables):
         per_feature = kjt.to_dict()
@@ -216,7 +233,9 @@ def _train_tpurec(
     opt = ebc.optimizer_state_dict()["state"]
     return {
         "weights": {t.name: state[f"embedding_bags.{t.name}.weight"].detach().cpu() for t in tables},
-        "slots": {t.name: {s: v.detach().cpu() for s, v in opt[f"embedding_bags.{t.name}.weight"].items()} for t in tables},
+        "slots": {
+            t.name: {s: v.detach().cpu() for s, v in opt[f"embedding_bags.{t.name}.weight"].items()} for t in tables
+        },
         "outputs": outputs,
     }
 
@@ -234,7 +253,9 @@ def _assert_same_run(ours: dict, theirs: dict, tables, exact_outputs: bool = Tru
             width = t.embedding_dim * len(t.feature_names)
             tolerance = _tolerance(t) if exact_outputs else {"atol": 1e-6, "rtol": 1e-5}
             torch.testing.assert_close(
-                a[:, column : column + width], b[:, column : column + width], **tolerance,
+                a[:, column : column + width],
+                b[:, column : column + width],
+                **tolerance,
                 msg=f"output of table {t.name} at step {step}",
             )
             column += width
@@ -246,7 +267,9 @@ def _assert_same_run(ours: dict, theirs: dict, tables, exact_outputs: bool = Tru
             mine = ours["slots"][t.name][slot]
             assert mine.dtype == torch.float32, (t.name, slot)
             # float32 state: the row's gradient sums its bags in another order than FBGEMM.
-            torch.testing.assert_close(mine.reshape(value.shape), value, atol=1e-6, rtol=1e-5, msg=f"{slot} of {t.name}")
+            torch.testing.assert_close(
+                mine.reshape(value.shape), value, atol=1e-6, rtol=1e-5, msg=f"{slot} of {t.name}"
+            )
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -316,7 +339,9 @@ def test_cpu_tables_update_in_place_with_the_same_rounding(data_type):
     low = torch.float16 if data_type == DataType.FP16 else torch.bfloat16
     start = _initial_weights(tables, lambda t: torch.float32 if t.data_type == DataType.FP32 else low)
     for name in OPTIMIZERS:
-        _assert_same_run(_train_tpurec(tables, name, start, "cpu", "eager"), _fbgemm_cpu_steps(tables, name, start), tables)
+        _assert_same_run(
+            _train_tpurec(tables, name, start, "cpu", "eager"), _fbgemm_cpu_steps(tables, name, start), tables
+        )
 
 
 @pytest.mark.parametrize("data_type", [DataType.FP16, DataType.BF16], ids=["fp16", "bf16"])
@@ -341,7 +366,9 @@ def test_adam_on_low_precision_tables_is_refused():
 
 @pytest.mark.parametrize("data_type", [DataType.INT8, DataType.INT4, DataType.NFP8])
 def test_quantized_tables_are_refused_naming_the_table(data_type):
-    tables = [EmbeddingBagConfig(name="q0", embedding_dim=4, num_embeddings=10, feature_names=["f0"], data_type=data_type)]
+    tables = [
+        EmbeddingBagConfig(name="q0", embedding_dim=4, num_embeddings=10, feature_names=["f0"], data_type=data_type)
+    ]
     with pytest.raises(ValueError, match=f"table 'q0' has data_type={data_type.name}"):
         sp.EmbeddingBagCollection(tables, optimizer=sp.SGD(0.1))
 
@@ -383,7 +410,10 @@ def test_sharding_low_precision_tables_raises_at_shard_time():
         meta, {t.name: table_wise(rank=0) for t in tables}, local_size=8, world_size=8, device_type="cpu"
     )
     before = {k: v.cpu().clone() for k, v in ebc.state_dict().items()}
-    with pytest.raises(NotImplementedError, match=r"sharding FP16/BF16 tables is not supported yet \(tables \['t0 \(FP16\)', 't1 \(FP16\)'\]\)"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"sharding FP16/BF16 tables is not supported yet \(tables \['t0 \(FP16\)', 't1 \(FP16\)'\]\)",
+    ):
         tpurec.shard(ebc, plan)
     for key, value in ebc.state_dict().items():
         assert torch.equal(value.cpu(), before[key]), key
@@ -416,7 +446,9 @@ def test_export_of_low_precision_collections_is_refused(low):
     tables = _tables(DataType.FP16 if low else DataType.FP32)
     ebc = sp.EmbeddingBagCollection(tables, device="tpu", output_dtype=torch.float32 if low else torch.float16).eval()
     kjt = _batches(tables)[0]
-    with pytest.raises(NotImplementedError, match="FP16/BF16 tables \\['t0', 't1'\\]" if low else "output_dtype=torch.float16"):
+    with pytest.raises(
+        NotImplementedError, match="FP16/BF16 tables \\['t0', 't1'\\]" if low else "output_dtype=torch.float16"
+    ):
         torch.export.export(ebc, (kjt,))
 
 
@@ -439,13 +471,27 @@ def test_ops_pool_half_tables_into_float32_and_refuse_adam(dtype):
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, expected, atol=0, rtol=0)
     with FakeTensorMode() as mode:
-        fake = torch.ops.tpurec.sparse_dense_matmul(*[mode.from_tensor(t) for t in csr], mode.from_tensor(table), batch_size=3)
+        fake = torch.ops.tpurec.sparse_dense_matmul(
+            *[mode.from_tensor(t) for t in csr], mode.from_tensor(table), batch_size=3
+        )
         assert fake.dtype == torch.float32
     # SparseCore primitives and native kernels hold float32 rows: half tables take the reference kernel.
-    assert kernel_for("sparse_dense_matmul", "tpu", jnp.dtype(str(dtype).removeprefix("torch."))) is reference.sparse_dense_matmul
+    assert (
+        kernel_for("sparse_dense_matmul", "tpu", jnp.dtype(str(dtype).removeprefix("torch.")))
+        is reference.sparse_dense_matmul
+    )
     assert kernel_for("sparse_dense_matmul", "tpu", jnp.float32) is tpu.sparse_dense_matmul
     with pytest.raises(TypeError, match="table has no FBGEMM CPU Adam"):
         torch.ops.tpurec.sparse_dense_matmul_grad_with_adam(
-            *csr, out, table, torch.zeros(12, 4), torch.zeros(12, 4),
-            learning_rate=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1.0,
+            *csr,
+            out,
+            table,
+            torch.zeros(12, 4),
+            torch.zeros(12, 4),
+            learning_rate=0.1,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            step=1.0,
         )

@@ -125,7 +125,9 @@ def test_half_precision_torchrec_tables_are_refused_not_widened(data_type):
     # tpurec's own FP16/BF16 tables train as FBGEMM does (tests/sparse/test_table_dtypes.py);
     # TorchRec's unsharded module trains them differently (float16 nn.EmbeddingBag), so
     # converting it raises instead of changing its numbers.
-    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"], data_type=data_type)]
+    tables = [
+        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"], data_type=data_type)
+    ]
     with pytest.raises(ValueError, match=f"table 't0' has data_type={data_type.name}"):
         sp.from_torchrec(TorchrecEBC(tables), device="tpu")
 
@@ -174,7 +176,11 @@ def test_position_weighted_feature_processor_trains_as_torchrec(mode):
 def test_position_weights_with_mean_pooling_raise():
     from torchrec.modules.embedding_configs import PoolingType
 
-    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"], pooling=PoolingType.MEAN)]
+    tables = [
+        EmbeddingBagConfig(
+            name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"], pooling=PoolingType.MEAN
+        )
+    ]
     ebc = sp.EmbeddingBagCollection(tables, is_weighted=True, optimizer=sp.SGD(0.1), device="tpu")
     weights = torch.ones(3, requires_grad=True)
     kjt = KeyedJaggedTensor.from_lengths_sync(["f0"], torch.tensor([1, 2, 3]), torch.tensor([2, 1]), weights=weights)
@@ -189,7 +195,9 @@ def _fused_embedding_collection():
 
     tables = [EmbeddingConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"])]
     # TorchRec builds it on CUDA or meta only.
-    return FusedEmbeddingCollection(tables, optimizer_type=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, device=torch.device("meta"))
+    return FusedEmbeddingCollection(
+        tables, optimizer_type=torch.optim.SGD, optimizer_kwargs={"lr": 0.1}, device=torch.device("meta")
+    )
 
 
 def _quantized_ebc_with_int8_output():
@@ -208,7 +216,10 @@ def _quantized_ebc_with_int8_output():
 @pytest.mark.parametrize(
     "build, name",
     [
-        (lambda: torch.nn.ModuleDict({"seq": _fused_embedding_collection()}), r"model\.seq \(.*FusedEmbeddingCollection\)"),
+        (
+            lambda: torch.nn.ModuleDict({"seq": _fused_embedding_collection()}),
+            r"model\.seq \(.*FusedEmbeddingCollection\)",
+        ),
         (_quantized_ebc_with_int8_output, r"model\.0 \(torchrec\.quant\.embedding_modules\.EmbeddingBagCollection\)"),
     ],
     ids=["fused-embedding-collection", "quantized-int8-output"],

@@ -12,11 +12,15 @@ import tpurec
 from helpers import make_tables, random_kjt
 
 
-@pytest.mark.parametrize("optimizer", [sp.SGD(0.1), sp.RowWiseAdagrad(0.1), sp.Adam(0.1)], ids=lambda o: type(o).__name__)
+@pytest.mark.parametrize(
+    "optimizer", [sp.SGD(0.1), sp.RowWiseAdagrad(0.1), sp.Adam(0.1)], ids=lambda o: type(o).__name__
+)
 def test_module_on_tpu_matches_cpu(optimizer):
     tables = make_tables()
     cpu = sp.EmbeddingBagCollection(tables, optimizer=optimizer, num_partitions=2, capacities=sp.Capacity(32))
-    tpu = sp.EmbeddingBagCollection(tables, optimizer=optimizer, num_partitions=2, capacities=sp.Capacity(32), device="tpu")
+    tpu = sp.EmbeddingBagCollection(
+        tables, optimizer=optimizer, num_partitions=2, capacities=sp.Capacity(32), device="tpu"
+    )
     tpu.load_state_dict(cpu.state_dict())
     assert tpu.device.type == "tpu" and tpu.stacked_weight(0).device.type == "tpu"
     rng = np.random.default_rng(0)
@@ -35,7 +39,9 @@ def test_module_on_tpu_matches_cpu(optimizer):
 @pytest.mark.parametrize("mode", ["eager", "fused"])
 def test_thirty_batches_of_varying_lengths_compile_nothing_after_the_first(mode):
     tables = make_tables()
-    ebc = sp.EmbeddingBagCollection(tables, optimizer=sp.Adagrad(0.05), num_partitions=2, capacities=sp.Capacity(64), device="tpu")
+    ebc = sp.EmbeddingBagCollection(
+        tables, optimizer=sp.Adagrad(0.05), num_partitions=2, capacities=sp.Capacity(64), device="tpu"
+    )
     rng = np.random.default_rng(1)
     with tpurec.mode(mode):
         for step in range(31):

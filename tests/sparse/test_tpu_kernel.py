@@ -46,8 +46,10 @@ def _batch(rng, batch_size, rows=ROWS, max_len=5, weighted=True):
 def _ours(lens, ids, ws, num_partitions, cap, rows=ROWS, dim=DIM, pooling=PoolingType.SUM):
     table = EmbeddingBagConfig(name="t", embedding_dim=dim, num_embeddings=rows, feature_names=["f"], pooling=pooling)
     kjt = KeyedJaggedTensor.from_lengths_sync(
-        keys=["f"], values=torch.from_numpy(np.concatenate(ids).astype(np.int64)),
-        lengths=torch.from_numpy(lens), weights=torch.from_numpy(np.concatenate(ws)),
+        keys=["f"],
+        values=torch.from_numpy(np.concatenate(ids).astype(np.int64)),
+        lengths=torch.from_numpy(lens),
+        weights=torch.from_numpy(np.concatenate(ws)),
     )
     csr = sp.preprocess_kjt(kjt, [table], num_partitions=num_partitions, capacities=sp.Capacity(cap)).stacks["t"]
     return tuple(jnp.asarray(a) for a in csr.arrays())
@@ -56,17 +58,27 @@ def _ours(lens, ids, ws, num_partitions, cap, rows=ROWS, dim=DIM, pooling=Poolin
 def _theirs(lens, ids, ws, num_sc, cap):
     B = len(lens)
     spec = embedding_spec.TableSpec(
-        name="t", vocabulary_size=ROWS, embedding_dim=DIM, initializer=lambda *a, **k: None,
-        optimizer=embedding_spec.SGDOptimizerSpec(), combiner="sum",
-        max_ids_per_partition=cap, max_unique_ids_per_partition=cap,
+        name="t",
+        vocabulary_size=ROWS,
+        embedding_dim=DIM,
+        initializer=lambda *a, **k: None,
+        optimizer=embedding_spec.SGDOptimizerSpec(),
+        combiner="sum",
+        max_ids_per_partition=cap,
+        max_unique_ids_per_partition=cap,
     )
     specs = {"f": embedding_spec.FeatureSpec(name="f", table_spec=spec, input_shape=[B, 1], output_shape=[B, DIM])}
     feats, weights = np.empty(B, dtype=object), np.empty(B, dtype=object)
     for b in range(B):
         feats[b], weights[b] = ids[b], ws[b]
     jte.prepare_feature_specs_for_training(specs, global_device_count=1, num_sc_per_device=num_sc)
-    out, _ = jte.preprocess_sparse_dense_matmul_input({"f": feats}, {"f": weights}, specs, 1, 1, num_sc_per_device=num_sc)
-    return tuple(np.asarray(getattr(out, k)["t"]) for k in ("lhs_row_pointers", "lhs_embedding_ids", "lhs_sample_ids", "lhs_gains"))
+    out, _ = jte.preprocess_sparse_dense_matmul_input(
+        {"f": feats}, {"f": weights}, specs, 1, 1, num_sc_per_device=num_sc
+    )
+    return tuple(
+        np.asarray(getattr(out, k)["t"])
+        for k in ("lhs_row_pointers", "lhs_embedding_ids", "lhs_sample_ids", "lhs_gains")
+    )
 
 
 @pytest.mark.parametrize("num_sc", [2, 4])
@@ -170,14 +182,28 @@ def test_sparsecore_model_matches_reference(num_partitions, num_sc, dim):
     b1, b2, step = 0.9, 0.99, 3.0
     cases = [
         (_sgd_row, [table], [0.1], reference.sparse_dense_matmul_grad_with_sgd(*csr, grad, table, learning_rate=0.1)),
-        (tpu._adagrad_row, [table, acc], [0.1, 1e-3],
-         reference.sparse_dense_matmul_grad_with_adagrad(*csr, grad, table, acc, learning_rate=0.1, eps=1e-3)),
-        (tpu._rowwise_adagrad_row(dim), [table, jnp.broadcast_to(acc_rows[:, None], table.shape)], [0.1, 1e-3, 0.01],
-         reference.sparse_dense_matmul_grad_with_rowwise_adagrad(
-             *csr, grad, table, acc_rows, learning_rate=0.1, eps=1e-3, weight_decay=0.01)),
-        (tpu._adam_row, [table, m1, m2], [0.1, b1, b2, 1e-3, 0.01, 1 / (1 - b1**step), 1 / (1 - b2**step)],
-         reference.sparse_dense_matmul_grad_with_adam(
-             *csr, grad, table, m1, m2, learning_rate=0.1, beta1=b1, beta2=b2, eps=1e-3, weight_decay=0.01, step=step)),
+        (
+            tpu._adagrad_row,
+            [table, acc],
+            [0.1, 1e-3],
+            reference.sparse_dense_matmul_grad_with_adagrad(*csr, grad, table, acc, learning_rate=0.1, eps=1e-3),
+        ),
+        (
+            tpu._rowwise_adagrad_row(dim),
+            [table, jnp.broadcast_to(acc_rows[:, None], table.shape)],
+            [0.1, 1e-3, 0.01],
+            reference.sparse_dense_matmul_grad_with_rowwise_adagrad(
+                *csr, grad, table, acc_rows, learning_rate=0.1, eps=1e-3, weight_decay=0.01
+            ),
+        ),
+        (
+            tpu._adam_row,
+            [table, m1, m2],
+            [0.1, b1, b2, 1e-3, 0.01, 1 / (1 - b1**step), 1 / (1 - b2**step)],
+            reference.sparse_dense_matmul_grad_with_adam(
+                *csr, grad, table, m1, m2, learning_rate=0.1, beta1=b1, beta2=b2, eps=1e-3, weight_decay=0.01, step=step
+            ),
+        ),
     ]
     for update, variables, hps, expected in cases:
         got = _model_grad(sc, grad_sc, [lay(x) for x in variables], hps, update, num_sc)
@@ -216,7 +242,13 @@ def _custom_calls(text, target):
 
 
 def _config(line):
-    return {k: int(v) for k, v in re.findall(r'\\22(max_ids_per_partition|max_unique_ids_per_partition|num_slot_variables|num_hyperparameters)\\22: (\d+)', line)}
+    return {
+        k: int(v)
+        for k, v in re.findall(
+            r"\\22(max_ids_per_partition|max_unique_ids_per_partition|num_slot_variables|num_hyperparameters)\\22: (\d+)",
+            line,
+        )
+    }
 
 
 def test_export_forward():
@@ -231,9 +263,16 @@ def test_export_forward():
 _GRAD_CASES = {
     "sgd": (tpu.sparse_dense_matmul_grad_with_sgd, 0, dict(learning_rate=0.1)),
     "adagrad": (tpu.sparse_dense_matmul_grad_with_adagrad, 1, dict(learning_rate=0.1, eps=1e-8)),
-    "rowwise_adagrad": (tpu.sparse_dense_matmul_grad_with_rowwise_adagrad, 1, dict(learning_rate=0.1, eps=1e-8, weight_decay=0.0)),
-    "adam": (tpu.sparse_dense_matmul_grad_with_adam, 2,
-             dict(learning_rate=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1.0)),
+    "rowwise_adagrad": (
+        tpu.sparse_dense_matmul_grad_with_rowwise_adagrad,
+        1,
+        dict(learning_rate=0.1, eps=1e-8, weight_decay=0.0),
+    ),
+    "adam": (
+        tpu.sparse_dense_matmul_grad_with_adam,
+        2,
+        dict(learning_rate=0.1, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, step=1.0),
+    ),
 }
 
 
@@ -245,8 +284,19 @@ def test_export_grad(name):
 
     def fn(rp, i, s, g, grad, table, *slots_and_hps):
         slots, hp = slots_and_hps[:num_slots], slots_and_hps[num_slots:]
-        return kernel(rp, i, s, g, grad, table, *slots, **dict(zip(hps, hp)), num_sc_per_device=S,
-                      max_ids_per_partition=20, max_unique_ids_per_partition=12)
+        return kernel(
+            rp,
+            i,
+            s,
+            g,
+            grad,
+            table,
+            *slots,
+            **dict(zip(hps, hp)),
+            num_sc_per_device=S,
+            max_ids_per_partition=20,
+            max_unique_ids_per_partition=12,
+        )
 
     hp_structs = _structs(*[((), jnp.float32)] * len(hps))  # traced hyperparameters
     text = _export(fn, *CSR, *_structs(((B, DIM), jnp.float32), ((ROWS, DIM), jnp.float32)), *slots, *hp_structs)
@@ -256,8 +306,10 @@ def test_export_grad(name):
     scalars = ", ".join(["tensor<f32>"] * n_hp)
     assert f"({CSR_TYPES}, tensor<{B}x{DIM}xf32>, {variables}, {scalars}) -> tuple<{variables}>" in call
     assert _config(call) == {
-        "max_ids_per_partition": 20, "max_unique_ids_per_partition": 12,
-        "num_slot_variables": num_slots, "num_hyperparameters": n_hp,
+        "max_ids_per_partition": 20,
+        "max_unique_ids_per_partition": 12,
+        "num_slot_variables": num_slots,
+        "num_hyperparameters": n_hp,
     }
     # The per-row optimizer computation is a private function of [1, dim] rows.
     symbol = re.search(r"called_computations = \[@([\w\"-]+)\]", call).group(1).strip('"')
@@ -266,7 +318,9 @@ def test_export_grad(name):
 
 
 def _strip_locations(text):
-    return "\n".join(re.sub(r"\s*loc\(.*?\)+$|loc\(#loc\d*\)", "", line) for line in text.splitlines() if not line.startswith("#loc"))
+    return "\n".join(
+        re.sub(r"\s*loc\(.*?\)+$|loc\(#loc\d*\)", "", line) for line in text.splitlines() if not line.startswith("#loc")
+    )
 
 
 def test_lowering_is_static():
@@ -282,7 +336,8 @@ def test_lowering_is_static():
         def step(rp, i, s, g, table, acc):
             out = tpu.sparse_dense_matmul(rp, i, s, g, table, batch_size=B, num_sc_per_device=S)
             return tpu.sparse_dense_matmul_grad_with_adagrad(
-                rp, i, s, g, out, table, acc, learning_rate=0.1, eps=1e-8, num_sc_per_device=S)
+                rp, i, s, g, out, table, acc, learning_rate=0.1, eps=1e-8, num_sc_per_device=S
+            )
 
         modules.append(_strip_locations(_export(step, *csr, table, acc)))
     assert modules[0] == modules[1]
@@ -296,9 +351,11 @@ def test_two_stacks_in_one_program():
 
     def fn(rp, i, s, g, t1, t2, t3, g8, g16):
         kw = dict(learning_rate=0.1, num_sc_per_device=S)
-        return (tpu.sparse_dense_matmul_grad_with_sgd(rp, i, s, g, g8, t1, **kw),
-                tpu.sparse_dense_matmul_grad_with_sgd(rp, i, s, g, g8, t2, **kw),
-                tpu.sparse_dense_matmul_grad_with_sgd(rp, i, s, g, g16, t3, **kw))
+        return (
+            tpu.sparse_dense_matmul_grad_with_sgd(rp, i, s, g, g8, t1, **kw),
+            tpu.sparse_dense_matmul_grad_with_sgd(rp, i, s, g, g8, t2, **kw),
+            tpu.sparse_dense_matmul_grad_with_sgd(rp, i, s, g, g16, t3, **kw),
+        )
 
     t = jax.ShapeDtypeStruct((ROWS, DIM), jnp.float32)
     text = _export(fn, *CSR, t, t, other, *_structs(((B, DIM), jnp.float32), ((B, 16), jnp.float32)))
@@ -308,7 +365,8 @@ def test_two_stacks_in_one_program():
 def test_sparsecore_layout_skips_the_permutation():
     table = jax.ShapeDtypeStruct((64, DIM), jnp.float32)
     fn = lambda rp, i, s, g, t: tpu.sparse_dense_matmul(  # noqa: E731
-        rp, i, s, g, t, batch_size=B, num_sc_per_device=S, sparsecore_layout=True)
+        rp, i, s, g, t, batch_size=B, num_sc_per_device=S, sparsecore_layout=True
+    )
     text = _export(fn, *CSR, table)
     assert "stablehlo.transpose" not in text
     with pytest.raises(ValueError, match="multiple of 32"):

@@ -47,7 +47,15 @@ from tpurec.cli import non_negative_int, positive_int
 
 
 DENSE_LR = 0.005  # small enough that random labels do not blow the logits up
-PHASES = ("read", "preprocess", "transfer", "sparse_forward", "dense_forward_backward", "sparse_update", "dense_optimizer")
+PHASES = (
+    "read",
+    "preprocess",
+    "transfer",
+    "sparse_forward",
+    "dense_forward_backward",
+    "sparse_update",
+    "dense_optimizer",
+)
 
 
 def _make_batch(rng: np.random.Generator, batch: int, tables: int, rows: int, ids_per_bag: int) -> Batch:
@@ -74,8 +82,14 @@ class _Runner:
     next batch and returns the step's wall time and loss (``loss.item()`` ends the step).
     """
 
-    def __init__(self, name: str, step: Callable[[Iterator[Batch]], torch.Tensor], batches: Iterator[Batch],
-                 mode: str | None, close: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        name: str,
+        step: Callable[[Iterator[Batch]], torch.Tensor],
+        batches: Iterator[Batch],
+        mode: str | None,
+        close: Callable[[], None] = lambda: None,
+    ) -> None:
         self.name, self._step, self._batches, self.mode, self.close = name, step, batches, mode, close
         self.times: list[float] = []
         self.host_times: list[float] = []  # the main thread's CPU time of each step
@@ -246,9 +260,15 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
     parser.add_argument("--ids-per-bag", type=positive_int, default=4)
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per configuration")
     parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps per configuration first")
-    parser.add_argument("--round-steps", type=positive_int, default=5,
-                        help="steps of one configuration before the next one's (configurations interleave)")
-    parser.add_argument("--modes", nargs="+", default=["fused", "compiled", "eager"], choices=["fused", "compiled", "eager"])
+    parser.add_argument(
+        "--round-steps",
+        type=positive_int,
+        default=5,
+        help="steps of one configuration before the next one's (configurations interleave)",
+    )
+    parser.add_argument(
+        "--modes", nargs="+", default=["fused", "compiled", "eager"], choices=["fused", "compiled", "eager"]
+    )
     parser.add_argument("--no-pipeline", action="store_true", help="plain loop instead of sparse.TrainPipeline")
     parser.add_argument("--breakdown", action="store_true", help="per-phase times of tpurec (eager) and torchrec")
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
@@ -258,7 +278,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[f"f{i}"])
         for i in range(args.tables)
     ]
-    layers = {"dense_in_features": 13, "dense_arch_layer_sizes": [512, 256, args.dim], "over_arch_layer_sizes": [512, 256, 1]}
+    layers = {
+        "dense_in_features": 13,
+        "dense_arch_layer_sizes": [512, 256, args.dim],
+        "over_arch_layer_sizes": [512, 256, 1],
+    }
     torch.manual_seed(0)
     reference = DLRMTrain(
         DLRM(
@@ -282,22 +306,33 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
         ).to("tpu")
         return ours, torch.optim.Adagrad([p for p in ours.parameters() if p.requires_grad], lr=DENSE_LR)
 
-    runners = [_Runner(
-        "torchrec_cpu", _plain_step(reference, torch.optim.Adagrad(reference.parameters(), lr=DENSE_LR), "cpu"),
-        make_batches(), None,
-    )]
+    runners = [
+        _Runner(
+            "torchrec_cpu",
+            _plain_step(reference, torch.optim.Adagrad(reference.parameters(), lr=DENSE_LR), "cpu"),
+            make_batches(),
+            None,
+        )
+    ]
     for mode in args.modes:
         ours, optimizer = build()
         step_model = torch.compile(ours, backend="tpu") if mode == "compiled" else ours
         run_mode = "fused" if mode == "compiled" else mode
         if args.no_pipeline:
-            runners.append(_Runner(f"tpurec_{mode}", _plain_step(step_model, optimizer, "tpu"), make_batches(), run_mode))
+            runners.append(
+                _Runner(f"tpurec_{mode}", _plain_step(step_model, optimizer, "tpu"), make_batches(), run_mode)
+            )
         else:
             pipeline = sparse.TrainPipeline(step_model, optimizer, torch.device("tpu"))
-            runners.append(_Runner(
-                f"tpurec_{mode}", lambda batches, p=pipeline: p.progress(batches)[0], make_batches(), run_mode,
-                close=pipeline.close,
-            ))
+            runners.append(
+                _Runner(
+                    f"tpurec_{mode}",
+                    lambda batches, p=pipeline: p.progress(batches)[0],
+                    make_batches(),
+                    run_mode,
+                    close=pipeline.close,
+                )
+            )
     load_before = os.getloadavg()[0]
     _interleave(runners, args.steps, args.warmup, args.round_steps)
     peer = runners[0]
@@ -308,7 +343,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
         "platform": tpurec.platform(),
         "load_average": {"before": load_before, "after": os.getloadavg()[0]},
         "torchrec_cpu": {
-            "step_ms": peer_median * 1e3, "host_ms_per_step": statistics.median(peer.host_times) * 1e3,
+            "step_ms": peer_median * 1e3,
+            "host_ms_per_step": statistics.median(peer.host_times) * 1e3,
             "samples_per_s": args.batch / peer_median,
         },
     }
@@ -331,14 +367,25 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
         reference.load_state_dict(state)
         result["breakdown"] = {
             "torchrec_cpu": _phase_times(
-                reference, torch.optim.Adagrad(reference.parameters(), lr=DENSE_LR), next_batch,
-                reference.model.sparse_arch.embedding_bag_collection, args.steps, args.warmup, "cpu",
+                reference,
+                torch.optim.Adagrad(reference.parameters(), lr=DENSE_LR),
+                next_batch,
+                reference.model.sparse_arch.embedding_bag_collection,
+                args.steps,
+                args.warmup,
+                "cpu",
             )
         }
         ours, optimizer = build()
         with tpurec.mode("eager"):
             result["breakdown"]["tpurec_eager_synchronized"] = _phase_times(
-                ours, optimizer, next_batch, ours.model.sparse_arch.embedding_bag_collection, args.steps, args.warmup, "tpu"
+                ours,
+                optimizer,
+                next_batch,
+                ours.model.sparse_arch.embedding_bag_collection,
+                args.steps,
+                args.warmup,
+                "tpu",
             )
     if args.plot:
         result["plots"] = _plot(result, args.plot)

@@ -73,7 +73,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench embe
     parser.add_argument("--batch", type=positive_int, default=2048)
     parser.add_argument("--iters", type=positive_int, default=5)
     parser.add_argument("--partitions", type=positive_int, default=8)
-    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for native and FBGEMM (default: all)")
+    parser.add_argument(
+        "--threads", type=positive_int, default=None, help="CPU threads for native and FBGEMM (default: all)"
+    )
     parser.add_argument("--skip-reference", action="store_true", help="skip the (slow) JAX reference kernel")
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
     args = parser.parse_args(argv)

@@ -53,12 +53,19 @@ class DenseStep(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.bottom = torch.nn.Sequential(
-            torch.nn.Linear(13, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256), torch.nn.ReLU(),
-            torch.nn.Linear(256, EMBEDDING_DIM), torch.nn.ReLU(),
+            torch.nn.Linear(13, 512),
+            torch.nn.ReLU(),
+            torch.nn.Linear(512, 256),
+            torch.nn.ReLU(),
+            torch.nn.Linear(256, EMBEDDING_DIM),
+            torch.nn.ReLU(),
         )
         pairs = (NUM_SPARSE + 1) * NUM_SPARSE // 2
         self.top = torch.nn.Sequential(
-            torch.nn.Linear(EMBEDDING_DIM + pairs, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256), torch.nn.ReLU(),
+            torch.nn.Linear(EMBEDDING_DIM + pairs, 512),
+            torch.nn.ReLU(),
+            torch.nn.Linear(512, 256),
+            torch.nn.ReLU(),
             torch.nn.Linear(256, 1),
         )
         rows, cols = torch.triu_indices(NUM_SPARSE + 1, NUM_SPARSE + 1, offset=1)
@@ -180,14 +187,16 @@ def run_batch(batch: int, names: list[str], steps: int, warmup: int, round_steps
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench modes") -> dict:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--batch", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per configuration first")
     parser.add_argument("--round-steps", type=int, default=5, help="steps of one configuration before the next one's")
-    parser.add_argument("--modes", nargs="+", default=list(CONFIGS), choices=CONFIGS,
-                        help="configurations to run (default: all)")
+    parser.add_argument(
+        "--modes", nargs="+", default=list(CONFIGS), choices=CONFIGS, help="configurations to run (default: all)"
+    )
     args = parser.parse_args(argv)
     if min(args.batch) < 1 or args.steps < 1 or args.warmup < 0 or args.round_steps < 1:
         parser.error("--batch, --steps and --round-steps must be positive and --warmup at least 0")

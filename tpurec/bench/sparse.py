@@ -99,7 +99,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench spar
     parser.add_argument("--small", action="store_true", help="4 tables x 10k rows x dim 32, batch 256 (a quick run)")
     parser.add_argument("--iters", type=positive_int, default=10)
     parser.add_argument("--partitions", type=positive_int, default=8, help="MOD partitions of the CSR input")
-    parser.add_argument("--threads", type=positive_int, default=None, help="CPU threads for native and FBGEMM (default: all)")
+    parser.add_argument(
+        "--threads", type=positive_int, default=None, help="CPU threads for native and FBGEMM (default: all)"
+    )
     parser.add_argument("--skip-reference", action="store_true", help="skip the (slow) JAX reference kernel")
     args = parser.parse_args(argv)
     if args.threads:
@@ -136,7 +138,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench spar
     for backend in ("native", "numpy"):
         with config.override(preprocess=backend):
             batches[backend] = preprocess_kjt(kjt, tables, args.partitions, capacity)
-            preprocess_ms[backend] = _median_ms(lambda: preprocess_kjt(kjt, tables, args.partitions, capacity), args.iters, warmup=1)
+            preprocess_ms[backend] = _median_ms(
+                lambda: preprocess_kjt(kjt, tables, args.partitions, capacity), args.iters, warmup=1
+            )
     identical = all(
         a.tobytes() == b.tobytes()
         for x, y in zip(batches["native"].stacks.values(), batches["numpy"].stacks.values())
@@ -158,8 +162,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench spar
                 ratios[f"{other}/native {key[:-3]}"] = round(results[other][key] / results["native"][key], 2)
     return {
         "config": {
-            "tables": num_tables, "rows": rows, "dim": dim, "batch": batch, "ids_per_bag": bag,
-            "partitions": args.partitions, "threads": threads, "iters": args.iters,
+            "tables": num_tables,
+            "rows": rows,
+            "dim": dim,
+            "batch": batch,
+            "ids_per_bag": bag,
+            "partitions": args.partitions,
+            "threads": threads,
+            "iters": args.iters,
         },
         "preprocess_ms": preprocess_ms,
         "preprocess_native_equals_numpy": identical,

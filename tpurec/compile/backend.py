@@ -211,9 +211,9 @@ class CompiledGraph:
             def raw(*flat):
                 # (arrays..., graph constants..., seed triples...), all runtime values.
                 graph_arrays = list(flat[:array_count])
-                scalars = list(flat[array_count:array_count + constants])
-                rest = flat[array_count + constants:]
-                triples = [tuple(rest[k:k + 3]) for k in range(0, len(rest), 3)]
+                scalars = list(flat[array_count : array_count + constants])
+                rest = flat[array_count + constants :]
+                triples = [tuple(rest[k : k + 3]) for k in range(0, len(rest), 3)]
                 return run(graph_arrays, scalars, triples)
 
             variant.recorded = runtime.Program(raw)
@@ -239,7 +239,9 @@ class CompiledGraph:
             raise
         except Exception as e:
             ops = ", ".join(self.program.ops())
-            raise CompileError(f"tpurec: XLA failed to compile {self.name} (ops: {ops}): {type(e).__name__}: {e}") from e
+            raise CompileError(
+                f"tpurec: XLA failed to compile {self.name} (ops: {ops}): {type(e).__name__}: {e}"
+            ) from e
         finally:
             variant.ran = True
             counters.compile_seconds += time.perf_counter() - start

@@ -5,8 +5,14 @@ from __future__ import annotations
 import os
 import traceback
 
-__all__ = ["ArgumentError", "ArgumentTypeError", "ArgumentValueError", "unsupported_op", "lowering_failed", "user_frame"]
-
+__all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
+    "ArgumentValueError",
+    "unsupported_op",
+    "lowering_failed",
+    "user_frame",
+]
 
 
 class ArgumentError(Exception):

@@ -58,8 +58,18 @@ __all__ = [
 class _Accounting:
     """tpurec's live-buffer bytes and counts for one device."""
 
-    __slots__ = ("current", "peak", "count", "allocations", "frees", "allocated_total", "freed_total",
-                 "platform_peak_at_reset", "platform_in_use_at_reset", "own_at_reset")
+    __slots__ = (
+        "current",
+        "peak",
+        "count",
+        "allocations",
+        "frees",
+        "allocated_total",
+        "freed_total",
+        "platform_peak_at_reset",
+        "platform_in_use_at_reset",
+        "own_at_reset",
+    )
 
     def __init__(self) -> None:
         self.current = 0

@@ -86,7 +86,9 @@ class Recompilation:
     from_disk: bool = False
 
     def __str__(self) -> str:
-        lines = [f"tpurec: recompiled {self.program} ({self.seconds:.3f} s{', from the disk cache' if self.from_disk else ''})"]
+        lines = [
+            f"tpurec: recompiled {self.program} ({self.seconds:.3f} s{', from the disk cache' if self.from_disk else ''})"
+        ]
         lines += [f"  changed: {c}" for c in self.changes]
         lines.append(f"  at: {self.user_line}")
         lines.append(f"  hint: {self.hint}")
@@ -306,15 +308,27 @@ def _spec_changes(name: str, old: tuple, new: tuple) -> tuple[list[str], str]:
 
 
 def _spec_kind(spec: tuple) -> str:
-    return {"t": "a tensor", "s": "a CPU scalar tensor", "list": "a tensor list", "d": "a Python number",
-            "dl": "a list of numbers", "none": "None", "c": "a static value"}.get(spec[0], spec[0])
+    return {
+        "t": "a tensor",
+        "s": "a CPU scalar tensor",
+        "list": "a tensor list",
+        "d": "a Python number",
+        "dl": "a list of numbers",
+        "none": "None",
+        "c": "a static value",
+    }.get(spec[0], spec[0])
 
 
 def _op_changes(old: Any, new: Any) -> tuple[float, list[str], str]:
     """Changes between two eager program keys
     ``(op, arg_specs, kw_specs, target_specs, shared_targets, placed_on)``."""
-    if not (isinstance(old, tuple) and isinstance(new, tuple) and len(old) == 6 and len(new) == 6
-            and isinstance(new[0], torch._ops.OpOverload)):
+    if not (
+        isinstance(old, tuple)
+        and isinstance(new, tuple)
+        and len(old) == 6
+        and len(new) == 6
+        and isinstance(new[0], torch._ops.OpOverload)
+    ):
         return _generic_changes(old, new)
     op = new[0]
     names = [a.name for a in op._schema.arguments]
@@ -396,7 +410,8 @@ def _fused_changes(old: tuple, new: tuple) -> tuple[int, list[str], str]:
 
     if len(old_ops) != len(new_ops) or any(op_of(a) != op_of(b) for a, b in zip(old_ops, new_ops)):
         first = next(
-            (j for j, (a, b) in enumerate(zip(old_ops, new_ops)) if op_of(a) != op_of(b)), min(len(old_ops), len(new_ops))
+            (j for j, (a, b) in enumerate(zip(old_ops, new_ops)) if op_of(a) != op_of(b)),
+            min(len(old_ops), len(new_ops)),
         )
         was = _op_name(op_of(old_ops[first])) if first < len(old_ops) else "the end of the window"
         now = _op_name(op_of(new_ops[first])) if first < len(new_ops) else "the end of the window"
@@ -457,8 +472,10 @@ def _graph_changes(old: tuple, new: tuple) -> tuple[int, list[str], str]:
         if x == y:
             continue
         if x[0] == "scalar" or y[0] == "scalar":
-            changes.append(f"input {i}: size value {x[1] if x[0] == 'scalar' else _show(x[0])} -> "
-                           f"{y[1] if y[0] == 'scalar' else _show(y[0])}")
+            changes.append(
+                f"input {i}: size value {x[1] if x[0] == 'scalar' else _show(x[0])} -> "
+                f"{y[1] if y[0] == 'scalar' else _show(y[0])}"
+            )
             hint = hint or _HINT_SHAPE
         elif x[1] != y[1]:
             changes.append(f"input {i}: dtype {x[1]} -> {y[1]}")
@@ -504,7 +521,9 @@ def current_compile_id() -> tuple[int, int] | None:
 _PATHS = sysconfig.get_paths()
 # Frames under these folders are not the user's: the libraries (tpurec, torch, jax...), the standard library and
 # installed packages.
-_LIBRARY_DIRS = errors.LIBRARY_DIRS + tuple(os.path.abspath(_PATHS[k]) + os.sep for k in ("stdlib", "purelib", "platlib"))
+_LIBRARY_DIRS = errors.LIBRARY_DIRS + tuple(
+    os.path.abspath(_PATHS[k]) + os.sep for k in ("stdlib", "purelib", "platlib")
+)
 
 
 def _user_line() -> str:
@@ -519,7 +538,9 @@ def _user_line() -> str:
         filename = os.path.abspath(frame.f_code.co_filename)
         if not (filename.startswith(_LIBRARY_DIRS) or frame.f_code.co_filename.startswith("<")):
             code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
-            return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" + (f": {code}" if code else "")
+            return f"{frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}" + (
+                f": {code}" if code else ""
+            )
         frame = frame.f_back
     return "(no user frame on the stack)"
 

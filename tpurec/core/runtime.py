@@ -20,7 +20,17 @@ from tpurec.cache import cache_root, writable_cache_root
 from tpurec.dense.trace_context import traced_as_spmd
 from tpurec.core import profiler as _profiler
 
-__all__ = ["Stats", "stats", "reset_stats", "register_stats_source", "ProgramCache", "Program", "programs", "cache_root", "enable_disk_cache"]
+__all__ = [
+    "Stats",
+    "stats",
+    "reset_stats",
+    "register_stats_source",
+    "ProgramCache",
+    "Program",
+    "programs",
+    "cache_root",
+    "enable_disk_cache",
+]
 
 
 @dataclasses.dataclass
@@ -200,7 +210,17 @@ class Program:
 
     # origin/reused/__weakref__: for recompilation diagnostics (tpurec/core/recompiles.py).
     __slots__ = (
-        "raw", "jitted", "serial", "ran", "out_avals", "metas", "_options", "_spmd", "origin", "reused", "__weakref__",
+        "raw",
+        "jitted",
+        "serial",
+        "ran",
+        "out_avals",
+        "metas",
+        "_options",
+        "_spmd",
+        "origin",
+        "reused",
+        "__weakref__",
     )
 
     def __init__(self, raw: Callable, **jit_options) -> None:
@@ -272,7 +292,9 @@ def _lockstep() -> bool:
     """
     global _LOCKSTEP
     if _LOCKSTEP is None:
-        _LOCKSTEP = bool(config.get("TPUREC_CPU_LOCKSTEP")) and jax.process_count() > 1 and jax.default_backend() == "cpu"
+        _LOCKSTEP = (
+            bool(config.get("TPUREC_CPU_LOCKSTEP")) and jax.process_count() > 1 and jax.default_backend() == "cpu"
+        )
     return bool(_LOCKSTEP)
 
 
@@ -333,7 +355,11 @@ def mesh_arrays_exist() -> bool:
 
 
 def _is_global(x) -> bool:
-    return isinstance(x, jax.Array) and isinstance(x.sharding, jax.sharding.NamedSharding) and len(x.sharding.device_set) > 1
+    return (
+        isinstance(x, jax.Array)
+        and isinstance(x.sharding, jax.sharding.NamedSharding)
+        and len(x.sharding.device_set) > 1
+    )
 
 
 def _onto_common_mesh(args: tuple) -> tuple[tuple, bool]:

@@ -18,7 +18,14 @@ from jax import lax
 from tpurec.dense.trace_context import transpose
 
 __all__ = [
-    "REAL", "COMPLEX", "contiguous_strides", "is_full", "read_view", "reinterpretation", "view_capacity", "write_view",
+    "REAL",
+    "COMPLEX",
+    "contiguous_strides",
+    "is_full",
+    "read_view",
+    "reinterpretation",
+    "view_capacity",
+    "write_view",
 ]
 
 # How a view reads a storage of another dtype (``view_as_real``, ``view_as_complex``,
@@ -187,13 +194,17 @@ def read_view(storage: jnp.ndarray, size, stride, offset, reinterpret: str | Non
     if plan is None:
         return flat[_flat_indices(size, stride, offset)]
     order, sizes, region_shape = plan
-    if offset == 0 and tuple(storage.shape) == tuple(sizes) and tuple(stride[d] for d in order) == contiguous_strides(sizes):
+    if (
+        offset == 0
+        and tuple(storage.shape) == tuple(sizes)
+        and tuple(stride[d] for d in order) == contiguous_strides(sizes)
+    ):
         # A permutation of the whole storage: transpose the storage itself, which a
         # kernel's output may know how to do without a copy (trace_context.transpose).
         region = storage
     else:
         length = math.prod(region_shape)
-        region = flat[offset: offset + length]
+        region = flat[offset : offset + length]
         if region.shape[0] < length:  # the last row of a strided slice ends before the padding
             region = jnp.pad(region, (0, length - region.shape[0]))
         region = region.reshape(region_shape)

@@ -63,8 +63,7 @@ def conv(x, weight, bias, stride, padding, dilation, transposed: bool, output_pa
         # A transposed conv is the forward conv of the stride-dilated input with
         # "full" padding dilation*(k-1) minus the forward padding.
         pads = [
-            (d * (k - 1) - p, d * (k - 1) - p + op)
-            for k, p, d, op in zip(kernel, padding, dilation, output_padding)
+            (d * (k - 1) - p, d * (k - 1) - p + op) for k, p, d, op in zip(kernel, padding, dilation, output_padding)
         ]
         lhs_dilation, strides = stride, (1,) * n
     else:

@@ -97,7 +97,14 @@ def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank: int = 0, 
 
 @lower(aten._ctc_loss_backward.default, aten._ctc_loss_backward.Tensor)
 def ctc_loss_backward(
-    grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank: int,
+    grad,
+    log_probs,
+    targets,
+    input_lengths,
+    target_lengths,
+    neg_log_likelihood,
+    log_alpha,
+    blank: int,
     zero_infinity: bool = False,
 ):
     unbatched = log_probs.ndim == 2

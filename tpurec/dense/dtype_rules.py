@@ -86,7 +86,7 @@ def check(func, args: tuple, kwargs: dict, targets: list | None = None) -> None:
         dtype = torch.result_type(args[0], args[1])
         if dtype.is_floating_point or dtype.is_complex or (dtype == torch.bool and not bool_ok):
             name = _SCALAR_TYPE.get(dtype, dtype)
-            raise NotImplementedError(f'"{kernel}" not implemented for \'{name}\'')
+            raise NotImplementedError(f"\"{kernel}\" not implemented for '{name}'")
         if targets is not None:
             # The meta kernels of the shift dunders refuse a bool tensor that CPU shifts as int64,
             # so the dispatcher's check of in-place results cannot see ``bool_t >>= 2``.
@@ -115,9 +115,18 @@ def check(func, args: tuple, kwargs: dict, targets: list | None = None) -> None:
 
 
 _SCALAR_TYPE = {
-    torch.float32: "Float", torch.float64: "Double", torch.float16: "Half", torch.bfloat16: "BFloat16",
-    torch.int64: "Long", torch.int32: "Int", torch.int16: "Short", torch.int8: "Char", torch.uint8: "Byte",
-    torch.bool: "Bool", torch.complex64: "ComplexFloat", torch.complex128: "ComplexDouble",
+    torch.float32: "Float",
+    torch.float64: "Double",
+    torch.float16: "Half",
+    torch.bfloat16: "BFloat16",
+    torch.int64: "Long",
+    torch.int32: "Int",
+    torch.int16: "Short",
+    torch.int8: "Char",
+    torch.uint8: "Byte",
+    torch.bool: "Bool",
+    torch.complex64: "ComplexFloat",
+    torch.complex128: "ComplexDouble",
 }
 
 

@@ -107,6 +107,7 @@ for _ops, _fn in [
 ]:
     _unary(_ops, _fn, DEFAULT)
 
+
 @lower(aten.abs.default)
 def abs_(x):
     # |complex| is real (torch returns the real dtype): no promotion back to the complex input's dtype.
@@ -343,7 +344,11 @@ for _name, _fn in [
         if _packet_name is None:
             continue
         _packet = getattr(aten, _packet_name)
-        _ovs += [getattr(_packet, o) for o in ("Tensor", "Tensor_Scalar", "Scalar", "Scalar_Tensor") if o in _packet.overloads()]
+        _ovs += [
+            getattr(_packet, o)
+            for o in ("Tensor", "Tensor_Scalar", "Scalar", "Scalar_Tensor")
+            if o in _packet.overloads()
+        ]
     lower(*_ovs)(lambda x, y, _fn=_fn: _apply(_fn, (x, y), DEFAULT))
 
 

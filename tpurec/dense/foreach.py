@@ -20,11 +20,36 @@ from tpurec.dense.registry import lower
 aten = torch.ops.aten
 
 _UNARY = {
-    "abs": "abs", "acos": "acos", "asin": "asin", "atan": "atan", "ceil": "ceil", "cos": "cos", "cosh": "cosh",
-    "erf": "erf", "erfc": "erfc", "exp": "exp", "expm1": "expm1", "floor": "floor", "frac": "frac",
-    "lgamma": "lgamma", "log": "log", "log10": "log10", "log1p": "log1p", "log2": "log2", "neg": "neg",
-    "reciprocal": "reciprocal", "round": "round", "rsqrt": "rsqrt", "sigmoid": "sigmoid", "sign": "sign",
-    "sin": "sin", "sinh": "sinh", "sqrt": "sqrt", "tan": "tan", "tanh": "tanh", "trunc": "trunc",
+    "abs": "abs",
+    "acos": "acos",
+    "asin": "asin",
+    "atan": "atan",
+    "ceil": "ceil",
+    "cos": "cos",
+    "cosh": "cosh",
+    "erf": "erf",
+    "erfc": "erfc",
+    "exp": "exp",
+    "expm1": "expm1",
+    "floor": "floor",
+    "frac": "frac",
+    "lgamma": "lgamma",
+    "log": "log",
+    "log10": "log10",
+    "log1p": "log1p",
+    "log2": "log2",
+    "neg": "neg",
+    "reciprocal": "reciprocal",
+    "round": "round",
+    "rsqrt": "rsqrt",
+    "sigmoid": "sigmoid",
+    "sign": "sign",
+    "sin": "sin",
+    "sinh": "sinh",
+    "sqrt": "sqrt",
+    "tan": "tan",
+    "tanh": "tanh",
+    "trunc": "trunc",
 }
 
 
@@ -59,21 +84,25 @@ def _register_binary(name: str, tensor_op, scalar_op) -> None:
     tf, sf = _fn(tensor_op), _fn(scalar_op)
 
     if "List" in ovs:
+
         @lower(packet.List)
         def lst(xs, others, **kw):
             return [tf(x, o, **kw) for x, o in zip(xs, others)]
 
     if "Scalar" in ovs:
+
         @lower(packet.Scalar)
         def scalar(xs, s, **kw):
             return [sf(x, s, **kw) for x in xs]
 
     if "ScalarList" in ovs:
+
         @lower(packet.ScalarList)
         def scalar_list(xs, ss, **kw):
             return [sf(x, s, **kw) for x, s in zip(xs, ss)]
 
     if "Tensor" in ovs:
+
         @lower(packet.Tensor)
         def tensor(xs, other, **kw):
             return [tf(x, other, **kw) for x in xs]

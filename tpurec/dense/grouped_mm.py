@@ -48,8 +48,17 @@ def _check(cond: bool, message: str) -> None:
         raise ValueError(f"_grouped_mm: {message}")
 
 
-def grouped_mm_output(a_shape, b_shape, a_dtype: torch.dtype, b_dtype: torch.dtype, has_offs: bool, offs_shape,
-                      offs_dtype, has_bias: bool, out_dtype: torch.dtype | None) -> tuple[tuple[int, ...], torch.dtype]:
+def grouped_mm_output(
+    a_shape,
+    b_shape,
+    a_dtype: torch.dtype,
+    b_dtype: torch.dtype,
+    has_offs: bool,
+    offs_shape,
+    offs_dtype,
+    has_bias: bool,
+    out_dtype: torch.dtype | None,
+) -> tuple[tuple[int, ...], torch.dtype]:
     """(shape, dtype) of ``_grouped_mm``'s result on the tpu device, or a ``ValueError``/``NotImplementedError``.
 
     One rule set for the lowering and the fake-tensor rule (torch.compile), so
@@ -71,21 +80,29 @@ def grouped_mm_output(a_shape, b_shape, a_dtype: torch.dtype, b_dtype: torch.dty
             f"(out_dtype may be {a_dtype}" + (" or torch.float32)" if a_dtype != torch.float32 else ")")
         )
     a2, b2 = len(a_shape) == 2, len(b_shape) == 2
-    _check(len(a_shape) in (2, 3) and len(b_shape) in (2, 3),
-           f"multiplicands must be 2D or 3D, got {len(a_shape)}D and {len(b_shape)}D")
+    _check(
+        len(a_shape) in (2, 3) and len(b_shape) in (2, 3),
+        f"multiplicands must be 2D or 3D, got {len(a_shape)}D and {len(b_shape)}D",
+    )
     if not (a2 and b2):
-        _check(a_shape[-1] == b_shape[-2],
-               f"contraction dimension of mat_a and mat_b must match, got {tuple(a_shape)} and {tuple(b_shape)}")
+        _check(
+            a_shape[-1] == b_shape[-2],
+            f"contraction dimension of mat_a and mat_b must match, got {tuple(a_shape)} and {tuple(b_shape)}",
+        )
     if a2 or b2:
         _check(has_offs, f"offs is needed for {len(a_shape)}D/{len(b_shape)}D multiplicands")
-        _check(len(offs_shape) == 1 and offs_dtype == torch.int32,
-               f"offs must be a 1D int32 tensor, got {len(offs_shape)}D {offs_dtype}")
+        _check(
+            len(offs_shape) == 1 and offs_dtype == torch.int32,
+            f"offs must be a 1D int32 tensor, got {len(offs_shape)}D {offs_dtype}",
+        )
     else:
         _check(not has_offs, "offs is not needed for 3D/3D multiplicands")
     groups = offs_shape[0] if has_offs else None
     if a2 and b2:
-        _check(a_shape[1] == b_shape[0],
-               f"contraction dimension of mat_a and mat_b must match, got {tuple(a_shape)} and {tuple(b_shape)}")
+        _check(
+            a_shape[1] == b_shape[0],
+            f"contraction dimension of mat_a and mat_b must match, got {tuple(a_shape)} and {tuple(b_shape)}",
+        )
         shape = (groups, a_shape[0], b_shape[1])
     elif a2:
         _check(groups == b_shape[0], f"offs has {groups} groups but mat_b has {b_shape[0]} matrices")
@@ -102,9 +119,15 @@ def grouped_mm_output(a_shape, b_shape, a_dtype: torch.dtype, b_dtype: torch.dty
 @lower(aten._grouped_mm.default)
 def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
     _, dtype = grouped_mm_output(
-        a.shape, b.shape, to_torch_dtype(a.dtype), to_torch_dtype(b.dtype), offs is not None,
-        () if offs is None else offs.shape, None if offs is None else to_torch_dtype(offs.dtype),
-        bias is not None, out_dtype,
+        a.shape,
+        b.shape,
+        to_torch_dtype(a.dtype),
+        to_torch_dtype(b.dtype),
+        offs is not None,
+        () if offs is None else offs.shape,
+        None if offs is None else to_torch_dtype(offs.dtype),
+        bias is not None,
+        out_dtype,
     )
     acc = acc_dtype(a.dtype)
     precision = _PRECISION.get(torch.get_float32_matmul_precision(), lax.Precision.HIGHEST)
@@ -124,9 +147,7 @@ def grouped_mm(a, b, offs=None, bias=None, out_dtype=None):
             return dot(lhs, rhs)
         # XLA:CPU's dot thunk has no bf16 x bf16 -> f32 kernel for some of these dimension
         # numbers; widening first is exact (bf16 products fit in f32) and leaves TPU/GPU on bf16.
-        return lax.platform_dependent(
-            lhs, rhs, cpu=lambda x, y: dot(x.astype(acc), y.astype(acc)), default=dot
-        )
+        return lax.platform_dependent(lhs, rhs, cpu=lambda x, y: dot(x.astype(acc), y.astype(acc)), default=dot)
 
     if a.ndim == 2 and b.ndim == 3:
         # [M, K] rows in groups, each times its [K, N].
@@ -167,8 +188,15 @@ def register_fake_rule() -> None:
             return NotImplemented
         try:
             shape, dtype = grouped_mm_output(
-                a.shape, b.shape, a.dtype, b.dtype, offs is not None, () if offs is None else offs.shape,
-                None if offs is None else offs.dtype, bound.get("bias") is not None, bound.get("out_dtype"),
+                a.shape,
+                b.shape,
+                a.dtype,
+                b.dtype,
+                offs is not None,
+                () if offs is None else offs.shape,
+                None if offs is None else offs.dtype,
+                bound.get("bias") is not None,
+                bound.get("out_dtype"),
             )
         except ValueError as error:
             raise RuntimeError(str(error)) from None

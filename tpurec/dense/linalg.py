@@ -156,7 +156,9 @@ def _broadcast_batch(a, b):
     return jnp.broadcast_to(a, batch + a.shape[-2:]), jnp.broadcast_to(b, batch + b.shape[-2:])
 
 
-def _triangular_solve(a, b, *, lower: bool, left: bool = True, transpose_a: bool = False, conjugate_a: bool = False, unit: bool = False):
+def _triangular_solve(
+    a, b, *, lower: bool, left: bool = True, transpose_a: bool = False, conjugate_a: bool = False, unit: bool = False
+):
     a, b = _broadcast_batch(a, b)
     return lax.linalg.triangular_solve(
         a, b, left_side=left, lower=lower, transpose_a=transpose_a, conjugate_a=conjugate_a, unit_diagonal=unit
@@ -211,7 +213,11 @@ def lu_unpack(lu, pivots, unpack_data: bool = True, unpack_pivots: bool = True):
     perm = lax.linalg.lu_pivots_to_permutation((pivots - 1).astype(jnp.int32), m)
     p, lower_part, upper_part = _p_l_u(lu, perm, m, n)
     empty = jnp.zeros((0,), lu.dtype)
-    return (p if unpack_pivots else empty), (lower_part if unpack_data else empty), (upper_part if unpack_data else empty)
+    return (
+        (p if unpack_pivots else empty),
+        (lower_part if unpack_data else empty),
+        (upper_part if unpack_data else empty),
+    )
 
 
 def _pivots_to_perm(pivots, n: int):
@@ -410,7 +416,9 @@ def linalg_pinv(a, *, atol=None, rtol=None, hermitian: bool = False):
     else:
         rtol_v = jnp.asarray(eps * max(m, n), real)
     largest = jnp.max(s, axis=-1, keepdims=True, initial=0.0) if s.shape[-1] else jnp.zeros(s.shape[:-1] + (1,), real)
-    tol = jnp.maximum(atol_v[..., None] if jnp.ndim(atol_v) else atol_v, (rtol_v[..., None] if jnp.ndim(rtol_v) else rtol_v) * largest)
+    tol = jnp.maximum(
+        atol_v[..., None] if jnp.ndim(atol_v) else atol_v, (rtol_v[..., None] if jnp.ndim(rtol_v) else rtol_v) * largest
+    )
     keep = s > tol
     if hermitian:
         inv = jnp.where(keep, 1 / jnp.where(keep, values, 1), 0).astype(a.dtype)

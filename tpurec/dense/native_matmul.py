@@ -86,7 +86,9 @@ def _product(a, b, trans_a: bool, trans_b: bool, xla_matmul: Callable):
 
     out = lax.platform_dependent(a, b, cpu=native, default=xla)
     # (op(a) op(b))^T = op(b)^T op(a)^T: one more product instead of a strided copy.
-    remember_transposer(out, lambda perm: _product(b, a, not trans_b, not trans_a, xla_matmul) if perm == (0, 2, 1) else None)
+    remember_transposer(
+        out, lambda perm: _product(b, a, not trans_b, not trans_a, xla_matmul) if perm == (0, 2, 1) else None
+    )
     return out
 
 

@@ -147,7 +147,11 @@ def native_group_norm(x, weight, bias, n: int, c: int, hxw: int, group: int, eps
     if bias is not None:
         y = y + bias.astype(acc).reshape(1, c, 1)
     stats_shape = (n, group)
-    return y.reshape(x.shape).astype(x.dtype), mean.reshape(stats_shape).astype(x.dtype), rstd.reshape(stats_shape).astype(x.dtype)
+    return (
+        y.reshape(x.shape).astype(x.dtype),
+        mean.reshape(stats_shape).astype(x.dtype),
+        rstd.reshape(stats_shape).astype(x.dtype),
+    )
 
 
 @lower(aten.native_group_norm_backward.default)
@@ -224,7 +228,9 @@ def batch_norm_no_training(x, weight, bias, running_mean, running_var, momentum,
 
 
 @lower(aten.native_batch_norm_backward.default)
-def batch_norm_backward(grad, x, weight, running_mean, running_var, save_mean, save_invstd, train: bool, eps, output_mask):
+def batch_norm_backward(
+    grad, x, weight, running_mean, running_var, save_mean, save_invstd, train: bool, eps, output_mask
+):
     acc = _acc(x.dtype)
     axes = (0,) + tuple(range(2, x.ndim))
     g, xf = grad.astype(acc), x.astype(acc)
@@ -479,8 +485,15 @@ def _bags(indices, offsets, include_last_offset: bool, padding_idx: int):
 
 @lower(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
 def embedding_bag(
-    weight, indices, offsets, scale_grad_by_freq: bool = False, mode: int = 0, sparse: bool = False,
-    per_sample_weights=None, include_last_offset: bool = False, padding_idx: int = -1,
+    weight,
+    indices,
+    offsets,
+    scale_grad_by_freq: bool = False,
+    mode: int = 0,
+    sparse: bool = False,
+    per_sample_weights=None,
+    include_last_offset: bool = False,
+    padding_idx: int = -1,
 ):
     acc = _acc(weight.dtype)
     bag, num_bags, valid = _bags(indices, offsets, include_last_offset, padding_idx)
@@ -491,7 +504,9 @@ def embedding_bag(
         masked = jnp.where(valid[:, None], rows, -jnp.inf)
         best = jax.ops.segment_max(masked, bag, num_segments=num_bags)
         # The first index reaching the maximum, per bag and column (as the CPU kernel picks).
-        position = jnp.where(valid[:, None] & (masked == best[bag]), jnp.arange(indices.shape[0])[:, None], indices.shape[0])
+        position = jnp.where(
+            valid[:, None] & (masked == best[bag]), jnp.arange(indices.shape[0])[:, None], indices.shape[0]
+        )
         first = jax.ops.segment_min(position, bag, num_segments=num_bags)
         empty = (counts == 0)[:, None]
         max_indices = jnp.where(empty, -1, jnp.take(indices, jnp.clip(first, 0, max(indices.shape[0] - 1, 0))))
@@ -507,8 +522,18 @@ def embedding_bag(
 
 @lower(aten._embedding_bag_backward.default)
 def embedding_bag_backward(
-    grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights: int, scale_grad_by_freq: bool,
-    mode: int, sparse: bool, per_sample_weights=None, padding_idx: int = -1,
+    grad,
+    indices,
+    offsets,
+    offset2bag,
+    bag_size,
+    maximum_indices,
+    num_weights: int,
+    scale_grad_by_freq: bool,
+    mode: int,
+    sparse: bool,
+    per_sample_weights=None,
+    padding_idx: int = -1,
 ):
     acc = _acc(grad.dtype)
     g = grad.astype(acc)
@@ -536,7 +561,9 @@ def embedding_bag_backward(
 
 
 @lower(aten._embedding_bag_per_sample_weights_backward.default)
-def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode: int, padding_idx: int = -1):
+def embedding_bag_per_sample_weights_backward(
+    grad, weight, indices, offsets, offset2bag, mode: int, padding_idx: int = -1
+):
     acc = _acc(grad.dtype)
     include_last_offset = offsets.shape[0] == grad.shape[0] + 1
     bag, _, valid = _bags(indices, offsets, include_last_offset, padding_idx)

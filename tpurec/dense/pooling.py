@@ -162,7 +162,9 @@ def _max_pool(x, n, kernel_size, stride, padding, dilation, ceil_mode):
     stride = _expand(stride, n, default=kernel)
     padding, dilation = _expand(padding, n), _expand(dilation, n)
     xb, unbatched = _batched(x, n)
-    tables = [_sliding_positions(xb.shape[2 + i], kernel[i], stride[i], padding[i], dilation[i], ceil_mode) for i in range(n)]
+    tables = [
+        _sliding_positions(xb.shape[2 + i], kernel[i], stride[i], padding[i], dilation[i], ceil_mode) for i in range(n)
+    ]
     values, indices = _max_over_windows(xb, tables)
     if unbatched:
         return values[0], indices[0]

@@ -54,7 +54,9 @@ def normal(mean, std=1.0, *, generator=None, key):
 
 
 @lower(aten.normal.float_float, random=True)
-def normal_float_float(mean, std, size: Sequence[int], *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, key):
+def normal_float_float(
+    mean, std, size: Sequence[int], *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, key
+):
     return _normal(key, size, _dt(dtype, default_float()), mean, std)
 
 
@@ -112,12 +114,25 @@ def randn(size: Sequence[int], *, generator=None, dtype=None, layout=None, devic
 
 
 @lower(aten.randint.default, aten.randint.generator, random=True)
-def randint(high: int, size: Sequence[int], *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, key):
+def randint(
+    high: int, size: Sequence[int], *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, key
+):
     return _int_range(key, size, _dt(dtype, jnp.int64), 0, high)
 
 
 @lower(aten.randint.low, aten.randint.low_generator, random=True)
-def randint_low(low: int, high: int, size: Sequence[int], *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, key):
+def randint_low(
+    low: int,
+    high: int,
+    size: Sequence[int],
+    *,
+    generator=None,
+    dtype=None,
+    layout=None,
+    device=None,
+    pin_memory=None,
+    key,
+):
     return _int_range(key, size, _dt(dtype, jnp.int64), low, high)
 
 
@@ -132,12 +147,26 @@ def randn_like(x, *, generator=None, dtype=None, layout=None, device=None, pin_m
 
 
 @lower(aten.randint_like.default, aten.randint_like.generator, random=True)
-def randint_like(x, high: int, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, key):
+def randint_like(
+    x, high: int, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, key
+):
     return _int_range(key, x.shape, _dt(dtype, x.dtype), 0, high)
 
 
 @lower(aten.randint_like.low_dtype, aten.randint_like.low_generator_dtype, random=True)
-def randint_like_low(x, low: int, high: int, *, generator=None, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None, key):
+def randint_like_low(
+    x,
+    low: int,
+    high: int,
+    *,
+    generator=None,
+    dtype=None,
+    layout=None,
+    device=None,
+    pin_memory=None,
+    memory_format=None,
+    key,
+):
     return _int_range(key, x.shape, _dt(dtype, x.dtype), low, high)
 
 

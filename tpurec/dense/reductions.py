@@ -201,7 +201,9 @@ def vector_norm(x, ord, axes, keepdim: bool, out_dtype):
         jnp.where(
             o == jnp.inf,
             red(jnp.max, a),
-            jnp.where(o == -jnp.inf, red(jnp.min, a), jnp.where(o == 0, red(jnp.sum, (a != 0).astype(a.dtype)), general)),
+            jnp.where(
+                o == -jnp.inf, red(jnp.min, a), jnp.where(o == 0, red(jnp.sum, (a != 0).astype(a.dtype)), general)
+            ),
         ),
     )
     return r.astype(out_dtype)

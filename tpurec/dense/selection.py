@@ -285,7 +285,6 @@ def cdist_backward(grad, x1, x2, p: float, dist):
     return jnp.sum(grad[..., None] * per_pair, axis=-2).astype(x1.dtype)
 
 
-
 # --- segment_reduce ---------------------------------------------------------------------
 
 
@@ -333,14 +332,18 @@ def _segment_reduce(data, reduce: str, lengths, offsets, axis: int, initial):
 
 
 @lower(aten.segment_reduce.default)
-def segment_reduce(data, reduce: str, *, lengths=None, indices=None, offsets=None, axis: int = 0, unsafe: bool = False, initial=None):
+def segment_reduce(
+    data, reduce: str, *, lengths=None, indices=None, offsets=None, axis: int = 0, unsafe: bool = False, initial=None
+):
     if indices is not None:
         raise NotImplementedError("segment_reduce with indices is not supported (nor by PyTorch's CPU kernel)")
     return _segment_reduce(data, reduce, lengths, offsets, axis, initial)
 
 
 @lower(aten._segment_reduce_backward.default)
-def segment_reduce_backward(grad, output, data, reduce: str, *, lengths=None, offsets=None, axis: int = 0, initial=None):
+def segment_reduce_backward(
+    grad, output, data, reduce: str, *, lengths=None, offsets=None, axis: int = 0, initial=None
+):
     _, vjp = jax.vjp(lambda v: _segment_reduce(v, reduce, lengths, offsets, axis, initial), data)
     return vjp(grad.astype(data.dtype))[0]
 

@@ -202,6 +202,4 @@ def upsample_bilinear2d_aa(x, output_size: Sequence[int], align_corners: bool, s
     return _apply(x, matrices)
 
 
-lower(aten._upsample_bilinear2d_aa_backward.default, static_scalars=True)(
-    _interpolating_backward(2, _antialias_matrix)
-)
+lower(aten._upsample_bilinear2d_aa_backward.default, static_scalars=True)(_interpolating_backward(2, _antialias_matrix))

@@ -55,9 +55,14 @@ def tune() -> bool:
     except (OSError, AttributeError):
         return False
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-    ok = all(mallopt(param, value) == 1 for param, value in (
-        (_M_ARENA_MAX, 1), (_M_MMAP_MAX, 0), (_M_TRIM_THRESHOLD, _KEEP_BYTES),
-    ))
+    ok = all(
+        mallopt(param, value) == 1
+        for param, value in (
+            (_M_ARENA_MAX, 1),
+            (_M_MMAP_MAX, 0),
+            (_M_TRIM_THRESHOLD, _KEEP_BYTES),
+        )
+    )
     _tuned = ok
     return ok
 

@@ -120,9 +120,13 @@ def _verify_checksums(checkpoint: Mapping[str, Any], source: str) -> None:
     found = _checksums(checkpoint)
     for path in sorted(set(saved) | set(found)):
         if path not in found:
-            raise CheckpointError(f"{source}: entry '{path}' is missing (the checkpoint is damaged); use another checkpoint")
+            raise CheckpointError(
+                f"{source}: entry '{path}' is missing (the checkpoint is damaged); use another checkpoint"
+            )
         if path not in saved:
-            raise CheckpointError(f"{source}: entry '{path}' has no checksum (the checkpoint is damaged); use another checkpoint")
+            raise CheckpointError(
+                f"{source}: entry '{path}' has no checksum (the checkpoint is damaged); use another checkpoint"
+            )
         if saved[path] != found[path]:
             raise CheckpointError(
                 f"{source}: entry '{path}' is damaged (its checksum does not match the one saved); use another checkpoint"
@@ -173,7 +177,9 @@ def _set_rng_state(rng: Mapping[str, Any]) -> None:
             tpu.set_rng_state(state, i)
 
 
-def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """Everything a resume needs, as one dict of CPU tensors.
 
     Args:
@@ -188,7 +194,9 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
     checkpoint = {
         "format": FORMAT,
         "model": _to_cpu(model.state_dict()),
-        "embedding_optimizers": {name: _to_cpu(m.optimizer_state_dict()) for name, m in _embedding_modules(model).items()},
+        "embedding_optimizers": {
+            name: _to_cpu(m.optimizer_state_dict()) for name, m in _embedding_modules(model).items()
+        },
         "optimizer": None if optimizer is None else _to_cpu(optimizer.state_dict()),
         "rng": _rng_state(),
         "extra": dict(extra or {}),
@@ -217,13 +225,19 @@ def _check_model_state(model: nn.Module, state: Mapping[str, Any]) -> None:
         raise ValueError(f"checkpoint does not fit the model: missing keys {missing}, unexpected keys {unexpected}")
     for key, target in mine.items():
         value = state[key]
-        if isinstance(target, torch.Tensor) and (not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape)):
+        if isinstance(target, torch.Tensor) and (
+            not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape)
+        ):
             got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
             raise ValueError(f"checkpoint entry {key} has shape {got}, the model's is {tuple(target.shape)}")
 
 
 def load_state_dict(
-    model: nn.Module, checkpoint: Mapping[str, Any], optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = True
+    model: nn.Module,
+    checkpoint: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    restore_rng: bool = True,
 ) -> dict[str, Any]:
     """Restores what :func:`state_dict` returned.
 
@@ -258,11 +272,18 @@ def _check_integrity(checkpoint: Any, source: str) -> None:
         _warn_unchecked(source)
     for key in ("model", "embedding_optimizers", "optimizer"):
         if key not in checkpoint:
-            raise CheckpointError(f"{source}: entry '/{key}' is missing (the checkpoint is damaged); use another checkpoint")
+            raise CheckpointError(
+                f"{source}: entry '/{key}' is missing (the checkpoint is damaged); use another checkpoint"
+            )
 
 
 def _load_checked(
-    model: nn.Module, checkpoint: Mapping[str, Any], optimizer: torch.optim.Optimizer | None, *, restore_rng: bool, source: str
+    model: nn.Module,
+    checkpoint: Mapping[str, Any],
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    restore_rng: bool,
+    source: str,
 ) -> dict[str, Any]:
     _check_integrity(checkpoint, source)
     _check_model_state(model, checkpoint["model"])
@@ -309,7 +330,12 @@ def _validate_dense_optimizer(optimizer: torch.optim.Optimizer, state: Mapping[s
             )
 
 
-def save(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, extra: Mapping[str, Any] | None = None) -> Path:
+def save(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
     """Writes :func:`state_dict` to ``path`` atomically, with checksums.
 
     The file is written under a temporary name in the same folder, sealed with
@@ -411,7 +437,13 @@ def _remove_leftovers(folder: Path) -> None:
             continue  # being written by another save, or already gone
 
 
-def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, restore_rng: bool = True) -> dict[str, Any]:
+def load(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
     """Restores a checkpoint written by :func:`save` (see :func:`load_state_dict`).
 
     The file's hash and every entry's checksum are checked before anything is written.
@@ -436,9 +468,13 @@ def load(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optim
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # torch reports a damaged zip or pickle in many ways
-        raise CheckpointError(f"{path}: not a readable checkpoint, the file is damaged ({type(e).__name__}: {e})") from e
+        raise CheckpointError(
+            f"{path}: not a readable checkpoint, the file is damaged ({type(e).__name__}: {e})"
+        ) from e
     if isinstance(checkpoint, Mapping) and "checksums" in checkpoint and not sealed:
-        raise CheckpointError(f"{path}: the file hash written by save is missing (a truncated or damaged file); use another checkpoint")
+        raise CheckpointError(
+            f"{path}: the file hash written by save is missing (a truncated or damaged file); use another checkpoint"
+        )
     return _load_checked(model, checkpoint, optimizer, restore_rng=restore_rng, source=str(path))
 
 

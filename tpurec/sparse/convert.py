@@ -63,7 +63,9 @@ def _refuse_unsupported(model: nn.Module) -> None:
     managed = (BaseManagedCollisionEmbeddingCollection, ManagedCollisionCollection)
     unsupported = (EmbeddingCollectionInterface,)
     for name, module in model.named_modules():
-        if type(module).__module__.startswith("tpurec.") or isinstance(module, (TorchrecEBC, FusedEmbeddingBagCollection, TorchrecEC, *managed)):
+        if type(module).__module__.startswith("tpurec.") or isinstance(
+            module, (TorchrecEBC, FusedEmbeddingBagCollection, TorchrecEC, *managed)
+        ):
             continue
         if _is_torchrec_quant_ebc(module):
             _refuse_unsupported_quant(name, module)
@@ -138,7 +140,9 @@ def _refuse_unsupported_quant(name: str, module: nn.Module) -> None:
 
 
 def _refuse_optimizer_for_quant(model: nn.Module, optimizer: EmbeddingOptimizer | None) -> None:
-    quantized = [f"model.{name}" if name else "the model" for name, m in model.named_modules() if _is_torchrec_quant_ebc(m)]
+    quantized = [
+        f"model.{name}" if name else "the model" for name, m in model.named_modules() if _is_torchrec_quant_ebc(m)
+    ]
     if quantized and optimizer is not None:
         raise ValueError(
             f"from_torchrec got optimizer={type(optimizer).__name__}, but {quantized} hold quantized tables, which "
@@ -155,8 +159,11 @@ def _convert_sequence(
 ) -> EmbeddingCollection:
     chosen, in_backward = _optimizer_of(module, optimizer)
     new = EmbeddingCollection(
-        tables=module.embedding_configs(), need_indices=module.need_indices(), optimizer=chosen,
-        max_seq_len=max_seq_len, **kwargs,
+        tables=module.embedding_configs(),
+        need_indices=module.need_indices(),
+        optimizer=chosen,
+        max_seq_len=max_seq_len,
+        **kwargs,
     )
     if in_backward:
         new.bags.optimizer_semantics = "torch"
@@ -177,7 +184,9 @@ def _fused_slots(module: FusedEmbeddingBagCollection) -> dict[str, list[torch.Te
     return out
 
 
-def _convert(module: nn.Module, optimizer: EmbeddingOptimizer | None, kwargs: Mapping[str, Any]) -> EmbeddingBagCollection:
+def _convert(
+    module: nn.Module, optimizer: EmbeddingOptimizer | None, kwargs: Mapping[str, Any]
+) -> EmbeddingBagCollection:
     chosen, in_backward = _optimizer_of(module, optimizer)
     new = EmbeddingBagCollection(
         tables=module.embedding_bag_configs(), is_weighted=module.is_weighted(), optimizer=chosen, **kwargs

@@ -133,8 +133,11 @@ class LookupPlan:
             )
         configs = {
             t["name"]: EmbeddingBagConfig(
-                name=t["name"], embedding_dim=t["embedding_dim"], num_embeddings=t["num_embeddings"],
-                feature_names=list(t["feature_names"]), pooling=PoolingType[t["pooling"]],
+                name=t["name"],
+                embedding_dim=t["embedding_dim"],
+                num_embeddings=t["num_embeddings"],
+                feature_names=list(t["feature_names"]),
+                pooling=PoolingType[t["pooling"]],
             )
             for t in spec["tables"]
         }
@@ -147,8 +150,10 @@ class LookupPlan:
         self.overflow: str = spec["overflow"]
         caps = spec["capacities"]  # None (grown on demand), one for every stack, or one per stack name
         self.fixed_capacities: Capacity | dict[str, Capacity] | None = (
-            None if caps is None
-            else _capacity(caps) if isinstance(caps, list)
+            None
+            if caps is None
+            else _capacity(caps)
+            if isinstance(caps, list)
             else {name: _capacity(c) for name, c in caps.items()}
         )
         self.grown_capacities: dict[str, Capacity] = {k: _capacity(v) for k, v in spec["grown_capacities"].items()}
@@ -180,8 +185,12 @@ class LookupPlan:
         """
         if self.fixed_capacities is not None:
             return preprocess_kjt(
-                features, self.stacks, self.num_partitions, self.fixed_capacities,
-                is_weighted=self.is_weighted, overflow=self.overflow,  # type: ignore[arg-type]
+                features,
+                self.stacks,
+                self.num_partitions,
+                self.fixed_capacities,
+                is_weighted=self.is_weighted,
+                overflow=self.overflow,  # type: ignore[arg-type]
             )
         caps = {st.name: self.grown_capacities.get(st.name, Capacity(8)) for st in self.stacks}
         try:
@@ -223,7 +232,9 @@ def embedding_bag_collection(
     """
     plan = LookupPlan.of(layout)
     _check_weights(plan, stacked_weights)
-    features = KeyedJaggedTensor(keys=json.loads(keys), values=values, weights=weights, lengths=lengths, offsets=offsets)
+    features = KeyedJaggedTensor(
+        keys=json.loads(keys), values=values, weights=weights, lengths=lengths, offsets=offsets
+    )
     batch = plan.preprocess(features)
     b = batch.batch_size
     device = stacked_weights[0].device
@@ -306,8 +317,13 @@ def _lookup(features: KeyedJaggedTensor, stacked_weights: list[torch.Tensor], la
             "without inverse_indices"
         )
     return torch.ops.tpurec.embedding_bag_collection(
-        stacked_weights, features.values(), features.weights_or_none(), features.lengths_or_none(),
-        features.offsets_or_none(), json.dumps(list(features.keys())), layout,
+        stacked_weights,
+        features.values(),
+        features.weights_or_none(),
+        features.lengths_or_none(),
+        features.offsets_or_none(),
+        json.dumps(list(features.keys())),
+        layout,
     )
 
 

@@ -161,7 +161,9 @@ class HostManagedCollisionCollection(TorchrecMCC):
         new.train(mcc.training)
         return new
 
-    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> "HostManagedCollisionCollection":
+    def _apply(
+        self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True
+    ) -> "HostManagedCollisionCollection":
         def on_host(t: torch.Tensor) -> torch.Tensor:
             # A move off the host would replace the buffers while _mch_metadata and the history
             # buffers (plain attributes) keep the old tensors: keep them all where the remap runs.
@@ -243,8 +245,12 @@ class ManagedCollisionEmbeddingBagCollection(TorchrecMCEBC):
         allow_in_place_embed_weight_update: bool = False,
     ) -> None:
         _init_managed(
-            self, embedding_bag_collection, embedding_bag_collection.embedding_bag_configs(),
-            managed_collision_collection, return_remapped_features, allow_in_place_embed_weight_update,
+            self,
+            embedding_bag_collection,
+            embedding_bag_collection.embedding_bag_configs(),
+            managed_collision_collection,
+            return_remapped_features,
+            allow_in_place_embed_weight_update,
         )
 
     # The remap is data-dependent host code: under torch.compile it runs outside the graph.
@@ -281,8 +287,12 @@ class ManagedCollisionEmbeddingCollection(TorchrecMCEC):
         allow_in_place_embed_weight_update: bool = False,
     ) -> None:
         _init_managed(
-            self, embedding_collection, embedding_collection.embedding_configs(),
-            managed_collision_collection, return_remapped_features, allow_in_place_embed_weight_update,
+            self,
+            embedding_collection,
+            embedding_collection.embedding_configs(),
+            managed_collision_collection,
+            return_remapped_features,
+            allow_in_place_embed_weight_update,
         )
 
     @torch.compiler.disable
@@ -332,10 +342,16 @@ def convert_managed(model: nn.Module, convert: Callable[[nn.Module], nn.Module])
     def replacement(module: nn.Module) -> nn.Module:
         if isinstance(module, TorchrecMCC):
             return HostManagedCollisionCollection.from_torchrec(module)
-        cls = ManagedCollisionEmbeddingBagCollection if isinstance(module, TorchrecMCEBC) else ManagedCollisionEmbeddingCollection
+        cls = (
+            ManagedCollisionEmbeddingBagCollection
+            if isinstance(module, TorchrecMCEBC)
+            else ManagedCollisionEmbeddingCollection
+        )
         new = cls(
-            convert(module._embedding_module), module._managed_collision_collection,
-            module._return_remapped_features, module._allow_in_place_embed_weight_update,
+            convert(module._embedding_module),
+            module._managed_collision_collection,
+            module._return_remapped_features,
+            module._allow_in_place_embed_weight_update,
         )
         new.train(module.training)
         return new

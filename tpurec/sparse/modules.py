@@ -193,8 +193,12 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         # Set while tpurec.sparse.checkpoint loads the tables with their optimizer state
         # (so load_state_dict does not warn that the optimizer restarts).
         self._optimizer_state_follows = False
-        self._embedding_names: list[str] = [n for names in get_embedding_names_by_table(self._embedding_bag_configs) for n in names]
-        self._length_per_key: list[int] = [t.embedding_dim for t in self._embedding_bag_configs for _ in t.feature_names]
+        self._embedding_names: list[str] = [
+            n for names in get_embedding_names_by_table(self._embedding_bag_configs) for n in names
+        ]
+        self._length_per_key: list[int] = [
+            t.embedding_dim for t in self._embedding_bag_configs for _ in t.feature_names
+        ]
         # Output order (torchrec's): tables in order, features in order -> (stack, slot). A
         # feature of two tables has a slot in each (outputs "<feature>@<table>").
         where = {(s.table, s.feature): (i, s.slot) for i, st in enumerate(self._stacks) for s in st.features}
@@ -228,7 +232,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             self.register_parameter(f"stacked_weight_{i}", nn.Parameter(weight))
             for slot, shape in self._slot_names_and_shapes():
                 size = (st.num_rows,) if shape == "row" else (st.num_rows, st.embedding_dim)
-                self.register_buffer(f"stacked_{slot}_{i}", torch.zeros(size, dtype=torch.float32, device=where), persistent=False)
+                self.register_buffer(
+                    f"stacked_{slot}_{i}", torch.zeros(size, dtype=torch.float32, device=where), persistent=False
+                )
         if device is not None and not on_meta:
             self.to(device)
 
@@ -271,8 +277,12 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         except growing automatic capacities)."""
         if self._fixed_capacities is not None:
             return preprocess_kjt(
-                features, self._stacks, self.num_partitions, self._fixed_capacities,
-                is_weighted=self._is_weighted, overflow=self.overflow,
+                features,
+                self._stacks,
+                self.num_partitions,
+                self._fixed_capacities,
+                is_weighted=self._is_weighted,
+                overflow=self.overflow,
             )
         caps = {st.name: self._auto_capacities.get(st.name, Capacity(8)) for st in self._stacks}
         try:
@@ -282,7 +292,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             for st in self._stacks:
                 csr, old = needed.stacks[st.name], caps[st.name]
                 ids = max(old.max_ids_per_partition, 2 ** math.ceil(math.log2(max(int(csr.max_ids.max()), 1))))
-                uniq = max(old.max_unique_ids_per_partition, 2 ** math.ceil(math.log2(max(int(csr.max_unique_ids.max()), 1))))
+                uniq = max(
+                    old.max_unique_ids_per_partition, 2 ** math.ceil(math.log2(max(int(csr.max_unique_ids.max()), 1)))
+                )
                 self._auto_capacities[st.name] = Capacity(ids, min(uniq, ids))
             caps = {st.name: self._auto_capacities.get(st.name, Capacity(8)) for st in self._stacks}
             return preprocess_kjt(features, self._stacks, self.num_partitions, caps, is_weighted=self._is_weighted)
@@ -391,9 +403,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 arrays = prefetched[1][i]
             else:
                 arrays = [torch.from_numpy(a).to(device) for a in batch.stacks[st.name].arrays()]
-            out = _FusedLookup.apply(
-                self.stacked_weight(i), *arrays, self, i, st.num_slots * batch.batch_size
-            )
+            out = _FusedLookup.apply(self.stacked_weight(i), *arrays, self, i, st.num_slots * batch.batch_size)
             if batch.inverse_indices is not None:
                 # TorchRec's process_pooled_embeddings: output sample b of a feature is the
                 # bag inverse_indices name; the gather's backward sums the gradients of the
@@ -403,7 +413,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         # One [batch, slots * dim] block per run of consecutive slots: a transpose per
         # run, not a select per feature (whose backward would add up full-size zeros).
         blocks = [
-            stack_outputs[i][first:last].transpose(0, 1).reshape(out_batch, (last - first) * self._stacks[i].embedding_dim)
+            stack_outputs[i][first:last]
+            .transpose(0, 1)
+            .reshape(out_batch, (last - first) * self._stacks[i].embedding_dim)
             for i, first, last in self._output_runs
         ]
         values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
@@ -539,7 +551,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             w = w if keep_vars else w.detach()
             destination[prefix + key] = w[offset : offset + rows]
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # Every table is checked before any is written: a bad checkpoint changes nothing.
         expected, writes = set(), []
         for key, i, offset, rows in self._table_keys():
@@ -551,7 +565,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             value = state_dict[full]
             target = self.stacked_weight(i)[offset : offset + rows]
             if tuple(value.shape) != tuple(target.shape):
-                error_msgs.append(f"size mismatch for {full}: checkpoint {tuple(value.shape)}, model {tuple(target.shape)}")
+                error_msgs.append(
+                    f"size mismatch for {full}: checkpoint {tuple(value.shape)}, model {tuple(target.shape)}"
+                )
                 continue
             writes.append((target, value))
         if strict:
@@ -581,7 +597,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         """
         state: dict[str, dict[str, torch.Tensor]] = {}
         for key, i, offset, rows in self._table_keys():
-            state[key] = {s: getattr(self, f"stacked_{s}_{i}")[offset : offset + rows] for s, _ in self._slot_names_and_shapes()}
+            state[key] = {
+                s: getattr(self, f"stacked_{s}_{i}")[offset : offset + rows] for s, _ in self._slot_names_and_shapes()
+            }
         name = None if self.optimizer is None else type(self.optimizer).__name__
         return {"optimizer": name, "steps": list(self._steps), "state": state}
 
@@ -601,7 +619,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         mine = self.optimizer_state_dict()
         if not isinstance(state_dict, Mapping) or "steps" not in state_dict or "state" not in state_dict:
             keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
-            raise ValueError(f"an embedding optimizer state needs 'steps' and 'state' (from optimizer_state_dict()), got {keys}")
+            raise ValueError(
+                f"an embedding optimizer state needs 'steps' and 'state' (from optimizer_state_dict()), got {keys}"
+            )
         theirs = state_dict.get("optimizer", mine["optimizer"])
         if theirs != mine["optimizer"]:
             raise ValueError(
@@ -614,7 +634,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             or len(steps) != len(mine["steps"])
             or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in steps)
         ):
-            raise ValueError(f"steps must be {len(mine['steps'])} non-negative ints (one per stacked table), got {steps!r}")
+            raise ValueError(
+                f"steps must be {len(mine['steps'])} non-negative ints (one per stacked table), got {steps!r}"
+            )
         state = state_dict["state"]
         if not isinstance(state, Mapping) or set(state) != set(mine["state"]):
             got = sorted(state) if isinstance(state, Mapping) else type(state).__name__

@@ -40,7 +40,13 @@ from tpurec.dense.registry import lower, to_jax_dtype
 from tpurec.sparse.kernels import native, reference, tpu
 
 __all__ = [
-    "OP_NAMES", "SCHEMAS", "check_arguments", "jitted_kernel", "kernel_for", "output_dtype", "touched_rows_update_cpu",
+    "OP_NAMES",
+    "SCHEMAS",
+    "check_arguments",
+    "jitted_kernel",
+    "kernel_for",
+    "output_dtype",
+    "touched_rows_update_cpu",
 ]
 
 _CSR = "Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, Tensor gains"
@@ -93,7 +99,9 @@ def _to_torch(a: jax.Array, like: torch.Tensor) -> torch.Tensor:
 _ROWS_JIT = jax.jit(reference.touched_rows_update, static_argnames=("op_name",))
 
 
-def touched_rows_update_cpu(op_name: str, tensors: list[torch.Tensor], hyperparameters: dict[str, float]) -> list[torch.Tensor]:
+def touched_rows_update_cpu(
+    op_name: str, tensors: list[torch.Tensor], hyperparameters: dict[str, float]
+) -> list[torch.Tensor]:
     """Gradient op ``op_name`` on CPU tensors, returning only the touched rows.
 
     ``tensors`` are the op's tensor arguments (CSR, grad_output, table, slots).
@@ -111,10 +119,15 @@ _STATE_ARGUMENTS: dict[str, tuple[tuple[str, str], ...]] = {
     "sparse_dense_matmul_grad_with_sgd": (("grad_output", "grad"), ("table", "table")),
     "sparse_dense_matmul_grad_with_adagrad": (("grad_output", "grad"), ("table", "table"), ("accumulator", "table")),
     "sparse_dense_matmul_grad_with_rowwise_adagrad": (
-        ("grad_output", "grad"), ("table", "table"), ("accumulator", "rows"),
+        ("grad_output", "grad"),
+        ("table", "table"),
+        ("accumulator", "rows"),
     ),
     "sparse_dense_matmul_grad_with_adam": (
-        ("grad_output", "grad"), ("table", "table"), ("momentum1", "table"), ("momentum2", "table"),
+        ("grad_output", "grad"),
+        ("table", "table"),
+        ("momentum1", "table"),
+        ("momentum2", "table"),
     ),
 }
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
@@ -160,7 +173,8 @@ def check_arguments(name: str, tensors, kwargs) -> None:
             hint = (
                 "; ids are rows of the stacked table, below 2**31 - 1: convert with .to(torch.int32) after checking "
                 "they fit (preprocess_kjt builds valid CSR input)"
-                if want == "int32" else "; convert with .to(torch.float32)"
+                if want == "int32"
+                else "; convert with .to(torch.float32)"
             )
             raise ArgumentTypeError(f"{op}: {arg} must be {want}, got {_dtype_name(x)}{hint}")
         if len(x.shape) != 1:
@@ -174,7 +188,9 @@ def check_arguments(name: str, tensors, kwargs) -> None:
         )
     for arg, x in (("sample_ids", sample_ids), ("gains", gains)):
         if x.shape[0] != entries:
-            raise ArgumentValueError(f"{op}: {arg} has {x.shape[0]} entries, embedding_ids has {entries}; they must match")
+            raise ArgumentValueError(
+                f"{op}: {arg} has {x.shape[0]} entries, embedding_ids has {entries}; they must match"
+            )
     table = state["table"]
     for arg, x in state.items():
         if _dtype_name(x) not in _FLOAT_NAMES:
@@ -192,9 +208,13 @@ def check_arguments(name: str, tensors, kwargs) -> None:
         if kind == "table" and tuple(x.shape) != (rows, dim):
             raise ArgumentValueError(f"{op}: {arg} must have the table's shape {(rows, dim)}, got {tuple(x.shape)}")
         if kind == "rows" and tuple(x.shape) != (rows,):
-            raise ArgumentValueError(f"{op}: {arg} must be [rows] = {(rows,)} (one entry per table row), got {tuple(x.shape)}")
+            raise ArgumentValueError(
+                f"{op}: {arg} must be [rows] = {(rows,)} (one entry per table row), got {tuple(x.shape)}"
+            )
         if kind == "grad" and (len(x.shape) != 2 or x.shape[1] != dim):
-            raise ArgumentValueError(f"{op}: {arg} must be [batch, {dim}] (the table's dim), got shape {tuple(x.shape)}")
+            raise ArgumentValueError(
+                f"{op}: {arg} must be [batch, {dim}] (the table's dim), got shape {tuple(x.shape)}"
+            )
     batch_size = kwargs.get("batch_size")
     if batch_size is not None and batch_size < 0:
         raise ArgumentValueError(f"{op}: batch_size must be >= 0, got {batch_size}")

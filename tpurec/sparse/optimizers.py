@@ -219,7 +219,13 @@ _MISSING = object()
 # torch.optim.Adagrad and torchrec.optim.RowWiseAdagrad default to eps=1e-10 (FBGEMM: 1e-8).
 _TORCH_EPS: dict[type, dict[str, float]] = {Adagrad: {"eps": 1.0e-10}, RowWiseAdagrad: {"eps": 1.0e-10}}
 _TORCH_NO_OPS: dict[str, Any] = {
-    "weight_decay": 0, "lr_decay": 0, "initial_accumulator_value": 0, "maximize": False, "foreach": None, "differentiable": False, "fused": None,
+    "weight_decay": 0,
+    "lr_decay": 0,
+    "initial_accumulator_value": 0,
+    "maximize": False,
+    "foreach": None,
+    "differentiable": False,
+    "fused": None,
 }
 
 

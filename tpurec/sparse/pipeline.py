@@ -86,7 +86,9 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         ValueError: ``prefetch`` below 1.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | str, *, prefetch: int = 1) -> None:
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | str, *, prefetch: int = 1
+    ) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1 (batches prepared ahead), got {prefetch}")
         super().__init__()  # TorchRec's pipeline state (IDLE)
@@ -101,8 +103,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         # remapped in the step itself, after the previous step's evictions: none ahead of time.
         remapped = remapped_features(model)
         self._collections = [
-            m for m in model.modules()
-            if isinstance(m, Prefetching) and not set(m.feature_names) & remapped
+            m for m in model.modules() if isinstance(m, Prefetching) and not set(m.feature_names) & remapped
         ]
         # A model sharded by tpurec.shard: its batch tensors go straight to the
         # mesh, split along the batch dim, as the model's own input hook would
@@ -205,7 +206,9 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
 
         from tpurec.core.tensor import wrap
 
-        batch = map_batch(item, lambda t: wrap(t.array, t.index, t.dtype) if isinstance(t, _OnDevice) else t, lambda k: k)
+        batch = map_batch(
+            item, lambda t: wrap(t.array, t.index, t.dtype) if isinstance(t, _OnDevice) else t, lambda k: k
+        )
         training = self._model.training
         if training:
             self._optimizer.zero_grad()

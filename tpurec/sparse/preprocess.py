@@ -46,7 +46,16 @@ from tpurec.sparse.types import (
     TableInStack,
 )
 
-__all__ = ["stack_tables", "preprocess_kjt", "suggest_capacities", "FeatureBatch", "Batching", "read_kjt", "read_batching", "shared_features"]
+__all__ = [
+    "stack_tables",
+    "preprocess_kjt",
+    "suggest_capacities",
+    "FeatureBatch",
+    "Batching",
+    "read_kjt",
+    "read_batching",
+    "shared_features",
+]
 
 Overflow = Literal["error", "drop"]
 
@@ -99,7 +108,9 @@ def stack_tables(tables: Sequence[EmbeddingBagConfig], stack: bool = True) -> li
                 slots.append(FeatureSlot(f, t.name, len(slots), offset, t.num_embeddings, t.pooling))
             offset += t.num_embeddings
         if offset >= PAD_ID:
-            raise ValueError(f"stack of tables {[t.name for t in group]} has {offset} rows; ids must stay below {PAD_ID}")
+            raise ValueError(
+                f"stack of tables {[t.name for t in group]} has {offset} rows; ids must stay below {PAD_ID}"
+            )
         name = "__".join(t.name for t in group)
         stacks.append(StackedTable(name, group[0].embedding_dim, tuple(members), tuple(slots)))
     return stacks
@@ -235,7 +246,9 @@ def _read_kjt(
     # Rule 2: the keys are exactly the tables' features.
     unknown = [k for k in keys if k not in slots]
     if unknown:
-        raise ValueError(f"features {unknown} of the KeyedJaggedTensor are not in any table (known features: {sorted(slots)})")
+        raise ValueError(
+            f"features {unknown} of the KeyedJaggedTensor are not in any table (known features: {sorted(slots)})"
+        )
     missing = [f for f in slots if f not in keys]
     if missing:
         raise ValueError(f"features {missing} used by the tables are missing from the KeyedJaggedTensor (keys: {keys})")
@@ -457,7 +470,13 @@ def _stack_csr(
     out_gains[pos] = gains
     row_pointers = (np.arange(P) * size + kept).astype(np.int32)
     return StackedCsr(
-        row_pointers, out_ids, out_samples, out_gains, counts.astype(np.int32), unique_counts.astype(np.int32), dropped,
+        row_pointers,
+        out_ids,
+        out_samples,
+        out_gains,
+        counts.astype(np.int32),
+        unique_counts.astype(np.int32),
+        dropped,
         dropped_by_feature,
     )
 

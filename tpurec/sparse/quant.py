@@ -98,8 +98,12 @@ def quantized_sparse_dense_matmul(
         ``[batch_size, embedding_dim]`` of ``output_dtype`` (float32 sums, rounded once).
     """
     op = "torch.ops.tpurec.quantized_sparse_dense_matmul"
-    csr = (("row_pointers", row_pointers, "int32"), ("embedding_ids", embedding_ids, "int32"),
-           ("sample_ids", sample_ids, "int32"), ("gains", gains, "float32"))
+    csr = (
+        ("row_pointers", row_pointers, "int32"),
+        ("embedding_ids", embedding_ids, "int32"),
+        ("sample_ids", sample_ids, "int32"),
+        ("gains", gains, "float32"),
+    )
     for name, x, want in csr:
         # Never cast ids: an int64 id of 2**32 + 1 must not silently read row 1.
         if jnp.dtype(x.dtype).name != want or x.ndim != 1:
@@ -107,15 +111,21 @@ def quantized_sparse_dense_matmul(
                 f"{op}: {name} must be 1-D {want} (preprocess_kjt builds valid CSR input), got "
                 f"{jnp.dtype(x.dtype).name} {tuple(x.shape)}"
             )
-    if not sample_ids.shape == gains.shape == embedding_ids.shape or embedding_ids.shape[0] % max(row_pointers.shape[0], 1):
+    if not sample_ids.shape == gains.shape == embedding_ids.shape or embedding_ids.shape[0] % max(
+        row_pointers.shape[0], 1
+    ):
         raise ValueError(
             f"{op}: embedding_ids, sample_ids and gains need one equal length, a multiple of the "
             f"{row_pointers.shape[0]} partitions; got {embedding_ids.shape[0]}, {sample_ids.shape[0]}, {gains.shape[0]}"
         )
     if jnp.dtype(table.dtype) != jnp.uint8 or table.ndim != 2:
-        raise ValueError(f"{op}: table must be uint8 [rows, row_bytes], got {jnp.dtype(table.dtype).name} {tuple(table.shape)}")
+        raise ValueError(
+            f"{op}: table must be uint8 [rows, row_bytes], got {jnp.dtype(table.dtype).name} {tuple(table.shape)}"
+        )
     if bits not in (8, 4, 2) or embedding_dim * bits % 8:
-        raise ValueError(f"{op}: bits must be 8, 4 or 2 with embedding_dim * bits a multiple of 8, got {bits}, {embedding_dim}")
+        raise ValueError(
+            f"{op}: bits must be 8, 4 or 2 with embedding_dim * bits a multiple of 8, got {bits}, {embedding_dim}"
+        )
     data_bytes = embedding_dim * bits // 8
     if table.shape[1] < SCALE_BIAS_BYTES + data_bytes:
         raise ValueError(
@@ -345,12 +355,18 @@ class QuantEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         for i, (st, bits) in enumerate(zip(self._stacks, self._stack_bits)):
             arrays = [torch.from_numpy(a).to(device) for a in batch.stacks[st.name].arrays()]
             out = torch.ops.tpurec.quantized_sparse_dense_matmul(
-                *arrays, self.stacked_weight(i), batch_size=st.num_slots * batch.batch_size, bits=bits,
-                embedding_dim=st.embedding_dim, output_dtype=dtype,
+                *arrays,
+                self.stacked_weight(i),
+                batch_size=st.num_slots * batch.batch_size,
+                bits=bits,
+                embedding_dim=st.embedding_dim,
+                output_dtype=dtype,
             )
             stack_outputs.append(out.view(st.num_slots, batch.batch_size, st.embedding_dim))
         blocks = [
-            stack_outputs[i][first:last].transpose(0, 1).reshape(batch.batch_size, (last - first) * self._stacks[i].embedding_dim)
+            stack_outputs[i][first:last]
+            .transpose(0, 1)
+            .reshape(batch.batch_size, (last - first) * self._stacks[i].embedding_dim)
             for i, first, last in self._output_runs
         ]
         values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
@@ -370,7 +386,9 @@ class QuantEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         for key, i, offset, rows, _dim, _bits in self._table_keys():
             destination[prefix + key] = self.stacked_weight(i)[offset : offset + rows]
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         # Every table is checked before any is written: a bad checkpoint changes nothing.
         expected, writes = set(), []
         for key, i, offset, rows, dim, bits in self._table_keys():
@@ -460,8 +478,13 @@ def unsupported_quant_reason(module: nn.Module) -> str | None:
         return f"output_dtype {module.output_dtype()} (tpurec's pooled output is float32, float16 or bfloat16)"
     for emb in module._emb_modules:
         if type(emb) is not IntNBitTableBatchedEmbeddingBagsCodegen:
-            return f"its tables are held by {type(emb).__qualname__}, not FBGEMM's IntNBitTableBatchedEmbeddingBagsCodegen"
-        if getattr(emb, "reverse_qparam", False) or getattr(emb, "scale_bias_size_in_bytes", SCALE_BIAS_BYTES) != SCALE_BIAS_BYTES:
+            return (
+                f"its tables are held by {type(emb).__qualname__}, not FBGEMM's IntNBitTableBatchedEmbeddingBagsCodegen"
+            )
+        if (
+            getattr(emb, "reverse_qparam", False)
+            or getattr(emb, "scale_bias_size_in_bytes", SCALE_BIAS_BYTES) != SCALE_BIAS_BYTES
+        ):
             return "its rows keep scale and bias at the end (reverse_qparam) or in another size"
         remapped = (
             getattr(emb, "index_remapping_hash_table_cpu", None) is not None
@@ -497,8 +520,12 @@ def from_torchrec_quant(
     if reason is not None:
         raise NotImplementedError(f"from_torchrec cannot convert this quantized EmbeddingBagCollection: {reason}")
     new = QuantEmbeddingBagCollection(
-        tables=module.embedding_bag_configs(), is_weighted=module.is_weighted(), output_dtype=module.output_dtype(),
-        num_partitions=num_partitions, capacities=capacities, row_alignment=module.row_alignment,
+        tables=module.embedding_bag_configs(),
+        is_weighted=module.is_weighted(),
+        output_dtype=module.output_dtype(),
+        num_partitions=num_partitions,
+        capacities=capacities,
+        row_alignment=module.row_alignment,
     )
     with torch.no_grad():
         for (_key, tables), emb in zip(module._key_to_tables.items(), module._emb_modules):

@@ -81,7 +81,9 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
             raise ValueError("EmbeddingCollection needs at least one table")
         dims = {t.embedding_dim for t in tables}
         if len(dims) > 1:
-            raise ValueError(f"all tables of an EmbeddingCollection have one embedding dim (as in TorchRec), got {sorted(dims)}")
+            raise ValueError(
+                f"all tables of an EmbeddingCollection have one embedding dim (as in TorchRec), got {sorted(dims)}"
+            )
         for feature, names in shared_features(tables).items():
             raise NotImplementedError(
                 f"feature {feature!r} is looked up in tables {names}: tpurec's EmbeddingCollection gives each feature "
@@ -104,23 +106,36 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
             unknown = sorted(set(max_seq_len) - set(features))
             if unknown:
                 raise ValueError(f"max_seq_len names features {unknown} that no table has")
-        for value in (max_seq_len.values() if isinstance(max_seq_len, Mapping) else [max_seq_len]):
+        for value in max_seq_len.values() if isinstance(max_seq_len, Mapping) else [max_seq_len]:
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"max_seq_len must be a positive int, got {value!r}")
         self._max_seq_len = max_seq_len
         self._seen_seq_len = 1
         bags = [
             EmbeddingBagConfig(
-                name=t.name, embedding_dim=t.embedding_dim, num_embeddings=t.num_embeddings,
-                feature_names=list(t.feature_names), pooling=PoolingType.SUM, data_type=t.data_type,
-                init_fn=t.init_fn, weight_init_min=t.weight_init_min, weight_init_max=t.weight_init_max,
+                name=t.name,
+                embedding_dim=t.embedding_dim,
+                num_embeddings=t.num_embeddings,
+                feature_names=list(t.feature_names),
+                pooling=PoolingType.SUM,
+                data_type=t.data_type,
+                init_fn=t.init_fn,
+                weight_init_min=t.weight_init_min,
+                weight_init_max=t.weight_init_max,
             )
             for t in tables
         ]
-        self.add_module(_BAGS, EmbeddingBagCollection(
-            bags, optimizer=optimizer, optimizer_kwargs=optimizer_kwargs, device=device,
-            num_partitions=num_partitions, capacities=capacities,
-        ))
+        self.add_module(
+            _BAGS,
+            EmbeddingBagCollection(
+                bags,
+                optimizer=optimizer,
+                optimizer_kwargs=optimizer_kwargs,
+                device=device,
+                num_partitions=num_partitions,
+                capacities=capacities,
+            ),
+        )
         self._register_state_dict_hook(_to_torchrec_keys)
         self._register_load_state_dict_pre_hook(_from_torchrec_keys)
 
@@ -215,7 +230,9 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
             rows[key] = np.flatnonzero(filled)  # bag index of each id, in KJT order
         one_id_bags = KeyedJaggedTensor.from_lengths_sync(
             keys=keys,
-            values=torch.cat([torch.from_numpy(per_feature[k].ids) for k in keys]) if keys else torch.zeros(0, dtype=torch.long),
+            values=torch.cat([torch.from_numpy(per_feature[k].ids) for k in keys])
+            if keys
+            else torch.zeros(0, dtype=torch.long),
             lengths=torch.from_numpy(np.concatenate(bag_lengths)) if keys else torch.zeros(0, dtype=torch.long),
         )
         pooled = self.bags(one_id_bags).to_dict()
@@ -231,18 +248,17 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
 
 
 def _rename(key: str, old: str, new: str) -> str:
-    return new + key[len(old):] if key.startswith(old) else key
+    return new + key[len(old) :] if key.startswith(old) else key
 
 
 def _to_torchrec_keys(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """``<prefix>_bags.embedding_bags.<t>.weight`` -> ``<prefix>embeddings.<t>.weight`` (TorchRec's keys)."""
     inner = f"{prefix}{_BAGS}.embedding_bags."
     for key in [k for k in state_dict if k.startswith(inner)]:
-        state_dict[f"{prefix}embeddings.{key[len(inner):]}"] = state_dict.pop(key)
+        state_dict[f"{prefix}embeddings.{key[len(inner) :]}"] = state_dict.pop(key)
 
 
 def _from_torchrec_keys(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
     outer = f"{prefix}embeddings."
     for key in [k for k in state_dict if k.startswith(outer)]:
-        state_dict[f"{prefix}{_BAGS}.embedding_bags.{key[len(outer):]}"] = state_dict.pop(key)
-
+        state_dict[f"{prefix}{_BAGS}.embedding_bags.{key[len(outer) :]}"] = state_dict.pop(key)

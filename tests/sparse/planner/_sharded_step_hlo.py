@@ -75,8 +75,10 @@ def _scenario(name: str):
 def main() -> None:
     jax.config.update("jax_enable_compilation_cache", False)  # cached programs are not dumped
     tables, capacity, make_ids = _scenario(sys.argv[1])
-    configs = [EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"{n}_f"])
-               for n, r, d, _, _ in tables]
+    configs = [
+        EmbeddingBagConfig(name=n, num_embeddings=r, embedding_dim=d, feature_names=[f"{n}_f"])
+        for n, r, d, _, _ in tables
+    ]
     meta = TorchrecEBC(tables=configs, device=torch.device("meta"))
     # local_size 4: table_row_wise(host_index=1) spreads rows over ranks 4..7.
     module_plan = construct_module_sharding_plan(
@@ -105,9 +107,22 @@ def main() -> None:
             found += [[c.kind, c.sent_bytes] for c in hlo_collectives(f.read(), DEVICES)]
     shutil.rmtree(DUMP, ignore_errors=True)
     json.dump(
-        {"collectives": found, "plan": plan_to_json(plan), "batch": batch, "capacity": capacity,
-         "tables": [{"name": n, "num_embeddings": r, "embedding_dim": d, "pooling_factor": float(pf),
-                     "feature_names": [f"{n}_f"]} for n, r, d, pf, _ in tables]},
+        {
+            "collectives": found,
+            "plan": plan_to_json(plan),
+            "batch": batch,
+            "capacity": capacity,
+            "tables": [
+                {
+                    "name": n,
+                    "num_embeddings": r,
+                    "embedding_dim": d,
+                    "pooling_factor": float(pf),
+                    "feature_names": [f"{n}_f"],
+                }
+                for n, r, d, pf, _ in tables
+            ],
+        },
         sys.stdout,
     )
 

@@ -32,8 +32,9 @@ def _simulate(p: TablePlacement, world: int, batch: int, seed: int = 0, row_wise
         # Every replica gathers every other device's entries and pooled-row gradients.
         for r in range(world):
             others = [d for d in range(world) if d != r]
-            out.dense_grad[r] = len(others) * (b * sum(int(x) for x in p.pooling_factors) * ID_BYTES
-                                               + b * features * p.dim * GRAD_BYTES)
+            out.dense_grad[r] = len(others) * (
+                b * sum(int(x) for x in p.pooling_factors) * ID_BYTES + b * features * p.dim * GRAD_BYTES
+            )
         return out
     for f, pf in enumerate(p.pooling_factors):
         ids = torch.randint(0, p.rows, (batch, int(pf)), generator=gen)
@@ -99,18 +100,25 @@ def test_column_wise_every_shard_gets_every_id():
 
 def test_row_wise_matches_simulated_routing():
     # Expected counts vs one large random batch: within 2%.
-    _check(TablePlacement("t", "row_wise", 100_000, 8, [4.0, 1.0], [0, 1, 2, 3], [8] * 4), world=4, batch=8192,
-           rel=0.02)
+    _check(
+        TablePlacement("t", "row_wise", 100_000, 8, [4.0, 1.0], [0, 1, 2, 3], [8] * 4), world=4, batch=8192, rel=0.02
+    )
 
 
 def test_table_row_wise_group_inside_the_mesh():
-    _check(TablePlacement("t", "table_row_wise", 100_000, 8, [3.0], [4, 5, 6, 7], [8] * 4), world=8, batch=8192,
-           rel=0.02)
+    _check(
+        TablePlacement("t", "table_row_wise", 100_000, 8, [3.0], [4, 5, 6, 7], [8] * 4), world=8, batch=8192, rel=0.02
+    )
 
 
 def test_row_wise_sparse_partial_sums_match_simulation():
-    _check(TablePlacement("t", "row_wise", 100_000, 8, [3.0], list(range(8)), [8] * 8), world=8, batch=16384,
-           rel=0.03, row_wise_output="sparse")
+    _check(
+        TablePlacement("t", "row_wise", 100_000, 8, [3.0], list(range(8)), [8] * 8),
+        world=8,
+        batch=16384,
+        rel=0.03,
+        row_wise_output="sparse",
+    )
 
 
 def test_data_parallel_only_exchanges_gradients():
@@ -131,8 +139,9 @@ def test_bad_inputs_are_clear():
     with pytest.raises(ValueError, match="not one tpurec runs"):
         placement_distribution_bytes(TablePlacement("t", "grid_shard", 10, 4, [1.0], [0], [4]), 2, 8)
     with pytest.raises(ValueError, match="row_wise_output"):
-        placement_distribution_bytes(TablePlacement("t", "row_wise", 10, 4, [1.0], [0], [4]), 2, 8,
-                                     row_wise_output="dense")
+        placement_distribution_bytes(
+            TablePlacement("t", "row_wise", 10, 4, [1.0], [0], [4]), 2, 8, row_wise_output="dense"
+        )
 
 
 def test_plan_level_counts_agree_with_the_report_column():
@@ -199,7 +208,9 @@ def test_planner_bytes_equal_what_the_compiled_row_wise_program_moves():
     here = os.path.dirname(os.path.abspath(__file__))
     proc = subprocess.run(
         [sys.executable, os.path.join(here, "_rw_distribution_program.py")],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     sent = {}
@@ -208,10 +219,16 @@ def test_planner_bytes_equal_what_the_compiled_row_wise_program_moves():
 
     world, local_batch, pooling, dim, rows_per_shard = 8, 16, 4, 16, 100
     shards = [ShardMetadata([r * rows_per_shard, 0], [rows_per_shard, dim], f"rank:{r}/tpu:{r}") for r in range(world)]
-    sp = ShardingPlan({"": EmbeddingModuleShardingPlan({
-        "t": ParameterSharding("row_wise", "fused", list(range(world)), EnumerableShardingSpec(shards))})})
-    comm = distribution_bytes(sp, [TableSpec("t", world * rows_per_shard, dim, float(pooling))], world,
-                              world * local_batch)
+    sp = ShardingPlan(
+        {
+            "": EmbeddingModuleShardingPlan(
+                {"t": ParameterSharding("row_wise", "fused", list(range(world)), EnumerableShardingSpec(shards))}
+            )
+        }
+    )
+    comm = distribution_bytes(
+        sp, [TableSpec("t", world * rows_per_shard, dim, float(pooling))], world, world * local_batch
+    )
     assert set(sent) == {"all-to-all", "reduce-scatter", "all-gather"}
     assert sent["all-to-all"] == pytest.approx(max(comm.total.input_ids))  # 64 ids x 12 B x 7/8 = 672
     assert sent["reduce-scatter"] == pytest.approx(max(comm.total.output))  # 7/8 x 128 x 16 x 4 = 7168
@@ -221,13 +238,15 @@ def test_planner_bytes_equal_what_the_compiled_row_wise_program_moves():
 def test_hlo_collective_parsing_forms():
     from tpurec.sparse.planner import hlo_collectives
 
-    text = "\n".join([
-        "  a = (s32[4,2]{1,0}, f32[4]{0}) all-to-all(x, y), channel_id=1, replica_groups={{0,1},{2,3}}",
-        "  b = bf16[8,16]{1,0} all-reduce(z), replica_groups=[2,4]<=[8], to_apply=add",
-        "  c = f32[10]{0} collective-permute(w), source_target_pairs={{0,1}}",
-        "  d = f32[32]{0} all-gather-start(v), replica_groups={}, dimensions={0}",
-        "  e = f32[2,2]{1,0} add(p, q)",
-    ])
+    text = "\n".join(
+        [
+            "  a = (s32[4,2]{1,0}, f32[4]{0}) all-to-all(x, y), channel_id=1, replica_groups={{0,1},{2,3}}",
+            "  b = bf16[8,16]{1,0} all-reduce(z), replica_groups=[2,4]<=[8], to_apply=add",
+            "  c = f32[10]{0} collective-permute(w), source_target_pairs={{0,1}}",
+            "  d = f32[32]{0} all-gather-start(v), replica_groups={}, dimensions={0}",
+            "  e = f32[2,2]{1,0} add(p, q)",
+        ]
+    )
     got = hlo_collectives(text, num_devices=8)
     assert [c.kind for c in got] == ["all-to-all", "all-reduce", "collective-permute", "all-gather"]
     assert got[0].result_bytes == 4 * 2 * 4 + 4 * 4 and got[0].group_size == 2
@@ -249,7 +268,10 @@ def _run_sharded_step(scenario: str):
     env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
         [sys.executable, os.path.join(here, "_sharded_step_hlo.py"), scenario],
-        capture_output=True, text=True, timeout=600, env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)

@@ -24,12 +24,42 @@ TABLES = make_tables(dims=(8, 16, 64), rows=(40, 300, 2000), features=(("f0", "f
 )
 def test_cli_plan_loads_and_trains_sharded_like_unsharded(tmp_path, allowed):
     spec = tmp_path / "tables.json"
-    spec.write_text(json.dumps({"tables": [
-        {"name": t.name, "num_embeddings": t.num_embeddings, "embedding_dim": t.embedding_dim,
-         "feature_names": list(t.feature_names), "pooling_factor": 2.0} for t in TABLES]}))
+    spec.write_text(
+        json.dumps(
+            {
+                "tables": [
+                    {
+                        "name": t.name,
+                        "num_embeddings": t.num_embeddings,
+                        "embedding_dim": t.embedding_dim,
+                        "feature_names": list(t.feature_names),
+                        "pooling_factor": 2.0,
+                    }
+                    for t in TABLES
+                ]
+            }
+        )
+    )
     out = tmp_path / "plan.json"
-    assert cli_main(["--topology", "v5p-16", "--tables", str(spec), "--batch-size", "4096", "--timeout", "5",
-                     "--sharding-types", allowed, "--json", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "--topology",
+                "v5p-16",
+                "--tables",
+                str(spec),
+                "--batch-size",
+                "4096",
+                "--timeout",
+                "5",
+                "--sharding-types",
+                allowed,
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     plan = load_plan(out)
     kinds = {ps.sharding_type for ps in plan.plan[""].values()}
     assert kinds and kinds <= set(allowed.split(","))
@@ -47,8 +77,9 @@ def test_cli_plan_loads_and_trains_sharded_like_unsharded(tmp_path, allowed):
     rng = np.random.default_rng(0)
     for step in range(5):
         kjt = random_kjt(TABLES, 16, rng)
-        mix = torch.from_numpy(rng.standard_normal((16, sum(t.embedding_dim * len(t.feature_names) for t in TABLES)))
-                               .astype(np.float32))
+        mix = torch.from_numpy(
+            rng.standard_normal((16, sum(t.embedding_dim * len(t.feature_names) for t in TABLES))).astype(np.float32)
+        )
         want = reference(kjt).values()
         got = sharded(kjt).values()
         np.testing.assert_allclose(got.detach().cpu().numpy(), want.detach().cpu().numpy(), atol=1e-5, rtol=0)
@@ -56,8 +87,9 @@ def test_cli_plan_loads_and_trains_sharded_like_unsharded(tmp_path, allowed):
         (got * mix.to("tpu")).sum().backward()
     tables, _ = sharded.full_tables()
     for cfg in TABLES:
-        np.testing.assert_allclose(tables[cfg.name], reference.table_weight(cfg.name).detach().cpu().numpy(),
-                                   atol=1e-5, rtol=0)
+        np.testing.assert_allclose(
+            tables[cfg.name], reference.table_weight(cfg.name).detach().cpu().numpy(), atol=1e-5, rtol=0
+        )
     # The planner counts traffic for every table: distribution for sharded ones, the gradient
     # all-reduce for data-parallel ones.
     comm = distribution_bytes(plan, TABLES, world_size=8, batch_size=16)

@@ -66,7 +66,11 @@ def test_cli_json_round_trips_to_the_same_sharding_plan(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
         [sys.executable, "-m", "tpurec.sparse.planner", *args, "--json", str(out)],
-        capture_output=True, text=True, env=env, cwd=ROOT, timeout=600,
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr
     loaded = load_plan(out)
@@ -78,20 +82,41 @@ def test_cli_json_round_trips_to_the_same_sharding_plan(tmp_path):
 
 
 def test_round_trip_keeps_every_parameter_sharding_field(tmp_path):
-    original = ShardingPlan({
-        "sparse.ebc": EmbeddingModuleShardingPlan({
-            "tw": ParameterSharding("table_wise", "fused", [3], _spec([((0, 0), (10, 8), "rank:3/tpu:3")]),
-                                    enforce_hbm=True, stochastic_rounding=False,
-                                    bounds_check_mode=BoundsCheckMode.WARNING, output_dtype=DataType.BF16),
-            "cw": ParameterSharding("column_wise", "fused", [0, 1], _spec([
-                ((0, 0), (20, 8), "rank:0/tpu:0"), ((0, 8), (20, 8), "rank:1/tpu:1")])),
-            "dp": ParameterSharding("data_parallel", "dense", [0, 1, 2, 3], None),
-        }),
-        "": EmbeddingModuleShardingPlan({
-            "rw": ParameterSharding("row_wise", "fused", [0, 1], _spec([
-                ((0, 0), (5, 4), "rank:0/tpu:0"), ((5, 0), (5, 4), "rank:1/tpu:1")])),
-        }),
-    })
+    original = ShardingPlan(
+        {
+            "sparse.ebc": EmbeddingModuleShardingPlan(
+                {
+                    "tw": ParameterSharding(
+                        "table_wise",
+                        "fused",
+                        [3],
+                        _spec([((0, 0), (10, 8), "rank:3/tpu:3")]),
+                        enforce_hbm=True,
+                        stochastic_rounding=False,
+                        bounds_check_mode=BoundsCheckMode.WARNING,
+                        output_dtype=DataType.BF16,
+                    ),
+                    "cw": ParameterSharding(
+                        "column_wise",
+                        "fused",
+                        [0, 1],
+                        _spec([((0, 0), (20, 8), "rank:0/tpu:0"), ((0, 8), (20, 8), "rank:1/tpu:1")]),
+                    ),
+                    "dp": ParameterSharding("data_parallel", "dense", [0, 1, 2, 3], None),
+                }
+            ),
+            "": EmbeddingModuleShardingPlan(
+                {
+                    "rw": ParameterSharding(
+                        "row_wise",
+                        "fused",
+                        [0, 1],
+                        _spec([((0, 0), (5, 4), "rank:0/tpu:0"), ((5, 0), (5, 4), "rank:1/tpu:1")]),
+                    ),
+                }
+            ),
+        }
+    )
     path = tmp_path / "p.json"
     save_plan(original, path)
     _assert_plans_equal(load_plan(path), original)
@@ -105,10 +130,14 @@ def test_round_trip_keeps_every_parameter_sharding_field(tmp_path):
         ([1, 2], "JSON object"),
         ({"": {"t": {"compute_kernel": "fused"}}}, "missing ['sharding_type']"),
         ({"": {"t": {"sharding_type": "table_wise", "compute_kernel": "fused", "ranks": ["0"]}}}, "ranks"),
-        ({"": {"t": {"sharding_type": "table_wise", "compute_kernel": "fused", "shards": [{"sizes": [1, 1]}]}}},
-         "shard 0 needs"),
-        ({"": {"t": {"sharding_type": "table_wise", "compute_kernel": "fused", "output_dtype": "FP99"}}},
-         "unknown enum"),
+        (
+            {"": {"t": {"sharding_type": "table_wise", "compute_kernel": "fused", "shards": [{"sizes": [1, 1]}]}}},
+            "shard 0 needs",
+        ),
+        (
+            {"": {"t": {"sharding_type": "table_wise", "compute_kernel": "fused", "output_dtype": "FP99"}}},
+            "unknown enum",
+        ),
     ],
 )
 def test_malformed_plan_json_is_a_clear_error(doc, needle):
@@ -125,12 +154,22 @@ def test_not_json_is_a_clear_error(tmp_path):
 
 
 def _small_plan() -> ShardingPlan:
-    return ShardingPlan({"": EmbeddingModuleShardingPlan({
-        "a": ParameterSharding("table_wise", "fused", [1], _spec([((0, 0), (100, 16), "rank:1/tpu:1")])),
-        "b": ParameterSharding("row_wise", "fused", [0, 1], _spec([
-            ((0, 0), (25, 8), "rank:0/tpu:0"), ((25, 0), (25, 8), "rank:1/tpu:1")])),
-        "c": ParameterSharding("data_parallel", "dense", [0, 1], None),
-    })})
+    return ShardingPlan(
+        {
+            "": EmbeddingModuleShardingPlan(
+                {
+                    "a": ParameterSharding("table_wise", "fused", [1], _spec([((0, 0), (100, 16), "rank:1/tpu:1")])),
+                    "b": ParameterSharding(
+                        "row_wise",
+                        "fused",
+                        [0, 1],
+                        _spec([((0, 0), (25, 8), "rank:0/tpu:0"), ((25, 0), (25, 8), "rank:1/tpu:1")]),
+                    ),
+                    "c": ParameterSharding("data_parallel", "dense", [0, 1], None),
+                }
+            )
+        }
+    )
 
 
 SMALL_TABLES = [TableSpec("a", 100, 16), TableSpec("b", 50, 8), TableSpec("c", 4, 8)]
@@ -140,8 +179,12 @@ def test_validate_accepts_a_matching_plan_in_every_table_form():
     sp = _small_plan()
     validate_plan(sp, SMALL_TABLES, 2)
     validate_plan(sp, {"a": (100, 16), "b": (50, 8), "c": (4, 8)}, 2)
-    configs = [EmbeddingBagConfig(name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim,
-                                  feature_names=[t.name]) for t in SMALL_TABLES]
+    configs = [
+        EmbeddingBagConfig(
+            name=t.name, num_embeddings=t.num_embeddings, embedding_dim=t.embedding_dim, feature_names=[t.name]
+        )
+        for t in SMALL_TABLES
+    ]
     validate_plan(sp, configs, 2)
     validate_plan(sp, tables_to_module(SMALL_TABLES), 2)
 
@@ -150,19 +193,41 @@ def test_validate_accepts_a_matching_plan_in_every_table_form():
     "mutate, tables, devices, needle",
     [
         (lambda p: None, SMALL_TABLES, 1, "rank 1 is outside the mesh of 1 devices"),
-        (lambda p: setattr(p.plan[""]["a"], "sharding_type", "grid_shard"), SMALL_TABLES, 2,
-         "unknown sharding type 'grid_shard'"),
+        (
+            lambda p: setattr(p.plan[""]["a"], "sharding_type", "grid_shard"),
+            SMALL_TABLES,
+            2,
+            "unknown sharding type 'grid_shard'",
+        ),
         (lambda p: p.plan[""].pop("b"), SMALL_TABLES, 2, "tables ['b'] are in the model but not in the plan"),
         (lambda p: None, SMALL_TABLES[:2], 2, "tables ['c'] that the model does not have"),
-        (lambda p: None, [TableSpec("a", 100, 16), TableSpec("b", 60, 8), TableSpec("c", 4, 8)], 2,
-         "cover 400 of the table's 480"),
-        (lambda p: None, [TableSpec("a", 90, 16), TableSpec("b", 50, 8), TableSpec("c", 4, 8)], 2,
-         "outside the 90 x 16 table"),
-        (lambda p: setattr(p.plan[""]["a"], "ranks", [0]) or setattr(
-            p.plan[""]["a"], "sharding_spec", _spec([((0, 0), (100, 16), "rank:5/tpu:1")])), SMALL_TABLES, 2,
-         "shard 0 is placed on rank:5/tpu:1, outside the mesh of 2 devices"),
-        (lambda p: setattr(p.plan[""]["a"], "sharding_spec", _spec([((0,), (100,), "rank:1/tpu:1")])),
-         SMALL_TABLES, 2, "shards are 2-D"),
+        (
+            lambda p: None,
+            [TableSpec("a", 100, 16), TableSpec("b", 60, 8), TableSpec("c", 4, 8)],
+            2,
+            "cover 400 of the table's 480",
+        ),
+        (
+            lambda p: None,
+            [TableSpec("a", 90, 16), TableSpec("b", 50, 8), TableSpec("c", 4, 8)],
+            2,
+            "outside the 90 x 16 table",
+        ),
+        (
+            lambda p: (
+                setattr(p.plan[""]["a"], "ranks", [0])
+                or setattr(p.plan[""]["a"], "sharding_spec", _spec([((0, 0), (100, 16), "rank:5/tpu:1")]))
+            ),
+            SMALL_TABLES,
+            2,
+            "shard 0 is placed on rank:5/tpu:1, outside the mesh of 2 devices",
+        ),
+        (
+            lambda p: setattr(p.plan[""]["a"], "sharding_spec", _spec([((0,), (100,), "rank:1/tpu:1")])),
+            SMALL_TABLES,
+            2,
+            "shards are 2-D",
+        ),
     ],
 )
 def test_validate_rejects_with_a_clear_message_and_changes_nothing(mutate, tables, devices, needle):
@@ -209,8 +274,23 @@ def test_cli_writes_atomically_and_names_load_plan(tmp_path, capsys):
     tables = tmp_path / "t.json"
     tables.write_text(json.dumps([{"name": "x", "num_embeddings": 1000, "embedding_dim": 16}]))
     out = tmp_path / "plan.json"
-    assert cli_main(["--topology", "v6e-8", "--tables", str(tables), "--batch-size", "256",
-                     "--timeout", "5", "--json", str(out)]) == 0
+    assert (
+        cli_main(
+            [
+                "--topology",
+                "v6e-8",
+                "--tables",
+                str(tables),
+                "--batch-size",
+                "256",
+                "--timeout",
+                "5",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
     # No temporary file left behind.
     assert {p.name for p in tmp_path.iterdir()} == {"t.json", "plan.json"}
     validate_plan(load_plan(out), [TableSpec("x", 1000, 16)], 8)

@@ -112,8 +112,10 @@ def sharding_plans(draw):
         kind = draw(st.sampled_from(["data_parallel", "table_wise", "row_wise", "column_wise"]))
         extra = {}
         if draw(st.booleans()):
-            extra = {"enforce_hbm": draw(st.booleans()),
-                     "bounds_check_mode": draw(st.sampled_from(list(BoundsCheckMode)))}
+            extra = {
+                "enforce_hbm": draw(st.booleans()),
+                "bounds_check_mode": draw(st.sampled_from(list(BoundsCheckMode))),
+            }
         if kind == "data_parallel":
             module[name] = ParameterSharding(kind, "dense", list(range(devices)), None, **extra)
             continue
@@ -129,8 +131,7 @@ def sharding_plans(draw):
             w = dim // parts
             pieces = [((0, k * w), (rows, w), draw(st.integers(0, devices - 1))) for k in range(parts)]
         shards = [ShardMetadata(list(o), list(s), f"rank:{r}/tpu:{r}") for o, s, r in pieces]
-        module[name] = ParameterSharding(kind, "fused", [p[2] for p in pieces], EnumerableShardingSpec(shards),
-                                         **extra)
+        module[name] = ParameterSharding(kind, "fused", [p[2] for p in pieces], EnumerableShardingSpec(shards), **extra)
     return ShardingPlan({draw(st.sampled_from(["", "sparse.ebc"])): module}), shapes, devices
 
 

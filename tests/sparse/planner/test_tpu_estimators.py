@@ -156,9 +156,7 @@ def test_row_wise_output_rows_match_simulated_mod_sharding():
     model = TpuCostModel(TpuTopology.from_name("v5p-16"))
     wk = model.work(RW, batch, [float(x) for x in pfs], 1_000_000, 64)
     gen = torch.Generator().manual_seed(0)
-    hits = sum(
-        int(((torch.randint(0, 1_000_000, (batch, pf), generator=gen) % g) == 0).any(dim=1).sum()) for pf in pfs
-    )
+    hits = sum(int(((torch.randint(0, 1_000_000, (batch, pf), generator=gen) % g) == 0).any(dim=1).sum()) for pf in pfs)
     assert wk.out_rows == pytest.approx(hits, rel=0.03)
 
 
@@ -227,7 +225,10 @@ def test_data_parallel_all_gather_prices_what_tpurec_shard_runs():
     sent = 63 * (864 * 12 + 864 * 128 * 4)
     assert tiny_g.bwd_comms == pytest.approx(sent / topo.ring_bw_per_chip * 1000, rel=1e-6)
     # A 1M-row table with one id per sample: the dense all-reduce is the costly one.
-    big_r, big_g = reduce_.shard_perf(dp, 55296, [1.0], 1_000_000, 128), gather.shard_perf(dp, 55296, [1.0], 1_000_000, 128)
+    big_r, big_g = (
+        reduce_.shard_perf(dp, 55296, [1.0], 1_000_000, 128),
+        gather.shard_perf(dp, 55296, [1.0], 1_000_000, 128),
+    )
     assert big_g.bwd_comms < big_r.bwd_comms / 10
     assert gather.collectives_per_step(dp) == (4, 0) and reduce_.collectives_per_step(dp) == (1, 0)
     with pytest.raises(ValueError, match="data_parallel_grad"):

@@ -115,10 +115,17 @@ def test_optimizer_state_counts_towards_capacity():
 
 def test_cli(tmp_path, capsys):
     tables = tmp_path / "t.json"
-    tables.write_text(json.dumps({"embedding_dim": 64, "tables": [
-        {"name": "a", "num_embeddings": 100000, "pooling_factor": 4},
-        {"name": "b", "num_embeddings": 50, "embedding_dim": 32},
-    ]}))
+    tables.write_text(
+        json.dumps(
+            {
+                "embedding_dim": 64,
+                "tables": [
+                    {"name": "a", "num_embeddings": 100000, "pooling_factor": 4},
+                    {"name": "b", "num_embeddings": 50, "embedding_dim": 32},
+                ],
+            }
+        )
+    )
     out = tmp_path / "plan.json"
     rc = cli_main(["--topology", "v5p-16", "--tables", str(tables), "--batch-size", "2048", "--json", str(out)])
     assert rc == 0
@@ -142,11 +149,57 @@ def test_mlperf_tables_file():
     assert sum(t.num_embeddings == 40_000_000 for t in tables) == 5
     assert all(t.embedding_dim == 128 for t in tables)
     assert [int(t.pooling_factor) for t in tables] == [
-        3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1
+        3,
+        2,
+        1,
+        2,
+        6,
+        1,
+        1,
+        1,
+        1,
+        7,
+        3,
+        8,
+        1,
+        6,
+        9,
+        5,
+        1,
+        1,
+        1,
+        12,
+        100,
+        27,
+        10,
+        3,
+        1,
+        1,
     ]
     assert sorted(t.num_embeddings for t in tables if t.num_embeddings < 40_000_000) == sorted(
-        [39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 3067956, 405282, 10, 2209, 11938, 155, 4,
-         976, 14, 590152, 12973, 108, 36]
+        [
+            39060,
+            17295,
+            7424,
+            20265,
+            3,
+            7122,
+            1543,
+            63,
+            3067956,
+            405282,
+            10,
+            2209,
+            11938,
+            155,
+            4,
+            976,
+            14,
+            590152,
+            12973,
+            108,
+            36,
+        ]
     )
 
 

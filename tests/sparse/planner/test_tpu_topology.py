@@ -198,8 +198,20 @@ def test_plan_report_lists_assumptions():
 def test_cli_plans_mlperf_dlrmv2_on_tpu8(tmp_path, topology, devices):
     out = tmp_path / "plan.json"
     cmd = [
-        sys.executable, "-m", "tpurec", "plan", "--topology", topology, "--tables", _MLPERF,
-        "--batch-size", "55296", "--timeout", "10", "--json", str(out),
+        sys.executable,
+        "-m",
+        "tpurec",
+        "plan",
+        "--topology",
+        topology,
+        "--tables",
+        _MLPERF,
+        "--batch-size",
+        "55296",
+        "--timeout",
+        "10",
+        "--json",
+        str(out),
     ]
     proc = subprocess.run(cmd, cwd=_ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -58,14 +58,24 @@ def build(plan_kind: str = "mixed"):
     ]
     meta = TorchrecEBC(tables=tables, device=torch.device("meta"))
     generators = (
-        {"t0": table_wise(rank=6), "t1": row_wise(), "t2": column_wise(ranks=[1, 5]), "t3": data_parallel(),
-         "t4": table_row_wise(host_index=0)}
-        if plan_kind == "mixed" else {t.name: row_wise() for t in tables}
+        {
+            "t0": table_wise(rank=6),
+            "t1": row_wise(),
+            "t2": column_wise(ranks=[1, 5]),
+            "t3": data_parallel(),
+            "t4": table_row_wise(host_index=0),
+        }
+        if plan_kind == "mixed"
+        else {t.name: row_wise() for t in tables}
     )
     module_plan = construct_module_sharding_plan(meta, generators, local_size=4, world_size=8, device_type="cpu")
     torch.manual_seed(0)
-    model = DLRM(embedding_bag_collection=TorchrecEBC(tables), dense_in_features=5, dense_arch_layer_sizes=[16, 8],
-                 over_arch_layer_sizes=[16, 1])
+    model = DLRM(
+        embedding_bag_collection=TorchrecEBC(tables),
+        dense_in_features=5,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+    )
     model = sp.from_torchrec(model, optimizer=sp.Adagrad(learning_rate=0.1)).to("tpu")
     return tables, tpurec.shard(model, ShardingPlan({"sparse_arch.embedding_bag_collection": module_plan}))
 
@@ -100,7 +110,9 @@ def _pipelined(tables, model, optimizer, lo: int, hi: int) -> list[float]:
         def forward(self, batch):
             dense, kjt, labels = batch
             logits = self.model(dense, kjt).squeeze(-1)
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, distribute_batch(labels, self.model.mesh))
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                logits, distribute_batch(labels, self.model.mesh)
+            )
             return loss, loss.detach()
 
     local = ((dense[lo:hi], _kjt(features, lo, hi), labels[lo:hi]) for features, dense, labels in _batches(tables))
@@ -120,7 +132,13 @@ def _results(model, losses: list[float], prefix: str = "") -> dict[str, np.ndarr
     arrays = {f"{prefix}losses": np.array(losses)}
     arrays.update({f"{prefix}table/{k}": v for k, v in full.items()})
     arrays.update({f"{prefix}slot/{k}/{s}": v for k, d in slots.items() for s, v in d.items()})
-    arrays.update({f"{prefix}dense/{k}": v.cpu().numpy() for k, v in model.state_dict().items() if "embedding_bag_collection" not in k})
+    arrays.update(
+        {
+            f"{prefix}dense/{k}": v.cpu().numpy()
+            for k, v in model.state_dict().items()
+            if "embedding_bag_collection" not in k
+        }
+    )
     return arrays
 
 

@@ -8,7 +8,13 @@ import pytest
 import torch
 from jax.sharding import Mesh
 from torchrec import EmbeddingBagCollection as TorchrecEBC
-from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_wise
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
 from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM
 
@@ -23,8 +29,12 @@ TABLES = make_tables(dims=(8, 8, 8), rows=(40, 23, 17), features=(("f0", "f1"), 
 
 def _model(seed: int, plan: dict, devices: int, optimizer=None):
     torch.manual_seed(seed)
-    model = DLRM(embedding_bag_collection=TorchrecEBC(TABLES), dense_in_features=5, dense_arch_layer_sizes=[16, 8],
-                 over_arch_layer_sizes=[16, 1])
+    model = DLRM(
+        embedding_bag_collection=TorchrecEBC(TABLES),
+        dense_in_features=5,
+        dense_arch_layer_sizes=[16, 8],
+        over_arch_layer_sizes=[16, 1],
+    )
     model = sp.from_torchrec(model, optimizer=optimizer or sp.Adam(learning_rate=0.05)).to("tpu")
     meta = TorchrecEBC(tables=TABLES, device=torch.device("meta"))
     module_plan = construct_module_sharding_plan(meta, plan, local_size=devices, world_size=devices, device_type="cpu")
@@ -82,7 +92,12 @@ def test_data_parallel_tables_round_trip(tmp_path):
     saved = _model(0, plan, 8, sp.RowWiseAdagrad(learning_rate=0.1))
     _train(saved, 2)
     checkpoint.save(saved, tmp_path / "ckpt")
-    loaded = _model(1, {"t0": table_wise(rank=1), "t1": data_parallel(), "t2": table_wise(rank=0)}, 2, sp.RowWiseAdagrad(learning_rate=0.1))
+    loaded = _model(
+        1,
+        {"t0": table_wise(rank=1), "t1": data_parallel(), "t2": table_wise(rank=0)},
+        2,
+        sp.RowWiseAdagrad(learning_rate=0.1),
+    )
     checkpoint.load(loaded, tmp_path / "ckpt")
     want, want_slots = saved.sparse_arch.embedding_bag_collection.full_tables()
     got, got_slots = loaded.sparse_arch.embedding_bag_collection.full_tables()
@@ -98,7 +113,9 @@ def test_checkpoint_of_other_tables_is_refused(tmp_path):
     other_tables = make_tables(dims=(8,), rows=(40,), features=(("f0",),))
     ebc = sp.EmbeddingBagCollection(other_tables, optimizer=sp.Adam(learning_rate=0.05), device="tpu")
     meta = TorchrecEBC(tables=other_tables, device=torch.device("meta"))
-    plan = construct_module_sharding_plan(meta, {"t0": table_wise(rank=0)}, local_size=8, world_size=8, device_type="cpu")
+    plan = construct_module_sharding_plan(
+        meta, {"t0": table_wise(rank=0)}, local_size=8, world_size=8, device_type="cpu"
+    )
     model = torch.nn.Module()
     model.sparse_arch = torch.nn.Module()
     model.sparse_arch.embedding_bag_collection = ebc

@@ -30,8 +30,18 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
     }
     two = tmp_path / "two.npz"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port_pair()), str(HERE / "multiprocess_train.py"), str(two), str(tmp_path / "ckpt"),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port_pair()),
+        str(HERE / "multiprocess_train.py"),
+        str(two),
+        str(tmp_path / "ckpt"),
     ]
     run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
@@ -73,17 +83,30 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
 
 def test_torchrun_environment_is_read():
     env = {"MASTER_ADDR": "10.0.0.2", "MASTER_PORT": "29500", "WORLD_SIZE": "4", "RANK": "3", "LOCAL_RANK": "1"}
-    assert distributed.torchrun_settings(env) == {"coordinator_address": "10.0.0.2:29501", "num_processes": 4, "process_id": 3}
-    assert distributed.torchrun_settings({**env, "TPUREC_COORDINATOR_PORT": "1234"})["coordinator_address"] == "10.0.0.2:1234"
+    assert distributed.torchrun_settings(env) == {
+        "coordinator_address": "10.0.0.2:29501",
+        "num_processes": 4,
+        "process_id": 3,
+    }
+    assert (
+        distributed.torchrun_settings({**env, "TPUREC_COORDINATOR_PORT": "1234"})["coordinator_address"]
+        == "10.0.0.2:1234"
+    )
     assert distributed.torchrun_settings({}) is None
 
 
 @pytest.mark.parametrize(
     "env,message",
     [
-        ({"MASTER_ADDR": "h", "RANK": "0"}, r"incomplete: \['MASTER_ADDR', 'RANK'\] are set but \['MASTER_PORT', 'WORLD_SIZE'\]"),
+        (
+            {"MASTER_ADDR": "h", "RANK": "0"},
+            r"incomplete: \['MASTER_ADDR', 'RANK'\] are set but \['MASTER_PORT', 'WORLD_SIZE'\]",
+        ),
         ({"MASTER_ADDR": "h", "MASTER_PORT": "x", "WORLD_SIZE": "2", "RANK": "0"}, "must be integers"),
-        ({"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "2", "RANK": "2"}, r"RANK=2 is outside \[0, WORLD_SIZE=2\)"),
+        (
+            {"MASTER_ADDR": "h", "MASTER_PORT": "1", "WORLD_SIZE": "2", "RANK": "2"},
+            r"RANK=2 is outside \[0, WORLD_SIZE=2\)",
+        ),
     ],
 )
 def test_bad_torchrun_environment(env, message):

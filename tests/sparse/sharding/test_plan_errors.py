@@ -32,7 +32,9 @@ class Model(torch.nn.Module):
 def _module_plan(world_size: int = 8, **generators):
     meta = TorchrecEBC(tables=TABLES, device=torch.device("meta"))
     generators = generators or {"t0": table_wise(rank=1), "t1": row_wise()}
-    return construct_module_sharding_plan(meta, generators, local_size=world_size, world_size=world_size, device_type="cpu")
+    return construct_module_sharding_plan(
+        meta, generators, local_size=world_size, world_size=world_size, device_type="cpu"
+    )
 
 
 def _unchanged(model: Model, before: dict) -> None:
@@ -52,7 +54,9 @@ def _model() -> tuple[Model, dict]:
 def test_rank_outside_the_mesh():
     model, before = _model()
     plan = ShardingPlan({"ebc": _module_plan(world_size=16, t0=table_wise(rank=12), t1=row_wise())})
-    with pytest.raises(ValueError, match=r"table 't0' \(table_wise\) is placed on ranks \[12\] outside the mesh of 8 devices"):
+    with pytest.raises(
+        ValueError, match=r"table 't0' \(table_wise\) is placed on ranks \[12\] outside the mesh of 8 devices"
+    ):
         tpurec.shard(model, plan)
     _unchanged(model, before)
 
@@ -122,7 +126,9 @@ def test_batch_that_does_not_split_over_the_devices_changes_nothing():
     assert isinstance(sharded.ebc, ShardedEmbeddingBagCollection)
     before = sharded.ebc.full_tables()[0]
     kjt = random_kjt(TABLES, 12, np.random.default_rng(0))
-    with pytest.raises(ValueError, match="local batch of 12 samples does not split evenly over this process's 8 devices"):
+    with pytest.raises(
+        ValueError, match="local batch of 12 samples does not split evenly over this process's 8 devices"
+    ):
         sharded(kjt)
     bad = random_kjt(TABLES, 8, np.random.default_rng(0))
     bad = type(bad).from_lengths_sync(keys=bad.keys(), values=bad.values() + 100, lengths=bad.lengths())

@@ -15,7 +15,13 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection as TorchrecEBC
 from torchrec.datasets.utils import Batch
-from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_wise
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
 from torchrec.distributed.types import ShardingPlan
 from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -37,7 +43,9 @@ def _plan() -> ShardingPlan:
     """Table-wise, row-wise, column-wise and data-parallel tables in one plan."""
     meta = TorchrecEBC(tables=TABLES, device=torch.device("meta"))
     generators = {"t0": table_wise(rank=3), "t1": row_wise(), "t2": column_wise(ranks=[1, 6]), "t3": data_parallel()}
-    return ShardingPlan({EBC_PATH: construct_module_sharding_plan(meta, generators, local_size=8, world_size=8, device_type="cpu")})
+    return ShardingPlan(
+        {EBC_PATH: construct_module_sharding_plan(meta, generators, local_size=8, world_size=8, device_type="cpu")}
+    )
 
 
 def _model(capacity: int | None = None) -> tuple[torch.nn.Module, torch.optim.Optimizer, ShardedEmbeddingBagCollection]:
@@ -48,7 +56,12 @@ def _model(capacity: int | None = None) -> tuple[torch.nn.Module, torch.optim.Op
     model = tpurec.shard(model, _plan(), capacity=capacity)
     ebc = model.model.sparse_arch.embedding_bag_collection
     assert isinstance(ebc, ShardedEmbeddingBagCollection)
-    assert {s.sharding_type for s in ebc.layout.shardings.values()} == {"table_wise", "row_wise", "column_wise", "data_parallel"}
+    assert {s.sharding_type for s in ebc.layout.shardings.values()} == {
+        "table_wise",
+        "row_wise",
+        "column_wise",
+        "data_parallel",
+    }
     return model, torch.optim.Adagrad(model.parameters(), lr=0.05), ebc
 
 
@@ -264,10 +277,33 @@ def test_bench_sharded_cli_times_both_loops_on_identical_losses():
     root = Path(__file__).resolve().parents[3]
     env = {**os.environ, "PYTHONPATH": str(root) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     done = subprocess.run(
-        [sys.executable, str(root / "examples" / "dlrm" / "bench_sharded.py"), "--devices", "4", "--batch", "64",
-         "--tables", "4", "--rows", "100", "--dim", "8", "--steps", "2", "--warmup", "1", "--rounds", "1",
-         "--modes", "fused", "--dense-only"],
-        capture_output=True, text=True, timeout=600, env=env,
+        [
+            sys.executable,
+            str(root / "examples" / "dlrm" / "bench_sharded.py"),
+            "--devices",
+            "4",
+            "--batch",
+            "64",
+            "--tables",
+            "4",
+            "--rows",
+            "100",
+            "--dim",
+            "8",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--rounds",
+            "1",
+            "--modes",
+            "fused",
+            "--dense-only",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]
     out = json.loads(done.stdout)
@@ -276,6 +312,11 @@ def test_bench_sharded_cli_times_both_loops_on_identical_losses():
     assert run["plain_step_ms"] > 0 and run["pipeline_step_ms"] > 0 and run["pipeline_dense_only_step_ms"] > 0
     assert run["speedup"] == pytest.approx(run["plain_step_ms"] / run["pipeline_step_ms"], rel=1e-2)
     assert out["sparse_host_prepare_ms"] > 0 and len(out["load_average_before"]) == 3
-    bad = subprocess.run([sys.executable, str(root / "examples" / "dlrm" / "bench_sharded.py"), "--batch", "10"],
-                         capture_output=True, text=True, timeout=120, env=env)
+    bad = subprocess.run(
+        [sys.executable, str(root / "examples" / "dlrm" / "bench_sharded.py"), "--batch", "10"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )
     assert bad.returncode == 2 and "must be a multiple of --devices 8" in bad.stderr

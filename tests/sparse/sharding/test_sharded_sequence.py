@@ -95,7 +95,9 @@ def _batches(steps: int, seed: int = 0):
         yield kjt, dense, labels
 
 
-def _train_and_compare(reference: SequenceModel, sharded: torch.nn.Module, steps: int = STEPS, mode: str = "eager") -> None:
+def _train_and_compare(
+    reference: SequenceModel, sharded: torch.nn.Module, steps: int = STEPS, mode: str = "eager"
+) -> None:
     dense_reference = torch.optim.SGD(reference.proj.parameters(), lr=0.1)
     dense_sharded = torch.optim.SGD(sharded.proj.parameters(), lr=0.1)
     for step, (kjt, dense, labels) in enumerate(_batches(steps)):
@@ -103,7 +105,9 @@ def _train_and_compare(reference: SequenceModel, sharded: torch.nn.Module, steps
         for model, optimizer, device in ((reference, dense_reference, "cpu"), (sharded, dense_sharded, "tpu")):
             with tpurec.mode(mode if device == "tpu" else "eager"):
                 optimizer.zero_grad()
-                loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense.to(device), kjt), labels.to(device))
+                loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                    model(dense.to(device), kjt), labels.to(device)
+                )
                 loss.backward()
                 optimizer.step()
                 losses.append(loss.item())

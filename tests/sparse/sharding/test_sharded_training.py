@@ -26,7 +26,9 @@ from tpurec.sparse.sharding import ShardedEmbeddingBagCollection
 
 EBC_PATH = "sparse_arch.embedding_bag_collection"
 LAYERS = {"dense_in_features": 5, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [16, 1]}
-TABLES = make_tables(dims=(8, 8, 8, 8, 8), rows=(40, 23, 17, 30, 64), features=(("f0", "f1"), ("f2",), ("f3",), ("f4",), ("f5",)))
+TABLES = make_tables(
+    dims=(8, 8, 8, 8, 8), rows=(40, 23, 17, 30, 64), features=(("f0", "f1"), ("f2",), ("f3",), ("f4",), ("f5",))
+)
 
 
 def _plan(generators: dict, tables=TABLES) -> ShardingPlan:
@@ -90,7 +92,11 @@ def _step(model, optimizer, kjt, dense, labels) -> float:
 
 
 def _train_and_compare(
-    plan: ShardingPlan, optimizer: sp.EmbeddingOptimizer, steps: int = 10, capacity: int | None = None, compiled: bool = False
+    plan: ShardingPlan,
+    optimizer: sp.EmbeddingOptimizer,
+    steps: int = 10,
+    capacity: int | None = None,
+    compiled: bool = False,
 ):
     reference, sharded = _models(optimizer)
     sharded = tpurec.shard(sharded, plan, capacity=capacity)
@@ -108,7 +114,9 @@ def _train_and_compare(
     reference_ebc = reference.sparse_arch.embedding_bag_collection
     reference_slots = reference_ebc.optimizer_state_dict()["state"]
     for cfg in TABLES:
-        np.testing.assert_allclose(tables[cfg.name], reference_ebc.table_weight(cfg.name).detach().cpu().numpy(), atol=1e-5, rtol=0)
+        np.testing.assert_allclose(
+            tables[cfg.name], reference_ebc.table_weight(cfg.name).detach().cpu().numpy(), atol=1e-5, rtol=0
+        )
         for name, value in slots[cfg.name].items():
             want = reference_slots[f"embedding_bags.{cfg.name}.weight"][name].cpu().numpy()
             np.testing.assert_allclose(value, want, atol=1e-5, rtol=0)
@@ -136,13 +144,15 @@ def test_each_sharding_type_trains_like_unsharded(kind):
 
 
 def test_mixed_plan_trains_like_unsharded_then_runs_without_compiling():
-    plan = _plan({
-        "t0": table_wise(rank=2),
-        "t1": row_wise(),
-        "t2": column_wise(ranks=[1, 6]),
-        "t3": data_parallel(),
-        "t4": table_row_wise(host_index=1),
-    })
+    plan = _plan(
+        {
+            "t0": table_wise(rank=2),
+            "t1": row_wise(),
+            "t2": column_wise(ranks=[1, 6]),
+            "t3": data_parallel(),
+            "t4": table_row_wise(host_index=1),
+        }
+    )
     sharded = _train_and_compare(plan, sp.Adam(learning_rate=0.05), capacity=64)
     dense_opt = torch.optim.SGD(sharded.parameters(), lr=0.01)
     batches = list(_batches(22, seed=1))
@@ -155,25 +165,29 @@ def test_mixed_plan_trains_like_unsharded_then_runs_without_compiling():
 
 
 def test_mixed_plan_in_fused_mode_with_rowwise_adagrad():
-    plan = _plan({
-        "t0": table_wise(rank=5),
-        "t1": row_wise(),
-        "t2": table_wise(rank=0),
-        "t3": data_parallel(),
-        "t4": row_wise(),
-    })
+    plan = _plan(
+        {
+            "t0": table_wise(rank=5),
+            "t1": row_wise(),
+            "t2": table_wise(rank=0),
+            "t3": data_parallel(),
+            "t4": row_wise(),
+        }
+    )
     with tpurec.mode("fused"):
         _train_and_compare(plan, sp.RowWiseAdagrad(learning_rate=0.1), steps=4)
 
 
 def test_mixed_plan_compiled():
-    plan = _plan({
-        "t0": table_wise(rank=2),
-        "t1": row_wise(),
-        "t2": column_wise(ranks=[1, 6]),
-        "t3": data_parallel(),
-        "t4": table_row_wise(host_index=1),
-    })
+    plan = _plan(
+        {
+            "t0": table_wise(rank=2),
+            "t1": row_wise(),
+            "t2": column_wise(ranks=[1, 6]),
+            "t3": data_parallel(),
+            "t4": table_row_wise(host_index=1),
+        }
+    )
     _train_and_compare(plan, sp.Adagrad(learning_rate=0.1), steps=4, compiled=True)
 
 
@@ -200,8 +214,15 @@ def test_without_a_plan_the_tpu_planner_shards_a_collection():
 
 def test_state_dict_has_the_unsharded_keys_and_loads_back():
     reference, sharded = _models(sp.Adagrad(learning_rate=0.1))
-    plan = _plan({"t0": table_wise(rank=2), "t1": row_wise(), "t2": column_wise(ranks=[1, 6]), "t3": data_parallel(),
-                  "t4": table_row_wise(host_index=1)})
+    plan = _plan(
+        {
+            "t0": table_wise(rank=2),
+            "t1": row_wise(),
+            "t2": column_wise(ranks=[1, 6]),
+            "t3": data_parallel(),
+            "t4": table_row_wise(host_index=1),
+        }
+    )
     sharded = tpurec.shard(sharded, plan)
     want = reference.state_dict()
     got = sharded.state_dict()
@@ -213,7 +234,9 @@ def test_state_dict_has_the_unsharded_keys_and_loads_back():
     sharded.load_state_dict(other)
     tables, _ = sharded.sparse_arch.embedding_bag_collection.full_tables()
     for cfg in TABLES:
-        np.testing.assert_array_equal(tables[cfg.name], other[f"sparse_arch.embedding_bag_collection.embedding_bags.{cfg.name}.weight"].numpy())
+        np.testing.assert_array_equal(
+            tables[cfg.name], other[f"sparse_arch.embedding_bag_collection.embedding_bags.{cfg.name}.weight"].numpy()
+        )
 
 
 # --- FeatureProcessedEmbeddingBagCollection: position weights train under tpurec.shard ---------------
@@ -265,6 +288,7 @@ def test_position_weighted_collection_trains_as_torchrec_when_sharded(kind, mode
     )
     ours = tpurec.shard(ours, ShardingPlan({"fp": module_plan}))
     assert isinstance(ours.fp._embedding_bag_collection, ShardedEmbeddingBagCollection)
+
     def dense(model):  # the position weights and the head
         return [p for n, p in model.named_parameters() if not n.startswith("fp._embedding_bag_collection.")]
 
@@ -303,7 +327,9 @@ def test_second_lookup_before_backward_raises_for_an_in_backward_optimizer():
     for optimizer_class, raises in ((torch.optim.Adagrad, True), (torch.optim.SGD, False)):
         torch.manual_seed(0)
         model = DLRM(embedding_bag_collection=TorchrecEBC(TABLES), **LAYERS)
-        apply_optimizer_in_backward(optimizer_class, model.sparse_arch.embedding_bag_collection.parameters(), {"lr": 0.1})
+        apply_optimizer_in_backward(
+            optimizer_class, model.sparse_arch.embedding_bag_collection.parameters(), {"lr": 0.1}
+        )
         sharded = tpurec.shard(sp.from_torchrec(model).to("tpu"), plan)
         ebc = sharded.sparse_arch.embedding_bag_collection
         assert ebc.optimizer_semantics == "torch"
@@ -327,6 +353,8 @@ def test_second_lookup_before_backward_raises_for_an_in_backward_optimizer():
     # An explicit fused optimizer given to tpurec.shard has FBGEMM's semantics.
     torch.manual_seed(0)
     model = DLRM(embedding_bag_collection=TorchrecEBC(TABLES), **LAYERS)
-    apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse_arch.embedding_bag_collection.parameters(), {"lr": 0.1})
+    apply_optimizer_in_backward(
+        torch.optim.Adagrad, model.sparse_arch.embedding_bag_collection.parameters(), {"lr": 0.1}
+    )
     sharded = tpurec.shard(sp.from_torchrec(model).to("tpu"), plan, optimizer=sp.Adagrad(learning_rate=0.1))
     assert sharded.sparse_arch.embedding_bag_collection.optimizer_semantics == "fbgemm"

@@ -16,7 +16,13 @@ import numpy as np
 import pytest
 import torch
 from torchrec import EmbeddingBagCollection as TorchrecEBC
-from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, data_parallel, row_wise, table_wise
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
 from torchrec.distributed.types import ShardingPlan
 
 import tpurec
@@ -36,8 +42,11 @@ def _sharded():
     ebc = sp.EmbeddingBagCollection(TABLES, optimizer=sp.Adagrad(learning_rate=0.1), device="tpu")
     meta = TorchrecEBC(tables=TABLES, device=torch.device("meta"))
     plan = construct_module_sharding_plan(
-        meta, {"t0": table_wise(rank=3), "t1": row_wise(), "t2": column_wise(ranks=[1, 6]), "t3": data_parallel()},
-        local_size=8, world_size=8, device_type="cpu",
+        meta,
+        {"t0": table_wise(rank=3), "t1": row_wise(), "t2": column_wise(ranks=[1, 6]), "t3": data_parallel()},
+        local_size=8,
+        world_size=8,
+        device_type="cpu",
     )
     sharded = tpurec.shard(ebc, ShardingPlan({"": plan}))
     # What kernel_for picks on a TPU, with the SparseCore count given (there is no TPU here).
@@ -58,7 +67,9 @@ def test_sharded_forward_and_backward_export_for_tpu(with_rows):
     weights, slots = sharded._arrays("shard", len(L.groups))
     dp_weights, dp_slots = sharded._arrays("dp", len(L.dp_groups))
     forward = jax.export.export(
-        jax.jit(lambda *a: sharded._forward_fn(*a, b=b, with_rows=with_rows)), platforms=["tpu"], disabled_checks=DISABLED
+        jax.jit(lambda *a: sharded._forward_fn(*a, b=b, with_rows=with_rows)),
+        platforms=["tpu"],
+        disabled_checks=DISABLED,
     )(weights, dp_weights, batch["groups"], batch["dp"])
     text = forward.mlir_module()
     lookups = _calls(text, "SparseDenseMatmulOp")
@@ -70,11 +81,18 @@ def test_sharded_forward_and_backward_export_for_tpu(with_rows):
     assert "all_to_all" in text and "reduce_scatter" in text
 
     out_shape = (16, L.total_dim)
-    grad = jax.ShapeDtypeStruct(out_shape, np.float32, sharding=jax.sharding.NamedSharding(sharded.mesh, jax.sharding.PartitionSpec(sharded.axis)))
+    grad = jax.ShapeDtypeStruct(
+        out_shape,
+        np.float32,
+        sharding=jax.sharding.NamedSharding(sharded.mesh, jax.sharding.PartitionSpec(sharded.axis)),
+    )
     _, received, kept = jax.eval_shape(
         lambda *a: sharded._forward_fn(*a, b=b, with_rows=with_rows), weights, dp_weights, batch["groups"], batch["dp"]
     )
-    received = [tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.sharding) for x, s in zip(r, g)) for r, g in zip(received, batch["groups"])]
+    received = [
+        tuple(jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s.sharding) for x, s in zip(r, g))
+        for r, g in zip(received, batch["groups"])
+    ]
     kept = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=grad.sharding) for x in kept]
     assert len(kept) == (len(L.groups) + len(L.dp_groups) if with_rows else 0)
     hyper = {k: jax.ShapeDtypeStruct((), np.float32) for k in sharded.optimizer.hyperparameters(1)}

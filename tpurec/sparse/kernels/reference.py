@@ -58,7 +58,9 @@ def _valid(row_pointers: jax.Array, embedding_ids: jax.Array) -> jax.Array:
     num_partitions = row_pointers.shape[0]
     size = embedding_ids.shape[0] // num_partitions
     # Partition p holds entries [p * size, row_pointers[p]).
-    position = jnp.arange(size, dtype=jnp.int32)[None, :] + (jnp.arange(num_partitions, dtype=jnp.int32) * size)[:, None]
+    position = (
+        jnp.arange(size, dtype=jnp.int32)[None, :] + (jnp.arange(num_partitions, dtype=jnp.int32) * size)[:, None]
+    )
     valid = position < row_pointers[:, None]
     return valid.reshape(-1) & (embedding_ids != PAD_ID)
 
@@ -176,7 +178,9 @@ def _touched_rows(op_name, row_pointers, embedding_ids, sample_ids, gains, grad_
     return ids, (new_w, *(r.astype(x.dtype) for r, x in zip(new_slots, slots)))
 
 
-def touched_rows_update(row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *slots, op_name: str, **hyperparameters):
+def touched_rows_update(
+    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *slots, op_name: str, **hyperparameters
+):
     """The optimizer step on the touched rows only, without the scatter.
 
     For callers that update the table in place (the CPU path of the modules):
@@ -187,7 +191,9 @@ def touched_rows_update(row_pointers, embedding_ids, sample_ids, gains, grad_out
         ``row_ids`` are ``PAD_ID``.
     """
     TRACE_COUNTS[f"touched_rows_update/{op_name}"] += 1
-    ids, rows = _touched_rows(op_name, row_pointers, embedding_ids, sample_ids, gains, grad_output, table, slots, hyperparameters)
+    ids, rows = _touched_rows(
+        op_name, row_pointers, embedding_ids, sample_ids, gains, grad_output, table, slots, hyperparameters
+    )
     return (ids, *rows)
 
 
@@ -198,14 +204,20 @@ def _grad_op(op_name, csr, grad_output, table, slots, hyperparameters):
     return out if len(out) > 1 else out[0]
 
 
-def sparse_dense_matmul_grad_with_sgd(row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *, learning_rate):
+def sparse_dense_matmul_grad_with_sgd(
+    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *, learning_rate
+):
     """SGD on the touched rows (FBGEMM EXACT_SGD): ``w -= lr * g``.
 
     Returns:
         The updated table.
     """
     return _grad_op(
-        "sparse_dense_matmul_grad_with_sgd", (row_pointers, embedding_ids, sample_ids, gains), grad_output, table, (),
+        "sparse_dense_matmul_grad_with_sgd",
+        (row_pointers, embedding_ids, sample_ids, gains),
+        grad_output,
+        table,
+        (),
         {"learning_rate": learning_rate},
     )
 
@@ -219,8 +231,12 @@ def sparse_dense_matmul_grad_with_adagrad(
         ``(table, accumulator)`` updated.
     """
     return _grad_op(
-        "sparse_dense_matmul_grad_with_adagrad", (row_pointers, embedding_ids, sample_ids, gains), grad_output, table,
-        (accumulator,), {"learning_rate": learning_rate, "eps": eps},
+        "sparse_dense_matmul_grad_with_adagrad",
+        (row_pointers, embedding_ids, sample_ids, gains),
+        grad_output,
+        table,
+        (accumulator,),
+        {"learning_rate": learning_rate, "eps": eps},
     )
 
 
@@ -236,8 +252,12 @@ def sparse_dense_matmul_grad_with_rowwise_adagrad(
         ``(table, accumulator)`` updated; ``accumulator`` is ``[rows]``.
     """
     return _grad_op(
-        "sparse_dense_matmul_grad_with_rowwise_adagrad", (row_pointers, embedding_ids, sample_ids, gains), grad_output,
-        table, (accumulator,), {"learning_rate": learning_rate, "eps": eps, "weight_decay": weight_decay},
+        "sparse_dense_matmul_grad_with_rowwise_adagrad",
+        (row_pointers, embedding_ids, sample_ids, gains),
+        grad_output,
+        table,
+        (accumulator,),
+        {"learning_rate": learning_rate, "eps": eps, "weight_decay": weight_decay},
     )
 
 
@@ -267,7 +287,17 @@ def sparse_dense_matmul_grad_with_adam(
         ``(table, momentum1, momentum2)`` updated.
     """
     return _grad_op(
-        "sparse_dense_matmul_grad_with_adam", (row_pointers, embedding_ids, sample_ids, gains), grad_output, table,
+        "sparse_dense_matmul_grad_with_adam",
+        (row_pointers, embedding_ids, sample_ids, gains),
+        grad_output,
+        table,
         (momentum1, momentum2),
-        {"learning_rate": learning_rate, "beta1": beta1, "beta2": beta2, "eps": eps, "weight_decay": weight_decay, "step": step},
+        {
+            "learning_rate": learning_rate,
+            "beta1": beta1,
+            "beta2": beta2,
+            "eps": eps,
+            "weight_decay": weight_decay,
+            "step": step,
+        },
     )

@@ -196,7 +196,9 @@ def to_sparsecore_csr(
 def to_sparsecore_layout(table: jax.Array, num_sc: int) -> jax.Array:
     """``[rows, dim]`` -> the SparseCore table ``[S * V, round8(dim)]`` (float32, zero padded)."""
     rows, dim = table.shape
-    padded = jnp.pad(table.astype(jnp.float32), ((0, _round_up(rows, _A * num_sc) - rows), (0, _round_up(dim, _A) - dim)))
+    padded = jnp.pad(
+        table.astype(jnp.float32), ((0, _round_up(rows, _A * num_sc) - rows), (0, _round_up(dim, _A) - dim))
+    )
     v = padded.shape[0] // num_sc
     return padded.reshape(v, num_sc, -1).transpose(1, 0, 2).reshape(num_sc * v, -1)
 
@@ -247,8 +249,11 @@ def sparse_dense_matmul(
         ``[batch_size, dim]`` (``[batch_size, round8(dim)]`` float32 when ``sparsecore_layout``).
     """
     S, sc = _convert(
-        (row_pointers, embedding_ids, sample_ids, gains), batch_size, num_sc_per_device,
-        max_ids_per_partition, max_unique_ids_per_partition,
+        (row_pointers, embedding_ids, sample_ids, gains),
+        batch_size,
+        num_sc_per_device,
+        max_ids_per_partition,
+        max_unique_ids_per_partition,
     )
     if sparsecore_layout:
         _check_sparsecore_table(table, S)
@@ -256,7 +261,12 @@ def sparse_dense_matmul(
     else:
         sc_table = to_sparsecore_layout(table, S)
     out = _csr.tpu_sparse_dense_matmul_csr_primitive.bind(
-        sc.row_pointers, sc.embedding_ids, sc.sample_ids, sc.gains, _one_minibatch(), sc_table,
+        sc.row_pointers,
+        sc.embedding_ids,
+        sc.sample_ids,
+        sc.gains,
+        _one_minibatch(),
+        sc_table,
         device_batch_size=sc.device_batch_size,
         max_ids_per_partition=sc.max_ids_per_partition,
         max_unique_ids_per_partition=sc.max_unique_ids_per_partition,
@@ -354,36 +364,83 @@ def _grad_with_optimizer(
 
 
 def sparse_dense_matmul_grad_with_sgd(
-    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *, learning_rate,
-    num_sc_per_device: int | None = None, max_ids_per_partition: int | None = None,
-    max_unique_ids_per_partition: int | None = None, sparsecore_layout: bool = False,
+    row_pointers,
+    embedding_ids,
+    sample_ids,
+    gains,
+    grad_output,
+    table,
+    *,
+    learning_rate,
+    num_sc_per_device: int | None = None,
+    max_ids_per_partition: int | None = None,
+    max_unique_ids_per_partition: int | None = None,
+    sparsecore_layout: bool = False,
 ):
     """SGD on the touched rows: ``w -= lr * g``. Returns the updated table."""
     return _grad_with_optimizer(
-        "sgd", None, (row_pointers, embedding_ids, sample_ids, gains), grad_output, table, (), (learning_rate,),
-        num_sc_per_device=num_sc_per_device, max_ids_per_partition=max_ids_per_partition,
-        max_unique_ids_per_partition=max_unique_ids_per_partition, sparsecore_layout=sparsecore_layout,
+        "sgd",
+        None,
+        (row_pointers, embedding_ids, sample_ids, gains),
+        grad_output,
+        table,
+        (),
+        (learning_rate,),
+        num_sc_per_device=num_sc_per_device,
+        max_ids_per_partition=max_ids_per_partition,
+        max_unique_ids_per_partition=max_unique_ids_per_partition,
+        sparsecore_layout=sparsecore_layout,
     )
 
 
 def sparse_dense_matmul_grad_with_adagrad(
-    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, accumulator, *, learning_rate, eps,
-    num_sc_per_device: int | None = None, max_ids_per_partition: int | None = None,
-    max_unique_ids_per_partition: int | None = None, sparsecore_layout: bool = False,
+    row_pointers,
+    embedding_ids,
+    sample_ids,
+    gains,
+    grad_output,
+    table,
+    accumulator,
+    *,
+    learning_rate,
+    eps,
+    num_sc_per_device: int | None = None,
+    max_ids_per_partition: int | None = None,
+    max_unique_ids_per_partition: int | None = None,
+    sparsecore_layout: bool = False,
 ):
     """Adagrad: ``m += g**2; w -= lr * g / (sqrt(m) + eps)``. Returns ``(table, accumulator)``."""
     return _grad_with_optimizer(
-        "adagrad", _adagrad_row, (row_pointers, embedding_ids, sample_ids, gains), grad_output, table,
-        (accumulator,), (learning_rate, eps),
-        num_sc_per_device=num_sc_per_device, max_ids_per_partition=max_ids_per_partition,
-        max_unique_ids_per_partition=max_unique_ids_per_partition, sparsecore_layout=sparsecore_layout,
+        "adagrad",
+        _adagrad_row,
+        (row_pointers, embedding_ids, sample_ids, gains),
+        grad_output,
+        table,
+        (accumulator,),
+        (learning_rate, eps),
+        num_sc_per_device=num_sc_per_device,
+        max_ids_per_partition=max_ids_per_partition,
+        max_unique_ids_per_partition=max_unique_ids_per_partition,
+        sparsecore_layout=sparsecore_layout,
     )
 
 
 def sparse_dense_matmul_grad_with_rowwise_adagrad(
-    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, accumulator, *, learning_rate, eps,
-    weight_decay, num_sc_per_device: int | None = None, max_ids_per_partition: int | None = None,
-    max_unique_ids_per_partition: int | None = None, sparsecore_layout: bool = False,
+    row_pointers,
+    embedding_ids,
+    sample_ids,
+    gains,
+    grad_output,
+    table,
+    accumulator,
+    *,
+    learning_rate,
+    eps,
+    weight_decay,
+    num_sc_per_device: int | None = None,
+    max_ids_per_partition: int | None = None,
+    max_unique_ids_per_partition: int | None = None,
+    sparsecore_layout: bool = False,
 ):
     """Row-wise Adagrad (L2 weight decay). Returns ``(table, accumulator)``.
 
@@ -392,18 +449,40 @@ def sparse_dense_matmul_grad_with_rowwise_adagrad(
     """
     dim = table.shape[1]
     return _grad_with_optimizer(
-        "rowwise_adagrad", _rowwise_adagrad_row(dim), (row_pointers, embedding_ids, sample_ids, gains), grad_output,
-        table, (accumulator,), (learning_rate, eps, weight_decay),
-        num_sc_per_device=num_sc_per_device, max_ids_per_partition=max_ids_per_partition,
-        max_unique_ids_per_partition=max_unique_ids_per_partition, sparsecore_layout=sparsecore_layout,
+        "rowwise_adagrad",
+        _rowwise_adagrad_row(dim),
+        (row_pointers, embedding_ids, sample_ids, gains),
+        grad_output,
+        table,
+        (accumulator,),
+        (learning_rate, eps, weight_decay),
+        num_sc_per_device=num_sc_per_device,
+        max_ids_per_partition=max_ids_per_partition,
+        max_unique_ids_per_partition=max_unique_ids_per_partition,
+        sparsecore_layout=sparsecore_layout,
         rowwise_slots=not sparsecore_layout,
     )
 
 
 def sparse_dense_matmul_grad_with_adam(
-    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, momentum1, momentum2, *, learning_rate,
-    beta1, beta2, eps, weight_decay, step, num_sc_per_device: int | None = None,
-    max_ids_per_partition: int | None = None, max_unique_ids_per_partition: int | None = None,
+    row_pointers,
+    embedding_ids,
+    sample_ids,
+    gains,
+    grad_output,
+    table,
+    momentum1,
+    momentum2,
+    *,
+    learning_rate,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+    num_sc_per_device: int | None = None,
+    max_ids_per_partition: int | None = None,
+    max_unique_ids_per_partition: int | None = None,
     sparsecore_layout: bool = False,
 ):
     """Lazy Adam on the touched rows (``step`` counts from 1). Returns ``(table, momentum1, momentum2)``."""
@@ -411,8 +490,15 @@ def sparse_dense_matmul_grad_with_adam(
     c1 = 1.0 / (1.0 - beta1**step)
     c2 = 1.0 / (1.0 - beta2**step)
     return _grad_with_optimizer(
-        "adam", _adam_row, (row_pointers, embedding_ids, sample_ids, gains), grad_output, table,
-        (momentum1, momentum2), (learning_rate, beta1, beta2, eps, weight_decay, c1, c2),
-        num_sc_per_device=num_sc_per_device, max_ids_per_partition=max_ids_per_partition,
-        max_unique_ids_per_partition=max_unique_ids_per_partition, sparsecore_layout=sparsecore_layout,
+        "adam",
+        _adam_row,
+        (row_pointers, embedding_ids, sample_ids, gains),
+        grad_output,
+        table,
+        (momentum1, momentum2),
+        (learning_rate, beta1, beta2, eps, weight_decay, c1, c2),
+        num_sc_per_device=num_sc_per_device,
+        max_ids_per_partition=max_ids_per_partition,
+        max_unique_ids_per_partition=max_unique_ids_per_partition,
+        sparsecore_layout=sparsecore_layout,
     )

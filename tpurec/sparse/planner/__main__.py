@@ -68,7 +68,9 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m tpurec.sparse.
     p.add_argument("--reserved-hbm", type=_fraction, default=0.1, help="HBM fraction kept for the dense model")
     p.add_argument("--timeout", type=positive_int, default=45, help="search budget, seconds")
     p.add_argument("--sharding-types", default=None, help="comma-separated TorchRec sharding types to allow")
-    p.add_argument("--json", dest="json_out", default=None, help="write report + plan JSON here (load_plan() reads it back)")
+    p.add_argument(
+        "--json", dest="json_out", default=None, help="write report + plan JSON here (load_plan() reads it back)"
+    )
     p.add_argument("--no-torchrec-compare", action="store_true", help="skip TorchRec's default estimators")
     args = p.parse_args(argv)
 

@@ -105,9 +105,7 @@ class TpuCostModel:
         model.lookup_seconds(ids=55296 * 3, dim=128, rows=40_000_000)
     """
 
-    def __init__(
-        self, topology: TpuTopology, config: Optional[TpuEstimatorConfig] = None
-    ) -> None:
+    def __init__(self, topology: TpuTopology, config: Optional[TpuEstimatorConfig] = None) -> None:
         self.topo = topology
         self.config = config or TpuEstimatorConfig()
 
@@ -182,7 +180,11 @@ class TpuCostModel:
         """
         uniq = self.unique_rows(ids, rows)
         row = self.row_read_bytes(dim, elem_bytes)
-        slots = _round_up(self.slot_elems_per_row(dim) * 4, self.config.hbm_access_granule) if self.slot_elems_per_row(dim) else 0
+        slots = (
+            _round_up(self.slot_elems_per_row(dim) * 4, self.config.hbm_access_granule)
+            if self.slot_elems_per_row(dim)
+            else 0
+        )
         hbm = uniq * 2 * (row + slots)
         update = hbm / self._gather_bw()
         return (
@@ -200,9 +202,7 @@ class TpuCostModel:
 
     # ---- collectives --------------------------------------------------- #
 
-    def all_to_all_seconds(
-        self, bytes_per_device: float, cross_slice: bool, latency: bool = True
-    ) -> float:
+    def all_to_all_seconds(self, bytes_per_device: float, cross_slice: bool, latency: bool = True) -> float:
         """All-to-all where each device sends (or receives) ``bytes_per_device``.
 
         Inside a slice the rate is the torus' per-chip all-to-all bandwidth
@@ -232,9 +232,7 @@ class TpuCostModel:
             t += bytes_per_device * dpc * (s - 1) / s / self.topo.dcn_bw_per_chip
         return t
 
-    def reduce_scatter_seconds(
-        self, bytes_per_device: float, cross_slice: bool, latency: bool = True
-    ) -> float:
+    def reduce_scatter_seconds(self, bytes_per_device: float, cross_slice: bool, latency: bool = True) -> float:
         """Reduce-scatter of a ``bytes_per_device`` buffer over all devices.
 
         Hierarchical: a ring reduce-scatter over ICI inside the slice, then one
@@ -261,9 +259,7 @@ class TpuCostModel:
             t += bytes_per_device / p * dpc * (s - 1) / s / self.topo.dcn_bw_per_chip
         return t
 
-    def all_reduce_seconds(
-        self, bytes_per_device: float, cross_slice: bool, latency: bool = True
-    ) -> float:
+    def all_reduce_seconds(self, bytes_per_device: float, cross_slice: bool, latency: bool = True) -> float:
         """All-reduce = reduce-scatter + all-gather (same cost each way)."""
         return 2.0 * self.reduce_scatter_seconds(bytes_per_device, cross_slice, latency)
 
@@ -404,8 +400,12 @@ class TpuCostModel:
         if sharding_type == ShardingType.DATA_PARALLEL.value and cfg.data_parallel_grad == "all_gather":
             # tpurec.shard: every replica all-gathers the batch's entries and
             # pooled gradients, then applies the whole batch's sparse update.
-            gathered = self.topo.world_size * (wk.ids * cfg.id_bytes + wk.out_rows * self.padded_dim(dim) * cfg.grad_bytes)
-            bwd = self.backward_seconds(wk.ids * self.topo.world_size, dim, rows, wk.out_rows * self.topo.world_size, elem_bytes)
+            gathered = self.topo.world_size * (
+                wk.ids * cfg.id_bytes + wk.out_rows * self.padded_dim(dim) * cfg.grad_bytes
+            )
+            bwd = self.backward_seconds(
+                wk.ids * self.topo.world_size, dim, rows, wk.out_rows * self.topo.world_size, elem_bytes
+            )
             return Perf(
                 fwd_compute=fwd * _MS,
                 fwd_comms=0.0,
@@ -424,9 +424,7 @@ class TpuCostModel:
                 bwd_comms=self.all_reduce_seconds(table_bytes, self.topo.num_slices > 1, latency=False) * _MS,
             )
         dense_rs = wk.group > 1 and is_pooled and cfg.row_wise_output == "psum_scatter"
-        out_bytes = wk.out_rows * (
-            self.padded_dim(dim) * cfg.grad_bytes + (4 if wk.group > 1 and not dense_rs else 0)
-        )
+        out_bytes = wk.out_rows * (self.padded_dim(dim) * cfg.grad_bytes + (4 if wk.group > 1 and not dense_rs else 0))
         if wk.group > 1 and self.topo.num_slices > 1:
             # Partial sums combine inside the slice (ICI); only one row per
             # sample leaves it over DCN, spread over the group's devices.
@@ -456,9 +454,7 @@ class TpuCostModel:
         if s <= 1 or bytes_per_device <= 0:
             return 0.0
         # No start-up latency: collective_latency_seconds counts it per group.
-        return (
-            bytes_per_device * self.topo.devices_per_chip * (s - 1) / s / self.topo.dcn_bw_per_chip
-        )
+        return bytes_per_device * self.topo.devices_per_chip * (s - 1) / s / self.topo.dcn_bw_per_chip
 
     def shard_hbm_bytes(
         self,
@@ -575,8 +571,13 @@ class TpuPerfEstimator(_TpuShardEstimator):
 
     def _fill(self, shard, option: ShardingOption, batch: float, pfs: List[float]) -> None:
         shard.perf = self.model.shard_perf(
-            option.sharding_type, batch, pfs, option.tensor.shape[0], shard.size[1],
-            option.tensor.element_size(), option.is_pooled,
+            option.sharding_type,
+            batch,
+            pfs,
+            option.tensor.shape[0],
+            shard.size[1],
+            option.tensor.element_size(),
+            option.is_pooled,
         )
 
 
@@ -597,8 +598,14 @@ class TpuStorageEstimator(_TpuShardEstimator):
 
     def _fill(self, shard, option: ShardingOption, batch: float, pfs: List[float]) -> None:
         hbm = self.model.shard_hbm_bytes(
-            option.sharding_type, batch, pfs, option.tensor.shape[0], shard.size[0], shard.size[1],
-            option.tensor.element_size(), option.is_pooled,
+            option.sharding_type,
+            batch,
+            pfs,
+            option.tensor.shape[0],
+            shard.size[0],
+            shard.size[1],
+            option.tensor.element_size(),
+            option.is_pooled,
         )
         shard.storage = Storage(hbm=hbm, ddr=0, ssd=0)
 

@@ -149,9 +149,7 @@ def _merge_constraints(
     constraints: Optional[Dict[str, ParameterConstraints]],
     cw_min_dim: Optional[int],
 ) -> Dict[str, ParameterConstraints]:
-    merged: Dict[str, ParameterConstraints] = {
-        k: copy.deepcopy(v) for k, v in (constraints or {}).items()
-    }
+    merged: Dict[str, ParameterConstraints] = {k: copy.deepcopy(v) for k, v in (constraints or {}).items()}
     for spec in specs or []:
         if spec.name not in merged:
             merged[spec.name] = ParameterConstraints(
@@ -206,9 +204,7 @@ def _quiet_torchrec() -> Iterator[None]:
         root.removeFilter(f)
 
 
-def _min_storage_per_chip(
-    search_space: List[ShardingOption], topology: TpuTopology
-) -> Tuple[float, Dict[str, int]]:
+def _min_storage_per_chip(search_space: List[ShardingOption], topology: TpuTopology) -> Tuple[float, Dict[str, int]]:
     """Least HBM per chip any plan needs: the cheapest option of every table, spread evenly."""
     best: Dict[str, int] = {}
     for o in search_space:

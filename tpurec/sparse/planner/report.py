@@ -196,9 +196,7 @@ class PlanReport:
                 f"{e.comms_ms:>10.3f}{e.total_ms:>10.3f}{hb:>11}"
             )
         if self.hbm_bound.total_ms > 0:
-            lines.append(
-                f"  tpurec estimate / HBM bound = {self.estimate.total_ms / self.hbm_bound.total_ms:.1f}x"
-            )
+            lines.append(f"  tpurec estimate / HBM bound = {self.estimate.total_ms / self.hbm_bound.total_ms:.1f}x")
         if self.collective_latency_ms:
             lines.append(
                 f"  comms include {self.collective_latency_ms:.3f} ms collective start-up, once per "
@@ -321,9 +319,7 @@ def _torchrec_default(
         "TorchRec default estimators",
         _per_rank(opts, trec_topology.world_size),
         max(chip_hbm),
-        note="TorchRec's storage estimator counts no HBM for compute_device='tpu'"
-        if max(chip_hbm) == 0
-        else "",
+        note="TorchRec's storage estimator counts no HBM for compute_device='tpu'" if max(chip_hbm) == 0 else "",
     )
 
 

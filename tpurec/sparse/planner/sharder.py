@@ -66,10 +66,7 @@ def tpu_sharding_types(
     if allowed is not None:
         unknown = set(allowed) - set(TPU_SHARDING_TYPES)
         if unknown:
-            raise ValueError(
-                f"Sharding types {sorted(unknown)} are not run on TPU; "
-                f"choose from {TPU_SHARDING_TYPES}"
-            )
+            raise ValueError(f"Sharding types {sorted(unknown)} are not run on TPU; choose from {TPU_SHARDING_TYPES}")
         types = [t for t in types if t in allowed]
     return types
 

@@ -94,9 +94,7 @@ class TpuGeneration:
         known = set(figure_fields())
         for figure, _ in self.assumptions:
             if figure not in known:
-                raise ValueError(
-                    f"{self.name}: assumption about unknown figure {figure!r}; figures: {sorted(known)}"
-                )
+                raise ValueError(f"{self.name}: assumption about unknown figure {figure!r}; figures: {sorted(known)}")
 
     def assumption_lines(self, skip: Tuple[str, ...] = ()) -> List[str]:
         """One line per assumed figure: its name, the value used, and why.
@@ -132,9 +130,7 @@ class TpuGeneration:
 
 def figure_fields() -> Tuple[str, ...]:
     """The per-chip figures of :class:`TpuGeneration` (every field but labels)."""
-    return tuple(
-        f.name for f in fields(TpuGeneration) if f.name not in ("name", "sources", "assumptions")
-    )
+    return tuple(f.name for f in fields(TpuGeneration) if f.name not in ("name", "sources", "assumptions"))
 
 
 def _figure_repr(figure: str, value: object) -> str:
@@ -314,8 +310,7 @@ def _next_generation(
     base = TPU_GENERATIONS["v7x"]
     inherited = [f for f in figure_fields() if f not in published]
     assumptions = [
-        (f, f"not published for {name}; v7x's figure ({_INHERITED_EFFECT[f].format(name=name)})")
-        for f in inherited
+        (f, f"not published for {name}; v7x's figure ({_INHERITED_EFFECT[f].format(name=name)})") for f in inherited
     ]
     assumptions += [(f, text) for f, text in notes.items()]
     return replace(
@@ -379,9 +374,7 @@ _ALIASES: Dict[str, str] = {
 def _generation(name: str) -> TpuGeneration:
     key = _ALIASES.get(name.lower(), name.lower())
     if key not in TPU_GENERATIONS:
-        raise ValueError(
-            f"Unknown TPU generation {name!r}; known: {sorted(TPU_GENERATIONS)}"
-        )
+        raise ValueError(f"Unknown TPU generation {name!r}; known: {sorted(TPU_GENERATIONS)}")
     return TPU_GENERATIONS[key]
 
 
@@ -416,9 +409,7 @@ def default_slice_shape(generation: str, chips: int) -> Tuple[int, ...]:
     if published is not None:
         return published
     if chips < 1 or chips & (chips - 1):
-        raise ValueError(
-            f"{chips} chips is not a power of two; pass slice_shape explicitly"
-        )
+        raise ValueError(f"{chips} chips is not a power of two; pass slice_shape explicitly")
     dims = [1] * gen.torus_rank
     while math.prod(dims) < chips:
         i = dims.index(min(dims))
@@ -465,15 +456,12 @@ class TpuTopology:
         shape = tuple(int(d) for d in self.slice_shape)
         object.__setattr__(self, "slice_shape", shape)
         if len(shape) != gen.torus_rank:
-            raise ValueError(
-                f"{gen.name} slices are {gen.torus_rank}D; got slice_shape {shape}"
-            )
+            raise ValueError(f"{gen.name} slices are {gen.torus_rank}D; got slice_shape {shape}")
         if any(d < 1 for d in shape):
             raise ValueError(f"slice_shape must be positive, got {shape}")
         if math.prod(shape) > gen.max_chips_per_slice:
             raise ValueError(
-                f"{gen.name} slices hold at most {gen.max_chips_per_slice} chips; "
-                f"{shape} has {math.prod(shape)}"
+                f"{gen.name} slices hold at most {gen.max_chips_per_slice} chips; {shape} has {math.prod(shape)}"
             )
         if self.num_slices < 1:
             raise ValueError(f"num_slices must be >= 1, got {self.num_slices}")
@@ -510,9 +498,7 @@ class TpuTopology:
         """
         m = re.fullmatch(r"(?:(\d+)x)?([A-Za-z0-9]+)-(\d+)", name.strip())
         if not m:
-            raise ValueError(
-                f"Cannot parse TPU topology name {name!r}; expected e.g. 'v5p-128'"
-            )
+            raise ValueError(f"Cannot parse TPU topology name {name!r}; expected e.g. 'v5p-128'")
         prefix, gen_name, count = m.groups()
         gen = _generation(gen_name)
         n = int(count)
@@ -608,11 +594,7 @@ class TpuTopology:
 
     @property
     def hbm_per_chip(self) -> int:
-        return (
-            self.hbm_bytes_per_chip
-            if self.hbm_bytes_per_chip is not None
-            else self.gen.hbm_bytes_per_chip
-        )
+        return self.hbm_bytes_per_chip if self.hbm_bytes_per_chip is not None else self.gen.hbm_bytes_per_chip
 
     @property
     def hbm_per_device(self) -> int:
@@ -643,9 +625,7 @@ class TpuTopology:
 
         Only links along axes longer than 1 are wired.
         """
-        links = sum(
-            (2 if wrap or d > 2 else 1) for d, wrap in zip(self.slice_shape, self.wraparound) if d > 1
-        )
+        links = sum((2 if wrap or d > 2 else 1) for d, wrap in zip(self.slice_shape, self.wraparound) if d > 1)
         return max(1, links) * self.gen.ici_link_bw
 
     @property
@@ -686,9 +666,7 @@ class TpuTopology:
 
     @property
     def torus_diameter(self) -> int:
-        return sum(
-            (d // 2 if wrap else d - 1) for d, wrap in zip(self.slice_shape, self.wraparound)
-        )
+        return sum((d // 2 if wrap else d - 1) for d, wrap in zip(self.slice_shape, self.wraparound))
 
     # ---- DCN ----------------------------------------------------------- #
 
@@ -754,9 +732,7 @@ class TpuTopology:
             use_hardware_based_bandwidth=True,
             generalized_comms_bandwidths=comms,
         )
-        return TopologyFactory.create_topology(
-            trainer_config=trainer, hardware_config=hardware, kernel_config=kernel
-        )
+        return TopologyFactory.create_topology(trainer_config=trainer, hardware_config=hardware, kernel_config=kernel)
 
     def describe(self) -> Dict[str, object]:
         """Derived figures, for reports and JSON."""
@@ -777,9 +753,7 @@ class TpuTopology:
             "ici_link_gbps_one_way": self.gen.ici_link_bw / 1e9,
             "wraparound": list(self.wraparound),
             "bisection_gbps": self.bisection_bw / 1e9 if self.chips_per_slice > 1 else None,
-            "all_to_all_gbps_per_chip": self.all_to_all_bw_per_chip / 1e9
-            if self.chips_per_slice > 1
-            else None,
+            "all_to_all_gbps_per_chip": self.all_to_all_bw_per_chip / 1e9 if self.chips_per_slice > 1 else None,
             "dcn_gbps_per_chip": self.dcn_bw_per_chip / 1e9,
             "assumptions": self.assumptions,
         }

@@ -94,13 +94,9 @@ class TpuEstimatorConfig:
 
     def __post_init__(self) -> None:
         if self.optimizer not in OPTIMIZER_SLOTS:
-            raise ValueError(
-                f"Unknown optimizer {self.optimizer!r}; known: {sorted(OPTIMIZER_SLOTS)}"
-            )
+            raise ValueError(f"Unknown optimizer {self.optimizer!r}; known: {sorted(OPTIMIZER_SLOTS)}")
         if self.row_wise_output not in ("sparse", "psum_scatter"):
-            raise ValueError(
-                f"row_wise_output must be 'sparse' or 'psum_scatter', got {self.row_wise_output!r}"
-            )
+            raise ValueError(f"row_wise_output must be 'sparse' or 'psum_scatter', got {self.row_wise_output!r}")
         if self.data_parallel_grad not in ("all_reduce", "all_gather"):
             raise ValueError(
                 f"data_parallel_grad must be 'all_reduce' or 'all_gather', got {self.data_parallel_grad!r}"

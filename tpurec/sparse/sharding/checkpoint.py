@@ -104,7 +104,9 @@ def _blocks(module: ShardedEmbeddingBagCollection) -> list[_Block]:
             g = next(i for i, grp in enumerate(L.groups) if cells[0] in grp.offsets)
             grp = L.groups[g]
             on = [[p for p in cells if p.device == d] for d in range(D)]
-            aligned = all(len(c) <= 1 for c in on) and all(p.row_offset == p.device * per_row and p.rows <= per_row for p in cells)
+            aligned = all(len(c) <= 1 for c in on) and all(
+                p.row_offset == p.device * per_row and p.rows <= per_row for p in cells
+            )
             m = per_row if aligned else max(1, max(sum(p.rows for p in c) for c in on))
             local = np.full((D, m), -1, np.int32)
             first: dict[Any, int] = {}
@@ -149,7 +151,13 @@ def _canonical_fn(module: ShardedEmbeddingBagCollection):
                 return [[_local_take(a, index[0]) for a in stacks] for index in indices]
 
             indices = [jnp.asarray(b.local) for b in mine]
-            run = jax.shard_map(extract, mesh=module.mesh, in_specs=([spec] * (1 + len(kinds)), [spec] * len(mine)), out_specs=[[spec] * (1 + len(kinds))] * len(mine), check_vma=False)
+            run = jax.shard_map(
+                extract,
+                mesh=module.mesh,
+                in_specs=([spec] * (1 + len(kinds)), [spec] * len(mine)),
+                out_specs=[[spec] * (1 + len(kinds))] * len(mine),
+                check_vma=False,
+            )
             for b, arrays in zip(mine, run([weights[g], *slots[g]], indices)):
                 extracted[id(b)] = arrays
         out: dict[str, dict[str, jax.Array]] = {}
@@ -163,13 +171,18 @@ def _canonical_fn(module: ShardedEmbeddingBagCollection):
                 values["weight"] = dp_weights[g][first : first + rows]
                 for s, stack in zip(kinds, dp_slots[g]):
                     values[s] = stack[first : first + rows]
-                out[cfg.name] = {k: jnp.pad(v, [(0, padded - rows)] + [(0, 0)] * (v.ndim - 1)) for k, v in values.items()}
+                out[cfg.name] = {
+                    k: jnp.pad(v, [(0, padded - rows)] + [(0, 0)] * (v.ndim - 1)) for k, v in values.items()
+                }
                 continue
             parts: list[list[jax.Array]] = []
             for b in (b for b in blocks if b.table == cfg.name):
                 arrays = extracted[id(b)]
                 if b.gather is not None:
-                    arrays = [jnp.pad(jnp.take(a, b.gather, axis=0), [(0, padded - rows)] + [(0, 0)] * (a.ndim - 1)) for a in arrays]
+                    arrays = [
+                        jnp.pad(jnp.take(a, b.gather, axis=0), [(0, padded - rows)] + [(0, 0)] * (a.ndim - 1))
+                        for a in arrays
+                    ]
                 parts.append(arrays)
             values["weight"] = jnp.concatenate([p[0] for p in parts], axis=1)
             for i, (s, kind) in enumerate(kinds.items(), start=1):
@@ -208,7 +221,9 @@ def _stacked_fn(module: ShardedEmbeddingBagCollection):
             R, w = grp.rows_per_device, grp.width
 
             def place(sources, indices, R=R, w=w):
-                stacks = [jnp.zeros((R, w), jnp.float32)] + [jnp.zeros((R,) if k == "row" else (R, w), jnp.float32) for k in kinds.values()]
+                stacks = [jnp.zeros((R, w), jnp.float32)] + [
+                    jnp.zeros((R,) if k == "row" else (R, w), jnp.float32) for k in kinds.values()
+                ]
                 for arrays, index in zip(sources, indices):
                     target = jnp.where(index[0] >= 0, index[0], R)  # -1: dropped
                     stacks = [st.at[target].set(a, mode="drop") for st, a in zip(stacks, arrays)]
@@ -216,14 +231,23 @@ def _stacked_fn(module: ShardedEmbeddingBagCollection):
 
             indices = [jnp.asarray(b.local) for b in mine]
             n = 1 + len(kinds)
-            run = jax.shard_map(place, mesh=module.mesh, in_specs=([[spec] * n] * len(mine), [spec] * len(mine)), out_specs=[spec] * n, check_vma=False)
+            run = jax.shard_map(
+                place,
+                mesh=module.mesh,
+                in_specs=([[spec] * n] * len(mine), [spec] * len(mine)),
+                out_specs=[spec] * n,
+                check_vma=False,
+            )
             stacks = run(sources, indices)
             weights.append(stacks[0])
             slots.append(list(stacks[1:]))
         dp_weights, dp_slots = [], []
         for dg in L.dp_groups:
             w = jnp.zeros((dg.num_rows, dg.width), jnp.float32)
-            ss = {s: jnp.zeros((dg.num_rows,) if k == "row" else (dg.num_rows, dg.width), jnp.float32) for s, k in kinds.items()}
+            ss = {
+                s: jnp.zeros((dg.num_rows,) if k == "row" else (dg.num_rows, dg.width), jnp.float32)
+                for s, k in kinds.items()
+            }
             for name, first in dg.offsets.items():
                 rows = configs[name].num_embeddings
                 w = w.at[first : first + rows].set(canonical[name]["weight"][:rows])
@@ -345,25 +369,33 @@ def load(model: nn.Module, directory: str | os.PathLike) -> None:
     with ocp.StandardCheckpointer() as checkpointer:
         stored_tree, description = _read_metadata(checkpointer, path)
         if description is not None and not has_manifest:
-            raise CheckpointError(f"{path}/{_MANIFEST}: missing, the save did not finish or the file was removed; use another checkpoint")
+            raise CheckpointError(
+                f"{path}/{_MANIFEST}: missing, the save did not finish or the file was removed; use another checkpoint"
+            )
         _check_fits(path, modules, dense, stored_tree, description)
         saved_paths = set(stored_tree["embeddings"])
         mine = {_key(path_) for path_ in modules}
         if saved_paths != mine:
-            raise ValueError(f"the checkpoint holds sharded collections {sorted(saved_paths)}, the model {sorted(mine)}")
+            raise ValueError(
+                f"the checkpoint holds sharded collections {sorted(saved_paths)}, the model {sorted(mine)}"
+            )
         target: dict[str, Any] = {"embeddings": {}, "dense": {}}
         for mpath, module in modules.items():
             saved_tables = stored_tree["embeddings"][_key(mpath)]["tables"]
             names = {c.name for c in module.embedding_bag_configs()}
             if set(saved_tables) != names:
-                raise ValueError(f"collection '{mpath}': the checkpoint has tables {sorted(saved_tables)}, the model {sorted(names)}")
+                raise ValueError(
+                    f"collection '{mpath}': the checkpoint has tables {sorted(saved_tables)}, the model {sorted(names)}"
+                )
             tables = {}
             D = module.layout.num_devices
             for cfg in module.embedding_bag_configs():
                 entry = {}
                 for key, meta in saved_tables[cfg.name].items():
                     shape = (_padded_rows(cfg.num_embeddings, D), *tuple(meta.shape)[1:])
-                    entry[key] = jax.ShapeDtypeStruct(shape, meta.dtype, sharding=_canonical_sharding(module, len(shape)))
+                    entry[key] = jax.ShapeDtypeStruct(
+                        shape, meta.dtype, sharding=_canonical_sharding(module, len(shape))
+                    )
                 tables[cfg.name] = entry
             target["embeddings"][_key(mpath)] = {"tables": tables, "step": np.zeros((), np.int64)}
         for name, t in dense.items():
@@ -416,7 +448,10 @@ def _digest(x: jax.Array) -> jax.Array:
         unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}[flat.dtype.itemsize]
         bits = lax.bitcast_convert_type(flat, unsigned).astype(jnp.uint32)
     position = lax.iota(jnp.uint32, bits.shape[0])
-    sums = [jnp.sum(_fmix(bits ^ _fmix(position * jnp.uint32(0x9E3779B1) + jnp.uint32(seed))), dtype=jnp.uint32) for seed in (0x1B873593, 0x7FEB352D)]
+    sums = [
+        jnp.sum(_fmix(bits ^ _fmix(position * jnp.uint32(0x9E3779B1) + jnp.uint32(seed))), dtype=jnp.uint32)
+        for seed in (0x1B873593, 0x7FEB352D)
+    ]
     return jnp.stack([*sums, jnp.uint32(bits.shape[0])])
 
 
@@ -424,18 +459,28 @@ def _checksum_layout(modules: dict[str, ShardedEmbeddingBagCollection], dense: d
     """``{"embeddings": {collection: {table: {"weight"|slot: rows}}}, "dense": {key: None}}``."""
     return {
         "embeddings": {
-            _key(mpath): {c.name: {k: c.num_embeddings for k in ("weight", *m.optimizer.slots)} for c in m.embedding_bag_configs()}
+            _key(mpath): {
+                c.name: {k: c.num_embeddings for k in ("weight", *m.optimizer.slots)} for c in m.embedding_bag_configs()
+            }
             for mpath, m in modules.items()
         },
         "dense": {_key(name): -1 for name in dense},
     }
 
 
-def _digests(modules: dict[str, ShardedEmbeddingBagCollection], dense: dict[str, Any], embeddings: dict[str, Any], dense_values: dict[str, Any]) -> dict[str, Any]:
+def _digests(
+    modules: dict[str, ShardedEmbeddingBagCollection],
+    dense: dict[str, Any],
+    embeddings: dict[str, Any],
+    dense_values: dict[str, Any],
+) -> dict[str, Any]:
     """The checksums of canonical tables (their real rows, not the padding) and dense values, as numpy."""
     layout = _checksum_layout(modules, dense)
     values = {
-        "embeddings": {k: {t: {s: embeddings[k][t][s] for s in slots} for t, slots in tables.items()} for k, tables in layout["embeddings"].items()},
+        "embeddings": {
+            k: {t: {s: embeddings[k][t][s] for s in slots} for t, slots in tables.items()}
+            for k, tables in layout["embeddings"].items()
+        },
         "dense": {k: dense_values[k] for k in layout["dense"]},
     }
 
@@ -467,7 +512,10 @@ def _description(model: nn.Module) -> dict[str, Any]:
             "path": mpath,
             "optimizer": _optimizer_name(m),
             "slots": list(m.optimizer.slots),
-            "tables": {c.name: {"rows": c.num_embeddings, "dim": c.embedding_dim, "dtype": "float32"} for c in m.embedding_bag_configs()},
+            "tables": {
+                c.name: {"rows": c.num_embeddings, "dim": c.embedding_dim, "dtype": "float32"}
+                for c in m.embedding_bag_configs()
+            },
         }
     dense = {}
     for name, t in _dense(model).items():
@@ -479,12 +527,16 @@ def _check_committed(path: str) -> None:
     """Raises CheckpointError unless ``path`` is a checkpoint folder whose save finished."""
     folder = Path(path)
     if _TEMPORARY in folder.name:
-        raise CheckpointError(f"{path}: the temporary folder of a save that did not finish, not a checkpoint; use another checkpoint")
+        raise CheckpointError(
+            f"{path}: the temporary folder of a save that did not finish, not a checkpoint; use another checkpoint"
+        )
     if not folder.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
     for name in ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt"):
         if not (folder / name).is_file():
-            raise CheckpointError(f"{folder / name}: missing, the checkpoint is incomplete or damaged; use another checkpoint")
+            raise CheckpointError(
+                f"{folder / name}: missing, the checkpoint is incomplete or damaged; use another checkpoint"
+            )
 
 
 def _read_metadata(checkpointer: Any, path: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -492,20 +544,30 @@ def _read_metadata(checkpointer: Any, path: str) -> tuple[dict[str, Any], dict[s
     try:
         stored = checkpointer.metadata(path)
     except Exception as e:  # Orbax reports unreadable metadata in many ways
-        raise CheckpointError(f"{path}/_CHECKPOINT_METADATA or _METADATA: unreadable, the checkpoint is damaged ({type(e).__name__}: {e})") from e
+        raise CheckpointError(
+            f"{path}/_CHECKPOINT_METADATA or _METADATA: unreadable, the checkpoint is damaged ({type(e).__name__}: {e})"
+        ) from e
     stored_tree = getattr(stored, "item_metadata", stored)
     stored_tree = getattr(stored_tree, "tree", stored_tree)
-    if not isinstance(stored_tree, dict) or not isinstance(stored_tree.get("embeddings"), dict) or not isinstance(stored_tree.get("dense"), dict):
+    if (
+        not isinstance(stored_tree, dict)
+        or not isinstance(stored_tree.get("embeddings"), dict)
+        or not isinstance(stored_tree.get("dense"), dict)
+    ):
         raise CheckpointError(f"{path}/_METADATA: damaged or not a tpurec sharded checkpoint; use another checkpoint")
     custom = getattr(stored, "custom_metadata", None) or {}
     description = custom.get("tpurec") if isinstance(custom, dict) else None
     if description is None:
         if "checksums" in stored_tree:
-            raise CheckpointError(f"{path}/_CHECKPOINT_METADATA: the model description is missing, the checkpoint is damaged")
+            raise CheckpointError(
+                f"{path}/_CHECKPOINT_METADATA: the model description is missing, the checkpoint is damaged"
+            )
         _warn_unchecked(path)
         return stored_tree, None
     if not isinstance(description, dict) or description.get("format") != FORMAT or "checksums" not in stored_tree:
-        raise CheckpointError(f"{path}/_CHECKPOINT_METADATA: damaged (not a {FORMAT} description); use another checkpoint")
+        raise CheckpointError(
+            f"{path}/_CHECKPOINT_METADATA: damaged (not a {FORMAT} description); use another checkpoint"
+        )
     return stored_tree, description
 
 
@@ -524,7 +586,13 @@ def _warn_unchecked(path: str) -> None:
     )
 
 
-def _check_fits(path: str, modules: dict[str, ShardedEmbeddingBagCollection], dense: dict[str, Any], stored_tree: dict[str, Any], description: dict[str, Any] | None) -> None:
+def _check_fits(
+    path: str,
+    modules: dict[str, ShardedEmbeddingBagCollection],
+    dense: dict[str, Any],
+    stored_tree: dict[str, Any],
+    description: dict[str, Any] | None,
+) -> None:
     """Raises ValueError unless the checkpoint holds exactly the model's tables, slots and dense tensors.
 
     The messages are those of the single-device format (:mod:`tpurec.sparse.checkpoint`).
@@ -566,7 +634,9 @@ def _check_fits(path: str, modules: dict[str, ShardedEmbeddingBagCollection], de
                     raise ValueError(f"checkpoint entry {state_key} has dtype {dtype}, the model's is float32")
             got = (rows, *tuple(meta.shape)[1:])
             if got != (cfg.num_embeddings, cfg.embedding_dim):
-                raise ValueError(f"checkpoint entry {state_key} has shape {got}, the model's is {(cfg.num_embeddings, cfg.embedding_dim)}")
+                raise ValueError(
+                    f"checkpoint entry {state_key} has shape {got}, the model's is {(cfg.num_embeddings, cfg.embedding_dim)}"
+                )
     saved_dense = set(stored_tree["dense"])
     missing = sorted(name for name in dense if _key(name) not in saved_dense)
     unexpected = sorted(k.replace("~", ".") for k in saved_dense - {_key(n) for n in dense})
@@ -586,10 +656,14 @@ def _restore(checkpointer: Any, path: str, target: dict[str, Any]) -> dict[str, 
         # strict=False: the row padding depends on the device count, which may differ.
         return checkpointer.restore(path, target, strict=False)
     except Exception as e:  # TensorStore and Orbax report damaged files in many ways
-        raise CheckpointError(f"{path}: a file of the checkpoint is damaged or missing ({type(e).__name__}: {e})") from e
+        raise CheckpointError(
+            f"{path}: a file of the checkpoint is damaged or missing ({type(e).__name__}: {e})"
+        ) from e
 
 
-def _verify_checksums(path: str, modules: dict[str, ShardedEmbeddingBagCollection], dense: dict[str, Any], restored: dict[str, Any]) -> None:
+def _verify_checksums(
+    path: str, modules: dict[str, ShardedEmbeddingBagCollection], dense: dict[str, Any], restored: dict[str, Any]
+) -> None:
     """Raises CheckpointError naming the first restored entry whose checksum differs from the saved one."""
     embeddings = {k: v["tables"] for k, v in restored["embeddings"].items()}
     found = _digests(modules, dense, embeddings, restored["dense"])
@@ -605,7 +679,9 @@ def _verify_checksums(path: str, modules: dict[str, ShardedEmbeddingBagCollectio
                     )
     for name in dense:
         if not np.array_equal(np.asarray(saved["dense"][_key(name)]), found["dense"][_key(name)]):
-            raise CheckpointError(f"{path}: entry '{name}' is damaged (its checksum does not match the one saved); use another checkpoint")
+            raise CheckpointError(
+                f"{path}: entry '{name}' is damaged (its checksum does not match the one saved); use another checkpoint"
+            )
 
 
 def _remove_leftovers(folder: Path) -> None:
@@ -666,7 +742,9 @@ def _check_manifest(folder: Path) -> bool:
         if not file.is_file():
             raise CheckpointError(f"{file}: missing, the checkpoint is incomplete; use another checkpoint")
         if file.stat().st_size != size:
-            raise CheckpointError(f"{file}: {file.stat().st_size} bytes, {size} were saved (a cut or damaged file); use another checkpoint")
+            raise CheckpointError(
+                f"{file}: {file.stat().st_size} bytes, {size} were saved (a cut or damaged file); use another checkpoint"
+            )
         if _file_sha256(file) != sha256:
             raise CheckpointError(f"{file}: damaged (its sha256 does not match the one saved); use another checkpoint")
     return True

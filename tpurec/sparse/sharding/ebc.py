@@ -193,8 +193,10 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         host_tables = {c.name: source.table_weight(c.name).detach().cpu().numpy().astype(np.float32) for c in configs}
         opt_state = source.optimizer_state_dict()["state"]
         host_slots = {
-            c.name: {s: opt_state[f"embedding_bags.{c.name}.weight"][s].detach().cpu().numpy().astype(np.float32)
-                     for s in self.optimizer.slots}
+            c.name: {
+                s: opt_state[f"embedding_bags.{c.name}.weight"][s].detach().cpu().numpy().astype(np.float32)
+                for s in self.optimizer.slots
+            }
             for c in configs
         }
         self._load_host_tables(host_tables, host_slots, register=True)
@@ -222,12 +224,17 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 stacks[None][start : start + p.rows] = tables[p.table][rows, p.col_offset : p.col_offset + p.cols]
                 for s, k in kinds.items():
                     value = slots[p.table][s]
-                    stacks[s][start : start + p.rows] = value[rows] if k == "row" else value[rows, p.col_offset : p.col_offset + p.cols]
+                    stacks[s][start : start + p.rows] = (
+                        value[rows] if k == "row" else value[rows, p.col_offset : p.col_offset + p.cols]
+                    )
             arrays[f"shard_weight_{g}"] = _global_from_host(stacks[None], self._sharded)
             for s in kinds:
                 arrays[f"shard_{s}_{g}"] = _global_from_host(stacks[s], self._sharded)
         for g, dg in enumerate(L.dp_groups):
-            stacks = {None: blank(dg.num_rows, dg.width, None), **{s: blank(dg.num_rows, dg.width, k) for s, k in kinds.items()}}
+            stacks = {
+                None: blank(dg.num_rows, dg.width, None),
+                **{s: blank(dg.num_rows, dg.width, k) for s, k in kinds.items()},
+            }
             for name, offset in dg.offsets.items():
                 n = tables[name].shape[0]
                 stacks[None][offset : offset + n] = tables[name]
@@ -271,7 +278,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         def piece_arrays(pieces: list[list[tuple[int, int, int, int, int]]]) -> list[np.ndarray]:
             # [devices, pieces] (start, rows, table, row offset, col offset); padding pieces hold no row.
             width = max(1, max(len(p) for p in pieces))
-            out = [np.zeros((len(pieces), width), dtype) for dtype in (np.int32, np.int32, np.int32, np.uint32, np.uint32)]
+            out = [
+                np.zeros((len(pieces), width), dtype) for dtype in (np.int32, np.int32, np.int32, np.uint32, np.uint32)
+            ]
             for d, entries in enumerate(pieces):
                 for j, entry in enumerate(sorted(entries)):
                     for array, value in zip(out, entry):
@@ -294,19 +303,25 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             pieces = [_global_from_host(a, self._sharded) for a in host]
 
             def local(starts, counts, tables, row_offsets, col_offsets, R=R, w=w):
-                return local_stack_values(starts[0], counts[0], tables[0], row_offsets[0], col_offsets[0], params, k1, R, w)
+                return local_stack_values(
+                    starts[0], counts[0], tables[0], row_offsets[0], col_offsets[0], params, k1, R, w
+                )
 
             born = jax.shard_map(local, mesh=self.mesh, in_specs=(spec,) * 5, out_specs=spec, check_vma=False)
             arrays[f"shard_weight_{g}"] = jax.jit(born, out_shardings=self._sharded)(*pieces)
             for s, k in kinds.items():
                 arrays[f"shard_{s}_{g}"] = zeros((D * R,) if k == "row" else (D * R, w), self._sharded)
         for g, dg in enumerate(L.dp_groups):
-            entries = [(offset, configs[index[name]].num_embeddings, index[name], 0, 0) for name, offset in dg.offsets.items()]
+            entries = [
+                (offset, configs[index[name]].num_embeddings, index[name], 0, 0) for name, offset in dg.offsets.items()
+            ]
             host = [a[0] for a in piece_arrays([entries])]
             stack = functools.partial(local_stack_values, params=params, k1=k1, num_rows=dg.num_rows, width=dg.width)
             arrays[f"dp_weight_{g}"] = jax.jit(stack, out_shardings=self._replicated)(*host)
             for s, k in kinds.items():
-                arrays[f"dp_{s}_{g}"] = zeros((dg.num_rows,) if k == "row" else (dg.num_rows, dg.width), self._replicated)
+                arrays[f"dp_{s}_{g}"] = zeros(
+                    (dg.num_rows,) if k == "row" else (dg.num_rows, dg.width), self._replicated
+                )
         for name, array in arrays.items():
             tensor = wrap(array, 0)
             if "weight" in name:
@@ -335,10 +350,15 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         """
         L = self.layout
         kinds = self.optimizer.slots
-        tables = {c.name: np.zeros((c.num_embeddings, c.embedding_dim), np.float32) for c in self._embedding_bag_configs}
+        tables = {
+            c.name: np.zeros((c.num_embeddings, c.embedding_dim), np.float32) for c in self._embedding_bag_configs
+        }
         dims = {c.name: c.embedding_dim for c in self._embedding_bag_configs}
         slots = {
-            c.name: {s: np.zeros((c.num_embeddings,) if k == "row" else (c.num_embeddings, c.embedding_dim), np.float32) for s, k in kinds.items()}
+            c.name: {
+                s: np.zeros((c.num_embeddings,) if k == "row" else (c.num_embeddings, c.embedding_dim), np.float32)
+                for s, k in kinds.items()
+            }
             for c in self._embedding_bag_configs
         }
         weights, slot_arrays = self._arrays("shard", len(L.groups))
@@ -376,7 +396,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         for name, value in tables.items():
             destination[prefix + f"embedding_bags.{name}.weight"] = torch.from_numpy(value)
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
         tables, slots = self.full_tables()
         expected = set()
         for cfg in self._embedding_bag_configs:
@@ -387,7 +409,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 continue
             value = state_dict[key]
             if tuple(value.shape) != tables[cfg.name].shape:
-                error_msgs.append(f"size mismatch for {key}: checkpoint {tuple(value.shape)}, model {tables[cfg.name].shape}")
+                error_msgs.append(
+                    f"size mismatch for {key}: checkpoint {tuple(value.shape)}, model {tables[cfg.name].shape}"
+                )
                 continue
             tables[cfg.name] = value.detach().cpu().numpy().astype(np.float32)
         if strict:
@@ -425,15 +449,19 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         mine = type(self.optimizer).__name__
         if not isinstance(state_dict, Mapping) or "steps" not in state_dict or "state" not in state_dict:
             keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
-            raise ValueError(f"an embedding optimizer state needs 'steps' and 'state' (from optimizer_state_dict()), got {keys}")
+            raise ValueError(
+                f"an embedding optimizer state needs 'steps' and 'state' (from optimizer_state_dict()), got {keys}"
+            )
         if state_dict.get("optimizer", mine) != mine:
             raise ValueError(
                 f"the optimizer state is of {state_dict['optimizer']}, but this collection uses {mine}; shard a "
                 "module built with the optimizer the checkpoint was trained with"
             )
         steps = state_dict["steps"]
-        if not isinstance(steps, (list, tuple)) or not steps or not all(
-            isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in steps
+        if (
+            not isinstance(steps, (list, tuple))
+            or not steps
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in steps)
         ):
             raise ValueError(f"steps must be a non-empty list of non-negative ints, got {steps!r}")
         state = state_dict["state"]
@@ -446,13 +474,21 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             entry = state[key]
             if not isinstance(entry, Mapping) or set(entry) != set(slots[name]):
                 got = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
-                raise ValueError(f"the optimizer state of {key} has slots {got}, but {mine} needs {sorted(slots[name])}")
+                raise ValueError(
+                    f"the optimizer state of {key} has slots {got}, but {mine} needs {sorted(slots[name])}"
+                )
             new_slots[name] = {}
             for slot, target in slots[name].items():
                 value = entry[slot]
-                if not isinstance(value, torch.Tensor) or tuple(value.shape) != target.shape or not value.dtype.is_floating_point:
+                if (
+                    not isinstance(value, torch.Tensor)
+                    or tuple(value.shape) != target.shape
+                    or not value.dtype.is_floating_point
+                ):
                     got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise ValueError(f"slot {slot} of {key}: expected a float tensor of shape {target.shape}, got {got}")
+                    raise ValueError(
+                        f"slot {slot} of {key}: expected a float tensor of shape {target.shape}, got {got}"
+                    )
                 new_slots[name][slot] = value.detach().cpu().numpy().astype(np.float32)
         self._load_host_tables(tables, new_slots)
         self._step = max(steps)
@@ -641,7 +677,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._step += 1
         hyper = {k: float(v) for k, v in self.optimizer.hyperparameters(self._step).items()}
         program = self._programs(b, origins is not None)[1]
-        new_w, new_s, new_dw, new_ds, dots = program(grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper)
+        new_w, new_s, new_dw, new_ds, dots = program(
+            grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper
+        )
         for prefix, ws, ss in (("shard", new_w, new_s), ("dp", new_dw, new_ds)):
             for g, (w, s) in enumerate(zip(ws, ss)):
                 replace_array(getattr(self, f"{prefix}_weight_{g}"), w)

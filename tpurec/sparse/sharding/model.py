@@ -73,7 +73,9 @@ def replicate(tensor: torch.Tensor, mesh: Mesh) -> None:
     if is_global(tensor):
         return
     if not isinstance(tensor, TpuTensor) or not tensor.is_full:
-        raise ValueError("only whole tpu tensors (not views) can be replicated onto a mesh; move the model to 'tpu' first")
+        raise ValueError(
+            "only whole tpu tensors (not views) can be replicated onto a mesh; move the model to 'tpu' first"
+        )
     value = value_of(tensor, "replicate onto the mesh")
     sharding = NamedSharding(mesh, P())
     if jax.process_count() == 1:
@@ -105,7 +107,9 @@ def _planned(owner: nn.Module, ebc: EmbeddingBagCollection, mesh: Mesh, batch_si
 
     devices = mesh.devices.size
     kind = str(getattr(mesh.devices.flat[0], "device_kind", "")).lower()
-    generation = next((g for g in ("v7x", "v6e", "v5e", "v5p", "v4") if g.replace("x", "") in kind.replace(" ", "")), "v5p")
+    generation = next(
+        (g for g in ("v7x", "v6e", "v5e", "v5p", "v4") if g.replace("x", "") in kind.replace(" ", "")), "v5p"
+    )
     # Accelerator names count TensorCores on v4/v5p (two per chip, one device), chips elsewhere.
     name = f"{generation}-{devices * 2 if generation in ('v4', 'v5p') else devices}"
     if isinstance(owner, EmbeddingCollection):
@@ -276,9 +280,7 @@ def shard(
 
     # Every check first: a bad plan must leave the model untouched.
     if plan is None:
-        per_module = {
-            path: _planned(owners[path][1], ebc, mesh, planner_batch_size) for path, ebc in ebcs.items()
-        }
+        per_module = {path: _planned(owners[path][1], ebc, mesh, planner_batch_size) for path, ebc in ebcs.items()}
     else:
         given = module_plans(plan)
         # A plan names a collection by its owner's path (TorchRec's) or, for a
@@ -308,14 +310,18 @@ def shard(
     specs: dict[str, dict[str, TableSharding]] = {
         path: table_shardings(ebcs[path].embedding_bag_configs(), per_module[path], mesh.devices.size) for path in ebcs
     }
-    inside = {id(p) for ebc in ebcs.values() for p in ebc.parameters()} | {id(b) for ebc in ebcs.values() for b in ebc.buffers()}
+    inside = {id(p) for ebc in ebcs.values() for p in ebc.parameters()} | {
+        id(b) for ebc in ebcs.values() for b in ebc.buffers()
+    }
     dense = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in inside]
     # With tables on meta the rest of the model may still be on the host: it moves to tpu
     # below, as TorchRec's DMP moves a model's dense part to its device.
     allowed = ("tpu", "cpu") if born else ("tpu",)
     off_device = [(tuple(t.shape), t.device.type) for t in dense if t.device.type not in allowed]
     if off_device:
-        hint = " (a model with tables on 'meta' may have its dense part on the host or 'tpu', not 'meta')" if born else ""
+        hint = (
+            " (a model with tables on 'meta' may have its dense part on the host or 'tpu', not 'meta')" if born else ""
+        )
         raise ValueError(
             f"parameters/buffers of shapes and devices {off_device} are not on 'tpu'; move the model to 'tpu' "
             f"first{hint}"

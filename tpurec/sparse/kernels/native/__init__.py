@@ -39,9 +39,16 @@ __all__ = [
     "sparse_dense_matmul_grad_with_adam",
 ]
 
-_TARGETS = {symbol: FFI_TARGETS[symbol] for symbol in (
-    "TpurecSparseDenseMatmul", "TpurecGradSgd", "TpurecGradAdagrad", "TpurecGradRowwiseAdagrad", "TpurecGradAdam",
-)}
+_TARGETS = {
+    symbol: FFI_TARGETS[symbol]
+    for symbol in (
+        "TpurecSparseDenseMatmul",
+        "TpurecGradSgd",
+        "TpurecGradAdagrad",
+        "TpurecGradRowwiseAdagrad",
+        "TpurecGradAdam",
+    )
+}
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
 """Kernel name -> times JAX traced it (a trace is a compilation)."""
@@ -55,7 +62,9 @@ def _csr(row_pointers, embedding_ids, sample_ids, gains):
     for (name, a), want in zip(arrays.items(), (jnp.int32, jnp.int32, jnp.int32, jnp.float32)):
         a = jnp.asarray(a)
         if a.dtype != want:
-            raise TypeError(f"native kernels take {jnp.dtype(want)} {name}, got {a.dtype}; convert it after checking the values fit")
+            raise TypeError(
+                f"native kernels take {jnp.dtype(want)} {name}, got {a.dtype}; convert it after checking the values fit"
+            )
         if a.ndim != 1:
             raise ValueError(f"native kernels take a 1-D {name}, got shape {a.shape}")
         out.append(a)
@@ -102,11 +111,18 @@ def _grad(symbol, op_name, csr, grad_output, hyper, table, slots):
     return tuple(out) if len(state) > 1 else out[0]
 
 
-def sparse_dense_matmul_grad_with_sgd(row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *, learning_rate):
+def sparse_dense_matmul_grad_with_sgd(
+    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *, learning_rate
+):
     """SGD on the touched rows: ``w -= lr * g``. Returns the updated table."""
     return _grad(
-        "TpurecGradSgd", "sparse_dense_matmul_grad_with_sgd", (row_pointers, embedding_ids, sample_ids, gains),
-        grad_output, [learning_rate], table, (),
+        "TpurecGradSgd",
+        "sparse_dense_matmul_grad_with_sgd",
+        (row_pointers, embedding_ids, sample_ids, gains),
+        grad_output,
+        [learning_rate],
+        table,
+        (),
     )
 
 
@@ -115,8 +131,13 @@ def sparse_dense_matmul_grad_with_adagrad(
 ):
     """Adagrad: ``m += g**2; w -= lr * g / (sqrt(m) + eps)``. Returns ``(table, accumulator)``."""
     return _grad(
-        "TpurecGradAdagrad", "sparse_dense_matmul_grad_with_adagrad", (row_pointers, embedding_ids, sample_ids, gains),
-        grad_output, [learning_rate, eps], table, (accumulator,),
+        "TpurecGradAdagrad",
+        "sparse_dense_matmul_grad_with_adagrad",
+        (row_pointers, embedding_ids, sample_ids, gains),
+        grad_output,
+        [learning_rate, eps],
+        table,
+        (accumulator,),
     )
 
 
@@ -125,8 +146,12 @@ def sparse_dense_matmul_grad_with_rowwise_adagrad(
 ):
     """Row-wise Adagrad with L2 weight decay. Returns ``(table, accumulator)``, ``accumulator`` is ``[rows]``."""
     return _grad(
-        "TpurecGradRowwiseAdagrad", "sparse_dense_matmul_grad_with_rowwise_adagrad",
-        (row_pointers, embedding_ids, sample_ids, gains), grad_output, [learning_rate, eps, weight_decay], table,
+        "TpurecGradRowwiseAdagrad",
+        "sparse_dense_matmul_grad_with_rowwise_adagrad",
+        (row_pointers, embedding_ids, sample_ids, gains),
+        grad_output,
+        [learning_rate, eps, weight_decay],
+        table,
         (accumulator,),
     )
 
@@ -150,10 +175,22 @@ def sparse_dense_matmul_grad_with_adam(
 ):
     """Lazy Adam on the touched rows (``step`` counts from 1). Returns ``(table, momentum1, momentum2)``."""
     hyper = [
-        learning_rate, beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, weight_decay,
-        1.0 - beta1**step, 1.0 - beta2**step,  # bias corrections, as the reference writes them
+        learning_rate,
+        beta1,
+        1.0 - beta1,
+        beta2,
+        1.0 - beta2,
+        eps,
+        weight_decay,
+        1.0 - beta1**step,
+        1.0 - beta2**step,  # bias corrections, as the reference writes them
     ]
     return _grad(
-        "TpurecGradAdam", "sparse_dense_matmul_grad_with_adam", (row_pointers, embedding_ids, sample_ids, gains),
-        grad_output, hyper, table, (momentum1, momentum2),
+        "TpurecGradAdam",
+        "sparse_dense_matmul_grad_with_adam",
+        (row_pointers, embedding_ids, sample_ids, gains),
+        grad_output,
+        hyper,
+        table,
+        (momentum1, momentum2),
     )

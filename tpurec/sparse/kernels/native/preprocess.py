@@ -57,8 +57,30 @@ def _functions() -> tuple[ctypes._CFuncPtr, ctypes._CFuncPtr]:  # type: ignore[n
     key_starts.argtypes = [_ptr, _i64, _i64, _i64, _ptr]
     key_starts.restype = ctypes.c_int
     stack = lib.TpurecPreprocessStack
-    stack.argtypes = [_ptr, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _ptr, _ptr, _ptr,
-                      _i64, _i64, _i64, _i64, ctypes.c_int32, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr, _ptr]
+    stack.argtypes = [
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _i64,
+        _i64,
+        _i64,
+        _i64,
+        ctypes.c_int32,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+        _ptr,
+    ]
     stack.restype = ctypes.c_int
     return key_starts, stack
 
@@ -116,7 +138,12 @@ def preprocess_native(
     # what the reference would raise.
     batching = read_batching(kjt, variable_batch=True)
     values_t, lengths_t, weights_t = kjt.values(), kjt.lengths(), kjt.weights_or_none()
-    if values_t.dtype not in _ID_DTYPES or lengths_t.dtype not in _ID_DTYPES or values_t.dim() != 1 or lengths_t.dim() != 1:
+    if (
+        values_t.dtype not in _ID_DTYPES
+        or lengths_t.dtype not in _ID_DTYPES
+        or values_t.dim() != 1
+        or lengths_t.dim() != 1
+    ):
         return None
     offsets_t = kjt.offsets_or_none()
     if offsets_t is not None and offsets_t.numel() and int(offsets_t[0]) != 0:
@@ -167,11 +194,27 @@ def preprocess_native(
         unique_counts = np.empty(P, np.int32)
         dropped = np.zeros(1, np.int64)
         status = stack_fn(
-            values.ctypes.data, None if weights is None else weights.ctypes.data, lengths.ctypes.data,
-            key_starts.ctypes.data, batch_size, st.num_slots, slot_key.ctypes.data, slot_offset.ctypes.data,
-            slot_rows.ctypes.data, slot_mean.ctypes.data, P, capacity.max_ids_per_partition,
-            capacity.max_unique_ids_per_partition, size, int(drop), row_pointers.ctypes.data, ids.ctypes.data,
-            samples.ctypes.data, gains.ctypes.data, counts.ctypes.data, unique_counts.ctypes.data,
+            values.ctypes.data,
+            None if weights is None else weights.ctypes.data,
+            lengths.ctypes.data,
+            key_starts.ctypes.data,
+            batch_size,
+            st.num_slots,
+            slot_key.ctypes.data,
+            slot_offset.ctypes.data,
+            slot_rows.ctypes.data,
+            slot_mean.ctypes.data,
+            P,
+            capacity.max_ids_per_partition,
+            capacity.max_unique_ids_per_partition,
+            size,
+            int(drop),
+            row_pointers.ctypes.data,
+            ids.ctypes.data,
+            samples.ctypes.data,
+            gains.ctypes.data,
+            counts.ctypes.data,
+            unique_counts.ctypes.data,
             dropped.ctypes.data,
         )
         if status != _OK:
