@@ -182,6 +182,10 @@ def _memory_api() -> None:
     memory.install(TpuModule)  # torch.tpu.memory_allocated() and friends
 
 
+def _torchrec_tpu_tables() -> None:
+    importlib.import_module("tpurec.distributed.torchrec_tables").install()
+
+
 def _old_module_paths() -> None:
     importlib.import_module("tpurec._old_paths").install()
 
@@ -423,6 +427,25 @@ PATCHES: tuple[Patch, ...] = (
         requires=("torch.optim.optimizer._foreach_supported_types",),
         private=True,
         targets=("torch.optim.optimizer._foreach_supported_types",),
+    ),
+    Patch(
+        "torchrec_tpu_tables",
+        "named_parameters_by_table of TorchRec's UNFUSED_TPU kernels (BatchedTPUEmbeddingBag, BatchedTPUEmbedding in "
+        "torchrec.distributed.batched_embedding_kernel) yields each table's parameter (when that module is imported)",
+        "TorchRec 1.9.2's TPU kernels yield no tables there, so its sharded collections register empty CPU "
+        "placeholders as the tables' parameters: an optimizer over DistributedModelParallel.parameters() trains "
+        "nothing and load_state_dict fails with a size mismatch (see tpurec/distributed/torchrec_tables.py).",
+        _torchrec_tpu_tables,
+        requires=(
+            "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbeddingBag.named_parameters_by_table",
+            "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbedding.named_parameters_by_table",
+        ),
+        targets=(
+            "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbedding.named_parameters_by_table",
+            "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbeddingBag.named_parameters_by_table",
+        ),
+        # TorchRec's distributed modules take seconds to import: waits for the user's import.
+        after_import="torchrec.distributed.batched_embedding_kernel",
     ),
     Patch(
         "old_module_paths",

@@ -39,6 +39,7 @@ import torch._subclasses.fake_impls, torch._subclasses.fake_tensor, torch.autogr
 import torch._dynamo.variables.builder as builder
 fsdp_param = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_param")
 fsdp_param_group = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_param_group")
+tbe_kernel = importlib.import_module("torchrec.distributed.batched_embedding_kernel")
 optimizer = importlib.import_module("torch.optim.optimizer")
 variable = importlib.import_module("torch.autograd.variable")
 
@@ -52,6 +53,8 @@ NAMESPACES = {
     "torch.distributed.Backend": torch.distributed.Backend,
     "torch.distributed.fsdp._fully_shard._fsdp_param": fsdp_param,
     "torch.distributed.fsdp._fully_shard._fsdp_param_group": fsdp_param_group,
+    "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbeddingBag": tbe_kernel.BatchedTPUEmbeddingBag,
+    "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbedding": tbe_kernel.BatchedTPUEmbedding,
 }
 KEYS = ("CPU", "CUDA", "Meta", "CompositeExplicitAutograd", "CompositeImplicitAutograd", "Autograd", "AutogradCPU")
 
@@ -146,6 +149,7 @@ state = {
 }
 import torch._dynamo  # what torch.compile, TorchRec or the user does first
 from torch.distributed.fsdp import fully_shard  # FSDP2
+import torchrec.distributed.batched_embedding_kernel  # TorchRec's sharded kernels
 from torch._dynamo.variables import builder
 state.update(
     waiting_after=list(_patches.waiting()),
@@ -160,7 +164,8 @@ print(json.dumps(state))
 
 
 def test_dynamos_patches_wait_for_its_import(tmp_path):
-    """``import tpurec`` imports neither Dynamo nor FSDP2; their patches are applied as their imports complete."""
+    """``import tpurec`` imports neither Dynamo, FSDP2 nor TorchRec's sharded kernels; their patches are applied
+    as their imports complete."""
     import json
     import os
     import pathlib
@@ -178,7 +183,11 @@ def test_dynamos_patches_wait_for_its_import(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen["dynamo_at_import"] is False
-    assert seen["modules"] == ["torch._dynamo", "torch.distributed.fsdp._fully_shard._fsdp_param_group"]
+    assert seen["modules"] == [
+        "torch._dynamo",
+        "torch.distributed.fsdp._fully_shard._fsdp_param_group",
+        "torchrec.distributed.batched_embedding_kernel",
+    ]
     assert seen["waiting"] == seen["marked"] and seen["marked"], seen
     assert seen["waiting_after"] == [] and seen["installed"] == seen["listed"]
     assert seen["finder_left"] == []  # the import hook is gone once nothing waits

@@ -4,8 +4,10 @@ The model is TorchRec's own ``EmbeddingBagCollection``, sharded by TorchRec's ow
 ``DistributedModelParallel`` on the ``tpu`` device with a plan from TorchRec's
 ``EmbeddingShardingPlanner`` (every table constrained to the sharding type ``PLAN`` names,
 or a mix of them) and TorchRec's ``UNFUSED_TPU`` compute kernel. The tables start from the
-weights of the reference model (written through the DMP state_dict's local shards), train
-``STEPS`` steps of SGD on this rank's slice of every global batch, and each rank writes
+weights of the reference model (loaded with ``load_state_dict`` as whole tensors), train
+``STEPS`` steps of ``torch.optim.SGD(model.parameters())`` on this rank's slice of every global
+batch, the trained ``state_dict`` loads into a freshly sharded model (equal tables and lookups),
+and each rank writes
 ``OUT.<PLAN>.<rank>.npz``: its local shards (with their offsets) and, on rank 0, the global loss
 of every step. The test assembles the tables and compares them with :func:`reference`,
 the same model trained by TorchRec on CPU in one process on the whole batch.
@@ -17,6 +19,7 @@ import datetime
 import faulthandler
 import os
 import sys
+from collections import OrderedDict
 from typing import Any, cast
 
 import numpy as np
@@ -181,30 +184,46 @@ def train_sharded(out_path: str, plan_name: str) -> None:
     got = {name: p.sharding_type for name, p in plan.plan[""].items()}  # pyright: ignore[reportAttributeAccessIssue]
     if got != types:
         raise AssertionError(f"the planner chose {got}, not {types}")
-    model = DistributedModelParallel(collection, device=torch.device("tpu"), plan=plan, sharders=[sharder])
 
-    # The reference's starting tables, written through the state_dict's local shards.
-    start = _weights(plan_name)
-    state = model.state_dict()
+    def shard_it() -> DistributedModelParallel:
+        return DistributedModelParallel(
+            _collection(plan_name, "meta"), device=torch.device("tpu"), plan=plan, sharders=[sharder]
+        )
+
+    model = shard_it()
     prefix = "embeddings" if ec else "embedding_bags"
-    with torch.no_grad():
-        for name, _r, _d in TABLES:
-            table = state[f"{prefix}.{name}.weight"]
-            if not isinstance(table, ShardedTensor):
-                raise AssertionError(f"{name}: the state_dict holds a {type(table).__name__}, not a ShardedTensor")
-            for shard in table.local_shards():
-                (r0, c0), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
-                if shard.tensor.device.type != "tpu":
-                    raise AssertionError(f"{name}: a shard lives on {shard.tensor.device}")
-                shard.tensor.copy_(torch.from_numpy(start[name][r0 : r0 + rows, c0 : c0 + cols]))
 
-    # TorchRec 1.9.2's UNFUSED_TPU kernel does not register its tables with the sharded module
-    # (its BatchedTPUEmbeddingBag fills no _param_per_table), so model.parameters() holds empty
-    # placeholders for them; the state_dict's local shards are the kernel's parameters themselves.
+    # The reference's starting tables, loaded as whole (unsharded) tensors: the sharded module's
+    # load_state_dict hook cuts each rank's shards out of them.
+    start = _weights(plan_name)
+    result = model.load_state_dict(
+        OrderedDict((f"{prefix}.{name}.weight", torch.from_numpy(w)) for name, w in start.items())
+    )
+    if result.missing_keys or result.unexpected_keys:
+        raise AssertionError(f"loading the starting tables: {result}")
+    state = model.state_dict()
+    for name, _r, _d in TABLES:
+        table = state[f"{prefix}.{name}.weight"]
+        if not isinstance(table, ShardedTensor):
+            raise AssertionError(f"{name}: the state_dict holds a {type(table).__name__}, not a ShardedTensor")
+        for shard in table.local_shards():
+            (r0, c0), (rows, cols) = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+            if shard.tensor.device.type != "tpu":
+                raise AssertionError(f"{name}: a shard lives on {shard.tensor.device}")
+            np.testing.assert_array_equal(
+                shard.tensor.detach().cpu().numpy(), start[name][r0 : r0 + rows, c0 : c0 + cols], err_msg=name
+            )
+
+    # The tables are the model's parameters: every local shard of the state_dict is one of
+    # model.parameters() (the tensor the lookups read), so a plain optimizer over them trains the
+    # tables. A table with no shard on this rank is an empty placeholder that gets no gradient.
+    parameters = list(model.parameters())
     tables = [shard.tensor for name, _r, _d in TABLES for shard in state[f"{prefix}.{name}.weight"].local_shards()]
-    if not all(isinstance(t, torch.nn.Parameter) and t.requires_grad for t in tables):
-        raise AssertionError("the state_dict's local shards are not the kernel's parameters")
-    optimizer = torch.optim.SGD(tables, lr=LEARNING_RATE)
+    if not all(any(t is p for p in parameters) for t in tables):
+        raise AssertionError("a local shard of the state_dict is not one of model.parameters()")
+    if any(p.numel() for p in parameters if not any(p is t for t in tables)):
+        raise AssertionError("model.parameters() holds a non-empty tensor that is no table shard")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
     mix, losses = _mix("tpu"), []
     local = GLOBAL_BATCH // n
     for ids, target in _batches():
@@ -218,15 +237,75 @@ def train_sharded(out_path: str, plan_name: str) -> None:
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # equal slices: the mean of the means is the global loss
         losses.append(loss.item())
 
+    # The trained state_dict loads into a freshly sharded model: its tables (and so its
+    # lookups) then hold the same values.
+    trained = model.state_dict()
+    fresh = shard_it()
+    result = fresh.load_state_dict(cast("OrderedDict[str, torch.Tensor]", trained))
+    if result.missing_keys or result.unexpected_keys:
+        raise AssertionError(f"loading the trained state_dict: {result}")
     shards: dict[str, np.ndarray] = {}
-    for name, table in model.state_dict().items():
-        if isinstance(table, ShardedTensor):
-            for i, shard in enumerate(table.local_shards()):
-                key = f"{name.split('.')[1]}|{i}"
-                shards[key + "|offsets"] = np.array(shard.metadata.shard_offsets)
-                shards[key] = shard.tensor.detach().cpu().numpy()
+    for name, table in trained.items():
+        if not isinstance(table, ShardedTensor):
+            continue
+        loaded = fresh.state_dict()[name]
+        if not isinstance(loaded, ShardedTensor):
+            raise AssertionError(f"{name}: the fresh model's state_dict holds a {type(loaded).__name__}")
+        for i, (shard, again) in enumerate(zip(table.local_shards(), loaded.local_shards(), strict=True)):
+            if again.metadata.shard_offsets != shard.metadata.shard_offsets:
+                raise AssertionError(f"{name}: the fresh model's shard {i} is at {again.metadata.shard_offsets}")
+            key = f"{name.split('.')[1]}|{i}"
+            shards[key + "|offsets"] = np.array(shard.metadata.shard_offsets)
+            shards[key] = shard.tensor.detach().cpu().numpy()
+            np.testing.assert_array_equal(again.tensor.detach().cpu().numpy(), shards[key], err_msg=f"{name} {i}")
+    ids, _target = next(iter(_batches()))
+    batch = _kjt(ids, slice(rank * local, (rank + 1) * local)).to(torch.device("tpu"))
+    with torch.no_grad():
+        before, after = model(batch).wait(), fresh(batch).wait()
+    # An EmbeddingCollection returns a dict of JaggedTensors, an EmbeddingBagCollection a KeyedTensor.
+    before, after = (out if isinstance(out, dict) else out.to_dict() for out in (before, after))
+    if sorted(before) != sorted(after):
+        raise AssertionError(f"the fresh model looks up {sorted(after)}, not {sorted(before)}")
+    for key, value in before.items():
+        got = after[key]
+        np.testing.assert_array_equal(
+            (got.values() if ec else got).cpu().numpy(), (value.values() if ec else value).cpu().numpy(), err_msg=key
+        )
     shards["losses"] = np.array(losses)
     np.savez(f"{out_path}.{plan_name}.{rank}.npz", **cast(dict[str, Any], shards))
+
+
+def stacked_column_shards(out_path: str) -> None:
+    """Shards a dim-64 table into four column shards of 16 on the ranks (so a rank holds several of
+    them): DMP must refuse with the table named. Writes ``OUT.stacked.<rank>`` (the error's text)."""
+    import torch
+    import torch.distributed as dist
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ModuleSharder
+
+    configs = [EmbeddingBagConfig(name="wide", embedding_dim=64, num_embeddings=12, feature_names=["fwide"])]
+    constraints = {
+        "wide": ParameterConstraints(sharding_types=["column_wise"], compute_kernels=["unfused_tpu"], min_partition=16)
+    }
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=dist.get_world_size(), compute_device="tpu", local_world_size=1),
+        constraints=constraints,
+    )
+    sharder = cast(ModuleSharder[torch.nn.Module], EmbeddingBagCollectionSharder())
+    collection = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
+    plan = planner.collective_plan(collection, [sharder], dist.GroupMember.WORLD)
+    ranks = [p.ranks for p in plan.plan[""].values()]  # pyright: ignore[reportAttributeAccessIssue]
+    try:
+        DistributedModelParallel(collection, device=torch.device("tpu"), plan=plan, sharders=[sharder])
+        outcome = f"sharded without an error; shard ranks {ranks}"
+    except NotImplementedError as error:
+        outcome = f"NotImplementedError: {error}"
+    with open(f"{out_path}.stacked.{dist.get_rank()}", "w") as f:
+        f.write(outcome)
 
 
 def main(out_path: str, plans: list[str]) -> None:
@@ -236,6 +315,9 @@ def main(out_path: str, plans: list[str]) -> None:
 
     dist.init_process_group("cpu:gloo,tpu:tpu", timeout=datetime.timedelta(seconds=60))
     for plan in plans:
+        if plan == "stacked":
+            stacked_column_shards(out_path)
+            continue
         if plan not in PLANS:
             raise ValueError(f"unknown plan {plan!r}: use one of {PLANS}")
         train_sharded(out_path, plan)

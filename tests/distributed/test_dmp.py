@@ -1,7 +1,8 @@
 """TorchRec's own DistributedModelParallel on the tpu device, unmodified: an EmbeddingBagCollection
 sharded table-, row- and column-wise (each alone and mixed in one plan) by TorchRec's planner, on 2
 and 4 processes, and an EmbeddingCollection sharded row- and table-wise, train like the same TorchRec
-collection on CPU in one process (see dmp_worker.py)."""
+collection on CPU in one process, with a plain optimizer over ``model.parameters()``, and their
+``state_dict`` loads into a freshly sharded model (see dmp_worker.py)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,14 @@ def test_two_processes_embedding_collection_row_and_table_wise(tmp_path):
 def test_four_processes_mixed_plan(tmp_path):
     _launch(4, tmp_path / "four", ("mixed",))
     _check(tmp_path / "four", "mixed", 4)
+
+
+@pytest.mark.slow
+def test_several_column_shards_of_a_table_on_a_rank_are_refused(tmp_path):
+    """Four column shards of one table on 2 processes: every rank holds two, and DMP refuses with
+    the table named (one parameter per table, as the sharded module registers it, cannot be them)."""
+    _launch(2, tmp_path / "cw", ("stacked",))
+    for rank in range(2):
+        text = (tmp_path / f"cw.stacked.{rank}").read_text()
+        assert text.startswith("NotImplementedError") and "column shards of table 'wide'" in text, text
+        assert "min_partition" in text, text
