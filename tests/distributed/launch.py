@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from ports import free_port_pair
 
-ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
 # Each launch's bound: the ranks' own watchdog (TPUREC_TEST_HANG_SECONDS) fires first.
 LAUNCH_SECONDS = 240
 
@@ -51,3 +52,13 @@ def launch(script: Path, processes: int, *args: str, seconds: int = LAUNCH_SECON
         pytest.fail(f"the {processes}-process launch did not end within {seconds} s:\n{output[-6000:]}")
     assert proc.returncode == 0, output[-6000:]
     return output
+
+
+def torchrun(script: str, processes: int, out: Path, *args: str, seconds: int = LAUNCH_SECONDS) -> list[list[str]]:
+    """Runs ``script CHECKS... OUT ARGS`` (a worker beside this file) in ``processes`` ranks; each rank's report lines.
+
+    Every rank writes its report to ``OUT.<rank>``; fails the test as :func:`launch` does.
+    """
+    checks, *rest = args
+    launch(HERE / script, processes, checks, str(out), *rest, seconds=seconds)
+    return [Path(f"{out}.{rank}").read_text().split("\n") for rank in range(processes)]

@@ -7,7 +7,7 @@ and Partial, redistribute between them, matmul, elementwise ops, reductions and 
 from __future__ import annotations
 
 import pytest
-from torchrun_launch import torchrun
+from launch import torchrun
 
 
 @pytest.mark.slow

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from torchrun_launch import HERE, torchrun
+from launch import HERE, torchrun
 
 
 def _reference():

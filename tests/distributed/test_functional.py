@@ -7,7 +7,7 @@ The checks each rank makes are in stack_worker.py (``functional``): in eager and
 from __future__ import annotations
 
 import pytest
-from torchrun_launch import torchrun
+from launch import torchrun
 
 
 def test_group_name_is_visible_to_cpp():
