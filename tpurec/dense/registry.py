@@ -195,14 +195,21 @@ def entry(op: torch._ops.OpOverload, kind: Kind) -> Lowering | None:
 def get_lowering(op: torch._ops.OpOverload) -> Lowering | None:
     """The JAX lowering of ``op``, loading a deferred family on the first op of its namespace."""
     lowering = LOWERINGS.get(op)
-    namespace = getattr(op, "namespace", None)
-    if lowering is None and (namespace in DEFERRED or namespace in DEFERRED_ABOVE):
-        import importlib
+    if lowering is None:
+        module = _deferred_module(getattr(op, "namespace", None))
+        if module is not None:
+            import importlib
 
-        module = f"tpurec.dense.{DEFERRED[namespace]}" if namespace in DEFERRED else DEFERRED_ABOVE[namespace]
-        importlib.import_module(module)
-        lowering = LOWERINGS.get(op)
+            importlib.import_module(module)
+            lowering = LOWERINGS.get(op)
     return lowering
+
+
+def _deferred_module(namespace: str | None) -> str | None:
+    """The dotted module of the family deferred to ``namespace``'s first op (None: not deferred)."""
+    if namespace in DEFERRED:
+        return f"tpurec.dense.{DEFERRED[namespace]}"
+    return DEFERRED_ABOVE.get(namespace) if namespace is not None else None
 
 
 def defer(namespace: str, module: str) -> None:
@@ -215,7 +222,7 @@ def defer(namespace: str, module: str) -> None:
     Raises:
         ValueError: ``namespace`` is already deferred to another module.
     """
-    known = DEFERRED_ABOVE.get(namespace) or (f"tpurec.dense.{DEFERRED[namespace]}" if namespace in DEFERRED else None)
+    known = _deferred_module(namespace)
     if known is not None and known != module:
         raise ValueError(f"the {namespace!r} namespace is already deferred to {known}, not {module}")
     DEFERRED_ABOVE[namespace] = module
@@ -251,7 +258,6 @@ FAMILIES = (
 # namespace: the ops exist only once their library is imported, and importing it for
 # every program (FBGEMM: half a second) would tax models that never use it.
 DEFERRED = {"fbgemm": "jagged"}
-_DEFERRED = DEFERRED
 # Namespace -> dotted module of a deferred family above the table (registered with defer()).
 DEFERRED_ABOVE: dict[str, str] = {}
 
