@@ -294,7 +294,7 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "cpu_pin_memory",
-        "the CPU kernel of aten::_pin_memory: pinning for tpu is a contiguous copy; other targets unchanged",
+        "the CPU kernel of aten::_pin_memory: without the C++ hooks pinning for tpu is a contiguous copy",
         "In a process with tpurec the current accelerator is tpu, and PyTorch asks it for a pinned host "
         "allocator, which a Python backend cannot provide (DataLoader(pin_memory=True) failed). Pinning for "
         "any other device runs PyTorch's own kernel.",

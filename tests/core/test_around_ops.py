@@ -183,7 +183,7 @@ def test_tpu_checkpoint_loads_with_map_location_cpu_in_a_process_without_tpurec(
 def test_pin_memory_of_a_cpu_tensor_works_for_tpu_transfers():
     host = torch.arange(6.0).reshape(2, 3).t()
     pinned = host.pin_memory()
-    assert pinned.device.type == "cpu" and torch.equal(pinned, host) and pinned.is_contiguous()
+    assert pinned.device.type == "cpu" and torch.equal(pinned, host) and pinned.is_pinned()
     assert torch.equal(pinned.to("tpu", non_blocking=True).cpu(), host)
     loader = torch.utils.data.DataLoader(
         torch.utils.data.TensorDataset(torch.arange(4.0)), batch_size=2, pin_memory=True

@@ -117,10 +117,17 @@ def test_pinning_for_other_devices_behaves_as_without_tpurec():
     assert with_tpurec.removesuffix(" True") == without.removesuffix(" False")
 
 
-def test_pinning_for_tpu_is_a_contiguous_host_copy():
-    """With no device, pinning is for the current accelerator: tpu in a process with tpurec."""
+def test_pinning_for_tpu_pins_as_pytorch_does():
+    """With no device, pinning is for the current accelerator: tpu in a process with tpurec. With
+    tpurec's C++ hooks PyTorch's own kernel pins (a copy with the same strides, ``is_pinned()``),
+    as ``empty(pin_memory=True)`` does."""
+    from tpurec.native import torch_hooks
+
     assert torch.accelerator.current_accelerator() == torch.device("tpu")
+    assert torch_hooks.registered(), torch_hooks.failure()
     host = torch.arange(6.0).reshape(2, 3).t()
     for pinned in (host.pin_memory(), host.pin_memory(device="tpu")):
-        assert pinned.device.type == "cpu" and pinned.is_contiguous() and torch.equal(pinned, host)
-        assert pinned.data_ptr() != host.data_ptr()
+        assert pinned.device.type == "cpu" and pinned.is_pinned() and torch.equal(pinned, host)
+        assert pinned.stride() == host.stride() and pinned.data_ptr() != host.data_ptr()
+        assert torch.equal(pinned.to("tpu", non_blocking=True).cpu(), host)
+    assert not host.is_pinned() and torch.empty(3, pin_memory=True).is_pinned()

@@ -303,18 +303,22 @@ _TORCH_PIN_KERNEL = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplic
 
 
 def _pin_cpu_memory(self: torch.Tensor, device=None) -> torch.Tensor:
-    """``aten::_pin_memory`` of a CPU tensor: for tpu a contiguous copy, for anything else torch's own kernel.
+    """``aten::_pin_memory`` of a CPU tensor: PyTorch's own kernel, or a contiguous copy without tpurec's C++ hooks.
 
     Pinning with no device pins for the current accelerator, which in a process with
     tpurec is tpu (PyTorch prefers a registered PrivateUse1 backend): that is what
     ``DataLoader(pin_memory=True)`` does. PyTorch then asks PrivateUse1 for a pinned host
-    allocator, which a Python backend cannot provide; JAX stages host memory for its
-    transfers itself, so pinning for tpu is a contiguous private copy (``is_pinned()``
-    stays False). Any other target (``device="cuda"``, ``"cpu"``) goes to PyTorch's
-    own kernel, which pins or raises exactly as without tpurec.
+    allocator. tpurec's C++ hooks (:mod:`tpurec.native.torch_hooks`) provide one, and then
+    PyTorch's own kernel pins (``is_pinned()`` is true, as for ``empty(pin_memory=True)``).
+    Where those hooks could not be built a Python backend has no such allocator, and pinning
+    for tpu is a contiguous private copy (``is_pinned()`` stays False; JAX stages host memory
+    for its transfers itself). Any other target (``device="cuda"``, ``"cpu"``) goes to
+    PyTorch's own kernel, which pins or raises exactly as without tpurec.
     """
+    from tpurec.native import torch_hooks
+
     target = torch.device(device) if device is not None else torch.accelerator.current_accelerator()
-    if target is None or target.type != torch._C._get_privateuse1_backend_name():
+    if torch_hooks.registered() or target is None or target.type != torch._C._get_privateuse1_backend_name():
         return torch.ops.aten._pin_memory.default.redispatch(_TORCH_PIN_KERNEL, self, device)
     with torch._C._DisableTorchDispatch():
         return self.clone(memory_format=torch.contiguous_format)
