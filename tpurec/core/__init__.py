@@ -61,6 +61,7 @@ layer below can need it.
 
 import importlib
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from tpurec.core import errors, views, rng, profiler, runtime, recompiles  # noqa: I001 (layer order)
 from tpurec.core import device, memory, tensor, conversion, fused, modes  # noqa: I001 (layer order)
@@ -119,6 +120,10 @@ __all__ = [
     "dispatch",
     "entry",
 ]
+
+
+if TYPE_CHECKING:  # the lazy layers, for type checkers (at run time __getattr__ loads them)
+    from tpurec.core import calls, dispatch, host, kernels, mutating, programs, view_ops  # noqa: F401
 
 
 def __getattr__(name: str) -> ModuleType:
