@@ -9,7 +9,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence, cast
 
 import torch
 from torch import nn
@@ -27,6 +27,15 @@ from tpurec.sparse.types import Capacity
 
 __all__ = ["from_torchrec"]
 
+_TorchrecModule = TorchrecEBC | FusedEmbeddingBagCollection | TorchrecEC
+
+
+def _weight(tables: nn.ModuleDict, name: str) -> torch.Tensor:
+    """The weight of table ``name`` of a TorchRec module's ``embedding_bags`` / ``embeddings``."""
+    weight = tables[name].weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
+
 
 def _optimizer_of(module: nn.Module, default: EmbeddingOptimizer | None) -> tuple[EmbeddingOptimizer | None, bool]:
     """The module's embedding optimizer (else ``default``; None: inference), and whether it
@@ -37,7 +46,7 @@ def _optimizer_of(module: nn.Module, default: EmbeddingOptimizer | None) -> tupl
     for p in module.parameters():
         classes = getattr(p, "_optimizer_classes", None)
         if classes:
-            kwargs = p._optimizer_kwargs[0]
+            kwargs = getattr(p, "_optimizer_kwargs")[0]
             found.add((classes[0], tuple(sorted(kwargs.items()))))
     if len(found) > 1:
         raise ValueError(f"the tables of one EmbeddingBagCollection use different in-backward optimizers: {found}")
@@ -81,7 +90,7 @@ def _refuse_unsupported(model: nn.Module) -> None:
             )
 
 
-def _refuse_low_precision(modules: list[tuple[str, nn.Module]]) -> None:
+def _refuse_low_precision(modules: Sequence[tuple[str, _TorchrecModule]]) -> None:
     """Raises for a TorchRec module with a non-FP32 table, before anything is converted.
 
     TorchRec's unsharded modules do not train such tables as FBGEMM does: the plain
@@ -169,7 +178,7 @@ def _convert_sequence(
         new.bags.optimizer_semantics = "torch"
     with torch.no_grad():
         for cfg in module.embedding_configs():
-            source = module.embeddings[cfg.name].weight
+            source = _weight(module.embeddings, cfg.name)
             if source.device.type != "meta":
                 new.table_weight(cfg.name).copy_(source.detach())
     return new
@@ -179,13 +188,14 @@ def _fused_slots(module: FusedEmbeddingBagCollection) -> dict[str, list[torch.Te
     """FBGEMM optimizer states per table name: [momentum1, momentum2, ...]."""
     out: dict[str, list[torch.Tensor]] = {}
     for emb, (_key, tables) in zip(module._emb_modules, module._key_to_tables.items()):
-        for table, states in zip(tables, emb._emb_module.split_optimizer_states()):
+        fbgemm = cast(Any, emb)._emb_module  # FBGEMM's SplitTableBatchedEmbeddingBagsCodegen
+        for table, states in zip(tables, fbgemm.split_optimizer_states()):
             out[table.name] = list(states)
     return out
 
 
 def _convert(
-    module: nn.Module, optimizer: EmbeddingOptimizer | None, kwargs: Mapping[str, Any]
+    module: TorchrecEBC | FusedEmbeddingBagCollection, optimizer: EmbeddingOptimizer | None, kwargs: Mapping[str, Any]
 ) -> EmbeddingBagCollection:
     chosen, in_backward = _optimizer_of(module, optimizer)
     new = EmbeddingBagCollection(
@@ -195,7 +205,7 @@ def _convert(
         new.optimizer_semantics = "torch"
     with torch.no_grad():
         for cfg in module.embedding_bag_configs():
-            source = module.embedding_bags[cfg.name].weight
+            source = _weight(module.embedding_bags, cfg.name)
             # Tables built on "meta" have no values: the new module's own
             # initialisation (the config's init_fn, else torchrec's uniform
             # range) materialises them, so a large model is never held twice.
@@ -254,11 +264,11 @@ def from_torchrec(
     """
     kinds = (TorchrecEBC, FusedEmbeddingBagCollection, TorchrecEC)
 
-    def options(module: nn.Module) -> dict[str, Any]:
+    def options(module: _TorchrecModule) -> dict[str, Any]:
         dev = device
         if dev is None:
             tables = module.embeddings if isinstance(module, TorchrecEC) else module.embedding_bags
-            weights = [m.weight for m in tables.values()]
+            weights = [_weight(tables, name) for name in tables]
             dev = weights[0].device if weights else None
             if dev is not None and dev.type == "meta":
                 dev = None  # materialised on the host; pass device= to place them
@@ -271,6 +281,7 @@ def from_torchrec(
             return from_torchrec_quant(module, device=device, num_partitions=num_partitions, capacities=capacities)
         if isinstance(module, TorchrecEC):
             return _convert_sequence(module, optimizer, max_seq_len, options(module))
+        assert isinstance(module, (TorchrecEBC, FusedEmbeddingBagCollection))  # (convert is called on those)
         return _convert(module, optimizer, options(module))
 
     _refuse_unsupported(model)
