@@ -23,7 +23,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import torch
 from torch import nn
@@ -39,8 +39,12 @@ from torchrec.modules.mc_embedding_modules import (
     ManagedCollisionEmbeddingCollection as TorchrecMCEC,
 )
 from torchrec.modules.mc_modules import ManagedCollisionCollection as TorchrecMCC
-from torchrec.modules.mc_modules import MCHManagedCollisionModule
+from torchrec.modules.mc_modules import ManagedCollisionModule, MCHManagedCollisionModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
+
+if TYPE_CHECKING:
+    from tpurec.sparse.modules import EmbeddingBagCollection
+    from tpurec.sparse.sequence import EmbeddingCollection
 
 __all__ = [
     "HostManagedCollisionCollection",
@@ -154,7 +158,8 @@ class HostManagedCollisionCollection(TorchrecMCC):
         if isinstance(mcc, cls):
             return mcc
         _check_collection(mcc, "the collection")
-        new = cls(dict(mcc._managed_collision_modules.items()), mcc.embedding_configs(), mcc.need_preprocess)
+        modules = cast(dict[str, ManagedCollisionModule], dict(mcc._managed_collision_modules.items()))
+        new = cls(modules, mcc.embedding_configs(), mcc.need_preprocess)
         # The feature order is learnt from the first KJT (torchrec's lazy init): keep what was learnt.
         new._features_order = list(mcc._features_order)
         new._created_feature_order = list(mcc._created_feature_order)
@@ -200,7 +205,7 @@ def _check_host(features: KeyedJaggedTensor) -> None:
 
 def _init_managed(
     self: BaseManagedCollisionEmbeddingCollection,
-    embedding_module: nn.Module,
+    embedding_module: EmbeddingBagCollection | EmbeddingCollection,
     configs: list[Any],
     managed_collision_collection: TorchrecMCC,
     return_remapped_features: bool,
@@ -218,7 +223,8 @@ def _init_managed(
     self._managed_collision_collection = mcc
     self._return_remapped_features = return_remapped_features
     self._allow_in_place_embed_weight_update = allow_in_place_embed_weight_update
-    self._embedding_module = embedding_module
+    # tpurec's collection stands where TorchRec's type hints name TorchRec's own.
+    self._embedding_module = cast(Any, embedding_module)
 
 
 class ManagedCollisionEmbeddingBagCollection(TorchrecMCEBC):
@@ -239,7 +245,7 @@ class ManagedCollisionEmbeddingBagCollection(TorchrecMCEBC):
 
     def __init__(
         self,
-        embedding_bag_collection: nn.Module,
+        embedding_bag_collection: EmbeddingBagCollection,
         managed_collision_collection: TorchrecMCC,
         return_remapped_features: bool = False,
         allow_in_place_embed_weight_update: bool = False,
@@ -264,7 +270,8 @@ class ManagedCollisionEmbeddingBagCollection(TorchrecMCEBC):
             ValueError: ``features`` is not on the CPU.
         """
         _check_host(features)
-        return super().forward(features, mutate_miss_lengths=mutate_miss_lengths)
+        pooled, remapped = super().forward(features, mutate_miss_lengths=mutate_miss_lengths)
+        return cast(KeyedTensor, pooled), remapped
 
 
 class ManagedCollisionEmbeddingCollection(TorchrecMCEC):
@@ -281,7 +288,7 @@ class ManagedCollisionEmbeddingCollection(TorchrecMCEC):
 
     def __init__(
         self,
-        embedding_collection: nn.Module,
+        embedding_collection: EmbeddingCollection,
         managed_collision_collection: TorchrecMCC,
         return_remapped_features: bool = False,
         allow_in_place_embed_weight_update: bool = False,
@@ -305,7 +312,8 @@ class ManagedCollisionEmbeddingCollection(TorchrecMCEC):
             ValueError: ``features`` is not on the CPU.
         """
         _check_host(features)
-        return super().forward(features, mutate_miss_lengths=mutate_miss_lengths)
+        looked_up, remapped = super().forward(features, mutate_miss_lengths=mutate_miss_lengths)
+        return cast(dict[str, JaggedTensor], looked_up), remapped
 
 
 def remapped_features(model: nn.Module) -> set[str]:
@@ -342,13 +350,14 @@ def convert_managed(model: nn.Module, convert: Callable[[nn.Module], nn.Module])
     def replacement(module: nn.Module) -> nn.Module:
         if isinstance(module, TorchrecMCC):
             return HostManagedCollisionCollection.from_torchrec(module)
+        assert isinstance(module, (TorchrecMCEBC, TorchrecMCEC))  # (what _targets yields)
         cls = (
             ManagedCollisionEmbeddingBagCollection
             if isinstance(module, TorchrecMCEBC)
             else ManagedCollisionEmbeddingCollection
         )
         new = cls(
-            convert(module._embedding_module),
+            cast(Any, convert(module._embedding_module)),  # tpurec's EmbeddingBagCollection / EmbeddingCollection
             module._managed_collision_collection,
             module._return_remapped_features,
             module._allow_in_place_embed_weight_update,
