@@ -9,7 +9,7 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -24,6 +24,9 @@ from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.sequence import EmbeddingCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.types import Capacity
+
+if TYPE_CHECKING:
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as TorchrecQuantEBC
 
 __all__ = ["from_torchrec"]
 
@@ -127,7 +130,7 @@ def _refuse_low_precision(modules: Sequence[tuple[str, _TorchrecModule]]) -> Non
 # --- quantized collections (tpurec.sparse.quant) -----------------------------------------
 
 
-def _is_torchrec_quant_ebc(module: nn.Module) -> bool:
+def _is_torchrec_quant_ebc(module: nn.Module) -> TypeGuard[TorchrecQuantEBC]:
     """TorchRec's quantized EmbeddingBagCollection itself; its subclasses (feature-processed,
     managed-collision) add behaviour tpurec does not reproduce and stay refused."""
     from torchrec.quant.embedding_modules import EmbeddingBagCollection as TorchrecQuantEBC
@@ -135,7 +138,7 @@ def _is_torchrec_quant_ebc(module: nn.Module) -> bool:
     return type(module) is TorchrecQuantEBC
 
 
-def _refuse_unsupported_quant(name: str, module: nn.Module) -> None:
+def _refuse_unsupported_quant(name: str, module: TorchrecQuantEBC) -> None:
     from tpurec.sparse.quant import unsupported_quant_reason
 
     reason = unsupported_quant_reason(module)

@@ -24,15 +24,17 @@ Example::
 
 from __future__ import annotations
 
-from typing import Any, Literal, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Mapping, Sequence, cast
 
 import jax
 import jax.numpy as jnp
 import torch
-from torch import nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
+
+if TYPE_CHECKING:  # (imported where used: it loads FBGEMM's inference ops)
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as TorchrecQuantEBC
 
 from tpurec.library import jax_op
 from tpurec.sparse.kernels.reference import _valid
@@ -462,7 +464,7 @@ def _stored_rows(
 # --- conversion from TorchRec --------------------------------------------------------
 
 
-def unsupported_quant_reason(module: nn.Module) -> str | None:
+def unsupported_quant_reason(module: TorchrecQuantEBC) -> str | None:
     """Why TorchRec quantized EBC ``module`` cannot be converted exactly (None: it can)."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_inference import IntNBitTableBatchedEmbeddingBagsCodegen
 
@@ -497,7 +499,7 @@ def unsupported_quant_reason(module: nn.Module) -> str | None:
 
 
 def from_torchrec_quant(
-    module: nn.Module,
+    module: TorchrecQuantEBC,
     device: torch.device | str | None = None,
     num_partitions: int = 1,
     capacities: Capacity | Mapping[str, Capacity] | None = None,
@@ -531,7 +533,10 @@ def from_torchrec_quant(
         for (_key, tables), emb in zip(module._key_to_tables.items(), module._emb_modules):
             # Mode 0: each table's whole stored rows (scale, bias, values, padding), whatever
             # form the module's own state dict uses.
-            for cfg, (rows, _, _) in zip(tables, emb.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)):
+            fbgemm = cast(Any, emb)  # FBGEMM's IntNBitTableBatchedEmbeddingBagsCodegen (unsupported_quant_reason)
+            for cfg, (rows, _, _) in zip(
+                tables, fbgemm.split_embedding_weights_with_scale_bias(split_scale_bias_mode=0)
+            ):
                 new.table_weight(cfg.name).copy_(rows)
     target = device if device is not None else module.device
     return new.to(target) if target is not None else new
