@@ -29,7 +29,7 @@ from tpurec.core.views import (
     view_capacity,
     write_view,
 )
-from tpurec.dense.registry import Kind, get_lowering, lower, to_jax_dtype
+from tpurec.dense.registry import LOWERINGS, Kind, lower, to_jax_dtype
 
 aten = torch.ops.aten
 
@@ -203,7 +203,9 @@ def _resize_(self, size, memory_format=None):
         return self
     meta = _meta_base(self)
     meta.resize_(size, memory_format=memory_format)
-    new_size, new_stride, offset = tuple(meta.size()), tuple(meta.stride()), meta.storage_offset()
+    # (a meta tensor's sizes are plain ints here: tpu tensors have no symbolic shapes)
+    new_size, new_stride = tuple(int(n) for n in meta.size()), tuple(int(s) for s in meta.stride())
+    offset = int(meta.storage_offset())
     needed = offset + sum((n - 1) * s for n, s in zip(new_size, new_stride)) + 1 if all(new_size) else 0
     storage_shape, dtype, _, _, _, storage_dtype = self._key
     storage = None
@@ -296,7 +298,7 @@ def _cat(tensors, dim=0):
     joined = _adjacent_views(tensors, dim)
     if joined is not None:
         return aten.clone.default(joined, memory_format=torch.contiguous_format)
-    return execute(aten.cat.default, get_lowering(aten.cat.default), (tensors, dim), {})[0]
+    return execute(aten.cat.default, LOWERINGS[aten.cat.default], (tensors, dim), {})[0]
 
 
 @lower(aten.embedding.default, kind=Kind.KERNEL)
@@ -314,7 +316,7 @@ def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse
         )
     return execute(
         aten.embedding.default,
-        get_lowering(aten.embedding.default),
+        LOWERINGS[aten.embedding.default],
         (weight, indices, padding_idx, scale_grad_by_freq, sparse),
         {},
     )[0]

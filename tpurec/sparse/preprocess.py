@@ -295,12 +295,12 @@ def _read_kjt(
     # Rule 5: no negative lengths.
     negative = np.nonzero(lengths < 0)[0]
     if negative.size:
-        k = key_of[negative[0]]
+        k = int(key_of[negative[0]])
         raise ValueError(f"feature '{keys[k]}' has a negative bag length {bags_of(k).min()}")
     # Rule 6: no length above len(values), before summing (sums then stay far below 2**63).
     too_long = np.nonzero(lengths > values.shape[0])[0]
     if too_long.size:
-        k = key_of[too_long[0]]
+        k = int(key_of[too_long[0]])
         raise ValueError(
             f"feature '{keys[k]}' has a bag length {int(bags_of(k).max())} but values has only "
             f"{values.shape[0]} ids in all"
@@ -434,8 +434,10 @@ def _stack_csr(
         capacity = Capacity(max(int(counts.max()), 1), max(int(unique_counts.max()), 1))
     dropped = 0
     dropped_by_feature: dict[str, int] = {}
+    max_unique = capacity.max_unique_ids_per_partition
+    assert max_unique is not None  # (Capacity.__post_init__ sets it)
     too_many = counts > capacity.max_ids_per_partition
-    too_many_unique = unique_counts > capacity.max_unique_ids_per_partition
+    too_many_unique = unique_counts > max_unique
     if too_many.any() or too_many_unique.any():
         if overflow != "drop":
             p = int(np.argmax(too_many | too_many_unique))
@@ -448,7 +450,7 @@ def _stack_csr(
         # Keep, per partition, the first max_unique ids and then the first max_ids entries.
         uniq_start = np.cumsum(unique_counts) - unique_counts
         unique_rank = np.cumsum(new_id) - 1 - uniq_start[part]
-        keep = unique_rank < capacity.max_unique_ids_per_partition
+        keep = unique_rank < max_unique
         kept_counts = np.bincount(part[keep], minlength=P)
         rank = np.cumsum(keep) - 1 - (np.cumsum(kept_counts) - kept_counts)[part]
         keep &= rank < capacity.max_ids_per_partition
