@@ -186,6 +186,10 @@ def _torchrec_tpu_tables() -> None:
     importlib.import_module("tpurec.distributed.torchrec_tables").install()
 
 
+def _torchrec_tpu_fused() -> None:
+    importlib.import_module("tpurec.distributed.torchrec_fused").install()
+
+
 def _old_module_paths() -> None:
     importlib.import_module("tpurec._old_paths").install()
 
@@ -446,6 +450,27 @@ PATCHES: tuple[Patch, ...] = (
         ),
         # TorchRec's distributed modules take seconds to import: waits for the user's import.
         after_import="torchrec.distributed.batched_embedding_kernel",
+    ),
+    Patch(
+        "torchrec_tpu_fused",
+        "_create_embedding_kernel of TorchRec's grouped lookups (GroupedPooledEmbeddingsLookup, GroupedEmbeddingsLookup "
+        "in torchrec.distributed.embedding_lookup) builds tpurec's fused kernel for a FUSED table group on tpu (when "
+        "that module is imported)",
+        "TorchRec's FUSED kernel (the planner's pick on tpu, and what apply_optimizer_in_backward trains through) builds "
+        "FBGEMM's TBE, which fails on tpu, and its UNFUSED_TPU kernel ignores an in-backward optimizer, so the tables "
+        "would not train: the FUSED group runs tpurec's sparse ops with the same optimizer, UNFUSED_TPU with an "
+        "in-backward optimizer raises (see tpurec/sparse/torchrec_fused.py, installed by tpurec/distributed/torchrec_fused.py).",
+        _torchrec_tpu_fused,
+        requires=(
+            "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup._create_embedding_kernel",
+            "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup._create_embedding_kernel",
+        ),
+        private=True,
+        targets=(
+            "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup._create_embedding_kernel",
+            "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup._create_embedding_kernel",
+        ),
+        after_import="torchrec.distributed.embedding_lookup",
     ),
     Patch(
         "old_module_paths",

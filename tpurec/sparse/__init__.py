@@ -68,6 +68,7 @@ LAYERS = (
     "ops",  # torch.ops.tpurec.*
     "torchrec_ops",  # TorchRec's TPU lookup ops (UNFUSED_TPU) as sparse_dense_matmul
     "optimizers",  # fused embedding optimizers
+    "torchrec_fused",  # TorchRec's FUSED kernel on tpu: its lookup and fused optimizer as tpurec's ops
     "table_init",  # initial table values independent of the sharding (tables born on meta)
     "export",  # torch.export / tracing of the collections
     "modules",  # EmbeddingBagCollection

@@ -1,0 +1,83 @@
+"""TorchRec's DistributedModelParallel with the optimizer fused into the backward, on the tpu device:
+``apply_optimizer_in_backward`` (SGD, Adagrad, RowWiseAdagrad, Adam) on TorchRec's own
+EmbeddingBagCollection, TorchRec's planner with the FUSED kernel, a mixed table-, row- and
+column-wise plan on 2 and 4 processes, trains like FBGEMM's fused TBE on CPU in one process, and
+``model.fused_optimizer``'s state equals the TBE's; what tpurec cannot run exactly is refused
+(see dmp_fused_worker.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from launch import launch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+try:
+    import dmp_fused_worker as worker
+finally:
+    sys.path.remove(str(HERE))
+
+SECONDS = 540
+
+
+def _check(out: Path, plan: str, optimizer: str, processes: int) -> None:
+    """Losses (1e-5 relative), tables and optimizer state assembled from the ranks equal FBGEMM's on CPU."""
+    losses, tables, states = worker.reference(plan, optimizer)
+    ranks = [np.load(f"{out}.{plan}.{optimizer}.{rank}.npz") for rank in range(processes)]
+    np.testing.assert_allclose(ranks[0]["losses"], losses, rtol=1e-5, atol=0, err_msg=f"{plan}/{optimizer}: losses")
+    assembled = {name: np.full_like(t, np.nan) for name, t in tables.items()}
+    got_states: dict[str, np.ndarray] = {}
+    for got in ranks:
+        for key in got.files:
+            if key.startswith("table|"):
+                _, name, r0, c0 = key.split("|")
+                block = got[key]
+                assembled[name][int(r0) : int(r0) + block.shape[0], int(c0) : int(c0) + block.shape[1]] = block
+            elif key.startswith("state|"):
+                _, name, j, r0, c0 = key.split("|")
+                want = states[f"{name}|{j}|{c0}"] if f"{name}|{j}|{c0}" in states else states[f"{name}|{j}|0"]
+                block = got[key]
+                if block.shape[1] != want.shape[1]:  # an element-wise state of a column shard
+                    want = want[:, int(c0) : int(c0) + block.shape[1]]
+                got_states[key] = block
+                np.testing.assert_allclose(
+                    block, want[int(r0) : int(r0) + block.shape[0]], rtol=1e-5, atol=1e-6, err_msg=f"{optimizer}: {key}"
+                )
+    for name, want in tables.items():
+        np.testing.assert_allclose(assembled[name], want, rtol=1e-5, atol=1e-6, err_msg=f"{plan}/{optimizer}: {name}")
+    if optimizer != "sgd":
+        assert got_states, "no optimizer state came back"
+
+
+@pytest.mark.slow
+def test_two_processes_mixed_plan_every_optimizer(tmp_path):
+    optimizers = ("sgd", "adagrad", "rowwise", "adam")
+    launch(HERE / "dmp_fused_worker.py", 2, str(tmp_path / "two"), ",".join(f"mixed:{o}" for o in optimizers),
+           seconds=SECONDS)  # fmt: skip
+    for optimizer in optimizers:
+        _check(tmp_path / "two", "mixed", optimizer, 2)
+
+
+@pytest.mark.slow
+def test_four_processes_row_wise_rowwise_adagrad(tmp_path):
+    launch(HERE / "dmp_fused_worker.py", 4, str(tmp_path / "four"), "row_wise:rowwise", seconds=SECONDS)
+    _check(tmp_path / "four", "row_wise", "rowwise", 4)
+
+
+@pytest.mark.slow
+def test_what_tpurec_cannot_run_exactly_is_refused(tmp_path):
+    launch(HERE / "dmp_fused_worker.py", 1, str(tmp_path / "e"), "errors", seconds=SECONDS)
+    lines = dict(line.split(" ", 1) for line in (tmp_path / "e.errors.0").read_text().splitlines())
+    expected = {
+        "unfused_in_backward": "UNFUSED_TPU kernel ignores the in-backward optimizer",
+        "lamb": "LAMB is not run by tpurec",
+        "weight_decay": "weight_decay=0.01",
+        "clipping": "fused_params['gradient_clipping'] = True",
+        "mean": "MEAN pooling",
+    }
+    for case, words in expected.items():
+        assert lines[case].startswith("NotImplementedError") and words in lines[case], (case, lines[case])
