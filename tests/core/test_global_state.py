@@ -40,6 +40,7 @@ import torch._dynamo.variables.builder as builder
 fsdp_param = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_param")
 fsdp_param_group = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_param_group")
 tbe_kernel = importlib.import_module("torchrec.distributed.batched_embedding_kernel")
+grouped_lookup = importlib.import_module("torchrec.distributed.embedding_lookup")
 optimizer = importlib.import_module("torch.optim.optimizer")
 variable = importlib.import_module("torch.autograd.variable")
 
@@ -55,6 +56,8 @@ NAMESPACES = {
     "torch.distributed.fsdp._fully_shard._fsdp_param_group": fsdp_param_group,
     "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbeddingBag": tbe_kernel.BatchedTPUEmbeddingBag,
     "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbedding": tbe_kernel.BatchedTPUEmbedding,
+    "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup": grouped_lookup.GroupedPooledEmbeddingsLookup,
+    "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup": grouped_lookup.GroupedEmbeddingsLookup,
 }
 KEYS = ("CPU", "CUDA", "Meta", "CompositeExplicitAutograd", "CompositeImplicitAutograd", "Autograd", "AutogradCPU")
 
@@ -150,6 +153,7 @@ state = {
 import torch._dynamo  # what torch.compile, TorchRec or the user does first
 from torch.distributed.fsdp import fully_shard  # FSDP2
 import torchrec.distributed.batched_embedding_kernel  # TorchRec's sharded kernels
+import torchrec.distributed.embedding_lookup  # TorchRec's grouped lookups (which build those kernels)
 from torch._dynamo.variables import builder
 state.update(
     waiting_after=list(_patches.waiting()),
@@ -187,6 +191,7 @@ def test_dynamos_patches_wait_for_its_import(tmp_path):
         "torch._dynamo",
         "torch.distributed.fsdp._fully_shard._fsdp_param_group",
         "torchrec.distributed.batched_embedding_kernel",
+        "torchrec.distributed.embedding_lookup",
     ]
     assert seen["waiting"] == seen["marked"] and seen["marked"], seen
     assert seen["waiting_after"] == [] and seen["installed"] == seen["listed"]
