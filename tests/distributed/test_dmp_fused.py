@@ -78,6 +78,7 @@ def test_what_tpurec_cannot_run_exactly_is_refused(tmp_path):
         "weight_decay": "weight_decay=0.01",
         "clipping": "fused_params['gradient_clipping'] = True",
         "mean": "MEAN pooling",
+        "sequence": "an EmbeddingCollection with TorchRec's FUSED kernel on tpu is not run by tpurec",
     }
     for case, words in expected.items():
         assert lines[case].startswith("NotImplementedError") and words in lines[case], (case, lines[case])
