@@ -180,7 +180,7 @@ def _reference_adam(
 
     start = weights()
     collection = _collection("cpu")
-    tables = {n: collection.embedding_bags[n].weight for n, _r, _d, _k in TABLES}
+    tables = {n: cast(torch.Tensor, collection.embedding_bags[n].weight) for n, _r, _d, _k in TABLES}
     with torch.no_grad():
         for n, w in start.items():
             tables[n].copy_(torch.from_numpy(w))
@@ -346,7 +346,39 @@ def errors(out_path: str) -> None:
             return f"NotImplementedError: {error}"
         return "sharded without an error"
 
+    def learning_rate() -> str:
+        """``model.fused_optimizer``'s learning rate, set in its param_groups, reaches the update at ``step()``."""
+        from torchrec import KeyedJaggedTensor
+
+        config = EmbeddingBagConfig(name="e", embedding_dim=16, num_embeddings=12, feature_names=["fe"])
+        collection = EmbeddingBagCollection(tables=[config], device=torch.device("meta"))
+        apply_optimizer_in_backward(torch.optim.SGD, collection.parameters(), {"lr": 0.1})
+        sharder = cast(ModuleSharder[torch.nn.Module], EmbeddingBagCollectionSharder())
+        planner = EmbeddingShardingPlanner(
+            topology=Topology(world_size=dist.get_world_size(), compute_device="tpu", local_world_size=1),
+            constraints={"e": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])},
+        )
+        plan = planner.collective_plan(collection, [sharder], dist.GroupMember.WORLD)
+        model = DistributedModelParallel(collection, device=torch.device("tpu"), plan=plan, sharders=[sharder])
+        kjt = KeyedJaggedTensor(keys=["fe"], values=torch.tensor([1, 2, 2]), lengths=torch.tensor([2, 1]))
+
+        def table() -> np.ndarray:
+            return model.state_dict()["embedding_bags.e.weight"].local_shards()[0].tensor.cpu().numpy().copy()
+
+        seen = []
+        for lr in (0.0, 0.1):
+            (group,) = list(model.fused_optimizer.param_groups)
+            cast(dict[str, Any], group)["lr"] = lr
+            model.fused_optimizer.step()
+            before = table()
+            model(kjt.to(torch.device("tpu"))).wait().values().sum().backward()
+            after = table()
+            rows = sorted({int(r) for r in np.nonzero((after != before).any(1))[0]})
+            seen.append(f"lr={lr} rows={rows} delta={float(np.abs(after - before).max()):.4f}")
+        return "; ".join(seen)
+
     cases = {
+        "learning_rate": learning_rate(),
         "sequence": attempt_sequence(),
         "unfused_in_backward": attempt("unfused_tpu", in_backward=(torch.optim.SGD, {"lr": 0.1})),
         "lamb": attempt("fused", fused_params={"optimizer": EmbOptimType.LAMB, "learning_rate": 0.1}),

@@ -69,7 +69,7 @@ def test_four_processes_row_wise_rowwise_adagrad(tmp_path):
 
 
 @pytest.mark.slow
-def test_what_tpurec_cannot_run_exactly_is_refused(tmp_path):
+def test_what_tpurec_cannot_run_exactly_is_refused_and_the_learning_rate_is_passed_on(tmp_path):
     launch(HERE / "dmp_fused_worker.py", 1, str(tmp_path / "e"), "errors", seconds=SECONDS)
     lines = dict(line.split(" ", 1) for line in (tmp_path / "e.errors.0").read_text().splitlines())
     expected = {
@@ -80,5 +80,7 @@ def test_what_tpurec_cannot_run_exactly_is_refused(tmp_path):
         "mean": "MEAN pooling",
         "sequence": "an EmbeddingCollection with TorchRec's FUSED kernel on tpu is not run by tpurec",
     }
+    # Row 2 is looked up twice: one update of the summed gradient (2 * lr), row 1 once (lr).
+    assert lines["learning_rate"] == "lr=0.0 rows=[] delta=0.0000; lr=0.1 rows=[1, 2] delta=0.2000", lines
     for case, words in expected.items():
         assert lines[case].startswith("NotImplementedError") and words in lines[case], (case, lines[case])
