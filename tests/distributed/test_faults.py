@@ -118,27 +118,60 @@ def test_processes_that_disagree_all_fail_with_the_same_error(tmp_path, settings
     assert elapsed < LIMIT, elapsed
 
 
-@pytest.mark.parametrize(
-    "sig, where, seen",
-    [("KILL", "before", 2), ("STOP", "before", 2), ("STOP", "mid", 3)],
-    ids=["kill-between-steps", "stop-between-steps", "stop-inside-a-step"],
-)
-def test_a_lost_process_ends_the_other_with_an_error_naming_it(tmp_path, sig, where, seen):
-    """``mid``: process 1 stops after its forward; process 0 goes on into the backward's collectives,
-    where no Python error reaches it (its watching thread ends it)."""
-    job = Job(tmp_path, FAULT_STEPS="5", FAULT_SIGNAL_AT_1=f"3:{sig}:{where}")
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux's /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rpartition(")")[2].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def _running(pid: int) -> bool:
     try:
-        signalled = job.wait_for(1, f"sending SIG{sig}")
-        code = job.wait(0, LIMIT + 30)
+        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize(
+    "lost, sig, where, seen",
+    [(1, "KILL", "before", 2), (1, "STOP", "before", 2), (1, "STOP", "mid", 3), (0, "KILL", "before", 2),
+     (0, "STOP", "before", 2)],
+    ids=["kill-between-steps", "stop-between-steps", "stop-inside-a-step", "kill-process-0", "stop-process-0"],
+)  # fmt: skip
+def test_a_lost_process_ends_the_other_with_an_error_naming_it(tmp_path, lost, sig, where, seen):
+    """``mid``: process 1 stops after its forward; process 0 goes on into the backward's collectives,
+    where no Python error reaches it (its watching thread ends it). Process 0 runs JAX's coordination
+    service in a child process, which outlives it until the other process has ended, then ends too."""
+    other = 1 - lost
+    job = Job(tmp_path, FAULT_STEPS="5", **{f"FAULT_SIGNAL_AT_{lost}": f"3:{sig}:{where}"})
+    try:
+        job.wait_for(0, "joined the job")
+        service = [c for c in _children(job.procs[0].pid) if "coordinator" in Path(f"/proc/{c}/cmdline").read_text()]
+        assert len(service) == 1, service
+        signalled = job.wait_for(lost, f"sending SIG{sig}")
+        code = job.wait(other, LIMIT + 30)
         elapsed = time.monotonic() - signalled
     finally:
         job.kill()
-    assert code == 1, job.log(0)[-3000:]
-    error = _last_error(job.log(0))
-    assert "process 1 is lost: no heartbeat for 20 s (it died, was stopped or hangs)" in error, error
-    assert f"last seen at its step {seen}; this process 0 is at step 3" in error, error
+    assert code == 1, job.log(other)[-3000:]
+    error = _last_error(job.log(other))
+    assert f"process {lost} is lost: no heartbeat for 20 s (it died, was stopped or hangs)" in error, error
+    assert f"last seen at its step {seen}; this process {other} is at step 3" in error, error
     assert elapsed < LIMIT, elapsed
-    assert "Aborted" not in job.log(0) and "SIGABRT" not in job.log(0)
+    assert "Aborted" not in job.log(other) and "SIGABRT" not in job.log(other)
+    # Once process 0 is gone, its service lingers TPUREC_PEER_TIMEOUT + 15 s at most, then ends.
+    deadline = time.monotonic() + 20 + 15 + 20
+    while _running(service[0]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not _running(service[0]), f"JAX's coordination service (pid {service[0]}) outlived the job"
 
 
 def _torchrun(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import errno
 import os
 import socket
@@ -11,7 +12,7 @@ from collections.abc import Sequence
 import jax
 
 from tpurec import config
-from tpurec.distributed import peers
+from tpurec.distributed import coordinator, peers
 
 __all__ = [
     "CoordinatorPortInUse",
@@ -113,7 +114,9 @@ def initialize(
 
     With several processes, each then watches the others (:mod:`tpurec.distributed.peers`):
     a process that dies, is stopped, fails or finishes early ends every other process within
-    ``TPUREC_PEER_TIMEOUT`` seconds with an error naming it and its step.
+    ``TPUREC_PEER_TIMEOUT`` seconds with an error naming it and its step. Process 0 also when it
+    is the one lost: it runs JAX's coordination service in a child process
+    (:mod:`tpurec.distributed.coordinator`) that outlives it that long.
 
     Raises:
         ValueError: arguments are given only in part, or the environment is incomplete.
@@ -151,23 +154,56 @@ def initialize(
     kwargs: dict[str, Any] = dict(settings or {})
     if local_device_ids is not None:
         kwargs["local_device_ids"] = local_device_ids
-    if kwargs.get("process_id") == 0 and kwargs.get("coordinator_address"):
-        check_coordinator_port(str(kwargs["coordinator_address"]))
     peer_timeout, step_timeout = config.get("TPUREC_PEER_TIMEOUT"), config.get("TPUREC_STEP_TIMEOUT")
-    # Without settings JAX detects the cluster (Cloud TPU metadata, SLURM, ...). JAX's own heartbeat
-    # limit stays above tpurec's, so that tpurec's message (naming the process) comes first.
-    jax.distributed.initialize(
-        initialization_timeout=initialization_timeout,
-        heartbeat_timeout_seconds=max(100, 3 * peer_timeout),
-        **kwargs,
-    )
+    # JAX's own heartbeat limit stays above tpurec's, so that tpurec's message (naming the process) comes first.
+    heartbeat_timeout = max(100, 3 * peer_timeout)
+    service = None
+    address = kwargs.get("coordinator_address")
+    if kwargs.get("process_id") == 0 and address:
+        coordinator.end_stale(str(address))
+        check_coordinator_port(str(address))
+    if kwargs.get("process_id") == 0 and address and int(kwargs.get("num_processes") or 1) > 1:
+        # The coordination service runs in a child that outlives a lost process 0 (long enough for
+        # the others to read its last heartbeat); JAX's in-process one binds an unused local port.
+        service = coordinator.start(
+            str(address), int(kwargs["num_processes"]), heartbeat_timeout, linger=peer_timeout + _LINGER_GRACE
+        )
+        kwargs["coordinator_bind_address"] = "127.0.0.1:0"
+    # Without settings JAX detects the cluster (Cloud TPU metadata, SLURM, ...); process 0 then runs
+    # the service itself, as JAX does.
+    try:
+        jax.distributed.initialize(
+            initialization_timeout=initialization_timeout, heartbeat_timeout_seconds=heartbeat_timeout, **kwargs
+        )
+    except BaseException:
+        if service is not None:
+            service.release()
+        raise
     _initialized = True
+    if service is not None:
+        # Registered before the peers' exit hook, so it runs after it (last in, first out), and only
+        # when the job finished (a failure ends the process there): JAX's shutdown barrier, which
+        # waits for every process's client, then the service.
+        atexit.register(_shut_down, service)
     if jax.process_count() > 1:
         from jax._src import distributed as jax_distributed
 
         peers.start(
             jax_distributed.global_state.client, jax.process_index(), jax.process_count(), peer_timeout, step_timeout
         )
+
+
+# Seconds the service outlives a lost process 0 beyond TPUREC_PEER_TIMEOUT: the others find it lost
+# a few heartbeat intervals (at most 2 s each) after that, then post their own failure and end.
+_LINGER_GRACE = 15
+
+
+def _shut_down(service: coordinator.Coordinator) -> None:
+    """Process 0's end of a finished job: JAX's shutdown (its barrier waits for every process), then the service."""
+    try:
+        jax.distributed.shutdown()
+    finally:
+        service.release()
 
 
 def is_initialized() -> bool:
