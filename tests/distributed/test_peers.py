@@ -150,7 +150,7 @@ def test_a_lost_coordinator_is_named():
     pair, _ = _pair(store, timeout=1.0)
     try:
         store.down = True
-        with pytest.raises(peers.PeerLost, match=r"lost contact with the job's coordinator \(process 0\)"):
+        with pytest.raises(peers.PeerLost, match=r"lost contact with the job's coordinator \(on process 0's host\)"):
             pair[1].exchange("step/0", 1)
     finally:
         for p in pair:

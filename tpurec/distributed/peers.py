@@ -7,7 +7,8 @@ key-value store from a background thread and reads everyone else's:
 
 * a process whose heartbeat stops changing for ``TPUREC_PEER_TIMEOUT`` seconds (it died, was
   stopped or hangs with the GIL held) is *lost*: every other process reports it, naming the
-  process and the step, and exits;
+  process and the step, and exits (process 0 too: the store lives in a child process of it that
+  outlives it, :mod:`tpurec.distributed.coordinator`);
 * a process that raises posts its error before it exits, and the others end with that error;
 * a process that ends its program posts its last step, so a peer still training fails at
   once ("process 1 finished after step 5 ...") instead of waiting in a collective;
@@ -173,8 +174,9 @@ class Peers:
                 reason = f"process {r} failed: {self._failed[r]}"
             elif now - self._last_contact > self.peer_timeout:
                 reason = (
-                    f"lost contact with the job's coordinator (process 0) for {self.peer_timeout:g} s at step "
-                    f"{self.step} of this process {self.rank}: process 0 died, was stopped or hangs"
+                    f"lost contact with the job's coordinator (on process 0's host) for {self.peer_timeout:g} s at "
+                    f"step {self.step} of this process {self.rank}: that host is gone or unreachable, or the "
+                    "coordination service ended"
                 )
             else:
                 for r in range(self.count):
@@ -303,7 +305,8 @@ class Peers:
         """At the program's end: posts this process's last step and waits for the others to finish.
 
         When the job fails, waits instead (bounded) until every other process has seen it (it
-        posted its own failure) or is lost: process 0 runs the coordinator, and a process that
+        posted its own failure) or is lost: the coordinator (a child of process 0, see
+        :mod:`tpurec.distributed.coordinator`) ends soon after process 0, and a process that
         loses it before it has read why would end with a message saying nothing but that.
 
         Returns:
