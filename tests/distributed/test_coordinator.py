@@ -7,6 +7,7 @@ seconds and no more, and be ended by the next process 0 of an elastic restart.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -48,7 +49,7 @@ def test_the_child_holds_the_port_until_released(address):
     try:
         with pytest.raises(CoordinatorPortInUse):
             check_coordinator_port(address)
-        assert service.pid_file.read_text() == str(service.pid)
+        assert service.pid_file.read_text().split() == [str(service.pid), str(os.getpid())]  # the child, its parent
     finally:
         service.release()
     assert service.process.returncode == 0, service.log.read_text()
@@ -70,17 +71,46 @@ def test_the_child_outlives_a_lost_parent_by_linger_seconds_then_ends(address):
     assert "process 0 is gone; serving 3 s more" in service.log.read_text()
 
 
+# A process 0 that starts the child and is then killed (coordinator.py loaded by path: no torch, no jax).
+_PARENT = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("coordinator", sys.argv[1])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+service = module.start(sys.argv[2], 2, heartbeat_timeout=100, linger=600)
+print(service.pid, flush=True)
+time.sleep(600)
+"""
+
+
 def test_a_stale_child_is_ended_by_the_next_process_0(address):
-    stale = coordinator.start(address, 2, heartbeat_timeout=100, linger=600)
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT, coordinator.__file__, address], stdout=subprocess.PIPE,
+                              text=True)  # fmt: skip
     try:
-        start = time.monotonic()
-        coordinator.end_stale(address)  # what initialize() does on a restarted process 0
-        assert time.monotonic() - start < 10
-        assert not _running(stale.pid)
-        assert not stale.pid_file.exists()
-        check_coordinator_port(address)  # the new process 0 can take the port
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())
     finally:
-        stale.release()
+        parent.kill()  # process 0 dies; its child lingers on the port
+        parent.wait()
+    assert _running(child)
+    with pytest.raises(CoordinatorPortInUse):
+        check_coordinator_port(address)
+    start = time.monotonic()
+    coordinator.end_stale(address)  # what initialize() does on a restarted process 0
+    assert time.monotonic() - start < 10
+    assert not _running(child)
+    check_coordinator_port(address)  # the new process 0 can take the port
+
+
+def test_the_coordinator_of_a_live_process_0_is_left_alone(address):
+    service = coordinator.start(address, 2, heartbeat_timeout=100, linger=60)
+    try:
+        coordinator.end_stale(address)  # a second job started on the same port by mistake
+        assert service.process.poll() is None
+        with pytest.raises(CoordinatorPortInUse):
+            check_coordinator_port(address)
+    finally:
+        service.release()
 
 
 def test_a_pid_file_naming_another_program_ends_nothing(address):
@@ -88,7 +118,7 @@ def test_a_pid_file_naming_another_program_ends_nothing(address):
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         pid_file = coordinator._state_dir() / f"{port}.pid"
-        pid_file.write_text(str(other.pid))  # a pid reused by another program since
+        pid_file.write_text(f"{other.pid} 1")  # a pid reused by another program since
         coordinator.end_stale(address)
         assert other.poll() is None
         assert not pid_file.exists()

@@ -48,15 +48,22 @@ def _port(address: str) -> int:
     return int(address.rpartition(":")[2])
 
 
+def _stat(pid: int) -> list[str]:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, parent, ...); empty if none."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return []
+
+
 def _is_ours(pid: int, port: int) -> bool:
     """Process ``pid`` is a coordinator child of tpurec serving ``port`` (not a reused pid)."""
     try:
-        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
-        state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
-    except (OSError, IndexError):
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
         return False
-    args = raw.decode(errors="replace").split("\0")
-    return state != "Z" and str(_SCRIPT) in args and f"--port={port}" in args
+    fields = _stat(pid)
+    return bool(fields) and fields[0] != "Z" and str(_SCRIPT) in args and f"--port={port}" in args
 
 
 def end_stale(address: str, wait: float = 10.0) -> None:
@@ -64,7 +71,8 @@ def end_stale(address: str, wait: float = 10.0) -> None:
 
     The child of a process 0 that was killed lingers to let the other processes read why; when
     torchrun starts the job again at once, the new process 0 needs the port. Only a process whose
-    command line names this file and the port is ended.
+    command line names this file and the port, and whose parent is no longer the process 0 that
+    started it, is ended: a live job's coordinator is left alone (the port is then in use).
 
     Args:
         address: the coordinator's ``host:port``.
@@ -73,17 +81,23 @@ def end_stale(address: str, wait: float = 10.0) -> None:
     port = _port(address)
     pid_file = _state_dir() / f"{port}.pid"
     try:
-        pid = int(pid_file.read_text().strip())
+        pid, parent = (int(n) for n in pid_file.read_text().split())
     except (OSError, ValueError):
         return
-    if _is_ours(pid, port):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-        deadline = time.monotonic() + wait
-        while _is_ours(pid, port) and time.monotonic() < deadline:
-            time.sleep(0.05)
+    if not _is_ours(pid, port):
+        pid_file.unlink(missing_ok=True)
+        return
+    fields = _stat(pid)
+    if fields and int(fields[1]) == parent:
+        return  # its process 0 still runs (maybe stopped): another job's, not ours to end
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except OSError:
+        pass
+    deadline = time.monotonic() + wait
+    # Until it is a zombie or gone (its command line empties earlier, while it still holds the port).
+    while _stat(pid)[:1] not in ([], ["Z"]) and time.monotonic() < deadline:
+        time.sleep(0.05)
     pid_file.unlink(missing_ok=True)
 
 
@@ -121,9 +135,9 @@ class Coordinator:
             self.process.kill()
             self.process.wait()
         try:
-            if self.pid_file.read_text().strip() == str(self.pid):  # (not a later job's on the same port)
+            if self.pid_file.read_text().split()[0] == str(self.pid):  # (not a later job's on the same port)
                 self.pid_file.unlink()
-        except OSError:
+        except (OSError, IndexError):
             pass
 
 
@@ -161,7 +175,7 @@ def start(address: str, num_processes: int, heartbeat_timeout: int, linger: floa
         process = subprocess.Popen(
             command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env
         )
-    (folder / f"{port}.pid").write_text(str(process.pid))
+    (folder / f"{port}.pid").write_text(f"{process.pid} {os.getpid()}")
     coordinator = Coordinator(process, folder / f"{port}.pid", log)
     assert process.stdout is not None
     if not _wait_ready(process.stdout, _START_SECONDS):
