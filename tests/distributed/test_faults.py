@@ -2,8 +2,8 @@
 
 Two processes x 4 XLA:CPU devices run tests/distributed/fault_worker.py (a tiny sharded DLRM):
 processes that disagree (table rows, plan, local batch size, step count) all fail with the same
-message; a SIGKILLed or SIGSTOPped process ends the other with an error naming it and its step; a
-taken coordinator port is an error naming the port; torchrun's elastic restart plus a resume from
+message; a SIGKILLed or SIGSTOPped process (process 0, which starts JAX's coordination service, too)
+ends the other with an error naming it and its step; a taken coordinator port is an error naming the port; torchrun's elastic restart plus a resume from
 the last committed checkpoint ends where an uninterrupted run does.
 """
 
