@@ -66,6 +66,20 @@ def _is_ours(pid: int, port: int) -> bool:
     return bool(fields) and fields[0] != "Z" and str(_SCRIPT) in args and f"--port={port}" in args
 
 
+def _ended(pid: int) -> bool:
+    """Process ``pid`` is gone, or a zombie none of whose threads still runs (and so holds the port).
+
+    Its command line empties, and its first thread turns zombie, while the others still close its files.
+    """
+    fields = _stat(pid)
+    if not fields:
+        return True
+    try:
+        return fields[0] == "Z" and len(os.listdir(f"/proc/{pid}/task")) <= 1
+    except OSError:
+        return True
+
+
 def end_stale(address: str, wait: float = 10.0) -> None:
     """Ends the coordinator child an earlier process 0 left on ``address``'s port (an elastic restart).
 
@@ -95,8 +109,7 @@ def end_stale(address: str, wait: float = 10.0) -> None:
     except OSError:
         pass
     deadline = time.monotonic() + wait
-    # Until it is a zombie or gone (its command line empties earlier, while it still holds the port).
-    while _stat(pid)[:1] not in ([], ["Z"]) and time.monotonic() < deadline:
+    while not _ended(pid) and time.monotonic() < deadline:
         time.sleep(0.05)
     pid_file.unlink(missing_ok=True)
 
