@@ -114,3 +114,15 @@ def test_collectives_run_is_bounded_by_its_timeout():
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "rank 0 of the 2-process benchmark did not finish within 1 s (--timeout)" in proc.stderr
     assert time.monotonic() - start < 120
+
+
+def test_transformer_compiled_step_compiles_nothing_after_warmup_and_matches_cpu():
+    result = bench(
+        "transformer", "--steps", "2", "--warmup", "2", "--round-steps", "1", "--batch", "2", "--length", "8"
+    )
+    assert result["compiled"]["compilations_after_warmup"] == 0, result
+    # Four SGD steps of a float32 model: the CPU twin's loss within the compile tests' 1e-5.
+    cpu, tpu = result["cpu_pytorch"]["last_loss"], result["compiled"]["last_loss"]
+    assert abs(tpu - cpu) <= 1e-5 * abs(cpu), result
+    for name in ("cpu_pytorch", "compiled"):
+        assert 0 < result[name]["host_ms_per_step"] and 0 < result[name]["min_step_ms"] <= result[name]["step_ms"]

@@ -117,13 +117,17 @@ def test_bench_modes_cli_reports_one_program_per_step_and_no_compilations():
         "fused",
         "compiled",
         "compiled_eager",
+        "compiled_optim",
     ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     (run,) = json.loads(done.stdout)["runs"]
     assert run["fused"]["programs_per_step"] == 1 and run["compiled"]["programs_per_step"] == 1, run
     assert run["compiled_eager"]["programs_per_step"] > 1, run
-    for name in ("fused", "compiled", "compiled_eager"):
+    assert run["compiled_optim"]["programs_per_step"] == 1, run
+    # The compiled optimizer's update is the eager one's, bit for bit.
+    assert run["compiled_optim"]["last_loss"] == run["compiled"]["last_loss"], run
+    for name in ("fused", "compiled", "compiled_eager", "compiled_optim"):
         assert run[name]["compilations_after_warmup"] == 0, run
         # The first step's loss (same weights, no update yet): float32 layers, rtol 1e-5.
         assert run[name]["first_loss"] == pytest.approx(run["cpu_pytorch"]["first_loss"], rel=1e-5)

@@ -19,6 +19,9 @@ BENCHMARKS = {
     "embeddings": Subcommand("tpurec.bench.embeddings", "embedding lookups over dims and bag sizes vs FBGEMM"),
     "modes": Subcommand("tpurec.bench.modes", "a dense step in eager, fused and compiled mode vs PyTorch CPU"),
     "text": Subcommand("tpurec.bench.text", "a text model over random lengths: compilations with and without buckets"),
+    "transformer": Subcommand(
+        "tpurec.bench.transformer", "a tiny transformer's step compiled on tpu vs single-thread PyTorch CPU"
+    ),
     "sparse": Subcommand("tpurec.bench.sparse", "KJT preprocessing, lookups and the fused update vs FBGEMM"),
 }
 

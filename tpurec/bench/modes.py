@@ -12,7 +12,10 @@ Configurations (``--modes``):
   forward and backward graphs join the fused window with the eager loss and
   optimizer ops, so a step is one XLA program;
 * ``compiled_eager``: ``torch.compile`` in eager mode: the two compiled graphs run as
-  programs of their own, and the loss and each optimizer op as eager programs.
+  programs of their own, and the loss and each optimizer op as eager programs;
+* ``compiled_optim``: as ``compiled``, and ``torch.compile(optimizer.step, backend="tpu")``
+  too (PyTorch's compiled optimizer): the update is one graph whose writes to the
+  parameters and the optimizer state are stored by the backend, not one eager op each.
 
 The machine may be shared, so the configurations run **interleaved**: after each
 one's warm-up, rounds of ``--round-steps`` steps of every configuration in turn,
@@ -44,7 +47,7 @@ from tpurec.bench.rounds import run_in_rounds
 
 NUM_SPARSE = 26
 EMBEDDING_DIM = 64
-CONFIGS = ("cpu_pytorch", "eager", "fused", "compiled", "compiled_eager")
+CONFIGS = ("cpu_pytorch", "eager", "fused", "compiled", "compiled_eager", "compiled_optim")
 
 
 class DenseStep(torch.nn.Module):
@@ -105,6 +108,7 @@ def _make(name: str, batch: int) -> _Config:
     compiled = name.startswith("compiled")
     forward = torch.compile(model, backend="tpu") if compiled else model
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.01)
+    update = torch.compile(optimizer.step, backend="tpu") if name == "compiled_optim" else optimizer.step
     g = torch.Generator().manual_seed(1)
     dense = torch.randn(batch, 13, generator=g).to(device)
     sparse = torch.randn(batch, NUM_SPARSE, EMBEDDING_DIM, generator=g).to(device)
@@ -114,10 +118,10 @@ def _make(name: str, batch: int) -> _Config:
         optimizer.zero_grad()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(forward(dense, sparse), labels)
         loss.backward()
-        optimizer.step()
+        update()
         return loss.item()
 
-    mode = {"eager": "eager", "fused": "fused", "compiled": "fused", "compiled_eager": "eager"}.get(name, "eager")
+    mode = {"fused": "fused", "compiled": "fused", "compiled_optim": "fused"}.get(name, "eager")
     return _Config(name, step, mode, device == "tpu")
 
 

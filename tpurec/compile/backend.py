@@ -31,7 +31,10 @@ from tpurec.compile.graph import CompileError, GraphProgram
 from tpurec.dense.registry import get_lowering
 from tpurec.dense.trace_context import traced_as_spmd
 from tpurec.core.device import jax_device
-from tpurec.core.dispatch import fresh, pending_value, value_of
+from tpurec.core.dispatch import pending_value, value_of
+from tpurec.core.fused import Pending
+from tpurec.core.programs import _store, fresh_with_key
+from tpurec.core.views import contiguous_strides
 from tpurec.core.tensor import TpuTensor, host_to_jax
 
 log = logging.getLogger("tpurec.compile")
@@ -59,7 +62,7 @@ class _Variant:
     """The jitted program of a graph for one set of input shapes."""
 
     # origin/reused/__weakref__: for recompilation diagnostics (tpurec/core/recompiles.py).
-    __slots__ = ("run", "jitted", "recorded", "ran", "static_outs", "origin", "reused", "__weakref__")
+    __slots__ = ("run", "jitted", "recorded", "ran", "static_outs", "out_keys", "origin", "reused", "__weakref__")
 
     def __init__(self) -> None:
         self.run = None  # the traceable program: (arrays, scalars, seeds) -> tensor outputs
@@ -73,6 +76,10 @@ class _Variant:
         # Non-tensor outputs (SymInts saved for backward): sizes, fixed per shape, so
         # they are taken from the trace instead of coming back as device arrays.
         self.static_outs: dict[int, Any] = {}
+        # Per output, the metadata of its tensor (``TpuTensor._key``; None: a static output),
+        # fixed per variant: known after its first call, so later outputs are made without
+        # working it out again (and a graph fed by them finds the same key object).
+        self.out_keys: list | None = None
 
 
 _serial = 0
@@ -95,13 +102,15 @@ class CompiledGraph:
         self.compile_id = recompiles.current_compile_id()  # Dynamo's (frame, compile): groups recompilations
         self.program = GraphProgram(gm)
         self.device_index = _example_device(example_inputs)
+        # The program's outputs: the graph's own, then the new value of each input the graph
+        # mutates (AOTAutograd keeps those mutations in the graph; the call writes them).
+        outputs = [*self.program.output_node.args[0], *(n for _, n in self.program.mutations)]
+        self.user_outputs = len(self.program.output_node.args[0])
+        self.mutated_inputs = [position for position, _ in self.program.mutations]
         self.tensor_out = [
-            isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor)
-            for o in self.program.output_node.args[0]
+            isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor) for o in outputs
         ]
-        self.out_dtypes = [
-            o.meta["val"].dtype if t else None for o, t in zip(self.program.output_node.args[0], self.tensor_out)
-        ]
+        self.out_dtypes = [o.meta["val"].dtype if t else None for o, t in zip(outputs, self.tensor_out)]
         # One program per input-shape signature and setting of the flags that change
         # programs (tpurec.config). Kept here, not in the runtime's cache, so that the
         # programs die with the graph (torch._dynamo.reset()).
@@ -109,6 +118,9 @@ class CompiledGraph:
         # AOTAutograd passes the argument list itself (we free it early). An instance
         # attribute, so that functools.wraps carries it through AOTAutograd's wrappers.
         self._boxed_call = True
+        # The calling plan of the last input metadata seen (see _Plan): a repeated call
+        # takes its inputs through it instead of building the shape signature again.
+        self._plan: _Plan | None = None
 
     def __call__(self, *args) -> list:
         if len(args) == 1 and isinstance(args[0], list):
@@ -117,23 +129,42 @@ class CompiledGraph:
             args = tuple(boxed)
             boxed.clear()
         deferred = modes.get_mode() == "fused"
-        inputs, signature, index = self._inputs(args, deferred)
-        key = (signature, config.program_settings())
-        variant = self.variants.get(key)
-        if variant is None:
-            variant = self.variants[key] = self._build(signature, key[1])
-        else:
+        settings = config.program_settings()
+        plan = self._plan
+        gathered = None
+        if plan is not None and plan.settings == settings:
+            gathered = _gather(plan, args, deferred, self.device_index)
+        if plan is not None and gathered is not None:
+            inputs, index = gathered
+            variant = plan.variant
             runtime.counters().cache_hits += 1
+        else:
+            inputs, signature, index = self._inputs(args, deferred)
+            key = (signature, settings)
+            variant = self.variants.get(key)
+            if variant is None:
+                variant = self.variants[key] = self._build(signature, settings)
+            else:
+                runtime.counters().cache_hits += 1
+            self._plan = _Plan.of(variant, settings, args)
         seeds = [rng.next_seed_and_counter() for _ in self.program.random_nodes]
         if deferred:
             outs = self._record(variant, inputs, seeds, index)
         else:
             outs = self._execute(variant, inputs, seeds)
+        keys = variant.out_keys
+        if keys is None:
+            keys = variant.out_keys = _output_keys(outs, self.tensor_out, self.out_dtypes)
         arrays = iter(outs)
-        return [
-            fresh(next(arrays), index, d) if t else variant.static_outs[i]
-            for i, (t, d) in enumerate(zip(self.tensor_out, self.out_dtypes))
-        ]
+        static = variant.static_outs
+        results = [fresh_with_key(next(arrays), index, k) if k is not None else static[i] for i, k in enumerate(keys)]
+        if self.mutated_inputs:
+            for position, new, key in zip(
+                self.mutated_inputs, outs[-len(self.mutated_inputs) :], keys[self.user_outputs :]
+            ):
+                _write_input(args[position], new, index, key)
+            del results[self.user_outputs :]
+        return results
 
     def _inputs(self, args: Sequence[Any], deferred: bool = False):
         """Runtime values: jax arrays for tensors, Python numbers as they are; and the shape signature.
@@ -245,6 +276,103 @@ class CompiledGraph:
         finally:
             variant.ran = True
             counters.compile_seconds += time.perf_counter() - start
+
+
+# --- the calling plan of a repeated call --------------------------------------
+
+_FULL, _VIEW, _SCALAR = 0, 1, 2
+
+
+class _Plan:
+    """How a call with given input metadata runs: its variant and, per input, how to take its value.
+
+    Dynamo's guards already hold the user's inputs to the shapes traced, and AOTAutograd
+    calls a graph with the same kinds of values each step: so the inputs of a call are
+    compared with the last call's (the ``TpuTensor._key`` of each tensor, usually the very
+    same object; the value of each Python number) and, when they all match, taken without
+    working out the shape signature again. Anything else (a CPU tensor input, new metadata,
+    a changed setting) takes :meth:`CompiledGraph._inputs`'s full path.
+    """
+
+    __slots__ = ("variant", "settings", "inputs")
+
+    def __init__(self, variant: _Variant, settings: tuple, inputs: tuple) -> None:
+        self.variant = variant
+        self.settings = settings
+        self.inputs = inputs  # per input: (kind, key or number)
+
+    @classmethod
+    def of(cls, variant: _Variant, settings: tuple, args: Sequence[Any]) -> _Plan | None:
+        """The plan for calls like ``args``; None where a value needs the full path each call."""
+        inputs = []
+        for a in args:
+            if isinstance(a, TpuTensor):
+                inputs.append((_FULL if a.is_full else _VIEW, a._key))
+            elif type(a) in (int, float, bool):
+                inputs.append((_SCALAR, a))
+            else:
+                return None
+        return cls(variant, settings, tuple(inputs))
+
+
+def _gather(plan: _Plan, args: Sequence[Any], deferred: bool, index: int):
+    """``(inputs, device index)`` of a call that matches ``plan``, else None (the full path).
+
+    Takes the values as :meth:`CompiledGraph._inputs` does: a whole-storage tensor gives its
+    storage's array (pending in fused mode), a view its values read by the read program.
+    """
+    if len(args) != len(plan.inputs):
+        return None
+    inputs = []
+    put = inputs.append
+    for a, (kind, expected) in zip(args, plan.inputs):
+        if kind == _SCALAR:
+            if type(a) is not type(expected) or a != expected:
+                return None
+            put(a)
+            continue
+        if not isinstance(a, TpuTensor):
+            return None
+        key = a._key
+        if key is not expected and key != expected:
+            return None
+        storage = a._storage
+        index = storage.index
+        if kind == _FULL:
+            array = storage.array
+            put(value_of(a) if not deferred and type(array) is Pending else array)
+        else:
+            put(pending_value(a) if deferred else value_of(a))
+    return inputs, index
+
+
+def _write_input(t: Any, new: Any, index: int, key: tuple) -> None:
+    """Writes a mutated graph input's new value (``new``, shaped and typed like ``t``) into ``t``.
+
+    A whole-storage tensor gets the array as its storage's (as an eager in-place op stores
+    its result; in fused mode the old array becomes a donation candidate); a view is
+    written through the eager ``copy_`` (AOTAutograd's own epilogue, which counts the
+    version as well). AOTAutograd keeps only mutations autograd need not see in the graph
+    and bumps the inputs' versions itself.
+    """
+    if isinstance(t, TpuTensor) and t.is_full:
+        _store(t._storage, new)
+        return
+    with torch.no_grad():
+        t.copy_(fresh_with_key(new, index, key))
+
+
+def _output_keys(outs: Sequence[Any], tensor_out: list[bool], dtypes: list) -> list:
+    """Per graph output, the ``TpuTensor._key`` of a fresh contiguous tensor over it (None: static)."""
+    keys: list = []
+    arrays = iter(outs)
+    for is_tensor, dtype in zip(tensor_out, dtypes):
+        if not is_tensor:
+            keys.append(None)
+            continue
+        shape = tuple(next(arrays).shape)
+        keys.append((shape, dtype, shape, contiguous_strides(shape), 0, dtype))
+    return keys
 
 
 def _changes(old: tuple, new: tuple) -> str:
@@ -379,5 +507,9 @@ def _compile_whole(gm: torch.fx.GraphModule, example_inputs):
             bw_compiler=compile_graph("backward"),
             inference_compiler=compile_graph("inference"),
             decompositions=decompositions(),
+            # Input mutations (an optimizer's step, batch norm's running statistics) stay in
+            # the graph: the call stores their new values (_write_input) instead of
+            # AOTAutograd's epilogue running one eager copy_ per mutated input.
+            keep_inference_input_mutations=True,
         )
     return _backend(gm, example_inputs)

@@ -181,8 +181,22 @@ def _meta_dtypes(node: torch.fx.Node):
     return None
 
 
+def _is_input_mutation(node: torch.fx.Node) -> bool:
+    """``copy_(input, new)``: how AOTAutograd keeps a graph input's mutation in the graph."""
+    return (
+        node.op == "call_function"
+        and node.target is aten.copy_.default
+        and isinstance(node.args[0], torch.fx.Node)
+        and node.args[0].op == "placeholder"
+    )
+
+
 def _plan_node(node: torch.fx.Node) -> _Step:
     target = node.target
+    if _is_input_mutation(node):
+        # Its value is the input's new value (an extra output of the program, see
+        # GraphProgram.mutations); the caller writes it into the input tensor.
+        return _Step(node, _copy, "special", dtypes=_meta_dtypes(node))
     if target is operator.getitem:
         return _Step(node, operator.getitem, "getitem")
     if not isinstance(target, torch._ops.OpOverload):
@@ -222,6 +236,14 @@ class GraphProgram:
                 self.steps[node] = _plan_node(node)
         self.random_nodes = [n for n, s in self.steps.items() if s.random]
         (self.output_node,) = [n for n in gm.graph.nodes if n.op == "output"]
+        # Input mutations kept in the graph (``keep_inference_input_mutations``): per mutated
+        # input, its placeholder's position and the node computing its new value, last write
+        # first found last (a later copy_ into the same input wins).
+        written = {n.args[0]: n for n in gm.graph.nodes if _is_input_mutation(n)}
+        self.mutations: list[tuple[int, torch.fx.Node]] = [
+            (self.placeholders.index(p), n)
+            for p, n in written.items()  # pyright: ignore[reportArgumentType]
+        ]
         self.constants = self._collect_constants()
 
     # Scalars that eager passes as runtime inputs are runtime inputs here too, so each
@@ -256,7 +278,10 @@ class GraphProgram:
             elif node.op == "call_function":
                 env[node] = self._run(self.steps[node], env, scalar_it, seed_it)
         outs = self.output_node.args[0]
-        return [None if o is None else env[o] if isinstance(o, torch.fx.Node) else o for o in outs]
+        # The graph's outputs, then the new value of each mutated input (self.mutations).
+        return [None if o is None else env[o] if isinstance(o, torch.fx.Node) else o for o in outs] + [
+            env[n] for _, n in self.mutations
+        ]
 
     def _run(self, step: _Step, env: dict, scalar_it, seed_it):
         node = step.node

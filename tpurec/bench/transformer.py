@@ -1,0 +1,150 @@
+"""A tiny transformer's training step compiled on tpu next to single-thread PyTorch CPU.
+
+A BERT masked-LM from a tiny ``transformers`` config (2 layers, hidden 64, 2 heads,
+intermediate 128, vocabulary 128: no download) trains on one fixed batch of
+``--batch`` sequences of ``--length`` tokens with SGD. Configurations:
+
+* ``cpu_pytorch``: the model on PyTorch's CPU device with one intra-op thread (the peer);
+* ``compiled``: ``torch.compile(model, backend="tpu", dynamic=False)`` and
+  ``torch.compile(optimizer.step, backend="tpu")`` in fused mode (one program per step).
+
+They run interleaved (``tpurec.bench.rounds``); reported per configuration: median and
+minimum wall ms of a step, median host ms (the main thread's CPU time), the last loss,
+and for tpu the compilations after warm-up (must be 0). Compare ratios from one run only.
+
+Example::
+
+    python -m tpurec.bench transformer --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+import tpurec
+from tpurec.bench.rounds import run_in_rounds
+from tpurec.cli import positive_int
+
+VOCAB = 128
+
+
+@dataclasses.dataclass
+class _Config:
+    """One configuration's step and what was measured of it."""
+
+    name: str
+    step: Callable[[], float]
+    wall_ms: list[float] = dataclasses.field(default_factory=list)
+    host_ms: list[float] = dataclasses.field(default_factory=list)
+    losses: list[float] = dataclasses.field(default_factory=list)
+    compilations: int = 0
+
+
+def _model() -> torch.nn.Module:
+    import transformers
+
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    return transformers.BertForMaskedLM(config)
+
+
+def _configs(batch: int, length: int) -> list[_Config]:
+    cpu = _model()
+    tpu = copy.deepcopy(cpu).to("tpu")
+    ids = torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+    tpu_inputs = {name: t.to("tpu") for name, t in inputs.items()}
+    cpu_optimizer = torch.optim.SGD(cpu.parameters(), lr=0.05)
+    tpu_optimizer = torch.optim.SGD(tpu.parameters(), lr=0.05)
+    forward = torch.compile(tpu, backend="tpu", dynamic=False)
+    update = torch.compile(tpu_optimizer.step, backend="tpu")
+
+    def cpu_step() -> float:
+        cpu_optimizer.zero_grad()
+        loss = cpu(**inputs).loss
+        loss.backward()
+        cpu_optimizer.step()
+        return loss.item()
+
+    def tpu_step() -> float:
+        tpu_optimizer.zero_grad()
+        loss = forward(**tpu_inputs).loss
+        loss.backward()
+        update()
+        return loss.item()
+
+    return [_Config("cpu_pytorch", cpu_step), _Config("compiled", tpu_step)]
+
+
+def _run_steps(config: _Config, steps: int, record: bool) -> None:
+    on_cpu = config.name == "cpu_pytorch"
+    threads = torch.get_num_threads()
+    if on_cpu:
+        torch.set_num_threads(1)
+    try:
+        with tpurec.mode("eager" if on_cpu else "fused"):
+            before = tpurec.stats()["compilations"]
+            for _ in range(steps):
+                wall, host = time.perf_counter(), time.thread_time()
+                loss = config.step()
+                if record:
+                    config.wall_ms.append((time.perf_counter() - wall) * 1e3)
+                    config.host_ms.append((time.thread_time() - host) * 1e3)
+                    config.losses.append(loss)
+            if record and not on_cpu:
+                config.compilations += tpurec.stats()["compilations"] - before
+    finally:
+        torch.set_num_threads(threads)
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench transformer") -> dict:
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per configuration")
+    parser.add_argument("--warmup", type=positive_int, default=5, help="untimed steps per configuration first")
+    parser.add_argument("--round-steps", type=positive_int, default=5)
+    parser.add_argument("--batch", type=positive_int, default=8)
+    parser.add_argument("--length", type=positive_int, default=32, help="tokens per sequence (at most 512)")
+    args = parser.parse_args(argv)
+    if args.length > 512:
+        parser.error(f"--length {args.length} exceeds the model's 512 positions")
+    load_before = os.getloadavg()[0]
+    configs = _configs(args.batch, args.length)
+    for config in configs:
+        _run_steps(config, args.warmup, record=False)
+    run_in_rounds(configs, _run_steps, args.steps, args.round_steps)
+    result: dict = {
+        "benchmark": "transformer",
+        "platform": tpurec.platform(),
+        "batch": args.batch,
+        "length": args.length,
+        "load_average": {"before": load_before, "after": os.getloadavg()[0]},
+    }
+    for config in configs:
+        result[config.name] = {
+            "step_ms": statistics.median(config.wall_ms),
+            "min_step_ms": min(config.wall_ms),
+            "host_ms_per_step": statistics.median(config.host_ms),
+            "last_loss": config.losses[-1],
+        }
+    result["compiled"]["compilations_after_warmup"] = configs[1].compilations
+    result["compiled_speedup_vs_cpu"] = result["cpu_pytorch"]["step_ms"] / result["compiled"]["step_ms"]
+    return result
