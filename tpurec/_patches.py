@@ -190,6 +190,10 @@ def _torchrec_tpu_fused() -> None:
     importlib.import_module("tpurec.distributed.torchrec_fused").install()
 
 
+def _sharded_tensor_device() -> None:
+    importlib.import_module("tpurec.distributed.sharded_tensor").install()
+
+
 def _old_module_paths() -> None:
     importlib.import_module("tpurec._old_paths").install()
 
@@ -471,6 +475,20 @@ PATCHES: tuple[Patch, ...] = (
             "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup._create_embedding_kernel",
         ),
         after_import="torchrec.distributed.embedding_lookup",
+    ),
+    Patch(
+        "sharded_tensor_device",
+        "the ShardedTensor.device rule (torch.distributed._shard.sharded_tensor.api._SHARDED_OPS) answers tpu for "
+        'a tensor with no local shard in a "tpu" process group (when that module is imported)',
+        "PyTorch answers torch.cuda.current_device() for such a tensor in any group but gloo, so "
+        "torch.distributed.checkpoint.load of a DMP model failed on a rank holding no shard of some table "
+        "(see tpurec/distributed/sharded_tensor.py).",
+        _sharded_tensor_device,
+        requires=("torch.distributed._shard.sharded_tensor.api._SHARDED_OPS",),
+        private=True,
+        targets=("torch.distributed._shard.sharded_tensor.api._SHARDED_OPS",),
+        # ShardedTensor's package registers its rules as its import completes (its _ops last).
+        after_import="torch.distributed._shard.sharded_tensor",
     ),
     Patch(
         "old_module_paths",

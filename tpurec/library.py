@@ -222,10 +222,13 @@ def _host_kernel(signature: _Signature, fn: Callable) -> Callable:
     """The op on CPU tensors: ``fn`` under ``jax.jit`` on XLA:CPU, one program per static arguments."""
     from tpurec.core.tensor import host_array, jax_to_host
 
-    cpu = jax.devices("cpu")[0]
     cache: dict[tuple, Callable] = {}
 
     def kernel(*args, **kwargs):
+        # Looked up at the first call, not when the op is registered: registering (importing
+        # tpurec.sparse) must not start JAX's backends, which tpurec.distributed.initialize()
+        # (init_process_group of a "tpu" group) needs to precede.
+        cpu = jax.devices("cpu")[0]
         values = signature.bind(args, kwargs)
         runtime_value = [
             t or tl or isinstance(v, float) for v, t, tl in zip(values, signature.tensor, signature.tensor_list)

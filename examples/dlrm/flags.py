@@ -21,6 +21,7 @@ from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
 INTERACTION_TYPES = ("original", "dcn", "projection")
 EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
 EXECUTION_MODES = ("eager", "fused", "compile")
+DISTRIBUTIONS = ("tpurec", "dmp")
 DENSE_FEATURES = INT_FEATURE_COUNT
 
 
@@ -76,6 +77,7 @@ class Config:
     profile_dir: str | None
     plot: str | None
     loss_every: int
+    dist: str
     feature_names: list[str]
     table_rows: list[int]
 
@@ -204,7 +206,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--print_sharding_plan", action="store_true", help="print the TPU sharding plan of the tables (tpurec planner)"
     )
     # --- tpurec's own ------------------------------------------------------------------
-    p.add_argument("--mode", choices=EXECUTION_MODES, default="fused", help="tpurec execution mode of the dense model")
+    p.add_argument(
+        "--mode",
+        choices=EXECUTION_MODES,
+        default=None,
+        help="tpurec execution mode of the dense model (default: fused; eager, the only one, with --dist dmp)",
+    )
+    p.add_argument(
+        "--dist",
+        choices=DISTRIBUTIONS,
+        default="tpurec",
+        help="tpurec: one process, tables sharded by tpurec.shard over --num_devices; dmp: one process per device "
+        "under torchrun, TorchRec's DistributedModelParallel (UNFUSED_TPU kernel) and TrainPipelineSparseDist",
+    )
     p.add_argument("--num_devices", type=int, default=1, help="tpu devices to train on")
     p.add_argument(
         "--topology",
@@ -380,7 +394,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         print_sharding_plan=a.print_sharding_plan,
         print_lr=a.print_lr,
         seed=0 if a.seed is None else a.seed,
-        mode=a.mode,
+        mode=a.mode or ("eager" if a.dist == "dmp" else "fused"),
         num_devices=a.num_devices,
         topology=a.topology,
         embedding_optimizer=embedding_optimizer,
@@ -389,6 +403,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         profile_dir=a.profile_dir,
         plot=a.plot,
         loss_every=a.loss_every,
+        dist=a.dist,
         feature_names=feature_names,
         table_rows=table_rows,
     )

@@ -7,6 +7,11 @@ synthetic click data with a learnable rule.
 
     .venv/bin/python examples/dlrm/train.py --interaction_type dcn --adagrad --learning_rate 0.05
 
+With ``--dist dmp`` and torchrun (one process per tpu device), TorchRec's own
+DistributedModelParallel shards the tables instead of ``tpurec.shard`` (see dlrm/dmp.py):
+
+    .venv/bin/python -m torch.distributed.run --nproc-per-node 2 examples/dlrm/train.py --dist dmp
+
 Bad input (missing or malformed data, ids outside their tables, inconsistent
 layer sizes, unknown flags) prints one line and exits with status 2.
 """
@@ -46,6 +51,10 @@ def print_sharding_plan(cfg: flags.Config) -> None:
 def run(argv: list[str] | None = None) -> loop.RunResult:
     """Parses ``argv``, builds data and model, trains, and prints the results."""
     cfg = flags.parse_args(argv)
+    if cfg.dist == "dmp":
+        from dlrm import dmp
+
+        return dmp.run(cfg, data.make_loaders)
     loaders = data.make_loaders(cfg)
     multi_hot_source = getattr(loaders["train"].source, "sparse", None)
     ids_per_sample = sum(c.shape[1] for c in multi_hot_source) if isinstance(multi_hot_source, list) else None

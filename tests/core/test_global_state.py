@@ -41,6 +41,7 @@ fsdp_param = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_
 fsdp_param_group = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_param_group")
 tbe_kernel = importlib.import_module("torchrec.distributed.batched_embedding_kernel")
 grouped_lookup = importlib.import_module("torchrec.distributed.embedding_lookup")
+sharded_tensor_api = importlib.import_module("torch.distributed._shard.sharded_tensor.api")
 optimizer = importlib.import_module("torch.optim.optimizer")
 variable = importlib.import_module("torch.autograd.variable")
 
@@ -76,6 +77,7 @@ def snapshot():
     seen["torch._dynamo.trace_rules.SKIP_DIRS"] = repr(len(torch._dynamo.trace_rules.SKIP_DIRS))
     seen["torch._subclasses.fake_impls.op_implementations_checks"] = repr(len(torch._subclasses.fake_impls.op_implementations_checks))
     seen["torch._dynamo.list_backends()"] = repr(sorted(torch._dynamo.list_backends(exclude_tags=())))
+    seen["torch.distributed._shard.sharded_tensor.api._SHARDED_OPS"] = repr(sorted(map(id, sharded_tensor_api._SHARDED_OPS.values())))
     seen["torch.distributed.Backend.backend_list"] = repr(list(torch.distributed.Backend.backend_list))
     seen["torch._C._get_privateuse1_backend_name()"] = torch._C._get_privateuse1_backend_name()
     regs = {k: set(torch._C._dispatch_get_registrations_for_dispatch_key(k)) for k in KEYS}
@@ -152,7 +154,7 @@ state = {
 }
 import torch._dynamo  # what torch.compile, TorchRec or the user does first
 from torch.distributed.fsdp import fully_shard  # FSDP2
-import torchrec.distributed.batched_embedding_kernel  # TorchRec's sharded kernels
+import torchrec.distributed.batched_embedding_kernel  # TorchRec's sharded kernels (and ShardedTensor)
 import torchrec.distributed.embedding_lookup  # TorchRec's grouped lookups (which build those kernels)
 from torch._dynamo.variables import builder
 state.update(
@@ -168,7 +170,7 @@ print(json.dumps(state))
 
 
 def test_dynamos_patches_wait_for_its_import(tmp_path):
-    """``import tpurec`` imports neither Dynamo, FSDP2 nor TorchRec's sharded kernels; their patches are applied
+    """``import tpurec`` imports neither Dynamo, FSDP2, ShardedTensor nor TorchRec's sharded kernels; their patches are applied
     as their imports complete."""
     import json
     import os
@@ -189,6 +191,7 @@ def test_dynamos_patches_wait_for_its_import(tmp_path):
     assert seen["dynamo_at_import"] is False
     assert seen["modules"] == [
         "torch._dynamo",
+        "torch.distributed._shard.sharded_tensor",
         "torch.distributed.fsdp._fully_shard._fsdp_param_group",
         "torchrec.distributed.batched_embedding_kernel",
         "torchrec.distributed.embedding_lookup",
