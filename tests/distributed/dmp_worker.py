@@ -8,8 +8,8 @@ weights of the reference model (loaded with ``load_state_dict`` as whole tensors
 ``STEPS`` steps of ``torch.optim.SGD(model.parameters())`` on this rank's slice of every global
 batch, the trained ``state_dict`` loads into a freshly sharded model (equal tables and lookups),
 and each rank writes
-``OUT.<PLAN>.<rank>.npz``: its local shards (with their offsets) and, on rank 0, the global loss
-of every step. The test assembles the tables and compares them with :func:`reference`,
+``OUT.<PLAN>.<rank>.npz``: its local shards (with their offsets), its first forward's values,
+its shards' gradients of the first step and the global loss of every step. The test assembles the tables and compares them with :func:`reference`,
 the same model trained by TorchRec on CPU in one process on the whole batch.
 """
 
@@ -33,12 +33,31 @@ TABLES = (("t0", 12, 16), ("t1", 16, 16), ("t2", 10, 16), ("t3", 14, 32))
 # Each table's sharding type in the mixed plan.
 MIXED = {"t0": "table_wise", "t1": "row_wise", "t2": "table_wise", "t3": "column_wise"}
 # "ec_*": an EmbeddingCollection (unpooled lookups; one dim for every table) sharded that way.
-PLANS = ("table_wise", "row_wise", "column_wise", "mixed", "ec_row_wise", "ec_table_wise")
+# "stacked": column-wise with t3 of dim 64, four column shards of 16, so that on 2 ranks each
+# holds several column shards of one table. "table_row_wise" and "grid_shard" need hosts
+# (torchrun's nodes): each table's shards are on the ranks of one host (grid: a host per column
+# shard).
+PLANS = (
+    "table_wise", "row_wise", "column_wise", "mixed", "table_row_wise", "grid_shard", "stacked",
+    "ec_row_wise", "ec_table_wise",
+)  # fmt: skip
 
 
 def _tables(plan: str) -> tuple[tuple[str, int, int], ...]:
     """The tables of the collection ``plan`` shards (an EmbeddingCollection's all have dim 16)."""
-    return tuple((n, r, 16) for n, r, _d in TABLES) if plan.startswith("ec_") else TABLES
+    if plan.startswith("ec_"):
+        return tuple((n, r, 16) for n, r, _d in TABLES)
+    if plan == "stacked":
+        return tuple((n, r, 64 if n == "t3" else d) for n, r, d in TABLES)
+    return TABLES
+
+
+def sharding_types(plan: str) -> dict[str, str]:
+    """Each table's sharding type in ``plan``."""
+    kind = plan.removeprefix("ec_")
+    if kind == "stacked":
+        kind = "column_wise"
+    return {name: MIXED[name] if kind == "mixed" else kind for name, _r, _d in TABLES}
 
 
 def _collection(plan: str, device: str):
@@ -53,7 +72,8 @@ def _collection(plan: str, device: str):
         ]
         return EmbeddingCollection(tables=configs, device=torch.device(device))
     bag_configs = [
-        EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f{n}"]) for n, r, d in TABLES
+        EmbeddingBagConfig(name=n, embedding_dim=d, num_embeddings=r, feature_names=[f"f{n}"])
+        for n, r, d in _tables(plan)
     ]
     return EmbeddingBagCollection(tables=bag_configs, device=torch.device(device))
 
@@ -118,10 +138,10 @@ def _step_loss(plan: str, out, target, mix, samples: int):
     return _loss(_pooled(out), target, mix)
 
 
-def _mix(device: str = "cpu"):
+def _mix(plan: str, device: str = "cpu"):
     import torch
 
-    dims = sum(d for _n, _r, d in TABLES)
+    dims = sum(d for _n, _r, d in _tables(plan))
     return torch.from_numpy(np.random.default_rng(2).uniform(-1, 1, dims).astype(np.float32)).to(device)
 
 
@@ -130,8 +150,18 @@ def _table_modules(plan: str, collection) -> dict:
     return {n: modules[n] for n, _r, _d in TABLES}
 
 
-def reference(plan: str = "table_wise") -> tuple[list[float], dict[str, np.ndarray]]:
-    """The same TorchRec collection on CPU, one process, the whole batch: losses and final tables."""
+def _forward_values(plan: str, out) -> np.ndarray:
+    """A forward's values in the order of TABLES: the pooled ``[samples, dims]`` of an
+    EmbeddingBagCollection, or an EmbeddingCollection's looked-up rows of every feature stacked."""
+    import torch
+
+    if plan.startswith("ec_"):
+        return torch.cat([out[f"f{n}"].values() for n, _r, _d in TABLES]).detach().cpu().numpy()
+    return _pooled(out).detach().cpu().numpy()
+
+
+def _reference_model(plan: str):
+    """TorchRec's collection on CPU with the starting tables; its table modules by name."""
     import torch
 
     collection = _collection(plan, "cpu")
@@ -139,15 +169,37 @@ def reference(plan: str = "table_wise") -> tuple[list[float], dict[str, np.ndarr
     with torch.no_grad():
         for n, w in _weights(plan).items():
             tables[n].weight.copy_(torch.from_numpy(w))
+    return collection, tables
+
+
+def reference(plan: str = "table_wise") -> tuple[list[float], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """The same TorchRec collection on CPU, one process, the whole batch: losses, final tables and
+    the tables' gradients of the first step."""
+    import torch
+
+    collection, tables = _reference_model(plan)
     optimizer = torch.optim.SGD(collection.parameters(), lr=LEARNING_RATE)
-    mix, losses = _mix(), []
+    mix, losses, first_grads = _mix(plan), [], {}
     for ids, target in _batches():
         optimizer.zero_grad()
         loss = _step_loss(plan, collection(_kjt(ids, slice(None))), torch.from_numpy(target), mix, GLOBAL_BATCH)
         loss.backward()
+        if not first_grads:
+            first_grads = {n: cast(torch.Tensor, tables[n].weight.grad).numpy().copy() for n, _r, _d in TABLES}
         optimizer.step()
         losses.append(loss.item())
-    return losses, {n: tables[n].weight.detach().numpy() for n, _r, _d in TABLES}
+    return losses, {n: tables[n].weight.detach().numpy() for n, _r, _d in TABLES}, first_grads
+
+
+def reference_forward(plan: str, rank: int, ranks: int) -> np.ndarray:
+    """The CPU collection's first forward (starting tables) on rank ``rank``'s slice of the first batch."""
+    import torch
+
+    collection, _tables_by_name = _reference_model(plan)
+    ids, _target = next(iter(_batches()))
+    local = GLOBAL_BATCH // ranks
+    with torch.no_grad():
+        return _forward_values(plan, collection(_kjt(ids, slice(rank * local, (rank + 1) * local))))
 
 
 def train_sharded(out_path: str, plan_name: str) -> None:
@@ -155,6 +207,7 @@ def train_sharded(out_path: str, plan_name: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torchrec.distributed.comm import get_local_size
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -162,25 +215,31 @@ def train_sharded(out_path: str, plan_name: str) -> None:
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.distributed.types import ModuleSharder
 
+    from tpurec.distributed.torchrec_plan import on_process_devices
+
     rank, n = dist.get_rank(), dist.get_world_size()
 
     # TorchRec's planner, for the tpu device; one device per process, so each rank's shards live on
-    # its tpu:0 (local_world_size=1 makes the plan's placements say so).
-    kind = plan_name.removeprefix("ec_")
-    types = {name: MIXED[name] if kind == "mixed" else kind for name, _r, _d in TABLES}
+    # its tpu:0 (local_world_size=1 makes the plan's placements say so). Table-row-wise and grid
+    # plans place a table on the ranks of a host: the hosts are torchrun's nodes, and
+    # on_process_devices points each shard's placement at its rank's tpu:0.
+    types = sharding_types(plan_name)
+    hosts_matter = plan_name in ("table_row_wise", "grid_shard")
+    local_world_size = get_local_size(n) if hosts_matter else 1
     constraints = {
         name: ParameterConstraints(sharding_types=[types[name]], compute_kernels=["unfused_tpu"], min_partition=16)
         for name, _r, _d in TABLES
     }
     planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=n, compute_device="tpu", local_world_size=1), constraints=constraints
+        topology=Topology(world_size=n, compute_device="tpu", local_world_size=local_world_size),
+        constraints=constraints,
     )
     ec = plan_name.startswith("ec_")
     sharder = cast(
         ModuleSharder[torch.nn.Module], EmbeddingCollectionSharder() if ec else EmbeddingBagCollectionSharder()
     )
     collection = _collection(plan_name, "meta")
-    plan = planner.collective_plan(collection, [sharder], dist.GroupMember.WORLD)
+    plan = on_process_devices(planner.collective_plan(collection, [sharder], dist.GroupMember.WORLD))
     got = {name: p.sharding_type for name, p in plan.plan[""].items()}  # pyright: ignore[reportAttributeAccessIssue]
     if got != types:
         raise AssertionError(f"the planner chose {got}, not {types}")
@@ -214,24 +273,50 @@ def train_sharded(out_path: str, plan_name: str) -> None:
                 shard.tensor.detach().cpu().numpy(), start[name][r0 : r0 + rows, c0 : c0 + cols], err_msg=name
             )
 
-    # The tables are the model's parameters: every local shard of the state_dict is one of
-    # model.parameters() (the tensor the lookups read), so a plain optimizer over them trains the
-    # tables. A table with no shard on this rank is an empty placeholder that gets no gradient.
+    # The tables are the model's parameters: each table's parameter (<table>.weight of the
+    # sharded module) is one of model.parameters() and holds its local shards, the tensors the
+    # lookups read: the shard itself, or several column shards of the table stacked
+    # ([shards * rows, cols]). So a plain optimizer over them trains the tables. A table with no
+    # shard on this rank is an empty placeholder that gets no gradient.
     parameters = list(model.parameters())
-    tables = [shard.tensor for name, _r, _d in TABLES for shard in state[f"{prefix}.{name}.weight"].local_shards()]
-    if not all(any(t is p for p in parameters) for t in tables):
-        raise AssertionError("a local shard of the state_dict is not one of model.parameters()")
-    if any(p.numel() for p in parameters if not any(p is t for t in tables)):
-        raise AssertionError("model.parameters() holds a non-empty tensor that is no table shard")
+    owners = cast(Any, model.module).embeddings if ec else cast(Any, model.module).embedding_bags
+    table_parameters = {name: owners[name].weight for name, _r, _d in TABLES}
+    for name, parameter in table_parameters.items():
+        if not any(parameter is p for p in parameters):
+            raise AssertionError(f"{name}: the table's parameter is not one of model.parameters()")
+        local_shards = state[f"{prefix}.{name}.weight"].local_shards()
+        if len(local_shards) == 1 and local_shards[0].tensor is not parameter:
+            raise AssertionError(f"{name}: the state_dict's local shard is not the table's parameter")
+        flat = [shard.tensor.detach().cpu().reshape(-1) for shard in local_shards]
+        np.testing.assert_array_equal(
+            parameter.detach().cpu().reshape(-1).numpy(), torch.cat(flat).numpy() if flat else np.zeros(0), name
+        )
+    if any(p.numel() for p in parameters if not any(p is t for t in table_parameters.values())):
+        raise AssertionError("model.parameters() holds a non-empty tensor that is no table's parameter")
     optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
-    mix, losses = _mix("tpu"), []
+    mix, losses = _mix(plan_name, "tpu"), []
     local = GLOBAL_BATCH // n
-    for ids, target in _batches():
+    shards: dict[str, np.ndarray] = {}
+    for step, (ids, target) in enumerate(_batches()):
         optimizer.zero_grad()
         samples = slice(rank * local, (rank + 1) * local)
         out = model(_kjt(ids, samples).to(torch.device("tpu"))).wait()
         loss = _step_loss(plan_name, out, torch.from_numpy(target[samples]).to("tpu"), mix, local)
         loss.backward()
+        if step == 0:
+            # The first forward's values and the tables' gradients, each local shard's part of its
+            # table parameter's gradient (the shards in the state_dict's order, as stacked).
+            shards["forward"] = _forward_values(plan_name, out)
+            for name, parameter in table_parameters.items():
+                local_shards = state[f"{prefix}.{name}.weight"].local_shards()
+                if not local_shards:
+                    continue
+                grad = cast(torch.Tensor, parameter.grad).detach().cpu().reshape(-1).numpy()
+                start = 0
+                for i, shard in enumerate(local_shards):
+                    size = shard.tensor.numel()
+                    shards[f"{name}|{i}|grad"] = grad[start : start + size].reshape(shard.tensor.shape)
+                    start += size
         optimizer.step()
         loss = loss.detach()
         dist.all_reduce(loss, op=dist.ReduceOp.AVG)  # equal slices: the mean of the means is the global loss
@@ -244,7 +329,6 @@ def train_sharded(out_path: str, plan_name: str) -> None:
     result = fresh.load_state_dict(cast("OrderedDict[str, torch.Tensor]", trained))
     if result.missing_keys or result.unexpected_keys:
         raise AssertionError(f"loading the trained state_dict: {result}")
-    shards: dict[str, np.ndarray] = {}
     for name, table in trained.items():
         if not isinstance(table, ShardedTensor):
             continue
@@ -275,39 +359,6 @@ def train_sharded(out_path: str, plan_name: str) -> None:
     np.savez(f"{out_path}.{plan_name}.{rank}.npz", **cast(dict[str, Any], shards))
 
 
-def stacked_column_shards(out_path: str) -> None:
-    """Shards a dim-64 table into four column shards of 16 on the ranks (so a rank holds several of
-    them): DMP must refuse with the table named. Writes ``OUT.stacked.<rank>`` (the error's text)."""
-    import torch
-    import torch.distributed as dist
-    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.distributed.types import ModuleSharder
-
-    configs = [EmbeddingBagConfig(name="wide", embedding_dim=64, num_embeddings=12, feature_names=["fwide"])]
-    constraints = {
-        "wide": ParameterConstraints(sharding_types=["column_wise"], compute_kernels=["unfused_tpu"], min_partition=16)
-    }
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(), compute_device="tpu", local_world_size=1),
-        constraints=constraints,
-    )
-    sharder = cast(ModuleSharder[torch.nn.Module], EmbeddingBagCollectionSharder())
-    collection = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
-    plan = planner.collective_plan(collection, [sharder], dist.GroupMember.WORLD)
-    ranks = [p.ranks for p in plan.plan[""].values()]  # pyright: ignore[reportAttributeAccessIssue]
-    try:
-        DistributedModelParallel(collection, device=torch.device("tpu"), plan=plan, sharders=[sharder])
-        outcome = f"sharded without an error; shard ranks {ranks}"
-    except NotImplementedError as error:
-        outcome = f"NotImplementedError: {error}"
-    with open(f"{out_path}.stacked.{dist.get_rank()}", "w") as f:
-        f.write(outcome)
-
-
 def main(out_path: str, plans: list[str]) -> None:
     import torch.distributed as dist
 
@@ -315,9 +366,6 @@ def main(out_path: str, plans: list[str]) -> None:
 
     dist.init_process_group("cpu:gloo,tpu:tpu", timeout=datetime.timedelta(seconds=60))
     for plan in plans:
-        if plan == "stacked":
-            stacked_column_shards(out_path)
-            continue
         if plan not in PLANS:
             raise ValueError(f"unknown plan {plan!r}: use one of {PLANS}")
         train_sharded(out_path, plan)

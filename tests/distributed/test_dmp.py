@@ -1,7 +1,9 @@
 """TorchRec's own DistributedModelParallel on the tpu device, unmodified: an EmbeddingBagCollection
-sharded table-, row- and column-wise (each alone and mixed in one plan) by TorchRec's planner, on 2
-and 4 processes, and an EmbeddingCollection sharded row- and table-wise, train like the same TorchRec
-collection on CPU in one process, with a plain optimizer over ``model.parameters()``, and their
+sharded table-, row-, column-, table-row- and grid-wise (each alone, and table/row/column mixed in
+one plan) by TorchRec's planner, on 2 and 4 processes (table-row-wise and grid also on two torchrun
+nodes), several column shards of one table on a rank, and an EmbeddingCollection sharded row- and
+table-wise, give the forward values and table gradients of the same TorchRec collection on CPU in
+one process, train like it with a plain optimizer over ``model.parameters()``, and their
 ``state_dict`` loads into a freshly sharded model (see dmp_worker.py)."""
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from ports import free_port_pair
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-LAUNCH_SECONDS = 420
+LAUNCH_SECONDS = 600  # a bound on a hang; a launch takes 2-6 min on 2 busy cores
 sys.path.insert(0, str(HERE))
 try:
     import dmp_worker
@@ -26,8 +28,9 @@ finally:
     sys.path.remove(str(HERE))
 
 
-def _launch(processes: int, out: Path, plans: tuple[str, ...]) -> None:
-    """Runs dmp_worker.py under torchrun; fails with its output unless every rank ended well."""
+def _launch(processes: int, out: Path, plans: tuple[str, ...], hosts: int = 1) -> None:
+    """Runs dmp_worker.py under torchrun, ``hosts`` torchrun nodes (one agent each) of equal size;
+    fails with their output unless every rank ended well."""
     env = {
         **os.environ,
         "XLA_FLAGS": "--xla_force_host_platform_device_count=1",  # one device per process
@@ -36,52 +39,80 @@ def _launch(processes: int, out: Path, plans: tuple[str, ...]) -> None:
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
     }
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port_pair()),
-        str(HERE / "dmp_worker.py"), str(out), ",".join(plans),
-    ]  # fmt: skip
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"the {processes}-process launch did not end within {LAUNCH_SECONDS} s:\n{output[-6000:]}")
-    assert proc.returncode == 0, output[-6000:]
+    port = str(free_port_pair())
+    agents = []
+    for host in range(hosts):
+        command = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts), "--node-rank", str(host),
+            "--nproc-per-node", str(processes // hosts), "--master-addr", "127.0.0.1", "--master-port", port,
+            str(HERE / "dmp_worker.py"), str(out), ",".join(plans),
+        ]  # fmt: skip
+        # Each agent in its own session: on a timeout every launched agent and its ranks are killed.
+        agents.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       start_new_session=True))  # fmt: skip
+    outputs = []
+    for agent in agents:
+        try:
+            output, _ = agent.communicate(timeout=LAUNCH_SECONDS)
+        except subprocess.TimeoutExpired:
+            for other in agents:
+                if other.poll() is None:
+                    os.killpg(other.pid, signal.SIGKILL)
+            output, _ = agent.communicate()
+            pytest.fail(f"the {processes}-process launch did not end within {LAUNCH_SECONDS} s:\n{output[-6000:]}")
+        outputs.append(output)
+    for agent, output in zip(agents, outputs, strict=True):
+        assert agent.returncode == 0, output[-6000:]
 
 
-def _check(out: Path, plan: str, processes: int) -> None:
-    """Losses (1e-5 relative) and tables assembled from every rank's shards equal the CPU reference."""
-    losses, tables = dmp_worker.reference(plan)
-    ranks = [np.load(f"{out}.{plan}.{rank}.npz") for rank in range(processes)]
-    np.testing.assert_allclose(ranks[0]["losses"], losses, rtol=1e-5, atol=0, err_msg=f"{plan}: losses")
+def _assemble(ranks: list, tables: dict[str, np.ndarray], suffix: str) -> tuple[dict[str, np.ndarray], dict]:
+    """The tables (``suffix=""``) or their gradients (``"|grad"``) put together from every rank's
+    shards, and the number of shards of each."""
     assembled = {name: np.full_like(t, np.nan) for name, t in tables.items()}
     shards = {name: 0 for name in tables}
     for got in ranks:
         for key in got.files:
-            if key == "losses" or key.endswith("|offsets"):
+            name, *rest = key.split("|")
+            if name not in tables or len(rest) != 1:
                 continue
-            name = key.split("|")[0]
-            (r0, c0), block = got[key + "|offsets"], got[key]
+            (r0, c0), block = got[key + "|offsets"], got[key + suffix]
             assembled[name][r0 : r0 + block.shape[0], c0 : c0 + block.shape[1]] = block
             shards[name] += 1
+    return assembled, shards
+
+
+def _check(out: Path, plan: str, processes: int, hosts: int = 1) -> None:
+    """Losses (1e-5 relative), the first forward's values, the first step's table gradients and
+    the trained tables, assembled from every rank's shards (1e-5 relative, 1e-6 absolute), equal
+    the CPU reference."""
+    losses, tables, grads = dmp_worker.reference(plan)
+    ranks = [np.load(f"{out}.{plan}.{rank}.npz") for rank in range(processes)]
+    np.testing.assert_allclose(ranks[0]["losses"], losses, rtol=1e-5, atol=0, err_msg=f"{plan}: losses")
+    for rank, got in enumerate(ranks):
+        want = dmp_worker.reference_forward(plan, rank, processes)
+        np.testing.assert_allclose(got["forward"], want, rtol=1e-5, atol=1e-6, err_msg=f"{plan}: rank {rank} forward")
+    assembled, shards = _assemble(ranks, tables, "")
+    assembled_grads, _ = _assemble(ranks, tables, "|grad")
     for name, want in tables.items():
         np.testing.assert_allclose(assembled[name], want, rtol=1e-5, atol=1e-6, err_msg=f"{plan}: table {name}")
-    kind_of_plan = plan.removeprefix("ec_")
-    kinds = {name: dmp_worker.MIXED[name] if kind_of_plan == "mixed" else kind_of_plan for name in tables}
-    for name, kind in kinds.items():
-        wanted = {"table_wise": 1, "row_wise": processes, "column_wise": 2}[kind]
+        np.testing.assert_allclose(
+            assembled_grads[name], grads[name], rtol=1e-5, atol=1e-6, err_msg=f"{plan}: gradient of {name}"
+        )
+    per_host = processes // hosts
+    for name, kind in dmp_worker.sharding_types(plan).items():
         dim = dict((n, d) for n, _r, d in dmp_worker._tables(plan))[name]
-        if kind == "column_wise" and dim == 16:
-            wanted = 1  # one column shard of the smallest width
+        wanted = {
+            "table_wise": 1, "row_wise": processes, "column_wise": dim // 16, "table_row_wise": per_host,
+            "grid_shard": dim // 16 * per_host,
+        }[kind]  # fmt: skip
         assert shards[name] == wanted, (plan, name, kind, shards[name])
 
 
 @pytest.mark.slow
 def test_two_processes_each_sharding_type_and_a_mixed_plan(tmp_path):
-    plans = ("table_wise", "row_wise", "column_wise", "mixed")
+    """Table-, row- and column-wise, a mix, and four column shards of one table on 2 ranks (each
+    rank holds two: the sharded module's table parameter is them stacked)."""
+    plans = ("table_wise", "row_wise", "column_wise", "mixed", "stacked")
     _launch(2, tmp_path / "two", plans)
     for plan in plans:
         _check(tmp_path / "two", plan, 2)
@@ -89,7 +120,8 @@ def test_two_processes_each_sharding_type_and_a_mixed_plan(tmp_path):
 
 @pytest.mark.slow
 def test_two_processes_embedding_collection_row_and_table_wise(tmp_path):
-    """An EmbeddingCollection (unpooled lookups) on the UNFUSED_TPU kernel matches its CPU twin."""
+    """An EmbeddingCollection (unpooled lookups) on the UNFUSED_TPU kernel matches its CPU twin:
+    forward values, table gradients, trained tables."""
     plans = ("ec_row_wise", "ec_table_wise")
     _launch(2, tmp_path / "ec", plans)
     for plan in plans:
@@ -97,17 +129,20 @@ def test_two_processes_embedding_collection_row_and_table_wise(tmp_path):
 
 
 @pytest.mark.slow
-def test_four_processes_mixed_plan(tmp_path):
-    _launch(4, tmp_path / "four", ("mixed",))
-    _check(tmp_path / "four", "mixed", 4)
+def test_two_processes_table_row_wise_and_grid_on_one_host(tmp_path):
+    """One host of two ranks: each table row-wise over the host; grid puts both column shards of
+    t3 on every rank (stacked)."""
+    plans = ("table_row_wise", "grid_shard")
+    _launch(2, tmp_path / "twrw", plans)
+    for plan in plans:
+        _check(tmp_path / "twrw", plan, 2)
 
 
 @pytest.mark.slow
-def test_several_column_shards_of_a_table_on_a_rank_are_refused(tmp_path):
-    """Four column shards of one table on 2 processes: every rank holds two, and DMP refuses with
-    the table named (one parameter per table, as the sharded module registers it, cannot be them)."""
-    _launch(2, tmp_path / "cw", ("stacked",))
-    for rank in range(2):
-        text = (tmp_path / f"cw.stacked.{rank}").read_text()
-        assert text.startswith("NotImplementedError") and "column shards of table 'wide'" in text, text
-        assert "min_partition" in text, text
+def test_four_processes_on_two_hosts_mixed_table_row_wise_and_grid(tmp_path):
+    """Two torchrun nodes of two ranks: a table's shards on the ranks of one host (grid: a host per
+    column shard), and the mixed plan."""
+    plans = ("mixed", "table_row_wise", "grid_shard")
+    _launch(4, tmp_path / "four", plans, hosts=2)
+    for plan in plans:
+        _check(tmp_path / "four", plan, 4, hosts=2)

@@ -71,6 +71,28 @@ def test_permute_pooled_embs_forward_and_gradient():
     _close(tpu_in.grad, cpu_in.grad)
 
 
+def test_fbgemm_permute_pooled_embeddings_split_forward_and_gradient():
+    """FBGEMM's PermutePooledEmbeddingsSplit (TorchRec's grid sharding reorders its output with it)."""
+    from fbgemm_gpu.permute_pooled_embedding_modules_split import PermutePooledEmbeddingsSplit
+
+    # Its tpu lowering and autograd load with the torchrec family: in a sharded forward the
+    # lookups (torchrec ops) come before the output permutation.
+    torch.ops.torchrec.embedding_lookup(
+        torch.zeros(1, dtype=torch.int32, device="tpu"), torch.zeros(2, 16).to("tpu"), 16
+    )
+    gen = torch.Generator().manual_seed(3)
+    pooled = torch.randn(3, 48, generator=gen)
+    grad = torch.randn(3, 48, generator=gen)
+    dims, permute = [16, 8, 24], [2, 0, 1]
+    cpu_in, tpu_in = _both(pooled)
+    want = PermutePooledEmbeddingsSplit(dims, permute, device=torch.device("cpu"))(cpu_in)
+    got = PermutePooledEmbeddingsSplit(dims, permute, device=torch.device("tpu"))(tpu_in)
+    _close(got, want.detach())
+    want.backward(grad)
+    got.backward(grad.to("tpu"))
+    _close(tpu_in.grad, cpu_in.grad)
+
+
 def test_fbgemm_permute_and_bucketize_run_on_the_host_with_fbgemm_kernels():
     lengths = torch.tensor([[1, 2], [0, 3], [2, 1]], dtype=torch.int32)
     values = torch.arange(9, dtype=torch.int64)

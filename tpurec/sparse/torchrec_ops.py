@@ -19,10 +19,21 @@ do), so a batch with other lengths and the same number of ids reuses the compile
 
 TorchRec defines these ops when its TPU kernel module is imported, so this family loads on
 the first ``torchrec`` op (``tpurec`` defers the namespace to it, ``tpurec.dense.registry.defer``).
+
+TorchRec's grid sharding reorders its pooled output with FBGEMM's
+``fbgemm::permute_pooled_embs_auto_grad_split`` (its column-wise sharding uses
+``torchrec::permute_pooled_embs`` on tpu), an op FBGEMM registers for CPU and AutogradCPU
+only. Its lowering is the same column permutation, and its autograd for tpu (registered
+here, with the lowering, so both exist from the first lookup, which precedes every output
+permutation of a sharded forward) is FBGEMM's: the backward permutes the gradient back with
+the inverse lists.
 """
 
 from __future__ import annotations
 
+from typing import Any, cast
+
+import fbgemm_gpu  # noqa: F401  (defines torch.ops.fbgemm)
 import jax
 import jax.numpy as jnp
 import torch
@@ -33,6 +44,7 @@ from tpurec.sparse.ops import kernel_for
 
 __all__ = [
     "embedding_lookup",
+    "fbgemm_permute_pooled_embs_split",
     "embedding_lookup_backward",
     "permute_pooled_embs",
     "permute_pooled_embs_backward",
@@ -122,3 +134,58 @@ def permute_pooled_embs_backward(grad_out: jax.Array, offset_dim_list: jax.Array
     """The gradient of :func:`permute_pooled_embs`: each output column's gradient back to its input column."""
     columns = _permuted_columns(offset_dim_list, permute_list, grad_out.shape[1])
     return jnp.zeros_like(grad_out).at[:, columns].add(grad_out)
+
+
+@lower(torch.ops.fbgemm.permute_pooled_embs_auto_grad_split.default)
+def fbgemm_permute_pooled_embs_split(
+    pooled_embs: jax.Array,
+    offset_dim_list: jax.Array,
+    permute_list: jax.Array,
+    inv_offset_dim_list: jax.Array,
+    inv_permute_list: jax.Array,
+) -> jax.Array:
+    """FBGEMM's :func:`permute_pooled_embs` (the inverse lists serve its backward)."""
+    del inv_offset_dim_list, inv_permute_list
+    return permute_pooled_embs(pooled_embs, offset_dim_list, permute_list)
+
+
+class _PermuteSplit(torch.autograd.Function):
+    """FBGEMM's autograd of ``permute_pooled_embs_auto_grad_split``: the backward is the same op
+    with the forward's and the inverse lists swapped."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        pooled_embs: torch.Tensor,
+        offset_dim_list: torch.Tensor,
+        permute_list: torch.Tensor,
+        inv_offset_dim_list: torch.Tensor,
+        inv_permute_list: torch.Tensor,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(offset_dim_list, permute_list, inv_offset_dim_list, inv_permute_list)
+        with torch._C._AutoDispatchBelowAutograd():
+            return _PERMUTE_SPLIT(pooled_embs, offset_dim_list, permute_list, inv_offset_dim_list, inv_permute_list)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        offset_dim_list, permute_list, inv_offset_dim_list, inv_permute_list = ctx.saved_tensors
+        grad_in = _PERMUTE_SPLIT(grad, inv_offset_dim_list, inv_permute_list, offset_dim_list, permute_list)
+        return grad_in, None, None, None, None
+
+
+def _permute_split_autograd(
+    pooled_embs: torch.Tensor,
+    offset_dim_list: torch.Tensor,
+    permute_list: torch.Tensor,
+    inv_offset_dim_list: torch.Tensor,
+    inv_permute_list: torch.Tensor,
+) -> torch.Tensor:
+    return cast(
+        torch.Tensor,
+        _PermuteSplit.apply(pooled_embs, offset_dim_list, permute_list, inv_offset_dim_list, inv_permute_list),
+    )
+
+
+_PERMUTE_SPLIT = torch.ops.fbgemm.permute_pooled_embs_auto_grad_split.default
+_fbgemm_tpu = torch.library.Library("fbgemm", "IMPL")
+_fbgemm_tpu.impl("permute_pooled_embs_auto_grad_split", _permute_split_autograd, "AutogradPrivateUse1")
