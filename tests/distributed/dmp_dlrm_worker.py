@@ -248,6 +248,113 @@ def train_sharded(out_path: str, plan_name: str) -> None:
     np.savez(f"{out_path}.{plan_name}.{rank}.npz", **cast(dict[str, Any], out))
 
 
+# An EmbeddingCollection's data-parallel tables (unpooled lookups): the first two tables' features.
+SEQUENCE_TABLES = TABLES[:2]
+SEQUENCE_DIM = 16
+
+
+def _sequence_collection(device: str):
+    import torch
+    from torchrec import EmbeddingCollection, EmbeddingConfig
+
+    configs = [
+        EmbeddingConfig(name=n, embedding_dim=SEQUENCE_DIM, num_embeddings=r, feature_names=[f"f{n}"])
+        for n, r in SEQUENCE_TABLES
+    ]
+    return EmbeddingCollection(tables=configs, device=torch.device(device))
+
+
+def _sequence_start() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    return {n: rng.uniform(-0.5, 0.5, (r, SEQUENCE_DIM)).astype(np.float32) for n, r in SEQUENCE_TABLES}
+
+
+def _sequence_kjt(ids: dict[str, list[list[int]]], samples: slice):
+    import torch
+    from torchrec import KeyedJaggedTensor
+
+    lengths = [len(s) for n, _r in SEQUENCE_TABLES for s in ids[n][samples]]
+    values = [v for n, _r in SEQUENCE_TABLES for s in ids[n][samples] for v in s]
+    return KeyedJaggedTensor(
+        keys=[f"f{n}" for n, _r in SEQUENCE_TABLES],
+        values=torch.tensor(values, dtype=torch.int64),
+        lengths=torch.tensor(lengths, dtype=torch.int64),
+    )
+
+
+def _sequence_loss(out, samples: int):
+    """Every looked-up row's squared distance of its sum from 0.1, summed, per sample."""
+    import torch
+
+    parts = [((out[f"f{n}"].values().sum(1) - 0.1) ** 2).sum() for n, _r in SEQUENCE_TABLES]
+    return torch.stack(parts).sum() / samples
+
+
+def sequence_reference() -> tuple[list[float], dict[str, np.ndarray]]:
+    """The EmbeddingCollection on CPU, one process, the whole batch: losses and final tables."""
+    import torch
+
+    collection = _sequence_collection("cpu")
+    weights = {n: cast(torch.Tensor, collection.embeddings[n].weight) for n, _r in SEQUENCE_TABLES}
+    with torch.no_grad():
+        for n, w in _sequence_start().items():
+            weights[n].copy_(torch.from_numpy(w))
+    optimizer = torch.optim.SGD(collection.parameters(), lr=LEARNING_RATE)
+    losses = []
+    for _dense, ids, _labels in _batches():
+        optimizer.zero_grad()
+        loss = _sequence_loss(collection(_sequence_kjt(ids, slice(None))), GLOBAL_BATCH)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, {n: w.detach().numpy().copy() for n, w in weights.items()}
+
+
+def sequence_data_parallel(out_path: str) -> None:
+    """An EmbeddingCollection's tables data-parallel on tpu (TorchRec's BatchedTPUEmbedding), trained
+    like :func:`sequence_reference`; writes ``OUT.sequence.<rank>.npz`` (tables, losses)."""
+    import torch
+    import torch.distributed as dist
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel
+    from torchrec.distributed.types import ModuleSharder, ShardingPlan
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    sharder = cast(ModuleSharder[torch.nn.Module], EmbeddingCollectionSharder())
+    collection = _sequence_collection("meta")
+    module_plan = construct_module_sharding_plan(
+        collection, {name: data_parallel() for name, _r in SEQUENCE_TABLES}, sharder=sharder, local_size=1,
+        world_size=n, device_type="tpu",
+    )  # fmt: skip
+    model = DistributedModelParallel(
+        collection, device=torch.device("tpu"), plan=ShardingPlan({"": module_plan}), sharders=[sharder]
+    )
+    kernels = {type(m).__name__ for m in _submodules(model)}
+    if "DataParallelTPUEmbedding" not in kernels:
+        raise AssertionError(f"no data-parallel tpu kernel among {sorted(kernels)}")
+    result = model.load_state_dict(
+        OrderedDict((f"embeddings.{name}.weight", torch.from_numpy(w)) for name, w in _sequence_start().items())
+    )
+    if result.missing_keys or result.unexpected_keys:
+        raise AssertionError(f"loading the starting tables: {result}")
+    optimizer = torch.optim.SGD(model.parameters(), lr=LEARNING_RATE)
+    local = GLOBAL_BATCH // n
+    samples = slice(rank * local, (rank + 1) * local)
+    losses = []
+    for _dense, ids, _labels in _batches():
+        optimizer.zero_grad()
+        loss = _sequence_loss(model(_sequence_kjt(ids, samples).to(torch.device("tpu"))), local)
+        loss.backward()
+        optimizer.step()
+        loss = loss.detach()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        losses.append(loss.item())
+    state = model.state_dict()
+    out = {name: state[f"embeddings.{name}.weight"].detach().cpu().numpy() for name, _r in SEQUENCE_TABLES}
+    np.savez(f"{out_path}.sequence.{rank}.npz", losses=np.array(losses), **out)
+
+
 def weighted_data_parallel(out_path: str) -> None:
     """A weighted collection's data-parallel table on tpu: its lookup must refuse the per-sample
     weights (TorchRec's tpu kernel would drop them). Writes ``OUT.weighted.<rank>`` (the error's text)."""
@@ -290,6 +397,9 @@ def main(out_path: str, plans: list[str]) -> None:
     for plan in plans:
         if plan == "weighted":
             weighted_data_parallel(out_path)
+            continue
+        if plan == "sequence":
+            sequence_data_parallel(out_path)
             continue
         if plan not in PLANS:
             raise ValueError(f"unknown plan {plan!r}: use one of {PLANS}")

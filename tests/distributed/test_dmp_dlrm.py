@@ -3,7 +3,8 @@ the tpu device: its tables sharded data-, table-, row- and column-wise (each alo
 mixing all four), its dense and over arch wrapped by DMP in DistributedDataParallel over the
 ``"tpu"`` group, trained 10 steps of ``torch.optim.SGD(model.parameters())`` on 2 and 4 processes,
 equal the same DLRM trained by TorchRec on CPU in one process on the whole batch (see
-dmp_dlrm_worker.py). A weighted collection's data-parallel table is refused."""
+dmp_dlrm_worker.py). An EmbeddingCollection's data-parallel tables train like on CPU too; a
+weighted collection's data-parallel table is refused."""
 
 from __future__ import annotations
 
@@ -64,13 +65,22 @@ def _check(out: Path, plan: str, processes: int) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_mixed_plan_and_weighted_data_parallel_refused(tmp_path):
-    """One plan with a data-parallel, a table-wise, a row-wise and a column-wise table; and a
-    weighted collection's data-parallel lookup on tpu raising (TorchRec's tpu kernel would drop
-    the per-sample weights)."""
+def test_two_processes_mixed_plan_sequence_tables_and_weighted_refused(tmp_path):
+    """One plan with a data-parallel, a table-wise, a row-wise and a column-wise table; an
+    EmbeddingCollection's data-parallel tables (TorchRec's BatchedTPUEmbedding) trained like on
+    CPU; and a weighted collection's data-parallel lookup on tpu raising (TorchRec's tpu kernel
+    would drop the per-sample weights)."""
     out = tmp_path / "two"
-    launch(HERE / "dmp_dlrm_worker.py", 2, str(out), "mixed,weighted", seconds=SECONDS)
+    launch(HERE / "dmp_dlrm_worker.py", 2, str(out), "mixed,sequence,weighted", seconds=SECONDS)
     _check(out, "mixed", 2)
+    losses, tables = worker.sequence_reference()
+    start = worker._sequence_start()
+    for rank in range(2):
+        got = np.load(f"{out}.sequence.{rank}.npz")
+        np.testing.assert_allclose(got["losses"], losses, rtol=1e-5, atol=0, err_msg=f"sequence rank {rank}: losses")
+        for name, want in tables.items():
+            np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6, err_msg=f"sequence rank {rank}: {name}")
+            assert np.abs(want - start[name]).max() > 1e-4, f"sequence table {name} did not train"
     for rank in range(2):
         text = Path(f"{out}.weighted.{rank}").read_text()
         assert text.startswith("NotImplementedError") and "per-sample weights" in text, text
