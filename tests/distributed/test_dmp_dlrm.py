@@ -87,8 +87,9 @@ def test_two_processes_mixed_plan_sequence_tables_and_weighted_refused(tmp_path)
 
 
 @pytest.mark.slow
-def test_two_processes_each_sharding_type_alone(tmp_path):
-    plans = ("data_parallel", "table_wise", "row_wise", "column_wise")
+@pytest.mark.parametrize("plans", [("data_parallel", "table_wise"), ("row_wise", "column_wise")], ids="-".join)
+def test_two_processes_each_sharding_type_alone(tmp_path, plans):
+    """Every table of one sharding type (two plans a launch, so that each launch stays short)."""
     out = tmp_path / "each"
     launch(HERE / "dmp_dlrm_worker.py", 2, str(out), ",".join(plans), seconds=SECONDS)
     for plan in plans:
