@@ -190,6 +190,10 @@ def _torchrec_tpu_fused() -> None:
     importlib.import_module("tpurec.distributed.torchrec_fused").install()
 
 
+def _torchrec_tpu_data_parallel() -> None:
+    importlib.import_module("tpurec.distributed.torchrec_dp").install()
+
+
 def _sharded_tensor_device() -> None:
     importlib.import_module("tpurec.distributed.sharded_tensor").install()
 
@@ -473,6 +477,29 @@ PATCHES: tuple[Patch, ...] = (
         requires=(
             "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup._create_embedding_kernel",
             "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup._create_embedding_kernel",
+        ),
+        private=True,
+        targets=(
+            "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup._create_embedding_kernel",
+            "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup._create_embedding_kernel",
+        ),
+        after_import="torchrec.distributed.embedding_lookup",
+    ),
+    Patch(
+        "torchrec_tpu_data_parallel",
+        "_create_embedding_kernel of TorchRec's GroupedPooledEmbeddingsLookup and GroupedEmbeddingsLookup (in "
+        "torchrec.distributed.embedding_lookup) builds a data-parallel (DENSE) group on a tpu device with TorchRec's "
+        "tpu kernel (BatchedTPUEmbeddingBag / BatchedTPUEmbedding) instead of FBGEMM's dense kernel (when that "
+        "module is imported; it wraps torchrec_tpu_fused's wrapper)",
+        "Without CUDA TorchRec builds FBGEMM's dense kernel on the CPU, and its DistributedDataParallel wrapper then "
+        "refuses a CPU module for a tpu device; the kernel's TableBatchedEmbeddingSlice tables cannot be tpu "
+        "tensors either (see tpurec/distributed/torchrec_dp.py).",
+        _torchrec_tpu_data_parallel,
+        requires=(
+            "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup._create_embedding_kernel",
+            "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup._create_embedding_kernel",
+            "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbeddingBag",
+            "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbedding",
         ),
         private=True,
         targets=(

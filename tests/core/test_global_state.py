@@ -170,8 +170,8 @@ print(json.dumps(state))
 
 
 def test_dynamos_patches_wait_for_its_import(tmp_path):
-    """``import tpurec`` imports neither Dynamo, FSDP2, ShardedTensor nor TorchRec's sharded kernels; their patches are applied
-    as their imports complete."""
+    """``import tpurec`` imports neither Dynamo, FSDP2, ShardedTensor nor TorchRec's sharded kernels and lookups; their
+    patches are applied as their imports complete."""
     import json
     import os
     import pathlib
