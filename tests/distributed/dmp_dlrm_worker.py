@@ -356,36 +356,47 @@ def sequence_data_parallel(out_path: str) -> None:
 
 
 def weighted_data_parallel(out_path: str) -> None:
-    """A weighted collection's data-parallel table on tpu: its lookup must refuse the per-sample
-    weights (TorchRec's tpu kernel would drop them). Writes ``OUT.weighted.<rank>`` (the error's text)."""
+    """A weighted collection's table on tpu, data-parallel and row-wise (TorchRec's UNFUSED_TPU
+    kernel): its lookup must refuse the per-sample weights (TorchRec's tpu kernel would drop them).
+    (Both put a shard on every rank, so every rank raises at the same point and the next case
+    starts in step.) Writes ``OUT.weighted.<rank>``: ``<sharding type> <the error's text>`` per line."""
     import torch
     import torch.distributed as dist
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel, row_wise
     from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
-    configs = [EmbeddingBagConfig(name="w", embedding_dim=16, num_embeddings=8, feature_names=["fw"])]
-    collection = EmbeddingBagCollection(tables=configs, is_weighted=True, device=torch.device("meta"))
-    sharder = cast(ModuleSharder[torch.nn.Module], EmbeddingBagCollectionSharder())
-    module_plan = construct_module_sharding_plan(
-        collection, {"w": data_parallel()}, sharder=sharder, local_size=1, world_size=dist.get_world_size(),
-        device_type="tpu",
-    )  # fmt: skip
-    model = DistributedModelParallel(
-        collection, device=torch.device("tpu"), plan=ShardingPlan({"": module_plan}), sharders=[sharder]
-    )
-    kjt = KeyedJaggedTensor(
-        keys=["fw"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]), weights=torch.tensor([0.5, 2.0, 1.0])
-    )
-    try:
-        model(kjt.to(torch.device("tpu"))).wait()
-        outcome = "looked up without an error"
-    except NotImplementedError as error:
-        outcome = f"NotImplementedError: {error}"
+    lines = []
+    for kind, sharding in (
+        ("data_parallel", data_parallel()),
+        ("row_wise", row_wise(compute_kernel="unfused_tpu")),
+    ):
+        configs = [EmbeddingBagConfig(name="w", embedding_dim=16, num_embeddings=8, feature_names=["fw"])]
+        collection = EmbeddingBagCollection(tables=configs, is_weighted=True, device=torch.device("meta"))
+        sharder = cast(ModuleSharder[torch.nn.Module], EmbeddingBagCollectionSharder())
+        module_plan = construct_module_sharding_plan(
+            collection, {"w": sharding}, sharder=sharder, local_size=1, world_size=dist.get_world_size(),
+            device_type="tpu",
+        )  # fmt: skip
+        model = DistributedModelParallel(
+            collection, device=torch.device("tpu"), plan=ShardingPlan({"": module_plan}), sharders=[sharder]
+        )
+        kjt = KeyedJaggedTensor(
+            keys=["fw"],
+            values=torch.tensor([1, 2, 3]),
+            lengths=torch.tensor([2, 1]),
+            weights=torch.tensor([0.5, 2.0, 1.0]),
+        )
+        try:
+            model(kjt.to(torch.device("tpu"))).wait()
+            outcome = "looked up without an error"
+        except NotImplementedError as error:
+            outcome = f"NotImplementedError: {error}"
+        lines.append(f"{kind} {outcome}".replace("\n", " "))
     with open(f"{out_path}.weighted.{dist.get_rank()}", "w") as f:
-        f.write(outcome)
+        f.write("\n".join(lines) + "\n")
 
 
 def main(out_path: str, plans: list[str]) -> None:

@@ -68,8 +68,8 @@ def _check(out: Path, plan: str, processes: int) -> None:
 def test_two_processes_mixed_plan_sequence_tables_and_weighted_refused(tmp_path):
     """One plan with a data-parallel, a table-wise, a row-wise and a column-wise table; an
     EmbeddingCollection's data-parallel tables (TorchRec's BatchedTPUEmbedding) trained like on
-    CPU; and a weighted collection's data-parallel lookup on tpu raising (TorchRec's tpu kernel
-    would drop the per-sample weights)."""
+    CPU; and a weighted collection's lookup on tpu raising, data-parallel and UNFUSED_TPU
+    row-wise (TorchRec's tpu kernel would drop the per-sample weights)."""
     out = tmp_path / "two"
     launch(HERE / "dmp_dlrm_worker.py", 2, str(out), "mixed,sequence,weighted", seconds=SECONDS)
     _check(out, "mixed", 2)
@@ -82,8 +82,10 @@ def test_two_processes_mixed_plan_sequence_tables_and_weighted_refused(tmp_path)
             np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6, err_msg=f"sequence rank {rank}: {name}")
             assert np.abs(want - start[name]).max() > 1e-4, f"sequence table {name} did not train"
     for rank in range(2):
-        text = Path(f"{out}.weighted.{rank}").read_text()
-        assert text.startswith("NotImplementedError") and "per-sample weights" in text, text
+        lines = dict(line.split(" ", 1) for line in Path(f"{out}.weighted.{rank}").read_text().splitlines())
+        assert sorted(lines) == ["data_parallel", "row_wise"], lines
+        for kind, text in lines.items():
+            assert text.startswith("NotImplementedError") and "per-sample weights" in text, (kind, text)
 
 
 @pytest.mark.slow

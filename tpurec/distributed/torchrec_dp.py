@@ -42,7 +42,7 @@ def _check_input(kernel: str, features: Any) -> None:
     if features.weights_or_none() is not None:
         raise NotImplementedError(
             f"{kernel}: a data-parallel table on the tpu device takes no per-sample weights (a weighted "
-            "EmbeddingBagCollection); shard its weighted tables table-, row- or column-wise instead"
+            "EmbeddingBagCollection; TorchRec's tpu kernel would drop them); shard weighted tables with tpurec.shard"
         )
     if features.variable_stride_per_key():
         raise NotImplementedError(

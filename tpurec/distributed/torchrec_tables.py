@@ -25,6 +25,10 @@ autograd reaches the stacked parameter through a fresh view; the state_dict's lo
 are views of the same storage, so loading and training write the tables the lookups read.
 The batched Pallas lookup (``PooledLookupKernel.BATCHED_OFFSET``), which tpurec does not
 run, raises.
+
+The pooled kernel's ``forward`` passes only ids and offsets to its lookups: the per-sample
+weights of a weighted ``EmbeddingBagCollection`` would be dropped without a word, so the
+patched ``forward`` refuses a KeyedJaggedTensor that carries weights.
 """
 
 from __future__ import annotations
@@ -152,6 +156,8 @@ def install() -> None:
         cls.named_parameters_by_table = method
 
         cls.__init__ = _stacking_init(cls.__init__)
+        if class_name == "BatchedTPUEmbeddingBag":
+            cls.forward = _refusing_weights(cls.forward)
 
 
 def _stacking_init(original: Callable[..., None]) -> Callable[..., None]:
@@ -163,3 +169,20 @@ def _stacking_init(original: Callable[..., None]) -> Callable[..., None]:
         stack_column_shards(self)
 
     return init
+
+
+def _refusing_weights(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """The pooled kernel's ``forward``, refusing per-sample weights (which it would drop)."""
+
+    @functools.wraps(original)
+    def forward(self: nn.Module, features: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if features.weights_or_none() is not None:
+            raise NotImplementedError(
+                "TorchRec's UNFUSED_TPU kernel (BatchedTPUEmbeddingBag) looks up ids and offsets only and would "
+                "drop the per-sample weights of this weighted EmbeddingBagCollection's features "
+                f"{list(features.keys())}; tpurec refuses rather than train without them. Shard weighted tables "
+                "with tpurec.shard (which takes per-sample weights), or use unweighted features"
+            )
+        return original(self, features, *args, **kwargs)
+
+    return forward
