@@ -99,7 +99,11 @@ def test_two_processes_each_sharding_type_alone(tmp_path, plans):
 
 
 @pytest.mark.slow
-def test_four_processes_mixed_plan(tmp_path):
+@pytest.mark.parametrize(
+    "plans", [("mixed",), ("data_parallel", "table_wise"), ("row_wise", "column_wise")], ids="-".join
+)
+def test_four_processes_mixed_plan_and_each_sharding_type_alone(tmp_path, plans):
     out = tmp_path / "four"
-    launch(HERE / "dmp_dlrm_worker.py", 4, str(out), "mixed", seconds=SECONDS)
-    _check(out, "mixed", 4)
+    launch(HERE / "dmp_dlrm_worker.py", 4, str(out), ",".join(plans), seconds=SECONDS)
+    for plan in plans:
+        _check(out, plan, 4)
