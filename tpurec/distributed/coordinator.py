@@ -176,18 +176,16 @@ def start(address: str, num_processes: int, heartbeat_timeout: int, linger: floa
     bind = os.environ.get("JAX_COORDINATOR_BIND_ADDRESS") or f"[::]:{port}"
     folder = _state_dir()
     log = folder / f"{port}.log"
-    command = [sys.executable, "-I", str(_SCRIPT), f"--port={port}", f"--bind={bind}",
-               f"--processes={num_processes}", f"--heartbeat={heartbeat_timeout}", f"--linger={linger:g}"]  # fmt: skip
     import jaxlib
 
-    # -I: none of the user's PYTHON* settings; jaxlib comes from where this process found it.
-    env = {**os.environ, "TPUREC_COORDINATOR_PATH": str(Path(jaxlib.__file__).parent.parent)}
+    # -I: none of the user's PYTHON* settings; jaxlib comes from where this process found it (--path).
+    command = [sys.executable, "-I", str(_SCRIPT), f"--port={port}", f"--bind={bind}",
+               f"--processes={num_processes}", f"--heartbeat={heartbeat_timeout}", f"--linger={linger:g}",
+               f"--path={Path(jaxlib.__file__).parent.parent}"]  # fmt: skip
     with open(log, "w") as log_file:
         # Its output goes to the log, not to this process's stdout: a caller reading that to its end
         # (subprocess.communicate) would wait for the child too.
-        process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, text=True, env=env
-        )
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file, text=True)
     (folder / f"{port}.pid").write_text(f"{process.pid} {os.getpid()}")
     coordinator = Coordinator(process, folder / f"{port}.pid", log)
     assert process.stdout is not None
@@ -215,9 +213,8 @@ def _wait_ready(stream: IO[str], timeout: float) -> bool:
 def _serve(args: list[str]) -> None:
     """The child: hosts the service until process 0 says ``done``, or ``linger`` seconds after it is gone."""
     options = dict(a.removeprefix("--").split("=", 1) for a in args)
-    path = os.environ.get("TPUREC_COORDINATOR_PATH")
-    if path:
-        sys.path.insert(0, path)
+    if options.get("path"):
+        sys.path.insert(0, options["path"])
     # Its process group gets the terminal's Ctrl-C with process 0; the others may still need the store.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # jaxlib alone (a compiled module, not jax): the child starts in well under a second.
