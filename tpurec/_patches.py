@@ -444,12 +444,13 @@ PATCHES: tuple[Patch, ...] = (
         "torchrec_tpu_tables",
         "named_parameters_by_table of TorchRec's UNFUSED_TPU kernels (BatchedTPUEmbeddingBag, BatchedTPUEmbedding in "
         "torchrec.distributed.batched_embedding_kernel) yields each table's parameter, and their __init__ stacks "
-        "several column shards of one table into one parameter (when that module is imported)",
+        "several column shards of one table into one parameter; BatchedTPUEmbeddingBag.forward refuses per-sample "
+        "weights (when that module is imported)",
         "TorchRec 1.9.2's TPU kernels yield no tables there, so its sharded collections register empty CPU "
         "placeholders as the tables' parameters: an optimizer over DistributedModelParallel.parameters() trains "
         "nothing and load_state_dict fails with a size mismatch; the sharded module keeps one parameter per table, "
-        "a rank's column shards of it stacked, where the kernel keeps one per shard "
-        "(see tpurec/distributed/torchrec_tables.py).",
+        "a rank's column shards of it stacked, where the kernel keeps one per shard; the pooled kernel's forward "
+        "would drop a weighted collection's per-sample weights (see tpurec/distributed/torchrec_tables.py).",
         _torchrec_tpu_tables,
         requires=(
             "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbeddingBag.named_parameters_by_table",
@@ -459,6 +460,7 @@ PATCHES: tuple[Patch, ...] = (
             "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbedding.__init__",
             "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbedding.named_parameters_by_table",
             "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbeddingBag.__init__",
+            "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbeddingBag.forward",
             "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbeddingBag.named_parameters_by_table",
         ),
         # TorchRec's distributed modules take seconds to import: waits for the user's import.

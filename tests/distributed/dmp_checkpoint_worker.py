@@ -89,7 +89,7 @@ def save_and_load(directory: str, save_plan: str, load_plan: str) -> None:
         OrderedDict((f"embedding_bags.{name}.weight", torch.from_numpy(w)) for name, w in start.items())
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=dmp_worker.LEARNING_RATE)
-    mix, local = dmp_worker._mix("tpu"), dmp_worker.GLOBAL_BATCH // n
+    mix, local = dmp_worker._mix("mixed", "tpu"), dmp_worker.GLOBAL_BATCH // n
     samples = slice(rank * local, (rank + 1) * local)
     batches = list(dmp_worker._batches())
     for ids, target in batches[:TRAIN_STEPS]:

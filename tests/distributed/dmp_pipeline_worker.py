@@ -37,7 +37,7 @@ def _model_class():
         def __init__(self, device: str) -> None:
             super().__init__()
             self.collection = dmp_worker._collection("mixed", device)
-            self.mix = dmp_worker._mix("tpu")  # a fixed projection, no parameter or buffer
+            self.mix = dmp_worker._mix("mixed", "tpu")  # a fixed projection, no parameter or buffer
 
         def forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
             pooled = self.collection(batch.sparse_features)
