@@ -126,3 +126,28 @@ def test_transformer_compiled_step_compiles_nothing_after_warmup_and_matches_cpu
     assert abs(tpu - cpu) <= 1e-5 * abs(cpu), result
     for name in ("cpu_pytorch", "compiled"):
         assert 0 < result[name]["host_ms_per_step"] and 0 < result[name]["min_step_ms"] <= result[name]["step_ms"]
+
+
+def test_device_time_exports_the_step_program_and_times_it_without_tpurec(tmp_path):
+    # Exported for XLA:CPU (here) instead of TPU: the same files and runner a TPU machine uses.
+    index = bench(
+        "device_time", "export", "--out", str(tmp_path), "--configs", "modes_fused", "--batch", "4",
+        "--warmup", "2", "--host-steps", "2", "--platform", "cpu",
+    )  # fmt: skip
+    assert set(index["programs"]) == {"modes_fused_b4"}
+    assert index["programs"]["modes_fused_b4"]["host_ms_per_step"] > 0
+    # The runner is a file run on its own: only JAX and numpy, no tpurec or torch import.
+    runner = ROOT / "tpurec" / "bench" / "device_time.py"
+    code = (
+        "import runpy, sys; sys.modules['torch'] = None; sys.modules['tpurec'] = None; "
+        f"sys.argv = [{str(runner)!r}, 'run', {str(tmp_path)!r}, '--iters', '3']; "
+        f"runpy.run_path({str(runner)!r}, run_name='__main__')"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    timing = result["programs"]["modes_fused_b4"]
+    assert timing["device_ms_median"] > 0 and timing["device_ms_pipelined"] > 0
+    assert timing["host_over_device"] == pytest.approx(
+        timing["host_ms_per_step_exported_from"] / timing["device_ms_pipelined"]
+    )

@@ -14,6 +14,9 @@ BENCHMARKS = {
     "collectives": Subcommand(
         "tpurec.bench.collectives", "torch.distributed collectives on tpu vs gloo on CPU tensors"
     ),
+    "device_time": Subcommand(
+        "tpurec.bench.device_time", "a step's one XLA program exported for TPU, timed there (needs only JAX)"
+    ),
     "dispatch": Subcommand("tpurec.bench.dispatch", "the host cost of one cached op: eager and fused vs PyTorch CPU"),
     "dlrm": Subcommand("tpurec.bench.dlrm", "a DLRM training step: tpurec on tpu vs TorchRec on CPU"),
     "embeddings": Subcommand("tpurec.bench.embeddings", "embedding lookups over dims and bag sizes vs FBGEMM"),
