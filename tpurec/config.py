@@ -468,12 +468,36 @@ def override(**values: Any) -> Iterator[None]:
 
 
 def program_settings() -> tuple:
-    """The values of the flags that change compiled programs, as a hashable cache-key part."""
-    return tuple(get(name) for name in _PROGRAM_FLAG_NAMES)
+    """The values of the flags that change compiled programs, as a hashable cache-key part.
+
+    Asked on every op: the answer is remembered with what it was worked out from (the
+    Python values set and the raw environment texts of those flags), so a repeated call
+    reads them and returns the same tuple object, without parsing anything.
+    """
+    global _settings_memo
+    data = getattr(os.environ, "_data", None)
+    if isinstance(data, dict):
+        raw = tuple(map(data.get, _PROGRAM_FLAG_KEYS))
+    else:
+        raw = tuple(map(os.environ.get, _PROGRAM_FLAG_NAMES))
+    seen = (tuple(map(_overrides.get, _PROGRAM_FLAG_NAMES)), raw)
+    memo = _settings_memo
+    if memo is not None and memo[0] == seen:
+        return memo[1]
+    settings = tuple(get(name) for name in _PROGRAM_FLAG_NAMES)
+    _settings_memo = (seen, settings)
+    return settings
 
 
 _PROGRAM_FLAGS = tuple(f for f in FLAGS if f.programs)
 _PROGRAM_FLAG_NAMES = tuple(f.name for f in _PROGRAM_FLAGS)
+# os.environ's private dict is keyed by the encoded names (see _environ_get).
+_PROGRAM_FLAG_KEYS = tuple(
+    os.environ.encodekey(name) if hasattr(os.environ, "encodekey") else name  # pyright: ignore[reportAttributeAccessIssue]
+    for name in _PROGRAM_FLAG_NAMES
+)
+# ((Python values, environment texts), settings) of the last program_settings() answer.
+_settings_memo: tuple | None = None
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,15 @@ Configurations: ``cpu_pytorch`` (the same op on PyTorch CPU tensors: the peer),
 ``fused`` (tpurec records the op into the fused window; the window's flush is
 timed on its own and reported as ``flush_us``, not in the per-op figure).
 
+Two floors, measured in the same run, bound what a Python-level device can reach:
+
+* ``floor_subclass``: PyTorch's own round trip through a tensor subclass's
+  ``__torch_dispatch__`` that does nothing but make its output tensor
+  (``_make_wrapper_subclass``): the least any op on a Python device costs, before the
+  device does anything (fused recording's floor);
+* ``floor_jax``: JAX's call of the op as a cached ``jax.jit`` function on the same
+  arrays (the least an eager op that runs a compiled program costs on top of the first).
+
 Per op and configuration: ``wall_ns`` (median over ``--repeats`` timed loops of
 ``--ops`` ops, wall time per op, without waiting for the device) and ``host_ns``
 (the main thread's CPU time per op: XLA:CPU runs programs on its own threads, so
@@ -40,7 +49,7 @@ import tpurec
 from tpurec.core import fused as _fused
 
 OPS = ("add", "view", "add_", "matmul")
-CONFIGS = ("cpu_pytorch", "eager", "fused")
+CONFIGS = ("cpu_pytorch", "eager", "fused", "floor_subclass", "floor_jax")
 
 
 def _op(name: str, a: torch.Tensor, b: torch.Tensor) -> Callable[[], object]:
@@ -54,6 +63,34 @@ def _op(name: str, a: torch.Tensor, b: torch.Tensor) -> Callable[[], object]:
     if name == "matmul":
         return lambda: a @ b
     raise ValueError(f"unknown op {name!r}; choose from {OPS}")
+
+
+class _Bare(torch.Tensor):
+    """A tensor subclass whose every op only makes a new (empty, metadata-only) output: the dispatch floor."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl  # pyright: ignore[reportAssignmentType]
+
+    @staticmethod
+    def __new__(cls, size: tuple):
+        return torch.Tensor._make_wrapper_subclass(cls, size, dtype=torch.float32, device=torch.device("meta"))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _Bare(args[0].shape)
+
+
+def _jax_op(name: str, a, b) -> Callable[[], object]:
+    """The op ``name`` as a cached ``jax.jit`` call on jax arrays."""
+    import jax
+
+    if name == "view":
+        view = jax.jit(lambda x: x[1:])
+        return lambda: view(a)
+    if name == "matmul":
+        matmul = jax.jit(lambda x, y: x @ y)
+        return lambda: matmul(a, b)
+    add = jax.jit(lambda x, y: x + y)  # add and add_ (JAX arrays are immutable)
+    return lambda: add(a, b)
 
 
 def _time_loop(call: Callable[[], object], ops: int) -> tuple[float, float]:
@@ -75,11 +112,18 @@ def measure(op: str, config: str, size: int, ops: int, repeats: int, warmup: int
         repeats: timed loops; the median is reported.
         warmup: untimed loops first (compile and fill caches).
     """
-    device = "cpu" if config == "cpu_pytorch" else "tpu"
+    device = "tpu" if config in ("eager", "fused") else "cpu"
     generator = torch.Generator().manual_seed(0)
     a = torch.randn(size, size, generator=generator).to(device)
     b = torch.randn(size, size, generator=generator).to(device)
-    call = _op(op, a, b)
+    if config == "floor_subclass":
+        call = _op(op, _Bare((size, size)), _Bare((size, size)))
+    elif config == "floor_jax":
+        import jax
+
+        call = _jax_op(op, jax.device_put(a.numpy()), jax.device_put(b.numpy()))
+    else:
+        call = _op(op, a, b)
     mode = "fused" if config == "fused" else "eager"
     walls, hosts, flushes = [], [], []
     with tpurec.mode(mode):

@@ -35,7 +35,7 @@ from tpurec.core.dispatch import pending_value, value_of
 from tpurec.core.fused import Pending
 from tpurec.core.programs import _store, fresh_with_key
 from tpurec.core.views import contiguous_strides
-from tpurec.core.tensor import TpuTensor, host_to_jax
+from tpurec.core.tensor import TpuTensor, host_to_jax, is_plain
 
 log = logging.getLogger("tpurec.compile")
 
@@ -62,7 +62,18 @@ class _Variant:
     """The jitted program of a graph for one set of input shapes."""
 
     # origin/reused/__weakref__: for recompilation diagnostics (tpurec/core/recompiles.py).
-    __slots__ = ("run", "jitted", "recorded", "ran", "static_outs", "out_keys", "origin", "reused", "__weakref__")
+    __slots__ = (
+        "run",
+        "jitted",
+        "recorded",
+        "ran",
+        "static_outs",
+        "out_keys",
+        "out_plain",
+        "origin",
+        "reused",
+        "__weakref__",
+    )
 
     def __init__(self) -> None:
         self.run = None  # the traceable program: (arrays, scalars, seeds) -> tensor outputs
@@ -80,6 +91,7 @@ class _Variant:
         # fixed per variant: known after its first call, so later outputs are made without
         # working it out again (and a graph fed by them finds the same key object).
         self.out_keys: list | None = None
+        self.out_plain: list[bool] = []  # per output: tensor.is_plain of its key
 
 
 _serial = 0
@@ -155,9 +167,13 @@ class CompiledGraph:
         keys = variant.out_keys
         if keys is None:
             keys = variant.out_keys = _output_keys(outs, self.tensor_out, self.out_dtypes)
+            variant.out_plain = [k is not None and is_plain(k) for k in keys]
         arrays = iter(outs)
         static = variant.static_outs
-        results = [fresh_with_key(next(arrays), index, k) if k is not None else static[i] for i, k in enumerate(keys)]
+        results = [
+            fresh_with_key(next(arrays), index, k, plain) if k is not None else static[i]
+            for i, (k, plain) in enumerate(zip(keys, variant.out_plain))
+        ]
         if self.mutated_inputs:
             for position, new, key in zip(
                 self.mutated_inputs, outs[-len(self.mutated_inputs) :], keys[self.user_outputs :]

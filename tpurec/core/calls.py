@@ -20,7 +20,7 @@ from tpurec.core import fused, modes, rng, runtime
 from tpurec.core.errors import ArgumentError, lowering_failed, unsupported_op
 from tpurec.core.fused import Pending
 from tpurec.core.programs import _placed, _run, _store, fresh, fresh_with_key
-from tpurec.core.tensor import TpuTensor, host_array
+from tpurec.core.tensor import TpuTensor, host_array, is_plain
 from tpurec.core.views import read_view, reinterpretation, write_view
 from tpurec.dense import calling, dtype_rules
 from tpurec.dense.calling import argument_kinds
@@ -135,11 +135,12 @@ _TENSOR_LIST, _DYNAMIC_LIST = calling.TENSOR_LIST, calling.DYNAMIC_LIST
 class _Fast:
     """What a repeated call needs: the program and its outputs' metadata (``TpuTensor._key``)."""
 
-    __slots__ = ("program", "outputs", "random")
+    __slots__ = ("program", "outputs", "plain", "random")
 
     def __init__(self, program: runtime.Program, outputs: tuple, random: bool) -> None:
         self.program = program
         self.outputs = outputs  # per output: its tensor key, or None (no tensor)
+        self.plain = tuple(key is not None and is_plain(key) for key in outputs)  # see tensor.with_key
         self.random = random
 
 
@@ -281,7 +282,10 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
         for t, new in zip(targets, outs):
             _store(t._storage, new)
         return targets
-    return [None if key is None else fresh_with_key(o, index, key) for o, key in zip(outs, fast.outputs)]
+    return [
+        None if key is None else fresh_with_key(o, index, key, plain)
+        for o, key, plain in zip(outs, fast.outputs, fast.plain)
+    ]
 
 
 def _execute_and_remember(func, lowering: Lowering, args, kwargs, targets, signature: tuple, inputs: list, table: dict):

@@ -18,7 +18,7 @@ import jax
 from tpurec import config
 from tpurec.core import profiler, runtime
 from tpurec.core.device import jax_device
-from tpurec.core.tensor import holders
+from tpurec.core.tensor import NOT_ARRAYS, holders
 
 __all__ = ["Pending", "record", "flush", "is_pending", "pending_ops", "clear_programs"]
 
@@ -40,6 +40,9 @@ class Pending:
         self.index = index
         self.shape = shape
         self.dtype = dtype
+
+
+NOT_ARRAYS.add(Pending)
 
 
 class _Node:
@@ -76,6 +79,7 @@ class _Window:
     def __init__(self, serial: int = 0) -> None:
         self.serial = serial
         self.device = 0  # one window, one device: a node for another device flushes first
+        self.limit = 1  # TPUREC_FUSED_MAX_OPS, read when the first node is recorded
         self.nodes: list[_Node] = []
         # Weak references to the storages given pending values (plain references: a WeakSet's
         # callbacks would cost more per op than sorting out the dead ones at the flush).
@@ -127,17 +131,19 @@ def _abstract(value):
 def record(program: runtime.Program, inputs: tuple, device: int = 0) -> list:
     """Records ``program(*inputs)`` for ``tpu:device``; returns its outputs as Pending values."""
     window = _window
-    if window.nodes and device != window.device:
-        flush("device change")
-        inputs = tuple(resolve(x) for x in inputs)
-    if len(window.nodes) >= max_ops():
-        flush("graph size limit")
-        inputs = tuple(resolve(x) for x in inputs)
-    window = _window
+    if window.nodes:
+        if device != window.device:
+            flush("device change")
+            inputs = tuple(resolve(x) for x in inputs)
+        elif len(window.nodes) >= window.limit:
+            flush("graph size limit")
+            inputs = tuple(resolve(x) for x in inputs)
+        window = _window
     nodes = window.nodes
     position = len(nodes)
     if not position:
         window.device = device
+        window.limit = max_ops()  # read once a window: a change applies from the next one
         last = _last.get(device)
         window.expected = None if last is None else last.next or last
     outs = program.out_avals
@@ -176,6 +182,9 @@ def record(program: runtime.Program, inputs: tuple, device: int = 0) -> list:
     window.wiring.append(entry)
     node = _Node(program, inputs, position, window.serial)
     nodes.append(node)
+    if len(outs) == 1 and outs[0] is not None:  # most ops
+        out = outs[0]
+        return [Pending(node, 0, out[0], out[1])]
     return [None if out is None else Pending(node, i, out[0], out[1]) for i, out in enumerate(outs)]
 
 

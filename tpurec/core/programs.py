@@ -49,8 +49,8 @@ def _run(program: runtime.Program, *inputs, now: bool = False, device: int = 0) 
 
 
 def _store(storage: Storage, array) -> None:
-    if fused.is_pending(array):
-        fused.track(storage, replaced=storage.array)
+    if type(array) is _Pending:
+        _track(storage, replaced=storage.array)
     storage.array = array
 
 
@@ -62,13 +62,19 @@ def fresh(array, index: int, dtype: torch.dtype | None = None) -> TpuTensor:
     return t
 
 
-def fresh_with_key(array, index: int, key: tuple) -> TpuTensor:
-    """:func:`fresh` for an output whose tensor metadata (``TpuTensor._key``) is known."""
+def fresh_with_key(array, index: int, key: tuple, plain: bool = False) -> TpuTensor:
+    """:func:`fresh` for an output whose tensor metadata (``TpuTensor._key``) is known.
+
+    ``plain``: ``tpurec.core.tensor.is_plain(key)``, when the caller knows it.
+    """
     storage = Storage(array, index)
-    t = with_key(storage, key)
-    if type(array) is fused.Pending:
-        fused.track(storage)
+    t = with_key(storage, key, plain)
+    if type(array) is _Pending:
+        _track(storage)
     return t
+
+
+_Pending, _track = fused.Pending, fused.track
 
 
 # --- reading values ---------------------------------------------------------

@@ -397,6 +397,9 @@ class ProgramCache:
     def __init__(self) -> None:
         self._tables: dict[tuple, dict[Any, Any]] = {}
         self._fast_tables: dict[tuple, dict[Any, Any]] = {}
+        # The last settings fast_table() was asked under, and their table.
+        self._fast_settings: tuple | None = None
+        self._fast_table: dict[Any, Any] = {}
 
     @property
     def _programs(self) -> dict[Any, Any]:
@@ -415,9 +418,12 @@ class ProgramCache:
         that a cached op skips the calling convention's split. Cleared with the programs.
         """
         settings = config.program_settings()
+        if settings is self._fast_settings:  # the same tuple object while no setting changed
+            return self._fast_table
         table = self._fast_tables.get(settings)
         if table is None:
             table = self._fast_tables[settings] = {}
+        self._fast_settings, self._fast_table = settings, table
         return table
 
     def get(self, key, build: Callable[[], Any]):
@@ -436,6 +442,7 @@ class ProgramCache:
     def clear(self) -> None:
         self._tables.clear()
         self._fast_tables.clear()
+        self._fast_settings = None
 
 
 programs = ProgramCache()

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from torch._prims_common import make_contiguous_strides_for
 
 from tpurec.core import device as _device
 from tpurec.core import memory as _memory
@@ -23,6 +24,7 @@ __all__ = [
     "TpuTensor",
     "wrap",
     "with_key",
+    "is_plain",
     "array_of",
     "replace_array",
     "is_global",
@@ -63,11 +65,17 @@ except ImportError:  # another JAX layout: every check takes the isinstance path
     _ArrayImpl = jax.Array
 
 
-def _release(array, _array_type=jax.Array, _concrete=_ArrayImpl, _freed=_memory.freed) -> None:
+# Types of values a storage may hold that are no jax.Array (the fused mode's pending values):
+# registered by their module, so that the checks below skip them without an isinstance.
+NOT_ARRAYS: set[type] = {type(None)}
+
+
+def _release(array, _array_type=jax.Array, _concrete=_ArrayImpl, _freed=_memory.freed, _skip=NOT_ARRAYS) -> None:
     # The default arguments keep the types and the hook alive for __del__ at interpreter exit.
-    if array is None:
+    kind = type(array)
+    if kind in _skip:
         return
-    if (type(array) is _concrete or isinstance(array, _array_type)) and _holders is not None:
+    if (kind is _concrete or isinstance(array, _array_type)) and _holders is not None:
         left = _holders.get(id(array), 0) - 1
         if left > 0:
             _holders[id(array)] = left
@@ -78,7 +86,8 @@ def _release(array, _array_type=jax.Array, _concrete=_ArrayImpl, _freed=_memory.
 
 def _hold(array, index: int) -> None:
     """Counts one more storage holding ``array`` (a concrete array; pending values are not counted)."""
-    if type(array) is _ArrayImpl or isinstance(array, jax.Array):
+    kind = type(array)
+    if kind is _ArrayImpl or (kind not in NOT_ARRAYS and isinstance(array, jax.Array)):
         held = _holders.get(id(array), 0)
         _holders[id(array)] = held + 1
         if not held:
@@ -125,6 +134,10 @@ class Storage:
             device = _DEVICES[self.index] = torch.device("tpu", self.index)
         return device
 
+
+# TpuTensor._key -> TpuTensor.is_full of it: asked for most tensors an op reads, and the
+# same few keys come back every step.
+_FULL_KEYS: dict[tuple, bool] = {}
 
 # tpu:N as torch.device objects, made once: every new tensor needs its device.
 _DEVICES: dict[int, torch.device] = {}
@@ -203,8 +216,15 @@ class TpuTensor(torch.Tensor):
     @property
     def is_full(self) -> bool:
         """This tensor is its whole storage, in the storage's layout."""
-        shape, dtype, size, stride, offset, storage_dtype = self._key
-        return dtype == storage_dtype and is_full(shape, size, stride, offset)
+        key = self._key
+        full = _FULL_KEYS.get(key)
+        if full is None:
+            shape, dtype, size, stride, offset, storage_dtype = key
+            full = dtype == storage_dtype and is_full(shape, size, stride, offset)
+            if len(_FULL_KEYS) >= 1 << 16:  # a bound for programs of ever new shapes
+                _FULL_KEYS.clear()
+            _FULL_KEYS[key] = full
+        return full
 
     def __repr__(self, *, tensor_contents=None) -> str:
         host = jax_to_host(_value_of(self, "print"))
@@ -313,16 +333,31 @@ def install_serialization() -> None:
     torch.serialization.register_package(11, _never_tag, _keep_on_host)
 
 
-def with_key(storage: Storage, key: tuple) -> TpuTensor:
+def is_plain(key: tuple) -> bool:
+    """``key`` (``TpuTensor._key``) describes a tensor laid out contiguously from offset 0.
+
+    Such a tensor is made without passing strides and offset to PyTorch (which then lays it
+    out the same way, a little faster): see :func:`with_key`.
+    """
+    _, _, size, stride, offset, _ = key
+    return offset == 0 and tuple(stride) == tuple(make_contiguous_strides_for(size))
+
+
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def with_key(storage: Storage, key: tuple, plain: bool = False) -> TpuTensor:
     """A tpu tensor over ``storage`` whose metadata tuple ``key`` (``TpuTensor._key``) is known.
 
     For results of cached calls (``tpurec.core.calls``): the same tensor as ``TpuTensor(...)``
-    makes, without working the metadata out again. ``key[0]`` must be the storage's shape.
+    makes, without working the metadata out again. ``key[0]`` must be the storage's shape;
+    ``plain``: ``is_plain(key)``, known to the caller.
     """
     _, dtype, size, stride, offset, _ = key
-    t = torch.Tensor._make_wrapper_subclass(
-        TpuTensor, size, strides=stride, storage_offset=offset, dtype=dtype, device=storage.device
-    )
+    if plain:
+        t = _make_wrapper(TpuTensor, size, dtype=dtype, device=storage.device)
+    else:
+        t = _make_wrapper(TpuTensor, size, strides=stride, storage_offset=offset, dtype=dtype, device=storage.device)
     t._storage = storage
     t._key = key
     return t
