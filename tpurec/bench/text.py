@@ -37,21 +37,33 @@ PAD = {"input_ids": 0, "attention_mask": 0, "labels": -100}
 VOCAB = 128
 
 
-def _model() -> torch.nn.Module:
+def tiny_bert(hidden: int, intermediate: int, positions: int, vocab: int = VOCAB) -> torch.nn.Module:
+    """A ``transformers`` BERT masked-LM of 2 layers and 2 heads, built from a config (seed 0, no dropout).
+
+    Args:
+        hidden: the hidden size.
+        intermediate: the feed-forward size.
+        positions: the longest sequence it takes.
+        vocab: the vocabulary size.
+    """
     import transformers
 
     config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
+        vocab_size=vocab,
+        hidden_size=hidden,
         num_hidden_layers=2,
         num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=1024,
+        intermediate_size=intermediate,
+        max_position_embeddings=positions,
         hidden_dropout_prob=0.0,
         attention_probs_dropout_prob=0.0,
     )
     torch.manual_seed(0)
     return transformers.BertForMaskedLM(config)
+
+
+def _model() -> torch.nn.Module:
+    return tiny_bert(hidden=32, intermediate=64, positions=1024)
 
 
 def run(how: str, buckets: SequenceBuckets | None, lengths: list[int], batch: int, check: bool) -> dict:

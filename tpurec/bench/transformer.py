@@ -31,9 +31,8 @@ import torch
 
 import tpurec
 from tpurec.bench.rounds import run_in_rounds
+from tpurec.bench.text import VOCAB, tiny_bert
 from tpurec.cli import positive_int
-
-VOCAB = 128
 
 
 @dataclasses.dataclass
@@ -49,20 +48,7 @@ class _Config:
 
 
 def _model() -> torch.nn.Module:
-    import transformers
-
-    config = transformers.BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=128,
-        max_position_embeddings=512,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    torch.manual_seed(0)
-    return transformers.BertForMaskedLM(config)
+    return tiny_bert(hidden=64, intermediate=128, positions=512)
 
 
 def _configs(batch: int, length: int) -> list[_Config]:

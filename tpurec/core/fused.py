@@ -231,14 +231,18 @@ runtime.flush_pending_work_with(flush)
 def _flush(window: _Window, counters: runtime.Stats) -> None:
     """Builds (or reuses) the program of one recorded ``window``, runs it and fills in its live storages."""
     nodes, external, replaced, device = window.nodes, window.external, window.replaced, window.device
-    live: dict[int, object] = {}
+    # Each live storage with a pending value of this window, once, and where that value comes from.
+    # (Storage._array, not the property: read for every storage of every window.)
+    live: dict[int, tuple] = {}
     for ref in window.storages:
         storage = ref()
-        if storage is not None and type(storage.array) is Pending:
-            live[id(storage)] = storage
-    storages = list(live.values())
+        if storage is not None:
+            value = storage._array
+            if type(value) is Pending:
+                live[id(storage)] = (storage, value, (value.node.position, value.index))
+    filled = list(live.values())
     # Sorted, so the key does not depend on the order the storages were tracked in.
-    outputs = tuple(sorted({(s.array.node.position, s.array.index) for s in storages}))  # pyright: ignore[reportAttributeAccessIssue]
+    outputs = tuple(sorted({where for _, _, where in filled}))
     seen = {where: k for k, where in enumerate(outputs)}
     donate = tuple(
         k
@@ -278,9 +282,8 @@ def _flush(window: _Window, counters: runtime.Stats) -> None:
         [x for k, x in enumerate(external) if k in donated_set],
         [x for k, x in enumerate(external) if k not in donated_set],
     )
-    for storage in storages:
-        p = storage.array  # pyright: ignore[reportAttributeAccessIssue]
-        p.value = storage.array = values[seen[(p.node.position, p.index)]]  # pyright: ignore[reportAttributeAccessIssue]
+    for storage, pending, where in filled:
+        pending.value = storage.array = values[seen[where]]
 
 
 def _build(nodes: list, plan: list, outputs: tuple, donate: tuple, device: int) -> runtime.Program:
