@@ -30,6 +30,21 @@ def test_pinned_host_memory_for_tpu():
     assert like.is_pinned() and like.data_ptr() != pinned.data_ptr()
 
 
+def test_the_device_guard_is_cpp_and_backward_never_asks_python_for_it(monkeypatch):
+    from tpurec.core import device
+
+    assert torch_hooks.guard_registered(), torch_hooks.failure()
+    calls = []
+    monkeypatch.setattr(
+        device._Guard, "type_", lambda self: calls.append(1) or torch._C._autograd.DeviceType.PrivateUse1
+    )
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to("tpu")
+    model(torch.randn(5, 4, device="tpu")).sum().backward()
+    assert all(p.grad is not None and p.grad.device.type == "tpu" for p in model.parameters())
+    assert calls == []  # the Python guard (PyTorch's default for a Python backend) would answer each node
+    assert torch.tensor(1.0, device="tpu").device == torch.device("tpu", 0)
+
+
 def _run(script: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-c", script],

@@ -10,9 +10,16 @@
 // JAX stages host memory for its transfers itself, so "pinned for tpu" is ordinary host memory
 // from PyTorch's CPU allocator; this allocator remembers which blocks it handed out, so that
 // is_pinned() is true for them and only for them. Everything else answers as the Python hooks did.
+//
+// The device guard: PyTorch asks PrivateUse1's guard for its device type whenever a device guard
+// is set up around work on tpu tensors (the autograd engine does per node, about 190 times a
+// training step of a small MLP). The guard a Python backend registers answers that by calling
+// into Python each time; this one answers the same things in C++: one device (index 0) whose
+// streams are the default stream and whose events are no-ops, as the Python guard does.
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <mutex>
 #include <unordered_set>
@@ -68,7 +75,39 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   }
 };
 
+struct Guard final : c10::impl::DeviceGuardImplInterface {
+  static c10::Device device() { return c10::Device(c10::DeviceType::PrivateUse1, 0); }
+  static c10::Stream stream() { return c10::Stream(c10::Stream::DEFAULT, device()); }
+
+  c10::DeviceType type() const override { return c10::DeviceType::PrivateUse1; }
+  c10::Device exchangeDevice(c10::Device) const override { return device(); }
+  c10::Device getDevice() const override { return device(); }
+  void setDevice(c10::Device) const override {}
+  void uncheckedSetDevice(c10::Device) const noexcept override {}
+  c10::Stream getStream(c10::Device) const noexcept override { return stream(); }
+  c10::Stream getNewStream(c10::Device, int) const override { return stream(); }
+  c10::Stream exchangeStream(c10::Stream) const noexcept override { return stream(); }
+  c10::DeviceIndex deviceCount() const noexcept override { return 1; }
+  void record(void**, const c10::Stream&, const c10::DeviceIndex, const c10::EventFlag) const override {}
+  void block(void*, const c10::Stream&) const override {}
+  bool queryEvent(void*) const override { return true; }
+  void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
+  bool queryStream(const c10::Stream&) const override { return true; }
+  void synchronizeStream(const c10::Stream&) const override {}
+};
+
 }  // namespace
+
+// Makes this guard PrivateUse1's: 1, or 0 when PrivateUse1 already has one (PyTorch keeps the
+// first, so this must run before the Python backend's guard is registered).
+extern "C" int tpurec_register_privateuse1_guard() {
+  if (c10::impl::hasDeviceGuardImpl(c10::DeviceType::PrivateUse1)) {
+    return 0;
+  }
+  static Guard* guard = new Guard();  // lives as long as the process: PyTorch keeps the pointer
+  c10::impl::registerDeviceGuard(c10::DeviceType::PrivateUse1, guard);
+  return 1;
+}
 
 // Makes these hooks PrivateUse1's: 1, or 0 when PrivateUse1 already has hooks (PyTorch takes
 // hooks once per process, so this must run before the Python ones are registered).

@@ -30,7 +30,7 @@ import torch
 
 from tpurec import native
 
-__all__ = ["failure", "library_path", "register", "registered"]
+__all__ = ["failure", "guard_registered", "library_path", "register", "registered"]
 
 _SOURCE = Path(__file__).with_name("privateuse1_hooks.cc")
 _TORCH = Path(torch.__file__).parent
@@ -38,6 +38,7 @@ _TORCH = Path(torch.__file__).parent
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _failure: str | None = None
+_guard = False
 
 
 def _flags() -> list[str]:
@@ -92,7 +93,15 @@ def register() -> bool:
             _failure = "PrivateUse1 already had hooks when tpurec registered the tpu device (PyTorch takes them once)"
             return False
         _library = library
+        # The device guard in C++ too (where PrivateUse1 has none yet); else the Python one serves.
+        global _guard
+        _guard = bool(library.tpurec_register_privateuse1_guard())
         return True
+
+
+def guard_registered() -> bool:
+    """Whether PrivateUse1's device guard is the C++ one of this library in this process."""
+    return _guard
 
 
 def registered() -> bool:
