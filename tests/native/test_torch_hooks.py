@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tpurec.native import torch_hooks
@@ -43,6 +44,35 @@ def test_the_device_guard_is_cpp_and_backward_never_asks_python_for_it(monkeypat
     assert all(p.grad is not None and p.grad.device.type == "tpu" for p in model.parameters())
     assert calls == []  # the Python guard (PyTorch's default for a Python backend) would answer each node
     assert torch.tensor(1.0, device="tpu").device == torch.device("tpu", 0)
+
+
+def test_accelerator_and_stream_synchronize_wait_for_pending_work():
+    import tpurec
+    from tpurec.core import fused
+
+    with tpurec.mode("fused"):
+        x = torch.ones(4, device="tpu") * 3
+        assert fused.pending_ops() > 0
+        torch.accelerator.synchronize()  # the Python guard refused: "Backend doesn't support synchronizing"
+        assert fused.pending_ops() == 0
+        y = x + 1
+        torch.Stream(device="tpu").synchronize()
+        assert fused.pending_ops() == 0
+    assert y.cpu().tolist() == [4.0] * 4
+
+
+def test_a_failing_synchronize_raises_its_message(monkeypatch):
+    def fail():
+        raise ValueError("device lost")
+
+    torch_hooks.set_synchronize(fail)
+    try:
+        with pytest.raises(RuntimeError, match="ValueError: device lost"):
+            torch.accelerator.synchronize()
+    finally:
+        from tpurec.core import runtime
+
+        torch_hooks.set_synchronize(runtime.synchronize)
 
 
 def _run(script: str, cache: Path, **env: str) -> subprocess.CompletedProcess:

@@ -292,6 +292,7 @@ def register() -> None:
     # ones): they add pinned host memory, which DDP's reducer needs. Where they cannot be
     # built the Python hooks serve.
     torch_hooks.register()
+    torch_hooks.set_synchronize(runtime.synchronize)  # torch.accelerator.synchronize() on tpu
     _setup_privateuseone_for_python_backend("tpu", backend_module=TpuModule, hook=_Hooks(), device_guard=_Guard())
     _registered = True
 

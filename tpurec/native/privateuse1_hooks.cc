@@ -15,13 +15,18 @@
 // is set up around work on tpu tensors (the autograd engine does per node, about 190 times a
 // training step of a small MLP). The guard a Python backend registers answers that by calling
 // into Python each time; this one answers the same things in C++: one device (index 0) whose
-// streams are the default stream and whose events are no-ops, as the Python guard does.
+// streams are the default stream and whose events are no-ops, as the Python guard does. Unlike
+// that guard, synchronizing the device or a stream (torch.accelerator.synchronize(),
+// torch.Stream(device="tpu").synchronize()) waits for the device's work, through tpurec's
+// synchronize() handed over by tpurec_set_synchronize.
 
 #include <ATen/detail/PrivateUse1HooksInterface.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
+#include <atomic>
 #include <mutex>
+#include <string>
 #include <unordered_set>
 
 namespace {
@@ -75,6 +80,20 @@ struct Hooks final : at::PrivateUse1HooksInterface {
   }
 };
 
+// tpurec's synchronize(): 0 when it waited, else nonzero with a message in `error` (NUL-terminated,
+// at most `capacity` bytes). A ctypes callback, so it takes the GIL itself.
+using SynchronizeFn = int (*)(char* error, int capacity);
+std::atomic<SynchronizeFn> synchronize_fn{nullptr};
+
+void synchronize_device() {
+  SynchronizeFn fn = synchronize_fn.load();
+  TORCH_CHECK(fn != nullptr, "tpu: synchronize is not available (tpurec has not finished registering the device)");
+  std::string error(1024, '\0');
+  if (fn(error.data(), static_cast<int>(error.size())) != 0) {
+    TORCH_CHECK(false, error.c_str());
+  }
+}
+
 struct Guard final : c10::impl::DeviceGuardImplInterface {
   static c10::Device device() { return c10::Device(c10::DeviceType::PrivateUse1, 0); }
   static c10::Stream stream() { return c10::Stream(c10::Stream::DEFAULT, device()); }
@@ -93,7 +112,8 @@ struct Guard final : c10::impl::DeviceGuardImplInterface {
   bool queryEvent(void*) const override { return true; }
   void destroyEvent(void*, const c10::DeviceIndex) const noexcept override {}
   bool queryStream(const c10::Stream&) const override { return true; }
-  void synchronizeStream(const c10::Stream&) const override {}
+  void synchronizeStream(const c10::Stream&) const override { synchronize_device(); }
+  void synchronizeDevice(const c10::DeviceIndex) const override { synchronize_device(); }
 };
 
 }  // namespace
@@ -108,6 +128,9 @@ extern "C" int tpurec_register_privateuse1_guard() {
   c10::impl::registerDeviceGuard(c10::DeviceType::PrivateUse1, guard);
   return 1;
 }
+
+// Hands over tpurec's synchronize() (see SynchronizeFn).
+extern "C" void tpurec_set_synchronize(SynchronizeFn fn) { synchronize_fn.store(fn); }
 
 // Makes these hooks PrivateUse1's: 1, or 0 when PrivateUse1 already has hooks (PyTorch takes
 // hooks once per process, so this must run before the Python ones are registered).

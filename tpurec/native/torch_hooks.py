@@ -25,12 +25,13 @@ import hashlib
 import os
 import threading
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from tpurec import native
 
-__all__ = ["failure", "guard_registered", "library_path", "register", "registered"]
+__all__ = ["failure", "guard_registered", "library_path", "register", "registered", "set_synchronize"]
 
 _SOURCE = Path(__file__).with_name("privateuse1_hooks.cc")
 _TORCH = Path(torch.__file__).parent
@@ -97,6 +98,34 @@ def register() -> bool:
         global _guard
         _guard = bool(library.tpurec_register_privateuse1_guard())
         return True
+
+
+# int fn(char* error, int capacity): the C++ guard's way to call tpurec's synchronize().
+_SYNCHRONIZE = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
+_synchronize_callback = None  # kept alive: C++ holds the pointer
+
+
+def set_synchronize(synchronize: Callable[[], None]) -> None:
+    """Gives the C++ device guard ``synchronize`` for ``torch.accelerator.synchronize()`` and stream syncs.
+
+    Its exceptions reach the caller as a ``RuntimeError`` with their message. Does nothing where the
+    C++ guard is not PrivateUse1's.
+    """
+    global _synchronize_callback
+    if _library is None or not _guard:
+        return
+
+    def call(error: int, capacity: int) -> int:
+        try:
+            synchronize()
+            return 0
+        except BaseException as e:  # a C caller cannot take a Python exception: the message crosses
+            text = f"{type(e).__name__}: {e}".encode(errors="replace")[: capacity - 1]
+            ctypes.memmove(error, text + b"\0", len(text) + 1)
+            return 1
+
+    _synchronize_callback = _SYNCHRONIZE(call)
+    _library.tpurec_set_synchronize(_synchronize_callback)
 
 
 def guard_registered() -> bool:
