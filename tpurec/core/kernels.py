@@ -20,7 +20,7 @@ from tpurec.core import modes
 from tpurec.core.calls import _fallback, execute
 from tpurec.core.device import jax_device
 from tpurec.core.programs import _compile, _run, _store, fresh, value_of
-from tpurec.core.tensor import Storage, TpuTensor, host_to_jax, jax_to_host, wrap
+from tpurec.core.tensor import Storage, TpuTensor, host_to_jax, is_plain, jax_to_host, with_key, wrap
 from tpurec.core.view_ops import _meta_base, _set_metadata
 from tpurec.core.views import (
     contiguous_strides,
@@ -175,9 +175,9 @@ def _local_scalar_dense(self):
 
 @lower(aten.detach.default, kind=Kind.KERNEL)
 def _detach(self):
-    return TpuTensor(
-        self._storage, self.size(), self.stride(), self.storage_offset(), self.dtype, storage_dtype=self.storage_dtype
-    )
+    # The same metadata: the key itself is reused (autograd detaches every saved tensor and new gradient).
+    key = self._key
+    return with_key(self._storage, key, is_plain(key))
 
 
 def _grow_program(shape: tuple, length: int):

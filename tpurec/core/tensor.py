@@ -339,8 +339,17 @@ def is_plain(key: tuple) -> bool:
     Such a tensor is made without passing strides and offset to PyTorch (which then lays it
     out the same way, a little faster): see :func:`with_key`.
     """
-    _, _, size, stride, offset, _ = key
-    return offset == 0 and tuple(stride) == tuple(make_contiguous_strides_for(size))
+    plain = _PLAIN_KEYS.get(key)
+    if plain is None:
+        _, _, size, stride, offset, _ = key
+        plain = offset == 0 and tuple(stride) == tuple(make_contiguous_strides_for(size))
+        if len(_PLAIN_KEYS) >= 1 << 16:  # a bound for programs of ever new shapes
+            _PLAIN_KEYS.clear()
+        _PLAIN_KEYS[key] = plain
+    return plain
+
+
+_PLAIN_KEYS: dict[tuple, bool] = {}
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass
