@@ -124,8 +124,7 @@ def export_steps(
                 step()
             host = _host_ms(step, host_steps)
             program, args = _capture_step(step)
-            flat, tree = jax.tree_util.tree_flatten(args)
-            arrays = [np.asarray(x) for x in flat]
+            arrays, tree = jax.tree_util.tree_flatten(args)  # numpy copies (see _capture_step)
             specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
             # Traced again here, under the same settings as the step.
             exported = jax.export.export(jax.jit(program.raw), platforms=(platform,))(

@@ -138,6 +138,17 @@ class Storage:
 # TpuTensor._key -> TpuTensor.is_full of it: asked for most tensors an op reads, and the
 # same few keys come back every step.
 _FULL_KEYS: dict[tuple, bool] = {}
+# TpuTensor._key -> is_plain(key): asked for every output of a cached op and every detach.
+_PLAIN_KEYS: dict[tuple, bool] = {}
+
+
+def _remember(table: dict[tuple, bool], key: tuple, value: bool) -> bool:
+    """Stores ``value`` of tensor key ``key`` in a per-key table (``_FULL_KEYS``, ``_PLAIN_KEYS``); returns it."""
+    if len(table) >= 1 << 16:  # a bound for programs of ever new shapes
+        table.clear()
+    table[key] = value
+    return value
+
 
 # tpu:N as torch.device objects, made once: every new tensor needs its device.
 _DEVICES: dict[int, torch.device] = {}
@@ -220,10 +231,7 @@ class TpuTensor(torch.Tensor):
         full = _FULL_KEYS.get(key)
         if full is None:
             shape, dtype, size, stride, offset, storage_dtype = key
-            full = dtype == storage_dtype and is_full(shape, size, stride, offset)
-            if len(_FULL_KEYS) >= 1 << 16:  # a bound for programs of ever new shapes
-                _FULL_KEYS.clear()
-            _FULL_KEYS[key] = full
+            full = _remember(_FULL_KEYS, key, dtype == storage_dtype and is_full(shape, size, stride, offset))
         return full
 
     def __repr__(self, *, tensor_contents=None) -> str:
@@ -342,14 +350,8 @@ def is_plain(key: tuple) -> bool:
     plain = _PLAIN_KEYS.get(key)
     if plain is None:
         _, _, size, stride, offset, _ = key
-        plain = offset == 0 and tuple(stride) == tuple(make_contiguous_strides_for(size))
-        if len(_PLAIN_KEYS) >= 1 << 16:  # a bound for programs of ever new shapes
-            _PLAIN_KEYS.clear()
-        _PLAIN_KEYS[key] = plain
+        plain = _remember(_PLAIN_KEYS, key, offset == 0 and tuple(stride) == tuple(make_contiguous_strides_for(size)))
     return plain
-
-
-_PLAIN_KEYS: dict[tuple, bool] = {}
 
 
 _make_wrapper = torch.Tensor._make_wrapper_subclass

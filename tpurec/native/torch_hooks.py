@@ -80,7 +80,7 @@ def register() -> bool:
     Returns:
         True when the C++ hooks are PrivateUse1's.
     """
-    global _library, _failure
+    global _library, _failure, _guard
     with _lock:
         if _library is not None or _failure is not None:
             return _library is not None
@@ -95,7 +95,6 @@ def register() -> bool:
             return False
         _library = library
         # The device guard in C++ too (where PrivateUse1 has none yet); else the Python one serves.
-        global _guard
         _guard = bool(library.tpurec_register_privateuse1_guard())
         return True
 
