@@ -121,22 +121,30 @@ def test_transformer_compiled_step_compiles_nothing_after_warmup_and_matches_cpu
     result = bench(
         "transformer", "--steps", "2", "--warmup", "2", "--round-steps", "1", "--batch", "2", "--length", "8"
     )
-    assert result["compiled"]["compilations_after_warmup"] == 0, result
-    # Four SGD steps of a float32 model: the CPU twin's loss within the compile tests' 1e-5.
-    cpu, tpu = result["cpu_pytorch"]["last_loss"], result["compiled"]["last_loss"]
-    assert abs(tpu - cpu) <= 1e-5 * abs(cpu), result
-    for name in ("cpu_pytorch", "compiled"):
+    cpu = result["cpu_pytorch"]["last_loss"]
+    for name in ("compiled", "compiled_dispatch"):
+        assert result[name]["compilations_after_warmup"] == 0, result
+        # Four SGD steps of a float32 model: the CPU twin's loss within the compile tests' 1e-5.
+        assert abs(result[name]["last_loss"] - cpu) <= 1e-5 * abs(cpu), result
+    for name in ("cpu_pytorch", "compiled", "compiled_dispatch"):
         assert 0 < result[name]["host_ms_per_step"] and 0 < result[name]["min_step_ms"] <= result[name]["step_ms"]
 
 
-def test_device_time_exports_the_step_program_and_times_it_without_tpurec(tmp_path):
+def test_device_time_exports_the_step_programs_and_replays_them_without_tpurec(tmp_path):
     # Exported for XLA:CPU (here) instead of TPU: the same files and runner a TPU machine uses.
     index = bench(
-        "device_time", "export", "--out", str(tmp_path), "--configs", "modes_fused", "--batch", "4",
-        "--warmup", "2", "--host-steps", "2", "--platform", "cpu",
+        "device_time", "export", "--out", str(tmp_path), "--configs", "modes_fused", "modes_compiled_optim_dispatch",
+        "--batch", "4", "--warmup", "2", "--host-steps", "2", "--platform", "cpu",
     )  # fmt: skip
-    assert set(index["programs"]) == {"modes_fused_b4"}
-    assert index["programs"]["modes_fused_b4"]["host_ms_per_step"] > 0
+    steps = index["steps"]
+    assert set(steps) == {"modes_fused_b4", "modes_compiled_optim_dispatch_b4"}
+    # Fused: one program, enqueued at the loss read. Compiled graphs dispatched at once (not the default): forward,
+    # backward and optimizer graph each end a program, enqueued in that order within the step.
+    assert len(steps["modes_fused_b4"]["programs"]) == 1
+    compiled = steps["modes_compiled_optim_dispatch_b4"]
+    assert compiled["compiled_graphs"] == "dispatch" and len(compiled["programs"]) == 3
+    at = [p["enqueued_at_host_ms"] for p in compiled["programs"]]
+    assert 0 < at[0] < at[1] < at[2] < compiled["last_call_returned_at_host_ms"] <= compiled["host_ms_per_step"]
     # The runner is a file run on its own: only JAX and numpy, no tpurec or torch import.
     runner = ROOT / "tpurec" / "bench" / "device_time.py"
     code = (
@@ -147,8 +155,15 @@ def test_device_time_exports_the_step_program_and_times_it_without_tpurec(tmp_pa
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout)
-    timing = result["programs"]["modes_fused_b4"]
-    assert timing["device_ms_median"] > 0 and timing["device_ms_pipelined"] > 0
-    assert timing["host_over_device"] == pytest.approx(
-        timing["host_ms_per_step_exported_from"] / timing["device_ms_pipelined"]
-    )
+    for name, entry in steps.items():
+        timing = result["steps"][name]
+        assert timing["programs"] == len(entry["programs"])
+        assert timing["device_ms_median"] > 0 and timing["device_ms_pipelined"] > 0
+        assert timing["host_over_device"] == pytest.approx(
+            timing["host_ms_per_step_exported_from"] / timing["device_ms_pipelined"]
+        )
+        # The replay waits for the host's whole step, then for the device.
+        assert timing["replayed_step_ms"] >= timing["host_ms_per_step_exported_from"]
+        assert timing["replayed_wait_ms"] == pytest.approx(
+            timing["replayed_step_ms"] - timing["host_ms_per_step_exported_from"]
+        )

@@ -147,6 +147,16 @@ FLAGS: tuple[Flag, ...] = (
         minimum=1,
     ),
     Flag(
+        "TPUREC_FUSED_COMPILED_GRAPHS",
+        "choice",
+        "defer",
+        EVERY_CALL,
+        "Fused mode, a torch.compile graph: defer keeps it in the window until the next sync point "
+        "(a step is one program); dispatch runs it at once with the ops recorded before it (the "
+        "device computes while Python records the rest of the step).",
+        choices=("defer", "dispatch"),
+    ),
+    Flag(
         "TPUREC_SHADOW",
         "choice",
         "off",

@@ -1,9 +1,11 @@
 """The DLRM dense step of ``python -m tpurec.bench modes`` as the programs it runs.
 
-A warm step must compile nothing, in fused and compiled mode, and a compiled
-model under fused mode must run its whole training step (compiled forward,
-eager loss, compiled backward, eager Adagrad) as one XLA program, with the
-losses of PyTorch on CPU.
+A warm step must compile nothing, in fused and compiled mode. A compiled model
+under fused mode runs its whole training step (compiled forward, eager loss,
+compiled backward, eager Adagrad) as one XLA program, or, with
+``TPUREC_FUSED_COMPILED_GRAPHS=dispatch``, dispatches each compiled graph with
+the eager ops recorded before it (two programs per step); both with the losses
+of PyTorch on CPU.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def test_warm_dense_step_compiles_nothing_and_matches_cpu(mode, compiled, cpu_lo
 
 
 def test_compiled_model_in_fused_mode_runs_the_step_as_one_program(cpu_losses):
+    assert tpurec.config.get("TPUREC_FUSED_COMPILED_GRAPHS") == "defer"  # the default
     losses, stats = _run("tpu", "fused", True)
     for s in stats:
         # One program: compiled forward and backward graphs are nodes of the fused window.
@@ -79,18 +82,37 @@ def test_compiled_model_in_fused_mode_runs_the_step_as_one_program(cpu_losses):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), rtol=LOSS_RTOL, atol=0)
 
 
-def test_compiled_graph_reading_a_view_in_fused_mode_matches_eager():
+def test_compiled_model_in_fused_mode_dispatches_each_graph_with_the_ops_before_it(cpu_losses):
+    # Each compiled graph's window is enqueued when the graph is called, so the device runs it
+    # while Python records the rest of the step. Per warm step: [the last step's Adagrad ops +
+    # forward graph] and [the eager loss and its backward + backward graph]; the loss is then
+    # already computed, so loss.item() runs nothing.
+    with tpurec.config.override(fused_compiled_graphs="dispatch"):
+        losses, stats = _run("tpu", "fused", True)
+    for s in stats:
+        assert s["executions"] == 2 and s["fused_graphs"] == 2, s
+        assert s["sync_points"] == {"compiled graph": 2}, s
+        assert s["ops_by_name"]["compiled forward graph"] == 1
+        assert s["ops_by_name"]["compiled backward graph"] == 1
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(cpu_losses), rtol=LOSS_RTOL, atol=0)
+    # Split where eager mode splits the compiled graphs: the same sums as compiled eager, bit for bit
+    # (one program per step, deferred, lets XLA fuse across the graphs: equal only within LOSS_RTOL).
+    assert losses == _run("tpu", "eager", True)[0]
+
+
+@pytest.mark.parametrize("graphs,flushes", [("defer", {}), ("dispatch", {"compiled graph": 1})])
+def test_compiled_graph_reading_a_view_in_fused_mode_matches_eager(graphs, flushes):
     # A view input (a slice of a pending tensor) is read inside the window, not synced.
     def f(x):
         return (x * 2).sum(0)
 
     compiled = torch.compile(f, backend="tpu")
     base = torch.arange(24, dtype=torch.float32).reshape(4, 6)
-    with tpurec.mode("fused"):
+    with tpurec.mode("fused"), tpurec.config.override(fused_compiled_graphs=graphs):
         x = base.to("tpu") + 1
         tpurec.reset_stats()
         out = compiled(x[1:3, ::2])
-        assert tpurec.stats()["sync_points"] == {}
+        assert tpurec.stats()["sync_points"] == flushes
         got = out.cpu()
     torch.testing.assert_close(got, f((base + 1)[1:3, ::2]))
 

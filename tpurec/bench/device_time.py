@@ -1,24 +1,28 @@
 """A step's device time on a real TPU, next to the host time measured here.
 
 On XLA:CPU the device and Python share the host's cores, so a step's wall time says
-little about how long a TPU would need for it. This benchmark takes the one XLA program
-that a fused (or compiled) training step runs, exports it for the ``tpu`` platform with
+little about how long a TPU would need for it. This benchmark takes the XLA programs that
+a fused (or compiled) training step runs, exports them for the ``tpu`` platform with
 ``jax.export`` (StableHLO, serialized; CPU-only native kernels are behind
-``lax.platform_dependent``, so the exported program keeps XLA's own ops), and times it on
+``lax.platform_dependent``, so the exported programs keep XLA's own ops), and times them on
 a machine that has a TPU and JAX, but needs neither torch nor tpurec there.
 
 Two steps:
 
 * ``python -m tpurec.bench device_time export --out DIR`` (here): runs warm-up steps of
-  the ``bench modes`` dense step (batch 512 and 4096; ``fused`` and ``compiled_optim``) and
-  of the ``bench transformer`` tiny BERT step (``compiled``), captures each step's fused
-  program and its inputs, and writes ``DIR/<name>.jaxexport`` (the program),
-  ``DIR/<name>.npz`` (its inputs, small ones as they are) and ``DIR/index.json`` (per
-  program: input shapes and dtypes, the host ms per step measured here).
+  the ``bench modes`` dense step (batch 512 and 4096; ``fused``, and ``compiled_optim`` with
+  each compiled graph deferred to the loss read and dispatched at once,
+  ``TPUREC_FUSED_COMPILED_GRAPHS``) and of the ``bench transformer`` tiny BERT step
+  (``compiled``, both ways). Per step it measures the host time (main thread CPU ms) and the
+  host time at which each fused program is enqueued, captures the programs and their inputs,
+  and writes ``DIR/<name>.p<k>.jaxexport`` (program k), ``DIR/<name>.p<k>.npz`` (its inputs,
+  small ones as they are) and ``DIR/index.json``.
 * ``python tpurec/bench/device_time.py run DIR`` (on the TPU machine; only JAX and numpy
-  are imported): runs each program ``--iters`` times and prints JSON: device ms per step
-  (median of single runs waited for one by one, and the mean of a pipelined loop), next
-  to the host ms per step from the export.
+  are imported): prints JSON per step: device ms (the programs waited for one by one, and
+  a pipelined loop), and the step **replayed** on the device as the host ran it (each
+  program enqueued at its measured host time, the host's work in between a busy wait, all
+  programs waited for where the last call returned, as the step's ``loss.item()`` does, then
+  the host's remaining work).
 
 Inputs larger than ``--max-saved-mb`` are not saved; the runner fills them with normal
 random values of the right shape and dtype (a step's time does not depend on the values
@@ -42,57 +46,106 @@ __all__ = ["export_steps", "run_exported"]
 # --- export (needs torch and tpurec) ------------------------------------------------
 
 
-def _capture_step(step: Callable[[], Any]) -> tuple[Any, list]:
-    """Runs ``step`` once; returns the fused program it ran and that program's arguments (numpy copies)."""
+def _spy_programs(before: Callable[[Any, tuple], None], after: Callable[[], None] | None = None):
+    """A context in which every fused program call is passed to ``before(program, args)`` first.
+
+    ``after()`` runs once the call has returned (the program is enqueued, not finished).
+    """
+    from tpurec.core import runtime
+
+    original = runtime.Program.__call__
+
+    def spy(self, *args):
+        if self.origin is None or self.origin[0] != "fused":
+            return original(self, *args)
+        before(self, args)
+        out = original(self, *args)
+        if after is not None:
+            after()
+        return out
+
+    @contextlib.contextmanager
+    def installed():
+        runtime.Program.__call__ = spy
+        try:
+            yield
+        finally:
+            runtime.Program.__call__ = original
+
+    return installed()
+
+
+def _schedule(step: Callable[[], Any], steps: int) -> tuple[float, list[float], float]:
+    """Host ms of a step; per fused program it runs, the host ms at which it is enqueued; when the last call returned.
+
+    Host time is the main thread's CPU time (waits for a result cost none), counted from the
+    step's start; each figure is the median over ``steps`` steps.
+    """
+    totals: list[float] = []
+    offsets: list[list[float]] = []
+    returned: list[float] = []
+    for _ in range(steps):
+        calls: list[float] = []
+        last: list[float] = []
+        start = time.thread_time()
+        with _spy_programs(
+            lambda program, args: calls.append((time.thread_time() - start) * 1e3),
+            lambda: last.append((time.thread_time() - start) * 1e3),
+        ):
+            step()
+        totals.append((time.thread_time() - start) * 1e3)
+        if offsets and len(calls) != len(offsets[0]):
+            raise RuntimeError(f"a warm step ran {len(calls)} fused programs, an earlier one {len(offsets[0])}")
+        offsets.append(calls)
+        returned.append(last[-1])
+    return statistics.median(totals), [statistics.median(c) for c in zip(*offsets)], statistics.median(returned)
+
+
+def _capture_step(step: Callable[[], Any]) -> list[tuple[Any, Any]]:
+    """Runs ``step`` once; returns each fused program it ran, in order, with its arguments (numpy copies)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from tpurec.core import runtime
-
     captured: list = []
-    original = runtime.Program.__call__
 
-    def spy(self, *args):
-        if self.origin is not None and self.origin[0] == "fused":
-            # Copied before the call: the program donates (deletes) some of its inputs.
-            captured.append((self, jax.tree_util.tree_map(lambda x: np.asarray(jnp.asarray(x)), args)))
-        return original(self, *args)
+    def record(program, args):
+        # Copied before the call: the program donates (deletes) some of its inputs.
+        captured.append((program, jax.tree_util.tree_map(lambda x: np.asarray(jnp.asarray(x)), args)))
 
-    runtime.Program.__call__ = spy
-    try:
+    with _spy_programs(record):
         step()
-    finally:
-        runtime.Program.__call__ = original
-    if len(captured) != 1:
-        raise RuntimeError(f"expected one fused program per step, the step ran {len(captured)}")
-    return captured[0]
+    if not captured:
+        raise RuntimeError("the step ran no fused program")
+    return captured
 
 
-def _host_ms(step: Callable[[], Any], steps: int) -> float:
-    times = []
-    for _ in range(steps):
-        start = time.thread_time()
-        step()
-        times.append((time.thread_time() - start) * 1e3)
-    return statistics.median(times)
+CONFIGS = (
+    "modes_fused",
+    "modes_compiled_optim",
+    "modes_compiled_optim_dispatch",
+    "transformer_compiled",
+    "transformer_compiled_dispatch",
+)
 
 
-CONFIGS = ("modes_fused", "modes_compiled_optim", "transformer_compiled")
-
-
-def _steps(configs: list[str], batches: list[int]) -> dict[str, tuple[Callable[[], Any], str]]:
-    """name -> (step, mode) of each configuration exported."""
+def _steps(configs: list[str], batches: list[int]) -> dict[str, tuple[Callable[[], Any], str, str | None]]:
+    """name -> (step, mode, TPUREC_FUSED_COMPILED_GRAPHS or None: no compiled graph) of each configuration."""
     from tpurec.bench import modes, transformer
 
-    steps: dict[str, tuple[Callable[[], Any], str]] = {}
+    steps: dict[str, tuple[Callable[[], Any], str, str | None]] = {}
     for batch in batches:
-        for name in ("fused", "compiled_optim"):
+        for name, base, graphs in (
+            ("fused", "fused", None),
+            ("compiled_optim", "compiled_optim", "defer"),
+            ("compiled_optim_dispatch", "compiled_optim", "dispatch"),
+        ):
             if f"modes_{name}" in configs:
-                config = modes._make(name, batch)
-                steps[f"modes_{name}_b{batch}"] = (config.step, config.mode)
-    if "transformer_compiled" in configs:
-        steps["transformer_compiled_b8x32"] = (transformer._configs(8, 32)[1].step, "fused")
+                config = modes._make(base, batch)
+                steps[f"modes_{name}_b{batch}"] = (config.step, config.mode, graphs)
+    for name, graphs in (("transformer_compiled", "defer"), ("transformer_compiled_dispatch", "dispatch")):
+        if name in configs:
+            steps[f"{name}_b8x32"] = (transformer._configs(8, 32)[1].step, "fused", graphs)
     return steps
 
 
@@ -105,7 +158,7 @@ def export_steps(
     platform: str = "tpu",
     configs: list[str] | None = None,
 ) -> dict:
-    """Exports each configuration's fused step program for ``platform`` into ``out``; returns the index."""
+    """Exports the fused programs of each configuration's step for ``platform`` into ``out``; returns the index."""
     import jax
     import numpy as np
 
@@ -113,33 +166,51 @@ def export_steps(
 
     # For "cpu" (to check the runner here) the programs use XLA's own dots, as a TPU program does:
     # tpurec's native XLA:CPU kernels are custom calls that only a process with tpurec serves.
-    def settings():
-        return tpurec.config.override(native_matmul=False) if platform == "cpu" else contextlib.nullcontext()
+    def settings(graphs: str | None):
+        values: dict[str, Any] = {} if graphs is None else {"fused_compiled_graphs": graphs}
+        if platform == "cpu":
+            values["native_matmul"] = False
+        return tpurec.config.override(**values)
 
     os.makedirs(out, exist_ok=True)
-    index: dict = {"jax_version": jax.__version__, "programs": {}}
-    for name, (step, mode) in _steps(list(configs or CONFIGS), batches).items():
-        with tpurec.mode(mode), settings():
+    index: dict = {"jax_version": jax.__version__, "steps": {}}
+    for name, (step, mode, graphs) in _steps(list(configs or CONFIGS), batches).items():
+        programs = []
+        with tpurec.mode(mode), settings(graphs):
             for _ in range(warmup):
                 step()
-            host = _host_ms(step, host_steps)
-            program, args = _capture_step(step)
-            arrays, tree = jax.tree_util.tree_flatten(args)  # numpy copies (see _capture_step)
-            specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
-            # Traced again here, under the same settings as the step.
-            exported = jax.export.export(jax.jit(program.raw), platforms=(platform,))(
-                *jax.tree_util.tree_unflatten(tree, specs)
-            )
-        with open(os.path.join(out, f"{name}.jaxexport"), "wb") as f:
-            f.write(exported.serialize())
-        saved: dict[str, Any] = {f"a{k}": a for k, a in enumerate(arrays) if a.nbytes <= max_saved_mb * 2**20}
-        np.savez(os.path.join(out, f"{name}.npz"), allow_pickle=False, **saved)
-        index["programs"][name] = {
+            host, offsets, returned = _schedule(step, host_steps)
+            captured = _capture_step(step)
+            if len(captured) != len(offsets):
+                raise RuntimeError(f"{name}: the captured step ran {len(captured)} programs, not {len(offsets)}")
+            for k, ((program, args), offset) in enumerate(zip(captured, offsets)):
+                arrays, tree = jax.tree_util.tree_flatten(args)  # numpy copies (see _capture_step)
+                specs = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+                # Traced again here, under the same settings as the step.
+                exported = jax.export.export(jax.jit(program.raw), platforms=(platform,))(
+                    *jax.tree_util.tree_unflatten(tree, specs)
+                )
+                stem = f"{name}.p{k}"
+                with open(os.path.join(out, f"{stem}.jaxexport"), "wb") as f:
+                    f.write(exported.serialize())
+                saved = {f"a{i}": a for i, a in enumerate(arrays) if a.nbytes <= max_saved_mb * 2**20}
+                np.savez(os.path.join(out, f"{stem}.npz"), allow_pickle=False, **saved)
+                programs.append(
+                    {
+                        "file": stem,
+                        "enqueued_at_host_ms": offset,
+                        "inputs": [[list(a.shape), str(a.dtype)] for a in arrays],
+                        "input_bytes": int(sum(a.nbytes for a in arrays)),
+                    }
+                )
+        index["steps"][name] = {
             "host_ms_per_step": host,
-            "inputs": [[list(a.shape), str(a.dtype)] for a in arrays],
-            "input_bytes": int(sum(a.nbytes for a in arrays)),
+            "last_call_returned_at_host_ms": returned,
+            "compiled_graphs": graphs,
+            "programs": programs,
         }
-        print(f"exported {name}: {len(arrays)} inputs, host {host:.2f} ms per step", file=sys.stderr)
+        at = ", ".join(f"{p['enqueued_at_host_ms']:.2f}" for p in programs)
+        print(f"exported {name}: {len(programs)} programs enqueued at host ms {at} of {host:.2f}", file=sys.stderr)
     with open(os.path.join(out, "index.json"), "w") as f:
         json.dump(index, f, indent=1)
     return index
@@ -148,8 +219,22 @@ def export_steps(
 # --- run (needs only JAX and numpy) ---------------------------------------------------
 
 
+def _spin_until(deadline: float) -> None:
+    while time.perf_counter() < deadline:
+        pass
+
+
 def run_exported(directory: str, iters: int) -> dict:
-    """Times each exported program of ``directory`` on JAX's default device; returns the JSON."""
+    """Times each exported step of ``directory`` on JAX's default device; returns the JSON.
+
+    Per step: each program alone (waited for one by one), the programs in a loop waited for
+    once at the end (pipelined), and the step replayed as the host ran it: each program is
+    enqueued at the host time the export measured (the host's work in between is a busy
+    wait); where the last call returned, all of them are waited for (the step's
+    ``loss.item()``; a read that needs only an earlier program would wait less), and the
+    host's work after that read follows. The replayed step's time is what a TPU behind this
+    host would give per step.
+    """
     import jax
     import numpy as np
 
@@ -163,43 +248,68 @@ def run_exported(directory: str, iters: int) -> dict:
         "device": f"{device.platform} {getattr(device, 'device_kind', '')}",
         "jax_version": jax.__version__,
         "exported_with_jax": index["jax_version"],
-        "programs": {},
+        "steps": {},
     }
     rng = np.random.default_rng(0)
-    for name, entry in index["programs"].items():
-        with open(os.path.join(directory, f"{name}.jaxexport"), "rb") as f:
-            exported = jax.export.deserialize(bytearray(f.read()))
-        saved = np.load(os.path.join(directory, f"{name}.npz"))
-        flat = []
-        for k, (shape, dtype) in enumerate(entry["inputs"]):
-            if f"a{k}" in saved:
-                value = saved[f"a{k}"]
-            elif np.issubdtype(np.dtype(dtype), np.floating):
-                value = rng.standard_normal(shape).astype(dtype)
-            else:
-                value = np.zeros(shape, dtype)
-            flat.append(jax.device_put(value, device))
-        args = jax.tree_util.tree_unflatten(exported.in_tree, flat)[0]
-        call = jax.jit(exported.call)
-        jax.block_until_ready(call(*args))  # compile
+    for name, entry in index["steps"].items():
+        calls = []
+        for program in entry["programs"]:
+            with open(os.path.join(directory, f"{program['file']}.jaxexport"), "rb") as f:
+                exported = jax.export.deserialize(bytearray(f.read()))
+            saved = np.load(os.path.join(directory, f"{program['file']}.npz"))
+            flat = []
+            for k, (shape, dtype) in enumerate(program["inputs"]):
+                if f"a{k}" in saved:
+                    value = saved[f"a{k}"]
+                elif np.issubdtype(np.dtype(dtype), np.floating):
+                    value = rng.standard_normal(shape).astype(dtype)
+                else:
+                    value = np.zeros(shape, dtype)
+                flat.append(jax.device_put(value, device))
+            args = jax.tree_util.tree_unflatten(exported.in_tree, flat)[0]
+            call = jax.jit(exported.call)
+            jax.block_until_ready(call(*args))  # compile
+            calls.append((call, args, program["enqueued_at_host_ms"] / 1e3))
         single = []
         for _ in range(iters):
-            start = time.perf_counter()
-            jax.block_until_ready(call(*args))
-            single.append((time.perf_counter() - start) * 1e3)
+            total = 0.0
+            for call, args, _ in calls:
+                start = time.perf_counter()
+                jax.block_until_ready(call(*args))
+                total += time.perf_counter() - start
+            single.append(total * 1e3)
         start = time.perf_counter()
         outs = None
         for _ in range(iters):
-            outs = call(*args)
+            for call, args, _ in calls:
+                outs = call(*args)
         jax.block_until_ready(outs)
         pipelined = (time.perf_counter() - start) * 1e3 / iters
         host = entry["host_ms_per_step"]
-        result["programs"][name] = {
+        returned = entry["last_call_returned_at_host_ms"] / 1e3
+        replayed = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            for call, args, at in calls:
+                _spin_until(start + at)
+                outs = call(*args)
+            # The host's own work up to where its last call returned, then the step's read of
+            # the loss (waits for every program), then the host's work after that read.
+            _spin_until(start + returned)
+            jax.block_until_ready(outs)
+            _spin_until(time.perf_counter() + host / 1e3 - returned)
+            replayed.append((time.perf_counter() - start) * 1e3)
+        step_ms = statistics.median(replayed)
+        result["steps"][name] = {
+            "programs": len(calls),
+            "compiled_graphs": entry["compiled_graphs"],
             "device_ms_median": statistics.median(single),
             "device_ms_min": min(single),
             "device_ms_pipelined": pipelined,
             "host_ms_per_step_exported_from": host,
             "host_over_device": host / pipelined,
+            "replayed_step_ms": step_ms,
+            "replayed_wait_ms": step_ms - host,
         }
     return result
 

@@ -6,7 +6,10 @@ intermediate 128, vocabulary 128: no download) trains on one fixed batch of
 
 * ``cpu_pytorch``: the model on PyTorch's CPU device with one intra-op thread (the peer);
 * ``compiled``: ``torch.compile(model, backend="tpu", dynamic=False)`` and
-  ``torch.compile(optimizer.step, backend="tpu")`` in fused mode (one program per step).
+  ``torch.compile(optimizer.step, backend="tpu")`` in fused mode (one program per step);
+* ``compiled_dispatch``: the same with ``TPUREC_FUSED_COMPILED_GRAPHS=dispatch``: each compiled
+  graph is enqueued when it is called, so the device runs the forward while Python records
+  the backward (three programs per step).
 
 They run interleaved (``tpurec.bench.rounds``); reported per configuration: median and
 minimum wall ms of a step, median host ms (the main thread's CPU time), the last loss,
@@ -53,14 +56,9 @@ def _model() -> torch.nn.Module:
 
 def _configs(batch: int, length: int) -> list[_Config]:
     cpu = _model()
-    tpu = copy.deepcopy(cpu).to("tpu")
     ids = torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(0))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
-    tpu_inputs = {name: t.to("tpu") for name, t in inputs.items()}
     cpu_optimizer = torch.optim.SGD(cpu.parameters(), lr=0.05)
-    tpu_optimizer = torch.optim.SGD(tpu.parameters(), lr=0.05)
-    forward = torch.compile(tpu, backend="tpu", dynamic=False)
-    update = torch.compile(tpu_optimizer.step, backend="tpu")
 
     def cpu_step() -> float:
         cpu_optimizer.zero_grad()
@@ -69,14 +67,28 @@ def _configs(batch: int, length: int) -> list[_Config]:
         cpu_optimizer.step()
         return loss.item()
 
-    def tpu_step() -> float:
-        tpu_optimizer.zero_grad()
-        loss = forward(**tpu_inputs).loss
-        loss.backward()
-        update()
-        return loss.item()
+    def tpu_step() -> Callable[[], float]:
+        # Its own copy of the weights: each configuration trains from the same start.
+        tpu = copy.deepcopy(cpu).to("tpu")
+        tpu_inputs = {name: t.to("tpu") for name, t in inputs.items()}
+        tpu_optimizer = torch.optim.SGD(tpu.parameters(), lr=0.05)
+        forward = torch.compile(tpu, backend="tpu", dynamic=False)
+        update = torch.compile(tpu_optimizer.step, backend="tpu")
 
-    return [_Config("cpu_pytorch", cpu_step), _Config("compiled", tpu_step)]
+        def step() -> float:
+            tpu_optimizer.zero_grad()
+            loss = forward(**tpu_inputs).loss
+            loss.backward()
+            update()
+            return loss.item()
+
+        return step
+
+    return [
+        _Config("cpu_pytorch", cpu_step),
+        _Config("compiled", tpu_step()),
+        _Config("compiled_dispatch", tpu_step()),
+    ]
 
 
 def _run_steps(config: _Config, steps: int, record: bool) -> None:
@@ -85,7 +97,8 @@ def _run_steps(config: _Config, steps: int, record: bool) -> None:
     if on_cpu:
         torch.set_num_threads(1)
     try:
-        with tpurec.mode("eager" if on_cpu else "fused"):
+        graphs = "dispatch" if config.name == "compiled_dispatch" else "defer"
+        with tpurec.mode("eager" if on_cpu else "fused"), tpurec.config.override(fused_compiled_graphs=graphs):
             before = tpurec.stats()["compilations"]
             for _ in range(steps):
                 wall, host = time.perf_counter(), time.thread_time()
@@ -131,6 +144,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench tran
             "host_ms_per_step": statistics.median(config.host_ms),
             "last_loss": config.losses[-1],
         }
-    result["compiled"]["compilations_after_warmup"] = configs[1].compilations
-    result["compiled_speedup_vs_cpu"] = result["cpu_pytorch"]["step_ms"] / result["compiled"]["step_ms"]
+    for config in configs[1:]:
+        result[config.name]["compilations_after_warmup"] = config.compilations
+        result[f"{config.name}_speedup_vs_cpu"] = result["cpu_pytorch"]["step_ms"] / result[config.name]["step_ms"]
     return result

@@ -180,6 +180,9 @@ class CompiledGraph:
             ):
                 _write_input(args[position], new, index, key)
             del results[self.user_outputs :]
+        if deferred and config.get("TPUREC_FUSED_COMPILED_GRAPHS") == "dispatch":
+            # Not a wait: the window's program is enqueued and runs while Python goes on.
+            fused.flush("compiled graph")
         return results
 
     def _inputs(self, args: Sequence[Any], deferred: bool = False):
