@@ -162,7 +162,7 @@ def test_device_time_exports_the_step_programs_and_replays_them_without_tpurec(t
         assert timing["host_over_device"] == pytest.approx(
             timing["host_ms_per_step_exported_from"] / timing["device_ms_pipelined"]
         )
-        # The replay waits for the host's whole step, then for the device.
+        # The replay runs the host's whole step and waits for the device where the last call returned.
         assert timing["replayed_step_ms"] >= timing["host_ms_per_step_exported_from"]
         assert timing["replayed_wait_ms"] == pytest.approx(
             timing["replayed_step_ms"] - timing["host_ms_per_step_exported_from"]
