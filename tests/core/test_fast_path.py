@@ -224,3 +224,79 @@ def test_targets_sharing_a_storage_or_not_are_different_calls(mode):
             aten._foreach_copy_.default([one[0:3], one[3:6]], srcs)  # one storage: both writes kept
             torch.testing.assert_close(one.cpu(), torch.tensor([1.0, 1, 1, 2, 2, 2]))
             torch.testing.assert_close(two.cpu(), torch.tensor([1.0, 1, 1, 0, 0, 0]))
+
+
+def _fused_program_arguments(step) -> list:
+    """(program, arguments) of each fused program that ``step()`` runs (spied on runtime.Program.__call__)."""
+    seen, original = [], runtime.Program.__call__
+
+    def spy(self, *args):
+        if self.origin is not None and self.origin[0] == "fused":
+            seen.append((self, args))
+        return original(self, *args)
+
+    runtime.Program.__call__ = spy
+    try:
+        step()
+    finally:
+        runtime.Program.__call__ = original
+    return seen
+
+
+def test_a_windows_python_scalars_reach_its_program_packed_and_keep_their_types():
+    # Python numbers keep JAX's weak types when packed: a float32 tensor times a float stays
+    # float32, an int64 tensor plus a large int stays exact, a bool argument stays a bool.
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(5, 3, generator=g)
+    n = torch.arange(15, dtype=torch.int64).reshape(5, 3)
+    h = torch.arange(15, dtype=torch.float16).reshape(5, 3)
+    tx, tn, th = x.to("tpu"), n.to("tpu"), h.to("tpu")
+
+    def step():
+        return [
+            tx * 2.5 + 0.25,
+            tn + 2**40,
+            tn * 3,
+            th * 1.5,
+            torch.clamp(tx, min=-0.5, max=0.5),
+            torch.cumsum(tn, 0, dtype=torch.int64) + 1,
+            torch.nn.functional.leaky_relu(tx, 0.125),
+        ]
+
+    with tpurec.mode("fused"):
+        step()
+        tpurec.synchronize()
+        outs = []
+        calls = _fused_program_arguments(lambda: (outs.extend(step()), tpurec.synchronize()))
+    expected = [
+        x * 2.5 + 0.25,
+        n + 2**40,
+        n * 3,
+        h * 1.5,
+        torch.clamp(x, min=-0.5, max=0.5),
+        torch.cumsum(n, 0) + 1,
+        torch.nn.functional.leaky_relu(x, 0.125),
+    ]
+    for out, want in zip(outs, expected):
+        assert out.dtype == want.dtype
+        torch.testing.assert_close(out.cpu(), want, rtol=1e-6, atol=1e-6)  # ints: exactly
+        assert str(tpurec.core.programs.value_of(out).dtype) == str(want.dtype).removeprefix("torch.")
+    ((program, args),) = calls
+    donated, kept, floats, ints, bools, others = args
+    assert all(not isinstance(x, (int, float)) for x in kept)
+    assert floats is not None and floats.dtype.name == "float64" and 2.5 in floats.tolist()
+    assert ints is not None and ints.dtype.name == "int64" and 2**40 in ints.tolist()
+    # The float32 and float16 math stays in its dtype (no float64 math, which a TPU emulates).
+    hlo = program.jitted.lower(*args).as_text()
+    assert "tensor<5x3xf64>" not in hlo and "tensor<5x3xf32>" in hlo
+
+
+@pytest.mark.parametrize("value", [2.5, 2**40, True])
+def test_a_packed_scalar_is_traced_as_jax_traces_the_python_scalar(value):
+    import jax
+    import numpy as np
+
+    packed = np.array([0, value], dtype={float: np.float64, int: np.int64, bool: np.bool_}[type(value)])
+    as_argument = jax.eval_shape(lambda v: v, value)
+    unpacked = jax.eval_shape(lambda p: fused._unpacked(p, 1, type(value)), packed)
+    assert (unpacked.shape, unpacked.dtype, unpacked.weak_type) == ((), as_argument.dtype, as_argument.weak_type)

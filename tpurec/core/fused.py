@@ -14,6 +14,8 @@ from __future__ import annotations
 import weakref
 
 import jax
+import numpy as np
+from jax._src.lax.lax import _convert_element_type
 
 from tpurec import config
 from tpurec.core import profiler, runtime
@@ -261,37 +263,95 @@ def _flush(window: _Window, counters: runtime.Stats) -> None:
     if last is not None:
         last.next = steady
     _last[device] = steady
-    program = steady.programs.get((outputs, donate))
-    if program is None:
+    built = steady.programs.get((outputs, donate))
+    if built is None:
         key = (wiring, outputs, donate, device)
-        program = _fused_programs.get(key)
-        if program is None:
+        built = _fused_programs.get(key)
+        if built is None:
             counters.programs_built += 1
-            program = _fused_programs[key] = _build(nodes, [w[1] for w in wiring], outputs, donate, device)
-            program.origin = ("fused", key, device)  # for recompilation diagnostics
+            built = _fused_programs[key] = _build(nodes, [w[1] for w in wiring], outputs, donate, device)
+            built[0].origin = ("fused", key, device)  # for recompilation diagnostics
         else:
             counters.cache_hits += 1
-        steady.programs[(outputs, donate)] = program
+        steady.programs[(outputs, donate)] = built
     else:
         counters.cache_hits += 1
     counters.fused_graphs += 1
     counters.fused_ops += len(nodes)
     counters.donated_buffers += len(donate)
-    donated_set = set(donate)
-    values = program(
-        [x for k, x in enumerate(external) if k in donated_set],
-        [x for k, x in enumerate(external) if k not in donated_set],
-    )
+    program, positions = built
+    values = program(*_arguments(external, positions))
     for storage, pending, where in filled:
         pending.value = storage.array = values[seen[where]]
 
 
-def _build(nodes: list, plan: list, outputs: tuple, donate: tuple, device: int) -> runtime.Program:
-    """The program of a window: each node's traceable program in order, returning the live outputs."""
-    raws = [n.program.raw for n in nodes]
+# How each external input of a window travels to its program (see _groups).
+_DONATED, _KEPT, _FLOAT, _INT, _BOOL, _OTHER = range(6)
+_PACKED = {float: _FLOAT, int: _INT, bool: _BOOL}
+_PACKED_DTYPES = {_FLOAT: np.float64, _INT: np.int64, _BOOL: np.bool_}
 
-    def fused(donated, kept):
-        ext = _merge(donated, kept, donate)
+
+def _groups(plan: list, size: int, donate: tuple) -> tuple:
+    """Per external input of a window, the argument group it is passed in.
+
+    Arrays are donated or kept; runtime scalars of type float, int and bool are packed into
+    one numpy array per type, since JAX transfers each Python scalar argument on its own
+    (about 1.4 us each, and an optimizer step has dozens); other scalars pass as they are.
+    """
+    groups = [_KEPT] * size
+    for k in donate:
+        groups[k] = _DONATED
+    for sources in plan:
+        for j, kind in sources:
+            if j < -1:
+                groups[-2 - j] = _PACKED.get(kind, _OTHER)
+    return tuple(groups)
+
+
+def _arguments(external: list, positions: tuple) -> tuple:
+    """The program's arguments: (donated, kept, floats, ints, bools, others); a type not present is None.
+
+    ``positions``: per group, the positions of the external inputs it takes (see _build).
+    """
+    donated, kept, floats, ints, bools, others = positions
+    return (
+        [external[k] for k in donated],
+        [external[k] for k in kept],
+        np.array([external[k] for k in floats], dtype=np.float64) if floats else None,
+        np.array([external[k] for k in ints], dtype=np.int64) if ints else None,
+        np.array([external[k] for k in bools], dtype=np.bool_) if bools else None,
+        [external[k] for k in others] if others else None,
+    )
+
+
+def _unpacked(packed, index: int, kind: type):
+    """Element ``index`` of a packed scalar group, typed as JAX types a Python ``kind`` argument.
+
+    A Python float or int argument is a weakly typed scalar of the default dtype (it does not
+    promote the arrays it meets); a bool is a plain bool scalar.
+    """
+    value = packed[index]
+    if kind is bool:
+        return value
+    return _convert_element_type(value, jax.dtypes.canonicalize_dtype(np.dtype(kind)), weak_type=True)
+
+
+def _build(nodes: list, plan: list, outputs: tuple, donate: tuple, device: int) -> tuple:
+    """The program of a window, and per argument group the positions of the external inputs it takes.
+
+    The program calls each node's traceable program in order and returns the live outputs.
+    """
+    raws = [n.program.raw for n in nodes]
+    size = 1 + max((i if j == -1 else -2 - j for sources in plan for j, i in sources if j < 0), default=-1)
+    groups = _groups(plan, size, donate)
+    positions = tuple(tuple(k for k, g in enumerate(groups) if g == group) for group in range(6))
+    kinds = {-2 - j: kind for sources in plan for j, kind in sources if j < -1}
+
+    def fused(*lists):
+        ext: list = [None] * size  # the external inputs in their original order
+        for group, (values, where) in enumerate(zip(lists, positions)):
+            for n, k in enumerate(where):
+                ext[k] = _unpacked(values, n, kinds[k]) if group in _PACKED_DTYPES else values[n]
         results = []
         for raw, sources in zip(raws, plan):
             args = []
@@ -306,13 +366,4 @@ def _build(nodes: list, plan: list, outputs: tuple, donate: tuple, device: int) 
         return [results[j][i] for j, i in outputs]
 
     placed = jax.sharding.SingleDeviceSharding(jax_device(device))
-    return runtime.Program(fused, donate_argnums=(0,), out_shardings=placed)
-
-
-def _merge(donated: list, kept: list, donate: tuple) -> list:
-    """The external inputs in their original order, from the donated and kept lists."""
-    merged, d, k = [], iter(donated), iter(kept)
-    wanted = set(donate)
-    for position in range(len(donated) + len(kept)):
-        merged.append(next(d) if position in wanted else next(k))
-    return merged
+    return runtime.Program(fused, donate_argnums=(0,), out_shardings=placed), positions
