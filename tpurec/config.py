@@ -157,6 +157,15 @@ FLAGS: tuple[Flag, ...] = (
         choices=("defer", "dispatch"),
     ),
     Flag(
+        "TPUREC_COMPILE_PACK_SAVED",
+        "bool",
+        True,
+        TRACE_TIME,
+        "torch.compile training graphs: the forward's small saved activations travel to the backward "
+        "as one tensor per dtype (fewer tensors for the host to make each step); 0 keeps "
+        "AOTAutograd's own partition.",
+    ),
+    Flag(
         "TPUREC_SHADOW",
         "choice",
         "off",

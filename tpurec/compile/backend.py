@@ -27,6 +27,7 @@ import torch.fx
 
 from tpurec import config
 from tpurec.core import fused, modes, profiler, recompiles, rng, runtime
+from tpurec.compile import saved
 from tpurec.compile.graph import CompileError, GraphProgram
 from tpurec.dense.registry import get_lowering
 from tpurec.dense.trace_context import traced_as_spmd
@@ -530,5 +531,7 @@ def _compile_whole(gm: torch.fx.GraphModule, example_inputs):
             # the graph: the call stores their new values (_write_input) instead of
             # AOTAutograd's epilogue running one eager copy_ per mutated input.
             keep_inference_input_mutations=True,
+            # The small saved activations travel to the backward packed (tpurec/compile/saved.py).
+            partition_fn=saved.partition,
         )
     return _backend(gm, example_inputs)
