@@ -51,6 +51,21 @@ class _Mixed(torch.nn.Module):
         return torch.sigmoid(self.head(h.flatten(1))).sum()
 
 
+class _WeightTransforms(torch.nn.Module):
+    """Saves activations of the weights alone (static shapes) beside batch-sized ones and the batch size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(4, 6) * 0.5)
+        self.w2 = torch.nn.Parameter(torch.randn(6, 3) * 0.5)
+        self.scale = torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x):
+        h = torch.tanh(x @ torch.tanh(self.w1))
+        h = h @ torch.sigmoid(self.w2)
+        return (h * torch.exp(self.scale)).mean(0).sum() * x.shape[0]
+
+
 def _train(model: torch.nn.Module, batches: list, device: str, mode: str, packed: bool, dynamic: bool = False):
     """Losses and final gradients of SGD steps over ``batches`` (each a dict of forward kwargs or a tensor)."""
     model = copy.deepcopy(model).to(device)
@@ -147,3 +162,26 @@ def test_large_and_symbolic_activations_are_left_as_they_are(monkeypatch):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     # Batch-sized activations have a symbolic size; only the weights' shapes are static.
     assert packed_counts and all(count == 0 for count in packed_counts)
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_static_activations_of_a_graph_with_symbolic_sizes_are_packed_in_the_order_the_backward_takes(
+    mode, monkeypatch
+):
+    # The backward takes the saved sizes (SymInts) before the saved tensors, the forward returns
+    # them after: the packed tensors must reach the backward in the tensors' place.
+    torch.manual_seed(0)
+    model = _WeightTransforms()
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(n, 4, generator=g) for n in (3, 5, 7)]
+    packed_counts = []
+    original = saved.pack_saved
+    monkeypatch.setattr(saved, "pack_saved", lambda *a: packed_counts.append(original(*a)) or packed_counts[-1])
+
+    losses, grads = _train(model, batches, "tpu", mode, packed=True, dynamic=True)
+    cpu_losses, cpu_grads = _train(model, batches, "cpu", "eager", packed=True)
+
+    torch.testing.assert_close(losses, cpu_losses, rtol=RTOL, atol=ATOL)
+    for got, want in zip(grads, cpu_grads):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    assert packed_counts and packed_counts[0] >= 2, packed_counts  # tanh(w1), sigmoid(w2), exp(scale)

@@ -88,7 +88,12 @@ def pack_saved(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, nu
     output = next(n for n in reversed(forward.graph.nodes) if n.op == "output")
     outs = list(output.args[0])
     user, saved = outs[:num_fwd_outputs], outs[num_fwd_outputs:]
-    inputs = [n for n in backward.graph.nodes if n.op == "placeholder"]
+    # The backward takes the saved values under their forward names, the saved sizes (SymInts)
+    # first: AOTAutograd passes ctx's symints, then its saved tensors.
+    by_name = {n.name: n for n in backward.graph.nodes if n.op == "placeholder"}
+    if not saved or any(not isinstance(s, torch.fx.Node) or s.name not in by_name for s in saved):
+        return 0
+    inputs = [by_name[s.name] for s in saved]
     user_outputs = set(user)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, node in enumerate(saved):
@@ -99,10 +104,11 @@ def pack_saved(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, nu
         return 0
     fake_mode = saved[groups[0][0]].meta["val"].fake_mode
     packed = {i for members in groups for i in members}
-    first_input = inputs[0]
+    # Ahead of the first saved tensor, as the forward returns them ahead of the rest.
+    first_saved = inputs[0]
     sources = []
     for k in range(len(groups)):
-        with backward.graph.inserting_before(first_input):
+        with backward.graph.inserting_before(first_saved):
             sources.append(backward.graph.placeholder(f"packed_saved_{k}"))
     # The slices go after every input: the graph's inputs come first.
     after = [n for n in backward.graph.nodes if n.op == "placeholder" and n not in {inputs[i] for i in packed}][-1]
