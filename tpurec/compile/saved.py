@@ -78,7 +78,8 @@ def pack_saved(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, nu
 
     The forward graph returns, after its ``num_fwd_outputs`` user outputs, one packed tensor per
     dtype (first) and the saved values it did not pack, in their order; the backward graph takes
-    its inputs in the same order. A dtype with a single packable tensor is left as it is.
+    the packed tensors ahead of the saved tensors it still takes (after the saved SymInts, which
+    AOTAutograd passes first). A dtype with a single packable tensor is left as it is.
 
     Args:
         forward: the forward graph (changed in place).
@@ -97,7 +98,7 @@ def pack_saved(forward: torch.fx.GraphModule, backward: torch.fx.GraphModule, nu
     user_outputs = set(user)
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, node in enumerate(saved):
-        if _packable(node, user_outputs) and saved.index(node) == i:  # a value saved twice stays as it is
+        if _packable(node, user_outputs) and saved.count(node) == 1:  # a value saved twice stays as it is
             by_dtype.setdefault(node.meta["val"].dtype, []).append(i)
     groups = [members for members in by_dtype.values() if len(members) > 1]
     if not groups:
