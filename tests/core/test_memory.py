@@ -65,6 +65,17 @@ def test_fused_mode_counts_a_buffer_once_its_sync_point_computed_it():
     del x, y
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int64, torch.bool, torch.float64])
+def test_fused_mode_counts_each_output_by_its_own_dtypes_bytes(dtype):
+    x = torch.ones(3, 40).to(dtype).to("tpu")
+    with tpurec.mode("fused"):
+        before = torch.tpu.memory_allocated()
+        y, z = x.clone(), x.sum(dtype=torch.int32).reshape(1)  # two outputs of one program
+        torch.tpu.synchronize()
+        assert torch.tpu.memory_allocated() == before + 120 * x.element_size() + 4
+    del x, y, z
+
+
 def test_memory_stats_use_cuda_key_names():
     x = torch.empty(1024, device="tpu")
     stats = torch.tpu.memory_stats()

@@ -11,6 +11,7 @@ outputs that live storages still hold; it is compiled once per structure
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import jax
@@ -20,7 +21,7 @@ from jax._src.lax.lax import _convert_element_type
 from tpurec import config
 from tpurec.core import profiler, runtime
 from tpurec.core.device import jax_device
-from tpurec.core.tensor import NOT_ARRAYS, holders
+from tpurec.core.tensor import NOT_ARRAYS, fill, holders
 
 __all__ = ["Pending", "record", "flush", "is_pending", "pending_ops", "clear_programs"]
 
@@ -279,10 +280,12 @@ def _flush(window: _Window, counters: runtime.Stats) -> None:
     counters.fused_graphs += 1
     counters.fused_ops += len(nodes)
     counters.donated_buffers += len(donate)
-    program, positions = built
+    program, positions, sizes = built
     values = program(*_arguments(external, positions))
     for storage, pending, where in filled:
-        pending.value = storage.array = values[seen[where]]
+        k = seen[where]
+        pending.value = value = values[k]
+        fill(storage, value, sizes[k])
 
 
 # How each external input of a window travels to its program (see _groups).
@@ -337,7 +340,7 @@ def _unpacked(packed, index: int, kind: type):
 
 
 def _build(nodes: list, plan: list, outputs: tuple, donate: tuple, device: int) -> tuple:
-    """The program of a window, and per argument group the positions of the external inputs it takes.
+    """The program of a window; per argument group the positions of the external inputs it takes; its outputs' bytes.
 
     The program calls each node's traceable program in order and returns the live outputs.
     """
@@ -366,4 +369,11 @@ def _build(nodes: list, plan: list, outputs: tuple, donate: tuple, device: int) 
         return [results[j][i] for j, i in outputs]
 
     placed = jax.sharding.SingleDeviceSharding(jax_device(device))
-    return runtime.Program(fused, donate_argnums=(0,), out_shardings=placed), positions
+    sizes: list[int | None] = []  # None: the memory accounting asks the array
+    for j, i in outputs:
+        shape, dtype = nodes[j].program.out_avals[i]
+        try:
+            sizes.append(math.prod(shape) * np.dtype(dtype).itemsize)
+        except TypeError:  # a JAX extended dtype
+            sizes.append(None)
+    return runtime.Program(fused, donate_argnums=(0,), out_shardings=placed), positions, tuple(sizes)

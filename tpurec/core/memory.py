@@ -90,9 +90,15 @@ _devices: dict[int, _Accounting] = collections.defaultdict(_Accounting)
 _live: dict[int, tuple[int, int]] = {}
 
 
-def allocated(array: Any, index: int, _live: dict = _live, _devices: dict = _devices) -> None:
-    """Counts ``array`` as held by tpu tensors on ``tpu:index`` (its first holder appeared)."""
-    nbytes = array.size * array.dtype.itemsize
+def allocated(
+    array: Any, index: int, nbytes: int | None = None, _live: dict = _live, _devices: dict = _devices
+) -> None:
+    """Counts ``array`` as held by tpu tensors on ``tpu:index`` (its first holder appeared).
+
+    ``nbytes``: the array's size in bytes, where the caller knows it (a fused program's outputs).
+    """
+    if nbytes is None:
+        nbytes = array.size * array.dtype.itemsize
     _live[id(array)] = (index, nbytes)
     account = _devices[index]
     account.current += nbytes

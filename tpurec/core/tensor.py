@@ -94,6 +94,20 @@ def _hold(array, index: int) -> None:
             _memory.allocated(array, index)  # tpurec.memory hook: live-buffer accounting
 
 
+def fill(storage: "Storage", array, nbytes: int | None) -> None:
+    """``storage.array = array`` for a storage whose pending value a flush computed.
+
+    The pending value was never counted, and ``array`` is a concrete array of ``nbytes``
+    bytes (None: not known): so only the new holder is counted (a fused program fills
+    dozens of storages).
+    """
+    held = _holders.get(id(array), 0)
+    _holders[id(array)] = held + 1
+    if not held:
+        _memory.allocated(array, storage.index, nbytes)  # tpurec.memory hook: live-buffer accounting
+    storage._array = array
+
+
 def holders(array) -> int:
     """How many tpu storages hold ``array``."""
     return _holders.get(id(array), 0)
