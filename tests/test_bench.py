@@ -66,12 +66,18 @@ def test_modes_reports_host_time_per_step():
         "--modes",
         "cpu_pytorch",
         "eager",
+        "compiled_optim",
     )
     run = result["runs"][0]
-    for config in ("cpu_pytorch", "eager"):
+    for config in ("cpu_pytorch", "eager", "compiled_optim"):
         assert 0 < run[config]["host_ms_per_step"], run[config]
         # The main thread's CPU time cannot exceed the process's (every thread's) CPU time.
         assert run[config]["host_ms_per_step"] <= run[config]["cpu_ms_per_step"] * 1.05 + 0.05, run[config]
+    # The stubbed steps come after the losses: the tpu losses are PyTorch CPU's, not the stubs' zeros.
+    assert run["cpu_pytorch"]["host_ms_per_step_stubbed"] is None
+    for config in ("eager", "compiled_optim"):
+        assert run[config]["host_ms_per_step_stubbed"] > 0, run[config]
+        assert run[config]["last_loss"] == pytest.approx(run["cpu_pytorch"]["last_loss"], rel=1e-5), run
 
 
 def test_text_with_buckets_compiles_at_most_twice_per_bucket_and_matches_cpu():
@@ -128,6 +134,11 @@ def test_transformer_compiled_step_compiles_nothing_after_warmup_and_matches_cpu
         assert abs(result[name]["last_loss"] - cpu) <= 1e-5 * abs(cpu), result
     for name in ("cpu_pytorch", "compiled", "compiled_dispatch"):
         assert 0 < result[name]["host_ms_per_step"] and 0 < result[name]["min_step_ms"] <= result[name]["step_ms"]
+    assert result["cpu_pytorch"]["host_ms_per_step_stubbed"] is None
+    assert (
+        result["compiled"]["host_ms_per_step_stubbed"] > 0
+        and result["compiled_dispatch"]["host_ms_per_step_stubbed"] > 0
+    )
 
 
 def test_device_time_exports_the_step_programs_and_replays_them_without_tpurec(tmp_path):

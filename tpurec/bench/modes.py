@@ -26,7 +26,13 @@ step (``host_ms_per_step``: the main thread's CPU time; XLA:CPU runs programs on
 threads of its own and a wait for a result costs no CPU, so this is what Python,
 PyTorch and tpurec need to issue the step: the figure that decides whether a TPU
 would wait on the host), the programs run per step and
-the compilations after warm-up (must be 0). ``load_average`` is the 1-minute load
+the compilations after warm-up (must be 0). After the timed rounds, each tpu configuration
+runs as many steps again with its XLA programs stubbed (``tpurec.core.runtime.stubbed_execution``:
+the same JAX calls, arguments and bookkeeping, no computation): ``host_ms_per_step_stubbed``
+is their median main-thread CPU time. On XLA:CPU the computation shares the two cores with
+Python (small programs run on the calling thread; large ones evict its caches), so the
+stubbed figure is the closer one to what a TPU's host would spend; the stubbed steps spoil
+the model, so they come after every loss is taken. ``load_average`` is the 1-minute load
 before and after the run (``os.getloadavg``); compare ratios from one run only.
 """
 
@@ -44,6 +50,7 @@ import torch
 
 import tpurec
 from tpurec.bench.rounds import run_in_rounds
+from tpurec.core import runtime
 
 NUM_SPARSE = 26
 EMBEDDING_DIM = 64
@@ -94,6 +101,7 @@ class _Config:
     wall_ms: list[float] = dataclasses.field(default_factory=list)
     cpu_ms: list[float] = dataclasses.field(default_factory=list)
     host_ms: list[float] = dataclasses.field(default_factory=list)
+    stubbed_host_ms: list[float] = dataclasses.field(default_factory=list)
     losses: list[float] = dataclasses.field(default_factory=list)
     programs: int = 0
     compilations: int = 0
@@ -145,6 +153,16 @@ def _run_steps(config: _Config, steps: int, record: bool) -> None:
         config.compilations += after["compilations"] - before["compilations"]
 
 
+def _run_stubbed_steps(config: _Config, steps: int, record: bool) -> None:
+    """Steps with every program stubbed: only the main thread's CPU time is kept (the values are garbage)."""
+    with tpurec.mode(config.mode), runtime.stubbed_execution():
+        for _ in range(steps):
+            host = time.thread_time()
+            config.step()
+            if record:
+                config.stubbed_host_ms.append((time.thread_time() - host) * 1e3)
+
+
 def _summary(config: _Config) -> dict:
     median = statistics.median(config.wall_ms)
     steps = len(config.wall_ms)
@@ -153,6 +171,7 @@ def _summary(config: _Config) -> dict:
         "min_step_ms": min(config.wall_ms),
         "cpu_ms_per_step": statistics.median(config.cpu_ms),
         "host_ms_per_step": statistics.median(config.host_ms),
+        "host_ms_per_step_stubbed": statistics.median(config.stubbed_host_ms) if config.stubbed_host_ms else None,
         "samples_per_s": None,  # filled in by the caller (needs the batch)
         "first_loss": config.first_loss,
         "last_loss": config.losses[-1],
@@ -173,6 +192,10 @@ def run_batch(batch: int, names: list[str], steps: int, warmup: int, round_steps
         except Exception as error:  # reported, not hidden: the JSON says why a configuration is missing
             run[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
     run_in_rounds(configs, _run_steps, steps, round_steps)
+    on_tpu = [config for config in configs if config.on_tpu]
+    for config in on_tpu:
+        _run_stubbed_steps(config, warmup, record=False)  # the stubs compile here
+    run_in_rounds(on_tpu, _run_stubbed_steps, steps, round_steps)
     for config in configs:
         run[config.name] = _summary(config)
         run[config.name]["samples_per_s"] = batch / run[config.name]["step_ms"] * 1e3

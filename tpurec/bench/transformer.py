@@ -13,7 +13,10 @@ intermediate 128, vocabulary 128: no download) trains on one fixed batch of
 
 They run interleaved (``tpurec.bench.rounds``); reported per configuration: median and
 minimum wall ms of a step, median host ms (the main thread's CPU time), the last loss,
-and for tpu the compilations after warm-up (must be 0). Compare ratios from one run only.
+and for tpu the compilations after warm-up (must be 0) and ``host_ms_per_step_stubbed``: the
+median host ms of as many steps again with the XLA programs stubbed
+(``tpurec.core.runtime.stubbed_execution``; see ``bench modes``), run after every loss is
+taken. Compare ratios from one run only.
 
 Example::
 
@@ -23,8 +26,10 @@ Example::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -36,6 +41,7 @@ import tpurec
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.bench.text import VOCAB, tiny_bert
 from tpurec.cli import positive_int
+from tpurec.core import runtime
 
 
 @dataclasses.dataclass
@@ -46,6 +52,7 @@ class _Config:
     step: Callable[[], float]
     wall_ms: list[float] = dataclasses.field(default_factory=list)
     host_ms: list[float] = dataclasses.field(default_factory=list)
+    stubbed_host_ms: list[float] = dataclasses.field(default_factory=list)
     losses: list[float] = dataclasses.field(default_factory=list)
     compilations: int = 0
 
@@ -91,23 +98,26 @@ def _configs(batch: int, length: int) -> list[_Config]:
     ]
 
 
-def _run_steps(config: _Config, steps: int, record: bool) -> None:
+def _run_steps(config: _Config, steps: int, record: bool, stubbed: bool = False) -> None:
     on_cpu = config.name == "cpu_pytorch"
     threads = torch.get_num_threads()
     if on_cpu:
         torch.set_num_threads(1)
     try:
         graphs = "dispatch" if config.name == "compiled_dispatch" else "defer"
-        with tpurec.mode("eager" if on_cpu else "fused"), tpurec.config.override(fused_compiled_graphs=graphs):
+        stubs = runtime.stubbed_execution() if stubbed else contextlib.nullcontext()
+        with tpurec.mode("eager" if on_cpu else "fused"), tpurec.config.override(fused_compiled_graphs=graphs), stubs:
             before = tpurec.stats()["compilations"]
             for _ in range(steps):
                 wall, host = time.perf_counter(), time.thread_time()
                 loss = config.step()
-                if record:
+                if record and stubbed:
+                    config.stubbed_host_ms.append((time.thread_time() - host) * 1e3)
+                elif record:
                     config.wall_ms.append((time.perf_counter() - wall) * 1e3)
                     config.host_ms.append((time.thread_time() - host) * 1e3)
                     config.losses.append(loss)
-            if record and not on_cpu:
+            if record and not on_cpu and not stubbed:
                 config.compilations += tpurec.stats()["compilations"] - before
     finally:
         torch.set_num_threads(threads)
@@ -130,6 +140,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench tran
     for config in configs:
         _run_steps(config, args.warmup, record=False)
     run_in_rounds(configs, _run_steps, args.steps, args.round_steps)
+    # Then the tpu configurations with their programs stubbed (host time only; it spoils the models).
+    for config in configs[1:]:
+        _run_steps(config, args.warmup, record=False, stubbed=True)
+    run_in_rounds(configs[1:], functools.partial(_run_steps, stubbed=True), args.steps, args.round_steps)
     result: dict = {
         "benchmark": "transformer",
         "platform": tpurec.platform(),
@@ -142,6 +156,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench tran
             "step_ms": statistics.median(config.wall_ms),
             "min_step_ms": min(config.wall_ms),
             "host_ms_per_step": statistics.median(config.host_ms),
+            "host_ms_per_step_stubbed": statistics.median(config.stubbed_host_ms) if config.stubbed_host_ms else None,
             "last_loss": config.losses[-1],
         }
     for config in configs[1:]:

@@ -278,6 +278,9 @@ class CompiledGraph:
         counters = runtime.counters()
         counters.executions += 1
         arrays = [v for v in inputs if not isinstance(v, (int, float, bool))]
+        if runtime.execution_stubbed():
+            assert variant.run is not None  # set by _build
+            return runtime.run_stub(variant, variant.run, {}, (arrays, self.program.constants, seeds))
         if variant.ran:
             variant.reused = True  # ran twice: its family is warm (recompilation diagnostics)
             with profiler.record(f"tpurec::execute {profiler.program_label(variant.origin)}"):  # profiler hook
