@@ -8,6 +8,8 @@ Configurations (``--modes``):
 
 * ``cpu_pytorch``: the same model and data on PyTorch's CPU device (the reference);
 * ``eager``, ``fused``: the model on ``tpu`` in that execution mode;
+* ``fused_adagrad``: as ``fused``, with ``torch.optim.Adagrad(fused=True)``: the update is one
+  ``_fused_adagrad_`` op instead of PyTorch's ``_foreach_*`` ops (the same arithmetic);
 * ``compiled``: ``torch.compile(model, backend="tpu")`` in fused mode: the compiled
   forward and backward graphs join the fused window with the eager loss and
   optimizer ops, so a step is one XLA program;
@@ -54,7 +56,7 @@ from tpurec.core import runtime
 
 NUM_SPARSE = 26
 EMBEDDING_DIM = 64
-CONFIGS = ("cpu_pytorch", "eager", "fused", "compiled", "compiled_eager", "compiled_optim")
+CONFIGS = ("cpu_pytorch", "eager", "fused", "fused_adagrad", "compiled", "compiled_eager", "compiled_optim")
 
 
 class DenseStep(torch.nn.Module):
@@ -115,7 +117,7 @@ def _make(name: str, batch: int) -> _Config:
     model = DenseStep().to(device)
     compiled = name.startswith("compiled")
     forward = torch.compile(model, backend="tpu") if compiled else model
-    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.01)
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.01, fused=True if name == "fused_adagrad" else None)
     update = torch.compile(optimizer.step, backend="tpu") if name == "compiled_optim" else optimizer.step
     g = torch.Generator().manual_seed(1)
     dense = torch.randn(batch, 13, generator=g).to(device)
@@ -129,7 +131,9 @@ def _make(name: str, batch: int) -> _Config:
         update()
         return loss.item()
 
-    mode = {"fused": "fused", "compiled": "fused", "compiled_optim": "fused"}.get(name, "eager")
+    mode = {"fused": "fused", "fused_adagrad": "fused", "compiled": "fused", "compiled_optim": "fused"}.get(
+        name, "eager"
+    )
     return _Config(name, step, mode, device == "tpu")
 
 

@@ -75,9 +75,17 @@ def _rebuild_tensor(spec: tuple, it):
 
 
 def _flatten_out(out) -> list:
-    if isinstance(out, (tuple, list)):
-        return list(out)
-    return [out]
+    """An op's outputs as one list: a tuple of tensors and lists of tensors (``_fused_adam``'s
+    new parameters, gradients and state) in order, a list's tensors in its place."""
+    if not isinstance(out, (tuple, list)):
+        return [out]
+    flat = []
+    for o in out:
+        if isinstance(o, (tuple, list)):
+            flat.extend(o)
+        else:
+            flat.append(o)
+    return flat
 
 
 def _meta_outputs(func, args, kwargs) -> list | None:

@@ -59,9 +59,16 @@ def _mutated(func, args, kwargs) -> tuple[list, Any]:
     schema = func._schema
     first = schema.arguments[0]
     if first.alias_info is not None and first.alias_info.is_write and not first.kwarg_only:
-        targets = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+        # Every positional argument it writes, in order: most ops write only the first; the
+        # fused optimizers (_fused_adam_ ...) write the parameters, gradients and state lists.
+        targets = []
+        for k, argument in enumerate(schema.arguments):
+            if argument.kwarg_only or argument.alias_info is None or not argument.alias_info.is_write:
+                continue
+            value = args[k] if k < len(args) else kwargs[argument.name]
+            targets.extend(value if isinstance(value, (list, tuple)) else [value])
         returns = None if not schema.returns else args[0]
-        return list(targets), returns
+        return targets, returns
     outs = [kwargs[a.name] for a in schema.arguments if a.kwarg_only and a.alias_info and a.alias_info.is_write]
     # A Tensor[] out argument (split_with_sizes_copy.out, ...): each of its tensors is a destination.
     targets = [t for out in outs for t in (out if isinstance(out, (list, tuple)) else [out])]

@@ -244,6 +244,7 @@ FAMILIES = (
     "linalg",
     "margin_losses",
     "nn",
+    "optimizers",
     "pooling",
     "random",
     "reductions",
