@@ -30,8 +30,8 @@ PyTorch and tpurec need to issue the step: the figure that decides whether a TPU
 would wait on the host), the programs run per step and
 the compilations after warm-up (must be 0). After the timed rounds, each tpu configuration
 runs as many steps again with its XLA programs stubbed (``tpurec.core.runtime.stubbed_execution``:
-the same JAX calls, arguments and bookkeeping, no computation): ``host_ms_per_step_stubbed``
-is their median main-thread CPU time. On XLA:CPU the computation shares the two cores with
+the same JAX calls, arguments and bookkeeping, no computation), one configuration after the
+other: ``host_ms_per_step_stubbed`` is their median main-thread CPU time. On XLA:CPU the computation shares the two cores with
 Python (small programs run on the calling thread; large ones evict its caches), so the
 stubbed figure is the closer one to what a TPU's host would spend; the stubbed steps spoil
 the model, so they come after every loss is taken. ``load_average`` is the 1-minute load
@@ -196,10 +196,12 @@ def run_batch(batch: int, names: list[str], steps: int, warmup: int, round_steps
         except Exception as error:  # reported, not hidden: the JSON says why a configuration is missing
             run[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
     run_in_rounds(configs, _run_steps, steps, round_steps)
-    on_tpu = [config for config in configs if config.on_tpu]
-    for config in on_tpu:
-        _run_stubbed_steps(config, warmup, record=False)  # the stubs compile here
-    run_in_rounds(on_tpu, _run_stubbed_steps, steps, round_steps)
+    # One configuration after the other, not in rounds: host CPU time barely depends on the
+    # load, and each switch to another model starts on cold caches, which a training loop does not.
+    for config in configs:
+        if config.on_tpu:
+            _run_stubbed_steps(config, warmup, record=False)  # the stubs compile here
+            _run_stubbed_steps(config, steps, record=True)
     for config in configs:
         run[config.name] = _summary(config)
         run[config.name]["samples_per_s"] = batch / run[config.name]["step_ms"] * 1e3
