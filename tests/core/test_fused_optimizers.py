@@ -145,3 +145,19 @@ def test_a_fused_step_dispatches_one_update_op():
     assert ops["_fused_adam_.default"] == 1, ops
     # The step counts (one _foreach_add_) are PyTorch's; no other foreach op runs.
     assert {name for name in ops if name.startswith("_foreach")} == {"_foreach_add_.Scalar"}, ops
+
+
+def test_a_compiled_fused_optimizer_step_trains_as_pytorch_cpu():
+    cpu_model = _model()
+    tpu_model = copy.deepcopy(cpu_model).to("tpu")
+    cpu_optimizer = torch.optim.Adam(cpu_model.parameters(), lr=0.05, fused=True)
+    tpu_optimizer = torch.optim.Adam(tpu_model.parameters(), lr=0.05, fused=True)
+    update = torch.compile(tpu_optimizer.step, backend="tpu")  # the graph holds the functional _fused_adam
+    with tpurec.mode("fused"):
+        for step in range(3):
+            x = _batch(step)
+            _step(cpu_model, cpu_optimizer, x)
+            tpu_optimizer.zero_grad()
+            tpu_model(x.to("tpu")).square().mean().backward()
+            update()
+            _assert_same_state(cpu_model, cpu_optimizer, tpu_model, tpu_optimizer, step)
