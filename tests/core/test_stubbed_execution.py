@@ -31,6 +31,10 @@ def test_eager_ops_under_stubs_give_the_real_metadata_and_zeros_then_real_values
         assert not runtime.execution_stubbed()
         real = ta @ tw
     assert mm.shape == (6, 3) and mm.dtype == torch.float32
+    minus_inf = torch.full((2, 3), float("-inf")).to("tpu")
+    with runtime.stubbed_execution():
+        masked = minus_inf + ta[:2, :3]  # an inf first input: the stub's zeros stay zeros
+    assert masked.cpu().eq(0).all()
     assert mask.dtype == torch.bool and index.dtype == torch.int64 and index.shape == (6,)
     assert half.shape == (5, 6) and half.stride() == (1, 5) and half.dtype == torch.float16
     assert not mm.cpu().any() and not mask.cpu().any() and not index.cpu().any() and not half.cpu().any()

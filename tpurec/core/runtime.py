@@ -305,7 +305,7 @@ def stubbed_execution():
     calling thread and evicts its caches, which a TPU's host does not see. The values computed
     under it are meaningless (zeros, or a donated input passed through): a model trained under
     it is spoilt. Work pending on entry runs for real first; work recorded inside runs as stubs
-    on exit.
+    on exit. Meant for single-device steps (the dense benchmarks).
 
     Example::
 
@@ -340,6 +340,7 @@ def make_stub(raw: Callable, options: dict) -> Callable:
         # fewer than 1000 flops inline on the calling thread, real programs asynchronously.
         leaves = [x for x in jax.tree.leaves(traced) if jnp.size(x) and not _extended(x.dtype)]
         seed = jnp.asarray(leaves[0]).ravel()[0].real.astype(jnp.float32) if leaves else jnp.float32(0)
+        seed = jnp.nan_to_num(seed, nan=0.0, posinf=0.0, neginf=0.0)  # an inf input (a mask) gives 0, not nan
         zero = jnp.sum(jnp.arange(1024, dtype=jnp.float32) * seed) * 0
 
         # A donated input of an output's shape and dtype is returned as it is: its buffer becomes
