@@ -131,9 +131,7 @@ def _make(name: str, batch: int) -> _Config:
         update()
         return loss.item()
 
-    mode = {"fused": "fused", "fused_adagrad": "fused", "compiled": "fused", "compiled_optim": "fused"}.get(
-        name, "eager"
-    )
+    mode = "fused" if name in ("fused", "fused_adagrad", "compiled", "compiled_optim") else "eager"
     return _Config(name, step, mode, device == "tpu")
 
 

@@ -57,21 +57,22 @@ def _skipped(found_inf, old: list, new: list) -> list:
 def _adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, lr, beta1, beta2,
           weight_decay, eps, amsgrad, maximize, grad_scale, found_inf, decoupled):  # fmt: skip
     unscaled = _unscaled(grads, grad_scale)
+    wide = _wide()
+    rate = jnp.asarray(lr).reshape(()).astype(wide)
     new_params, new_avgs, new_sqs, new_maxes = [], [], [], []
     for k, (p, g) in enumerate(zip(params, unscaled)):
         math = _math_dtype(p.dtype)
         p32, g32 = p.astype(math), g.astype(math)
-        step = jnp.reshape(state_steps[k], ()).astype(_wide())
-        rate = jnp.asarray(lr).reshape(())
+        step = jnp.reshape(state_steps[k], ()).astype(wide)
         if maximize:
             g32 = -g32
         if decoupled:
-            p32 = _decayed(weight_decay, p32, p32 * (1 - rate.astype(_wide()) * weight_decay).astype(math))
+            p32 = _decayed(weight_decay, p32, p32 * (1 - rate * weight_decay).astype(math))
         else:
             g32 = _decayed(weight_decay, g32, g32 + p32 * weight_decay)
         avg = exp_avgs[k].astype(math) * beta1 + g32 * (1 - beta1)
         sq = exp_avg_sqs[k].astype(math) * beta2 + g32 * g32 * (1 - beta2)
-        step_size = (rate.astype(_wide()) / (1 - beta1**step)).astype(math)
+        step_size = (rate / (1 - beta1**step)).astype(math)
         correction2_sqrt = jnp.sqrt(1 - beta2**step).astype(math)
         if amsgrad:
             peak = jnp.maximum(max_exp_avg_sqs[k].astype(math), sq)
