@@ -8,7 +8,9 @@ batches; the JSON has the median step time, samples/s, the ratio, the largest lo
 difference seen, and the median host time of a step (``host_ms_per_step``: the
 main thread's CPU time; XLA:CPU runs programs on threads of its own, so this is
 what the host needs to issue a step; for TorchRec on CPU it includes the part of
-the compute that runs on the main thread itself). tpurec runs its steps through
+the compute that runs on the main thread itself) and, for tpurec, the same with every XLA
+program stubbed (``host_ms_per_step_stubbed``, as in ``bench modes``: the main thread still pays
+for XLA:CPU's computation through the shared cores, a TPU's host does not). tpurec runs its steps through
 :class:`tpurec.sparse.TrainPipeline` (``--no-pipeline``: the plain loop), in
 each of ``--modes`` (eager, fused, compiled = ``torch.compile(backend="tpu")``).
 TorchRec and the tpurec modes run **interleaved**: after each one's warm-up,
@@ -44,6 +46,7 @@ import tpurec
 import tpurec.sparse as sparse
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.cli import non_negative_int, positive_int
+from tpurec.core import runtime
 
 
 DENSE_LR = 0.005  # small enough that random labels do not blow the logits up
@@ -93,6 +96,7 @@ class _Runner:
         self.name, self._step, self._batches, self.mode, self.close = name, step, batches, mode, close
         self.times: list[float] = []
         self.host_times: list[float] = []  # the main thread's CPU time of each step
+        self.stubbed_host_times: list[float] = []  # the same with every XLA program stubbed
         self.losses: list[float] = []
         self.compilations = 0
 
@@ -111,6 +115,17 @@ class _Runner:
             if record and self.mode:
                 self.compilations += tpurec.stats()["compilations"] - before
 
+    def run_stubbed(self, steps: int, record: bool) -> None:
+        """Steps with every XLA program stubbed: only their main-thread CPU time is kept (the
+        values, and the weights after them, are garbage)."""
+        assert self.mode is not None, "only tpurec steps can be stubbed"
+        with tpurec.mode(self.mode), runtime.stubbed_execution():
+            for _ in range(steps):
+                host = time.thread_time()
+                self._step(self._batches).item()
+                if record:
+                    self.stubbed_host_times.append(time.thread_time() - host)
+
 
 def _plain_step(model, optimizer, device: str) -> Callable[[Iterator[Batch]], torch.Tensor]:
     def step(batches: Iterator[Batch]) -> torch.Tensor:
@@ -126,11 +141,16 @@ def _plain_step(model, optimizer, device: str) -> Callable[[Iterator[Batch]], to
 
 def _interleave(runners: list[_Runner], steps: int, warmup: int, round_steps: int) -> None:
     """Warms each runner up, then times rounds of ``round_steps`` steps of each in turn,
-    so that a change in the machine's load hits every configuration alike."""
+    so that a change in the machine's load hits every configuration alike. Then the tpurec
+    runners' stubbed steps, one runner after the other (switching models every few steps
+    would start each on cold caches), after a warm-up in which the stubs compile."""
     for runner in runners:
         runner.run(warmup, record=False)
     run_in_rounds(runners, lambda runner, count, record: runner.run(count, record), steps, round_steps)
     for runner in runners:
+        if runner.mode is not None:
+            runner.run_stubbed(max(warmup, 2), record=False)
+            runner.run_stubbed(steps, record=True)
         runner.close()
 
 
@@ -293,7 +313,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
         )
     )
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}  # before training changes it
-    total = args.steps + args.warmup
+    total = 2 * args.steps + args.warmup + max(args.warmup, 2)  # the measured steps, then the stubbed ones
     make_batches = lambda: _batches(total, args.batch, args.tables, args.rows, args.ids_per_bag)  # noqa: E731
 
     def build():
@@ -354,6 +374,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
             "step_ms": median * 1e3,
             "step_ms_range": [min(runner.times) * 1e3, max(runner.times) * 1e3],
             "host_ms_per_step": statistics.median(runner.host_times) * 1e3,
+            "host_ms_per_step_stubbed": statistics.median(runner.stubbed_host_times) * 1e3,
             "samples_per_s": args.batch / median,
             "speedup_vs_torchrec_cpu": peer_median / median,
             "max_loss_difference": max(abs(a - b) for a, b in zip(runner.losses, peer.losses)),
