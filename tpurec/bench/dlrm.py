@@ -139,6 +139,12 @@ def _plain_step(model, optimizer, device: str) -> Callable[[Iterator[Batch]], to
     return step
 
 
+def _stubbed_warmup(warmup: int) -> int:
+    """Untimed stubbed steps before the timed ones: the stubs compile in the first two (fused
+    mode compiles a window on its second step)."""
+    return max(warmup, 2)
+
+
 def _interleave(runners: list[_Runner], steps: int, warmup: int, round_steps: int) -> None:
     """Warms each runner up, then times rounds of ``round_steps`` steps of each in turn,
     so that a change in the machine's load hits every configuration alike. Then the tpurec
@@ -149,7 +155,7 @@ def _interleave(runners: list[_Runner], steps: int, warmup: int, round_steps: in
     run_in_rounds(runners, lambda runner, count, record: runner.run(count, record), steps, round_steps)
     for runner in runners:
         if runner.mode is not None:
-            runner.run_stubbed(max(warmup, 2), record=False)
+            runner.run_stubbed(_stubbed_warmup(warmup), record=False)
             runner.run_stubbed(steps, record=True)
         runner.close()
 
@@ -313,7 +319,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
         )
     )
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}  # before training changes it
-    total = 2 * args.steps + args.warmup + max(args.warmup, 2)  # the measured steps, then the stubbed ones
+    # The measured steps, then the stubbed ones.
+    total = args.steps + args.warmup + args.steps + _stubbed_warmup(args.warmup)
     make_batches = lambda: _batches(total, args.batch, args.tables, args.rows, args.ids_per_bag)  # noqa: E731
 
     def build():
