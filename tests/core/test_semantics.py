@@ -302,3 +302,12 @@ def test_conj_through_ifft_of_real_input_and_complex_autograd():
     (z_host.conj() * weights + 1).abs().sum().backward()
     (z.conj() * weights.to("tpu") + 1).abs().sum().backward()
     torch.testing.assert_close(z.grad.cpu(), z_host.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_a_static_number_of_another_type_is_another_program(mode):
+    """``arange(6)`` and ``arange(6.0)`` have equal arguments in Python (6 == 6.0) but results of two dtypes."""
+    with tpurec.mode(mode):
+        for args in [(6,), (6.0,), (0, 3, 1), (0, 3, 1.0), (6,)]:
+            got, expected = torch.arange(*args, device="tpu"), torch.arange(*args)
+            assert got.dtype == expected.dtype and got.tolist() == expected.tolist(), args

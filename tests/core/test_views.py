@@ -89,3 +89,17 @@ def test_full_copy_shares_the_buffer_and_later_writes_stay_separate():
     a.add_(1)
     b.mul_(2)
     assert a.tolist() == [1.0, 2.0, 3.0, 4.0] and b.tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_set_points_the_tensor_at_the_source_storage_as_on_cpu(mode):
+    with tpurec.mode(mode):
+        for device in ("cpu", "tpu"):
+            t = torch.ones(2, 3, device=device)
+            source = torch.arange(6.0, device=device)
+            t.set_(source)
+            assert t.shape == (6,) and t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0], device
+            source.add_(1)  # t shares source's storage now
+            assert t.tolist() == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], device
+        with pytest.raises(RuntimeError, match="set_"):
+            torch.ones(2, device="tpu").set_(torch.ones(2))  # a CPU source

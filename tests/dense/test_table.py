@@ -65,10 +65,11 @@ def test_the_family_list_names_every_module_that_registers_lowerings():
     [
         (calling.DYNAMIC, 0.5, ("d", float), [0.5]),
         (calling.TENSOR, 2, ("d", int), [2]),  # a wrapped number
-        (calling.DYNAMIC, True, ("c", True), []),  # bools are static
+        (calling.DYNAMIC, True, ("c", True, bool), []),  # bools are static
         (calling.DYNAMIC_LIST, [1, 2.0], ("dl", (int, float)), [1, 2.0]),
-        (calling.STATIC, [3, 4], ("c", (3, 4)), []),
-        (calling.STATIC, torch.device("cpu"), ("c", "cpu"), []),
+        (calling.STATIC, [3, 4], ("c", (3, 4), (int, int)), []),
+        (calling.STATIC, 3.0, ("c", 3.0, float), []),  # not the key of 3: arange(3.0) is not arange(3)
+        (calling.STATIC, torch.device("cpu"), ("c", "cpu", torch.device), []),
         (calling.TENSOR, None, ("none",), []),
     ],
 )

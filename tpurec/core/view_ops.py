@@ -177,9 +177,13 @@ def _view_that_copies(func, args, kwargs):
     )
 
 
-def _set_metadata(t: TpuTensor, size, stride, offset: int, storage: Storage | None = None) -> None:
+def _set_metadata(
+    t: TpuTensor, size, stride, offset: int, storage: Storage | None = None, storage_dtype: torch.dtype | None = None
+) -> None:
     """Makes ``t`` itself (not a new tensor) have this size, stride, offset and storage."""
-    new = TpuTensor(storage or t._storage, size, stride, offset, t.dtype, storage_dtype=t.storage_dtype)
+    new = TpuTensor(
+        storage or t._storage, size, stride, offset, t.dtype, storage_dtype=storage_dtype or t.storage_dtype
+    )
     with torch._C._DisableTorchDispatch():
         # set_data copies the TensorImpl metadata and keeps t's autograd state and identity.
         torch._C.TensorBase.data.__set__(t, new)
@@ -190,9 +194,27 @@ def _set_metadata(t: TpuTensor, size, stride, offset: int, storage: Storage | No
 def _inplace_view(func, args, kwargs):
     """``squeeze_``, ``unsqueeze_``, ``t_``, ``transpose_``, ``as_strided_``...: ``self`` changes shape."""
     self = args[0]
+    if func in _SET_FROM_TENSOR:
+        return _set_from_tensor(func, self, args[1], args[2:], kwargs)
     meta = _meta_base(self)
     to_meta = lambda x: _meta_base(x) if isinstance(x, TpuTensor) else x  # noqa: E731 (resize_as_'s template)
     func(meta, *tree_map(to_meta, args[1:]), **tree_map(to_meta, kwargs))
     _check_in_storage(self, [(tuple(meta.size()), tuple(meta.stride()), meta.storage_offset(), self.dtype)])
     _set_metadata(self, tuple(meta.size()), tuple(meta.stride()), meta.storage_offset())
+    return self
+
+
+_SET_FROM_TENSOR = (torch.ops.aten.set_.source_Tensor, torch.ops.aten.set_.source_Tensor_storage_offset)
+
+
+def _set_from_tensor(func, self: TpuTensor, source, rest: tuple, kwargs: dict) -> TpuTensor:
+    """``self.set_(source, ...)``: ``self`` becomes a view of ``source``'s storage."""
+    if not isinstance(source, TpuTensor) or source._storage.index != self._storage.index:
+        where = source.device if isinstance(source, torch.Tensor) else type(source).__name__
+        raise RuntimeError(f"set_: the source must be a tensor on {self.device} like the tensor set, not on {where}")
+    meta = _meta_base(self)
+    func(meta, _meta_base(source), *rest, **kwargs)  # PyTorch's own checks (dtype) and resulting layout
+    layout = (tuple(meta.size()), tuple(meta.stride()), int(meta.storage_offset()))
+    _check_in_storage(source, [(*layout, self.dtype)])
+    _set_metadata(self, *layout, storage=source._storage, storage_dtype=source.storage_dtype)
     return self

@@ -130,7 +130,9 @@ def split(kind: str, value: Any, inputs: list, tensor: Callable[[torch.Tensor], 
 
     Returns:
         A hashable spec: ``("none",)``, a tensor's spec, ``("list", specs)``,
-        ``("d", type)`` (a runtime scalar), ``("dl", types)`` or ``("c", static value)``.
+        ``("d", type)`` (a runtime scalar), ``("dl", types)`` or ``("c", static value, its types)``
+        (the types too: ``arange(6)`` and ``arange(6.0)`` are equal keys otherwise, but not the
+        same program).
     """
     if value is None:
         return ("none",)
@@ -144,7 +146,13 @@ def split(kind: str, value: Any, inputs: list, tensor: Callable[[torch.Tensor], 
         return ("d", type(value)) if kind != DYNAMIC_LIST else ("dl", tuple(type(v) for v in value))
     if isinstance(value, torch.Tensor):
         return tensor(value)
-    return ("c", static_value(value))
+    return ("c", static_value(value), _types_of(value))
+
+
+def _types_of(value: Any) -> Any:
+    if isinstance(value, (list, tuple)):
+        return tuple(_types_of(v) for v in value)
+    return type(value)
 
 
 def rebuild(spec: tuple, it: Iterator, tensor: Callable[[tuple, Iterator], Any]) -> Any:
