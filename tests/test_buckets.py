@@ -103,8 +103,11 @@ def test_a_text_model_over_varying_lengths_compiles_once_per_bucket_and_trains_a
             if bucket in seen:
                 assert compiled == 0, f"step {step}: length {length} in bucket {bucket} compiled {compiled} programs"
             else:
-                # fused: the window up to loss.item() and the backward + optimizer window; compiled: one or two graphs
-                assert compiled <= 2, f"step {step}: a new bucket compiled {compiled} programs"
+                # fused: the step is one window (transformers' mask.all() reads the mask's host
+                # mirror, no sync point); compiled: the forward and backward graphs
+                assert compiled <= (1 if how == "fused" else 2), (
+                    f"step {step}: a new bucket compiled {compiled} programs"
+                )
             seen.add(bucket)
             assert got == pytest.approx(expected.item(), rel=1e-5), step
     assert len(seen) >= 2  # the lengths drawn span several buckets

@@ -147,6 +147,16 @@ FLAGS: tuple[Flag, ...] = (
         minimum=1,
     ),
     Flag(
+        "TPUREC_HOST_MIRRORS",
+        "int",
+        16384,
+        EVERY_CALL,
+        "Integer and boolean tpu tensors of at most this many elements keep their values on the host "
+        "too (copied from the CPU, or computed from such by exact ops), so .item() and bool() on them "
+        "need no sync point; 0 turns it off.",
+        minimum=0,
+    ),
+    Flag(
         "TPUREC_FUSED_COMPILED_GRAPHS",
         "choice",
         "defer",

@@ -17,6 +17,7 @@ Lowest first (``LAYERS``):
 ``conversion``  ``module.to("tpu")`` and back keep each ``Parameter`` object (ties, attributes)
 ``fused``       the fused mode's deferred window, run as one program at a sync point
 ``modes``       eager / fused / debug, and the environment switches
+``mirrors``     host copies of small integer tensors' values (reads without a sync point)
 ``programs``    running (or recording) an eager program; reading a tensor's values
 ``calls``       one op call -> a cached program (the calling convention's split of the
                 arguments); composites and decompositions for ops without a lowering
@@ -32,7 +33,7 @@ Lowest first (``LAYERS``):
 
 Importing this package (``import tpurec``) imports the layers up to ``modes``
 (``EAGER_LAYERS``: devices, tensors, counters, modes) and ``entry``. The op runtime,
-``programs`` to ``dispatch`` (``LAZY_LAYERS``), is imported on the first tpu op, by
+``mirrors`` to ``dispatch`` (``LAZY_LAYERS``), is imported on the first tpu op, by
 ``entry.load_runtime()`` (or by importing ``tpurec.core.dispatch``, or reading it as an
 attribute of this package), so a process that only plans sharding, reads the device's
 state or loads a checkpoint's metadata does not import it.
@@ -84,6 +85,7 @@ EAGER_LAYERS = (
 )
 # The op runtime: imported on the first tpu op (entry.load_runtime()), lowest first.
 LAZY_LAYERS = (
+    "mirrors",
     "programs",
     "calls",
     "view_ops",
@@ -111,6 +113,7 @@ __all__ = [
     "conversion",
     "fused",
     "modes",
+    "mirrors",
     "programs",
     "calls",
     "view_ops",
@@ -123,7 +126,7 @@ __all__ = [
 
 
 if TYPE_CHECKING:  # the lazy layers, for type checkers (at run time __getattr__ loads them)
-    from tpurec.core import calls, dispatch, host, kernels, mutating, programs, view_ops  # noqa: F401
+    from tpurec.core import calls, dispatch, host, kernels, mirrors, mutating, programs, view_ops  # noqa: F401
 
 
 def __getattr__(name: str) -> ModuleType:

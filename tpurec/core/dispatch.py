@@ -27,7 +27,7 @@ import warnings
 import torch
 import torch.autograd.profiler as _torch_profiler
 
-from tpurec.core import kernels, modes, profiler, runtime
+from tpurec.core import kernels, mirrors, modes, profiler, runtime
 from tpurec.core.calls import (
     _Call,
     _debug_check,
@@ -127,6 +127,21 @@ def install_shadow(hook) -> None:
 
 
 def dispatch(func, args: tuple, kwargs: dict):
+    if mirrors.live and id(func) in _MIRRORED:
+        out = _dispatch_entry(func, args, kwargs)
+        mirrors.run_mirrored(func, args, kwargs, out)
+        return out
+    if _shadow is not None:
+        return _shadow(_dispatch_profiled, func, args, kwargs)
+    if _torch_profiler._is_profiler_enabled:
+        return _dispatch_profiled(func, args, kwargs)
+    return _dispatch_checked(func, args, kwargs)
+
+
+_MIRRORED = mirrors.mirrored_ops
+
+
+def _dispatch_entry(func, args: tuple, kwargs: dict):
     if _shadow is not None:
         return _shadow(_dispatch_profiled, func, args, kwargs)
     if _torch_profiler._is_profiler_enabled:
@@ -294,10 +309,16 @@ kernels.install_redispatch(_dispatch)
 def factory_kernel(func):
     """The PrivateUse1 kernel of factory ``func`` (registered by ``tpurec.core.entry``, which hands over to it)."""
 
+    mirrored = id(func) in _MIRRORED
+
     def kernel(*args, **kwargs):
         if _shadow is not None:
-            return _shadow(lambda func, args, kwargs: compute(*args, **kwargs), func, args, kwargs)
-        return compute(*args, **kwargs)
+            out = _shadow(lambda func, args, kwargs: compute(*args, **kwargs), func, args, kwargs)
+        else:
+            out = compute(*args, **kwargs)
+        if mirrored:
+            mirrors.run_mirrored(func, args, kwargs, out)  # a small integer factory is known on the host
+        return out
 
     def compute(*args, **kwargs):
         device = kwargs.get("device")

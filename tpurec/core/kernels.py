@@ -19,6 +19,7 @@ from tpurec import amp
 from tpurec.core import modes
 from tpurec.core.calls import _fallback, execute
 from tpurec.core.device import jax_device
+from tpurec.core.mirrors import from_host, mirror_of
 from tpurec.core.programs import _compile, _run, _store, fresh, value_of
 from tpurec.core.tensor import Storage, TpuTensor, host_to_jax, is_plain, jax_to_host, with_key, wrap
 from tpurec.core.view_ops import _meta_base, _set_metadata
@@ -110,6 +111,9 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     dtype = dtype or self.dtype
     target = torch.device(device) if device is not None else self.device
     if target.type == "cpu":
+        known = mirror_of(self)
+        if known is not None:
+            return known.to(dtype=dtype, copy=True).contiguous()
         values = value_of(self, "transfer to cpu")
         if values.dtype != to_jax_dtype(dtype):
             shape = tuple(values.shape)
@@ -142,7 +146,9 @@ def _copy_program(dst_key, src_key):
 def _copy_(dst, src, non_blocking=False):
     if not isinstance(dst, TpuTensor):
         # tpu -> cpu: bring the values over, then let the CPU kernel do the rest.
-        host = jax_to_host(value_of(src, "transfer to cpu"))
+        host = mirror_of(src)
+        if host is None:
+            host = jax_to_host(value_of(src, "transfer to cpu"))
         with torch._C._DisableTorchDispatch():
             return dst.copy_(host)
     if isinstance(src, TpuTensor) and src._storage.index == dst._storage.index:
@@ -156,6 +162,7 @@ def _copy_(dst, src, non_blocking=False):
         if not isinstance(src, TpuTensor) and dst.is_full and src.dtype == dst.dtype and src.shape == dst.shape:
             # A whole host tensor into a whole tpu tensor (``.to("tpu")``): the transfer is the copy.
             _store(dst._storage, host_to_jax(src, device))
+            from_host(dst, src)
             return dst
         if isinstance(src, TpuTensor):
             source = jax.device_put(value_of(src, "transfer between devices"), device)
@@ -170,6 +177,9 @@ def _copy_(dst, src, non_blocking=False):
 
 @lower(aten._local_scalar_dense.default, torch.ops.prims.item.default, kind=Kind.KERNEL)
 def _local_scalar_dense(self):
+    known = mirror_of(self)
+    if known is not None:
+        return known.item()  # no sync point (tpurec.core.mirrors)
     return jax_to_host(value_of(self, "item")).item()
 
 

@@ -182,6 +182,8 @@ class TpuTensor(torch.Tensor):
     _key: tuple
     # The Python attributes that hold the tensor's contents (see tpurec.core.conversion).
     CONTENT_ATTRIBUTES = ("_storage", "_key")
+    # (host values, storage, its array, key) when the values are known on the host (tpurec.core.mirrors).
+    _mirror: tuple | None = None
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
