@@ -174,3 +174,18 @@ def test_a_hugging_face_step_with_a_padded_mask_is_one_program():
             assert {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)} == {"item": 1}
     expected = cpu(input_ids=ids, attention_mask=mask, labels=ids).loss
     assert got == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_data_dependent_ops_on_known_tensors_run_on_the_host_without_a_sync_point():
+    labels = torch.tensor([[3, -100, 5], [7, 8, -100]])
+    with tpurec.mode("fused"):
+        t = labels.to("tpu")
+        torch.ones(2).to("tpu").add_(1)
+        before = _syncs()
+        picked = t.masked_select(t >= 0)  # a data-dependent shape: computed on the host
+        assert picked.tolist() == [3, 5, 7, 8] and (t != -100).nonzero().tolist() == labels.ne(-100).nonzero().tolist()
+        assert bool((picked.max() < 99).item())
+        assert _syncs() == before
+        x = torch.ones(2, 3).to("tpu") * 2
+        assert x.masked_select(t >= 0).tolist() == [2.0] * 4  # a float input: read from the device
+        assert _syncs() == before + 1

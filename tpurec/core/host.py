@@ -14,6 +14,7 @@ from tpurec.core.device import jax_device
 from tpurec.core.kernels import _copy_
 from tpurec.core.mutating import _mutated
 from tpurec.core.programs import value_of
+from tpurec.core.mirrors import attach, mirror_of
 from tpurec.core.tensor import TpuTensor, host_to_jax, jax_to_host, wrap
 from tpurec.dense.registry import TABLE, Kind, mark
 
@@ -99,12 +100,31 @@ def _on_host(func, args, kwargs):
 
 
 def _on_host_run(func, args, kwargs):
-    index = next(a._storage.index for a in tree_flatten((args, kwargs))[0] if isinstance(a, TpuTensor))
-    to_host = lambda x: jax_to_host(value_of(x, "data-dependent op")) if isinstance(x, TpuTensor) else x  # noqa: E731
+    tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, TpuTensor)]
+    index = tensors[0]._storage.index
+    # Inputs whose values are known on the host (tpurec.core.mirrors) need no sync point; a copy,
+    # since an in-place op writes its host arguments.
+    known = {id(t): m.clone() for t in tensors if (m := mirror_of(t)) is not None}
+
+    def to_host(x):
+        if not isinstance(x, TpuTensor):
+            return x
+        values = known.get(id(x))
+        return values if values is not None else jax_to_host(value_of(x, "data-dependent op"))
+
     host_args, host_kwargs = tree_map(to_host, (args, kwargs))
     out = func(*host_args, **host_kwargs)
     device = jax_device(index)
-    back = lambda x: wrap(host_to_jax(x, device), index) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    mirrored = len(known) == len(tensors)  # every input known: so are the results (host_to_jax copies)
+
+    def back(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        t = wrap(host_to_jax(x, device), index)
+        if mirrored:
+            attach(t, x)
+        return t
+
     if func._schema.is_mutable:
         targets, returns = _mutated(func, args, kwargs)
         for t, h in zip(targets, _mutated(func, host_args, host_kwargs)[0]):
