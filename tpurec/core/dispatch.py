@@ -127,10 +127,11 @@ def install_shadow(hook) -> None:
 
 
 def dispatch(func, args: tuple, kwargs: dict):
-    if mirrors.live and id(func) in _MIRRORED:
+    if mirrors.live and id(func) in _MIRRORED and args and _may_be_mirrored(args[0]):
         out = _dispatch_entry(func, args, kwargs)
         mirrors.run_mirrored(func, args, kwargs, out)
         return out
+    # (As _dispatch_entry, written out: this is every op's path.)
     if _shadow is not None:
         return _shadow(_dispatch_profiled, func, args, kwargs)
     if _torch_profiler._is_profiler_enabled:
@@ -139,6 +140,12 @@ def dispatch(func, args: tuple, kwargs: dict):
 
 
 _MIRRORED = mirrors.mirrored_ops
+
+
+def _may_be_mirrored(first) -> bool:
+    """Whether an op with this first argument may have a result known on the host: not when it is a tpu
+    tensor without a mirror (most views and ops on float tensors), since every tensor argument needs one."""
+    return type(first) is not TpuTensor or first._mirror is not None
 
 
 def _dispatch_entry(func, args: tuple, kwargs: dict):

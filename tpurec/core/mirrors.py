@@ -148,9 +148,16 @@ def _limit() -> int:
 
 
 def mirror_of(t: TpuTensor) -> torch.Tensor | None:
-    """``t``'s values on the host, if they are known and still hold; else None."""
+    """``t``'s values on the host, if they are known and still hold (and mirrors are on); else None."""
+    if t._mirror is None or not _limit():  # none, or mirrors turned off since
+        return None
+    return _held(t)
+
+
+def _held(t: TpuTensor) -> torch.Tensor | None:
+    """``t``'s mirror if it still holds (not checking whether mirrors are on)."""
     entry = t._mirror
-    if entry is None or not _limit():  # none, or mirrors turned off since
+    if entry is None:
         return None
     values, storage, array, key = entry
     current = storage._array
@@ -169,13 +176,17 @@ def attach(t: TpuTensor, values: torch.Tensor) -> None:
     if (
         t.dtype in _EXACT_DTYPES
         and values.dtype == t.dtype
-        and values.shape == t.shape
+        and tuple(values.shape) == t._key[2]
         and values.device.type == "cpu"
         and t.numel() <= _limit()
     ):
-        global live
-        t._mirror = (values, t._storage, t._storage._array, t._key)
-        live = True
+        _attach(t, values)
+
+
+def _attach(t: TpuTensor, values: torch.Tensor) -> None:
+    global live
+    t._mirror = (values, t._storage, t._storage._array, t._key)
+    live = True
 
 
 def from_host(t: TpuTensor, source: torch.Tensor) -> None:
@@ -184,54 +195,57 @@ def from_host(t: TpuTensor, source: torch.Tensor) -> None:
         attach(t, source.clone())  # the source is the caller's: it may be written later
 
 
+class _NotMirrored(Exception):
+    """An argument that keeps an op from running on the mirrors."""
+
+
+_CPU = torch.device("cpu")
+
+
 def _host_argument(x: Any) -> Any:
-    """``x`` for the host copy of an op: a tensor's mirror, a tpu device as cpu. Raises LookupError when
-    a tpu tensor has none, TypeError for a float tensor or scalar."""
-    if isinstance(x, TpuTensor):
-        values = mirror_of(x)
+    """``x`` for the host copy of an op: a tensor's mirror, a tpu device as cpu. Raises _NotMirrored
+    for a tpu tensor without one, a host tensor, or a float (mirrored ops are integer ops)."""
+    kind = type(x)
+    if kind is TpuTensor:
+        values = _held(x)
         if values is None:
-            raise LookupError
+            raise _NotMirrored
         return values
-    if isinstance(x, torch.Tensor) or isinstance(x, float) or isinstance(x, complex):
-        raise TypeError  # a host tensor or a float takes no part in mirrored ops
-    if isinstance(x, torch.device):
-        return torch.device("cpu") if x.type == "tpu" else x
-    if isinstance(x, (list, tuple)):
-        return type(x)(_host_argument(v) for v in x)
-    return x
+    if kind is int or kind is bool or x is None:
+        return x
+    if kind is list or kind is tuple:
+        return kind(_host_argument(v) for v in x)
+    if isinstance(x, torch.Tensor) or kind is float or kind is complex:
+        raise _NotMirrored
+    if kind is torch.device:
+        return _CPU if x.type == "tpu" else x
+    return x  # a dtype, layout, memory format...
 
 
 def run_mirrored(func, args: tuple, kwargs: dict, out: Any) -> None:
     """After ``func(*args, **kwargs)`` ran on the device with result ``out``: when every tpu tensor
-    argument is mirrored and every tensor involved is an integer or boolean one, runs ``func`` on
-    the mirrors on the host and mirrors ``out`` with the result."""
-    outs = out if isinstance(out, (list, tuple)) else (out,)
+    argument is mirrored (so an integer or boolean tensor), no argument is a float and every output
+    is a small integer or boolean tensor, runs ``func`` on the mirrors on the host and mirrors ``out``
+    with the result."""
+    outs = out if type(out) is list or type(out) is tuple else (out,)
+    for o in outs:
+        if type(o) is not TpuTensor or o.dtype not in _EXACT_DTYPES:
+            return
     limit = _limit()
     for o in outs:
-        if not isinstance(o, TpuTensor) or o.dtype not in _EXACT_DTYPES or o.numel() > limit:
+        if o.numel() > limit:
             return
     if _get_current_dispatch_mode() is not None:
         return  # a mode (fake tensors while compiling, a user's mode) sees every op: leave it alone
     try:
         host_args = _host_argument(args)
-        host_kwargs = {k: _host_argument(v) for k, v in kwargs.items()}
-    except (LookupError, TypeError):
+        host_kwargs = {k: _host_argument(v) for k, v in kwargs.items()} if kwargs else kwargs
+    except _NotMirrored:
         return
-    if any(isinstance(x, torch.Tensor) and x.dtype not in _EXACT_DTYPES for x in _tensors(host_args)):
-        return
-    with torch._C._DisableTorchDispatch():
-        host_out = func(*host_args, **host_kwargs)
-    host_outs = host_out if isinstance(host_out, (list, tuple)) else (host_out,)
+    host_out = func._op(*host_args, **host_kwargs)  # no dispatch mode is active: plain CPU tensors
+    host_outs = host_out if type(host_out) is list or type(host_out) is tuple else (host_out,)
     if len(host_outs) != len(outs):
         return
     for o, h in zip(outs, host_outs):
-        if isinstance(h, torch.Tensor):
-            attach(o, h)
-
-
-def _tensors(args: Any):
-    for x in args:
-        if isinstance(x, (list, tuple)):
-            yield from _tensors(x)
-        elif isinstance(x, torch.Tensor):
-            yield x
+        if h.dtype == o.dtype and tuple(h.shape) == o._key[2]:
+            _attach(o, h)
