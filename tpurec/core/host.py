@@ -115,7 +115,7 @@ def _on_host_run(func, args, kwargs):
     host_args, host_kwargs = tree_map(to_host, (args, kwargs))
     out = func(*host_args, **host_kwargs)
     device = jax_device(index)
-    mirrored = len(known) == len(tensors)  # every input known: so are the results (host_to_jax copies)
+    mirrored = len(known) == len(tensors)  # every input known: so are the results (never written again)
 
     def back(x):
         if not isinstance(x, torch.Tensor):
