@@ -1,6 +1,8 @@
 """Host mirrors (tpurec.core.mirrors): small integer tensors read on the host without a sync point,
 with the values PyTorch CPU gives, and never a stale value after a write."""
 
+import copy
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -145,22 +147,11 @@ def test_chains_of_mirrored_ops_read_what_pytorch_cpu_computes(names, values, dt
 
 
 def test_a_hugging_face_step_with_a_padded_mask_is_one_program():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.BertConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    torch.manual_seed(0)
-    cpu = transformers.BertForMaskedLM(config)
-    model = transformers.BertForMaskedLM(config)
-    model.load_state_dict(cpu.state_dict())
-    model.to("tpu")
+    pytest.importorskip("transformers")
+    from tpurec.bench.text import tiny_bert
+
+    cpu = tiny_bert(hidden=32, intermediate=64, positions=32)
+    model = copy.deepcopy(cpu).to("tpu")
     ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[0, 9:] = 0  # padding: transformers checks mask.all() to decide whether to use the mask
