@@ -102,9 +102,11 @@ def _on_host(func, args, kwargs):
 def _on_host_run(func, args, kwargs):
     tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, TpuTensor)]
     index = tensors[0]._storage.index
-    # Inputs whose values are known on the host (tpurec.core.mirrors) need no sync point; a copy,
-    # since an in-place op writes its host arguments.
-    known = {id(t): m.clone() for t in tensors if (m := mirror_of(t)) is not None}
+    # Inputs whose values are known on the host (tpurec.core.mirrors) need no sync point; an
+    # in-place op gets copies, since it writes its host arguments.
+    known = {id(t): m for t in tensors if (m := mirror_of(t)) is not None}
+    if known and func._schema.is_mutable:
+        known = {k: m.clone() for k, m in known.items()}
 
     def to_host(x):
         if not isinstance(x, TpuTensor):

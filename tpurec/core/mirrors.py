@@ -191,8 +191,9 @@ def _attach(t: TpuTensor, values: torch.Tensor) -> None:
 
 def from_host(t: TpuTensor, source: torch.Tensor) -> None:
     """Mirrors ``t``, just filled with a copy of the whole CPU tensor ``source``."""
+    # The caller copied the whole of ``source`` into ``t``: shape, dtype and device already agree.
     if source.dtype in _EXACT_DTYPES and source.numel() <= _limit():
-        attach(t, source.clone())  # the source is the caller's: it may be written later
+        _attach(t, source.clone())  # the source is the caller's: it may be written later
 
 
 class _NotMirrored(Exception):
