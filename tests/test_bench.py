@@ -68,15 +68,16 @@ def test_modes_reports_host_time_per_step():
         "eager",
         "fused_adagrad",
         "compiled_optim",
+        "graphed",
     )
     run = result["runs"][0]
-    for config in ("cpu_pytorch", "eager", "fused_adagrad", "compiled_optim"):
+    for config in ("cpu_pytorch", "eager", "fused_adagrad", "compiled_optim", "graphed"):
         assert 0 < run[config]["host_ms_per_step"], run[config]
         # The main thread's CPU time cannot exceed the process's (every thread's) CPU time.
         assert run[config]["host_ms_per_step"] <= run[config]["cpu_ms_per_step"] * 1.05 + 0.05, run[config]
     # The stubbed steps come after the losses: the tpu losses are PyTorch CPU's, not the stubs' zeros.
     assert run["cpu_pytorch"]["host_ms_per_step_stubbed"] is None
-    for config in ("eager", "fused_adagrad", "compiled_optim"):
+    for config in ("eager", "fused_adagrad", "compiled_optim", "graphed"):
         assert run[config]["host_ms_per_step_stubbed"] > 0, run[config]
         assert run[config]["last_loss"] == pytest.approx(run["cpu_pytorch"]["last_loss"], rel=1e-5), run
 

@@ -29,6 +29,7 @@ from tpurec import core  # noqa: E402
 from tpurec import library  # noqa: E402,F401
 from tpurec import debug  # noqa: E402,F401 (TPUREC_SHADOW=cpu starts shadowing at import)
 from tpurec.core.device import platform  # noqa: E402
+from tpurec.core.graphs import TpuGraph, graph  # noqa: E402
 from tpurec.core.modes import get_mode, mode, set_mode  # noqa: E402
 from tpurec.core.recompiles import explain_recompiles  # noqa: E402
 from tpurec.core.runtime import enable_disk_cache, reset_stats, stats, synchronize  # noqa: E402
@@ -47,6 +48,7 @@ _defer("torchrec", "tpurec.sparse.torchrec_ops")
 # The public API: what ``from tpurec import *`` and the docs promise. Everything else
 # here (``tpurec.core``, ``tpurec.compile``, ...) is an implementation module.
 __all__ = [
+    "TpuGraph",
     "TpuTensor",
     "config",
     "debug",
@@ -54,6 +56,7 @@ __all__ = [
     "explain_recompiles",
     "flush",
     "get_mode",
+    "graph",
     "library",
     "mode",
     "platform",

@@ -18,6 +18,9 @@ Configurations (``--modes``):
 * ``compiled_optim``: as ``compiled``, and ``torch.compile(optimizer.step, backend="tpu")``
   too (PyTorch's compiled optimizer): the update is one graph whose writes to the
   parameters and the optimizer state are stored by the backend, not one eager op each.
+* ``graphed``: as ``fused_adagrad``, with the step captured by ``tpurec.graph`` on its third
+  call (after two steps that make the optimizer's state) and replayed from then on: one
+  program call per step, no Python of the model, autograd or optimizer.
 
 The machine may be shared, so the configurations run **interleaved**: after each
 one's warm-up, rounds of ``--round-steps`` steps of every configuration in turn,
@@ -56,7 +59,7 @@ from tpurec.core import runtime
 
 NUM_SPARSE = 26
 EMBEDDING_DIM = 64
-CONFIGS = ("cpu_pytorch", "eager", "fused", "fused_adagrad", "compiled", "compiled_eager", "compiled_optim")
+CONFIGS = ("cpu_pytorch", "eager", "fused", "fused_adagrad", "compiled", "compiled_eager", "compiled_optim", "graphed")
 
 
 class DenseStep(torch.nn.Module):
@@ -117,21 +120,41 @@ def _make(name: str, batch: int) -> _Config:
     model = DenseStep().to(device)
     compiled = name.startswith("compiled")
     forward = torch.compile(model, backend="tpu") if compiled else model
-    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.01, fused=True if name == "fused_adagrad" else None)
+    fused = name in ("fused_adagrad", "graphed")  # graphed: a captured step keeps the optimizer's state on the device
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.01, fused=True if fused else None)
     update = torch.compile(optimizer.step, backend="tpu") if name == "compiled_optim" else optimizer.step
     g = torch.Generator().manual_seed(1)
     dense = torch.randn(batch, 13, generator=g).to(device)
     sparse = torch.randn(batch, NUM_SPARSE, EMBEDDING_DIM, generator=g).to(device)
     labels = torch.rand(batch, 1, generator=g).round().to(device)
 
-    def step() -> float:
+    def train() -> torch.Tensor:
         optimizer.zero_grad()
         loss = torch.nn.functional.binary_cross_entropy_with_logits(forward(dense, sparse), labels)
         loss.backward()
         update()
-        return loss.item()
+        return loss
 
-    mode = "fused" if name in ("fused", "fused_adagrad", "compiled", "compiled_optim") else "eager"
+    def step() -> float:
+        return train().item()
+
+    if name == "graphed":
+        graph = tpurec.TpuGraph()
+        calls = [0]
+        captured: list[torch.Tensor] = []
+
+        def step() -> float:  # noqa: F811 (the graphed step: two plain steps, the capture, replays)
+            calls[0] += 1
+            if calls[0] <= 2:
+                return train().item()
+            if not captured:
+                with tpurec.graph(graph):
+                    captured.append(train())
+            else:
+                graph.replay()
+            return captured[0].item()
+
+    mode = "fused" if name in ("fused", "fused_adagrad", "compiled", "compiled_optim", "graphed") else "eager"
     return _Config(name, step, mode, device == "tpu")
 
 

@@ -17,6 +17,7 @@ Lowest first (``LAYERS``):
 ``conversion``  ``module.to("tpu")`` and back keep each ``Parameter`` object (ties, attributes)
 ``fused``       the fused mode's deferred window, run as one program at a sync point
 ``modes``       eager / fused / debug, and the environment switches
+``graphs``      captured steps (``tpurec.graph``): one step's program replayed with no Python
 ``mirrors``     host copies of small integer tensors' values (reads without a sync point)
 ``programs``    running (or recording) an eager program; reading a tensor's values
 ``calls``       one op call -> a cached program (the calling convention's split of the
@@ -31,7 +32,7 @@ Lowest first (``LAYERS``):
                 copies, and the loaders of the op runtime
 ==============  ===========================================================================
 
-Importing this package (``import tpurec``) imports the layers up to ``modes``
+Importing this package (``import tpurec``) imports the layers up to ``graphs``
 (``EAGER_LAYERS``: devices, tensors, counters, modes) and ``entry``. The op runtime,
 ``mirrors`` to ``dispatch`` (``LAZY_LAYERS``), is imported on the first tpu op, by
 ``entry.load_runtime()`` (or by importing ``tpurec.core.dispatch``, or reading it as an
@@ -65,7 +66,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 from tpurec.core import errors, views, rng, profiler, runtime, recompiles  # noqa: I001 (layer order)
-from tpurec.core import device, memory, tensor, conversion, fused, modes  # noqa: I001 (layer order)
+from tpurec.core import device, memory, tensor, conversion, fused, modes, graphs  # noqa: I001 (layer order)
 from tpurec.core import entry
 
 # Imported with the package (import tpurec), lowest first.
@@ -82,6 +83,7 @@ EAGER_LAYERS = (
     "conversion",
     "fused",
     "modes",
+    "graphs",
 )
 # The op runtime: imported on the first tpu op (entry.load_runtime()), lowest first.
 LAZY_LAYERS = (
@@ -113,6 +115,7 @@ __all__ = [
     "conversion",
     "fused",
     "modes",
+    "graphs",
     "mirrors",
     "programs",
     "calls",

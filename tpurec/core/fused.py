@@ -70,12 +70,15 @@ class _Steady:
     at the sync point.
     """
 
-    __slots__ = ("wiring", "programs", "next")
+    __slots__ = ("wiring", "programs", "next", "numbers")
 
     def __init__(self, wiring: tuple) -> None:
         self.wiring = wiring
         self.programs: dict = {}
         self.next: _Steady | None = None
+        # The packed Python numbers (floats, ints, bools) of its last run, None before the first: a
+        # captured step (tpurec.core.graphs) must repeat a structure that ran, with the same numbers.
+        self.numbers: tuple | None = None
 
 
 class _Window:
@@ -100,6 +103,8 @@ class _Window:
 
 _window = _Window()
 _fused_programs: dict = {}
+# The sync points of a step being captured (tpurec.core.graphs), None when there is none.
+capture_sync_points: list | None = None
 # Window structures that ran, by wiring, and the last one run on each device.
 _steady: dict[tuple, _Steady] = {}
 _last: dict[int, _Steady] = {}
@@ -223,16 +228,43 @@ def flush(reason: str) -> None:
     _window = _Window(window.serial + 1)
     counters = runtime.counters()
     counters.sync_points[reason] += 1
+    if capture_sync_points is not None:
+        capture_sync_points.append(reason)
     with profiler.record(f"tpurec::sync ({reason})"):  # tpurec.profiler hook
         _flush(window, counters)
+
+
+def flush_captured() -> tuple | None:
+    """Runs the window of a captured step (``tpurec.core.graphs``) as :func:`flush` does.
+
+    Returns:
+        None when nothing was recorded, else the window followed by what ``_flush`` returns.
+    """
+    global _window
+    window = _window
+    if not window.nodes:
+        return None
+    _window = _Window(window.serial + 1)
+    counters = runtime.counters()
+    counters.sync_points["graph capture"] += 1
+    with profiler.record("tpurec::sync (graph capture)"):  # tpurec.profiler hook
+        ran = _flush(window, counters)
+    return (window, *ran)
 
 
 # synchronize() (in runtime, a layer below) runs the pending window first.
 runtime.flush_pending_work_with(flush)
 
 
-def _flush(window: _Window, counters: runtime.Stats) -> None:
-    """Builds (or reuses) the program of one recorded ``window``, runs it and fills in its live storages."""
+def _flush(window: _Window, counters: runtime.Stats) -> tuple:
+    """Builds (or reuses) the program of one recorded ``window``, runs it and fills in its live storages.
+
+    Returns:
+        The program, its argument positions per group, (storage, pending value, where) per
+        filled storage, the output index of each ``where``, the outputs' bytes, the
+        arguments the program was called with, and the packed numbers of the last window of
+        the same structure (None: none ran before).
+    """
     nodes, external, replaced, device = window.nodes, window.external, window.replaced, window.device
     # Each live storage with a pending value of this window, once, and where that value comes from.
     # (Storage._array, not the property: read for every storage of every window.)
@@ -281,11 +313,14 @@ def _flush(window: _Window, counters: runtime.Stats) -> None:
     counters.fused_ops += len(nodes)
     counters.donated_buffers += len(donate)
     program, positions, sizes = built
-    values = program(*_arguments(external, positions))
+    arguments = _arguments(external, positions)
+    previous_numbers, steady.numbers = steady.numbers, arguments[2:5]
+    values = program(*arguments)
     for storage, pending, where in filled:
         k = seen[where]
         pending.value = value = values[k]
         fill(storage, value, sizes[k])
+    return program, positions, filled, seen, sizes, arguments, previous_numbers
 
 
 # How each external input of a window travels to its program (see _groups).

@@ -15,6 +15,8 @@ __all__ = ["manual_seed", "next_seed_and_counter", "key_from", "get_state", "set
 
 _seed = 0
 _counter = 0
+# While a step is captured (tpurec.core.graphs): every (seed high, seed low, counter) handed out.
+_log: list | None = None
 
 
 def manual_seed(seed: int) -> None:
@@ -28,7 +30,10 @@ def next_seed_and_counter() -> tuple[np.uint32, np.uint32, np.uint32]:
     global _counter
     counter = _counter
     _counter += 1
-    return np.uint32(_seed >> 32), np.uint32(_seed & 0xFFFF_FFFF), np.uint32(counter & 0xFFFF_FFFF)
+    out = np.uint32(_seed >> 32), np.uint32(_seed & 0xFFFF_FFFF), np.uint32(counter & 0xFFFF_FFFF)
+    if _log is not None:
+        _log.append((out, counter))
+    return out
 
 
 def key_from(seed_hi, seed_lo, counter):

@@ -1,0 +1,295 @@
+"""Captured steps (``tpurec.graph``): replays train exactly as the step run by Python would.
+
+References: PyTorch CPU running the same step (losses and parameters), and, for random ops,
+tpurec's own uncaptured step with the same generator state (bit for bit). Every refusal is
+checked for its message and for the state it leaves: the step ran in full.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tpurec
+from tpurec.core import rng
+
+STEPS = 7
+WARMUP = 2  # plain steps before the capture: the first makes the optimizer's state
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def _batches(n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(5, 6, generator=g), torch.randn(5, 1, generator=g)) for _ in range(n)]
+
+
+def _step(model, optimizer, x, y, forward=None):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.mse_loss((forward or model)(x), y)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _graphed_losses(model, optimizer, batches, forward=None) -> tuple[list[float], tpurec.TpuGraph]:
+    """Trains on ``batches``: WARMUP plain fused steps, the capture, then replays."""
+    static_x = torch.zeros(batches[0][0].shape, device="tpu")
+    static_y = torch.zeros(batches[0][1].shape, device="tpu")
+    losses = []
+    graph = tpurec.TpuGraph()
+    with tpurec.mode("fused"):
+        for i, (x, y) in enumerate(batches):
+            static_x.copy_(x)
+            static_y.copy_(y)
+            if i < WARMUP:
+                losses.append(_step(model, optimizer, static_x, static_y, forward).item())
+            elif i == WARMUP:
+                with tpurec.graph(graph):
+                    static_loss = _step(model, optimizer, static_x, static_y, forward)
+                losses.append(static_loss.item())
+            else:
+                graph.replay()
+                losses.append(static_loss.item())
+    return losses, graph
+
+
+# Per name, the optimizer on tpu (its state on the device) and PyTorch CPU's counterpart, or None
+# where CPU has none with the same arithmetic (capturable=True is for accelerators only, and its
+# formula rounds differently from the CPU one's: about 2e-6 on these weights, captured or not).
+OPTIMIZERS = {
+    "sgd_momentum": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "adagrad_fused": lambda p: torch.optim.Adagrad(p, lr=0.05, fused=True),
+    "adam_capturable": lambda p: torch.optim.Adam(p, lr=0.01, capturable=True),
+    "adamw_fused": lambda p: torch.optim.AdamW(p, lr=0.01, fused=True),
+}
+CPU_OPTIMIZERS = {
+    "sgd_momentum": OPTIMIZERS["sgd_momentum"],
+    "adagrad_fused": OPTIMIZERS["adagrad_fused"],
+    "adam_capturable": None,
+    "adamw_fused": OPTIMIZERS["adamw_fused"],
+}
+
+
+def _uncaptured_losses(model, optimizer, batches, forward=None) -> list[float]:
+    static_x, static_y = (torch.zeros(t.shape, device="tpu") for t in batches[0])
+    losses = []
+    with tpurec.mode("fused"):
+        for x, y in batches:
+            static_x.copy_(x)
+            static_y.copy_(y)
+            losses.append(_step(model, optimizer, static_x, static_y, forward).item())
+    return losses
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_replayed_steps_train_as_the_uncaptured_step_and_as_pytorch_cpu(name):
+    batches = _batches()
+    model = _model().to("tpu")
+    losses, graph = _graphed_losses(model, OPTIMIZERS[name](model.parameters()), batches)
+    assert graph.captured
+    plain = _model().to("tpu")
+    assert losses == _uncaptured_losses(plain, OPTIMIZERS[name](plain.parameters()), batches)  # bit for bit
+    assert all(torch.equal(a.detach().cpu(), b.detach().cpu()) for a, b in zip(model.parameters(), plain.parameters()))
+    if CPU_OPTIMIZERS[name] is None:
+        return
+    cpu = _model()
+    cpu_optimizer = CPU_OPTIMIZERS[name](cpu.parameters())
+    expected = [_step(cpu, cpu_optimizer, x, y).item() for x, y in batches]
+    # float32 arithmetic in another order (XLA fuses the step): stated tolerance, not bitwise.
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    for ours, theirs in zip(model.parameters(), cpu.parameters()):
+        torch.testing.assert_close(ours.detach().cpu(), theirs.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_compiled_model_replays_as_pytorch_cpu():
+    batches = _batches()
+    cpu = _model()
+    cpu_optimizer = torch.optim.SGD(cpu.parameters(), lr=0.05, momentum=0.9)
+    expected = [_step(cpu, cpu_optimizer, x, y).item() for x, y in batches]
+    model = _model().to("tpu")
+    forward = torch.compile(model, backend="tpu")
+    losses, _ = _graphed_losses(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), batches, forward)
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
+
+
+def test_a_replay_is_one_program_and_compiles_nothing():
+    batches = _batches()
+    model = _model().to("tpu")
+    _, graph = _graphed_losses(model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), batches)
+    tpurec.synchronize()
+    before = tpurec.stats()
+    for _ in range(3):
+        graph.replay()
+    tpurec.synchronize()
+    after = tpurec.stats()
+    assert after["executions"] - before["executions"] == 3
+    assert after["compilations"] == before["compilations"]
+    assert after["ops_by_name"] == before["ops_by_name"]  # no op dispatched: no Python of the step ran
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager_model", "compiled_model"])
+def test_random_ops_draw_as_the_uncaptured_step(compiled):
+    def train(graphed: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Dropout(0.5), torch.nn.Linear(32, 1)).to("tpu")
+        forward = torch.compile(model, backend="tpu") if compiled else None
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        rng.manual_seed(123)
+        if graphed:
+            losses, _ = _graphed_losses(model, optimizer, _batches(), forward)
+        else:
+            static_x, static_y = torch.zeros(5, 6, device="tpu"), torch.zeros(5, 1, device="tpu")
+            losses = []
+            with tpurec.mode("fused"):
+                for x, y in _batches():
+                    static_x.copy_(x)
+                    static_y.copy_(y)
+                    losses.append(_step(model, optimizer, static_x, static_y, forward).item())
+        return losses, [p.detach().cpu() for p in model.parameters()], rng.get_state()
+
+    plain, graphed = train(False), train(True)
+    assert graphed[0] == plain[0]  # bit for bit: the same random numbers, the same arithmetic
+    assert all(torch.equal(a, b) for a, b in zip(graphed[1], plain[1]))
+    assert torch.equal(graphed[2], plain[2])  # the generator advanced as far
+
+
+def _warm(model, optimizer, x, y, steps=WARMUP):
+    for _ in range(steps):
+        _step(model, optimizer, x, y).item()
+
+
+def _setup(optimizer=None):
+    model = _model().to("tpu")
+    optimizer = (optimizer or (lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9)))(model.parameters())
+    x, y = (t.to("tpu") for t in _batches(1)[0])
+    return model, optimizer, x, y
+
+
+def _refused(match: str, body, model) -> None:
+    """``body`` under a capture is refused with ``match``; the step still ran (the parameters changed)."""
+    before = [p.detach().cpu().clone() for p in model.parameters()]
+    graph = tpurec.TpuGraph()
+    with pytest.raises(RuntimeError, match=match):
+        with tpurec.graph(graph):
+            body()
+    assert not graph.captured
+    after = [p.detach().cpu() for p in model.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(before, after))
+    with pytest.raises(RuntimeError, match="no captured step"):
+        graph.replay()
+
+
+def test_a_sync_point_in_the_step_is_refused_after_the_step_ran():
+    model, optimizer, x, y = _setup()
+    with tpurec.mode("fused"):
+        _warm(model, optimizer, x, y)
+        _refused("sync point", lambda: _step(model, optimizer, x, y).item(), model)
+
+
+def test_a_step_without_warm_up_is_refused():
+    model, optimizer, x, y = _setup()
+    with tpurec.mode("fused"):
+        _refused("made its state in it", lambda: _step(model, optimizer, x, y), model)
+        # A structure never run (a model of new shapes): nothing says its numbers stay the same.
+        model = torch.nn.Linear(6, 3).to("tpu")
+        no_state = torch.optim.SGD(model.parameters(), lr=0.05)
+        _refused("no step of its structure ran", lambda: _step(model, no_state, x, y.expand(5, 3)), model)
+
+
+def test_a_python_number_that_changes_between_steps_is_refused():
+    model, optimizer, x, y = _setup()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    with tpurec.mode("fused"):
+        for _ in range(WARMUP):
+            _step(model, optimizer, x, y).item()
+            scheduler.step()
+        _refused("Python number", lambda: _step(model, optimizer, x, y), model)
+
+
+def test_an_optimizer_state_on_the_cpu_is_refused():
+    model, optimizer, x, y = _setup(lambda p: torch.optim.Adam(p, lr=0.01))  # capturable=False: steps on the CPU
+    with tpurec.mode("fused"):
+        _warm(model, optimizer, x, y)
+        _refused("optimizer's state", lambda: _step(model, optimizer, x, y), model)
+
+
+def test_a_copy_from_the_cpu_in_the_step_is_refused():
+    model, optimizer, x, y = _setup()
+    cpu_x = x.cpu()
+    with tpurec.mode("fused"):
+        for _ in range(WARMUP):
+            _step(model, optimizer, cpu_x.to("tpu"), y).item()
+        _refused("copies 1 CPU tensor", lambda: _step(model, optimizer, cpu_x.to("tpu"), y), model)
+
+
+def test_a_tensor_the_step_reads_and_drops_is_refused():
+    model, optimizer, x, y = _setup()
+    carried = {"h": torch.zeros(5, 6, device="tpu")}
+
+    def step():  # the input of each step is the previous step's output, kept in a Python variable
+        loss = _step(model, optimizer, x + carried["h"], y)
+        carried["h"] = x * loss.detach()
+        return loss
+
+    with tpurec.mode("fused"):
+        for _ in range(WARMUP):
+            step().item()
+        _refused("reads a tensor that it then drops", step, model)
+
+
+@pytest.mark.parametrize("change", ["resize_", "set_", "data"])
+def test_replay_refuses_a_tensor_given_another_storage_and_runs_nothing(change):
+    model, optimizer, x, y = _setup()
+    with tpurec.mode("fused"):
+        _warm(model, optimizer, x, y)
+        graph = tpurec.TpuGraph()
+        with tpurec.graph(graph):
+            _step(model, optimizer, x, y)
+    if change == "resize_":
+        x.resize_(8, 6)  # a larger storage
+    elif change == "set_":
+        x.set_(torch.zeros(5, 6, device="tpu"))
+    else:
+        next(model.parameters()).data = torch.zeros(16, 6, device="tpu")
+    before = [p.detach().cpu() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"has another storage since the capture"):
+        graph.replay()
+    assert all(torch.equal(a, p.detach().cpu()) for a, p in zip(before, model.parameters()))
+
+
+def test_a_graph_captures_once_and_captures_do_not_nest():
+    model, optimizer, x, y = _setup()
+    with tpurec.mode("fused"):
+        _warm(model, optimizer, x, y)
+        graph = tpurec.TpuGraph()
+        with tpurec.graph(graph):
+            _step(model, optimizer, x, y)
+            with pytest.raises(RuntimeError, match="do not nest"):
+                with tpurec.graph(tpurec.TpuGraph()):
+                    pass
+        with pytest.raises(RuntimeError, match="call reset"):
+            with tpurec.graph(graph):
+                pass
+        graph.reset()
+        assert not graph.captured
+
+
+def test_the_captured_step_and_its_replays_free_nothing_they_still_use():
+    """Donated buffers: a parameter's buffer also held by another storage is copied, not donated."""
+    model, optimizer, x, y = _setup()
+    with tpurec.mode("fused"):
+        _warm(model, optimizer, x, y)
+        graph = tpurec.TpuGraph()
+        with tpurec.graph(graph):
+            loss = _step(model, optimizer, x, y)
+    weight = next(model.parameters())
+    alias = torch.empty_like(weight)
+    alias.copy_(weight)  # may share the buffer (buffers are never written in place)
+    kept = alias.cpu()
+    graph.replay()
+    assert torch.equal(alias.cpu(), kept)
+    assert torch.isfinite(loss.cpu()).all()

@@ -1,0 +1,349 @@
+"""Captured steps: a training step recorded once and replayed as one program, with no Python.
+
+The tpu device's counterpart of ``torch.cuda.CUDAGraph``. In fused mode a steady training
+step already runs as one compiled program, but the host still runs the step's Python every
+time: the modules, PyTorch's autograd engine, the optimizer, and tpurec's recording of each
+op (milliseconds per step for a small model, where a TPU needs well under one). A
+:class:`TpuGraph` keeps the program of one step and what it reads and writes: ``replay()``
+calls the program on the current values of the tensors the step read and stores its results
+into the tensors the step wrote, in about the time of one JAX call.
+
+As with CUDA graphs, what replays is the device work of the step as captured:
+
+* **Inputs are tensors that outlive the step**: parameters, optimizer state, and static input
+  tensors that the caller fills (``static_x.copy_(batch)``) before each replay. A tensor made in
+  the step from a CPU tensor (``batch.to("tpu")`` inside the step) cannot be captured.
+* **Python runs once, at capture.** Python numbers the step passes to ops (learning rates, an
+  ``alpha``) are those of the capture, and work on CPU tensors (the step counts of optimizers
+  that keep them on the CPU) does not replay. A step whose numbers change from one step to the
+  next (a learning rate scheduler, Adam's bias correction with ``capturable=False``) is refused
+  at capture, since it would replay wrongly; a change made later is not seen.
+* **Random ops draw new numbers** on each replay, from the device's generator, as the step would.
+
+The capture checks what it can and raises ``RuntimeError`` otherwise, after the step ran in full
+as a fused window (no work is lost): a sync point in the step (``.item()``, printing, a host op),
+an op run on its own outside the window, a copy from the CPU, a step whose structure differs from
+the step run before it (so the first steps, which make the optimizer's state, are run before the
+capture), a Python number that changed since that step, an input tensor the step dropped.
+
+Example::
+
+    model, opt = ..., torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    static_x = torch.zeros(batch, features, device="tpu")
+    static_y = torch.zeros(batch, device="tpu")
+
+    def step():
+        opt.zero_grad()
+        loss = loss_fn(model(static_x), static_y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    with tpurec.mode("fused"):
+        for x, y in warmup_batches:  # at least two steps, each read (a sync point)
+            static_x.copy_(x); static_y.copy_(y)
+            step().item()
+        g = tpurec.TpuGraph()
+        with tpurec.graph(g):
+            static_loss = step()
+    for x, y in batches:
+        static_x.copy_(x); static_y.copy_(y)
+        g.replay()
+        print(static_loss.item())
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import weakref
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from tpurec import config
+from tpurec.core import fused, modes, rng, runtime
+from tpurec.core import tensor as _tensor
+from tpurec.core.tensor import Storage, holders
+
+__all__ = ["TpuGraph", "graph"]
+
+_Optimizer = torch.optim.Optimizer
+
+# Positions of the argument groups of a fused program (tpurec.core.fused._groups).
+_DONATED, _KEPT, _OTHERS = 0, 1, 5
+
+
+class TpuGraph:
+    """One captured step: its program, where its inputs come from and where its outputs go.
+
+    Made empty; :func:`graph` captures a step into it. See the module's documentation.
+
+    Example::
+
+        g = tpurec.TpuGraph()
+        with tpurec.graph(g):
+            loss = step()
+        g.replay()
+    """
+
+    def __init__(self) -> None:
+        self._plan: _Plan | None = None
+
+    @property
+    def captured(self) -> bool:
+        """Whether a step was captured (and not reset since)."""
+        return self._plan is not None
+
+    def replay(self) -> None:
+        """Runs the captured step once on the current values of its input tensors.
+
+        Pending fused work runs first (a ``copy_`` into a static input in fused mode). The
+        program runs asynchronously, as any tpu op: reading an output waits for it.
+
+        Raises:
+            RuntimeError: nothing captured, or an input tensor's storage changed shape or dtype
+                or was freed since the capture (nothing runs then).
+        """
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("this TpuGraph has no captured step: capture one with `with tpurec.graph(g): ...`")
+        plan.replay()
+
+    def reset(self) -> None:
+        """Forgets the captured step and lets go of the tensors it held."""
+        self._plan = None
+
+
+class _Plan:
+    """What a replay needs: the program, per argument its source, per output its storage."""
+
+    def __init__(
+        self, program, groups: list, numbers: tuple, seeds: list, draws: int, outputs: list, watched: list
+    ) -> None:
+        self.program = program
+        # Per donated/kept argument: (storage, shape, dtype) read at replay, or a constant array.
+        self.groups = groups
+        self.numbers = numbers  # the packed float, int and bool arguments: fixed at capture
+        self.seeds = seeds  # the "others" group: per argument its value, or (part, offset) of a random op's seed
+        self.draws = draws  # how many random ops the step has (the generator advances by as many)
+        self.outputs = outputs  # (storage, output index)
+        # (weak reference to a tensor, its storage) for every tensor over a storage the step reads or
+        # writes: a tensor given another storage since (set_, resize_, .data =) would not see replays.
+        self.watched = watched
+
+    def _arrays(self, sources: list, donated: bool) -> list:
+        arrays = []
+        for source in sources:
+            if type(source) is not tuple:
+                arrays.append(source)  # made during the step: a constant
+                continue
+            storage, shape, dtype = source
+            array = storage._array
+            if fused.is_pending(array):
+                array = fused.resolve(array)
+            if not isinstance(array, jax.Array) or array.shape != shape or array.dtype != dtype:
+                got = "no values" if not isinstance(array, jax.Array) else f"{array.dtype}{list(array.shape)}"
+                raise RuntimeError(
+                    f"a tensor the captured step reads now holds {got}, where the step read {dtype}{list(shape)}: "
+                    "fill static inputs with copy_() (keeping their shape and dtype) and capture again after a change"
+                )
+            if donated and holders(array) > 1:
+                array = jnp.copy(array)  # shared with another storage, which must keep it: donate a copy
+            arrays.append(array)
+        return arrays
+
+    def replay(self) -> None:
+        fused.flush("graph replay")
+        for ref, storage in self.watched:
+            t = ref()
+            if t is not None and t._storage is not storage:
+                raise RuntimeError(
+                    f"a tensor that the captured step reads or writes ({t.dtype}{list(t.shape)}) has another storage "
+                    "since the capture (set_(), resize_(), .data =), so a replay would not reach it: fill tensors "
+                    "in place with copy_(), or capture again"
+                )
+        donated, kept = self.groups
+        args = [self._arrays(donated, True), self._arrays(kept, False), *self.numbers]
+        if self.draws:
+            base = rng._counter
+            high, low = np.uint32(rng._seed >> 32), np.uint32(rng._seed & 0xFFFF_FFFF)
+            others = []
+            for value in self.seeds:
+                if type(value) is tuple:
+                    part, offset = value
+                    others.append(high if part == 0 else low if part == 1 else np.uint32((base + offset) & 0xFFFF_FFFF))
+                else:
+                    others.append(value)
+            rng._counter = base + self.draws
+            args.append(others)
+        else:
+            args.append(self.seeds or None)
+        values = self.program(*args)
+        for storage, k in self.outputs:
+            storage.array = values[k]
+
+
+def _live_state() -> tuple[dict[int, tuple], list]:
+    """Every live storage by id, (a weak reference to it, the array it holds); per optimizer, (it,
+    the size of its state, (tensor, version counter) per CPU tensor of its state)."""
+    storages, optimizers = {}, []
+    for obj in gc.get_objects():
+        if type(obj) is Storage:
+            storages[id(obj)] = (weakref.ref(obj), obj._array)
+        elif issubclass(type(obj), _Optimizer):  # type(): isinstance on a dead weak proxy raises
+            optimizers.append((obj, _state_size(obj), _cpu_state(obj)))
+    return storages, optimizers
+
+
+def _state_size(optimizer: torch.optim.Optimizer) -> int:
+    return sum(len(state) for state in optimizer.state.values())
+
+
+def _cpu_state(optimizer: torch.optim.Optimizer) -> list:
+    return [
+        (value, value._version)
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.device.type == "cpu"
+    ]
+
+
+@contextlib.contextmanager
+def graph(tpu_graph: TpuGraph) -> Iterator[None]:
+    """Captures the block, one training step, into ``tpu_graph`` (as ``torch.cuda.graph``).
+
+    The block runs in fused mode as one window, then as one program, as it would without the
+    capture; its tensors hold their results as usual. Pending work runs before the block.
+
+    Args:
+        tpu_graph: an empty :class:`TpuGraph`.
+
+    Raises:
+        RuntimeError: the step cannot be replayed exactly (see the module's documentation); the
+            step ran in full and ``tpu_graph`` stays empty.
+
+    Example::
+
+        with tpurec.graph(g):
+            loss = step()
+    """
+    if tpu_graph._plan is not None:
+        raise RuntimeError("this TpuGraph holds a captured step already: call reset() to capture another")
+    if fused.capture_sync_points is not None:
+        raise RuntimeError("a step is being captured already: captures do not nest")
+    fused.flush("graph capture starts")
+    before, optimizers = _live_state()
+    counters = runtime.counters()
+    executions, transfers, first_draw = counters.executions, _tensor.transfers, rng._counter
+    sync_points: list = []
+    draws: list = []
+    fused.capture_sync_points, rng._log = sync_points, draws
+    try:
+        # No host copies of small integer tensors: a value read in Python would be baked in.
+        with modes.mode("fused"), config.override(fused_max_ops=2**31 - 1, host_mirrors=0):
+            yield
+            fused.capture_sync_points = None  # the capture's own flush is no sync point of the step
+            ran = fused.flush_captured()
+    finally:
+        fused.capture_sync_points, rng._log = None, None
+    ran_extra = runtime.counters().executions - executions - (ran is not None)
+    new_state = sum(_state_size(optimizer) != size for optimizer, size, _ in optimizers)
+    cpu_writes = sum(t._version != version for _, _, state in optimizers for t, version in state)
+    checks = (sync_points, ran_extra, _tensor.transfers - transfers, new_state, cpu_writes)
+    tpu_graph._plan = _plan(ran, before, checks, draws, first_draw)
+
+
+def _plan(ran, before: dict, checks: tuple, draws: list, first_draw: int):
+    """The replay plan of a captured window, after the checks that it replays exactly."""
+
+    def refuse(why: str) -> RuntimeError:
+        return RuntimeError(
+            f"tpurec.graph cannot capture this step: {why}. The step ran in full; nothing was captured."
+        )
+
+    sync_points, ran_extra, transfers, new_state, cpu_writes = checks
+
+    if sync_points:
+        raise refuse(
+            f"it has {len(sync_points)} sync point(s) ({', '.join(sorted(set(sync_points)))}): a value was read on "
+            "the host (.item(), printing, a data-dependent op), which splits the step. Read values after replay()"
+        )
+    if ran is None:
+        raise refuse("it records no tpu op")
+    if ran_extra > 0:
+        raise refuse(f"{ran_extra} program(s) ran on their own outside the step's window (an op run eagerly)")
+    if transfers:
+        raise refuse(
+            f"it copies {transfers} CPU tensor(s) to the device; a replay would use the values of the capture. "
+            "Copy each batch into static tpu tensors with copy_() before the step instead"
+        )
+    if new_state:
+        raise refuse(
+            "an optimizer made its state in it (its first step), which a replay would make again. Run the step "
+            "at least twice in fused mode first, reading a result of each (loss.item()), then capture"
+        )
+    if cpu_writes:
+        raise refuse(
+            f"it writes {cpu_writes} CPU tensor(s) of an optimizer's state (its step count), work a replay would "
+            "not do: use fused=True or capturable=True, which keep the optimizer's state on the device"
+        )
+    window, program, positions, filled, seen, sizes, arguments, previous = ran
+    if previous is None:
+        raise refuse(
+            "no step of its structure ran before it (the first steps make the optimizer's state). Run the step at "
+            "least twice in fused mode first, reading a result of each (loss.item()), then capture"
+        )
+    for was, now in zip(previous, arguments[2:5]):
+        if (was is None) != (now is None) or (was is not None and not np.array_equal(was, now, equal_nan=True)):
+            raise refuse(
+                "a Python number it passes to an op changed since the last step like it (a learning rate set by a "
+                "scheduler, an optimizer's bias correction computed on the CPU: use capturable=True). A replay "
+                "would keep the value of the capture"
+            )
+    external = window.external
+    held_before = {id(array): (ref, array) for ref, array in before.values() if isinstance(array, jax.Array)}
+    sources: list = [[], []]
+    for group in (_DONATED, _KEPT):
+        for k in positions[group]:
+            sources[group].append(_source(external[k], held_before, refuse))
+    seeds: list = list(arguments[_OTHERS] or [])
+    where_other = {k: n for n, k in enumerate(positions[_OTHERS])}
+    slot_of = {id(external[k]): n for k, n in where_other.items()}
+    for values, counter in draws:
+        for part, value in enumerate(values):
+            n = slot_of.get(id(value))
+            if n is None:
+                raise refuse("a random op's seed does not reach the step's program")
+            seeds[n] = (part, counter - first_draw)
+    outputs = [(storage, seen[where]) for storage, _, where in filled]
+    del sizes
+    storages = {id(source[0]): source[0] for group in sources for source in group if type(source) is tuple}
+    storages.update((id(storage), storage) for storage, _ in outputs)
+    watched = [
+        (weakref.ref(obj), obj._storage)
+        for obj in gc.get_objects()
+        if issubclass(type(obj), _tensor.TpuTensor) and id(getattr(obj, "_storage", None)) in storages
+    ]
+    return _Plan(program, sources, tuple(arguments[2:5]), seeds, len(draws), outputs, watched)
+
+
+def _source(x, held_before: dict, refuse):
+    """Where a replay takes the input that was array ``x`` at capture: its storage, or ``x`` itself.
+
+    ``held_before``: per array id, (a weak reference to a storage that held it when the capture
+    began, the array).
+    """
+    held = held_before.get(id(x)) if isinstance(x, jax.Array) else None
+    if held is None or held[1] is not x:
+        return x  # made during the step (a factory's constant): the same at every replay
+    storage = held[0]()
+    if storage is None:
+        raise refuse(
+            "it reads a tensor that it then drops (a value carried from step to step in a Python "
+            "variable?); keep such a value in a tensor that outlives the step and write it with copy_()"
+        )
+    return (storage, x.shape, x.dtype)
