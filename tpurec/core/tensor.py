@@ -490,14 +490,16 @@ def alloc_storage(t: torch.Tensor) -> None:
     storage.array = jax.device_put(np.zeros(shape, dtype), _device.jax_device(storage.index))
 
 
-# Host -> device copies made so far (a captured step may make none: tpurec.core.graphs).
+# Host -> device copies of values made so far (a captured step may make none: tpurec.core.graphs).
+# An empty tensor has no values to copy (``torch.tensor([], device="tpu")``) and is not counted.
 transfers = 0
 
 
 def host_to_jax(t: torch.Tensor, device: jax.Device) -> jax.Array:
     """Copies a CPU tensor to ``device`` (exact for every supported dtype)."""
     global transfers
-    transfers += 1
+    if t.numel():
+        transfers += 1
     return jax.device_put(host_array(t), device)
 
 
