@@ -1,7 +1,7 @@
 """Where torch enters the tpu device, and where the op runtime is loaded: on the first tpu op.
 
-``import tpurec`` imports the core's layers up to ``modes`` (devices, tensors, counters,
-modes) and this module, the top layer. The op runtime above ``modes`` (``programs``,
+``import tpurec`` imports the core's layers up to ``graphs`` (devices, tensors, counters,
+modes, captured steps) and this module, the top layer. The op runtime above them (``mirrors``, ``programs``,
 ``calls``, ``view_ops``, ``kernels``, ``mutating``, ``host``, ``dispatch``: ``LAZY_LAYERS``
 in ``tpurec.core``) is imported by :func:`load_runtime`, which every entry point below
 calls first:
