@@ -12,6 +12,7 @@ import torch
 
 import tpurec
 from tpurec.core import rng
+from tpurec.core.tensor import free_storage
 
 STEPS = 7
 WARMUP = 2  # plain steps before the capture: the first makes the optimizer's state
@@ -241,51 +242,52 @@ def test_a_tensor_the_step_reads_and_drops_is_refused():
         _refused("reads a tensor that it then drops", step, model)
 
 
-@pytest.mark.parametrize("change", ["resize_", "set_", "data"])
-def test_replay_refuses_a_tensor_given_another_storage_and_runs_nothing(change):
-    model, optimizer, x, y = _setup()
-    with tpurec.mode("fused"):
-        _warm(model, optimizer, x, y)
-        graph = tpurec.TpuGraph()
-        with tpurec.graph(graph):
-            _step(model, optimizer, x, y)
-    if change == "resize_":
-        x.resize_(8, 6)  # a larger storage
-    elif change == "set_":
-        x.set_(torch.zeros(5, 6, device="tpu"))
-    else:
-        next(model.parameters()).data = torch.zeros(16, 6, device="tpu")
-    before = [p.detach().cpu() for p in model.parameters()]
-    with pytest.raises(RuntimeError, match=r"has another storage since the capture"):
-        graph.replay()
-    assert all(torch.equal(a, p.detach().cpu()) for a, p in zip(before, model.parameters()))
-
-
-def test_a_graph_captures_once_and_captures_do_not_nest():
-    model, optimizer, x, y = _setup()
-    with tpurec.mode("fused"):
-        _warm(model, optimizer, x, y)
-        graph = tpurec.TpuGraph()
-        with tpurec.graph(graph):
-            _step(model, optimizer, x, y)
-            with pytest.raises(RuntimeError, match="do not nest"):
-                with tpurec.graph(tpurec.TpuGraph()):
-                    pass
-        with pytest.raises(RuntimeError, match="call reset"):
-            with tpurec.graph(graph):
-                pass
-        graph.reset()
-        assert not graph.captured
-
-
-def test_the_captured_step_and_its_replays_free_nothing_they_still_use():
-    """Donated buffers: a parameter's buffer also held by another storage is copied, not donated."""
+def _captured():
+    """A model, its optimizer, its static batch, a graph of its step and the step's loss."""
     model, optimizer, x, y = _setup()
     with tpurec.mode("fused"):
         _warm(model, optimizer, x, y)
         graph = tpurec.TpuGraph()
         with tpurec.graph(graph):
             loss = _step(model, optimizer, x, y)
+    return model, x, graph, loss
+
+
+@pytest.mark.parametrize("change", ["resize_", "set_", "data", "storage_freed"])
+def test_replay_refuses_a_tensor_given_other_memory_and_runs_nothing(change):
+    model, x, graph, _ = _captured()
+    if change == "resize_":
+        x.resize_(8, 6)  # a larger storage
+    elif change == "set_":
+        x.set_(torch.zeros(5, 6, device="tpu"))
+    elif change == "data":
+        next(model.parameters()).data = torch.zeros(16, 6, device="tpu")
+    else:
+        free_storage(x)  # as FSDP2 frees a parameter's memory (tpurec.distributed.fsdp): the same storage, no values
+    before = [p.detach().cpu() for p in model.parameters()]
+    message = "now holds float32\\[0\\]" if change == "storage_freed" else "has another storage since the capture"
+    with pytest.raises(RuntimeError, match=message):
+        graph.replay()
+    assert all(torch.equal(a, p.detach().cpu()) for a, p in zip(before, model.parameters()))
+
+
+def test_a_graph_captures_once_and_captures_do_not_nest():
+    _, _, graph, _ = _captured()
+    with pytest.raises(RuntimeError, match="call reset"):
+        with tpurec.graph(graph):
+            pass
+    graph.reset()
+    assert not graph.captured
+    with pytest.raises(RuntimeError, match="do not nest"):
+        with tpurec.graph(graph):
+            with tpurec.graph(tpurec.TpuGraph()):
+                pass
+    assert not graph.captured
+
+
+def test_the_captured_step_and_its_replays_free_nothing_they_still_use():
+    """Donated buffers: a parameter's buffer also held by another storage is copied, not donated."""
+    model, _, graph, loss = _captured()
     weight = next(model.parameters())
     alias = torch.empty_like(weight)
     alias.copy_(weight)  # may share the buffer (buffers are never written in place)
