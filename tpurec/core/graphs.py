@@ -105,8 +105,9 @@ class TpuGraph:
         program runs asynchronously, as any tpu op: reading an output waits for it.
 
         Raises:
-            RuntimeError: nothing captured, or an input tensor's storage changed shape or dtype
-                or was freed since the capture (nothing runs then).
+            RuntimeError: nothing captured; a tensor the step reads or writes was given other
+                memory since the capture (``set_``, ``resize_``, ``.data =``); or a storage it
+                reads changed shape or dtype or was freed. Nothing runs then.
         """
         plan = self._plan
         if plan is None:
@@ -291,7 +292,7 @@ def _plan(ran, before: dict, checks: tuple, draws: list, first_draw: int):
             f"it writes {cpu_writes} CPU tensor(s) of an optimizer's state (its step count), work a replay would "
             "not do: use fused=True or capturable=True, which keep the optimizer's state on the device"
         )
-    window, program, positions, filled, seen, sizes, arguments, previous = ran
+    window, program, positions, filled, seen, _, arguments, previous = ran
     if previous is None:
         raise refuse(
             "no step of its structure ran before it (the first steps make the optimizer's state). Run the step at "
@@ -320,7 +321,6 @@ def _plan(ran, before: dict, checks: tuple, draws: list, first_draw: int):
                 raise refuse("a random op's seed does not reach the step's program")
             seeds[n] = (part, counter - first_draw)
     outputs = [(storage, seen[where]) for storage, _, where in filled]
-    del sizes
     storages = {id(source[0]): source[0] for group in sources for source in group if type(source) is tuple}
     storages.update((id(storage), storage) for storage, _ in outputs)
     watched = [
