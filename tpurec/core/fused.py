@@ -219,26 +219,12 @@ def resolve(value):
     return value
 
 
-def flush(reason: str) -> None:
-    """Runs every recorded op as one program and fills in the live storages."""
-    global _window
-    window = _window
-    if not window.nodes:
-        return
-    _window = _Window(window.serial + 1)
-    counters = runtime.counters()
-    counters.sync_points[reason] += 1
-    if capture_sync_points is not None:
-        capture_sync_points.append(reason)
-    with profiler.record(f"tpurec::sync ({reason})"):  # tpurec.profiler hook
-        _flush(window, counters)
-
-
-def flush_captured() -> tuple | None:
-    """Runs the window of a captured step (``tpurec.core.graphs``) as :func:`flush` does.
+def flush(reason: str) -> tuple | None:
+    """Runs every recorded op as one program and fills in the live storages.
 
     Returns:
-        None when nothing was recorded, else the window followed by what ``_flush`` returns.
+        None when nothing was recorded, else the window followed by what ``_flush`` returns
+        (read by a captured step, ``tpurec.core.graphs``).
     """
     global _window
     window = _window
@@ -246,10 +232,11 @@ def flush_captured() -> tuple | None:
         return None
     _window = _Window(window.serial + 1)
     counters = runtime.counters()
-    counters.sync_points["graph capture"] += 1
-    with profiler.record("tpurec::sync (graph capture)"):  # tpurec.profiler hook
-        ran = _flush(window, counters)
-    return (window, *ran)
+    counters.sync_points[reason] += 1
+    if capture_sync_points is not None:
+        capture_sync_points.append(reason)
+    with profiler.record(f"tpurec::sync ({reason})"):  # tpurec.profiler hook
+        return (window, *_flush(window, counters))
 
 
 # synchronize() (in runtime, a layer below) runs the pending window first.
@@ -261,9 +248,9 @@ def _flush(window: _Window, counters: runtime.Stats) -> tuple:
 
     Returns:
         The program, its argument positions per group, (storage, pending value, where) per
-        filled storage, the output index of each ``where``, the outputs' bytes, the
-        arguments the program was called with, and the packed numbers of the last window of
-        the same structure (None: none ran before).
+        filled storage, the output index of each ``where``, the arguments the program was
+        called with, and the packed numbers of the last window of the same structure (None:
+        none ran before).
     """
     nodes, external, replaced, device = window.nodes, window.external, window.replaced, window.device
     # Each live storage with a pending value of this window, once, and where that value comes from.
@@ -320,7 +307,7 @@ def _flush(window: _Window, counters: runtime.Stats) -> tuple:
         k = seen[where]
         pending.value = value = values[k]
         fill(storage, value, sizes[k])
-    return program, positions, filled, seen, sizes, arguments, previous_numbers
+    return program, positions, filled, seen, arguments, previous_numbers
 
 
 # How each external input of a window travels to its program (see _groups).

@@ -22,9 +22,10 @@ As with CUDA graphs, what replays is the device work of the step as captured:
 
 The capture checks what it can and raises ``RuntimeError`` otherwise, after the step ran in full
 as a fused window (no work is lost): a sync point in the step (``.item()``, printing, a host op),
-an op run on its own outside the window, a copy from the CPU, a step whose structure differs from
-the step run before it (so the first steps, which make the optimizer's state, are run before the
-capture), a Python number that changed since that step, an input tensor the step dropped.
+an op run on its own outside the window, a copy from the CPU, an optimizer that makes its state in
+the step or a step whose structure never ran before (so the first steps run before the capture),
+a Python number that changed since the last step of the same structure, an optimizer state tensor
+on the CPU that the step writes, an input tensor the step dropped.
 
 Example::
 
@@ -67,14 +68,14 @@ import torch
 from tpurec import config
 from tpurec.core import fused, modes, rng, runtime
 from tpurec.core import tensor as _tensor
+from tpurec.core.fused import _DONATED, _KEPT, _OTHER
 from tpurec.core.tensor import Storage, holders
 
 __all__ = ["TpuGraph", "graph"]
 
 _Optimizer = torch.optim.Optimizer
 
-# Positions of the argument groups of a fused program (tpurec.core.fused._groups).
-_DONATED, _KEPT, _OTHERS = 0, 1, 5
+_WARM_UP = "Run the step at least twice in fused mode first, reading a result of each (loss.item()), then capture"
 
 
 class TpuGraph:
@@ -248,7 +249,7 @@ def graph(tpu_graph: TpuGraph) -> Iterator[None]:
         with modes.mode("fused"), config.override(fused_max_ops=2**31 - 1, host_mirrors=0):
             yield
             fused.capture_sync_points = None  # the capture's own flush is no sync point of the step
-            ran = fused.flush_captured()
+            ran = fused.flush("graph capture")
     finally:
         fused.capture_sync_points, rng._log = None, None
     ran_extra = runtime.counters().executions - executions - (ran is not None)
@@ -283,21 +284,15 @@ def _plan(ran, before: dict, checks: tuple, draws: list, first_draw: int):
             "Copy each batch into static tpu tensors with copy_() before the step instead"
         )
     if new_state:
-        raise refuse(
-            "an optimizer made its state in it (its first step), which a replay would make again. Run the step "
-            "at least twice in fused mode first, reading a result of each (loss.item()), then capture"
-        )
+        raise refuse(f"an optimizer made its state in it (its first step), which a replay would make again. {_WARM_UP}")
     if cpu_writes:
         raise refuse(
             f"it writes {cpu_writes} CPU tensor(s) of an optimizer's state (its step count), work a replay would "
             "not do: use fused=True or capturable=True, which keep the optimizer's state on the device"
         )
-    window, program, positions, filled, seen, _, arguments, previous = ran
+    window, program, positions, filled, seen, arguments, previous = ran
     if previous is None:
-        raise refuse(
-            "no step of its structure ran before it (the first steps make the optimizer's state). Run the step at "
-            "least twice in fused mode first, reading a result of each (loss.item()), then capture"
-        )
+        raise refuse(f"no step of its structure ran before it (the first steps make the optimizer's state). {_WARM_UP}")
     for was, now in zip(previous, arguments[2:5]):
         if (was is None) != (now is None) or (was is not None and not np.array_equal(was, now, equal_nan=True)):
             raise refuse(
@@ -311,9 +306,8 @@ def _plan(ran, before: dict, checks: tuple, draws: list, first_draw: int):
     for group in (_DONATED, _KEPT):
         for k in positions[group]:
             sources[group].append(_source(external[k], held_before, refuse))
-    seeds: list = list(arguments[_OTHERS] or [])
-    where_other = {k: n for n, k in enumerate(positions[_OTHERS])}
-    slot_of = {id(external[k]): n for k, n in where_other.items()}
+    seeds: list = list(arguments[_OTHER] or [])
+    slot_of = {id(external[k]): n for n, k in enumerate(positions[_OTHER])}
     for values, counter in draws:
         for part, value in enumerate(values):
             n = slot_of.get(id(value))

@@ -178,7 +178,7 @@ def _no_pending_work(reason: str) -> None:
 
 
 _compile_observer: Callable[[Any], contextlib.AbstractContextManager] = _no_observer
-_flush_pending_work: Callable[[str], None] = _no_pending_work
+_flush_pending_work: Callable[[str], object] = _no_pending_work
 
 
 def observe_compilations(observer: Callable[[Any], contextlib.AbstractContextManager]) -> None:
@@ -192,7 +192,7 @@ def observe_compilations(observer: Callable[[Any], contextlib.AbstractContextMan
     _compile_observer = observer
 
 
-def flush_pending_work_with(flush: Callable[[str], None]) -> None:
+def flush_pending_work_with(flush: Callable[[str], object]) -> None:
     """Sets what :func:`synchronize` runs before it waits (``tpurec.core.fused.flush``).
 
     Args:
