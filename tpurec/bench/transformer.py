@@ -9,7 +9,10 @@ intermediate 128, vocabulary 128: no download) trains on one fixed batch of
   ``torch.compile(optimizer.step, backend="tpu")`` in fused mode (one program per step);
 * ``compiled_dispatch``: the same with ``TPUREC_FUSED_COMPILED_GRAPHS=dispatch``: each compiled
   graph is enqueued when it is called, so the device runs the forward while Python records
-  the backward (three programs per step).
+  the backward (three programs per step);
+* ``graphed``: as ``compiled``, with the step captured by ``tpurec.graph`` on its third call
+  and replayed from then on (``TpuGraph.replay()``: one program call per step, none of the
+  model's, autograd's or the optimizer's Python).
 
 They run interleaved (``tpurec.bench.rounds``); reported per configuration: median and
 minimum wall ms of a step, median host ms (the main thread's CPU time), the last loss,
@@ -73,7 +76,7 @@ def _configs(batch: int, length: int) -> list[_Config]:
         cpu_optimizer.step()
         return loss.item()
 
-    def tpu_step() -> Callable[[], float]:
+    def tpu_step(captured: bool = False) -> Callable[[], float]:
         # Its own copy of the weights: each configuration trains from the same start.
         tpu = copy.deepcopy(cpu).to("tpu")
         tpu_inputs = {name: t.to("tpu") for name, t in inputs.items()}
@@ -81,19 +84,37 @@ def _configs(batch: int, length: int) -> list[_Config]:
         forward = torch.compile(tpu, backend="tpu", dynamic=False)
         update = torch.compile(tpu_optimizer.step, backend="tpu")
 
-        def step() -> float:
+        def train() -> torch.Tensor:
             tpu_optimizer.zero_grad()
             loss = forward(**tpu_inputs).loss
             loss.backward()
             update()
-            return loss.item()
+            return loss
 
-        return step
+        if not captured:
+            return lambda: train().item()
+        graph = tpurec.TpuGraph()
+        calls = [0]
+        loss: list[torch.Tensor] = []
+
+        def replayed() -> float:  # two plain steps, the capture, then replays
+            calls[0] += 1
+            if calls[0] <= 2:
+                return train().item()
+            if not loss:
+                with tpurec.graph(graph):
+                    loss.append(train())
+            else:
+                graph.replay()
+            return loss[0].item()
+
+        return replayed
 
     return [
         _Config("cpu_pytorch", cpu_step),
         _Config("compiled", tpu_step()),
         _Config("compiled_dispatch", tpu_step()),
+        _Config("graphed", tpu_step(captured=True)),
     ]
 
 
