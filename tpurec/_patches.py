@@ -182,6 +182,15 @@ def _memory_api() -> None:
     memory.install(TpuModule)  # torch.tpu.memory_allocated() and friends
 
 
+def _graph_api() -> None:
+    from tpurec.core import graphs
+    from tpurec.core.device import TpuModule
+
+    # As torch.cuda.CUDAGraph / torch.cuda.graph: code written for CUDA graphs changes only the device name.
+    TpuModule.TpuGraph = graphs.TpuGraph  # pyright: ignore[reportAttributeAccessIssue]
+    TpuModule.graph = staticmethod(graphs.graph)  # pyright: ignore[reportAttributeAccessIssue]
+
+
 def _torchrec_tpu_tables() -> None:
     importlib.import_module("tpurec.distributed.torchrec_tables").install()
 
@@ -430,6 +439,12 @@ PATCHES: tuple[Patch, ...] = (
         "torch.tpu.memory_allocated() and friends",
         "The memory API of torch.cuda, for the tpu device.",
         _memory_api,
+    ),
+    Patch(
+        "torch_tpu_graphs",
+        "torch.tpu.TpuGraph and torch.tpu.graph",
+        "Captured steps (tpurec.TpuGraph, tpurec.graph) where torch.cuda has CUDAGraph and graph.",
+        _graph_api,
     ),
     Patch(
         "optim_foreach",

@@ -36,12 +36,12 @@ def _step(model, optimizer, x, y, forward=None):
     return loss
 
 
-def _graphed_losses(model, optimizer, batches, forward=None) -> tuple[list[float], tpurec.TpuGraph]:
-    """Trains on ``batches``: WARMUP plain fused steps, the capture, then replays."""
+def _graphed_losses(model, optimizer, batches, forward=None, api=tpurec) -> tuple[list[float], tpurec.TpuGraph]:
+    """Trains on ``batches``: WARMUP plain fused steps, the capture (by ``api.graph``), then replays."""
     static_x = torch.zeros(batches[0][0].shape, device="tpu")
     static_y = torch.zeros(batches[0][1].shape, device="tpu")
     losses = []
-    graph = tpurec.TpuGraph()
+    graph = api.TpuGraph()
     with tpurec.mode("fused"):
         for i, (x, y) in enumerate(batches):
             static_x.copy_(x)
@@ -49,7 +49,7 @@ def _graphed_losses(model, optimizer, batches, forward=None) -> tuple[list[float
             if i < WARMUP:
                 losses.append(_step(model, optimizer, static_x, static_y, forward).item())
             elif i == WARMUP:
-                with tpurec.graph(graph):
+                with api.graph(graph):
                     static_loss = _step(model, optimizer, static_x, static_y, forward)
                 losses.append(static_loss.item())
             else:
@@ -104,6 +104,18 @@ def test_replayed_steps_train_as_the_uncaptured_step_and_as_pytorch_cpu(name):
     assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
     for ours, theirs in zip(model.parameters(), cpu.parameters()):
         torch.testing.assert_close(ours.detach().cpu(), theirs.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_torch_tpu_graph_captures_as_torch_cuda_graph_would():
+    # Code written for CUDA graphs with the device's name changed: torch.tpu.TpuGraph / torch.tpu.graph.
+    batches = _batches()
+    model = _model().to("tpu")
+    losses, graph = _graphed_losses(model, torch.optim.SGD(model.parameters(), lr=0.05), batches, api=torch.tpu)
+    assert isinstance(graph, tpurec.TpuGraph) and graph.captured
+    cpu = _model()
+    cpu_optimizer = torch.optim.SGD(cpu.parameters(), lr=0.05)
+    expected = [_step(cpu, cpu_optimizer, x, y).item() for x, y in batches]
+    assert losses == pytest.approx(expected, rel=1e-5, abs=1e-6)
 
 
 def test_a_compiled_model_replays_as_pytorch_cpu():
