@@ -58,7 +58,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import weakref
-from typing import Iterator
+from typing import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -71,9 +71,12 @@ from tpurec.core import tensor as _tensor
 from tpurec.core.fused import _DONATED, _KEPT, _OTHER
 from tpurec.core.tensor import Storage, holders
 
-__all__ = ["TpuGraph", "graph"]
+__all__ = ["TpuGraph", "graph", "on_replay"]
 
 _Optimizer = torch.optim.Optimizer
+
+# Set while a step is captured: Python work each replay repeats (on_replay).
+_replay_hooks: list[Callable[[], None]] | None = None
 
 _WARM_UP = "Run the step at least twice in fused mode first, reading a result of each (loss.item()), then capture"
 
@@ -124,7 +127,15 @@ class _Plan:
     """What a replay needs: the program, per argument its source, per output its storage."""
 
     def __init__(
-        self, program, groups: list, numbers: tuple, seeds: list, draws: int, outputs: list, watched: list
+        self,
+        program,
+        groups: list,
+        numbers: tuple,
+        seeds: list,
+        draws: int,
+        outputs: list,
+        watched: list,
+        hooks: list[Callable[[], None]],
     ) -> None:
         self.program = program
         # Per donated/kept argument: (storage, shape, dtype) read at replay, or a constant array.
@@ -136,6 +147,7 @@ class _Plan:
         # (weak reference to a tensor, its storage) for every tensor over a storage the step reads or
         # writes: a tensor given another storage since (set_, resize_, .data =) would not see replays.
         self.watched = watched
+        self.hooks = hooks  # Python bookkeeping of the step, repeated per replay (on_replay)
 
     def _arrays(self, sources: list, donated: bool) -> list:
         arrays = []
@@ -187,6 +199,8 @@ class _Plan:
         values = self.program(*args)
         for storage, k in self.outputs:
             storage.array = values[k]
+        for hook in self.hooks:
+            hook()
 
 
 def _live_state() -> tuple[dict[int, tuple], list]:
@@ -212,6 +226,26 @@ def _cpu_state(optimizer: torch.optim.Optimizer) -> list:
         for value in state.values()
         if isinstance(value, torch.Tensor) and value.device.type == "cpu"
     ]
+
+
+def on_replay(hook: Callable[[], None]) -> None:
+    """Has every replay of the step being captured call ``hook`` after its program (else: nothing).
+
+    For Python state that a step keeps beside its tensors and that its ops do not depend on
+    (a module's count of its optimizer steps): the capture runs the step's Python once, so such
+    a count would stop at the capture's. A number that an op reads must stay a tensor's value
+    or be the same at every step (the capture refuses one that changes).
+
+    Args:
+        hook: called with no arguments once per replay, after the program is enqueued.
+
+    Example::
+
+        self._steps += 1
+        graphs.on_replay(lambda: setattr(self, "_steps", self._steps + 1))
+    """
+    if _replay_hooks is not None:
+        _replay_hooks.append(hook)
 
 
 @contextlib.contextmanager
@@ -243,7 +277,9 @@ def graph(tpu_graph: TpuGraph) -> Iterator[None]:
     executions, transfers, first_draw = counters.executions, _tensor.transfers, rng._counter
     sync_points: list = []
     draws: list = []
-    fused.capture_sync_points, rng._log = sync_points, draws
+    hooks: list[Callable[[], None]] = []
+    global _replay_hooks
+    fused.capture_sync_points, rng._log, _replay_hooks = sync_points, draws, hooks
     try:
         # No host copies of small integer tensors: a value read in Python would be baked in.
         with modes.mode("fused"), config.override(fused_max_ops=2**31 - 1, host_mirrors=0):
@@ -251,15 +287,15 @@ def graph(tpu_graph: TpuGraph) -> Iterator[None]:
             fused.capture_sync_points = None  # the capture's own flush is no sync point of the step
             ran = fused.flush("graph capture")
     finally:
-        fused.capture_sync_points, rng._log = None, None
+        fused.capture_sync_points, rng._log, _replay_hooks = None, None, None
     ran_extra = runtime.counters().executions - executions - (ran is not None)
     new_state = sum(_state_size(optimizer) != size for optimizer, size, _ in optimizers)
     cpu_writes = sum(t._version != version for _, _, state in optimizers for t, version in state)
     checks = (sync_points, ran_extra, _tensor.transfers - transfers, new_state, cpu_writes)
-    tpu_graph._plan = _plan(ran, before, checks, draws, first_draw)
+    tpu_graph._plan = _plan(ran, before, checks, draws, first_draw, hooks)
 
 
-def _plan(ran, before: dict, checks: tuple, draws: list, first_draw: int):
+def _plan(ran, before: dict, checks: tuple, draws: list, first_draw: int, hooks: list[Callable[[], None]]):
     """The replay plan of a captured window, after the checks that it replays exactly."""
 
     def refuse(why: str) -> RuntimeError:
@@ -322,7 +358,7 @@ def _plan(ran, before: dict, checks: tuple, draws: list, first_draw: int):
         for obj in gc.get_objects()
         if issubclass(type(obj), _tensor.TpuTensor) and id(getattr(obj, "_storage", None)) in storages
     ]
-    return _Plan(program, sources, tuple(arguments[2:5]), seeds, len(draws), outputs, watched)
+    return _Plan(program, sources, tuple(arguments[2:5]), seeds, len(draws), outputs, watched, hooks)
 
 
 def _source(x, held_before: dict, refuse):
@@ -333,7 +369,15 @@ def _source(x, held_before: dict, refuse):
     """
     held = held_before.get(id(x)) if isinstance(x, jax.Array) else None
     if held is None or held[1] is not x:
-        return x  # made during the step (a factory's constant): the same at every replay
+        if getattr(x, "size", 1) == 0:
+            return x  # an empty array made in the step: no values, the same at every replay
+        raise refuse(
+            f"it reads values ({x.dtype}{list(x.shape)}) that no tensor held when the step began and that no op of "
+            "the step made: an array put on the device outside tpurec's ops (a batch prefetched by "
+            "EmbeddingBagCollection.prefetch, a tensor wrapped from a jax.Array in the step). A replay would read "
+            "the values of the capture. Fill a tensor that outlives the step before it (copy_(); for a "
+            "tpurec.sparse.EmbeddingBagCollection, its stage() method) instead"
+        )
     storage = held[0]()
     if storage is None:
         raise refuse(

@@ -33,7 +33,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, Poo
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from tpurec.core import modes
+from tpurec.core import graphs, modes
 from tpurec.sparse import export as _export
 from tpurec.sparse.drops import DropCounter
 from tpurec.sparse.optimizers import SGD, Adam, EmbeddingOptimizer, optimizer_from_torch
@@ -190,6 +190,11 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         # tables' device): filled by prefetch() (TrainPipeline's worker thread),
         # taken by forward() of that same KJT object.
         self._prefetched: dict[int, tuple[KeyedJaggedTensor, SparseCoreInput, list[list[torch.Tensor | Any]]]] = {}
+        # stage(): the KJT staged last and its CSR, and per stack the CSR tensors that hold it on the
+        # tables' device; the same tensors from batch to batch, so a captured step reads each new batch.
+        self._staged: tuple[KeyedJaggedTensor, SparseCoreInput] | None = None
+        self._static_csr: list[list[torch.Tensor]] = []
+        self._static_batch_size = 0  # the batch size the staged tensors were made for
         # Set while tpurec.sparse.checkpoint loads the tables with their optimizer state
         # (so load_state_dict does not warn that the optimizer restarts).
         self._optimizer_state_follows = False
@@ -343,6 +348,81 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         while len(self._prefetched) > _MAX_PREFETCHED:
             self._prefetched.pop(next(iter(self._prefetched)))
 
+    def stage(self, features: KeyedJaggedTensor, batch: SparseCoreInput | None = None) -> None:
+        """Preprocesses ``features`` into the collection's static CSR input, for the next forward.
+
+        The CSR arrays are written into tensors the collection keeps from batch to batch (in
+        place, while their shapes stay the same: fixed capacities and batch size), and the next
+        ``forward`` of this same KJT object reads them. A step captured by :func:`tpurec.graph`
+        reads those tensors, so staging the next batch before ``g.replay()`` feeds it to the
+        replay, as ``copy_()`` into a static input does for dense tensors. Dropped entries
+        (``overflow="drop"``) are counted here.
+
+        Args:
+            features: a KJT with the tables' features (CPU).
+            batch: ``features`` already preprocessed by :meth:`preprocess` (None: preprocess here).
+
+        Raises:
+            RuntimeError: the staged batch's lookup still waits for its backward (staging would
+                change its input); nothing changes.
+            CapacityError: as :meth:`preprocess`; nothing changes.
+
+        Example::
+
+            ebc.stage(kjt)
+            with tpurec.graph(g):
+                loss = step(kjt)      # forward(kjt) reads the staged CSR tensors
+            for kjt in batches:
+                ebc.stage(kjt)
+                g.replay()
+        """
+        static = {id(t) for stack in self._static_csr for t in stack}
+        if any(id(ctx.csr[0]) in static for ctx in list(self._pending_lookups)):
+            raise RuntimeError(
+                "stage(): the lookup of the batch staged before still waits for its backward, which reads the "
+                "staged CSR input; run the backward (or drop that step's outputs) before staging the next batch"
+            )
+        if batch is None:
+            batch = self.preprocess(features)
+        device = self.device
+        stacks = []
+        for i, st in enumerate(self._stacks):
+            arrays = batch.stacks[st.name].arrays()
+            old = self._static_csr[i] if i < len(self._static_csr) else None
+            # A new batch size makes new tensors even where the CSR shapes (set by the capacities) stay:
+            # a step captured for the old batch size then refuses to replay instead of misreading the batch.
+            same = (
+                old is not None
+                and batch.batch_size == self._static_batch_size
+                and all(
+                    t.device == device and tuple(t.shape) == a.shape and t.dtype == torch.from_numpy(a[:0]).dtype
+                    for t, a in zip(old, arrays)
+                )
+            )
+            if device.type == "tpu":
+                from tpurec.core.device import TpuModule, jax_device
+                from tpurec.core.tensor import free_storage, replace_array, wrap
+
+                index = device.index if device.index is not None else TpuModule.current_device()
+                moved = [jax.device_put(a, jax_device(index)) for a in arrays]  # asynchronous copies
+                if old is not None and same:
+                    for t, a in zip(old, moved):
+                        replace_array(t, a)
+                    stacks.append(old)
+                    continue
+                for t in old or ():
+                    free_storage(t)  # a step captured over the old shapes then refuses to replay
+                stacks.append([wrap(a, index) for a in moved])
+            elif old is not None and same:
+                for t, a in zip(old, arrays):
+                    t.copy_(torch.from_numpy(a))
+                stacks.append(old)
+            else:
+                stacks.append([torch.from_numpy(a).to(device) for a in arrays])
+        self._static_csr, self._static_batch_size = stacks, batch.batch_size
+        self._staged = (features, batch)
+        self._drops.add(batch.dropped_by_feature)
+
     def clear_prefetched(self) -> None:
         """Drops batches prepared by :meth:`prefetch` that no step used."""
         self._prefetched.clear()
@@ -393,14 +473,20 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             )
         self._check_trainable_lookup(features)
         prefetched = self._take_prefetched(features)
-        batch = self.preprocess(features) if prefetched is None else prefetched[0]
-        self._drops.add(batch.dropped_by_feature)
+        staged = self._staged if prefetched is None and self._staged and self._staged[0] is features else None
+        if staged is not None:
+            batch = staged[1]  # its drops were counted by stage()
+        else:
+            batch = self.preprocess(features) if prefetched is None else prefetched[0]
+            self._drops.add(batch.dropped_by_feature)
         device = self.device
         out_batch = batch.output_batch_size
         stack_outputs = []
         for i, st in enumerate(self._stacks):
             if prefetched is not None:
                 arrays = prefetched[1][i]
+            elif staged is not None:
+                arrays = self._static_csr[i]
             else:
                 arrays = [torch.from_numpy(a).to(device) for a in batch.stacks[st.name].arrays()]
             out = _FusedLookup.apply(self.stacked_weight(i), *arrays, self, i, st.num_slots * batch.batch_size)
@@ -501,6 +587,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 "backward between the lookups, or use FBGEMM's semantics explicitly (optimizer_semantics='fbgemm')."
             )
 
+    def _count_step(self, index: int) -> None:
+        self._steps[index] += 1
+
     def _apply_optimizer(self, index: int, csr: tuple[torch.Tensor, ...], grad_output: torch.Tensor) -> None:
         if self.optimizer is None:
             tables = [t.name for t in self._stacks[index].tables]
@@ -511,6 +600,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 "frozen, detach its output or run it under torch.no_grad() / torch.inference_mode()."
             )
         self._steps[index] += 1
+        graphs.on_replay(lambda: self._count_step(index))  # a replayed step counts too (its numbers do not change)
         op = getattr(torch.ops.tpurec, self.optimizer.op_name)
         weight = self.stacked_weight(index)
         slots = [getattr(self, f"stacked_{s}_{index}") for s in self.optimizer.slots]

@@ -1,0 +1,167 @@
+"""A DLRM step with SparseCore lookups captured by tpurec.graph: the batch's CSR input staged by
+EmbeddingBagCollection.stage(), replays trained as torchrec with FBGEMM's fused optimizer."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torchrec import EmbeddingBagCollection as TorchrecEBC
+from torchrec.models.dlrm import DLRM
+from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+import tpurec
+import tpurec.sparse as sp
+from helpers import make_tables, random_kjt
+
+BATCH, STEPS, WARMUP = 8, 7, 2  # WARMUP plain steps, the capture, then replays
+LAYERS = {"dense_in_features": 5, "dense_arch_layer_sizes": [16, 8], "over_arch_layer_sizes": [16, 1]}
+
+
+def _tables():
+    return make_tables(dims=(8, 8, 8), rows=(30, 20, 10))
+
+
+def _batches(n: int = STEPS) -> list:
+    rng = np.random.default_rng(0)
+    return [
+        (
+            random_kjt(_tables(), BATCH, rng),
+            torch.from_numpy(rng.standard_normal((BATCH, 5)).astype(np.float32)),
+            torch.from_numpy(rng.integers(0, 2, BATCH).astype(np.float32)),
+        )
+        for _ in range(n)
+    ]
+
+
+def _reference() -> DLRM:
+    torch.manual_seed(0)
+    collection = FusedEmbeddingBagCollection(
+        _tables(), optimizer_type=TorchrecRowWiseAdagrad, optimizer_kwargs={"lr": 0.1}
+    )
+    return DLRM(embedding_bag_collection=collection, **LAYERS)
+
+
+def _ours(reference: DLRM) -> DLRM:
+    model = DLRM(embedding_bag_collection=TorchrecEBC(_tables()), **LAYERS)
+    model.load_state_dict(reference.state_dict())
+    apply_optimizer_in_backward(TorchrecRowWiseAdagrad, model.sparse_arch.parameters(), {"lr": 0.1})
+    return sp.from_torchrec(model, capacities=sp.Capacity(128)).to("tpu")
+
+
+def _step(model, optimizer, dense, kjt, labels):
+    optimizer.zero_grad()
+    loss = torch.nn.functional.binary_cross_entropy_with_logits(model(dense, kjt).squeeze(-1), labels)
+    loss.backward()
+    optimizer.step()
+    return loss
+
+
+def _train(model, batches, captured: bool) -> tuple[list[float], tpurec.TpuGraph]:
+    """Fused-mode steps over static dense tensors and the collection's staged CSR input."""
+    collection = model.sparse_arch.embedding_bag_collection
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05, fused=True)
+    static_dense = torch.zeros(BATCH, 5, device="tpu")
+    static_labels = torch.zeros(BATCH, device="tpu")
+    graph = tpurec.TpuGraph()
+    losses = []
+    with tpurec.mode("fused"):
+        for i, (kjt, dense, labels) in enumerate(batches):
+            static_dense.copy_(dense)
+            static_labels.copy_(labels)
+            collection.stage(kjt)
+            if not captured or i < WARMUP:
+                losses.append(_step(model, optimizer, static_dense, kjt, static_labels).item())
+            elif i == WARMUP:
+                with tpurec.graph(graph):
+                    static_loss = _step(model, optimizer, static_dense, kjt, static_labels)
+                losses.append(static_loss.item())
+            else:
+                graph.replay()
+                losses.append(static_loss.item())
+    return losses, graph
+
+
+def test_captured_dlrm_step_replays_as_torchrec_and_as_the_uncaptured_step():
+    batches = _batches()
+    reference = _reference()
+    dense_reference = torch.optim.Adagrad(reference.parameters(), lr=0.05, fused=True)
+    expected = [_step(reference, dense_reference, dense, kjt, labels).item() for kjt, dense, labels in batches]
+
+    ours = _ours(_reference())
+    losses, graph = _train(ours, batches, captured=True)
+    assert graph.captured
+    plain = _ours(_reference())
+    assert losses == _train(plain, batches, captured=False)[0]  # bit for bit
+    for key, value in plain.state_dict().items():
+        assert torch.equal(ours.state_dict()[key].cpu(), value.cpu()), key
+    # The replays counted their optimizer steps, as the uncaptured steps did (saved in checkpoints).
+    collections = [m.sparse_arch.embedding_bag_collection for m in (ours, plain)]
+    assert collections[0].optimizer_state_dict()["steps"] == collections[1].optimizer_state_dict()["steps"]
+    assert collections[0].optimizer_state_dict()["steps"] == [STEPS]
+    # torchrec on CPU with FBGEMM's fused row-wise Adagrad: test_dlrm.py's tolerances.
+    assert losses == pytest.approx(expected, abs=1e-4, rel=0)
+    state = ours.state_dict()
+    for key, value in reference.state_dict().items():
+        torch.testing.assert_close(state[key].cpu(), value, atol=1e-4, rtol=0)
+
+
+def test_a_prefetched_batch_in_the_step_is_refused_after_the_step_ran():
+    # prefetch() puts the CSR arrays on the device outside tpurec's ops: a replay would read the capture's batch.
+    batches = _batches(WARMUP + 1)
+    model = _ours(_reference())
+    collection = model.sparse_arch.embedding_bag_collection
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    dense, labels = (t.to("tpu") for t in batches[0][1:])
+    with tpurec.mode("fused"):
+        for kjt, _, _ in batches[:WARMUP]:
+            collection.prefetch(kjt)
+            _step(model, optimizer, dense, kjt, labels).item()
+        kjt = batches[WARMUP][0]
+        collection.prefetch(kjt)
+        before = collection.stacked_weight(0).detach().cpu().clone()
+        graph = tpurec.TpuGraph()
+        with pytest.raises(RuntimeError, match=r"that no tensor held when the step began.*its stage\(\) method"):
+            with tpurec.graph(graph):
+                _step(model, optimizer, dense, kjt, labels)
+    assert not graph.captured
+    assert not torch.equal(collection.stacked_weight(0).detach().cpu(), before)  # the step ran in full
+
+
+def test_stage_refuses_while_the_staged_lookup_waits_for_its_backward():
+    kjt, other = (b[0] for b in _batches(2))
+    model = _ours(_reference())
+    collection = model.sparse_arch.embedding_bag_collection
+    collection.stage(kjt)
+    pooled = collection(kjt).values()
+    staged = [t.cpu().clone() for t in collection._static_csr[0]]
+    with pytest.raises(RuntimeError, match="still waits for its backward"):
+        collection.stage(other)
+    assert collection._staged is not None and collection._staged[0] is kjt
+    assert all(torch.equal(t.cpu(), s) for t, s in zip(collection._static_csr[0], staged))
+    pooled.sum().backward()
+    collection.stage(other)  # after the backward it may
+
+
+def test_a_replay_after_staging_a_batch_of_another_size_runs_nothing():
+    batches = _batches(WARMUP + 1)
+    model = _ours(_reference())
+    graph = tpurec.TpuGraph()
+    collection = model.sparse_arch.embedding_bag_collection
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    dense, labels = torch.zeros(BATCH, 5, device="tpu"), torch.zeros(BATCH, device="tpu")
+    with tpurec.mode("fused"):
+        kjt = batches[0][0]
+        for _ in range(WARMUP):
+            collection.stage(kjt)
+            _step(model, optimizer, dense, kjt, labels).item()
+        with tpurec.graph(graph):
+            _step(model, optimizer, dense, kjt, labels)
+        # Half the batch: other CSR shapes, so new staged tensors; the captured step's are freed.
+        collection.stage(random_kjt(_tables(), BATCH // 2, np.random.default_rng(1)))
+        weights = collection.stacked_weight(0).detach().cpu().clone()
+        with pytest.raises(RuntimeError, match="a tensor the captured step reads now holds"):
+            graph.replay()
+    assert torch.equal(collection.stacked_weight(0).detach().cpu(), weights)
