@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 from torchrec import EmbeddingBagCollection as TorchrecEBC
-from torchrec.models.dlrm import DLRM
+from torchrec.datasets.utils import Batch
+from torchrec.models.dlrm import DLRM, DLRMTrain
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -165,3 +166,51 @@ def test_a_replay_after_staging_a_batch_of_another_size_runs_nothing():
         with pytest.raises(RuntimeError, match="a tensor the captured step reads now holds"):
             graph.replay()
     assert torch.equal(collection.stacked_weight(0).detach().cpu(), weights)
+
+
+def _pipeline_losses(graphed: bool, batches: list) -> tuple[list[float], list, DLRMTrain]:
+    model = DLRMTrain(_ours(_reference()))
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05, fused=True)
+    pipeline = sp.TrainPipeline(model, optimizer, "tpu", graphed=graphed)
+    it = iter([Batch(dense, kjt, labels) for kjt, dense, labels in batches])
+    losses, outputs = [], []
+    with tpurec.mode("fused"):
+        while True:
+            try:
+                loss, logits, labels = pipeline.progress(it)
+            except StopIteration:
+                break
+            losses.append(loss.item())
+            outputs.append(logits)
+    pipeline.close()
+    return losses, outputs, model
+
+
+def test_graphed_pipeline_trains_as_the_plain_pipeline():
+    batches = _batches()
+    losses, outputs, model = _pipeline_losses(True, batches)
+    expected, _, plain = _pipeline_losses(False, batches)
+    assert losses == expected  # bit for bit
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key].cpu(), value.cpu()), key
+    # From the capture (the third step) on, every step returns the captured step's output tensors.
+    assert all(out is outputs[WARMUP] for out in outputs[WARMUP:])
+    assert len({id(out) for out in outputs[:WARMUP]}) == WARMUP
+
+
+def test_graphed_pipeline_refuses_what_it_cannot_capture():
+    model = DLRMTrain(_ours(_reference()))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    with pytest.raises(ValueError, match="graphed=True.*the device is cpu"):
+        sp.TrainPipeline(model, optimizer, "cpu", graphed=True)
+    # A batch of another shape after the first: a clear error, not a misread batch.
+    batches = _batches(2)
+    short = random_kjt(_tables(), BATCH // 2, np.random.default_rng(3))
+    stream = iter(
+        [Batch(batches[0][1], batches[0][0], batches[0][2]), Batch(batches[1][1][:4], short, batches[1][2][:4])]
+    )
+    pipeline = sp.TrainPipeline(model.to("tpu"), optimizer, "tpu", graphed=True)
+    pipeline.progress(stream)
+    with pytest.raises(ValueError, match="differ in number, shape or dtype from the first batch's"):
+        pipeline.progress(stream)
+    pipeline.close()

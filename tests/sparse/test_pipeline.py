@@ -252,14 +252,20 @@ def test_bench_dlrm_cli_pipeline_breakdown_and_plots(tmp_path):
             "2",
             "--warmup",
             "2",
+            "--modes",
+            "fused",
+            "compiled",
+            "eager",
+            "graphed",
             "--breakdown",
             "--plot",
             str(tmp_path / "plots"),
         ],
         tmp_path,
     )
-    for mode in ("fused", "compiled", "eager"):
+    for mode in ("fused", "compiled", "eager", "graphed"):
         run = out[f"tpurec_{mode}"]
+        # graphed: the step captured on its third call (the first timed one), then replayed
         assert run["pipeline"] is True and run["compilations_after_warmup"] == 0
         assert run["max_loss_difference"] < 1e-3  # same model, weights and batches as torchrec
         assert 0 < run["host_ms_per_step_stubbed"] < 60_000

@@ -12,7 +12,10 @@ the compute that runs on the main thread itself) and, for tpurec, the same with 
 program stubbed (``host_ms_per_step_stubbed``, as in ``bench modes``: the main thread still pays
 for XLA:CPU's computation through the shared cores, a TPU's host does not). tpurec runs its steps through
 :class:`tpurec.sparse.TrainPipeline` (``--no-pipeline``: the plain loop), in
-each of ``--modes`` (eager, fused, compiled = ``torch.compile(backend="tpu")``).
+each of ``--modes`` (eager, fused, compiled = ``torch.compile(backend="tpu")``; graphed = the
+fused step captured by :func:`tpurec.graph` on its third call and replayed: ``TrainPipeline(...,
+graphed=True)``, or with ``--no-pipeline`` the plain loop with each batch copied into static dense
+tensors and staged with ``EmbeddingBagCollection.stage``; not a default).
 TorchRec and the tpurec modes run **interleaved**: after each one's warm-up,
 rounds of ``--round-steps`` steps of each in turn, so that a change in the
 machine's load hits all of them alike; ``load_average`` is the 1-minute load
@@ -135,6 +138,42 @@ def _plain_step(model, optimizer, device: str) -> Callable[[Iterator[Batch]], to
         loss.backward()
         optimizer.step()
         return loss
+
+    return step
+
+
+def _graphed_step(model, optimizer, batch: int) -> Callable[[Iterator[Batch]], torch.Tensor]:
+    """The plain fused step over static inputs, captured by ``tpurec.graph`` on its third call and
+    replayed from then on; each batch is copied into the static dense tensors and staged as the
+    collection's static CSR input (``EmbeddingBagCollection.stage``) first."""
+    collection = model.model.sparse_arch.embedding_bag_collection
+    static_dense = torch.zeros(batch, 13, device="tpu")
+    static_labels = torch.zeros(batch, device="tpu")
+    graph = tpurec.TpuGraph()
+    calls = [0]
+    captured: list[torch.Tensor] = []
+
+    def train(features) -> torch.Tensor:
+        optimizer.zero_grad()
+        loss, _ = model(Batch(static_dense, features, static_labels))
+        loss.backward()
+        optimizer.step()
+        return loss
+
+    def step(batches: Iterator[Batch]) -> torch.Tensor:
+        b = next(batches)
+        static_dense.copy_(b.dense_features)
+        static_labels.copy_(b.labels)
+        collection.stage(b.sparse_features)
+        calls[0] += 1
+        if calls[0] <= 2:  # the first makes the optimizers' state; both are read (Runner.run)
+            return train(b.sparse_features)
+        if not captured:
+            with tpurec.graph(graph):
+                captured.append(train(b.sparse_features))
+        else:
+            graph.replay()
+        return captured[0]
 
     return step
 
@@ -293,7 +332,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
         help="steps of one configuration before the next one's (configurations interleave)",
     )
     parser.add_argument(
-        "--modes", nargs="+", default=["fused", "compiled", "eager"], choices=["fused", "compiled", "eager"]
+        "--modes",
+        nargs="+",
+        default=["fused", "compiled", "eager"],
+        choices=["fused", "compiled", "eager", "graphed"],
+        help="graphed: the fused step captured by tpurec.graph and replayed",
     )
     parser.add_argument("--no-pipeline", action="store_true", help="plain loop instead of sparse.TrainPipeline")
     parser.add_argument("--breakdown", action="store_true", help="per-phase times of tpurec (eager) and torchrec")
@@ -323,7 +366,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
     total = args.steps + args.warmup + args.steps + _stubbed_warmup(args.warmup)
     make_batches = lambda: _batches(total, args.batch, args.tables, args.rows, args.ids_per_bag)  # noqa: E731
 
-    def build():
+    def build(fused: bool = False):
         ours = DLRMTrain(DLRM(embedding_bag_collection=EmbeddingBagCollection(configs), **layers))
         ours.load_state_dict(state)
         ours = sparse.from_torchrec(
@@ -331,7 +374,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
             optimizer=sparse.RowWiseAdagrad(learning_rate=0.05),
             capacities=sparse.Capacity(args.batch * args.tables * args.ids_per_bag),
         ).to("tpu")
-        return ours, torch.optim.Adagrad([p for p in ours.parameters() if p.requires_grad], lr=DENSE_LR)
+        # fused=True (graphed: its state, step counts included, stays on the device): the same arithmetic.
+        dense = [p for p in ours.parameters() if p.requires_grad]
+        return ours, torch.optim.Adagrad(dense, lr=DENSE_LR, fused=True if fused else None)
 
     runners = [
         _Runner(
@@ -342,15 +387,20 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
         )
     ]
     for mode in args.modes:
-        ours, optimizer = build()
+        ours, optimizer = build(fused=mode == "graphed")
+        if mode == "graphed" and args.no_pipeline:
+            runners.append(
+                _Runner("tpurec_graphed", _graphed_step(ours, optimizer, args.batch), make_batches(), "fused")
+            )
+            continue
         step_model = torch.compile(ours, backend="tpu") if mode == "compiled" else ours
-        run_mode = "fused" if mode == "compiled" else mode
+        run_mode = "fused" if mode in ("compiled", "graphed") else mode
         if args.no_pipeline:
             runners.append(
                 _Runner(f"tpurec_{mode}", _plain_step(step_model, optimizer, "tpu"), make_batches(), run_mode)
             )
         else:
-            pipeline = sparse.TrainPipeline(step_model, optimizer, torch.device("tpu"))
+            pipeline = sparse.TrainPipeline(step_model, optimizer, torch.device("tpu"), graphed=mode == "graphed")
             runners.append(
                 _Runner(
                     f"tpurec_{mode}",

@@ -353,7 +353,8 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
         The CSR arrays are written into tensors the collection keeps from batch to batch (in
         place, while their shapes stay the same: fixed capacities and batch size), and the next
-        ``forward`` of this same KJT object reads them. A step captured by :func:`tpurec.graph`
+        ``forward`` of this same KJT object reads them. A KJT handed to :meth:`prefetch` before
+        is taken from there, its transfers already started. A step captured by :func:`tpurec.graph`
         reads those tensors, so staging the next batch before ``g.replay()`` feeds it to the
         replay, as ``copy_()`` into a static input does for dense tensors. Dropped entries
         (``overflow="drop"``) are counted here.
@@ -382,7 +383,12 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 "stage(): the lookup of the batch staged before still waits for its backward, which reads the "
                 "staged CSR input; run the backward (or drop that step's outputs) before staging the next batch"
             )
-        if batch is None:
+        entry = self._prefetched.get(id(features))
+        moved_ahead = None
+        if batch is None and entry is not None and entry[0] is features:
+            del self._prefetched[id(features)]
+            batch, moved_ahead = entry[1], entry[2]
+        elif batch is None:
             batch = self.preprocess(features)
         device = self.device
         stacks = []
@@ -404,7 +410,12 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 from tpurec.core.tensor import free_storage, replace_array, wrap
 
                 index = device.index if device.index is not None else TpuModule.current_device()
-                moved = [jax.device_put(a, jax_device(index)) for a in arrays]  # asynchronous copies
+                # asynchronous copies (already started by prefetch())
+                moved: list[Any] = (
+                    moved_ahead[i]
+                    if moved_ahead is not None
+                    else [jax.device_put(a, jax_device(index)) for a in arrays]
+                )
                 if old is not None and same:
                     for t, a in zip(old, moved):
                         replace_array(t, a)

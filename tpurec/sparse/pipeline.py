@@ -43,6 +43,7 @@ from torchrec.distributed.train_pipeline import TrainPipeline as TorchRecTrainPi
 from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tpurec.core import fused, graphs, modes
 from tpurec.sparse.managed import remapped_features
 from tpurec.sparse.spec.batch import OnDevice as _OnDevice  # started by the worker thread, wrapped on the main one
 from tpurec.sparse.spec.batch import map_batch
@@ -81,13 +82,30 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         optimizer: the dense optimizer (embedding tables update in the backward).
         device: where tensors of a batch go (``"tpu"``, ``"tpu:N"`` or ``"cpu"``).
         prefetch: batches prepared ahead of the running step (>= 1).
+        graphed: capture the step with :func:`tpurec.graph` and replay it (device ``tpu``; fused
+            mode is used for the steps whatever the current mode): the first two steps run as
+            usual, the third is captured, and from then on a step copies the batch into static
+            tensors (the first batch's shapes: every batch must have them), stages its KJTs
+            (``EmbeddingBagCollection.stage``) and calls ``replay()``, with no Python of the
+            model, autograd or the optimizer. ``progress`` then returns the same output tensors
+            at every step, holding the latest step's values (as with CUDA graphs: ``clone()``
+            what must outlive the next step). The capture raises where the step cannot be
+            replayed exactly (see :func:`tpurec.graph`); the step ran in full, and the pipeline
+            goes on uncaptured.
 
     Raises:
-        ValueError: ``prefetch`` below 1.
+        ValueError: ``prefetch`` below 1; ``graphed`` with a device other than ``tpu`` or a
+            collection that cannot stage its input (a sharded one).
     """
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, device: torch.device | str, *, prefetch: int = 1
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device | str,
+        *,
+        prefetch: int = 1,
+        graphed: bool = False,
     ) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1 (batches prepared ahead), got {prefetch}")
@@ -113,6 +131,25 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         self._mesh = mesh_of(model) if self._device.type == "tpu" else None
         if self._mesh is not None:
             self._local_devices = local_device_count(self._mesh)
+        if graphed:
+            unstaged = [type(m).__name__ for m in self._collections if not hasattr(m, "stage")]
+            if self._device.type != "tpu" or self._mesh is not None or unstaged:
+                why = (
+                    f"the device is {self._device}"
+                    if self._device.type != "tpu"
+                    else f"the collections {unstaged} cannot stage their input"
+                    if unstaged
+                    else "the model is sharded over a mesh"
+                )
+                raise ValueError(
+                    f"TrainPipeline(graphed=True) captures an unsharded model on the tpu device, but {why}; "
+                    "use graphed=False"
+                )
+        # graphed: the capture, its step count, the static batch tensors and the captured output.
+        self._graph = graphs.TpuGraph() if graphed else None
+        self._graph_calls = 0
+        self._statics: list[torch.Tensor] | None = None
+        self._graph_output: Any = None
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._iterator: Iterator[In] | None = None
@@ -135,11 +172,13 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         index = self._device.index if self._device.index is not None else torch.tpu.current_device()
         return _OnDevice(host_to_jax(t, jax_device(index)), index, t.dtype)  # starts the async copy
 
-    def _prefetch_kjt(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    def _collections_of(self, kjt: KeyedJaggedTensor) -> list:
         keys = set(kjt.keys())
-        for ebc in self._collections:
-            if ebc.feature_names and set(ebc.feature_names) == keys:
-                ebc.prefetch(kjt)
+        return [ebc for ebc in self._collections if ebc.feature_names and set(ebc.feature_names) == keys]
+
+    def _prefetch_kjt(self, kjt: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        for ebc in self._collections_of(kjt):
+            ebc.prefetch(kjt)
         return kjt
 
     def _work(self, iterator: Iterator[In], out: queue.Queue) -> None:
@@ -204,11 +243,16 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             self._exhausted = True
             raise item.error
 
+        if self._graph is not None:
+            return self._graphed_step(item)
         from tpurec.core.tensor import wrap
 
         batch = map_batch(
             item, lambda t: wrap(t.array, t.index, t.dtype) if isinstance(t, _OnDevice) else t, lambda k: k
         )
+        return self._step(batch)
+
+    def _step(self, batch: Any, flush: bool = True) -> Out:
         training = self._model.training
         if training:
             self._optimizer.zero_grad()
@@ -218,16 +262,62 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             self._state = PipelineState.CALL_BWD
             torch.sum(losses, dim=0).backward() if losses.dim() else losses.backward()
             self._optimizer.step()
-        if self._device.type == "tpu":
-            from tpurec.core import fused, modes
-
-            if modes.get_mode() == "fused":
-                # The step's recorded ops go out now as one program, without
-                # waiting for it: the host moves on to the next batch while the
-                # device runs, and every step is the same (cached) program even
-                # if the caller reads no value.
-                fused.flush("step")
+        if flush and self._device.type == "tpu" and modes.get_mode() == "fused":
+            # The step's recorded ops go out now as one program, without
+            # waiting for it: the host moves on to the next batch while the
+            # device runs, and every step is the same (cached) program even
+            # if the caller reads no value.
+            fused.flush("step")
         return output  # _state stays at the last phase reached, as in TorchRec's pipelines
+
+    def _graphed_step(self, item: Any) -> Out:
+        """One step of ``graphed=True``: the batch into the static tensors, then a plain step, the
+        capture or a replay."""
+        from tpurec.core.tensor import replace_array, wrap
+
+        leaves: list = []
+        kjts: list[KeyedJaggedTensor] = []
+        map_batch(item, leaves.append, kjts.append)
+        if self._statics is None:
+            self._statics = [
+                wrap(t.array, t.index, t.dtype) if isinstance(t, _OnDevice) else t.to(self._device).clone()
+                for t in leaves
+            ]
+        else:
+            statics = self._statics
+            if len(leaves) != len(statics) or any(
+                tuple(s.shape) != tuple(t.array.shape if isinstance(t, _OnDevice) else t.shape) or s.dtype != t.dtype
+                for s, t in zip(statics, leaves)
+            ):
+                raise ValueError(
+                    "TrainPipeline(graphed=True): this batch's tensors differ in number, shape or dtype from the "
+                    f"first batch's ({[f'{s.dtype}{list(s.shape)}' for s in statics]}); a captured step reads "
+                    "static tensors of fixed shapes. Give every batch the same shapes (drop the last, short batch)"
+                )
+            for s, t in zip(statics, leaves):
+                replace_array(s, t.array) if isinstance(t, _OnDevice) else s.copy_(t)
+        for kjt in kjts:
+            for ebc in self._collections_of(kjt):
+                ebc.stage(kjt)  # takes what the worker prefetched
+        it = iter(self._statics)
+        batch = map_batch(item, lambda _: next(it), lambda k: k)
+        graph = self._graph
+        assert graph is not None
+        with modes.mode("fused"):
+            if graph.captured:
+                graph.replay()
+                return self._graph_output
+            self._graph_calls += 1
+            if self._graph_calls <= 2:  # the first makes the optimizer's state, the second is steady
+                return self._step(batch)
+            try:
+                with graphs.graph(graph):
+                    output = self._step(batch, flush=False)  # the capture runs the window itself
+            except RuntimeError:
+                self._graph = None  # refused: the step ran in full, and the steps go on uncaptured
+                raise
+        self._graph_output = output
+        return output
 
     def reset(self) -> None:
         """TorchRec's ``reset``: drops the batches prepared ahead; the next ``progress`` starts over from its iterator."""
