@@ -198,6 +198,31 @@ def test_graphed_pipeline_trains_as_the_plain_pipeline():
     assert len({id(out) for out in outputs[:WARMUP]}) == WARMUP
 
 
+def test_graphed_pipeline_in_eval_mode_runs_the_forward_only():
+    # After the training step's capture, eval steps must not replay it (no backward, no update).
+    batches = _batches(WARMUP + 3)
+    model = DLRMTrain(_ours(_reference()))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    pipeline = sp.TrainPipeline(model, optimizer, "tpu", graphed=True)
+    it = iter([Batch(dense, kjt, labels) for kjt, dense, labels in batches])
+    with tpurec.mode("fused"):
+        for _ in range(WARMUP + 1):
+            pipeline.progress(it)
+        model.eval()
+        before = {k: v.cpu().clone() for k, v in model.state_dict().items()}
+        loss, _, _ = pipeline.progress(it)
+        assert all(torch.equal(model.state_dict()[k].cpu(), v) for k, v in before.items())
+        kjt, dense, labels = batches[WARMUP + 1]
+        with torch.no_grad():
+            expected, _ = model(Batch(dense.to("tpu"), kjt, labels.to("tpu")))
+        assert loss.item() == expected.item()
+        model.train()
+        pipeline.progress(it)  # training again: a replay, which updates the tables
+    table = "model.sparse_arch.embedding_bag_collection.embedding_bags.t0.weight"
+    assert not torch.equal(model.state_dict()[table].cpu(), before[table])
+    pipeline.close()
+
+
 def test_graphed_pipeline_refuses_what_it_cannot_capture():
     model = DLRMTrain(_ours(_reference()))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)

@@ -89,7 +89,8 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             (``EmbeddingBagCollection.stage``) and calls ``replay()``, with no Python of the
             model, autograd or the optimizer. ``progress`` then returns the same output tensors
             at every step, holding the latest step's values (as with CUDA graphs: ``clone()``
-            what must outlive the next step). The capture raises where the step cannot be
+            what must outlive the next step). A step in the other of train and eval mode than
+            the captured one's runs uncaptured. The capture raises where the step cannot be
             replayed exactly (see :func:`tpurec.graph`); the step ran in full, and the pipeline
             goes on uncaptured.
 
@@ -150,6 +151,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         self._graph_calls = 0
         self._statics: list[torch.Tensor] | None = None
         self._graph_output: Any = None
+        self._graph_training = True  # whether the captured step trained (else: a forward only)
         self._queue: queue.Queue | None = None
         self._worker: threading.Thread | None = None
         self._iterator: Iterator[In] | None = None
@@ -304,9 +306,11 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         graph = self._graph
         assert graph is not None
         with modes.mode("fused"):
-            if graph.captured:
+            if graph.captured and self._model.training == self._graph_training:
                 graph.replay()
                 return self._graph_output
+            if graph.captured:  # the other of train/eval mode than the captured step's: run it uncaptured
+                return self._step(batch)
             self._graph_calls += 1
             if self._graph_calls <= 2:  # the first makes the optimizer's state, the second is steady
                 return self._step(batch)
@@ -316,7 +320,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             except RuntimeError:
                 self._graph = None  # refused: the step ran in full, and the steps go on uncaptured
                 raise
-        self._graph_output = output
+        self._graph_output, self._graph_training = output, self._model.training
         return output
 
     def reset(self) -> None:
