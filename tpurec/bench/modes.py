@@ -54,6 +54,7 @@ from typing import Callable
 import torch
 
 import tpurec
+from tpurec.bench.captured import captured_step
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.core import runtime
 
@@ -135,24 +136,10 @@ def _make(name: str, batch: int) -> _Config:
         update()
         return loss
 
+    issue = captured_step(train) if name == "graphed" else train
+
     def step() -> float:
-        return train().item()
-
-    if name == "graphed":
-        graph = tpurec.TpuGraph()
-        calls = [0]
-        captured: list[torch.Tensor] = []
-
-        def step() -> float:  # noqa: F811 (the graphed step: two plain steps, the capture, replays)
-            calls[0] += 1
-            if calls[0] <= 2:
-                return train().item()
-            if not captured:
-                with tpurec.graph(graph):
-                    captured.append(train())
-            else:
-                graph.replay()
-            return captured[0].item()
+        return issue().item()
 
     mode = "fused" if name in ("fused", "fused_adagrad", "compiled", "compiled_optim", "graphed") else "eager"
     return _Config(name, step, mode, device == "tpu")

@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 import tpurec
+from tpurec.bench.captured import captured_step
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.bench.text import VOCAB, tiny_bert
 from tpurec.cli import positive_int
@@ -91,24 +92,8 @@ def _configs(batch: int, length: int) -> list[_Config]:
             update()
             return loss
 
-        if not captured:
-            return lambda: train().item()
-        graph = tpurec.TpuGraph()
-        calls = [0]
-        loss: list[torch.Tensor] = []
-
-        def replayed() -> float:  # two plain steps, the capture, then replays
-            calls[0] += 1
-            if calls[0] <= 2:
-                return train().item()
-            if not loss:
-                with tpurec.graph(graph):
-                    loss.append(train())
-            else:
-                graph.replay()
-            return loss[0].item()
-
-        return replayed
+        issue = captured_step(train) if captured else train
+        return lambda: issue().item()
 
     return [
         _Config("cpu_pytorch", cpu_step),
