@@ -223,19 +223,22 @@ def test_graphed_pipeline_in_eval_mode_runs_the_forward_only():
     pipeline.close()
 
 
-def test_graphed_pipeline_refuses_what_it_cannot_capture():
+def test_graphed_pipeline_refuses_a_device_it_cannot_capture_on():
     model = DLRMTrain(_ours(_reference()))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     with pytest.raises(ValueError, match="graphed=True.*the device is cpu"):
         sp.TrainPipeline(model, optimizer, "cpu", graphed=True)
-    # A batch of another shape after the first: a clear error, not a misread batch.
-    batches = _batches(2)
+
+
+def test_graphed_pipeline_runs_a_batch_of_other_shapes_uncaptured_and_replays_after_it():
+    # A short batch (the last of an epoch) between replays, then full batches again: as the plain pipeline.
+    batches = _batches(WARMUP + 4)
     short = random_kjt(_tables(), BATCH // 2, np.random.default_rng(3))
-    stream = iter(
-        [Batch(batches[0][1], batches[0][0], batches[0][2]), Batch(batches[1][1][:4], short, batches[1][2][:4])]
-    )
-    pipeline = sp.TrainPipeline(model.to("tpu"), optimizer, "tpu", graphed=True)
-    pipeline.progress(stream)
-    with pytest.raises(ValueError, match="differ in number, shape or dtype from the first batch's"):
-        pipeline.progress(stream)
-    pipeline.close()
+    batches[WARMUP + 2] = (short, batches[WARMUP + 2][1][: BATCH // 2], batches[WARMUP + 2][2][: BATCH // 2])
+    losses, outputs, model = _pipeline_losses(True, batches)
+    expected, _, plain = _pipeline_losses(False, batches)
+    assert losses == expected  # bit for bit
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key].cpu(), value.cpu()), key
+    assert outputs[WARMUP + 1] is outputs[WARMUP] and outputs[WARMUP + 3] is outputs[WARMUP]  # replays
+    assert outputs[WARMUP + 2] is not outputs[WARMUP]  # the short batch's own step

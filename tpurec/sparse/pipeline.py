@@ -85,7 +85,8 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         graphed: capture the step with :func:`tpurec.graph` and replay it (device ``tpu``; fused
             mode is used for the steps whatever the current mode): the first two steps run as
             usual, the third is captured, and from then on a step copies the batch into static
-            tensors (the first batch's shapes: every batch must have them), stages its KJTs
+            tensors (made from the first batch; a batch of other shapes, such as a short last
+            one, runs uncaptured), stages its KJTs
             (``EmbeddingBagCollection.stage``) and calls ``replay()``, with no Python of the
             model, autograd or the optimizer. ``progress`` then returns the same output tensors
             at every step, holding the latest step's values (as with CUDA graphs: ``clone()``
@@ -291,11 +292,13 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
                 tuple(s.shape) != tuple(t.array.shape if isinstance(t, _OnDevice) else t.shape) or s.dtype != t.dtype
                 for s, t in zip(statics, leaves)
             ):
-                raise ValueError(
-                    "TrainPipeline(graphed=True): this batch's tensors differ in number, shape or dtype from the "
-                    f"first batch's ({[f'{s.dtype}{list(s.shape)}' for s in statics]}); a captured step reads "
-                    "static tensors of fixed shapes. Give every batch the same shapes (drop the last, short batch)"
+                # Not the static shapes (a short last batch): an uncaptured step on the batch as it
+                # came, its KJTs as the worker prefetched them; the static tensors and the capture stay.
+                batch = map_batch(
+                    item, lambda t: wrap(t.array, t.index, t.dtype) if isinstance(t, _OnDevice) else t, lambda k: k
                 )
+                with modes.mode("fused"):
+                    return self._step(batch)
             for s, t in zip(statics, leaves):
                 replace_array(s, t.array) if isinstance(t, _OnDevice) else s.copy_(t)
         for kjt in kjts:
