@@ -7,12 +7,15 @@ checked for its message and for the state it leaves: the step ran in full.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 import tpurec
 from tpurec.core import rng
-from tpurec.core.tensor import free_storage
+from tpurec.core.device import jax_device
+from tpurec.core.tensor import free_storage, host_to_jax
 
 STEPS = 7
 WARMUP = 2  # plain steps before the capture: the first makes the optimizer's state
@@ -237,6 +240,24 @@ def test_a_copy_from_the_cpu_in_the_step_is_refused():
         for _ in range(WARMUP):
             _step(model, optimizer, cpu_x.to("tpu"), y).item()
         _refused("copies 1 CPU tensor", lambda: _step(model, optimizer, cpu_x.to("tpu"), y), model)
+
+
+def test_copies_made_by_another_thread_during_the_capture_are_not_the_steps():
+    # TrainPipeline's worker thread starts the next batch's copies while the main thread captures.
+    model, optimizer, x, y = _setup()
+
+    def worker_copy() -> None:
+        host_to_jax(torch.ones(4), jax_device(0))
+
+    with tpurec.mode("fused"):
+        _warm(model, optimizer, x, y)
+        graph = tpurec.TpuGraph()
+        with tpurec.graph(graph):
+            _step(model, optimizer, x, y)
+            worker = threading.Thread(target=worker_copy)
+            worker.start()
+            worker.join(timeout=60)
+    assert graph.captured
 
 
 def test_a_tensor_the_step_reads_and_drops_is_refused():

@@ -274,7 +274,7 @@ def graph(tpu_graph: TpuGraph) -> Iterator[None]:
     fused.flush("graph capture starts")
     before, optimizers = _live_state()
     counters = runtime.counters()
-    executions, transfers, first_draw = counters.executions, _tensor.transfers, rng._counter
+    executions, transfers, first_draw = counters.executions, _tensor.transfers.count, rng._counter
     sync_points: list = []
     draws: list = []
     hooks: list[Callable[[], None]] = []
@@ -291,7 +291,7 @@ def graph(tpu_graph: TpuGraph) -> Iterator[None]:
     ran_extra = runtime.counters().executions - executions - (ran is not None)
     new_state = sum(_state_size(optimizer) != size for optimizer, size, _ in optimizers)
     cpu_writes = sum(t._version != version for _, _, state in optimizers for t, version in state)
-    checks = (sync_points, ran_extra, _tensor.transfers - transfers, new_state, cpu_writes)
+    checks = (sync_points, ran_extra, _tensor.transfers.count - transfers, new_state, cpu_writes)
     tpu_graph._plan = _plan(ran, before, checks, draws, first_draw, hooks)
 
 

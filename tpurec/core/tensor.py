@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -490,16 +491,21 @@ def alloc_storage(t: torch.Tensor) -> None:
     storage.array = jax.device_put(np.zeros(shape, dtype), _device.jax_device(storage.index))
 
 
-# Host -> device copies of values made so far (a captured step may make none: tpurec.core.graphs).
-# An empty tensor has no values to copy (``torch.tensor([], device="tpu")``) and is not counted.
-transfers = 0
+class _Transfers(threading.local):
+    """Host -> device copies of values made so far by this thread (a captured step may make none:
+    tpurec.core.graphs; a pipeline's worker thread copies the next batch meanwhile). An empty
+    tensor has no values to copy (``torch.tensor([], device="tpu")``) and is not counted."""
+
+    count = 0
+
+
+transfers = _Transfers()
 
 
 def host_to_jax(t: torch.Tensor, device: jax.Device) -> jax.Array:
     """Copies a CPU tensor to ``device`` (exact for every supported dtype)."""
-    global transfers
     if t.numel():
-        transfers += 1
+        transfers.count += 1
     return jax.device_put(host_array(t), device)
 
 
