@@ -20,7 +20,7 @@ from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
 
 INTERACTION_TYPES = ("original", "dcn", "projection")
 EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
-EXECUTION_MODES = ("eager", "fused", "compile")
+EXECUTION_MODES = ("eager", "fused", "compile", "graphed")
 DISTRIBUTIONS = ("tpurec", "dmp")
 DENSE_FEATURES = INT_FEATURE_COUNT
 
@@ -210,7 +210,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mode",
         choices=EXECUTION_MODES,
         default=None,
-        help="tpurec execution mode of the dense model (default: fused; eager, the only one, with --dist dmp)",
+        help="tpurec execution mode of the dense model (default: fused; eager, the only one, with --dist dmp; "
+        "graphed: fused, the training step captured by tpurec.graph and replayed, one device)",
     )
     p.add_argument(
         "--dist",
@@ -313,6 +314,10 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
     _check(
         a.lr_warmup_steps == a.lr_decay_start == a.lr_decay_steps == 0,
         "learning rate schedules (--lr_warmup_steps/--lr_decay_start/--lr_decay_steps) are not supported yet; drop them",
+    )
+    _check(
+        a.mode != "graphed" or (a.num_devices == 1 and a.dist != "dmp"),
+        "--mode graphed captures the step of an unsharded model: use it with --num_devices 1 and without --dist dmp",
     )
     dense_sizes = _int_list("dense_arch_layer_sizes", a.dense_arch_layer_sizes)
     over_sizes = _int_list("over_arch_layer_sizes", a.over_arch_layer_sizes)

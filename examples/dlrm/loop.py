@@ -52,15 +52,22 @@ class PipelinedStep:
         device: where the model lives.
         forward: the callable to run the model with (the model, or its
             ``torch.compile`` form).
+        graphed: capture the step and replay it (``TrainPipeline(graphed=True)``).
     """
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, device: str, forward: Callable | None = None
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: str,
+        forward: Callable | None = None,
+        graphed: bool = False,
     ) -> None:
         self.model, self.optimizer, self.device = model, optimizer, device
         self.forward = model if forward is None else forward
         self.train_module = TrainStep(model, self.forward)
-        self.pipeline = sparse.TrainPipeline(self.train_module, optimizer, device)
+        self.graphed = graphed
+        self.pipeline = sparse.TrainPipeline(self.train_module, optimizer, device, graphed=graphed)
 
     def progress(self, batches: Iterator[Batch]) -> torch.Tensor:
         """Trains on the next batch of ``batches``.
@@ -72,6 +79,8 @@ class PipelinedStep:
             StopIteration: ``batches`` is exhausted.
         """
         loss, _logits, _labels = self.pipeline.progress(batches)
+        if self.graphed:
+            loss = loss.clone()  # a replay refills the captured loss; the caller keeps each step's
         end_step()
         return loss
 
@@ -109,7 +118,7 @@ class ReplayableBatches:
 def make_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, device: str) -> PipelinedStep:
     """The training step: the one place where the step's machinery is chosen."""
     forward = torch.compile(model, backend="tpu") if cfg.mode == "compile" else model
-    return PipelinedStep(model, optimizer, device, forward)
+    return PipelinedStep(model, optimizer, device, forward, graphed=cfg.mode == "graphed")
 
 
 def place_model(model: nn.Module, cfg: Config) -> nn.Module:
@@ -327,7 +336,7 @@ def train(
         timer["eval_compilations"] += tpurec.stats()["compilations"] - before
         timer["eval_seconds"] += time.perf_counter() - began
 
-    with tpurec.mode("fused" if cfg.mode == "compile" else cfg.mode):
+    with tpurec.mode("fused" if cfg.mode in ("compile", "graphed") else cfg.mode):
         for epoch in range(start_epoch, cfg.epochs):
             total = len(loaders["train"])
             skip = start_step if epoch == start_epoch else 0

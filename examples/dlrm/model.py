@@ -72,7 +72,10 @@ def dense_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     tables = {id(p) for m in model.modules() if isinstance(m, kinds) for p in m.parameters()}
     params = [p for p in model.parameters() if p.requires_grad and id(p) not in tables]
     if cfg.adagrad:
-        return torch.optim.Adagrad(params, lr=cfg.learning_rate, eps=cfg.eps)
+        # graphed: fused=True keeps the step counts on the device, where a replay advances them (same arithmetic)
+        return torch.optim.Adagrad(
+            params, lr=cfg.learning_rate, eps=cfg.eps, fused=True if cfg.mode == "graphed" else None
+        )
     return torch.optim.SGD(params, lr=cfg.learning_rate)
 
 
