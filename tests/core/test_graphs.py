@@ -242,6 +242,50 @@ def test_a_copy_from_the_cpu_in_the_step_is_refused():
         _refused("copies 1 CPU tensor", lambda: _step(model, optimizer, cpu_x.to("tpu"), y), model)
 
 
+def _captured_setup():
+    model, optimizer, x, y = _setup()
+    with tpurec.mode("fused"):
+        _warm(model, optimizer, x, y)
+        graph = tpurec.TpuGraph()
+        with tpurec.graph(graph):
+            loss = _step(model, optimizer, x, y)
+    return model, optimizer, graph, loss
+
+
+def _params(model) -> list[torch.Tensor]:
+    return [p.detach().cpu().clone() for p in model.parameters()]
+
+
+def test_replay_refuses_a_learning_rate_changed_since_the_capture_and_runs_nothing():
+    model, optimizer, graph, _ = _captured_setup()
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    scheduler.step()  # lr 0.05 -> 0.025: the program has 0.05 in it
+    before = _params(model)
+    with pytest.raises(RuntimeError, match=r"SGD's lr is 0.025 in param group 0, and the step was captured with 0.05"):
+        graph.replay()
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(model)))
+    optimizer.param_groups[0]["lr"] = 0.05
+    graph.replay()  # as captured again
+    assert not all(torch.equal(a, b) for a, b in zip(before, _params(model)))
+
+
+def test_replay_refuses_a_module_in_another_train_eval_mode_and_runs_nothing():
+    model, _, graph, _ = _captured_setup()
+    model.eval()
+    before = _params(model)
+    with pytest.raises(
+        RuntimeError, match=r"(Sequential|Linear) is in eval mode, and the step was captured in train mode"
+    ):
+        graph.replay()
+    assert all(torch.equal(a, b) for a, b in zip(before, _params(model)))
+    model[1].train()  # only the Tanh back: the Sequential and Linears are still in eval mode
+    with pytest.raises(RuntimeError, match="is in eval mode"):
+        graph.replay()
+    model.train()
+    graph.replay()
+    assert not all(torch.equal(a, b) for a, b in zip(before, _params(model)))
+
+
 def test_copies_made_by_another_thread_during_the_capture_are_not_the_steps():
     # TrainPipeline's worker thread starts the next batch's copies while the main thread captures.
     model, optimizer, x, y = _setup()

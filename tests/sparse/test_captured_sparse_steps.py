@@ -109,6 +109,18 @@ def test_captured_dlrm_step_replays_as_torchrec_and_as_the_uncaptured_step():
         torch.testing.assert_close(state[key].cpu(), value, atol=1e-4, rtol=0)
 
 
+def test_replay_refuses_an_embedding_learning_rate_changed_since_the_capture():
+    model = _ours(_reference())
+    losses, graph = _train(model, _batches(WARMUP + 1), captured=True)
+    collection = model.sparse_arch.embedding_bag_collection
+    collection.optimizer.learning_rate = 0.2  # captured with 0.1
+    tables = collection.stacked_weight(0).detach().cpu().clone()
+    with pytest.raises(RuntimeError, match=r"the embedding optimizer of tables \['t0', 't1', 't2'\] now has"):
+        graph.replay()
+    assert torch.equal(collection.stacked_weight(0).detach().cpu(), tables)
+    assert collection.optimizer_state_dict()["steps"] == [WARMUP + 1]
+
+
 def test_a_prefetched_batch_in_the_step_is_refused_after_the_step_ran():
     # prefetch() puts the CSR arrays on the device outside tpurec's ops: a replay would read the capture's batch.
     batches = _batches(WARMUP + 1)

@@ -17,8 +17,12 @@ As with CUDA graphs, what replays is the device work of the step as captured:
   ``alpha``) are those of the capture, and work on CPU tensors (the step counts of optimizers
   that keep them on the CPU) does not replay. A step whose numbers change from one step to the
   next (a learning rate scheduler, Adam's bias correction with ``capturable=False``) is refused
-  at capture, since it would replay wrongly; a change made later is not seen.
+  at capture, since it would replay wrongly; of a change made later, a replay sees only what
+  the next point names.
 * **Random ops draw new numbers** on each replay, from the device's generator, as the step would.
+* **Settings the Python read are checked at replay**: an optimizer's ``lr`` and other non-tensor
+  param-group settings, and the train/eval mode of the modules of the models the step trained,
+  must be as at the capture (a replay refuses otherwise).
 
 The capture checks what it can and raises ``RuntimeError`` otherwise, after the step ran in full
 as a fused window (no work is lost): a sync point in the step (``.item()``, printing, a host op),
@@ -75,8 +79,10 @@ __all__ = ["TpuGraph", "graph", "on_replay"]
 
 _Optimizer = torch.optim.Optimizer
 
-# Set while a step is captured: Python work each replay repeats (on_replay).
+# Set while a step is captured: Python work each replay repeats (on_replay), and checks that a
+# replay still does what the step would (replay_check).
 _replay_hooks: list[Callable[[], None]] | None = None
+_replay_checks: list[Callable[[], str | None]] | None = None
 
 _WARM_UP = "Run the step at least twice in fused mode first, reading a result of each (loss.item()), then capture"
 
@@ -110,8 +116,11 @@ class TpuGraph:
 
         Raises:
             RuntimeError: nothing captured; a tensor the step reads or writes was given other
-                memory since the capture (``set_``, ``resize_``, ``.data =``); or a storage it
-                reads changed shape or dtype or was freed. Nothing runs then.
+                memory since the capture (``set_``, ``resize_``, ``.data =``); a storage it
+                reads changed shape or dtype or was freed; or a setting the step's Python read
+                changed (an optimizer's non-tensor param-group setting such as ``lr``, the
+                train/eval mode of a module of a model the step trained, a check registered
+                with :func:`replay_check`). Nothing runs then.
         """
         plan = self._plan
         if plan is None:
@@ -136,6 +145,7 @@ class _Plan:
         outputs: list,
         watched: list,
         hooks: list[Callable[[], None]],
+        checks: list[Callable[[], str | None]],
     ) -> None:
         self.program = program
         # Per donated/kept argument: (storage, shape, dtype) read at replay, or a constant array.
@@ -148,6 +158,7 @@ class _Plan:
         # writes: a tensor given another storage since (set_, resize_, .data =) would not see replays.
         self.watched = watched
         self.hooks = hooks  # Python bookkeeping of the step, repeated per replay (on_replay)
+        self.checks = checks  # settings the step's Python read, unchanged since (replay_check): else an error
 
     def _arrays(self, sources: list, donated: bool) -> list:
         arrays = []
@@ -171,6 +182,10 @@ class _Plan:
         return arrays
 
     def replay(self) -> None:
+        for check in self.checks:
+            why = check()
+            if why is not None:
+                raise RuntimeError(f"this captured step cannot replay: {why}. Nothing ran")
         fused.flush("graph replay")
         for ref, storage in self.watched:
             t = ref()
@@ -228,6 +243,25 @@ def _cpu_state(optimizer: torch.optim.Optimizer) -> list:
     ]
 
 
+def replay_check(check: Callable[[], str | None]) -> None:
+    """Has every replay of the step being captured call ``check`` first (else: nothing).
+
+    For a setting the step's Python read and baked into the program (a learning rate, a module's
+    train/eval mode): ``check`` returns None while the setting is as at the capture, else what
+    changed, and the replay then raises ``RuntimeError`` with it and runs nothing.
+
+    Args:
+        check: called with no arguments before each replay.
+
+    Example::
+
+        lr = self.lr
+        graphs.replay_check(lambda: None if self.lr == lr else f"lr is {self.lr}, the capture's {lr}")
+    """
+    if _replay_checks is not None:
+        _replay_checks.append(check)
+
+
 def on_replay(hook: Callable[[], None]) -> None:
     """Has every replay of the step being captured call ``hook`` after its program (else: nothing).
 
@@ -278,8 +312,9 @@ def graph(tpu_graph: TpuGraph) -> Iterator[None]:
     sync_points: list = []
     draws: list = []
     hooks: list[Callable[[], None]] = []
-    global _replay_hooks
-    fused.capture_sync_points, rng._log, _replay_hooks = sync_points, draws, hooks
+    replay_checks: list[Callable[[], str | None]] = []
+    global _replay_hooks, _replay_checks
+    fused.capture_sync_points, rng._log, _replay_hooks, _replay_checks = sync_points, draws, hooks, replay_checks
     try:
         # No host copies of small integer tensors: a value read in Python would be baked in.
         with modes.mode("fused"), config.override(fused_max_ops=2**31 - 1, host_mirrors=0):
@@ -287,15 +322,24 @@ def graph(tpu_graph: TpuGraph) -> Iterator[None]:
             fused.capture_sync_points = None  # the capture's own flush is no sync point of the step
             ran = fused.flush("graph capture")
     finally:
-        fused.capture_sync_points, rng._log, _replay_hooks = None, None, None
+        fused.capture_sync_points, rng._log, _replay_hooks, _replay_checks = None, None, None, None
     ran_extra = runtime.counters().executions - executions - (ran is not None)
     new_state = sum(_state_size(optimizer) != size for optimizer, size, _ in optimizers)
     cpu_writes = sum(t._version != version for _, _, state in optimizers for t, version in state)
     checks = (sync_points, ran_extra, _tensor.transfers.count - transfers, new_state, cpu_writes)
-    tpu_graph._plan = _plan(ran, before, checks, draws, first_draw, hooks)
+    tpu_graph._plan = _plan(ran, before, checks, draws, first_draw, hooks, replay_checks, optimizers)
 
 
-def _plan(ran, before: dict, checks: tuple, draws: list, first_draw: int, hooks: list[Callable[[], None]]):
+def _plan(
+    ran,
+    before: dict,
+    checks: tuple,
+    draws: list,
+    first_draw: int,
+    hooks: list[Callable[[], None]],
+    replay_checks: list[Callable[[], str | None]],
+    optimizers: list,
+):
     """The replay plan of a captured window, after the checks that it replays exactly."""
 
     def refuse(why: str) -> RuntimeError:
@@ -353,12 +397,91 @@ def _plan(ran, before: dict, checks: tuple, draws: list, first_draw: int, hooks:
     outputs = [(storage, seen[where]) for storage, _, where in filled]
     storages = {id(source[0]): source[0] for group in sources for source in group if type(source) is tuple}
     storages.update((id(storage), storage) for storage, _ in outputs)
-    watched = [
-        (weakref.ref(obj), obj._storage)
-        for obj in gc.get_objects()
-        if issubclass(type(obj), _tensor.TpuTensor) and id(getattr(obj, "_storage", None)) in storages
-    ]
-    return _Plan(program, sources, tuple(arguments[2:5]), seeds, len(draws), outputs, watched, hooks)
+    watched, modules = [], []
+    for obj in gc.get_objects():
+        if issubclass(type(obj), _tensor.TpuTensor) and id(getattr(obj, "_storage", None)) in storages:
+            watched.append((weakref.ref(obj), obj._storage))
+        elif issubclass(type(obj), torch.nn.Module):
+            modules.append(obj)
+    checks_ = [*replay_checks, *_mode_checks(modules, storages), *_optimizer_checks(optimizers, storages)]
+    return _Plan(program, sources, tuple(arguments[2:5]), seeds, len(draws), outputs, watched, hooks, checks_)
+
+
+def _same(now: object, then: object) -> bool:
+    """A setting unchanged: equal, both nan, or (where ``==`` gives no truth value) the same object."""
+    try:
+        return bool(now == then) or (now != now and then != then)
+    except Exception:  # noqa: BLE001 (an array-valued setting, say)
+        return now is then
+
+
+def _captured(t, storages: dict) -> bool:
+    return id(getattr(t, "_storage", None)) in storages
+
+
+def _mode_checks(modules: list, storages: dict) -> list[Callable[[], str | None]]:
+    """One check per module of a model the step trained (one whose parameters or buffers it read or
+    wrote, with all its submodules: its dropouts too) that the module's train/eval mode is the
+    capture's."""
+    owners = set()
+    for m in modules:  # from the modules' own dicts: a half-built module of some library may lack attributes
+        own = (*getattr(m, "_parameters", {}).values(), *getattr(m, "_buffers", {}).values())
+        if any(_captured(t, storages) for t in own):
+            owners.add(id(m))
+    flags = {}
+    for model in modules:
+        try:
+            tree = list(model.modules())
+        except Exception:  # noqa: BLE001 (not a model the step trained: leave it out)
+            continue
+        if any(id(m) in owners for m in tree):
+            flags.update((id(m), (weakref.ref(m), m.training)) for m in tree)
+
+    def check(ref=None, training=True) -> str | None:
+        m = ref() if ref is not None else None
+        if m is None or m.training == training:
+            return None
+        now, then = ("train", "eval") if m.training else ("eval", "train")
+        return (
+            f"{type(m).__name__} is in {now} mode, and the step was captured in {then} mode (dropout, batch norm "
+            f"statistics): call .{then}() again before replay(), or capture a step for each mode"
+        )
+
+    return [lambda ref=ref, training=training: check(ref, training) for ref, training in flags.values()]
+
+
+def _optimizer_checks(optimizers: list, storages: dict) -> list[Callable[[], str | None]]:
+    """One check per optimizer the step used that its param groups' settings (lr, momentum, ...;
+    not tensor ones, which the program reads) are the capture's."""
+    out: list[Callable[[], str | None]] = []
+    for optimizer, _, _ in optimizers:
+        groups = optimizer.param_groups
+        if not any(_captured(p, storages) for group in groups for p in group["params"]):
+            continue
+        settings = [
+            (index, key, value)
+            for index, group in enumerate(groups)
+            for key, value in group.items()
+            if key != "params" and not isinstance(value, torch.Tensor)
+        ]
+
+        def check(ref=weakref.ref(optimizer), settings=settings) -> str | None:
+            optimizer = ref()
+            if optimizer is None:
+                return None
+            groups = optimizer.param_groups
+            for index, key, value in settings:
+                now = groups[index].get(key) if index < len(groups) else None
+                if not _same(now, value):
+                    return (
+                        f"{type(optimizer).__name__}'s {key} is {now!r} in param group {index}, and the step was "
+                        f"captured with {value!r} (a learning rate scheduler?): a replay would use the old value. "
+                        "Capture again after the change, or give the optimizer a tensor lr, which a replay reads"
+                    )
+            return None
+
+        out.append(check)
+    return out
 
 
 def _source(x, held_before: dict, refuse):

@@ -601,6 +601,16 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def _count_step(self, index: int) -> None:
         self._steps[index] += 1
 
+    def _changed_optimizer(self, index: int, captured: dict[str, Any]) -> str | None:
+        """What changed in the embedding optimizer's settings since a captured step read them (None: nothing)."""
+        now = None if self.optimizer is None else self.optimizer.hyperparameters(self._steps[index] + 1)
+        if now == captured:
+            return None
+        return (
+            f"the embedding optimizer of tables {[t.name for t in self._stacks[index].tables]} now has {now}, and the "
+            f"step was captured with {captured}: a replay would use the old settings. Capture again after the change"
+        )
+
     def _apply_optimizer(self, index: int, csr: tuple[torch.Tensor, ...], grad_output: torch.Tensor) -> None:
         if self.optimizer is None:
             tables = [t.name for t in self._stacks[index].tables]
@@ -616,6 +626,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         weight = self.stacked_weight(index)
         slots = [getattr(self, f"stacked_{s}_{index}") for s in self.optimizer.slots]
         hyperparameters = self.optimizer.hyperparameters(self._steps[index])
+        graphs.replay_check(lambda: self._changed_optimizer(index, hyperparameters))
         with torch.no_grad():
             if weight.device.type == "cpu" and self.cpu_in_place:
                 # Same kernel math, but only the touched rows come back and are
