@@ -311,6 +311,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         with modes.mode("fused"):
             if graph.captured and self._model.training == self._graph_training:
                 graph.replay()
+                self._state = PipelineState.CALL_BWD if self._graph_training else PipelineState.CALL_FWD
                 return self._graph_output
             if graph.captured:  # the other of train/eval mode than the captured step's: run it uncaptured
                 return self._step(batch)
