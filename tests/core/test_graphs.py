@@ -242,22 +242,12 @@ def test_a_copy_from_the_cpu_in_the_step_is_refused():
         _refused("copies 1 CPU tensor", lambda: _step(model, optimizer, cpu_x.to("tpu"), y), model)
 
 
-def _captured_setup():
-    model, optimizer, x, y = _setup()
-    with tpurec.mode("fused"):
-        _warm(model, optimizer, x, y)
-        graph = tpurec.TpuGraph()
-        with tpurec.graph(graph):
-            loss = _step(model, optimizer, x, y)
-    return model, optimizer, graph, loss
-
-
 def _params(model) -> list[torch.Tensor]:
     return [p.detach().cpu().clone() for p in model.parameters()]
 
 
 def test_replay_refuses_a_learning_rate_changed_since_the_capture_and_runs_nothing():
-    model, optimizer, graph, _ = _captured_setup()
+    model, optimizer, _, graph, _ = _captured()
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     scheduler.step()  # lr 0.05 -> 0.025: the program has 0.05 in it
     before = _params(model)
@@ -270,7 +260,7 @@ def test_replay_refuses_a_learning_rate_changed_since_the_capture_and_runs_nothi
 
 
 def test_replay_refuses_a_module_in_another_train_eval_mode_and_runs_nothing():
-    model, _, graph, _ = _captured_setup()
+    model, _, _, graph, _ = _captured()
     model.eval()
     before = _params(model)
     with pytest.raises(
@@ -327,12 +317,12 @@ def _captured():
         graph = tpurec.TpuGraph()
         with tpurec.graph(graph):
             loss = _step(model, optimizer, x, y)
-    return model, x, graph, loss
+    return model, optimizer, x, graph, loss
 
 
 @pytest.mark.parametrize("change", ["resize_", "set_", "data", "storage_freed"])
 def test_replay_refuses_a_tensor_given_other_memory_and_runs_nothing(change):
-    model, x, graph, _ = _captured()
+    model, _, x, graph, _ = _captured()
     if change == "resize_":
         x.resize_(8, 6)  # a larger storage
     elif change == "set_":
@@ -349,7 +339,7 @@ def test_replay_refuses_a_tensor_given_other_memory_and_runs_nothing(change):
 
 
 def test_a_graph_captures_once_and_captures_do_not_nest():
-    _, _, graph, _ = _captured()
+    _, _, _, graph, _ = _captured()
     with pytest.raises(RuntimeError, match="call reset"):
         with tpurec.graph(graph):
             pass
@@ -364,7 +354,7 @@ def test_a_graph_captures_once_and_captures_do_not_nest():
 
 def test_the_captured_step_and_its_replays_free_nothing_they_still_use():
     """Donated buffers: a parameter's buffer also held by another storage is copied, not donated."""
-    model, _, graph, loss = _captured()
+    model, _, _, graph, loss = _captured()
     weight = next(model.parameters())
     alias = torch.empty_like(weight)
     alias.copy_(weight)  # may share the buffer (buffers are never written in place)

@@ -60,6 +60,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import weakref
 from typing import Callable, Iterator
@@ -437,8 +438,8 @@ def _mode_checks(modules: list, storages: dict) -> list[Callable[[], str | None]
         if any(id(m) in owners for m in tree):
             flags.update((id(m), (weakref.ref(m), m.training)) for m in tree)
 
-    def check(ref=None, training=True) -> str | None:
-        m = ref() if ref is not None else None
+    def check(ref: weakref.ref, training: bool) -> str | None:
+        m = ref()
         if m is None or m.training == training:
             return None
         now, then = ("train", "eval") if m.training else ("eval", "train")
@@ -447,7 +448,7 @@ def _mode_checks(modules: list, storages: dict) -> list[Callable[[], str | None]
             f"statistics): call .{then}() again before replay(), or capture a step for each mode"
         )
 
-    return [lambda ref=ref, training=training: check(ref, training) for ref, training in flags.values()]
+    return [functools.partial(check, ref, training) for ref, training in flags.values()]
 
 
 def _optimizer_checks(optimizers: list, storages: dict) -> list[Callable[[], str | None]]:
