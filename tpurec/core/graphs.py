@@ -76,7 +76,7 @@ from tpurec.core import tensor as _tensor
 from tpurec.core.fused import _DONATED, _KEPT, _OTHER
 from tpurec.core.tensor import Storage, holders
 
-__all__ = ["TpuGraph", "graph", "on_replay"]
+__all__ = ["TpuGraph", "graph", "on_replay", "replay_check"]
 
 _Optimizer = torch.optim.Optimizer
 
@@ -466,23 +466,25 @@ def _optimizer_checks(optimizers: list, storages: dict) -> list[Callable[[], str
             if key != "params" and not isinstance(value, torch.Tensor)
         ]
 
-        def check(ref=weakref.ref(optimizer), settings=settings) -> str | None:
-            optimizer = ref()
-            if optimizer is None:
-                return None
-            groups = optimizer.param_groups
-            for index, key, value in settings:
-                now = groups[index].get(key) if index < len(groups) else None
-                if not _same(now, value):
-                    return (
-                        f"{type(optimizer).__name__}'s {key} is {now!r} in param group {index}, and the step was "
-                        f"captured with {value!r} (a learning rate scheduler?): a replay would use the old value. "
-                        "Capture again after the change, or give the optimizer a tensor lr, which a replay reads"
-                    )
-            return None
-
-        out.append(check)
+        out.append(functools.partial(_settings_check, weakref.ref(optimizer), settings))
     return out
+
+
+def _settings_check(ref: weakref.ref, settings: list) -> str | None:
+    """What of ``settings`` ((group index, key, value) each) the optimizer behind ``ref`` changed (None: nothing)."""
+    optimizer = ref()
+    if optimizer is None:
+        return None
+    groups = optimizer.param_groups
+    for index, key, value in settings:
+        now = groups[index].get(key) if index < len(groups) else None
+        if not _same(now, value):
+            return (
+                f"{type(optimizer).__name__}'s {key} is {now!r} in param group {index}, and the step was "
+                f"captured with {value!r} (a learning rate scheduler?): a replay would use the old value. "
+                "Capture again after the change, or give the optimizer a tensor lr, which a replay reads"
+            )
+    return None
 
 
 def _source(x, held_before: dict, refuse):

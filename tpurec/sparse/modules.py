@@ -391,6 +391,11 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         elif batch is None:
             batch = self.preprocess(features)
         device = self.device
+        if device.type == "tpu":
+            from tpurec.core.device import TpuModule, jax_device
+            from tpurec.core.tensor import free_storage, replace_array, wrap
+
+            index = device.index if device.index is not None else TpuModule.current_device()
         stacks = []
         for i, st in enumerate(self._stacks):
             arrays = batch.stacks[st.name].arrays()
@@ -406,10 +411,6 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 )
             )
             if device.type == "tpu":
-                from tpurec.core.device import TpuModule, jax_device
-                from tpurec.core.tensor import free_storage, replace_array, wrap
-
-                index = device.index if device.index is not None else TpuModule.current_device()
                 # asynchronous copies (already started by prefetch())
                 moved: list[Any] = (
                     moved_ahead[i]
