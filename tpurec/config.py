@@ -258,6 +258,15 @@ FLAGS: tuple[Flag, ...] = (
         values="a path PREFIX",
     ),
     Flag(
+        "TPUREC_MAPPING_BUDGET",
+        "int",
+        None,
+        EVERY_CALL,
+        "Memory mappings this process may hold before tpurec drops its compiled programs (they are "
+        "built again when next used); default 3/4 of the kernel's vm.max_map_count.",
+        minimum=1,
+    ),
+    Flag(
         "TPUREC_COORDINATOR_PORT",
         "int",
         None,

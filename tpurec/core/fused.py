@@ -110,11 +110,20 @@ _steady: dict[tuple, _Steady] = {}
 _last: dict[int, _Steady] = {}
 
 
-def clear_programs() -> None:
-    """Forgets the compiled fused programs: the next window of each structure is traced again."""
+def clear_programs() -> int:
+    """Forgets the compiled fused programs: the next window of each structure is traced again.
+
+    Returns:
+        How many programs were forgotten.
+    """
+    count = len(_fused_programs)
     _fused_programs.clear()
     _steady.clear()
     _last.clear()
+    return count
+
+
+runtime.drop_programs_with(clear_programs)
 
 
 def max_ops() -> int:
@@ -288,6 +297,7 @@ def _flush(window: _Window, counters: runtime.Stats) -> tuple:
         key = (wiring, outputs, donate, device)
         built = _fused_programs.get(key)
         if built is None:
+            runtime.keep_mapping_headroom()
             counters.programs_built += 1
             built = _fused_programs[key] = _build(nodes, [w[1] for w in wiring], outputs, donate, device)
             built[0].origin = ("fused", key, device)  # for recompilation diagnostics

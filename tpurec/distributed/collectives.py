@@ -23,6 +23,8 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tpurec.core import runtime
+
 __all__ = [
     "REDUCE_OPS",
     "Group",
@@ -85,6 +87,15 @@ _programs: dict[tuple, Callable] = {}
 def cached_program_count() -> int:
     """How many collective programs this process has built (each compiles once)."""
     return len(_programs)
+
+
+def _drop_programs() -> int:
+    count = len(_programs)
+    _programs.clear()
+    return count
+
+
+runtime.drop_programs_with(_drop_programs)
 
 
 def _run(name: str, group: Group, local: jax.Array, static: tuple, body: Callable, *extra: jax.Array) -> jax.Array:
