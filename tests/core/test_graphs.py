@@ -362,3 +362,42 @@ def test_the_captured_step_and_its_replays_free_nothing_they_still_use():
     graph.replay()
     assert torch.equal(alias.cpu(), kept)
     assert torch.isfinite(loss.cpu()).all()
+
+
+def test_a_capture_leaves_alone_the_tuples_another_thread_is_building():
+    # TrainPipeline's worker builds tuple(generator) while the main thread captures; the capture's
+    # scan of live objects once held such a half-built tuple across a thread switch, and the
+    # worker's resize of it failed (SystemError in tupleobject.c).
+    model, optimizer, x, y = _setup()
+    stop, errors = threading.Event(), []
+    ballast = [[n] for n in range(200_000)]  # a long scan: thread switches happen during it
+
+    def slow(n: int):
+        for k in range(n):
+            yield sum(range(50)) + k
+
+    def build_tuples() -> None:
+        while not stop.is_set():
+            try:
+                assert len(tuple(slow(300))) == 300
+            except Exception as error:  # noqa: BLE001 (reported by the main thread)
+                errors.append(error)
+                return
+
+    with tpurec.mode("fused"):
+        _warm(model, optimizer, x, y)
+        worker = threading.Thread(target=build_tuples)
+        worker.start()
+        try:
+            for _ in range(8):
+                graph = tpurec.TpuGraph()
+                with tpurec.graph(graph):
+                    _step(model, optimizer, x, y)
+                assert graph.captured
+                graph.replay()
+        finally:
+            stop.set()
+            worker.join(timeout=60)
+    del ballast
+    assert not worker.is_alive()
+    assert errors == []

@@ -59,9 +59,12 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import gc
+import itertools
+import operator
 import weakref
 from typing import Callable, Iterator
 
@@ -219,15 +222,36 @@ class _Plan:
             hook()
 
 
+_mro_of = operator.attrgetter("__mro__")
+_drain = collections.deque(maxlen=0).extend
+
+
+def _live_objects(*bases: type) -> list[list]:
+    """Per class in ``bases``, every object the garbage collector tracks whose type derives from it.
+
+    ``gc.get_objects()`` also returns objects that another thread is still building, a tuple
+    that ``tuple(generator)`` will resize among them (TrainPipeline's worker does that); holding
+    it while that thread runs makes the resize fail (``SystemError`` in tupleobject.c). So the
+    list is filled, filtered and emptied in one call into C: no Python code, and no other
+    thread, runs while it exists.
+    """
+    everything: list = []
+    picked: list[list] = [[] for _ in bases]
+    steps = [map(everything.extend, map(operator.call, [gc.get_objects]))]
+    for found, base in zip(picked, bases):
+        derived = map(operator.contains, map(_mro_of, map(type, everything)), itertools.repeat(base))
+        steps.append(map(found.extend, [itertools.compress(everything, derived)]))
+    steps.append(map(operator.call, [everything.clear]))
+    _drain(itertools.chain.from_iterable(steps))
+    return picked
+
+
 def _live_state() -> tuple[dict[int, tuple], list]:
     """Every live storage by id, (a weak reference to it, the array it holds); per optimizer, (it,
     the size of its state, (tensor, version counter) per CPU tensor of its state)."""
-    storages, optimizers = {}, []
-    for obj in gc.get_objects():
-        if type(obj) is Storage:
-            storages[id(obj)] = (weakref.ref(obj), obj._array)
-        elif issubclass(type(obj), _Optimizer):  # type(): isinstance on a dead weak proxy raises
-            optimizers.append((obj, _state_size(obj), _cpu_state(obj)))
+    live_storages, live_optimizers = _live_objects(Storage, _Optimizer)
+    storages = {id(obj): (weakref.ref(obj), obj._array) for obj in live_storages}
+    optimizers = [(obj, _state_size(obj), _cpu_state(obj)) for obj in live_optimizers]
     return storages, optimizers
 
 
@@ -398,12 +422,8 @@ def _plan(
     outputs = [(storage, seen[where]) for storage, _, where in filled]
     storages = {id(source[0]): source[0] for group in sources for source in group if type(source) is tuple}
     storages.update((id(storage), storage) for storage, _ in outputs)
-    watched, modules = [], []
-    for obj in gc.get_objects():
-        if issubclass(type(obj), _tensor.TpuTensor) and id(getattr(obj, "_storage", None)) in storages:
-            watched.append((weakref.ref(obj), obj._storage))
-        elif issubclass(type(obj), torch.nn.Module):
-            modules.append(obj)
+    tensors, modules = _live_objects(_tensor.TpuTensor, torch.nn.Module)
+    watched = [(weakref.ref(t), t._storage) for t in tensors if id(getattr(t, "_storage", None)) in storages]
     checks_ = [*replay_checks, *_mode_checks(modules, storages), *_optimizer_checks(optimizers, storages)]
     return _Plan(program, sources, tuple(arguments[2:5]), seeds, len(draws), outputs, watched, hooks, checks_)
 
