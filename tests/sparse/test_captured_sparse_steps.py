@@ -45,11 +45,11 @@ def _reference() -> DLRM:
     return DLRM(embedding_bag_collection=collection, **LAYERS)
 
 
-def _ours(reference: DLRM) -> DLRM:
+def _ours(reference: DLRM, capacities: sp.Capacity | None = sp.Capacity(128)) -> DLRM:
     model = DLRM(embedding_bag_collection=TorchrecEBC(_tables()), **LAYERS)
     model.load_state_dict(reference.state_dict())
     apply_optimizer_in_backward(TorchrecRowWiseAdagrad, model.sparse_arch.parameters(), {"lr": 0.1})
-    return sp.from_torchrec(model, capacities=sp.Capacity(128)).to("tpu")
+    return sp.from_torchrec(model, capacities=capacities).to("tpu")
 
 
 def _step(model, optimizer, dense, kjt, labels):
@@ -180,8 +180,10 @@ def test_a_replay_after_staging_a_batch_of_another_size_runs_nothing():
     assert torch.equal(collection.stacked_weight(0).detach().cpu(), weights)
 
 
-def _pipeline_losses(graphed: bool, batches: list) -> tuple[list[float], list, DLRMTrain]:
-    model = DLRMTrain(_ours(_reference()))
+def _pipeline_losses(
+    graphed: bool, batches: list, capacities: sp.Capacity | None = sp.Capacity(128)
+) -> tuple[list[float], list, DLRMTrain]:
+    model = DLRMTrain(_ours(_reference(), capacities))
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05, fused=True)
     pipeline = sp.TrainPipeline(model, optimizer, "tpu", graphed=graphed)
     it = iter([Batch(dense, kjt, labels) for kjt, dense, labels in batches])
@@ -254,3 +256,20 @@ def test_graphed_pipeline_runs_a_batch_of_other_shapes_uncaptured_and_replays_af
         assert torch.equal(model.state_dict()[key].cpu(), value.cpu()), key
     assert outputs[WARMUP + 1] is outputs[WARMUP] and outputs[WARMUP + 3] is outputs[WARMUP]  # replays
     assert outputs[WARMUP + 2] is not outputs[WARMUP]  # the short batch's own step
+
+
+def test_graphed_pipeline_captures_again_when_automatic_capacities_grow():
+    # Automatic capacities (none given) grow on a batch with more ids: stage() makes new CSR tensors,
+    # which the captured step never read. That step runs uncaptured, the next is captured again.
+    batches = _batches(WARMUP + 5)
+    long = random_kjt(_tables(), BATCH, np.random.default_rng(4), max_len=40)
+    batches[WARMUP + 2] = (long, *batches[WARMUP + 2][1:])
+    losses, outputs, model = _pipeline_losses(True, batches, capacities=None)
+    expected, _, plain = _pipeline_losses(False, batches, capacities=None)
+    assert losses == expected  # bit for bit
+    for key, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[key].cpu(), value.cpu()), key
+    assert outputs[WARMUP + 1] is outputs[WARMUP]  # a replay of the first capture
+    recaptured = outputs[WARMUP + 3]
+    assert len({id(out) for out in (outputs[WARMUP], outputs[WARMUP + 2], recaptured)}) == 3
+    assert outputs[WARMUP + 4] is recaptured  # a replay of the second capture

@@ -195,6 +195,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._staged: tuple[KeyedJaggedTensor, SparseCoreInput] | None = None
         self._static_csr: list[list[torch.Tensor]] = []
         self._static_batch_size = 0  # the batch size the staged tensors were made for
+        # How many times stage() made new static tensors (a first batch, a new batch size, grown
+        # automatic capacities): a step captured over older ones cannot replay.
+        self.staged_generation = 0
         # Set while tpurec.sparse.checkpoint loads the tables with their optimizer state
         # (so load_state_dict does not warn that the optimizer restarts).
         self._optimizer_state_follows = False
@@ -396,7 +399,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             from tpurec.core.tensor import free_storage, replace_array, wrap
 
             index = device.index if device.index is not None else TpuModule.current_device()
-        stacks = []
+        stacks, renewed = [], False
         for i, st in enumerate(self._stacks):
             arrays = batch.stacks[st.name].arrays()
             old = self._static_csr[i] if i < len(self._static_csr) else None
@@ -425,13 +428,16 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 for t in old or ():
                     free_storage(t)  # a step captured over the old shapes then refuses to replay
                 stacks.append([wrap(a, index) for a in moved])
+                renewed = True
             elif old is not None and same:
                 for t, a in zip(old, arrays):
                     t.copy_(torch.from_numpy(a))
                 stacks.append(old)
             else:
                 stacks.append([torch.from_numpy(a).to(device) for a in arrays])
+                renewed = True
         self._static_csr, self._static_batch_size = stacks, batch.batch_size
+        self.staged_generation += renewed
         self._staged = (features, batch)
         self._drops.add(batch.dropped_by_feature)
 

@@ -150,6 +150,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         # graphed: the capture, its step count, the static batch tensors and the captured output.
         self._graph = graphs.TpuGraph() if graphed else None
         self._graph_calls = 0
+        self._graph_generations: list[int] = []  # each staged collection's staged_generation at the capture
         self._statics: list[torch.Tensor] | None = None
         self._graph_output: Any = None
         self._graph_training = True  # whether the captured step trained (else: a forward only)
@@ -301,13 +302,20 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
                     return self._step(batch)
             for s, t in zip(statics, leaves):
                 replace_array(s, t.array) if isinstance(t, _OnDevice) else s.copy_(t)
+        staged = []
         for kjt in kjts:
             for ebc in self._collections_of(kjt):
                 ebc.stage(kjt)  # takes what the worker prefetched
+                staged.append(ebc.staged_generation)
         it = iter(self._statics)
         batch = map_batch(item, lambda _: next(it), lambda k: k)
         graph = self._graph
         assert graph is not None
+        if graph.captured and staged != self._graph_generations:
+            # stage() made new CSR tensors (automatic capacities grew): the capture read the old
+            # ones. This step runs uncaptured (warm for the new shapes), the next is captured.
+            graph = self._graph = graphs.TpuGraph()
+            self._graph_calls = 1
         with modes.mode("fused"):
             if graph.captured and self._model.training == self._graph_training:
                 graph.replay()
@@ -325,6 +333,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
                 self._graph = None  # refused: the step ran in full, and the steps go on uncaptured
                 raise
         self._graph_output, self._graph_training = output, self._model.training
+        self._graph_generations = staged
         return output
 
     def reset(self) -> None:
