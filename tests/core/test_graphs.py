@@ -364,6 +364,15 @@ def test_the_captured_step_and_its_replays_free_nothing_they_still_use():
     assert torch.isfinite(loss.cpu()).all()
 
 
+class _PythonGetattribute(type):
+    def __getattribute__(cls, name):
+        return super().__getattribute__(name)
+
+
+class _Hooked(metaclass=_PythonGetattribute):
+    pass
+
+
 def test_a_capture_leaves_alone_the_tuples_another_thread_is_building():
     # TrainPipeline's worker builds tuple(generator) while the main thread captures; the capture's
     # scan of live objects once held such a half-built tuple across a thread switch, and the
@@ -371,6 +380,9 @@ def test_a_capture_leaves_alone_the_tuples_another_thread_is_building():
     model, optimizer, x, y = _setup()
     stop, errors = threading.Event(), []
     ballast = [[n] for n in range(200_000)]  # a long scan: thread switches happen during it
+    # Objects of a class whose metaclass runs Python code on attribute access (as transformers'
+    # DummyObject does): a scan that reads their class's attributes lets the worker run.
+    hooked = [_Hooked() for _ in range(20_000)]
 
     def slow(n: int):
         for k in range(n):
@@ -398,6 +410,6 @@ def test_a_capture_leaves_alone_the_tuples_another_thread_is_building():
         finally:
             stop.set()
             worker.join(timeout=60)
-    del ballast
+    del ballast, hooked
     assert not worker.is_alive()
     assert errors == []

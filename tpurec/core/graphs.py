@@ -222,7 +222,6 @@ class _Plan:
             hook()
 
 
-_mro_of = operator.attrgetter("__mro__")
 _drain = collections.deque(maxlen=0).extend
 
 
@@ -239,7 +238,10 @@ def _live_objects(*bases: type) -> list[list]:
     picked: list[list] = [[] for _ in bases]
     steps = [map(everything.extend, map(operator.call, [gc.get_objects]))]
     for found, base in zip(picked, bases):
-        derived = map(operator.contains, map(_mro_of, map(type, everything)), itertools.repeat(base))
+        # type.__subclasscheck__ itself, not getattr or ==: a metaclass's Python hooks would run
+        # Python code, and so let other threads run (transformers' DummyObject and httpx's status
+        # codes have a __getattribute__, jax's scalar types an __eq__).
+        derived = map(type.__subclasscheck__, itertools.repeat(base), map(type, everything))
         steps.append(map(found.extend, [itertools.compress(everything, derived)]))
     steps.append(map(operator.call, [everything.clear]))
     _drain(itertools.chain.from_iterable(steps))
