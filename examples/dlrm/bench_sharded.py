@@ -12,7 +12,11 @@ same batches from the same weights twice, once in the plain loop (read,
 preprocess and transfer inside the step) and once through the pipeline (the
 worker prepares batch ``i + 1`` while step ``i`` runs), in alternating rounds;
 each step reads its loss (``.item()``), so a step's time includes waiting for
-the device. Prints JSON: median step times, their ratio, the largest loss
+the device. Mode ``graphed`` runs fused mode with a fused dense Adagrad
+(``fused=True``) in both loops, and the pipeline with ``graphed=True``: its third
+step is captured (``tpurec.graph``) and replayed from then on. Prints JSON: median
+step times and host times (the main thread's CPU time of a step: what the host
+needs to issue it, the figure that decides whether a TPU waits on it), their ratio, the largest loss
 difference between the two loops (0: identical), the host time of preparing
 one batch's ids alone (``sparse_host_prepare_ms``: validation, routing, packing
 and the copies to the mesh, the most the pipeline can hide) and the machine
@@ -45,7 +49,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=10, help="timed steps per loop and round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilations)")
     p.add_argument("--rounds", type=int, default=2, help="plain/pipeline rounds, alternating which goes first")
-    p.add_argument("--modes", nargs="+", default=["fused", "eager"], choices=["fused", "eager", "compiled"])
+    p.add_argument("--modes", nargs="+", default=["fused", "eager"], choices=["fused", "eager", "compiled", "graphed"])
     p.add_argument(
         "--dense-only",
         action="store_true",
@@ -117,7 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
         model.load_state_dict(state)
         model = sparse.from_torchrec(model, optimizer=sparse.Adagrad(learning_rate=0.05)).to("tpu")
         model = tpurec.shard(model, plan, mesh=_mesh(D))
-        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.005)
+        # graphed: a captured step keeps the optimizer's state on the device (a fused optimizer).
+        optimizer = torch.optim.Adagrad(model.parameters(), lr=0.005, fused=True if mode == "graphed" else None)
         return (torch.compile(model, backend="tpu") if mode == "compiled" else model), optimizer
 
     def batches() -> Iterator[Batch]:
@@ -134,11 +139,11 @@ def main(argv: list[str] | None = None) -> dict:
             labels = torch.from_numpy(rng.integers(0, 2, args.batch).astype(np.float32))
             yield Batch(dense_features=dense, sparse_features=kjt, labels=labels)
 
-    def plain(mode: str) -> tuple[list[float], list[float]]:
+    def plain(mode: str) -> tuple[list[float], list[float], list[float]]:
         model, optimizer = build(mode)
-        times, losses = [], []
+        times, host, losses = [], [], []
         it = batches()
-        for b in _timed(times):
+        for b in _timed(times, host):
             b = next(it, None)
             if b is None:
                 break
@@ -149,25 +154,25 @@ def main(argv: list[str] | None = None) -> dict:
             if tpurec.get_mode() == "fused":
                 tpurec.flush("step")  # as the pipeline does: the step goes out as one program
             losses.append(loss.item())
-        return times, losses
+        return times, host, losses
 
-    def pipelined(mode: str, sparse_prefetch: bool = True) -> tuple[list[float], list[float]]:
+    def pipelined(mode: str, sparse_prefetch: bool = True) -> tuple[list[float], list[float], list[float]]:
         model, optimizer = build(mode)
-        pipeline = sparse.TrainPipeline(model, optimizer, torch.device("tpu"))
+        pipeline = sparse.TrainPipeline(model, optimizer, torch.device("tpu"), graphed=mode == "graphed")
         if not sparse_prefetch:
             # What the pipeline did before the sharded collection took prefetch():
             # only tensors move ahead (to one device); routing runs in the step.
             pipeline._collections, pipeline._mesh = [], None
-        times, losses = [], []
+        times, host, losses = [], [], []
         it = batches()
-        for _ in _timed(times):
+        for _ in _timed(times, host):
             try:
                 loss, _, _ = pipeline.progress(it)
             except StopIteration:
                 break
             losses.append(loss.item())
         pipeline.close()
-        return times, losses
+        return times, host, losses
 
     result: dict = {
         "benchmark": "sharded dlrm step, plain loop vs TrainPipeline",
@@ -182,20 +187,23 @@ def main(argv: list[str] | None = None) -> dict:
             "pipeline": lambda: pipelined(mode),
             "pipeline_dense_only": lambda: pipelined(mode, sparse_prefetch=False),
         }
-        if not args.dense_only:
+        if not args.dense_only or mode == "graphed":
             del loops["pipeline_dense_only"]
         timed: dict[str, list[float]] = {name: [] for name in loops}
+        hosts: dict[str, list[float]] = {name: [] for name in loops}
         loss_gap = 0.0
-        with tpurec.mode("fused" if mode == "compiled" else mode):
+        with tpurec.mode("fused" if mode in ("compiled", "graphed") else mode):
             for r in range(args.rounds):
                 order = list(loops) if r % 2 == 0 else list(reversed(loops))
                 runs = {name: loops[name]() for name in order}
-                for name, (times, _) in runs.items():
+                for name, (times, host, _) in runs.items():
                     timed[name] += times[args.warmup :]
-                for name, (_, losses) in runs.items():
-                    loss_gap = max(loss_gap, max(abs(a - b) for a, b in zip(runs["plain"][1], losses)))
+                    hosts[name] += host[args.warmup :]
+                for name, (_, _, losses) in runs.items():
+                    loss_gap = max(loss_gap, max(abs(a - b) for a, b in zip(runs["plain"][2], losses)))
         ms = {name: statistics.median(times) * 1e3 for name, times in timed.items()}
         result[mode] = {f"{name}_step_ms": round(value, 2) for name, value in ms.items()}
+        result[mode].update({f"{name}_host_ms": round(statistics.median(h) * 1e3, 2) for name, h in hosts.items()})
         result[mode].update(
             {
                 "speedup": round(ms["plain"] / ms["pipeline"], 3),
@@ -234,12 +242,13 @@ def _mesh(devices: int):
     return Mesh(np.array(sorted(jax.devices(), key=lambda d: (d.process_index, d.id))[:devices]), ("devices",))
 
 
-def _timed(times: list[float]) -> Iterator[None]:
-    """Yields forever, appending the wall time of each iteration to ``times``."""
+def _timed(times: list[float], host: list[float]) -> Iterator[None]:
+    """Yields forever, appending the wall time of each iteration to ``times`` and the main thread's CPU time to ``host``."""
     while True:
-        start = time.perf_counter()
+        start, start_host = time.perf_counter(), time.thread_time()
         yield None
         times.append(time.perf_counter() - start)
+        host.append(time.thread_time() - start_host)
 
 
 if __name__ == "__main__":

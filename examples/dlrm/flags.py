@@ -211,7 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=EXECUTION_MODES,
         default=None,
         help="tpurec execution mode of the dense model (default: fused; eager, the only one, with --dist dmp; "
-        "graphed: fused, the training step captured by tpurec.graph and replayed, one device)",
+        "graphed: fused, the training step captured by tpurec.graph and replayed; not with --dist dmp)",
     )
     p.add_argument(
         "--dist",
@@ -316,8 +316,9 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         "learning rate schedules (--lr_warmup_steps/--lr_decay_start/--lr_decay_steps) are not supported yet; drop them",
     )
     _check(
-        a.mode != "graphed" or (a.num_devices == 1 and a.dist != "dmp"),
-        "--mode graphed captures the step of an unsharded model: use it with --num_devices 1 and without --dist dmp",
+        a.mode != "graphed" or a.dist != "dmp",
+        "--mode graphed captures the step of a model on one device or sharded by tpurec.shard (--dist tpurec); "
+        "use it without --dist dmp",
     )
     dense_sizes = _int_list("dense_arch_layer_sizes", a.dense_arch_layer_sizes)
     over_sizes = _int_list("over_arch_layer_sizes", a.over_arch_layer_sizes)

@@ -157,19 +157,23 @@ def test_first_20_steps_match_torchrec_fbgemm(interaction, optimizer_flags):
             torch.testing.assert_close(state[key].cpu(), value, rtol=0, atol=1e-4)
 
 
-def test_two_devices_train_like_one(tmp_path):
-    """--num_devices 2 (tpurec.shard, per-device batch 16) == one device with batch 32."""
+@pytest.mark.parametrize("mode", ["fused", "graphed"])
+def test_two_devices_train_like_one(tmp_path, mode):
+    """--num_devices 2 (tpurec.shard, per-device batch 16) == one device with batch 32; with --mode
+    graphed the sharded step is captured on its third call and replayed."""
     assert torch.tpu.device_count() >= 2  # tests/conftest.py makes 8 host devices
     runs = []
-    for extra in (["--batch_size", "32"], ["--batch_size", "16", "--num_devices", "2"]):
+    for extra in (["--batch_size", "32"], ["--batch_size", "16", "--num_devices", "2", "--mode", mode]):
         cfg = flags.parse_args([*SMALL, *extra, "--adagrad", "--learning_rate", "0.05", "--limit_train_batches", "10"])
         model = loop.place_model(model_lib.build_model(cfg, "tpu"), cfg)
         pipeline = loop.make_pipeline(model, model_lib.dense_optimizer(cfg, model), cfg, "tpu")
         loaders = data.make_loaders(cfg)
-        with tpurec.mode(cfg.mode):
+        with tpurec.mode("fused" if cfg.mode == "graphed" else cfg.mode):
             stream = loaders["train"].epoch_batches(0)
             losses = [float(pipeline.progress(stream)) for _ in range(10)]
             pipeline.close()
+            if cfg.mode == "graphed":  # it did capture (a refused capture raises)
+                assert pipeline.pipeline._graph is not None and pipeline.pipeline._graph.captured
             auc = loop.evaluate(model, model, loaders["test"], "tpu", "test").auc
         runs.append((losses, auc))
     (one, auc_one), (two, auc_two) = runs
@@ -505,9 +509,9 @@ BAD_INPUTS = {
         "unknown --interaction_type 'transformer'",
     ),
     "more_devices_than_visible": (lambda tmp: ["--num_devices", "64"], "--num_devices 64 but only"),
-    "graphed_on_two_devices": (
-        lambda tmp: ["--num_devices", "2", "--mode", "graphed"],
-        "--mode graphed captures the step of an unsharded model",
+    "graphed_with_dmp": (
+        lambda tmp: ["--dist", "dmp", "--mode", "graphed"],
+        "--mode graphed captures the step of a model on one device or sharded by tpurec.shard",
     ),
     "resume_without_sharded_checkpoint": (
         lambda tmp: ["--num_devices", "2", "--checkpoint_dir", tmp, "--resume"],

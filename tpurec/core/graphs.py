@@ -522,9 +522,11 @@ def _source(x, held_before: dict, refuse):
         raise refuse(
             f"it reads values ({x.dtype}{list(x.shape)}) that no tensor held when the step began and that no op of "
             "the step made: an array put on the device outside tpurec's ops (a batch prefetched by "
-            "EmbeddingBagCollection.prefetch, a tensor wrapped from a jax.Array in the step). A replay would read "
-            "the values of the capture. Fill a tensor that outlives the step before it (copy_(); for a "
-            "tpurec.sparse.EmbeddingBagCollection, its stage() method) instead"
+            "EmbeddingBagCollection.prefetch, a tensor wrapped from a jax.Array in the step, a batch tensor that a "
+            "model sharded by tpurec.shard splits over its mesh in the step). A replay would read the values of the "
+            "capture. Fill a tensor that outlives the step before it (copy_(); for a sharded model, a tensor made "
+            "by tpurec.sparse.sharding.distribute_batch; for a tpurec embedding collection, its stage() method) "
+            "instead"
         )
     storage = held[0]()
     if storage is None:

@@ -86,8 +86,9 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             mode is used for the steps whatever the current mode): the first two steps run as
             usual, the third is captured, and from then on a step copies the batch into static
             tensors (made from the first batch; a batch of other shapes, such as a short last
-            one, runs uncaptured), stages its KJTs
-            (``EmbeddingBagCollection.stage``) and calls ``replay()``, with no Python of the
+            one, runs uncaptured), stages its KJTs (``stage()`` of tpurec's
+            ``EmbeddingBagCollection`` and of the sharded collections of :func:`tpurec.shard`,
+            for one process or several) and calls ``replay()``, with no Python of the
             model, autograd or the optimizer. ``progress`` then returns the same output tensors
             at every step, holding the latest step's values (as with CUDA graphs: ``clone()``
             what must outlive the next step). A step in the other of train and eval mode than
@@ -97,7 +98,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
 
     Raises:
         ValueError: ``prefetch`` below 1; ``graphed`` with a device other than ``tpu`` or a
-            collection that cannot stage its input (a sharded one).
+            collection that cannot stage its input (one without a ``stage`` method).
     """
 
     def __init__(
@@ -135,17 +136,14 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             self._local_devices = local_device_count(self._mesh)
         if graphed:
             unstaged = [type(m).__name__ for m in self._collections if not hasattr(m, "stage")]
-            if self._device.type != "tpu" or self._mesh is not None or unstaged:
+            if self._device.type != "tpu" or unstaged:
                 why = (
                     f"the device is {self._device}"
                     if self._device.type != "tpu"
                     else f"the collections {unstaged} cannot stage their input"
-                    if unstaged
-                    else "the model is sharded over a mesh"
                 )
                 raise ValueError(
-                    f"TrainPipeline(graphed=True) captures an unsharded model on the tpu device, but {why}; "
-                    "use graphed=False"
+                    f"TrainPipeline(graphed=True) captures a model on the tpu device, but {why}; use graphed=False"
                 )
         # graphed: the capture, its step count, the static batch tensors and the captured output.
         self._graph = graphs.TpuGraph() if graphed else None

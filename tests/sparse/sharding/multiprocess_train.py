@@ -95,8 +95,11 @@ def _batches(tables):
         yield features, dense, labels
 
 
-def _pipelined(tables, model, optimizer, lo: int, hi: int) -> list[float]:
-    """The same steps through tpurec.sparse.TrainPipeline (this process's samples ``[lo, hi)``)."""
+def _pipelined(tables, model, optimizer, lo: int, hi: int, graphed: bool = False) -> list[float]:
+    """The same steps through tpurec.sparse.TrainPipeline (this process's samples ``[lo, hi)``).
+
+    ``graphed``: ``TrainPipeline(graphed=True)``, whose third step is captured and replayed after.
+    """
     import torch
 
     import tpurec.sparse as sp
@@ -116,7 +119,7 @@ def _pipelined(tables, model, optimizer, lo: int, hi: int) -> list[float]:
             return loss, loss.detach()
 
     local = ((dense[lo:hi], _kjt(features, lo, hi), labels[lo:hi]) for features, dense, labels in _batches(tables))
-    pipeline = sp.TrainPipeline(Train(model), optimizer, "tpu")
+    pipeline = sp.TrainPipeline(Train(model), optimizer, "tpu", graphed=graphed)
     losses = []
     while True:
         try:
@@ -124,6 +127,8 @@ def _pipelined(tables, model, optimizer, lo: int, hi: int) -> list[float]:
         except StopIteration:
             break
     pipeline.close()
+    if graphed:
+        assert pipeline._graph is not None and pipeline._graph.captured, "the graphed pipeline captured no step"
     return losses
 
 
@@ -144,7 +149,8 @@ def _results(model, losses: list[float], prefix: str = "") -> dict[str, np.ndarr
 
 def main(out: str, checkpoint_dir: str | None = None) -> None:
     """Trains STEPS steps in the plain loop (then saves the checkpoint), then the same steps
-    from the same start through TrainPipeline; process 0 writes both results (``pipeline/...``)."""
+    from the same start through TrainPipeline and through TrainPipeline(graphed=True); process 0
+    writes the three results (``pipeline/...``, ``graphed/...``)."""
     import tpurec
     import tpurec.distributed
 
@@ -178,6 +184,13 @@ def main(out: str, checkpoint_dir: str | None = None) -> None:
     _tables, model = build()
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)
     arrays.update(_results(model, _pipelined(tables, model, optimizer, lo, hi), prefix="pipeline/"))
+
+    # Captured steps: the staged sharded lookups and a fused dense optimizer, in fused mode.
+    _tables, model = build()
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05, fused=True)
+    with tpurec.mode("fused"):
+        losses = _pipelined(tables, model, optimizer, lo, hi, graphed=True)
+    arrays.update(_results(model, losses, prefix="graphed/"))
     if rank == 0:
         np.savez(out, **arrays)
 

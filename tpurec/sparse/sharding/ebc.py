@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -91,6 +91,29 @@ class _ShardedLookup(torch.autograd.Function):
             id_grad = torch.from_numpy(id_grad).to(device=device, dtype=dtype)
         # The tables are updated in place: they get no .grad (a dense optimizer skips them).
         return None, id_grad, None, None
+
+
+class _StagedLookup(torch.autograd.Function):
+    """The sharded lookup of a staged batch, run (eager) or recorded (fused) as tpu work.
+
+    Unlike :class:`_ShardedLookup` it reads the tables, the batch's entries and the output's
+    gradient as tensors and writes the updated tables into their tensors, without reading a
+    value: in fused mode both programs join the step's window, so :func:`tpurec.graph` can
+    capture the step. ``entries`` are the collection's static entry tensors (``stage()``).
+    """
+
+    @staticmethod
+    def forward(ctx, anchor, module, entries, b):
+        out, received = module._staged_forward(entries, b)
+        ctx.module, ctx.entries, ctx.received, ctx.b = module, entries, received, b
+        module._pending_lookups.add(ctx)  # until its backward runs or its graph is freed
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        ctx.module._pending_lookups.discard(ctx)
+        ctx.module._staged_backward(ctx.entries, ctx.received, grad_output, ctx.b)
+        return None, None, None, None
 
 
 class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
@@ -179,6 +202,14 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         # id(kjt) -> what prefetch() (TrainPipeline's worker thread) prepared for
         # that KJT object; taken by forward() of the same object.
         self._prefetched: dict[int, Prefetched] = {}
+        # stage(): the staged KJT and its batch, the static entry tensors the staged lookup reads
+        # (each group's and then each data-parallel group's rows, samples and gains) and the
+        # samples per device they were made for; staged_generation counts new static tensors.
+        self._staged: tuple[KeyedJaggedTensor, dict[str, Any]] | None = None
+        self._static_entries: list[torch.Tensor] = []
+        self._static_per_device: int | None = None
+        self.staged_generation = 0
+        self._staged_program_cache: dict[int, tuple[runtime.Program, runtime.Program]] = {}
         self._embedding_names = [n for names in get_embedding_names_by_table(configs) for n in names]
         self._length_per_key = [t.embedding_dim for t in configs for _ in t.feature_names]
 
@@ -555,6 +586,171 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         """Drops batches prepared by :meth:`prefetch` that no step used."""
         self._prefetched.clear()
 
+    def stage(self, features: KeyedJaggedTensor) -> None:
+        """Routes ``features`` into the collection's static entry tensors, for the next forward.
+
+        The sharded counterpart of :meth:`tpurec.sparse.EmbeddingBagCollection.stage`: the
+        batch's entry arrays go into tensors the collection keeps from batch to batch (in place,
+        while their shapes and the samples per device stay the same), and the next ``forward``
+        of this same KJT object reads them. That forward and its backward run as tpu work on
+        those tensors (in fused mode, recorded into the step's window with the fused optimizer's
+        update of the shards), so :func:`tpurec.graph` can capture a step of a sharded model, and
+        staging the next batch before ``g.replay()`` feeds it to the replay. A KJT handed to
+        :meth:`prefetch` before is taken from there. Dropped entries (``overflow="drop"``) are
+        counted here.
+
+        Args:
+            features: this process's batch (CPU KJT with the tables' features).
+
+        Raises:
+            RuntimeError: the staged batch's lookup still waits for its backward (staging would
+                change its input); nothing changes.
+            ValueError, CapacityError: as :meth:`distribute_input`; nothing changes.
+
+        Example::
+
+            sharded.stage(kjt)
+            with tpurec.graph(g):
+                loss = step(kjt)      # forward(kjt) reads the staged entry tensors
+            for kjt in batches:
+                sharded.stage(kjt)
+                g.replay()
+        """
+        static = {id(t) for t in self._static_entries}
+        if any(id(t) in static for ctx in list(self._pending_lookups) for t in getattr(ctx, "entries", ())):
+            raise RuntimeError(
+                "stage(): the lookup of the batch staged before still waits for its backward, which reads the "
+                "staged entries; run the backward (or drop that step's outputs) before staging the next batch"
+            )
+        batch = self._take_prefetched(features)
+        if batch is None:
+            batch = self.distribute_input(features)
+        arrays = [a for entries in (*batch["groups"], *batch["dp"]) for a in entries]
+        old = self._static_entries
+        # A new batch size makes new tensors even where the entry shapes (set by the capacity)
+        # stay: a step captured for the old one then refuses to replay instead of misreading.
+        if (
+            len(old) == len(arrays)
+            and batch["per_device"] == self._static_per_device
+            and all(tuple(t.shape) == a.shape and t.dtype == torch.from_numpy(np.zeros(0, a.dtype)).dtype
+                    for t, a in zip(old, arrays))
+        ):  # fmt: skip
+            for t, a in zip(old, arrays):
+                replace_array(t, a)
+        else:
+            from tpurec.core.tensor import free_storage
+
+            for t in old:
+                free_storage(t)  # a step captured over the old shapes then refuses to replay
+            self._static_entries = [wrap(a, 0) for a in arrays]
+            self._static_per_device = batch["per_device"]
+            self.staged_generation += 1
+        self._staged = (features, batch)
+
+    def _take_staged(self, features: KeyedJaggedTensor) -> dict[str, Any] | None:
+        """The batch :meth:`stage` made of this KJT object (its drops already counted), or None."""
+        staged = self._staged
+        return staged[1] if staged is not None and staged[0] is features else None
+
+    def _staged_forward(self, entries: list[Any], b: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The forward program on the tables' and the entries' tensors: ``(out, received entries)``."""
+        from tpurec.core.programs import _run, fresh, pending_value
+
+        L = self.layout
+        tables: list[Any] = [getattr(self, f"shard_weight_{g}") for g in range(len(L.groups))]
+        tables += [getattr(self, f"dp_weight_{g}") for g in range(len(L.dp_groups))]
+        program = self._staged_programs(b)[0]
+        outs = _run(program, *(pending_value(t) for t in (*tables, *entries)))
+        return fresh(outs[0], 0), [fresh(o, 0) for o in outs[1:]]
+
+    def _staged_backward(self, entries: list[Any], received: list[Any], grad_output: Any, b: int) -> None:
+        """The backward program: the fused optimizer's update written into the tables' and slots' tensors."""
+        from tpurec.core import graphs
+        from tpurec.core.programs import _run, _store, pending_value
+
+        self._step += 1
+        graphs.on_replay(self._count_step)  # a replayed step counts too (its numbers do not change)
+        hyper = {k: float(v) for k, v in self.optimizer.hyperparameters(self._step).items()}
+        graphs.replay_check(lambda: self._changed_optimizer(hyper))
+        targets = self._state_tensors()
+        dp_entries = entries[3 * len(self.layout.groups) :]
+        inputs = (grad_output.contiguous(), *targets, *received, *dp_entries)
+        program = self._staged_programs(b)[1]
+        outs = _run(program, *(pending_value(t) for t in inputs), *hyper.values())
+        for t, new in zip(targets, outs):
+            _store(t._storage, new)
+
+    def _state_tensors(self) -> list[Any]:
+        """Each sharded group's table and slots, then each data-parallel group's (the backward's order)."""
+        L, slots = self.layout, list(self.optimizer.slots)
+        return [
+            getattr(self, f"{prefix}_{name}_{g}")
+            for prefix, count in (("shard", len(L.groups)), ("dp", len(L.dp_groups)))
+            for g in range(count)
+            for name in ("weight", *slots)
+        ]
+
+    def _count_step(self) -> None:
+        self._step += 1
+
+    def _changed_optimizer(self, captured: dict[str, float]) -> str | None:
+        """What changed in the embedding optimizer's settings since a captured step read them (None: nothing)."""
+        now = {k: float(v) for k, v in self.optimizer.hyperparameters(self._step + 1).items()}
+        if now == captured:
+            return None
+        return (
+            f"the embedding optimizer of the sharded tables {[c.name for c in self._embedding_bag_configs]} now has "
+            f"{now}, and the step was captured with {captured}: a replay would use the old settings. Capture again "
+            "after the change"
+        )
+
+    def _staged_programs(self, b: int) -> tuple[runtime.Program, runtime.Program]:
+        """The forward and backward programs of staged lookups for ``b`` samples per device (cached).
+
+        Over flat lists of arrays (a fused window's nodes take flat inputs): the forward takes
+        the tables and the entries and returns the output and the received entries; the
+        backward takes the output's gradient, the tables and slots, the received entries, the
+        data-parallel entries and the hyperparameters, and returns the new tables and slots.
+        """
+        cache = self._staged_program_cache
+        if b in cache:
+            return cache[b]
+        L = self.layout
+        groups, dps, slots = len(L.groups), len(L.dp_groups), len(self.optimizer.slots)
+        names = list(self.optimizer.hyperparameters(1))
+
+        def triples(flat: Sequence[Any]) -> list[tuple[Any, ...]]:
+            return [tuple(flat[k : k + 3]) for k in range(0, len(flat), 3)]
+
+        def forward(*flat):
+            tables, entries = flat[: groups + dps], flat[groups + dps :]
+            out, received, _ = self._forward_fn(
+                list(tables[:groups]), list(tables[groups:]), triples(entries[: 3 * groups]),
+                triples(entries[3 * groups :]), b,
+            )  # fmt: skip
+            return [out, *(x for entries in received for x in entries)]
+
+        def backward(*flat):
+            grad, rest = flat[0], flat[1:]
+            state, rest = rest[: (groups + dps) * (1 + slots)], rest[(groups + dps) * (1 + slots) :]
+            received, dp, hyper = rest[: 3 * groups], rest[3 * groups : 3 * (groups + dps)], rest[3 * (groups + dps) :]
+            per_table = [list(state[k : k + 1 + slots]) for k in range(0, len(state), 1 + slots)]
+            new_w, new_s, new_dw, new_ds, _ = self._backward_fn(
+                grad, [t[0] for t in per_table[:groups]], [t[1:] for t in per_table[:groups]],
+                [t[0] for t in per_table[groups:]], [t[1:] for t in per_table[groups:]],
+                triples(received), triples(dp), [], dict(zip(names, hyper)), b,
+            )  # fmt: skip
+            return [x for w, s in (*zip(new_w, new_s), *zip(new_dw, new_ds)) for x in (w, *s)]
+
+        state = (groups + dps) * (1 + slots)
+        cache[b] = (
+            runtime.Program(forward),
+            # Eagerly the tables and slots are updated in place (donated); a fused window donates
+            # the buffers its writes replace.
+            runtime.Program(backward, donate_argnums=tuple(range(1, 1 + state))),
+        )
+        return cache[b]
+
     def _take_prefetched(self, features: KeyedJaggedTensor) -> dict[str, Any] | None:
         """The prepared batch of this KJT object (counting its drops), or None."""
         entry = self._prefetched.pop(id(features), None)
@@ -716,14 +912,18 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             process order), batch-sharded on the mesh.
         """
         self._check_trainable_lookup(features)
-        batch = self._take_prefetched(features)
+        staged = self._take_staged(features)
+        batch = staged if staged is not None else self._take_prefetched(features)
         if batch is None:
             batch = self.distribute_input(features)
         anchor = next(self.parameters())
         # Per-id weights that require grad get TorchRec's gradient from the backward program
         # (the gains carry them into the lookup as constants, as in the unsharded collection).
         id_weights = features.weights() if self._weights_need_grad(features) else None
-        values = _ShardedLookup.apply(anchor, id_weights, self, batch)
+        if staged is not None and id_weights is None and batch["per_device"] > 0:
+            values = _StagedLookup.apply(anchor, self, self._static_entries, batch["per_device"])
+        else:
+            values = _ShardedLookup.apply(anchor, id_weights, self, batch)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
 
     # The unsharded collection's rules, on the same attributes (one text for both).
