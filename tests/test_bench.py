@@ -35,7 +35,21 @@ def test_dispatch_reports_host_cost_per_op_next_to_pytorch_cpu():
                 assert figures["compilations"] == 0, (op, config, figures)
             if config != "cpu_pytorch":
                 assert figures["vs_cpu"] == pytest.approx(figures["host_ns"] / row["cpu_pytorch"]["host_ns"])
+                assert figures["vs_cpu_wall"] == pytest.approx(figures["wall_ns"] / row["cpu_pytorch"]["wall_ns"])
         assert row["fused"]["flush_us"] > 0
+
+
+def test_dispatch_reports_no_host_time_where_the_thread_clock_ticks_coarsely(monkeypatch):
+    # Under gVisor (some TPU machines) time.thread_time() advances in 10 ms ticks: a loop of ops reads 0.
+    from tpurec.bench import clocks, dispatch
+
+    monkeypatch.setattr(clocks, "thread_clock_tick", lambda: 0.01)
+    result = dispatch.main(["--op", "add", "--ops", "20", "--repeats", "2", "--modes", "cpu_pytorch", "eager"])
+    assert result["thread_clock_tick_us"] == pytest.approx(1e4)
+    row = result["ops"]["add"]
+    assert row["cpu_pytorch"]["host_ns"] is None and row["eager"]["host_ns"] is None
+    assert row["eager"]["vs_cpu"] is None
+    assert row["eager"]["vs_cpu_wall"] == pytest.approx(row["eager"]["wall_ns"] / row["cpu_pytorch"]["wall_ns"])
 
 
 def test_dispatch_refuses_a_loop_longer_than_the_fused_window():

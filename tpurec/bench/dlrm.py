@@ -47,6 +47,7 @@ from torchrec.optim import RowWiseAdagrad
 
 import tpurec
 import tpurec.sparse as sparse
+from tpurec.bench import clocks
 from tpurec.bench.captured import captured_step
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.cli import non_negative_int, positive_int
@@ -310,6 +311,11 @@ def _plot(result: dict, directory: str) -> list[str]:
     return written
 
 
+def _host_ms(host_times: list[float], step_times: list[float]) -> float | None:
+    """The median host ms of a step, or None where the thread clock ticks too coarsely to time one."""
+    return statistics.median(host_times) * 1e3 if clocks.fine_enough(min(step_times)) else None
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm") -> dict:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--batch", type=positive_int, default=2048)
@@ -413,9 +419,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
         "config": vars(args),
         "platform": tpurec.platform(),
         "load_average": {"before": load_before, "after": os.getloadavg()[0]},
+        "thread_clock_tick_us": clocks.thread_clock_tick() * 1e6,
         "torchrec_cpu": {
             "step_ms": peer_median * 1e3,
-            "host_ms_per_step": statistics.median(peer.host_times) * 1e3,
+            "host_ms_per_step": _host_ms(peer.host_times, peer.times),
             "samples_per_s": args.batch / peer_median,
         },
     }
@@ -424,8 +431,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
         result[runner.name] = {
             "step_ms": median * 1e3,
             "step_ms_range": [min(runner.times) * 1e3, max(runner.times) * 1e3],
-            "host_ms_per_step": statistics.median(runner.host_times) * 1e3,
-            "host_ms_per_step_stubbed": statistics.median(runner.stubbed_host_times) * 1e3,
+            "host_ms_per_step": _host_ms(runner.host_times, runner.times),
+            "host_ms_per_step_stubbed": _host_ms(runner.stubbed_host_times, runner.times),
             "samples_per_s": args.batch / median,
             "speedup_vs_torchrec_cpu": peer_median / median,
             "max_loss_difference": max(abs(a - b) for a, b in zip(runner.losses, peer.losses)),

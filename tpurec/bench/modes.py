@@ -54,6 +54,7 @@ from typing import Callable
 import torch
 
 import tpurec
+from tpurec.bench import clocks
 from tpurec.bench.captured import captured_step
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.core import runtime
@@ -178,12 +179,15 @@ def _run_stubbed_steps(config: _Config, steps: int, record: bool) -> None:
 def _summary(config: _Config) -> dict:
     median = statistics.median(config.wall_ms)
     steps = len(config.wall_ms)
+    fine = clocks.fine_enough(min(config.wall_ms) / 1e3)  # else the CPU clocks tick too coarsely for a step
     return {
         "step_ms": median,
         "min_step_ms": min(config.wall_ms),
-        "cpu_ms_per_step": statistics.median(config.cpu_ms),
-        "host_ms_per_step": statistics.median(config.host_ms),
-        "host_ms_per_step_stubbed": statistics.median(config.stubbed_host_ms) if config.stubbed_host_ms else None,
+        "cpu_ms_per_step": statistics.median(config.cpu_ms) if fine else None,
+        "host_ms_per_step": statistics.median(config.host_ms) if fine else None,
+        "host_ms_per_step_stubbed": statistics.median(config.stubbed_host_ms)
+        if config.stubbed_host_ms and fine
+        else None,
         "samples_per_s": None,  # filled in by the caller (needs the batch)
         "first_loss": config.first_loss,
         "last_loss": config.losses[-1],
@@ -245,6 +249,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench mode
         "benchmark": "modes",
         "platform": tpurec.platform(),
         "torch_threads": torch.get_num_threads(),
+        "thread_clock_tick_us": clocks.thread_clock_tick() * 1e6,
         "cpu_count": os.cpu_count(),
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "load_average": {"before": os.getloadavg()[0]},

@@ -40,6 +40,7 @@ from typing import Callable
 import torch
 
 import tpurec
+from tpurec.bench import clocks
 from tpurec.bench.captured import captured_step
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.bench.text import VOCAB, tiny_bert
@@ -155,13 +156,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench tran
         "batch": args.batch,
         "length": args.length,
         "load_average": {"before": load_before, "after": os.getloadavg()[0]},
+        "thread_clock_tick_us": clocks.thread_clock_tick() * 1e6,
     }
     for config in configs:
+        fine = clocks.fine_enough(min(config.wall_ms) / 1e3)  # else host figures would be clock ticks
         result[config.name] = {
             "step_ms": statistics.median(config.wall_ms),
             "min_step_ms": min(config.wall_ms),
-            "host_ms_per_step": statistics.median(config.host_ms),
-            "host_ms_per_step_stubbed": statistics.median(config.stubbed_host_ms) if config.stubbed_host_ms else None,
+            "host_ms_per_step": statistics.median(config.host_ms) if fine else None,
+            "host_ms_per_step_stubbed": statistics.median(config.stubbed_host_ms)
+            if config.stubbed_host_ms and fine
+            else None,
             "last_loss": config.losses[-1],
         }
     for config in configs[1:]:
