@@ -298,6 +298,7 @@ def test_bench_sharded_cli_times_both_loops_on_identical_losses():
             "1",
             "--modes",
             "fused",
+            "graphed",
             "--dense-only",
         ],
         capture_output=True,
@@ -311,6 +312,11 @@ def test_bench_sharded_cli_times_both_loops_on_identical_losses():
     assert run["max_loss_difference"] == 0.0  # the same steps, whichever loop runs them
     assert run["plain_step_ms"] > 0 and run["pipeline_step_ms"] > 0 and run["pipeline_dense_only_step_ms"] > 0
     assert run["speedup"] == pytest.approx(run["plain_step_ms"] / run["pipeline_step_ms"], rel=1e-2)
+    assert run["plain_host_ms"] > 0 and run["pipeline_host_ms"] > 0
+    # The captured pipeline (TrainPipeline(graphed=True), fused dense Adagrad in both loops): the same steps.
+    graphed = out["graphed"]
+    assert graphed["max_loss_difference"] == 0.0 and graphed["pipeline_host_ms"] > 0
+    assert "pipeline_dense_only_step_ms" not in graphed
     assert out["sparse_host_prepare_ms"] > 0 and len(out["load_average_before"]) == 3
     bad = subprocess.run(
         [sys.executable, str(root / "examples" / "dlrm" / "bench_sharded.py"), "--batch", "10"],
