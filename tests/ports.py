@@ -1,24 +1,59 @@
-"""Free TCP ports for the tests that start several processes (torchrun's store, JAX's coordinator)."""
+"""Free TCP ports for the tests that start several processes (torchrun's store, JAX's coordinator).
+
+The ports are picked outside the kernel's ephemeral range. A port inside it (what binding port 0 gives) can be
+taken between the check and the launch by any outgoing connection of another process: gloo's pairs, torchrun's
+store clients, a second test run on the machine. A port outside it is taken only by a program that binds it by
+number, so a pair found free here stays free for the launch.
+"""
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
+
+LOWEST = 10_000  # below this, well-known and registered services are more likely to listen
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range for ephemeral ports (Linux default 32768-60999)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def candidate_ports() -> range:
+    """The ports below the ephemeral range (or above it where the range starts too low), as pair starts."""
+    low, high = ephemeral_range()
+    if low - LOWEST > 1000:
+        return range(LOWEST, low - 1)
+    return range(high + 1, 65535 - 1)
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def free_port_pair() -> int:
     """A port p with p and p + 1 free on 127.0.0.1 (torchrun's store listens on p, JAX's coordinator on p + 1).
 
+    Both lie outside the ephemeral range, so no other process's outgoing connection can take them before the
+    launch binds them.
+
     Raises:
-        RuntimeError: no two consecutive free ports were found in 50 tries.
+        RuntimeError: no two consecutive free ports were found in 200 tries.
     """
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
+    ports = candidate_ports()
+    for _ in range(200):
+        port = random.choice(ports)
+        if _free(port) and _free(port + 1):
             return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
+    raise RuntimeError(f"no two consecutive free ports in {ports.start}..{ports.stop}")
