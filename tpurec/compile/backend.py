@@ -171,16 +171,16 @@ class CompiledGraph:
             variant.out_plain = [k is not None and is_plain(k) for k in keys]
         arrays = iter(outs)
         static = variant.static_outs
+        user = self.user_outputs
+        # Only the graph's own outputs become tensors; the values of mutated inputs are written
+        # into those inputs (a compiled optimizer step has dozens and no output of its own).
         results = [
             fresh_with_key(next(arrays), index, k, plain) if k is not None else static[i]
-            for i, (k, plain) in enumerate(zip(keys, variant.out_plain))
+            for i, (k, plain) in enumerate(zip(keys[:user], variant.out_plain[:user]))
         ]
         if self.mutated_inputs:
-            for position, new, key in zip(
-                self.mutated_inputs, outs[-len(self.mutated_inputs) :], keys[self.user_outputs :]
-            ):
+            for position, new, key in zip(self.mutated_inputs, outs[-len(self.mutated_inputs) :], keys[user:]):
                 _write_input(args[position], new, index, key)
-            del results[self.user_outputs :]
         if deferred and config.get("TPUREC_FUSED_COMPILED_GRAPHS") == "dispatch":
             # Not a wait: the window's program is enqueued and runs while Python goes on.
             fused.flush("compiled graph")
