@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import torch
 
 from tpurec.dense.registry import lower
+from tpurec.dense import transcendental
 
 aten = torch.ops.aten
 
@@ -27,9 +28,9 @@ def _logsumexp(*terms):
     stacked = jnp.stack(terms)
     top = stacked.max(axis=0)
     finite_top = jnp.where(jnp.isfinite(top), top, 0)
-    total = jnp.exp(stacked - finite_top).sum(axis=0)
+    total = transcendental.exp(stacked - finite_top).sum(axis=0)
     positive = total > 0
-    return jnp.where(positive, finite_top + jnp.log(jnp.where(positive, total, 1)), _NEG_INF)
+    return jnp.where(positive, finite_top + transcendental.log(jnp.where(positive, total, 1)), _NEG_INF)
 
 
 def _padded_targets(targets, target_lengths):
@@ -116,7 +117,9 @@ def ctc_loss_backward(
     (pure,) = pullback(upstream)
     steps, batch = lp.shape[:2]
     inside = jnp.arange(steps)[:, None] < jnp.asarray(input_lengths).astype(jnp.int32).reshape(1, batch)
-    out = jnp.where(inside[:, :, None], pure + jnp.exp(lp) * upstream[None, :, None], jnp.zeros((), lp.dtype))
+    out = jnp.where(
+        inside[:, :, None], pure + transcendental.exp(lp) * upstream[None, :, None], jnp.zeros((), lp.dtype)
+    )
     # An infinite loss (no alignment fits): zero with zero_infinity, else NaN, as CPU's formula gives.
     impossible = jnp.isinf(nll)[None, :, None]
     out = jnp.where(impossible, jnp.zeros((), lp.dtype) if zero_infinity else jnp.nan, out)

@@ -18,6 +18,7 @@ from jax import lax
 
 from tpurec.dense._util import ALWAYS_BOOL, DEFAULT, INT_TO_FLOAT, Kind, cast, is_float, promote
 from tpurec.dense.registry import lower, to_jax_dtype
+from tpurec.dense import transcendental
 
 aten = torch.ops.aten
 
@@ -40,13 +41,13 @@ def _unary(ops, fn: Callable, kind: Kind = INT_TO_FLOAT) -> None:
 # --- unary math -------------------------------------------------------------
 # Transcendentals: int inputs compute in the default float dtype.
 for _ops, _fn in [
-    ((aten.exp.default,), jnp.exp),
-    ((aten.exp2.default,), jnp.exp2),
-    ((aten.expm1.default,), jnp.expm1),
-    ((aten.log.default,), jnp.log),
-    ((aten.log2.default,), jnp.log2),
-    ((aten.log10.default,), jnp.log10),
-    ((aten.log1p.default,), jnp.log1p),
+    ((aten.exp.default,), transcendental.exp),
+    ((aten.exp2.default,), transcendental.exp2),
+    ((aten.expm1.default,), transcendental.expm1),
+    ((aten.log.default,), transcendental.log),
+    ((aten.log2.default,), transcendental.log2),
+    ((aten.log10.default,), transcendental.log10),
+    ((aten.log1p.default,), transcendental.log1p),
     ((aten.sqrt.default,), jnp.sqrt),
     ((aten.rsqrt.default,), lax.rsqrt),
     ((aten.sin.default,), jnp.sin),
@@ -57,7 +58,7 @@ for _ops, _fn in [
     ((aten.atan.default,), jnp.arctan),
     ((aten.sinh.default,), jnp.sinh),
     ((aten.cosh.default,), jnp.cosh),
-    ((aten.tanh.default,), jnp.tanh),
+    ((aten.tanh.default,), transcendental.tanh),
     ((aten.asinh.default,), jnp.arcsinh),
     ((aten.acosh.default,), jnp.arccosh),
     ((aten.atanh.default,), jnp.arctanh),
@@ -66,7 +67,7 @@ for _ops, _fn in [
     ((aten.erfinv.default,), jax.scipy.special.erfinv),
     ((aten.lgamma.default,), jax.scipy.special.gammaln),
     ((aten.digamma.default,), jax.scipy.special.digamma),
-    ((aten.sigmoid.default,), jax.nn.sigmoid),
+    ((aten.sigmoid.default,), transcendental.sigmoid),
     ((aten.reciprocal.default,), lambda x: 1 / x),
 ]:
     _unary(_ops, _fn)
@@ -372,7 +373,7 @@ _KAPPA = 0.044715
 
 def _gelu(x, approximate: str):
     if approximate == "tanh":
-        return 0.5 * x * (1 + jnp.tanh(_SQRT_2_OVER_PI * (x + _KAPPA * x * x * x)))
+        return 0.5 * x * (1 + transcendental.tanh(_SQRT_2_OVER_PI * (x + _KAPPA * x * x * x)))
     return 0.5 * x * (1 + jax.scipy.special.erf(x / _SQRT2))
 
 
@@ -386,13 +387,13 @@ def gelu_backward(grad, x, *, approximate: str = "none"):
     def fn(g, a):
         if approximate == "tanh":
             inner = _SQRT_2_OVER_PI * (a + _KAPPA * a * a * a)
-            t = jnp.tanh(inner)
+            t = transcendental.tanh(inner)
             left = 0.5 * a
             right = 1 + t
             d_right = left * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * _KAPPA * a * a)
             return g * (0.5 * right + d_right)
         cdf = 0.5 * (1 + jax.scipy.special.erf(a / _SQRT2))
-        pdf = jnp.exp(-0.5 * a * a) * _INV_SQRT_2PI
+        pdf = transcendental.exp(-0.5 * a * a) * _INV_SQRT_2PI
         return g * (cdf + a * pdf)
 
     return _apply(fn, (grad, x), DEFAULT)
@@ -400,13 +401,13 @@ def gelu_backward(grad, x, *, approximate: str = "none"):
 
 @lower(aten.silu.default)
 def silu(x):
-    return _apply(lambda a: a * jax.nn.sigmoid(a), (x,), DEFAULT)
+    return _apply(lambda a: a * transcendental.sigmoid(a), (x,), DEFAULT)
 
 
 @lower(aten.silu_backward.default)
 def silu_backward(grad, x):
     def fn(g, a):
-        s = jax.nn.sigmoid(a)
+        s = transcendental.sigmoid(a)
         return g * s * (1 + a * (1 - s))
 
     return _apply(fn, (grad, x), DEFAULT)
@@ -414,14 +415,14 @@ def silu_backward(grad, x):
 
 @lower(aten.mish.default)
 def mish(x):
-    return _apply(lambda a: a * jnp.tanh(jax.nn.softplus(a)), (x,), DEFAULT)
+    return _apply(lambda a: a * transcendental.tanh(transcendental.softplus(a)), (x,), DEFAULT)
 
 
 @lower(aten.mish_backward.default)
 def mish_backward(grad, x):
     def fn(g, a):
-        t = jnp.tanh(jax.nn.softplus(a))
-        return g * (t + a * jax.nn.sigmoid(a) * (1 - t * t))
+        t = transcendental.tanh(transcendental.softplus(a))
+        return g * (t + a * transcendental.sigmoid(a) * (1 - t * t))
 
     return _apply(fn, (grad, x), DEFAULT)
 
@@ -459,7 +460,7 @@ def leaky_relu_backward(grad, x, negative_slope, self_is_result: bool):
 @lower(aten.elu.default)
 def elu(x, alpha=1, scale=1, input_scale=1):
     def fn(a, al, sc, isc):
-        return jnp.where(a > 0, a * sc, jnp.expm1(a * isc) * al * sc)
+        return jnp.where(a > 0, a * sc, transcendental.expm1(a * isc) * al * sc)
 
     return _apply(fn, (x,), DEFAULT, (alpha, scale, input_scale))
 
@@ -470,7 +471,7 @@ def elu_backward(grad, alpha, scale, input_scale, is_result: bool, self_or_resul
         if is_result:
             neg = g * isc * (a + al * sc)
         else:
-            neg = g * isc * al * sc * jnp.exp(a * isc)
+            neg = g * isc * al * sc * transcendental.exp(a * isc)
         return jnp.where(a > 0, g * sc, neg)
 
     return _apply(fn, (grad, self_or_result), DEFAULT, (alpha, scale, input_scale))
@@ -479,7 +480,7 @@ def elu_backward(grad, alpha, scale, input_scale, is_result: bool, self_or_resul
 @lower(aten.celu.default)
 def celu(x, alpha=1.0):
     def fn(a, al):
-        return jnp.where(a > 0, a, jnp.expm1(a / al) * al)
+        return jnp.where(a > 0, a, transcendental.expm1(a / al) * al)
 
     return _apply(fn, (x,), DEFAULT, (alpha,))
 
@@ -487,7 +488,7 @@ def celu(x, alpha=1.0):
 @lower(aten.softplus.default)
 def softplus(x, beta=1, threshold=20):
     def fn(a, b, t):
-        return jnp.where(a * b > t, a, jnp.log1p(jnp.exp(a * b)) / b)
+        return jnp.where(a * b > t, a, transcendental.log1p(transcendental.exp(a * b)) / b)
 
     return _apply(fn, (x,), DEFAULT, (beta, threshold))
 
@@ -495,7 +496,7 @@ def softplus(x, beta=1, threshold=20):
 @lower(aten.softplus_backward.default)
 def softplus_backward(grad, x, beta, threshold):
     def fn(g, a, b, t):
-        z = jnp.exp(a * b)
+        z = transcendental.exp(a * b)
         return jnp.where(a * b > t, g, g * z / (z + 1))
 
     return _apply(fn, (grad, x), DEFAULT, (beta, threshold))
@@ -542,7 +543,7 @@ def logit(x, eps=None):
     def fn(a, *e):
         if e:
             a = jnp.clip(a, e[0], 1 - e[0])
-        return jnp.log(a / (1 - a))
+        return transcendental.log(a / (1 - a))
 
     return _apply(fn, (x,), INT_TO_FLOAT, () if eps is None else (eps,))
 

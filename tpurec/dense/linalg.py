@@ -17,6 +17,7 @@ from tpurec.dense import native_matmul
 from tpurec.dense._util import cast, is_float
 from tpurec.dense._util import acc_dtype as _acc
 from tpurec.dense.registry import Kind, lower
+from tpurec.dense import transcendental
 
 aten = torch.ops.aten
 
@@ -286,7 +287,7 @@ def linalg_slogdet(a):
         sign = parity * jnp.prod(diag / jnp.abs(diag), axis=-1)
     else:
         sign = parity * jnp.prod(jnp.sign(diag), axis=-1)
-    logabsdet = jnp.sum(jnp.log(jnp.abs(diag)), axis=-1)
+    logabsdet = jnp.sum(transcendental.log(jnp.abs(diag)), axis=-1)
     return sign, logabsdet, lu, (pivots + 1).astype(jnp.int32)
 
 

@@ -16,6 +16,7 @@ import torch
 from tpurec.dense._util import cast, norm_dim
 from tpurec.dense._util import acc_dtype as _acc
 from tpurec.dense.registry import lower, to_jax_dtype
+from tpurec.dense import transcendental
 
 aten = torch.ops.aten
 
@@ -47,12 +48,12 @@ def _softmax_impl(fn, x, dim: int, half_to_float: bool):
 
 @lower(aten._softmax.default)
 def softmax(x, dim: int, half_to_float: bool):
-    return _softmax_impl(jax.nn.softmax, x, dim, half_to_float)
+    return _softmax_impl(transcendental.softmax, x, dim, half_to_float)
 
 
 @lower(aten._log_softmax.default)
 def log_softmax(x, dim: int, half_to_float: bool):
-    return _softmax_impl(jax.nn.log_softmax, x, dim, half_to_float)
+    return _softmax_impl(transcendental.log_softmax, x, dim, half_to_float)
 
 
 @lower(aten._safe_softmax.default)
@@ -82,7 +83,7 @@ def log_softmax_backward(grad, output, dim: int, input_dtype):
     acc = _acc(grad.dtype)
     g, y = grad.astype(acc), output.astype(acc)
     d = norm_dim(dim, grad.ndim) if grad.ndim else None
-    gi = g - jnp.exp(y) * jnp.sum(g, axis=d, keepdims=True)
+    gi = g - transcendental.exp(y) * jnp.sum(g, axis=d, keepdims=True)
     return gi.astype(to_jax_dtype(input_dtype))
 
 
@@ -336,7 +337,7 @@ def binary_cross_entropy(x, y, weight=None, reduction: int = MEAN):
     acc = _acc(x.dtype)
     xf, yf = x.astype(acc), y.astype(acc)
     # torch clamps the logs at -100 so that x = 0 or 1 gives a finite loss.
-    loss = -(yf * jnp.maximum(jnp.log(xf), -100) + (1 - yf) * jnp.maximum(jnp.log1p(-xf), -100))
+    loss = -(yf * jnp.maximum(transcendental.log(xf), -100) + (1 - yf) * jnp.maximum(transcendental.log1p(-xf), -100))
     if weight is not None:
         loss = loss * weight.astype(acc)
     return _reduce(loss, reduction).astype(x.dtype)
@@ -358,7 +359,7 @@ def binary_cross_entropy_with_logits(x, y, weight=None, pos_weight=None, reducti
     acc = _acc(x.dtype)
     xf, yf = x.astype(acc), y.astype(acc)
     # softplus(-x) = log(1 + exp(-x)), computed stably.
-    sp = jnp.log1p(jnp.exp(-jnp.abs(xf))) + jnp.maximum(-xf, 0)
+    sp = transcendental.log1p(transcendental.exp(-jnp.abs(xf))) + jnp.maximum(-xf, 0)
     if pos_weight is not None:
         loss = (1 - yf) * xf + ((pos_weight.astype(acc) - 1) * yf + 1) * sp
     else:
@@ -449,7 +450,7 @@ def embedding_dense_backward(grad, indices, num_weights: int, padding_idx: int, 
 def glu(x, dim: int = -1):
     acc = _acc(x.dtype)
     a, b = jnp.split(x.astype(acc), 2, axis=norm_dim(dim, x.ndim))
-    return (a * jax.nn.sigmoid(b)).astype(x.dtype)
+    return (a * transcendental.sigmoid(b)).astype(x.dtype)
 
 
 @lower(aten.glu_backward.default)
@@ -458,7 +459,7 @@ def glu_backward(grad, x, dim: int):
     d = norm_dim(dim, x.ndim)
     a, b = jnp.split(x.astype(acc), 2, axis=d)
     g = grad.astype(acc)
-    s = jax.nn.sigmoid(b)
+    s = transcendental.sigmoid(b)
     return jnp.concatenate([g * s, g * a * s * (1 - s)], axis=d).astype(x.dtype)
 
 

@@ -14,6 +14,7 @@ import torch
 from tpurec.dense._util import dims, float_for, is_float, jdtype, norm_dim
 from tpurec.dense._util import acc_dtype as _acc_dtype
 from tpurec.dense.registry import lower
+from tpurec.dense import transcendental
 
 aten = torch.ops.aten
 
@@ -166,7 +167,7 @@ def std_mean(x, dim=None, *, correction=None, keepdim: bool = False):
 def logsumexp(x, dim, keepdim: bool = False):
     out = float_for(x.dtype)
     xf = x.astype(_acc_dtype(out))
-    return jax.nn.logsumexp(xf, axis=dims(dim, x.ndim), keepdims=keepdim).astype(out)
+    return transcendental.logsumexp(xf, axis=dims(dim, x.ndim), keepdims=keepdim).astype(out)
 
 
 def vector_norm(x, ord, axes, keepdim: bool, out_dtype):

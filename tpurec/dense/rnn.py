@@ -20,13 +20,13 @@ compile backend fall back to for ops without a lowering.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
 
 from tpurec.dense._util import acc_dtype as _acc
 from tpurec.dense.registry import Kind, lower
+from tpurec.dense import transcendental
 
 aten = torch.ops.aten
 
@@ -48,9 +48,9 @@ def _with_biases(input_gates, hidden_gates, input_bias, hidden_bias):
 def fused_lstm_cell(input_gates, hidden_gates, cx, input_bias=None, hidden_bias=None):
     ig, hg = _with_biases(input_gates, hidden_gates, input_bias, hidden_bias)
     i, f, g, o = jnp.split(ig + hg, 4, axis=-1)
-    i, f, g, o = jax.nn.sigmoid(i), jax.nn.sigmoid(f), jnp.tanh(g), jax.nn.sigmoid(o)
+    i, f, g, o = transcendental.sigmoid(i), transcendental.sigmoid(f), transcendental.tanh(g), transcendental.sigmoid(o)
     cy = f * cx.astype(ig.dtype) + i * g
-    hy = o * jnp.tanh(cy)
+    hy = o * transcendental.tanh(cy)
     dtype = input_gates.dtype
     return hy.astype(dtype), cy.astype(dtype), jnp.concatenate([i, f, g, o], axis=-1).astype(dtype)
 
@@ -63,7 +63,7 @@ def fused_lstm_cell_backward_impl(grad_hy, grad_cy, cx, cy, workspace, has_bias:
     zeros = jnp.zeros(cy.shape, acc)
     grad_hy = zeros if grad_hy is None else grad_hy.astype(acc)
     grad_cy = zeros if grad_cy is None else grad_cy.astype(acc)
-    tanh_cy = jnp.tanh(cy)
+    tanh_cy = transcendental.tanh(cy)
     # cy = f*cx + i*g, hy = o*tanh(cy): the total gradient reaching cy first.
     d_cy = grad_cy + grad_hy * o * (1 - tanh_cy * tanh_cy)
     d_i = d_cy * g * i * (1 - i)
@@ -89,9 +89,9 @@ def fused_gru_cell(input_gates, hidden_gates, hx, input_bias=None, hidden_bias=N
     ig, hg = _with_biases(input_gates, hidden_gates, input_bias, hidden_bias)
     i_r, i_z, i_n = jnp.split(ig, 3, axis=-1)
     h_r, h_z, h_n = jnp.split(hg, 3, axis=-1)
-    r = jax.nn.sigmoid(i_r + h_r)
-    z = jax.nn.sigmoid(i_z + h_z)
-    n = jnp.tanh(i_n + r * h_n)
+    r = transcendental.sigmoid(i_r + h_r)
+    z = transcendental.sigmoid(i_z + h_z)
+    n = transcendental.tanh(i_n + r * h_n)
     h = hx.astype(ig.dtype)
     hy = (1 - z) * n + z * h
     dtype = input_gates.dtype
