@@ -5,8 +5,8 @@ approximations unless an op asks for accuracy. Measured on a TPU v5e against flo
 inputs): ``log`` and ``log1p`` are off by up to about 4,000 units in the last place, ``expm1``
 1,600, ``tanh`` 1,300, ``exp`` 59 and ``sigmoid`` 78, where PyTorch's CPU kernels stay within
 a few. With ``accuracy=lax.AccuracyMode.HIGHEST`` (StableHLO's ``result_accuracy``) the same
-ops are within 1-6 units, at the same speed; XLA:CPU and XLA:GPU have one implementation and
-ignore the request. So every lowering of tpurec that needs one of these functions on float32
+ops are within 1-6 units, at the same speed; XLA:CPU has one implementation and ignores the
+request (XLA:GPU was not tried). So every lowering of tpurec that needs one of these functions on float32
 values takes it from here. ``lax.logistic`` lowers to an ``exp`` without the request, so
 :func:`sigmoid` is written out around an accurate ``exp``.
 
