@@ -24,6 +24,12 @@ aten = torch.ops.aten
 _PRECISION = {"highest": lax.Precision.HIGHEST, "high": lax.Precision.HIGH, "medium": lax.Precision.DEFAULT}
 
 
+def _exact_matmul(a, b):
+    """``a @ b`` in full precision: the products inside a LAPACK-style op (pinv, lstsq), which PyTorch
+    computes in full float32 whatever ``torch.get_float32_matmul_precision()`` says."""
+    return jnp.matmul(a, b, precision=lax.Precision.HIGHEST)
+
+
 def matmul(a, b, rounded: bool = True):
     """``a @ b`` with torch's accumulation dtype and precision.
 
@@ -423,9 +429,9 @@ def linalg_pinv(a, *, atol=None, rtol=None, hermitian: bool = False):
     keep = s > tol
     if hermitian:
         inv = jnp.where(keep, 1 / jnp.where(keep, values, 1), 0).astype(a.dtype)
-        return (vectors * inv[..., None, :]) @ _mH(vectors)
+        return _exact_matmul(vectors * inv[..., None, :], _mH(vectors))
     inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(a.dtype)
-    return (_mH(vh) * inv[..., None, :]) @ _mH(u)
+    return _exact_matmul(_mH(vh) * inv[..., None, :], _mH(u))
 
 
 @lower(aten.linalg_lstsq.default, static_scalars=True)
@@ -454,11 +460,11 @@ def linalg_lstsq(a, b, rcond=None, *, driver=None):
     u_b = jnp.broadcast_to(u, a_b.shape[:-2] + u.shape[-2:])
     vh_b = jnp.broadcast_to(vh, a_b.shape[:-2] + vh.shape[-2:])
     s_inv_b = jnp.broadcast_to(s_inv, a_b.shape[:-2] + s_inv.shape[-1:])
-    x = _mH(vh_b) @ (s_inv_b[..., :, None] * (_mH(u_b) @ rhs_b))
+    x = _exact_matmul(_mH(vh_b), s_inv_b[..., :, None] * _exact_matmul(_mH(u_b), rhs_b))
     empty = jnp.zeros((0,), real)
     residuals = empty
     if m > n and driver != "gelsy":
-        residuals = jnp.sum(jnp.abs(a_b @ x - rhs_b) ** 2, axis=-2)
+        residuals = jnp.sum(jnp.abs(_exact_matmul(a_b, x) - rhs_b) ** 2, axis=-2)
         if vector:
             residuals = residuals[..., 0]
     rank = jnp.sum(keep, axis=-1).astype(jnp.int64) if driver != "gels" else jnp.zeros((0,), jnp.int64)

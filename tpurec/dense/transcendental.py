@@ -28,6 +28,8 @@ import numpy as np
 from jax import lax
 
 __all__ = [
+    "asinh",
+    "atanh",
     "exp",
     "exp2",
     "expm1",
@@ -75,6 +77,28 @@ def log2(x):
 def log10(x):
     x = jnp.asarray(x)
     return log(x) / np.float32(math.log(10)) if x.dtype == jnp.float32 else jnp.log10(x)
+
+
+def asinh(x):
+    """``sign(x) * log1p(|x| + x^2 / (1 + sqrt(1 + x^2)))``; ``sign(x) * (log|x| + log 2)`` past 2^26, where x^2 would overflow."""
+    x = jnp.asarray(x)
+    if x.dtype != jnp.float32:
+        return jnp.arcsinh(x)
+    a = jnp.abs(x)
+    small = a <= 2.0**26
+    safe = jnp.where(small, a, 1.0)
+    near = log1p(safe + safe * safe / (1 + jnp.sqrt(1 + safe * safe)))
+    far = log(jnp.where(small, 1.0, a)) + np.float32(math.log(2))
+    return jnp.copysign(jnp.where(small, near, far), x)
+
+
+def atanh(x):
+    """``log1p(2x / (1 - x)) / 2``: exact at 0, +-inf at +-1, NaN past them."""
+    x = jnp.asarray(x)
+    if x.dtype != jnp.float32:
+        return jnp.arctanh(x)
+    a = jnp.abs(x)
+    return jnp.copysign(0.5 * log1p(2 * a / (1 - a)), x)
 
 
 def sigmoid(x):

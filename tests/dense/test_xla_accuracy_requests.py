@@ -1,11 +1,17 @@
-"""Every float32 exp, log, log1p, expm1, tanh and logistic that tpurec hands XLA asks for full accuracy.
+"""What tpurec hands XLA asks for PyTorch's float32 accuracy, which XLA's TPU backend gives only on request.
 
-XLA's TPU backend approximates these functions in float32 unless an op carries StableHLO's
-``result_accuracy`` (measured on a TPU v5e: up to about 4,000 units in the last place for log and
-log1p, 1,300 for tanh; docs/lowerings.md). XLA:CPU ignores the request, so what can be checked here
-is that the request is in every program: the ops below run through the tpu device (forward and
-backward), the StableHLO of the programs they build is dumped by JAX, and every such op in it either
-carries ``result_accuracy`` or is dead (JAX's own lowering leaves an unused copy without it).
+* Every float32 exp, log, log1p, expm1, tanh and logistic carries StableHLO's ``result_accuracy``.
+  Without it the TPU approximates them (measured on a TPU v5e: up to about 4,000 units in the last
+  place for log and log1p, 1,300 for tanh; docs/lowerings.md).
+* Every float32 product in ops that PyTorch computes in full float32 whatever its matmul precision
+  (interpolation, pinv, lstsq) and in the matrix products at the default "highest" asks for
+  ``precision = [HIGHEST, HIGHEST]``. Without it the TPU rounds the operands to bfloat16 (errors of
+  4e-3 in interpolation's backward on a TPU v5e).
+
+XLA:CPU ignores both requests, so what can be checked here is that they are in every program: the
+ops below run through the tpu device (forward and backward), the StableHLO of the programs they
+build is dumped by JAX and searched. (JAX's own lowering leaves an unused copy of a transcendental
+op without the request; dead ops are not counted.)
 """
 
 from __future__ import annotations
@@ -35,6 +41,8 @@ CASES = {
     "log10": lambda x: torch.log10(x.abs() + 0.5),
     "log1p": lambda x: torch.log1p(x.abs()),
     "tanh": torch.tanh,
+    "asinh": torch.asinh,
+    "atanh": lambda x: torch.atanh(torch.tanh(x)),
     "sigmoid": torch.sigmoid,
     "logit": lambda x: torch.logit(torch.sigmoid(x)),
     "softplus": F.softplus,
@@ -90,3 +98,44 @@ def test_float32_transcendentals_ask_xla_for_full_accuracy(name: str, mode: str,
     assert any(_TRANSCENDENTAL.search(t) for t in texts), f"{name}: no transcendental op reached XLA"
     unrequested = [f"{m.name}: {op}" for m, t in zip(modules, texts) for op in _unrequested(t)]
     assert not unrequested, f"{name} ({mode}): float32 ops without result_accuracy:\n" + "\n".join(unrequested)
+
+
+_DOT = re.compile(r"stablehlo\.dot_general .*precision = \[(\w+), (\w+)\].*\(tensor<[^>]*f32>")
+
+# name -> f(x) with x a float32 [3, 29] tensor; the sum is backpropagated.
+PRODUCTS = {
+    "mm": lambda x: x @ x.T,
+    "linear": lambda x: F.linear(x, torch.ones(5, x.shape[1], device=x.device)),
+    "bmm": lambda x: torch.bmm(x[None], x.T[None]),
+    "interpolate_linear": lambda x: F.interpolate(x[None], scale_factor=2.0, mode="linear"),
+    "interpolate_bilinear": lambda x: F.interpolate(x[None, None], scale_factor=2.0, mode="bilinear"),
+    "interpolate_bicubic": lambda x: F.interpolate(x[None, None], size=(5, 40), mode="bicubic"),
+    "interpolate_trilinear": lambda x: F.interpolate(x[None, None, None], scale_factor=2.0, mode="trilinear"),
+    "interpolate_nearest": lambda x: F.interpolate(x[None, None], scale_factor=2.0, mode="nearest"),
+    "pinv": lambda x: torch.linalg.pinv(x),
+    "lstsq": lambda x: torch.linalg.lstsq(x.T, torch.ones(x.shape[1], 2, device=x.device), driver="gelsd").solution,
+}
+
+
+@pytest.mark.parametrize("name", list(PRODUCTS))
+def test_float32_products_ask_xla_for_full_precision(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TPUREC_NATIVE_MATMUL", "0")  # XLA's dot, as on a TPU, not the XLA:CPU kernel for bmm
+    torch.manual_seed(0)
+    x = torch.randn(3, 29).to("tpu").requires_grad_()
+    runtime.release_programs()
+    previous = jax.config.read("jax_dump_ir_to")
+    jax.config.update("jax_dump_ir_to", str(tmp_path))
+    try:
+        y = PRODUCTS[name](x)
+        y.sum().backward()
+        assert x.grad is not None
+        x.grad.cpu(), y.detach().cpu()
+    finally:
+        jax.config.update("jax_dump_ir_to", previous)
+    texts = {m.name: m.read_text() for m in tmp_path.glob("*.mlir")}
+    dots = [(n, m.groups()) for n, t in texts.items() for m in _DOT.finditer(t)]
+    assert dots, f"{name}: no float32 product reached XLA"
+    lowered = [f"{n}: {p}" for n, p in dots if p != ("HIGHEST", "HIGHEST")]
+    assert not lowered, f"{name}: float32 products below full precision:\n" + "\n".join(lowered)
