@@ -218,7 +218,7 @@ def fmod(x, y):
 
 @lower(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar)
 def pow(x, y):
-    return _apply(jnp.power, (x, y), DEFAULT)
+    return _apply(transcendental.power, (x, y), DEFAULT)
 
 
 @lower(aten.atan2.default)

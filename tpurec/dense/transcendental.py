@@ -38,6 +38,7 @@ __all__ = [
     "log2",
     "log10",
     "log_softmax",
+    "power",
     "logsumexp",
     "sigmoid",
     "softmax",
@@ -99,6 +100,32 @@ def atanh(x):
         return jnp.arctanh(x)
     a = jnp.abs(x)
     return jnp.copysign(0.5 * log1p(2 * a / (1 - a)), x)
+
+
+def power(x, y):
+    """``x ** y``; float32 exponents 1, 2, 3, -1, -2, 0.5 and -0.5 as products, reciprocals and roots.
+
+    PyTorch's CPU kernel computes those exponents that way, and they are the common ones (squares,
+    inverse square roots); XLA's TPU ``power`` goes through approximate logarithms (errors of about
+    1e-6 relative for ``x ** 2``). The exponent is usually a runtime value, so the choice is a select.
+    """
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    general = jnp.power(x, y)
+    if x.dtype != jnp.float32:
+        return general
+    square = x * x
+    out = general
+    for exponent, value in (
+        (1.0, x),
+        (2.0, square),
+        (3.0, square * x),
+        (-1.0, 1 / x),
+        (-2.0, 1 / square),
+        (0.5, jnp.sqrt(x)),
+        (-0.5, lax.rsqrt(x)),
+    ):
+        out = jnp.where(y == exponent, value, out)
+    return out
 
 
 def sigmoid(x):
