@@ -191,11 +191,11 @@ def vector_norm(x, ord, axes, keepdim: bool, out_dtype):
         elif o == 1:
             r = red(jnp.sum, a)
         else:
-            r = red(jnp.sum, a**o) ** (1 / o)
+            r = transcendental.power(red(jnp.sum, transcendental.power(a, o)), 1 / o)
         return r.astype(out_dtype)
     o = jnp.asarray(ord, a.dtype)
     safe = jnp.where((o == 0) | jnp.isinf(o), jnp.ones_like(o), o)
-    general = red(jnp.sum, a**safe) ** (1 / safe)
+    general = transcendental.power(red(jnp.sum, transcendental.power(a, safe)), 1 / safe)
     r = jnp.where(
         o == 2,
         jnp.sqrt(red(jnp.sum, a * a)),
