@@ -13,6 +13,8 @@ import socket
 from pathlib import Path
 
 LOWEST = 10_000  # below this, well-known and registered services are more likely to listen
+# Not the global random state: a test that seeds it would make every run on the machine pick the same ports.
+_pick = random.SystemRandom().choice
 
 
 def ephemeral_range() -> tuple[int, int]:
@@ -53,7 +55,7 @@ def free_port_pair() -> int:
     """
     ports = candidate_ports()
     for _ in range(200):
-        port = random.choice(ports)
+        port = _pick(ports)
         if _free(port) and _free(port + 1):
             return port
     raise RuntimeError(f"no two consecutive free ports in {ports.start}..{ports.stop}")

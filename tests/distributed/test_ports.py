@@ -22,7 +22,7 @@ def test_free_port_pairs_lie_outside_the_ephemeral_range_and_can_be_bound() -> N
 def test_a_pair_with_a_listening_end_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
     start = candidate_ports().start
     picks = iter([start + 1, start, start + 10])  # start + 1 listens: both first picks have a taken end
-    monkeypatch.setattr(ports.random, "choice", lambda _: next(picks))
+    monkeypatch.setattr(ports, "_pick", lambda _: next(picks))
     with socket.socket() as listener:
         listener.bind(("127.0.0.1", start + 1))
         listener.listen()
