@@ -64,6 +64,21 @@ CASES = {
 }
 
 
+def _dumped_modules(f, x: torch.Tensor, tmp_path: Path) -> dict[str, str]:
+    """Runs ``f(x)`` forward and backward with every program lowered afresh; the StableHLO JAX dumped, by file."""
+    runtime.release_programs()  # so every program of the case is lowered (and dumped) here, none found cached
+    previous = jax.config.read("jax_dump_ir_to")
+    jax.config.update("jax_dump_ir_to", str(tmp_path))
+    try:
+        y = f(x)
+        y.sum().backward()
+        assert x.grad is not None
+        x.grad.cpu(), y.detach().cpu()  # both used: XLA's programs keep forward and backward
+    finally:
+        jax.config.update("jax_dump_ir_to", previous)
+    return {m.name: m.read_text() for m in tmp_path.glob("*.mlir")}
+
+
 def _unrequested(text: str) -> list[str]:
     """The live float32 transcendental ops of a StableHLO module that do not ask for accuracy."""
     found = []
@@ -82,21 +97,10 @@ def _unrequested(text: str) -> list[str]:
 def test_float32_transcendentals_ask_xla_for_full_accuracy(name: str, mode: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
     x = (torch.randn(3, 29) * 3).to("tpu").requires_grad_()
-    runtime.release_programs()  # so every program of the case is lowered (and dumped) here, none found cached
-    previous = jax.config.read("jax_dump_ir_to")
-    jax.config.update("jax_dump_ir_to", str(tmp_path))
-    try:
-        with tpurec.mode(mode):
-            y = CASES[name](x)
-            y.sum().backward()
-            assert x.grad is not None
-            x.grad.cpu(), y.detach().cpu()  # both used: XLA's programs keep forward and backward
-    finally:
-        jax.config.update("jax_dump_ir_to", previous)
-    modules = list(tmp_path.glob("*.mlir"))
-    texts = [m.read_text() for m in modules]
-    assert any(_TRANSCENDENTAL.search(t) for t in texts), f"{name}: no transcendental op reached XLA"
-    unrequested = [f"{m.name}: {op}" for m, t in zip(modules, texts) for op in _unrequested(t)]
+    with tpurec.mode(mode):
+        texts = _dumped_modules(CASES[name], x, tmp_path)
+    assert any(_TRANSCENDENTAL.search(t) for t in texts.values()), f"{name}: no transcendental op reached XLA"
+    unrequested = [f"{n}: {op}" for n, t in texts.items() for op in _unrequested(t)]
     assert not unrequested, f"{name} ({mode}): float32 ops without result_accuracy:\n" + "\n".join(unrequested)
 
 
@@ -124,17 +128,7 @@ def test_float32_products_ask_xla_for_full_precision(
     monkeypatch.setenv("TPUREC_NATIVE_MATMUL", "0")  # XLA's dot, as on a TPU, not the XLA:CPU kernel for bmm
     torch.manual_seed(0)
     x = torch.randn(3, 29).to("tpu").requires_grad_()
-    runtime.release_programs()
-    previous = jax.config.read("jax_dump_ir_to")
-    jax.config.update("jax_dump_ir_to", str(tmp_path))
-    try:
-        y = PRODUCTS[name](x)
-        y.sum().backward()
-        assert x.grad is not None
-        x.grad.cpu(), y.detach().cpu()
-    finally:
-        jax.config.update("jax_dump_ir_to", previous)
-    texts = {m.name: m.read_text() for m in tmp_path.glob("*.mlir")}
+    texts = _dumped_modules(PRODUCTS[name], x, tmp_path)
     dots = [(n, m.groups()) for n, t in texts.items() for m in _DOT.finditer(t)]
     assert dots, f"{name}: no float32 product reached XLA"
     lowered = [f"{n}: {p}" for n, p in dots if p != ("HIGHEST", "HIGHEST")]

@@ -358,8 +358,7 @@ def binary_cross_entropy_backward(grad, x, y, weight=None, reduction: int = MEAN
 def binary_cross_entropy_with_logits(x, y, weight=None, pos_weight=None, reduction: int = MEAN):
     acc = _acc(x.dtype)
     xf, yf = x.astype(acc), y.astype(acc)
-    # softplus(-x) = log(1 + exp(-x)), computed stably.
-    sp = transcendental.log1p(transcendental.exp(-jnp.abs(xf))) + jnp.maximum(-xf, 0)
+    sp = transcendental.softplus(-xf)  # log(1 + exp(-x)), computed stably
     if pos_weight is not None:
         loss = (1 - yf) * xf + ((pos_weight.astype(acc) - 1) * yf + 1) * sp
     else:
