@@ -121,3 +121,27 @@ def test_lstsq_drivers_report_torchs_outputs(driver):
         want, have = getattr(ref, name), getattr(got, name).cpu()
         assert have.shape == want.shape and have.dtype == want.dtype, name
         torch.testing.assert_close(have, want, rtol=1e-9, atol=1e-9, msg=name)
+
+
+@pytest.mark.parametrize("shape, compute_uv", [((5, 5), True), ((2, 5, 3), True), ((3, 7), True), ((5, 2), False)])
+def test_the_svd_a_tpu_compiles_carries_no_float64(shape, compute_uv):
+    # JAX builds its TPU SVD when lowering, under tpurec's 64-bit setting, and XLA's TPU compiler
+    # aborted the process on it (JAX 0.10.2, TPU v5e: torch.linalg.svd, svdvals, the nuclear
+    # norm, cond, matrix_rank, pinv, lstsq). tpurec traces the same algorithm for TPUs with
+    # 64-bit types off; the program exported for a TPU shows it. (Run on the v5e: every such
+    # OpInfo entry compiles and passes, but for lstsq's accuracy: docs/lowerings.md.)
+    import jax
+    import jax.numpy as jnp
+
+    from tpurec.dense.linalg import svd
+
+    spec = jax.ShapeDtypeStruct(shape, jnp.float32)
+    ours = jax.export.export(jax.jit(lambda a: svd(a, compute_uv=compute_uv)), platforms=["tpu"])(spec)
+    assert "f64" not in ours.mlir_module()
+    jax_own = jax.export.export(jax.jit(lambda a: jnp.linalg.svd(a, compute_uv=compute_uv)), platforms=["tpu"])(spec)
+    assert "f64" in jax_own.mlir_module()  # what it replaces (x64 is on under tpurec)
+    x = torch.randn(shape)
+    if compute_uv:
+        u, s, vh = torch.linalg.svd(x.to("tpu"), full_matrices=False)
+        torch.testing.assert_close((u * s.unsqueeze(-2)) @ vh, x.to("tpu"), rtol=0, atol=1e-5)
+    torch.testing.assert_close(torch.linalg.svdvals(x.to("tpu")).cpu(), torch.linalg.svdvals(x), rtol=1e-5, atol=1e-5)

@@ -7,6 +7,8 @@ precision inputs accumulate in float32 and round once, as torch does.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -373,11 +375,47 @@ def linalg_eigh(a, UPLO: str = "L", compute_v: bool = True):
     return values, vectors
 
 
+try:  # JAX's SVD for TPUs (QDWH polar decomposition, then eigh), as a traceable function
+    from jax._src.tpu.linalg import svd as _tpu_svd
+except ImportError:  # another JAX layout: XLA's svd lowering everywhere
+    _tpu_svd = None
+
+
+def svd(a, *, full_matrices: bool = False, compute_uv: bool = True):
+    """``jnp.linalg.svd`` that a TPU can compile: ``(u, s, vh)``, or ``s`` alone without ``compute_uv``.
+
+    JAX builds its TPU SVD when it lowers the program, under the process's settings, and
+    tpurec runs JAX with 64-bit types: the SVD then carries float64 and int64 parts, and XLA's
+    TPU compiler aborts the whole process on it (a failed check in its TransposeFolding pass;
+    measured on a v5e with JAX 0.10.2 alone, ``jax_enable_x64`` on, ``compute_uv=True``; through
+    tpurec also ``svdvals``). So for a TPU the same algorithm is traced here, with 64-bit types off,
+    for float32 and complex64 inputs; other platforms keep LAPACK's.
+    """
+
+    def lapack(x):
+        out = jnp.linalg.svd(x, full_matrices=full_matrices, compute_uv=compute_uv)
+        return tuple(out) if compute_uv else out
+
+    tpu_svd = _tpu_svd
+    if tpu_svd is None or a.size == 0 or a.dtype not in (jnp.float32, jnp.complex64):
+        return lapack(a)  # (a 64-bit input cannot be traced with 64-bit types off)
+
+    def tpu(x):
+        fn = functools.partial(tpu_svd.svd, full_matrices=full_matrices, compute_uv=compute_uv)
+        for _ in range(x.ndim - 2):
+            fn = jax.vmap(fn)
+        with jax.enable_x64(False):
+            out = fn(x)
+        return tuple(out) if compute_uv else out
+
+    return lax.platform_dependent(a, tpu=tpu, default=lapack)
+
+
 @lower(aten._linalg_svd.default)
 def linalg_svd(a, full_matrices: bool = False, compute_uv: bool = True, *, driver=None):
     if not compute_uv:
-        return jnp.zeros((0,), a.dtype), jnp.linalg.svd(a, compute_uv=False), jnp.zeros((0,), a.dtype)
-    u, s, vh = jnp.linalg.svd(a, full_matrices=full_matrices)
+        return jnp.zeros((0,), a.dtype), svd(a, compute_uv=False), jnp.zeros((0,), a.dtype)
+    u, s, vh = svd(a, full_matrices=full_matrices)
     return u, s, vh
 
 
@@ -412,7 +450,7 @@ def linalg_pinv(a, *, atol=None, rtol=None, hermitian: bool = False):
         values, vectors = jnp.linalg.eigh(a, symmetrize_input=False)
         s = jnp.abs(values)
     else:
-        u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+        u, s, vh = svd(a)
     # torch's tolerance rule: max(atol, rtol * largest singular value); rtol
     # defaults to eps * max(m, n) unless a positive atol was given.
     atol_v = jnp.zeros((), real) if atol is None else atol.astype(real)
@@ -452,7 +490,7 @@ def linalg_lstsq(a, b, rcond=None, *, driver=None):
     real = jnp.finfo(a.dtype).dtype if jnp.iscomplexobj(a) else a.dtype
     if rcond is None or rcond < 0:
         rcond = float(jnp.finfo(real).eps) * max(m, n)
-    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    u, s, vh = svd(a)
     largest = jnp.max(s, axis=-1, keepdims=True, initial=0.0)
     keep = s > rcond * largest
     s_inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0).astype(a.dtype)
