@@ -1,6 +1,6 @@
-"""Bessel functions of the second kind and Airy Ai on the device (tpurec/dense/special.py): K_0, K_1 and
-their scaled forms (quadrature) against CPU; Y_0, Y_1 and Ai (series / asymptotic expansions) against
-scipy and CPU."""
+"""Bessel functions and Airy Ai on the device (tpurec/dense/special.py): K_0, K_1 and their scaled forms
+(quadrature) against CPU; J_0, J_1, Y_0, Y_1 and Ai (series / asymptotic expansions) against scipy and
+CPU."""
 
 from __future__ import annotations
 
@@ -38,6 +38,8 @@ def test_float64_across_thirty_orders_of_magnitude_and_the_edges(fn):
         "special.modified_bessel_k1",
         "special.scaled_modified_bessel_k0",
         "special.scaled_modified_bessel_k1",
+        "special.bessel_j0",
+        "special.bessel_j1",
         "special.bessel_y0",
         "special.bessel_y1",
         "special.airy_ai",
@@ -79,3 +81,22 @@ def test_airy_ai_float64_against_scipy_and_edges_as_cpu():
     torch.testing.assert_close(
         torch.special.airy_ai(x32.to("tpu")).cpu(), torch.special.airy_ai(x32), rtol=1e-4, atol=1e-5
     )
+
+
+@pytest.mark.parametrize(
+    "fn, reference", [(torch.special.bessel_j0, scipy.special.j0), (torch.special.bessel_j1, scipy.special.j1)]
+)
+def test_bessel_j_float64_against_scipy(fn, reference):
+    # Both signs, both sides of the series/asymptotic switch at |x| = 20, tiny and huge arguments.
+    # (JAX's bessel_jn, used before, erred by 1.5 at x = 100 and overflowed to NaN in float32.)
+    x = np.concatenate([[1e-30, 1e-7, 1e-3, 0.1, 19.99, 20.0, 20.01, 50.0, 1e3, 1e6], np.linspace(-100, 100, 4001)])
+    actual = fn(torch.tensor(x).to("tpu")).cpu().numpy()
+    np.testing.assert_allclose(actual, reference(x), rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("fn", [torch.special.bessel_j0, torch.special.bessel_j1], ids=lambda f: f.__name__)
+def test_bessel_j_float32_and_edges_as_cpu(fn):
+    # float32 from 0.5 to 4, where JAX's recurrence overflowed (NaN on a TPU, whose float64 has
+    # float32's exponent range), and the edges: 0, -0, +-inf and NaN (NaN, as CPU).
+    x = torch.cat([torch.linspace(-60, 60, 1201), torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")])])
+    torch.testing.assert_close(fn(x.to("tpu")).cpu(), fn(x), rtol=0, atol=2e-6, equal_nan=True)

@@ -59,6 +59,11 @@ CASES = {
     "bce_with_logits": lambda x: F.binary_cross_entropy_with_logits(x, (x > 0).float()),
     "bce": lambda x: F.binary_cross_entropy(torch.sigmoid(x), (x > 0).float()),
     "cross_entropy": lambda x: F.cross_entropy(x, torch.zeros(x.shape[0], dtype=torch.long, device=x.device)),
+    "xlogy": lambda x: torch.xlogy(x, x.abs() + 0.5),
+    "xlog1py": lambda x: torch.special.xlog1py(x, x.abs()),
+    "entr": lambda x: torch.special.entr(x.abs() + 0.5),
+    "kl_div": lambda x: F.kl_div(torch.log_softmax(x, -1), torch.softmax(x.flip(-1), -1), reduction="batchmean"),
+    "kl_div_log_target": lambda x: F.kl_div(x, x.flip(-1), reduction="sum", log_target=True),
     "lstm_cell": lambda x: torch.nn.LSTMCell(x.shape[1], 4).to(x.device)(x)[0],
     "gru_cell": lambda x: torch.nn.GRUCell(x.shape[1], 4).to(x.device)(x),
 }

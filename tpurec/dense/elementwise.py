@@ -238,7 +238,7 @@ def copysign(x, y):
 
 @lower(aten.xlogy.Tensor, aten.xlogy.Scalar_Self, aten.xlogy.Scalar_Other)
 def xlogy(x, y):
-    return _apply(jax.scipy.special.xlogy, (x, y), INT_TO_FLOAT)
+    return _apply(transcendental.xlogy, (x, y), INT_TO_FLOAT)
 
 
 @lower(aten.maximum.default)

@@ -15,6 +15,7 @@ import torch
 from tpurec.dense._util import cast, default_float
 from tpurec.dense._util import acc_dtype as _acc
 from tpurec.dense.registry import lower, to_jax_dtype
+from tpurec.dense import transcendental
 
 aten = torch.ops.aten
 
@@ -185,7 +186,7 @@ def multinomial(probs, num_samples: int, replacement: bool = False, *, generator
     remaining draws are zero-probability categories.
     """
     acc = _acc(probs.dtype)
-    logits = jnp.log(probs.astype(acc))
+    logits = transcendental.log(probs.astype(acc))
     if replacement:
         shape = (num_samples,) + logits.shape[:-1]
         drawn = jax.random.categorical(key, logits, axis=-1, shape=shape)

@@ -21,6 +21,7 @@ from jax import lax
 
 from tpurec.dense._util import Kind, promote
 from tpurec.dense.registry import lower
+from tpurec.dense import transcendental
 
 aten = torch.ops.aten
 
@@ -56,13 +57,17 @@ def _spherical_j0(x):
 
 def _bessel_j(order: int):
     def fn(x):
-        # bessel_jn gives orders 0..v stacked on a new leading axis; J_n(-x) = (-1)^n J_n(x).
-        # Its backward recurrence overflows to NaN in float32 and divides by zero at
-        # x = 0, so it runs in float64 with J_0(0) = 1, J_1(0) = 0 set explicitly.
-        ax = jnp.abs(x).astype(jnp.float64)
-        out = jss.bessel_jn(jnp.where(ax == 0, 1.0, ax), v=order)[order]
-        out = jnp.where(ax == 0, 1.0 if order == 0 else 0.0, out).astype(x.dtype)
-        return out if order % 2 == 0 else jnp.sign(x) * out
+        # J_n(-x) = (-1)^n J_n(x). float64, as Y_n below and from the same two expansions:
+        # JAX's bessel_jn (Miller's backward recurrence from 1e-16) overflows to NaN in float32
+        # and in a TPU's float64, which has float32's exponent range (measured on a v5e: NaN
+        # for |x| of 0.6 to 3.3), and its fixed 50 steps lose accuracy for large |x|.
+        wide = jnp.abs(x.astype(jnp.float64))
+        finite = wide < jnp.inf
+        small = jnp.where(finite & (wide < _BESSEL_Y_SWITCH), wide, 0.0)
+        large = jnp.where(finite & (wide >= _BESSEL_Y_SWITCH), wide, _BESSEL_Y_SWITCH)
+        out = jnp.where(wide < _BESSEL_Y_SWITCH, _bessel_j_series(small, order), _hankel(large, order)[0])
+        out = jnp.where(finite, out, jnp.nan)  # +-inf and NaN: NaN, as PyTorch CPU gives
+        return (out if order % 2 == 0 else jnp.sign(x).astype(jnp.float64) * out).astype(x.dtype)
 
     return fn
 
@@ -78,7 +83,7 @@ _UNARY = {
     aten.special_ndtri.default: jss.ndtri,
     aten.special_ndtr.default: jss.ndtr,
     aten.special_log_ndtr.default: jss.log_ndtr,
-    aten.special_entr.default: jss.entr,
+    aten.special_entr.default: transcendental.entr,
     aten.special_spherical_bessel_j0.default: _spherical_j0,
     aten.special_bessel_j0.default: _bessel_j(0),
     aten.special_bessel_j1.default: _bessel_j(1),
@@ -150,7 +155,19 @@ def _bessel_y_series(x, order: int):
     return out - 2 / (np.pi * x) if order == 1 else out
 
 
-def _bessel_y_asymptotic(x, order: int):
+def _bessel_j_series(x, order: int):
+    """J_0 or J_1 by the power series (A&S 9.1.10), float64, for 0 <= x < _BESSEL_Y_SWITCH."""
+    quarter_sq = x * x / 4
+    term = jnp.ones_like(x) if order == 0 else x / 2
+    total = term
+    for k in range(1, _BESSEL_Y_SERIES_TERMS):
+        term = term * (-quarter_sq) / (k * (order + k))
+        total = total + term
+    return total
+
+
+def _hankel(x, order: int):
+    """(J_n(x), Y_n(x)) by Hankel's asymptotic expansion (A&S 9.2.5-9.2.10), for x >= _BESSEL_Y_SWITCH."""
     mu = 4.0 * order * order
     p, q = jnp.zeros_like(x), jnp.zeros_like(x)
     coefficient = jnp.ones_like(x)  # a_k(order) / x^k
@@ -163,7 +180,9 @@ def _bessel_y_asymptotic(x, order: int):
         else:
             q = q + sign * coefficient
     omega = x - (2 * order + 1) * np.pi / 4
-    return jnp.sqrt(2 / (np.pi * x)) * (p * jnp.sin(omega) + q * jnp.cos(omega))
+    scale = jnp.sqrt(2 / (np.pi * x))
+    cos, sin = jnp.cos(omega), jnp.sin(omega)
+    return scale * (p * cos - q * sin), scale * (p * sin + q * cos)
 
 
 def _bessel_y(order: int):
@@ -172,7 +191,7 @@ def _bessel_y(order: int):
         finite = (wide > 0) & (wide < jnp.inf)
         small = jnp.where(finite & (wide < _BESSEL_Y_SWITCH), wide, 1.0)
         large = jnp.where(finite & (wide >= _BESSEL_Y_SWITCH), wide, _BESSEL_Y_SWITCH)
-        out = jnp.where(wide < _BESSEL_Y_SWITCH, _bessel_y_series(small, order), _bessel_y_asymptotic(large, order))
+        out = jnp.where(wide < _BESSEL_Y_SWITCH, _bessel_y_series(small, order), _hankel(large, order)[1])
         # Y_n(0) = -inf; not real for x < 0 (NaN, as for NaN). At +inf the limit is 0, but CPU
         # gives NaN: matched.
         out = jnp.where(wide == jnp.inf, jnp.nan, out)
@@ -257,7 +276,7 @@ def _zeta(x, q):
 
 
 def _xlog1py(x, y):
-    return jss.xlog1py(x, y)
+    return transcendental.xlog1py(x, y)
 
 
 for _packet, _fn in (

@@ -46,6 +46,9 @@ __all__ = [
     "softmax",
     "softplus",
     "tanh",
+    "xlog1py",
+    "xlogy",
+    "entr",
 ]
 
 _HIGHEST = lax.AccuracyMode.HIGHEST
@@ -70,6 +73,27 @@ expm1 = _accurate(lax.expm1, jnp.expm1)
 log = _accurate(lax.log, jnp.log)
 log1p = _accurate(lax.log1p, jnp.log1p)
 tanh = _accurate(lax.tanh, jnp.tanh)
+
+
+def xlogy(x, y):
+    """``x * log(y)``, 0 where ``x`` is 0 (unless ``y`` is NaN), as ``torch.xlogy``."""
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    return x * log(jnp.where((x == 0) & ~jnp.isnan(y), jnp.ones_like(y), y))
+
+
+def xlog1py(x, y):
+    """``x * log1p(y)``, 0 where ``x`` is 0 (unless ``y`` is NaN), as ``torch.special.xlog1py``."""
+    x, y = jnp.asarray(x), jnp.asarray(y)
+    return x * log1p(jnp.where((x == 0) & ~jnp.isnan(y), jnp.zeros_like(y), y))
+
+
+def entr(x):
+    """``-x * log(x)`` for x > 0, 0 at 0, -inf below, as ``torch.special.entr``."""
+    x = jnp.asarray(x)
+    positive = x > 0
+    inside = -x * log(jnp.where(positive, x, jnp.ones_like(x)))
+    outside = jnp.where(x == 0, jnp.zeros_like(x), jnp.where(jnp.isnan(x), x, -jnp.inf))
+    return jnp.where(positive, inside, outside)
 
 
 def log2(x):
