@@ -109,6 +109,40 @@ def test_float32_transcendentals_ask_xla_for_full_accuracy(name: str, mode: str,
     assert not unrequested, f"{name} ({mode}): float32 ops without result_accuracy:\n" + "\n".join(unrequested)
 
 
+# Ops that cannot carry an accuracy request, which XLA expands with approximate logarithms on a TPU.
+_NO_REQUEST = re.compile(r"(%[\w#]+) = (stablehlo\.power|chlo\.lgamma)\b(.*)")
+
+# name -> f(x) with x a float32 [3, 29] tensor of positive values; the sum is backpropagated.
+WITHOUT_REQUEST = {
+    "pow_scalar": lambda x: x**2.5,
+    "pow_negative_half_integer": lambda x: x**-1.5,
+    "pow_tensor": lambda x: x ** (x / 3),
+    "rpow": lambda x: 1.7**x,
+    "normalize_p_half": lambda x: F.normalize(x, p=0.5, dim=-1),
+    "vector_norm_p_3": lambda x: torch.linalg.vector_norm(x, ord=3, dim=-1),
+    "lgamma": torch.lgamma,
+    "mvlgamma": lambda x: torch.mvlgamma(x + 2, 3),
+}
+
+
+@pytest.mark.parametrize("name", list(WITHOUT_REQUEST))
+def test_float32_power_and_lgamma_are_not_left_to_xla(name: str, tmp_path: Path) -> None:
+    # Neither can ask for accuracy. On a TPU v5e float32 power erred by 2.6e-6 (x ** 2.5, 35 times
+    # CPU's error) and lgamma by 2.8e-4 (CPU 3.1e-7): tpurec computes the common exponents exactly,
+    # other powers and lgamma in float64.
+    torch.manual_seed(0)
+    x = (torch.rand(3, 29) + 0.1).to("tpu").requires_grad_()
+    texts = _dumped_modules(WITHOUT_REQUEST[name], x, tmp_path)
+    found = []
+    for n, text in texts.items():
+        for function in text.split("func.func")[1:]:
+            for match in _NO_REQUEST.finditer(function):
+                out, op, rest = match.groups()
+                if "f32>" in rest.split(" : ")[-1] and len(re.findall(re.escape(out) + r"\b", function)) > 1:
+                    found.append(f"{n}: {op} {rest.strip()[:80]}")
+    assert not found, f"{name}: float32 ops left to XLA:\n" + "\n".join(found)
+
+
 _DOT = re.compile(r"stablehlo\.dot_general .*precision = \[(\w+), (\w+)\].*\(tensor<[^>]*f32>")
 
 # name -> f(x) with x a float32 [3, 29] tensor; the sum is backpropagated.
@@ -138,3 +172,15 @@ def test_float32_products_ask_xla_for_full_precision(
     assert dots, f"{name}: no float32 product reached XLA"
     lowered = [f"{n}: {p}" for n, p in dots if p != ("HIGHEST", "HIGHEST")]
     assert not lowered, f"{name}: float32 products below full precision:\n" + "\n".join(lowered)
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_a_python_number_exponent_keeps_double_precision_as_on_cpu(mode: str) -> None:
+    # PyTorch's CPU kernel raises float32 values to a Python float exponent in double precision:
+    # 1e20 ** 0.3 is 1e6, where the exponent rounded to float32 gives 1.00000055e6. (No result is
+    # subnormal: XLA:CPU flushes those to zero.)
+    x = torch.tensor([1e20, 1e-20, 3.0, 0.0, 17.5])
+    with tpurec.mode(mode):
+        actual = {y: (x.to("tpu") ** y).cpu() for y in (0.3, 1 / 3, 2.5, -1.5)}
+    for y, values in actual.items():
+        torch.testing.assert_close(values, x**y, rtol=1.2e-7, atol=0)

@@ -72,13 +72,21 @@ def _bessel_j(order: int):
     return fn
 
 
+def _i0(x):
+    return transcendental.exp(jnp.abs(x)) * lax.bessel_i0e(x)
+
+
+def _i1(x):
+    return transcendental.exp(jnp.abs(x)) * lax.bessel_i1e(x)
+
+
 _UNARY = {
-    aten.i0.default: jss.i0,
+    aten.i0.default: _i0,
     aten.special_i0e.default: jss.i0e,
-    aten.special_i1.default: jss.i1,
+    aten.special_i1.default: _i1,
     aten.special_i1e.default: jss.i1e,
-    aten.special_modified_bessel_i0.default: jss.i0,
-    aten.special_modified_bessel_i1.default: jss.i1,
+    aten.special_modified_bessel_i0.default: _i0,
+    aten.special_modified_bessel_i1.default: _i1,
     aten.special_erfcx.default: jss.erfcx,
     aten.special_ndtri.default: jss.ndtri,
     aten.special_ndtr.default: jss.ndtr,
@@ -282,8 +290,9 @@ def _xlog1py(x, y):
 for _packet, _fn in (
     (aten.special_zeta, _zeta),
     (aten.special_xlog1py, _xlog1py),
-    (aten.igamma, jss.gammainc),
-    (aten.igammac, jss.gammaincc),
+    # float32 in float64: XLA's expansions take logarithms and exponentials without accuracy requests
+    (aten.igamma, lambda a, x: jss.gammainc(a.astype(jnp.float64), x.astype(jnp.float64))),
+    (aten.igammac, lambda a, x: jss.gammaincc(a.astype(jnp.float64), x.astype(jnp.float64))),
 ):
     for _name in ("default", "self_scalar", "other_scalar"):
         if _name in _packet.overloads():
@@ -327,7 +336,10 @@ def _polygamma_any_sign(n: int, x):
 def mvlgamma(x, p: int):
     comp, res = promote(x, kind=Kind.INT_TO_FLOAT)
     wide = jnp.promote_types(comp, jnp.float32)
-    return jss.multigammaln(x.astype(wide), p).astype(res)
+    x = x.astype(wide)
+    # log of the multivariate gamma: p (p - 1) / 4 log(pi) + sum_j lgamma(x - j / 2)
+    total = sum((transcendental.lgamma(x - j / 2) for j in range(1, p)), transcendental.lgamma(x))
+    return (total + p * (p - 1) / 4 * math.log(math.pi)).astype(res)
 
 
 # --- orthogonal polynomials: three-term recurrences up to the largest degree -------
