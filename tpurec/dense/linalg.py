@@ -431,9 +431,24 @@ def linalg_qr(a, mode: str = "reduced"):
 
 @lower(aten.linalg_eig.default)
 def linalg_eig(a):
-    # XLA implements the nonsymmetric eigendecomposition on CPU only.
-    values, vectors = jnp.linalg.eig(a)
-    return values, vectors
+    # XLA implements the nonsymmetric eigendecomposition on CPU only (LAPACK's geev); on other
+    # platforms the same LAPACK routine runs on the host, through NumPy, inside the program.
+    return lax.platform_dependent(a, cpu=lambda x: tuple(jnp.linalg.eig(x)), default=eig_on_host)
+
+
+def eig_on_host(a):
+    """``(eigenvalues, eigenvectors)`` of square matrices ``a`` (..., n, n), computed by NumPy on the host."""
+    complex_dtype = jnp.result_type(a.dtype, jnp.complex64)
+    shapes = (
+        jax.ShapeDtypeStruct(a.shape[:-1], complex_dtype),
+        jax.ShapeDtypeStruct(a.shape, complex_dtype),
+    )
+
+    def host(x):
+        values, vectors = np.linalg.eig(np.asarray(x))
+        return values.astype(complex_dtype), vectors.astype(complex_dtype)
+
+    return jax.pure_callback(host, shapes, a, vmap_method="expand_dims")
 
 
 @lower(aten.linalg_matrix_exp.default)
