@@ -453,7 +453,12 @@ def eig_on_host(a):
 
 @lower(aten.linalg_matrix_exp.default)
 def linalg_matrix_exp(a):
-    return jax.scipy.linalg.expm(a)
+    # Single precision through double: expm picks its squarings from a float32 log2 that a TPU
+    # approximates, and its backward (torch's: expm of a 2n x 2n block matrix) erred 3x CPU's there.
+    wide = {jnp.dtype(jnp.float32): jnp.float64, jnp.dtype(jnp.complex64): jnp.complex128}.get(jnp.dtype(a.dtype))
+    if wide is None:
+        return jax.scipy.linalg.expm(a)
+    return jax.scipy.linalg.expm(a.astype(wide)).astype(a.dtype)
 
 
 @lower(aten.linalg_pinv.atol_rtol_tensor)

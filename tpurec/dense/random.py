@@ -187,12 +187,18 @@ def multinomial(probs, num_samples: int, replacement: bool = False, *, generator
     """
     acc = _acc(probs.dtype)
     logits = transcendental.log(probs.astype(acc))
-    if replacement:
-        shape = (num_samples,) + logits.shape[:-1]
-        drawn = jax.random.categorical(key, logits, axis=-1, shape=shape)
-        return jnp.moveaxis(drawn, 0, -1).astype(jnp.int64)
-    noisy = logits + jax.random.gumbel(key, logits.shape, acc)
+    if replacement:  # each draw the largest of log p + its own Gumbel noise
+        noisy = logits[..., None, :] + _gumbel(key, logits.shape[:-1] + (num_samples,) + logits.shape[-1:], acc)
+        return jnp.argmax(noisy, axis=-1).astype(jnp.int64)
+    noisy = logits + _gumbel(key, logits.shape, acc)
     return jax.lax.top_k(noisy, num_samples)[1].astype(jnp.int64)
+
+
+def _gumbel(key, shape, dtype):
+    """Standard Gumbel noise -log(-log(u)) with accurate float32 logarithms (jax.random.gumbel's are
+    approximated on a TPU)."""
+    u = jax.random.uniform(key, shape, dtype, minval=jnp.finfo(dtype).tiny, maxval=1.0)
+    return -transcendental.log(-transcendental.log(u))
 
 
 @lower(aten.rrelu_with_noise_functional.default, random=True)

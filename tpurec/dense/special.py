@@ -98,7 +98,7 @@ _UNARY = {
     aten.special_modified_bessel_i0.default: _i0,
     aten.special_modified_bessel_i1.default: _i1,
     aten.special_erfcx.default: _in_float64(jss.erfcx),
-    aten.special_ndtri.default: jss.ndtri,
+    aten.special_ndtri.default: _in_float64(jss.ndtri),
     aten.special_ndtr.default: jss.ndtr,
     aten.special_log_ndtr.default: _in_float64(jss.log_ndtr),
     aten.special_entr.default: transcendental.entr,
