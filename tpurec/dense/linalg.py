@@ -431,34 +431,22 @@ def linalg_qr(a, mode: str = "reduced"):
 
 @lower(aten.linalg_eig.default)
 def linalg_eig(a):
-    # XLA implements the nonsymmetric eigendecomposition on CPU only (LAPACK's geev); on other
-    # platforms the same LAPACK routine runs on the host, through NumPy, inside the program.
-    return lax.platform_dependent(a, cpu=lambda x: tuple(jnp.linalg.eig(x)), default=eig_on_host)
-
-
-def eig_on_host(a):
-    """``(eigenvalues, eigenvectors)`` of square matrices ``a`` (..., n, n), computed by NumPy on the host."""
-    complex_dtype = jnp.result_type(a.dtype, jnp.complex64)
-    shapes = (
-        jax.ShapeDtypeStruct(a.shape[:-1], complex_dtype),
-        jax.ShapeDtypeStruct(a.shape, complex_dtype),
-    )
-
-    def host(x):
-        values, vectors = np.linalg.eig(np.asarray(x))
-        return values.astype(complex_dtype), vectors.astype(complex_dtype)
-
-    return jax.pure_callback(host, shapes, a, vmap_method="expand_dims")
+    # XLA implements the nonsymmetric eigendecomposition on CPU only (LAPACK's geev). Elsewhere JAX
+    # fails deep in its lowering; say what to do instead. (Running geev on the host inside the
+    # program through jax.pure_callback aborted the process on a TPU v5e.)
+    if jax.default_backend() != "cpu":
+        raise NotImplementedError(
+            f"torch.linalg.eig (and eigvals) has no implementation for the {jax.default_backend()} platform in XLA; "
+            "compute it on the CPU (torch.linalg.eig(x.cpu())) or, for a symmetric/Hermitian matrix, use "
+            "torch.linalg.eigh on the device"
+        )
+    values, vectors = jnp.linalg.eig(a)
+    return values, vectors
 
 
 @lower(aten.linalg_matrix_exp.default)
 def linalg_matrix_exp(a):
-    # Single precision through double: expm picks its squarings from a float32 log2 that a TPU
-    # approximates, and its backward (torch's: expm of a 2n x 2n block matrix) erred 3x CPU's there.
-    wide = {jnp.dtype(jnp.float32): jnp.float64, jnp.dtype(jnp.complex64): jnp.complex128}.get(jnp.dtype(a.dtype))
-    if wide is None:
-        return jax.scipy.linalg.expm(a)
-    return jax.scipy.linalg.expm(a.astype(wide)).astype(a.dtype)
+    return jax.scipy.linalg.expm(a)
 
 
 @lower(aten.linalg_pinv.atol_rtol_tensor)
