@@ -46,6 +46,7 @@ Command line (``make coverage``)::
     python tests/dense/opinfo_device.py --doc docs/ops.md      # whole database
     python tests/dense/opinfo_device.py --update-known          # rewrite the list
     python tests/dense/opinfo_device.py --update-known --only fft.fft polar   # rewrite these entries' lines
+    JAX_PLATFORMS=tpu python tests/dense/opinfo_device.py --isolate 20       # on a TPU: 20 entries per process
 """
 
 from __future__ import annotations
@@ -773,11 +774,61 @@ def write_doc(results: list[Result], path: pathlib.Path, seconds: float) -> None
     path.write_text("\n".join(lines) + "\n")
 
 
+# --- isolated runs: one child process per chunk of entries --------------------------
+
+
+def run_isolated(names: list[str], per_child: int, timeout: float, child_args: Iterable[str] = ()) -> list[Result]:
+    """Results of ``names``, checked ``per_child`` at a time in child processes of this script.
+
+    A child writes each result as it finishes. When a child dies (XLA's TPU compiler aborts the
+    process on some programs) or runs past ``timeout`` seconds, the entry it was checking is
+    reported as failed with the reason, and the entries after it run in a new child.
+    """
+    import json
+    import subprocess
+    import tempfile
+
+    results: list[Result] = []
+    pending = list(names)
+    while pending:
+        chunk = pending[:per_child]
+        with tempfile.NamedTemporaryFile("r", suffix=".jsonl") as report:
+            command = [sys.executable, __file__, *child_args, "--report", report.name, "--only", *chunk]
+            try:
+                code = subprocess.run(command, timeout=timeout, stdout=subprocess.DEVNULL).returncode
+                why = f"the process ended with exit code {code}"
+            except subprocess.TimeoutExpired:
+                why = f"the process ran past {timeout:g} s and was stopped"
+            done = [Result(**{**row, "host_ops": tuple(row["host_ops"])}) for row in map(json.loads, report)]
+        done.sort(key=lambda r: chunk.index(r.name))
+        results += done
+        for r in done:
+            print(f"{r.name}: forward {r.forward} | backward {r.backward} ({r.seconds:.1f}s)", flush=True)
+        finished = {r.name for r in done}
+        left = [n for n in chunk if n not in finished]
+        if left:  # the child stopped inside left[0]
+            failed = Result(left[0], forward=f"error: {why} while checking this entry", backward=BLOCKED)
+            results.append(failed)
+            print(f"{failed.name}: forward {failed.forward}", flush=True)
+        pending = left[1:] + pending[per_child:]
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--doc", type=pathlib.Path, help="write the coverage report (docs/ops.md) here")
     parser.add_argument("--update-known", action="store_true", help=f"rewrite {KNOWN_FAILURES.name} from this run")
     parser.add_argument("--only", nargs="*", help="entry names to run (default: all)")
+    parser.add_argument(
+        "--isolate",
+        type=int,
+        metavar="N",
+        help="check N entries per child process, so that a crash of the process (XLA's TPU compiler aborts "
+        "on some programs) fails one entry and the run goes on",
+    )
+    parser.add_argument("--child-timeout", type=float, default=900.0, help="seconds a child may run (--isolate)")
+    parser.add_argument("--report", type=pathlib.Path, help=argparse.SUPPRESS)  # a child's results, one JSON line each
+    parser.add_argument("--abort-at", help=argparse.SUPPRESS)  # tests: the process aborts on reaching this entry
     args = parser.parse_args(argv)
     entries = float32_entries()
     if args.only:
@@ -786,10 +837,21 @@ def main(argv: list[str] | None = None) -> int:
     known = {} if args.update_known else current
     start = time.perf_counter()
     results, problems = [], []
-    for i, op in enumerate(entries):
+    if args.isolate:
+        results = run_isolated([entry_name(op) for op in entries], args.isolate, args.child_timeout)
+        for r in results:
+            problems += surprises(r, known)
+    for i, op in enumerate([] if args.isolate else entries):
+        if entry_name(op) == args.abort_at:
+            os.abort()
         r = check_entry(op)
         results.append(r)
         problems += surprises(r, known)
+        if args.report:
+            import json
+
+            with args.report.open("a") as report:
+                report.write(json.dumps(dataclasses.asdict(r)) + "\n")
         print(
             f"[{i + 1}/{len(entries)}] {r.name}: forward {r.forward} | backward {r.backward} ({r.seconds:.1f}s)",
             flush=True,

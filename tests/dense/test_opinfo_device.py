@@ -29,6 +29,7 @@ from opinfo_device import (
     float64_verdict,
     gauge_phases,
     load_known,
+    run_isolated,
     surprises,
 )
 
@@ -212,3 +213,12 @@ def test_a_partial_view_sample_moves_with_its_storage():
     assert torch.equal(moved.cpu(), view)
     read_before = moved.as_strided((2, 2), (1, 2), 0)
     assert torch.equal(read_before.cpu(), view.as_strided((2, 2), (1, 2), 0))
+
+
+def test_an_isolated_run_fails_only_the_entry_whose_process_died():
+    # On a TPU, XLA's compiler aborted the whole process on some programs (the SVD); with
+    # --isolate the entry running at the abort fails and the run goes on in a new process.
+    results = run_isolated(["abs", "exp", "neg"], per_child=3, timeout=300, child_args=["--abort-at", "exp"])
+    assert [r.name for r in results] == ["abs", "exp", "neg"]
+    assert results[0].forward == results[2].forward == "pass"
+    assert results[1].forward.startswith("error: the process ended with exit code") and results[1].backward == BLOCKED
