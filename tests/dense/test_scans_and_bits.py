@@ -1,4 +1,4 @@
-"""cummax/cummin, angle, frexp, nextafter, group norm and prims.var through the tpu device vs CPU.
+"""cummax/cummin, logcumsumexp, angle, frexp, nextafter, group norm and prims.var through the tpu device vs CPU.
 
 The OpInfo entries run through the device harness; the cases their samples do
 not reach (ties and NaN in a running max/min, inf/NaN/-0.0 for the bit ops, the
@@ -58,3 +58,13 @@ def test_prims_var(dims: list[int], correction: float, dtype: torch.dtype) -> No
     actual = torch.ops.prims.var(x.to("tpu"), dims, correction)
     assert actual.device.type == "tpu"
     torch.testing.assert_close(actual.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.complex64])
+def test_logcumsumexp_infinities_nan_and_complex(dtype: torch.dtype) -> None:
+    # Real values scan an accurate log-add-exp written in tpurec; complex ones keep JAX's.
+    inf, nan = float("inf"), float("nan")
+    torch.manual_seed(0)
+    rows = [torch.randn(9) * 30, torch.tensor([-inf, -inf, 0.0, inf, 1.0, inf, nan, 2.0, -inf])]
+    x = torch.stack(rows).to(dtype) if not dtype.is_complex else torch.randn(2, 9, dtype=dtype)
+    torch.testing.assert_close(torch.logcumsumexp(x.to("tpu"), 1).cpu(), torch.logcumsumexp(x, 1), equal_nan=True)

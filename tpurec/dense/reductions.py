@@ -290,13 +290,16 @@ def logcumsumexp(x, dim: int):
         return x
     out = float_for(x.dtype)
     xf = x.astype(_acc_dtype(out))
+    axis = norm_dim(dim, x.ndim)
+    if jnp.iscomplexobj(xf):
+        return jax.lax.cumlogsumexp(xf, axis=axis).astype(out)
     # An associative scan of log(e^a + e^b) written with accurate exp and log1p (lax.cumlogsumexp's
     # combiner has no accuracy request, which a TPU needs for float32).
-    return jax.lax.associative_scan(_log_add_exp, xf, axis=norm_dim(dim, x.ndim)).astype(out)
+    return jax.lax.associative_scan(_log_add_exp, xf, axis=axis).astype(out)
 
 
 def _log_add_exp(a, b):
-    """log(e^a + e^b), elementwise; equal infinities give themselves and NaN propagates."""
+    """log(e^a + e^b) of real values, elementwise; equal infinities give themselves and NaN propagates."""
     larger = jnp.maximum(a, b)
     out = larger + transcendental.log1p(transcendental.exp(-jnp.abs(a - b)))
     return jnp.where(jnp.isinf(larger) & (a == b), larger, out)
