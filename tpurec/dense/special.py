@@ -1,5 +1,6 @@
 """Special functions through ``jax.scipy.special``: polygamma, erfcx, Bessel
-functions of order 0/1 (K_0/K_1 by quadrature, Y_0/Y_1 by series and asymptotic expansion), Airy Ai, ndtr/ndtri/log_ndtr, zeta, entr, xlog1py, igamma(c),
+functions of order 0/1 (K_0/K_1 by quadrature, J_0/J_1 and Y_0/Y_1 by series and asymptotic expansion), Airy Ai,
+ndtr/ndtri/log_ndtr, zeta, entr, xlog1py, igamma(c),
 and the orthogonal polynomial families.
 
 Integer inputs compute in the default float dtype (torch's INT_TO_FLOAT
@@ -63,9 +64,9 @@ def _bessel_j(order: int):
         # for |x| of 0.6 to 3.3), and its fixed 50 steps lose accuracy for large |x|.
         wide = jnp.abs(x.astype(jnp.float64))
         finite = wide < jnp.inf
-        small = jnp.where(finite & (wide < _BESSEL_Y_SWITCH), wide, 0.0)
-        large = jnp.where(finite & (wide >= _BESSEL_Y_SWITCH), wide, _BESSEL_Y_SWITCH)
-        out = jnp.where(wide < _BESSEL_Y_SWITCH, _bessel_j_series(small, order), _hankel(large, order)[0])
+        small = jnp.where(finite & (wide < _BESSEL_SWITCH), wide, 0.0)
+        large = jnp.where(finite & (wide >= _BESSEL_SWITCH), wide, _BESSEL_SWITCH)
+        out = jnp.where(wide < _BESSEL_SWITCH, _bessel_j_series(small, order), _hankel(large, order)[0])
         out = jnp.where(finite, out, jnp.nan)  # +-inf and NaN: NaN, as PyTorch CPU gives
         return (out if order % 2 == 0 else jnp.sign(x).astype(jnp.float64) * out).astype(x.dtype)
 
@@ -146,14 +147,14 @@ def _bessel_k(order: int, scaled: bool):
     return fn
 
 
-# Bessel functions of the second kind Y_0, Y_1 (not in jax.scipy.special), float64:
-# below _BESSEL_Y_SWITCH the power series (Abramowitz & Stegun 9.1.11, with
-# psi(k + 1) = -gamma + H_k), whose terms peak near e^x / (pi x) so that at the switch
+# Bessel functions of the first and second kind J_0, J_1, Y_0, Y_1, float64 (jax.scipy.special
+# has no Y, and its J overflows: see _bessel_j): below _BESSEL_SWITCH the power series (A&S 9.1.10;
+# 9.1.11 for Y, with psi(k + 1) = -gamma + H_k), whose terms peak near e^x / (pi x) so that at the switch
 # float64 still leaves ~1e-7 absolute accuracy; above it Hankel's asymptotic expansion
-# (A&S 9.2.6-9.2.10), whose terms keep shrinking up to k ~ 2x, far beyond the ones used.
-_BESSEL_Y_SWITCH = 20.0
-_BESSEL_Y_SERIES_TERMS = 60
-_BESSEL_Y_ASYMPTOTIC_TERMS = 16
+# (A&S 9.2.5-9.2.10), whose terms keep shrinking up to k ~ 2x, far beyond the ones used.
+_BESSEL_SWITCH = 20.0
+_BESSEL_SERIES_TERMS = 60
+_BESSEL_ASYMPTOTIC_TERMS = 16
 
 
 def _bessel_y_series(x, order: int):
@@ -162,7 +163,7 @@ def _bessel_y_series(x, order: int):
     bessel_j = jnp.zeros_like(x)
     psi_sum = jnp.zeros_like(x)  # sum of (psi(k + 1) + psi(n + k + 1)) * term
     harmonic = 0.0  # H_k
-    for k in range(_BESSEL_Y_SERIES_TERMS):
+    for k in range(_BESSEL_SERIES_TERMS):
         if k:
             term = term * (-quarter_sq) / (k * (order + k))
             harmonic += 1.0 / k
@@ -174,22 +175,22 @@ def _bessel_y_series(x, order: int):
 
 
 def _bessel_j_series(x, order: int):
-    """J_0 or J_1 by the power series (A&S 9.1.10), float64, for 0 <= x < _BESSEL_Y_SWITCH."""
+    """J_0 or J_1 by the power series (A&S 9.1.10), float64, for 0 <= x < _BESSEL_SWITCH."""
     quarter_sq = x * x / 4
     term = jnp.ones_like(x) if order == 0 else x / 2
     total = term
-    for k in range(1, _BESSEL_Y_SERIES_TERMS):
+    for k in range(1, _BESSEL_SERIES_TERMS):
         term = term * (-quarter_sq) / (k * (order + k))
         total = total + term
     return total
 
 
 def _hankel(x, order: int):
-    """(J_n(x), Y_n(x)) by Hankel's asymptotic expansion (A&S 9.2.5-9.2.10), for x >= _BESSEL_Y_SWITCH."""
+    """(J_n(x), Y_n(x)) by Hankel's asymptotic expansion (A&S 9.2.5-9.2.10), for x >= _BESSEL_SWITCH."""
     mu = 4.0 * order * order
     p, q = jnp.zeros_like(x), jnp.zeros_like(x)
     coefficient = jnp.ones_like(x)  # a_k(order) / x^k
-    for k in range(_BESSEL_Y_ASYMPTOTIC_TERMS):
+    for k in range(_BESSEL_ASYMPTOTIC_TERMS):
         if k:
             coefficient = coefficient * (mu - (2 * k - 1) ** 2) / (k * 8 * x)
         sign = -1.0 if (k // 2) % 2 else 1.0
@@ -207,9 +208,9 @@ def _bessel_y(order: int):
     def fn(x):
         wide = x.astype(jnp.float64)
         finite = (wide > 0) & (wide < jnp.inf)
-        small = jnp.where(finite & (wide < _BESSEL_Y_SWITCH), wide, 1.0)
-        large = jnp.where(finite & (wide >= _BESSEL_Y_SWITCH), wide, _BESSEL_Y_SWITCH)
-        out = jnp.where(wide < _BESSEL_Y_SWITCH, _bessel_y_series(small, order), _hankel(large, order)[1])
+        small = jnp.where(finite & (wide < _BESSEL_SWITCH), wide, 1.0)
+        large = jnp.where(finite & (wide >= _BESSEL_SWITCH), wide, _BESSEL_SWITCH)
+        out = jnp.where(wide < _BESSEL_SWITCH, _bessel_y_series(small, order), _hankel(large, order)[1])
         # Y_n(0) = -inf; not real for x < 0 (NaN, as for NaN). At +inf the limit is 0, but CPU
         # gives NaN: matched.
         out = jnp.where(wide == jnp.inf, jnp.nan, out)
