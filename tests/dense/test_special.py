@@ -69,3 +69,13 @@ def test_polygamma_negative_arguments_and_gradient():
 def test_polygamma_negative_order_is_a_value_error():
     with pytest.raises((ValueError, RuntimeError), match="non-negative|order"):
         torch.polygamma(-1, torch.ones(3, device="tpu"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_digamma_at_signed_zeros_poles_and_infinities_as_cpu(dtype):
+    # XLA gives NaN at 0; PyTorch the limit from the zero's side (-inf at +0, inf at -0).
+    x = torch.tensor(
+        [0.0, -0.0, -1.0, -2.0, float("inf"), -float("inf"), float("nan"), 1e-30, -1e-30, 2.5], dtype=dtype
+    )
+    for op in (torch.digamma, lambda t: torch.polygamma(0, t)):
+        torch.testing.assert_close(op(x.to("tpu")).cpu(), op(x), equal_nan=True)

@@ -110,7 +110,7 @@ def test_float32_transcendentals_ask_xla_for_full_accuracy(name: str, mode: str,
 
 
 # Ops that cannot carry an accuracy request, which XLA expands with approximate logarithms on a TPU.
-_NO_REQUEST = re.compile(r"(%[\w#]+) = (stablehlo\.power|chlo\.lgamma)\b(.*)")
+_NO_REQUEST = re.compile(r"(%[\w#]+) = (stablehlo\.power|chlo\.lgamma|chlo\.digamma)\b(.*)")
 
 # name -> f(x) with x a float32 [3, 29] tensor of positive values; the sum is backpropagated.
 WITHOUT_REQUEST = {
@@ -120,7 +120,9 @@ WITHOUT_REQUEST = {
     "rpow": lambda x: 1.7**x,
     "normalize_p_half": lambda x: F.normalize(x, p=0.5, dim=-1),
     "vector_norm_p_3": lambda x: torch.linalg.vector_norm(x, ord=3, dim=-1),
-    "lgamma": torch.lgamma,
+    "lgamma": torch.lgamma,  # and digamma in its backward
+    "digamma": torch.digamma,
+    "polygamma_0": lambda x: torch.polygamma(0, x),
     "mvlgamma": lambda x: torch.mvlgamma(x + 2, 3),
     # Found by dumping the programs of every OpInfo entry: jax.scipy's expansions with float32
     # logarithms and exponentials inside, now computed in float64 or around accurate pieces.

@@ -66,7 +66,7 @@ for _ops, _fn in [
     ((aten.erfc.default,), jax.scipy.special.erfc),
     ((aten.erfinv.default,), jax.scipy.special.erfinv),
     ((aten.lgamma.default,), transcendental.lgamma),
-    ((aten.digamma.default,), jax.scipy.special.digamma),
+    ((aten.digamma.default,), transcendental.digamma),
     ((aten.sigmoid.default,), transcendental.sigmoid),
     ((aten.reciprocal.default,), lambda x: 1 / x),
 ]:

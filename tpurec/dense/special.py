@@ -315,7 +315,7 @@ def polygamma(n: int, x):
     if n < 0:
         raise ValueError(f"polygamma: the order n must be non-negative, got {n}")
     if n == 0:
-        return _unary(jss.digamma)(x)
+        return _unary(transcendental.digamma)(x)
     # Near the poles (negative x) the shifted sum cancels badly in float32: evaluate
     # in float64 and round once (polygamma is rare enough for the cost not to matter).
     comp, res = promote(x, kind=Kind.INT_TO_FLOAT)

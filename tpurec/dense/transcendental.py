@@ -52,6 +52,7 @@ __all__ = [
     "xlogy",
     "entr",
     "lgamma",
+    "digamma",
 ]
 
 _HIGHEST = lax.AccuracyMode.HIGHEST
@@ -106,6 +107,15 @@ def lgamma(x):
     if x.dtype == jnp.float32:
         return lax.lgamma(x.astype(jnp.float64)).astype(jnp.float32)
     return lax.lgamma(x)
+
+
+def digamma(x):
+    """``d/dx log gamma(x)`` (``lgamma``'s derivative); float32 through float64, as :func:`lgamma`:
+    XLA's float32 expansion takes logarithms without the accuracy request."""
+    x = jnp.asarray(x)
+    out = lax.digamma(x.astype(jnp.float64)).astype(jnp.float32) if x.dtype == jnp.float32 else lax.digamma(x)
+    # At zero, the limit from the zero's side (XLA gives NaN): -inf at +0, inf at -0, as PyTorch.
+    return jnp.where(x == 0, jnp.where(jnp.signbit(x), jnp.inf, -jnp.inf).astype(out.dtype), out)
 
 
 def log2(x):
