@@ -717,6 +717,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             return cache[b]
         L = self.layout
         groups, dps, slots = len(L.groups), len(L.dp_groups), len(self.optimizer.slots)
+        state_size = (groups + dps) * (1 + slots)  # each table and its optimizer slots
         names = list(self.optimizer.hyperparameters(1))
 
         def triples(flat: Sequence[Any]) -> list[tuple[Any, ...]]:
@@ -732,7 +733,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
         def backward(*flat):
             grad, rest = flat[0], flat[1:]
-            state, rest = rest[: (groups + dps) * (1 + slots)], rest[(groups + dps) * (1 + slots) :]
+            state, rest = rest[:state_size], rest[state_size:]
             received, dp, hyper = rest[: 3 * groups], rest[3 * groups : 3 * (groups + dps)], rest[3 * (groups + dps) :]
             per_table = [list(state[k : k + 1 + slots]) for k in range(0, len(state), 1 + slots)]
             new_w, new_s, new_dw, new_ds, _ = self._backward_fn(
