@@ -84,17 +84,23 @@ def _dumped_modules(f, x: torch.Tensor, tmp_path: Path) -> dict[str, str]:
     return {m.name: m.read_text() for m in tmp_path.glob("*.mlir")}
 
 
-def _unrequested(text: str) -> list[str]:
-    """The live float32 transcendental ops of a StableHLO module that do not ask for accuracy."""
+def _live_float32(text: str, pattern: re.Pattern, requested: str | None = None) -> list[str]:
+    """The live float32 ops of a StableHLO module that ``pattern`` matches (groups: result, op, rest),
+    but for those whose text carries ``requested``."""
     found = []
     for function in text.split("func.func")[1:]:  # SSA names are per function
-        for match in _TRANSCENDENTAL.finditer(function):
+        for match in pattern.finditer(function):
             name, op, rest = match.groups()
-            if "result_accuracy" in rest or ("xf32>" not in rest and "tensor<f32>" not in rest):
+            if (requested is not None and requested in rest) or ("xf32>" not in rest and "tensor<f32>" not in rest):
                 continue
             if len(re.findall(re.escape(name) + r"\b", function)) > 1:  # used, not only defined
                 found.append(f"{op} {rest.strip()[:80]}")
     return found
+
+
+def _unrequested(text: str) -> list[str]:
+    """The live float32 transcendental ops of a StableHLO module that do not ask for accuracy."""
+    return _live_float32(text, _TRANSCENDENTAL, requested="result_accuracy")
 
 
 @pytest.mark.parametrize("mode", ["eager", "fused"])
@@ -147,14 +153,7 @@ def test_float32_power_lgamma_and_special_functions_are_not_left_to_xla(name: st
     torch.manual_seed(0)
     x = (torch.rand(3, 29) + 0.1).to("tpu").requires_grad_()
     texts = _dumped_modules(WITHOUT_REQUEST[name], x, tmp_path)
-    found = []
-    for n, text in texts.items():
-        for function in text.split("func.func")[1:]:
-            for match in _NO_REQUEST.finditer(function):
-                out, op, rest = match.groups()
-                if "f32>" in rest.split(" : ")[-1] and len(re.findall(re.escape(out) + r"\b", function)) > 1:
-                    found.append(f"{n}: {op} {rest.strip()[:80]}")
-    found += [f"{n}: {op}" for n, t in texts.items() for op in _unrequested(t)]
+    found = [f"{n}: {op}" for n, t in texts.items() for op in _live_float32(t, _NO_REQUEST) + _unrequested(t)]
     assert not found, f"{name}: float32 ops left to XLA:\n" + "\n".join(found)
 
 

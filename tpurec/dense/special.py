@@ -73,16 +73,6 @@ def _bessel_j(order: int):
     return fn
 
 
-def _in_float64(fn):
-    """``fn`` computed in float64 for float32 inputs: jax.scipy's expansions take float32 logarithms and
-    exponentials without XLA's accuracy request, which a TPU approximates (docs/lowerings.md)."""
-
-    def wide(x):
-        return fn(x.astype(jnp.float64)).astype(x.dtype) if x.dtype == jnp.float32 else fn(x)
-
-    return wide
-
-
 def _i0(x):
     return transcendental.exp(jnp.abs(x)) * lax.bessel_i0e(x)
 
@@ -98,10 +88,10 @@ _UNARY = {
     aten.special_i1e.default: jss.i1e,
     aten.special_modified_bessel_i0.default: _i0,
     aten.special_modified_bessel_i1.default: _i1,
-    aten.special_erfcx.default: _in_float64(jss.erfcx),
-    aten.special_ndtri.default: _in_float64(jss.ndtri),
+    aten.special_erfcx.default: transcendental.through_float64(jss.erfcx),
+    aten.special_ndtri.default: transcendental.through_float64(jss.ndtri),
     aten.special_ndtr.default: jss.ndtr,
-    aten.special_log_ndtr.default: _in_float64(jss.log_ndtr),
+    aten.special_log_ndtr.default: transcendental.through_float64(jss.log_ndtr),
     aten.special_entr.default: transcendental.entr,
     aten.special_spherical_bessel_j0.default: _spherical_j0,
     aten.special_bessel_j0.default: _bessel_j(0),
@@ -349,7 +339,9 @@ def mvlgamma(x, p: int):
     wide = jnp.promote_types(comp, jnp.float32)
     x = x.astype(wide)
     # log of the multivariate gamma: p (p - 1) / 4 log(pi) + sum_j lgamma(x - j / 2)
-    total = sum((transcendental.lgamma(x - j / 2) for j in range(1, p)), transcendental.lgamma(x))
+    total = transcendental.lgamma(x)
+    for j in range(1, p):
+        total = total + transcendental.lgamma(x - j / 2)
     return (total + p * (p - 1) / 4 * math.log(math.pi)).astype(res)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -53,6 +54,7 @@ __all__ = [
     "entr",
     "lgamma",
     "digamma",
+    "through_float64",
 ]
 
 _HIGHEST = lax.AccuracyMode.HIGHEST
@@ -100,20 +102,28 @@ def entr(x):
     return jnp.where(positive, inside, outside)
 
 
-def lgamma(x):
-    """``log |gamma(x)|``; float32 through float64: XLA expands float32 ``lgamma`` with approximate
-    logarithms on a TPU (2.8e-4 from float64 on a v5e, CPU 3.1e-7)."""
-    x = jnp.asarray(x)
-    if x.dtype == jnp.float32:
-        return lax.lgamma(x.astype(jnp.float64)).astype(jnp.float32)
-    return lax.lgamma(x)
+def through_float64(fn: Callable) -> Callable:
+    """``fn`` computed in float64 and rounded once for float32 inputs (other dtypes as they are): for
+    functions whose float32 expansion takes logarithms or exponentials that cannot carry the
+    accuracy request (``lgamma``, ``digamma``, jax.scipy's special functions)."""
+
+    def wide(x) -> jax.Array:
+        x = jnp.asarray(x)
+        return fn(x.astype(jnp.float64)).astype(jnp.float32) if x.dtype == jnp.float32 else fn(x)
+
+    wide.__name__ = getattr(fn, "__name__", "through_float64")
+    return wide
+
+
+# log |gamma(x)|: XLA's float32 expansion erred by 2.8e-4 from float64 on a v5e (CPU 3.1e-7).
+lgamma = through_float64(lax.lgamma)
+_digamma = through_float64(lax.digamma)
 
 
 def digamma(x):
-    """``d/dx log gamma(x)`` (``lgamma``'s derivative); float32 through float64, as :func:`lgamma`:
-    XLA's float32 expansion takes logarithms without the accuracy request."""
+    """``d/dx log gamma(x)`` (``lgamma``'s derivative), float32 through float64 as :func:`lgamma`."""
     x = jnp.asarray(x)
-    out = lax.digamma(x.astype(jnp.float64)).astype(jnp.float32) if x.dtype == jnp.float32 else lax.digamma(x)
+    out = _digamma(x)
     # At zero, the limit from the zero's side (XLA gives NaN): -inf at +0, inf at -0, as PyTorch.
     return jnp.where(x == 0, jnp.where(jnp.signbit(x), jnp.inf, -jnp.inf).astype(out.dtype), out)
 
