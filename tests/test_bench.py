@@ -94,6 +94,8 @@ def test_modes_reports_host_time_per_step():
     for config in ("eager", "fused_adagrad", "compiled_optim", "graphed"):
         assert run[config]["host_ms_per_step_stubbed"] > 0, run[config]
         assert run[config]["last_loss"] == pytest.approx(run["cpu_pytorch"]["last_loss"], rel=1e-5), run
+    floor = result["pytorch_cpu_host_floor"]
+    assert floor["batch"] == 1 and floor["host_ms_per_step"] > 0, floor
 
 
 def test_text_with_buckets_compiles_at_most_twice_per_bucket_and_matches_cpu():

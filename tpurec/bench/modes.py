@@ -37,7 +37,9 @@ the same JAX calls, arguments and bookkeeping, no computation), one configuratio
 other: ``host_ms_per_step_stubbed`` is their median main-thread CPU time. On XLA:CPU the computation shares the two cores with
 Python (small programs run on the calling thread; large ones evict its caches), so the
 stubbed figure is the closer one to what a TPU's host would spend; the stubbed steps spoil
-the model, so they come after every loss is taken. ``load_average`` is the 1-minute load
+the model, so they come after every loss is taken. ``pytorch_cpu_host_floor`` is PyTorch's own
+host time for the step: the model on PyTorch CPU at batch 1 with ``Adagrad(fused=True)``, where the
+computation is negligible (what PyTorch's C++ eager path costs; see ``pytorch_host_floor``). ``load_average`` is the 1-minute load
 before and after the run (``os.getloadavg``); compare ratios from one run only.
 """
 
@@ -115,14 +117,20 @@ class _Config:
     first_loss: float | None = None  # of the first (warm-up) step, before any update
 
 
-def _make(name: str, batch: int) -> _Config:
-    """Builds the model, optimizer and batch of configuration ``name`` (same weights and data in all)."""
+def _make(name: str, batch: int, fused_optimizer: bool = False) -> _Config:
+    """Builds the model, optimizer and batch of configuration ``name`` (same weights and data in all).
+
+    ``fused_optimizer``: ``Adagrad(fused=True)`` in any configuration (always in ``fused_adagrad`` and ``graphed``).
+    """
     device = "cpu" if name == "cpu_pytorch" else "tpu"
     torch.manual_seed(0)
     model = DenseStep().to(device)
     compiled = name.startswith("compiled")
     forward = torch.compile(model, backend="tpu") if compiled else model
-    fused = name in ("fused_adagrad", "graphed")  # graphed: a captured step keeps the optimizer's state on the device
+    fused = fused_optimizer or name in (
+        "fused_adagrad",
+        "graphed",
+    )  # graphed: a captured step keeps the optimizer's state on the device
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.01, fused=True if fused else None)
     update = torch.compile(optimizer.step, backend="tpu") if name == "compiled_optim" else optimizer.step
     g = torch.Generator().manual_seed(1)
@@ -196,6 +204,25 @@ def _summary(config: _Config) -> dict:
     }
 
 
+def pytorch_host_floor(steps: int, warmup: int) -> dict:
+    """PyTorch's own host cost of the step: the same model on PyTorch CPU at batch 1.
+
+    At batch 1 the computation is a small part of the step, so its main-thread CPU time is
+    about what PyTorch's C++ eager path (its dispatcher, kernels, autograd engine, the modules'
+    and ``Adagrad(fused=True)``'s Python) needs to issue the step: the floor of any device
+    that PyTorch's eager code drives, next to which tpurec's stubbed host times are read.
+    """
+    config = _make("cpu_pytorch", 1, fused_optimizer=True)
+    _run_steps(config, warmup, record=False)
+    _run_steps(config, steps, record=True)
+    fine = clocks.fine_enough(min(config.wall_ms) / 1e3)
+    return {
+        "batch": 1,
+        "optimizer": "Adagrad(fused=True)",
+        "host_ms_per_step": statistics.median(config.host_ms) if fine else None,
+    }
+
+
 def run_batch(batch: int, names: list[str], steps: int, warmup: int, round_steps: int) -> dict:
     """Measures every configuration in ``names`` at ``batch``, interleaved; returns the run's JSON."""
     run: dict = {"batch": batch}
@@ -257,5 +284,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench mode
     }
     for batch in args.batch:
         result["runs"].append(run_batch(batch, args.modes, args.steps, args.warmup, args.round_steps))
+    result["pytorch_cpu_host_floor"] = pytorch_host_floor(max(args.steps, 20), args.warmup)
     result["load_average"]["after"] = os.getloadavg()[0]
     return result
