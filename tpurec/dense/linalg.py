@@ -8,6 +8,7 @@ precision inputs accumulate in float32 and round once, as torch does.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -444,9 +445,54 @@ def linalg_eig(a):
     return values, vectors
 
 
+# PyTorch's CPU and CUDA kernels scale A by 2^-s until its 1-norm is at most this, take a degree-18
+# Taylor approximation and square s times (Bader, Blanes and Casas, "Computing the matrix exponential
+# with an optimized Taylor polynomial approximation", 2019): the bounds for 32- and 64-bit types.
+_EXPM_THETA = {32: 3.010066362817634, 64: 1.090863719290036}
+_EXPM_DEGREE = 18
+
+
+def _expm_squarings(norm, theta: float):
+    """max(0, ceil(log2(norm / theta))) without a logarithm: exact, where a TPU's float32 log is not."""
+    mantissa, exponent = jnp.frexp(norm / theta)  # norm / theta = mantissa * 2**exponent, mantissa in [0.5, 1)
+    s = exponent - (mantissa == 0.5).astype(exponent.dtype)
+    return jnp.where(jnp.isfinite(norm), jnp.maximum(s, 0), 0)
+
+
 @lower(aten.linalg_matrix_exp.default)
 def linalg_matrix_exp(a):
-    return jax.scipy.linalg.expm(a)
+    """exp(A) by PyTorch's method: scaling, a degree-18 Taylor polynomial, squaring.
+
+    Only matrix products, so every platform runs it alike (JAX's Pade form needs a solve, and
+    chooses its squarings with a float32 log). The Taylor polynomial is evaluated in
+    Paterson-Stockmeyer form (powers up to A^4, then Horner in A^4). PyTorch's kernels use an
+    approximation with the same terms through degree 18 in fewer products (within the bound, the
+    terms beyond are below the type's precision), so results agree to rounding.
+    """
+    real = jnp.finfo(a.dtype).dtype if jnp.iscomplexobj(a) else a.dtype
+    theta = _EXPM_THETA[64 if jnp.dtype(real).itemsize == 8 else 32]
+    n = a.shape[-1]
+    if n == 0 or a.size == 0:
+        return a
+    norm = jnp.max(jnp.sum(jnp.abs(a), axis=-2), axis=-1)  # the 1-norm: the largest column sum
+    s = _expm_squarings(norm, theta)
+    scaled = a * jnp.ldexp(jnp.ones((), real), -s).astype(a.dtype)[..., None, None]  # 2^-s, exact
+    eye = jnp.broadcast_to(jnp.eye(n, dtype=a.dtype), a.shape)
+    squared = _exact_matmul(scaled, scaled)
+    powers = [eye, scaled, squared, _exact_matmul(squared, scaled), _exact_matmul(squared, squared)]
+    coefficients = [1.0 / math.factorial(k) for k in range(_EXPM_DEGREE + 1)]
+    blocks = [
+        sum(coefficients[4 * j + i] * powers[i] for i in range(4) if 4 * j + i <= _EXPM_DEGREE)
+        for j in range(_EXPM_DEGREE // 4 + 1)
+    ]
+    result = blocks[-1]
+    for block in reversed(blocks[:-1]):
+        result = _exact_matmul(result, powers[4]) + block
+
+    def square(i, x):
+        return jnp.where((i < s)[..., None, None], _exact_matmul(x, x), x)
+
+    return lax.fori_loop(0, jnp.max(s), square, result)
 
 
 @lower(aten.linalg_pinv.atol_rtol_tensor)
