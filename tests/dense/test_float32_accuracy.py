@@ -87,7 +87,7 @@ def test_float32_arithmetic_flushes_subnormals_as_cpu_with_flush_denormal() -> N
     # Copies keep them (the device stores the bits it is given).
     x = torch.tensor([1e-40, -3e-39, 1e-39, 2e-38, 2.4e-38, 1.0])
     on_device = x.to("tpu")
-    assert torch.equal(on_device.cpu(), x)
+    assert torch.equal(on_device.cpu(), x) and torch.equal(torch.cat([on_device, on_device.clone()]).cpu(), x.repeat(2))
     ops = {
         "mul": lambda v: v * 0.25,
         "add": lambda v: v + 0,
