@@ -127,10 +127,8 @@ def _make(name: str, batch: int, fused_optimizer: bool = False) -> _Config:
     model = DenseStep().to(device)
     compiled = name.startswith("compiled")
     forward = torch.compile(model, backend="tpu") if compiled else model
-    fused = fused_optimizer or name in (
-        "fused_adagrad",
-        "graphed",
-    )  # graphed: a captured step keeps the optimizer's state on the device
+    # graphed: a captured step keeps the optimizer's state on the device
+    fused = fused_optimizer or name in ("fused_adagrad", "graphed")
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.01, fused=True if fused else None)
     update = torch.compile(optimizer.step, backend="tpu") if name == "compiled_optim" else optimizer.step
     g = torch.Generator().manual_seed(1)

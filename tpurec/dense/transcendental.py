@@ -10,8 +10,9 @@ request (XLA:GPU was not tried). So every lowering of tpurec that needs one of t
 float32 values takes it from here. ``lax.logistic`` lowers to an ``exp`` without the request, so
 :func:`sigmoid` is written out around an accurate ``exp``; XLA expands ``asinh`` and ``atanh``
 with an approximate ``log`` (errors of 9e-5 on the TPU), so :func:`asinh` and :func:`atanh` are
-written out around ``log1p``; :func:`xlogy`, :func:`xlog1py` and :func:`entr` around ``log``;
-:func:`power` computes the common exponents without XLA's ``power``, which has no accuracy
+written out around ``log1p``, and :func:`sinh`, :func:`cosh`, :func:`acosh` (up to 2.6e-4) around
+``exp`` and ``log1p``; :func:`erfinv` and :func:`erfc` are computed in float64; :func:`xlogy`,
+:func:`xlog1py` and :func:`entr` are written around ``log``; :func:`power` computes the common exponents without XLA's ``power``, which has no accuracy
 request, and the others in float64, as :func:`lgamma` (XLA's float32 expansion erred by 2.8e-4
 on the TPU).
 
