@@ -220,6 +220,7 @@ def _describe(specs: Sequence[Any]) -> str:
 
 def _host_kernel(signature: _Signature, fn: Callable) -> Callable:
     """The op on CPU tensors: ``fn`` under ``jax.jit`` on XLA:CPU, one program per static arguments."""
+    from tpurec.core.device import host_device
     from tpurec.core.tensor import host_array, jax_to_host
 
     cache: dict[tuple, Callable] = {}
@@ -228,7 +229,7 @@ def _host_kernel(signature: _Signature, fn: Callable) -> Callable:
         # Looked up at the first call, not when the op is registered: registering (importing
         # tpurec.sparse) must not start JAX's backends, which tpurec.distributed.initialize()
         # (init_process_group of a "tpu" group) needs to precede.
-        cpu = jax.devices("cpu")[0]
+        cpu = host_device()
         values = signature.bind(args, kwargs)
         runtime_value = [
             t or tl or isinstance(v, float) for v, t, tl in zip(values, signature.tensor, signature.tensor_list)

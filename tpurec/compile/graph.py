@@ -26,7 +26,6 @@ import operator
 import os
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 import torch
 import torch.fx
@@ -37,6 +36,7 @@ from tpurec.compile import views as _views  # noqa: F401 (registers the VIEW ent
 from tpurec.dense import calling
 from tpurec.dense.calling import argument_kinds
 from tpurec.dense.registry import Kind, entry, get_lowering, lower, to_jax_dtype
+from tpurec.core.device import host_device
 from tpurec.core.tensor import host_to_jax
 
 aten = torch.ops.aten
@@ -351,5 +351,5 @@ def _constant(value):
 
         if isinstance(value, TpuTensor):
             return value_of(value)
-        return jnp.asarray(host_to_jax(value, jax.devices("cpu")[0]))
+        return jnp.asarray(host_to_jax(value, host_device()))
     return value

@@ -30,6 +30,16 @@ def _devices() -> list:
     return jax.local_devices()
 
 
+def host_device():
+    """JAX's CPU device (a ``jax.Device``), for work on CPU tensors; the default device where JAX runs
+    without its CPU backend (``JAX_PLATFORMS=tpu``, as a TPU machine may set), so that such work
+    still runs."""
+    try:
+        return jax.devices("cpu")[0]
+    except RuntimeError:  # "Unknown backend: 'cpu' requested, but no platforms ... are present"
+        return jax.devices()[0]
+
+
 def jax_device(index: int | None) -> jax.Device:
     """The JAX device behind ``tpu:index`` (the current device for ``None``)."""
     devices = _devices()
