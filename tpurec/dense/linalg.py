@@ -469,11 +469,11 @@ def linalg_matrix_exp(a):
     approximation with the same terms through degree 18 in fewer products (within the bound, the
     terms beyond are below the type's precision), so results agree to rounding.
     """
+    if a.size == 0:
+        return a
     real = jnp.finfo(a.dtype).dtype if jnp.iscomplexobj(a) else a.dtype
     theta = _EXPM_THETA[64 if jnp.dtype(real).itemsize == 8 else 32]
     n = a.shape[-1]
-    if n == 0 or a.size == 0:
-        return a
     norm = jnp.max(jnp.sum(jnp.abs(a), axis=-2), axis=-1)  # the 1-norm: the largest column sum
     s = _expm_squarings(norm, theta)
     scaled = a * jnp.ldexp(jnp.ones((), real), -s).astype(a.dtype)[..., None, None]  # 2^-s, exact

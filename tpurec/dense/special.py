@@ -280,11 +280,8 @@ for _op, _fn in _UNARY.items():
     lower(_op)(_unary(_fn))
 
 
-def _zeta(x, q):
-    # float32 in float64: XLA's float32 expansion erred by 6.6e-6 on a v5e (PyTorch CPU 1.1e-7)
-    if x.dtype == jnp.float32:
-        return jss.zeta(x.astype(jnp.float64), q.astype(jnp.float64)).astype(jnp.float32)
-    return jss.zeta(x, q)
+# float32 in float64: XLA's float32 expansion erred by 6.6e-6 on a v5e (PyTorch CPU 1.1e-7)
+_zeta = transcendental.through_float64(jss.zeta)
 
 
 def _xlog1py(x, y):
@@ -295,8 +292,8 @@ for _packet, _fn in (
     (aten.special_zeta, _zeta),
     (aten.special_xlog1py, _xlog1py),
     # float32 in float64: XLA's expansions take logarithms and exponentials without accuracy requests
-    (aten.igamma, lambda a, x: jss.gammainc(a.astype(jnp.float64), x.astype(jnp.float64))),
-    (aten.igammac, lambda a, x: jss.gammaincc(a.astype(jnp.float64), x.astype(jnp.float64))),
+    (aten.igamma, transcendental.through_float64(jss.gammainc)),
+    (aten.igammac, transcendental.through_float64(jss.gammaincc)),
 ):
     for _name in ("default", "self_scalar", "other_scalar"):
         if _name in _packet.overloads():

@@ -12,9 +12,9 @@ float32 values takes it from here. ``lax.logistic`` lowers to an ``exp`` without
 with an approximate ``log`` (errors of 9e-5 on the TPU), so :func:`asinh` and :func:`atanh` are
 written out around ``log1p``, and :func:`sinh`, :func:`cosh`, :func:`acosh` (up to 2.6e-4) around
 ``exp`` and ``log1p``; :func:`erfinv` and :func:`erfc` are computed in float64; :func:`xlogy`,
-:func:`xlog1py` and :func:`entr` are written around ``log``; :func:`power` computes the common exponents without XLA's ``power``, which has no accuracy
-request, and the others in float64, as :func:`lgamma` (XLA's float32 expansion erred by 2.8e-4
-on the TPU).
+:func:`xlog1py` and :func:`entr` are written around ``log``; :func:`power` computes the common
+exponents without XLA's ``power``, which has no accuracy request, and the others in float64, as
+:func:`lgamma` (XLA's float32 expansion erred by 2.8e-4 on the TPU).
 
 Other dtypes keep XLA's defaults (not measured on a TPU).
 
@@ -109,13 +109,15 @@ def entr(x):
 
 
 def through_float64(fn: Callable) -> Callable:
-    """``fn`` computed in float64 and rounded once for float32 inputs (other dtypes as they are): for
-    functions whose float32 expansion takes logarithms or exponentials that cannot carry the
-    accuracy request (``lgamma``, ``digamma``, jax.scipy's special functions)."""
+    """``fn`` computed in float64 and rounded once when its arguments are float32 (other dtypes as they
+    are): for functions whose float32 expansion takes logarithms or exponentials that cannot carry
+    the accuracy request (``lgamma``, ``digamma``, jax.scipy's special functions, ``zeta``)."""
 
-    def wide(x) -> jax.Array:
-        x = jnp.asarray(x)
-        return fn(x.astype(jnp.float64)).astype(jnp.float32) if x.dtype == jnp.float32 else fn(x)
+    def wide(*args) -> jax.Array:
+        args = [jnp.asarray(x) for x in args]
+        if all(x.dtype == jnp.float32 for x in args):
+            return fn(*(x.astype(jnp.float64) for x in args)).astype(jnp.float32)
+        return fn(*args)
 
     wide.__name__ = getattr(fn, "__name__", "through_float64")
     return wide
