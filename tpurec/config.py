@@ -204,6 +204,16 @@ FLAGS: tuple[Flag, ...] = (
         settable=True,
     ),
     Flag(
+        "TPUREC_SPARSE_KERNEL",
+        "choice",
+        "auto",
+        TRACE_TIME,
+        "Kernel of the sparse ops (tpurec.sparse): auto (from the chip: SparseCore, TensorCore, native XLA:CPU or "
+        "reference), or one forced (sparsecore needs a chip whose SparseCores jax-tpu-embedding drives).",
+        choices=("auto", "sparsecore", "tensorcore", "native", "reference"),
+        programs=True,
+    ),
+    Flag(
         "TPUREC_NATIVE_MATMUL",
         "bool",
         True,

@@ -30,6 +30,7 @@ Example::
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import jax
@@ -37,13 +38,15 @@ import jax.numpy as jnp
 import torch
 
 from tpurec.dense.registry import lower, to_jax_dtype
-from tpurec.sparse.kernels import native, reference, tpu
+from tpurec.sparse.kernels import native, reference, tensorcore, tpu
 
 __all__ = [
     "OP_NAMES",
     "SCHEMAS",
     "check_arguments",
     "jitted_kernel",
+    "KERNELS",
+    "kernel_family",
     "kernel_for",
     "output_dtype",
     "touched_rows_update_cpu",
@@ -254,21 +257,76 @@ def _make_fake_kernel(name: str) -> Callable:
     return fake_kernel
 
 
+KERNELS = ("sparsecore", "tensorcore", "native", "reference")
+"""The kernel families of the op set (``TPUREC_SPARSE_KERNEL`` forces one)."""
+
+_warned_kinds: set[str] = set()
+
+
+def kernel_family(platform: str | None = None, table_dtype=jnp.float32, device_kind: str | None = None) -> str:
+    """Which kernel family runs the sparse ops for an XLA platform and table dtype.
+
+    On a TPU the chip decides, from the planner's table of chips
+    (:data:`tpurec.sparse.planner.topology.DEVICE_KINDS`): ``"sparsecore"`` where
+    jax-tpu-embedding's primitives drive its SparseCores (v5p, v6e, v7x; float32 tables),
+    ``"tensorcore"`` on every other TPU (v5e and v4, and a kind not in the table, with one
+    warning). On XLA:CPU ``"native"`` (float32 tables); elsewhere ``"reference"``.
+    ``TPUREC_SPARSE_KERNEL`` overrides the choice.
+
+    Args:
+        platform: the XLA platform (default: the one in use).
+        table_dtype: the table's dtype (the SparseCore and native kernels hold float32 rows only).
+        device_kind: the TPU's ``device_kind`` (default: the first device's).
+
+    Raises:
+        ValueError: ``TPUREC_SPARSE_KERNEL=sparsecore`` on a chip whose SparseCores the primitives
+            do not drive, or ``native`` off XLA:CPU.
+    """
+    from tpurec import config
+    from tpurec.sparse.planner.topology import generation_of_device_kind
+
+    platform = platform or jax.default_backend()
+    float32 = jnp.dtype(table_dtype) == jnp.float32
+    forced = config.get("TPUREC_SPARSE_KERNEL")
+    if forced != "auto":
+        if forced == "native" and platform != "cpu":
+            raise ValueError(f"TPUREC_SPARSE_KERNEL=native runs on XLA:CPU only (the platform is {platform!r})")
+        if forced in ("native", "sparsecore") and not float32:
+            return "reference"  # their rows are float32; FBGEMM's rounding of half tables is the reference's
+        if forced == "sparsecore" and platform != "tpu":
+            raise ValueError(f"TPUREC_SPARSE_KERNEL=sparsecore needs a TPU (the platform is {platform!r})")
+        return forced
+    if platform == "tpu":
+        kind = device_kind if device_kind is not None else str(jax.devices()[0].device_kind)
+        generation = generation_of_device_kind(kind)
+        if generation is None and kind not in _warned_kinds:
+            _warned_kinds.add(kind)
+            warnings.warn(
+                f"tpurec.sparse: the TPU device kind {kind!r} is not in tpurec's table of chips "
+                "(tpurec.sparse.planner.topology.DEVICE_KINDS); embedding lookups use the TensorCore kernel",
+                stacklevel=2,
+            )
+        if generation is not None and generation.sparsecore_primitives and float32:
+            return "sparsecore"
+        return "tensorcore"
+    if platform == "cpu" and float32:
+        return "native"
+    return "reference"
+
+
 def kernel_for(name: str, platform: str | None = None, table_dtype=jnp.float32) -> Callable:
     """The JAX kernel of op ``name`` for an XLA platform (default: the one in use).
 
-    TPU: the jax-tpu-embedding primitives (SparseCore custom calls, float32
-    tables); CPU: the native FFI kernel (float32 tables); otherwise, and for
-    float16/bfloat16 tables everywhere, the reference kernel (the SparseCore
-    primitives and the native kernels hold float32 rows only, and widening a
-    table per call would round its update once where FBGEMM rounds twice).
+    The family comes from :func:`kernel_family`: jax-tpu-embedding's SparseCore primitives
+    (:mod:`~tpurec.sparse.kernels.tpu`), the TensorCore kernels
+    (:mod:`~tpurec.sparse.kernels.tensorcore`), the native XLA:CPU FFI kernels or the plain-JAX
+    reference. float16/bfloat16 tables never take the SparseCore or native kernels (they hold
+    float32 rows only, and widening a table per call would round its update once where FBGEMM
+    rounds twice).
     """
-    platform = platform or jax.default_backend()
-    if platform == "tpu" and jnp.dtype(table_dtype) == jnp.float32:
-        return getattr(tpu, name)
-    if platform == "cpu" and jnp.dtype(table_dtype) == jnp.float32:
-        return getattr(native, name)
-    return getattr(reference, name)
+    family = kernel_family(platform, table_dtype)
+    module = {"sparsecore": tpu, "tensorcore": tensorcore, "native": native, "reference": reference}[family]
+    return getattr(module, name)
 
 
 def _table_of(name: str, args: tuple):

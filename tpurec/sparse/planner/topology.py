@@ -28,7 +28,9 @@ __all__ = [
     "TpuGeneration",
     "TPU_GENERATIONS",
     "TpuTopology",
+    "DEVICE_KINDS",
     "default_slice_shape",
+    "generation_of_device_kind",
 ]
 
 _GiB = 1024**3
@@ -61,6 +63,9 @@ class TpuGeneration:
         sc_tiles: vector subcores ("tiles") per SparseCore.
         sc_lanes: f32 SIMD lanes per tile.
         sc_clock_hz: SparseCore clock (assumed; no public figure).
+        sparsecore_primitives: whether jax-tpu-embedding's primitives drive
+            this generation's SparseCores (v5p, v6e, v7x); elsewhere lookups run
+            on the TensorCore kernel (:mod:`tpurec.sparse.kernels.tensorcore`).
         sources: where the figures come from.
         assumptions: ``(field, why)`` for every figure above that no cited
             source gives: the value used is the field's, the reason says where
@@ -87,6 +92,7 @@ class TpuGeneration:
     sc_tiles: int = 16
     sc_lanes: int = 8
     sc_clock_hz: float = 1.0e9
+    sparsecore_primitives: bool = False
     sources: Tuple[str, ...] = ()
     assumptions: Tuple[Tuple[str, str], ...] = ()
 
@@ -130,7 +136,11 @@ class TpuGeneration:
 
 def figure_fields() -> Tuple[str, ...]:
     """The per-chip figures of :class:`TpuGeneration` (every field but labels)."""
-    return tuple(f.name for f in fields(TpuGeneration) if f.name not in ("name", "sources", "assumptions"))
+    return tuple(
+        f.name
+        for f in fields(TpuGeneration)
+        if f.name not in ("name", "sources", "assumptions", "sparsecore_primitives")
+    )
 
 
 def _figure_repr(figure: str, value: object) -> str:
@@ -200,6 +210,7 @@ TPU_GENERATIONS: Dict[str, TpuGeneration] = {
     ),
     "v5p": TpuGeneration(
         name="v5p",
+        sparsecore_primitives=True,  # jax-tpu-embedding NUM_SC_PER_DEVICE_MAP
         hbm_bytes_per_chip=95 * _GiB,  # cloud.google.com/tpu/docs/v5p
         hbm_bw_per_chip=2765 * _GB,
         bf16_flops_per_chip=459e12,
@@ -220,6 +231,7 @@ TPU_GENERATIONS: Dict[str, TpuGeneration] = {
     ),
     "v6e": TpuGeneration(
         name="v6e",
+        sparsecore_primitives=True,  # jax-tpu-embedding NUM_SC_PER_DEVICE_MAP
         hbm_bytes_per_chip=32 * _GB,  # cloud.google.com/tpu/docs/v6e
         hbm_bw_per_chip=1638 * _GB,
         bf16_flops_per_chip=918e12,
@@ -237,6 +249,7 @@ TPU_GENERATIONS: Dict[str, TpuGeneration] = {
     ),
     "v7x": TpuGeneration(
         name="v7x",
+        sparsecore_primitives=True,  # jax-tpu-embedding NUM_SC_PER_DEVICE_MAP
         hbm_bytes_per_chip=192 * _GiB,  # cloud.google.com/tpu/docs/tpu7x
         hbm_bw_per_chip=7380 * _GB,
         bf16_flops_per_chip=2307e12,
@@ -316,6 +329,7 @@ def _next_generation(
     return replace(
         base,
         name=name,
+        sparsecore_primitives=False,  # not in jax-tpu-embedding's table: the TensorCore kernel
         sources=sources,
         assumptions=tuple(assumptions),
         **published,  # type: ignore[arg-type]
@@ -369,6 +383,38 @@ _ALIASES: Dict[str, str] = {
     "v8i": "tpu8i",
     "8i": "tpu8i",
 }
+
+
+# The device kinds JAX reports (``jax.devices()[0].device_kind``) -> generation. The one
+# place a chip is recognised: the planner's automatic topology and the sparse kernels'
+# choice both read it. Kinds from jax-tpu-embedding's NUM_SC_PER_DEVICE_MAP ("TPU v5"
+# is v5p; pathways reports "TPU v5p") and Cloud TPU VMs ("TPU v5 lite" is v5e).
+DEVICE_KINDS: Dict[str, str] = {
+    "TPU v4": "v4",
+    "TPU v4 lite": "v4",
+    "TPU v5 lite": "v5e",
+    "TPU v5e": "v5e",
+    "TPU v5": "v5p",
+    "TPU v5p": "v5p",
+    "TPU v6 lite": "v6e",
+    "TPU v6e": "v6e",
+    "TPU7x": "v7x",
+    "TPU v7x": "v7x",
+}
+
+
+def generation_of_device_kind(kind: str) -> Optional[TpuGeneration]:
+    """The generation of a JAX TPU device kind, or None for a kind not in :data:`DEVICE_KINDS`.
+
+    Args:
+        kind: ``jax.Device.device_kind``, e.g. ``"TPU v5 lite"``.
+
+    Example::
+
+        generation_of_device_kind("TPU v5 lite").name  # "v5e"
+    """
+    name = DEVICE_KINDS.get(kind.strip())
+    return None if name is None else TPU_GENERATIONS[name]
 
 
 def _generation(name: str) -> TpuGeneration:

@@ -11,6 +11,8 @@ Example::
 
 from __future__ import annotations
 
+import warnings
+
 from typing import Any, Literal
 
 import jax
@@ -94,6 +96,28 @@ def _check_mesh(mesh: Any) -> None:
         raise ValueError(f"mesh devices {strangers} are not devices of the tpu platform ({jax.default_backend()})")
 
 
+def planning_generation(device: Any) -> str:
+    """The TPU generation a plan for ``device`` is made for (the planner's table of device kinds).
+
+    A TPU of a kind not in the table plans as v5p with a warning naming the kind; a device that is
+    no TPU (XLA:CPU in tests) plans as v5p, the generation the SparseCore layout is tested on.
+    """
+    from tpurec.sparse.planner.topology import generation_of_device_kind
+
+    kind = str(getattr(device, "device_kind", ""))
+    generation = generation_of_device_kind(kind)
+    if generation is not None:
+        return generation.name
+    if getattr(device, "platform", "") == "tpu":
+        warnings.warn(
+            f"tpurec.shard: the TPU device kind {kind!r} is not in tpurec's table of chips "
+            "(tpurec.sparse.planner.topology.DEVICE_KINDS); planning as v5p. Pass a plan made with "
+            "`tpurec plan --topology <generation>-<size>` to plan for the right chip.",
+            stacklevel=3,
+        )
+    return "v5p"
+
+
 def _planned(owner: nn.Module, ebc: EmbeddingBagCollection, mesh: Mesh, batch_size: int) -> Any:
     """A plan from the TPU planner for ``ebc`` (held by ``owner``) on a topology with the mesh's device count.
 
@@ -106,10 +130,7 @@ def _planned(owner: nn.Module, ebc: EmbeddingBagCollection, mesh: Mesh, batch_si
     from tpurec.sparse.planner import plan as tpu_plan
 
     devices = mesh.devices.size
-    kind = str(getattr(mesh.devices.flat[0], "device_kind", "")).lower()
-    generation = next(
-        (g for g in ("v7x", "v6e", "v5e", "v5p", "v4") if g.replace("x", "") in kind.replace(" ", "")), "v5p"
-    )
+    generation = planning_generation(mesh.devices.flat[0])
     # Accelerator names count TensorCores on v4/v5p (two per chip, one device), chips elsewhere.
     name = f"{generation}-{devices * 2 if generation in ('v4', 'v5p') else devices}"
     if isinstance(owner, EmbeddingCollection):

@@ -1,0 +1,175 @@
+"""The TensorCore kernels (XLA and streaming Pallas paths, Pallas in interpret mode here) equal
+the reference kernels, and the op set picks its kernel from the chip."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from torchrec import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import PoolingType
+
+import tpurec
+import tpurec.sparse as sp
+from helpers import random_kjt
+from tpurec.sparse import ops
+from tpurec.sparse.kernels import reference, tensorcore
+from tpurec.sparse.planner.topology import DEVICE_KINDS, TPU_GENERATIONS
+
+OPTIMIZERS = {
+    "sgd": (0, dict(learning_rate=0.1)),
+    "adagrad": (1, dict(learning_rate=0.1, eps=1e-8)),
+    "rowwise_adagrad": (1, dict(learning_rate=0.1, eps=1e-8, weight_decay=0.01)),
+    "adam": (2, dict(learning_rate=0.05, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.01, step=3)),
+}
+
+
+def _csr(seed: int, partitions: int, rows: int, *, pooling=PoolingType.SUM, weighted=True, batch=16, dim=8):
+    # Few rows per id slot make the streaming path run (and bags repeat ids); many rows the XLA path.
+    tables = [
+        EmbeddingBagConfig(
+            name="a", embedding_dim=dim, num_embeddings=rows, feature_names=["f0", "f1"], pooling=pooling
+        ),
+        EmbeddingBagConfig(
+            name="b", embedding_dim=dim, num_embeddings=rows // 2, feature_names=["f2"], pooling=pooling
+        ),
+    ]
+    kjt = random_kjt(tables, batch, np.random.default_rng(seed), max_len=6, weighted=weighted)
+    (stack,) = sp.preprocess_kjt(kjt, tables, partitions, sp.Capacity(256)).stacks.values()
+    return stack.arrays(), 3 * batch, rows + rows // 2, dim
+
+
+def _state(seed, rows, dim, name, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    table = rng.standard_normal((rows, dim)).astype(dtype)
+    n = OPTIMIZERS[name][0]
+    slots = (
+        [rng.random(rows).astype(np.float32)]
+        if name == "rowwise_adagrad"
+        else [rng.random((rows, dim)).astype(np.float32) for _ in range(n)]
+    )
+    return table, slots
+
+
+def _jit(fn):
+    return jax.jit(fn, static_argnames=("batch_size",))
+
+
+def _tuple(x):
+    return tuple(np.asarray(a) for a in (x if isinstance(x, tuple) else (x,)))
+
+
+# rows 23: 3 * 16 * 6 id slots over 34 rows -> streaming; rows 100000 -> XLA gathers and scatters.
+CASES = [(1, 23), (3, 23), (1, 100000), (4, 100000)]
+
+
+@pytest.mark.parametrize("partitions,rows", CASES)
+@pytest.mark.parametrize("pooling,weighted", [(PoolingType.SUM, True), (PoolingType.MEAN, False)])
+def test_forward_matches_reference(partitions, rows, pooling, weighted):
+    csr, batch, rows, dim = _csr(partitions + rows, partitions, rows, pooling=pooling, weighted=weighted)
+    table = np.random.default_rng(7).standard_normal((rows, dim)).astype(np.float32)
+    assert tensorcore.streams(csr[1].shape[0], table) == (rows < 1000)
+    got = _jit(tensorcore.sparse_dense_matmul)(*csr, table, batch_size=batch)
+    want = _jit(reference.sparse_dense_matmul)(*csr, table, batch_size=batch)
+    # Same products, summed in the same (entry) order: equal to float32 rounding of the order.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("partitions,rows", CASES)
+def test_grad_matches_reference(name, partitions, rows):
+    csr, batch, rows, dim = _csr(partitions * 7 + rows, partitions, rows)
+    table, slots = _state(3, rows, dim, name)
+    grad = np.random.default_rng(5).standard_normal((batch, dim)).astype(np.float32)
+    op = f"sparse_dense_matmul_grad_with_{name}"
+    got = _tuple(jax.jit(getattr(tensorcore, op))(*csr, grad, table, *slots, **OPTIMIZERS[name][1]))
+    want = _tuple(jax.jit(getattr(reference, op))(*csr, grad, table, *slots, **OPTIMIZERS[name][1]))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_half_tables_match_reference(dtype):
+    csr, batch, rows, dim = _csr(11, 1, 23)
+    table, slots = _state(4, rows, dim, "rowwise_adagrad", np.float32)
+    table = jnp.asarray(table, dtype)
+    assert not tensorcore.streams(csr[1].shape[0], table)  # half rows go through XLA's gathers
+    grad = np.random.default_rng(6).standard_normal((batch, dim)).astype(np.float32)
+    got = jax.jit(tensorcore.sparse_dense_matmul, static_argnames="batch_size")(*csr, table, batch_size=batch)
+    want = jax.jit(reference.sparse_dense_matmul, static_argnames="batch_size")(*csr, table, batch_size=batch)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    hp = OPTIMIZERS["rowwise_adagrad"][1]
+    op = "sparse_dense_matmul_grad_with_rowwise_adagrad"
+    got = _tuple(jax.jit(getattr(tensorcore, op))(*csr, grad, table, *slots, **hp))
+    want = _tuple(jax.jit(getattr(reference, op))(*csr, grad, table, *slots, **hp))
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def test_empty_batch():
+    csr, batch, rows, dim = _csr(2, 1, 23)
+    table, slots = _state(1, rows, dim, "adagrad")
+    out = tensorcore.sparse_dense_matmul(*csr, table, batch_size=0)
+    assert out.shape == (0, dim)
+    new_table, new_acc = tensorcore.sparse_dense_matmul_grad_with_adagrad(
+        *csr, np.zeros((0, dim), np.float32), table, *slots, learning_rate=0.1, eps=1e-8
+    )
+    np.testing.assert_array_equal(np.asarray(new_table), table)
+    np.testing.assert_array_equal(np.asarray(new_acc), slots[0])
+
+
+@pytest.mark.parametrize("rows,n,block_rows", [(100, 37, 16), (1000, 600, 64), (64, 200, 8), (5000, 3, 2048)])
+def test_stream_gather_and_scatter(rows, n, block_rows):
+    # Sorted keys with repeats and PAD padding; blocks that no key touches; partial last block.
+    rng = np.random.default_rng(rows + n)
+    keys = np.sort(rng.integers(0, rows, n)).astype(np.int32)
+    keys = np.concatenate([keys, np.full(5, 2**31 - 1, np.int32)])
+    table = rng.standard_normal((rows, 8)).astype(np.float32)
+    got = np.asarray(jax.jit(lambda t, k: tensorcore.stream_gather(t, k, block_rows=block_rows))(table, keys))
+    np.testing.assert_array_equal(got[:n], table[keys[:n]])
+    unique = np.unique(keys[:n])
+    padded = np.concatenate([unique, np.full(n + 5 - unique.size, 2**31 - 1, np.int32)])
+    new_rows = rng.standard_normal((padded.size, 8)).astype(np.float32)
+    want = table.copy()
+    want[unique] = new_rows[: unique.size]
+    got = jax.jit(lambda t, k, r: tensorcore.stream_scatter(t, k, r, block_rows=block_rows))(table, padded, new_rows)
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+@pytest.mark.parametrize("kind", sorted(DEVICE_KINDS))
+def test_kernel_family_for_every_known_chip(kind):
+    generation = TPU_GENERATIONS[DEVICE_KINDS[kind]]
+    want = "sparsecore" if generation.name in ("v5p", "v6e", "v7x") else "tensorcore"
+    assert ops.kernel_family("tpu", jnp.float32, device_kind=kind) == want
+    # Half tables never take the SparseCore primitives (float32 rows only).
+    assert ops.kernel_family("tpu", jnp.bfloat16, device_kind=kind) == "tensorcore"
+
+
+def test_v5e_gets_the_tensorcore_kernel_and_no_sparsecore_count():
+    assert ops.kernel_family("tpu", jnp.float32, device_kind="TPU v5 lite") == "tensorcore"
+    assert TPU_GENERATIONS["v5e"].sparsecores_per_chip == 0
+
+
+def test_unknown_tpu_kind_warns_once_and_uses_the_tensorcore_kernel():
+    ops._warned_kinds.discard("TPU v99 hyper")
+    with pytest.warns(UserWarning, match="TPU v99 hyper"):
+        assert ops.kernel_family("tpu", jnp.float32, device_kind="TPU v99 hyper") == "tensorcore"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert ops.kernel_family("tpu", jnp.float32, device_kind="TPU v99 hyper") == "tensorcore"
+
+
+def test_other_platforms_and_override():
+    assert ops.kernel_family("cpu", jnp.float32) == "native"
+    assert ops.kernel_family("cpu", jnp.bfloat16) == "reference"
+    assert ops.kernel_family("gpu", jnp.float32) == "reference"
+    with tpurec.config.override(sparse_kernel="tensorcore"):
+        assert ops.kernel_family("cpu", jnp.float32) == "tensorcore"
+        assert ops.kernel_for("sparse_dense_matmul", "cpu") is tensorcore.sparse_dense_matmul
+    with tpurec.config.override(sparse_kernel="reference"):
+        assert ops.kernel_family("tpu", jnp.float32, device_kind="TPU v5") == "reference"
+    with tpurec.config.override(sparse_kernel="sparsecore"), pytest.raises(ValueError, match="needs a TPU"):
+        ops.kernel_family("cpu", jnp.float32)

@@ -1,0 +1,433 @@
+"""TensorCore kernels of the sparse op set: embeddings on TPUs without usable SparseCores.
+
+Same signatures and semantics as :mod:`tpurec.sparse.kernels.reference` (the optimizer
+row math is the reference's :data:`~tpurec.sparse.kernels.reference.OPTIMIZER_ROWS`,
+declared once), built for what is slow on a TensorCore: XLA's row gather from a
+``[rows, 64]`` float32 table moves 11 GB/s on a TPU v5e and its row scatter 2.6-4.9 GB/s,
+while reading a whole table streams at about 700 GB/s (measured on the chip,
+docs/throughput.md). So where a batch touches enough of a table the kernels *stream*:
+
+* **Schedule.** The CSR contract sorts a partition's entries by (id, sample); with one
+  partition the entries are in id order already, with several they are sorted once per
+  call (``lax.sort``). Walking the sorted ids and the table's blocks of
+  :data:`BLOCK_ROWS` rows together gives a list of steps (an id chunk, a table block,
+  the entries of that chunk in that block), computed on the device from the ids.
+* **Gather** (:func:`stream_gather`): a Pallas kernel whose grid runs over the steps;
+  each step's table block is DMA'd into VMEM by the pipeline (a block no id touches is
+  never read, and consecutive steps of one block read it once) and the rows are copied
+  out of VMEM, so HBM sees only whole blocks.
+* **Scatter** (:func:`stream_scatter`): the same walk over the unique ids, writing new
+  rows into the blocks in place (the table is aliased to the output and donated by the
+  modules: no table-sized temporary, untouched blocks are never written).
+* **Pooling** (forward): the gathered rows are summed into the output by sample with a
+  Pallas kernel that keeps the whole ``[batch, dim]`` output in VMEM, in entry order
+  (the order the reference's segment sum adds them).
+* **Backward**: per-entry gradients (the output gradient gathered by sample, times the
+  gain), summed per unique id in sorted order (``segment_sum`` over sorted segments),
+  table and slot rows streamed in, the optimizer's row math in XLA on the touched rows
+  only, rows streamed back. One-dimensional slots (row-wise Adagrad's accumulator) use
+  XLA's element gather and scatter (sorted, unique indices).
+
+Elsewhere (a batch that touches few rows of a large table, float16/bfloat16 tables,
+whose rows Mosaic cannot address one by one, an output that does not fit VMEM) the
+same steps run as XLA gathers and scatters with sorted, unique indices. Off a TPU the
+Pallas kernels run in interpret mode (tests on XLA:CPU check their logic).
+
+Example::
+
+    out = sparse_dense_matmul(rp, ids, samples, gains, table, batch_size=64)
+"""
+
+from __future__ import annotations
+
+import collections
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from tpurec.sparse.kernels import reference
+from tpurec.sparse.types import PAD_ID
+
+__all__ = [
+    "BLOCK_ROWS",
+    "CHUNK",
+    "TRACE_COUNTS",
+    "stream_gather",
+    "stream_scatter",
+    "streams",
+    "sparse_dense_matmul",
+    "sparse_dense_matmul_grad_with_sgd",
+    "sparse_dense_matmul_grad_with_adagrad",
+    "sparse_dense_matmul_grad_with_rowwise_adagrad",
+    "sparse_dense_matmul_grad_with_adam",
+]
+
+TRACE_COUNTS: collections.Counter = collections.Counter()
+"""Kernel name -> times JAX traced it (a trace is a compilation)."""
+
+BLOCK_ROWS = 2048
+"""Table rows per streamed block (1 MiB of VMEM at dim 64: lanes pad to 128)."""
+
+CHUNK = 512
+"""Ids per chunk of the schedule (held in SMEM while their steps run)."""
+
+_STREAM_DENSITY = 64
+"""Stream when a call has at least one id per this many table rows: a block of
+:data:`BLOCK_ROWS` rows then serves about 32 ids, which XLA's per-row gather
+(~23 ns a row on a v5e) would take longer to fetch than the block's DMA."""
+
+_VMEM_LIMIT = 100 * 2**20
+_POOL_VMEM = 48 * 2**20
+"""Largest pooled output (lanes padded to 128) kept in VMEM by the pooling kernel."""
+
+
+def _interpret() -> bool:
+    # Mosaic compiles for TPUs only; elsewhere the kernels run in Pallas' interpreter.
+    return jax.default_backend() != "tpu"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def streams(num_ids: int, table: jax.Array) -> bool:
+    """Whether a call with ``num_ids`` id slots on ``table`` uses the streaming kernels."""
+    rows, dim = table.shape
+    return (
+        jnp.dtype(table.dtype) == jnp.float32
+        and rows > 0
+        and dim > 0
+        and num_ids > 0
+        and num_ids * _STREAM_DENSITY >= rows
+    )
+
+
+# --- sorted entries ----------------------------------------------------------------------
+
+
+def _sorted_entries(row_pointers, embedding_ids, sample_ids, gains):
+    """``(keys, samples, gains, valid)`` with keys ascending; invalid entries keyed ``PAD_ID`` at the end.
+
+    One partition is sorted by the CSR contract; several are merged with one sort (ids of
+    different partitions differ, so unique ids stay unique).
+    """
+    valid = reference._valid(row_pointers, embedding_ids)
+    keys = jnp.where(valid, embedding_ids, PAD_ID)
+    samples = jnp.where(valid, sample_ids, 0)
+    gains = jnp.where(valid, gains, 0.0)
+    if row_pointers.shape[0] > 1:
+        keys, samples, gains = jax.lax.sort((keys, samples, gains), num_keys=1, is_stable=True)
+        valid = keys != PAD_ID
+    return keys, samples, gains, valid
+
+
+def _unique(keys, valid):
+    """``(unique_keys, segment)``: sorted unique keys (``PAD_ID``-padded) and each entry's index among them."""
+    first = valid & jnp.concatenate([jnp.ones((1,), bool), keys[1:] != keys[:-1]])
+    segment = jnp.cumsum(first.astype(jnp.int32)) - 1
+    # Compaction by sort: the first entry of each id keeps its key, the rest sort to the end.
+    unique_keys = jax.lax.sort(jnp.where(first, keys, PAD_ID))
+    return unique_keys, segment
+
+
+# --- the streaming schedule --------------------------------------------------------------
+
+
+def _schedule(keys, num_rows: int, chunk: int, block_rows: int):
+    """The steps of a walk over sorted ``keys`` and the table's row blocks.
+
+    Returns ``(lo, hi, chunk_of, block_of)``, each ``[steps]`` int32: step ``s`` handles
+    entries ``[lo[s], hi[s])`` (keys of chunk ``chunk_of[s]`` inside block ``block_of[s]``).
+    Empty steps repeat their neighbour's chunk and block, so the pipeline fetches nothing
+    for them.
+    """
+    n = keys.shape[0]
+    num_chunks, num_blocks = n // chunk, _cdiv(num_rows, block_rows)
+    block_starts = jnp.searchsorted(keys, jnp.arange(num_blocks + 1, dtype=jnp.int32) * block_rows, side="left").astype(
+        jnp.int32
+    )
+    num_valid = block_starts[-1]
+    cuts = jnp.sort(jnp.concatenate([jnp.arange(num_chunks + 1, dtype=jnp.int32) * chunk, block_starts]))
+    lo = jnp.minimum(cuts[:-1], num_valid)
+    hi = jnp.minimum(cuts[1:], num_valid)
+    nonempty = hi > lo
+    chunk_of = jnp.minimum(lo // chunk, num_chunks - 1)
+    block_of = jnp.where(nonempty, keys[jnp.minimum(lo, n - 1)] // block_rows, 0)
+    block_of = jax.lax.cummax(jnp.minimum(block_of, num_blocks - 1))
+    chunk_of = jax.lax.cummax(jnp.where(nonempty, chunk_of, 0))
+    return lo, hi, chunk_of, block_of
+
+
+def _pad_keys(keys, chunk: int):
+    n = keys.shape[0]
+    padded = _cdiv(n, chunk) * chunk
+    return jnp.pad(keys, (0, padded - n), constant_values=PAD_ID) if padded != n else keys
+
+
+def _chunk_for(n: int) -> int:
+    return CHUNK if n >= CHUNK else max(8, _cdiv(n, 8) * 8)
+
+
+def stream_gather(table: jax.Array, keys: jax.Array, *, block_rows: int = BLOCK_ROWS) -> jax.Array:
+    """``table[keys]`` for ascending ``keys`` (``PAD_ID`` at the end), streaming the table's blocks.
+
+    Args:
+        table: ``[rows, dim]`` float32.
+        keys: ``[n]`` int32, ascending; entries ``>= rows`` (``PAD_ID``) are padding.
+        block_rows: rows per streamed block.
+
+    Returns:
+        ``[n, dim]``: the rows of the valid keys; rows of padding entries are undefined
+        (mask them with ``jnp.where``, not a product).
+    """
+    n, (rows, dim) = keys.shape[0], table.shape
+    chunk = _chunk_for(n)
+    keys = _pad_keys(keys, chunk)
+    block_rows = min(block_rows, _cdiv(rows, 8) * 8)
+    lo, hi, chunk_of, block_of = _schedule(keys, rows, chunk, block_rows)
+
+    def kernel(lo_ref, hi_ref, c_ref, b_ref, keys_ref, block_ref, out_ref):
+        s = pl.program_id(0)
+        base, first_row = c_ref[s] * chunk, b_ref[s] * block_rows
+
+        def copy(i, carry):
+            j = i - base
+            out_ref[pl.ds(j, 1), :] = block_ref[pl.ds(keys_ref[j] - first_row, 1), :]
+            return carry
+
+        jax.lax.fori_loop(lo_ref[s], hi_ref[s], copy, 0)
+
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(lo.shape[0],),
+            in_specs=[
+                pl.BlockSpec((chunk,), lambda s, lo, hi, c, b: (c[s],), memory_space=pltpu.SMEM),
+                pl.BlockSpec((block_rows, dim), lambda s, lo, hi, c, b: (b[s], 0)),
+            ],
+            out_specs=pl.BlockSpec((chunk, dim), lambda s, lo, hi, c, b: (c[s], 0)),
+        ),
+        out_shape=jax.ShapeDtypeStruct((keys.shape[0], dim), table.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
+        interpret=_interpret(),
+    )(lo, hi, chunk_of, block_of, keys, table)
+    return out[:n]
+
+
+def stream_scatter(table: jax.Array, keys: jax.Array, rows_in: jax.Array, *, block_rows: int = BLOCK_ROWS) -> jax.Array:
+    """``table.at[keys].set(rows_in)`` for ascending unique ``keys``, written block by block in place.
+
+    Args:
+        table: ``[rows, dim]`` float32 (aliased to the result: donate it to update in place).
+        keys: ``[n]`` int32, ascending and unique; entries ``>= rows`` are skipped.
+        rows_in: ``[n, dim]`` the new rows.
+        block_rows: rows per streamed block.
+
+    Returns:
+        The table with the rows written; blocks without a key are not touched.
+    """
+    n, (rows, dim) = keys.shape[0], table.shape
+    chunk = _chunk_for(n)
+    keys = _pad_keys(keys, chunk)
+    rows_in = jnp.pad(rows_in, ((0, keys.shape[0] - n), (0, 0))).astype(table.dtype)
+    block_rows = min(block_rows, _cdiv(rows, 8) * 8)
+    lo, hi, chunk_of, block_of = _schedule(keys, rows, chunk, block_rows)
+
+    def kernel(lo_ref, hi_ref, c_ref, b_ref, keys_ref, rows_ref, block_ref, out_ref):
+        s = pl.program_id(0)
+        base, first_row = c_ref[s] * chunk, b_ref[s] * block_rows
+        # The output block stays in VMEM over consecutive steps of one block: fill it from
+        # the table at the block's first step only.
+        first_step = jnp.logical_or(s == 0, b_ref[jnp.maximum(s - 1, 0)] != b_ref[s])
+
+        @pl.when(first_step)
+        def _():
+            out_ref[...] = block_ref[...]
+
+        def put(i, carry):
+            j = i - base
+            out_ref[pl.ds(keys_ref[j] - first_row, 1), :] = rows_ref[pl.ds(j, 1), :]
+            return carry
+
+        jax.lax.fori_loop(lo_ref[s], hi_ref[s], put, 0)
+
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=4,
+            grid=(lo.shape[0],),
+            in_specs=[
+                pl.BlockSpec((chunk,), lambda s, lo, hi, c, b: (c[s],), memory_space=pltpu.SMEM),
+                pl.BlockSpec((chunk, dim), lambda s, lo, hi, c, b: (c[s], 0)),
+                pl.BlockSpec((block_rows, dim), lambda s, lo, hi, c, b: (b[s], 0)),
+            ],
+            out_specs=pl.BlockSpec((block_rows, dim), lambda s, lo, hi, c, b: (b[s], 0)),
+        ),
+        out_shape=jax.ShapeDtypeStruct(table.shape, table.dtype),
+        # Operand 6 (after the 4 prefetched scalars, the keys and the rows) is the table.
+        input_output_aliases={6: 0},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
+        interpret=_interpret(),
+    )(lo, hi, chunk_of, block_of, keys, rows_in, table)
+
+
+def _pool(rows, samples, gains, num_valid, batch_size: int):
+    """``out[samples[i]] += gains[i] * rows[i]`` for the first ``num_valid`` entries, in entry order."""
+    n, dim = rows.shape
+    chunk = _chunk_for(n)
+    padded = _cdiv(n, chunk) * chunk
+    if padded != n:
+        rows = jnp.pad(rows, ((0, padded - n), (0, 0)))
+        samples = jnp.pad(samples, (0, padded - n))
+        gains = jnp.pad(gains, (0, padded - n))
+
+    def kernel(count_ref, samples_ref, gains_ref, rows_ref, out_ref):
+        c = pl.program_id(0)
+
+        @pl.when(c == 0)
+        def _():
+            out_ref[...] = jnp.zeros_like(out_ref)
+
+        def add(j, carry):
+            s = samples_ref[j]
+            out_ref[pl.ds(s, 1), :] += rows_ref[pl.ds(j, 1), :] * gains_ref[j]
+            return carry
+
+        jax.lax.fori_loop(0, jnp.clip(count_ref[0] - c * chunk, 0, chunk), add, 0)
+
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(padded // chunk,),
+            in_specs=[
+                pl.BlockSpec((chunk,), lambda c, n: (c,), memory_space=pltpu.SMEM),
+                pl.BlockSpec((chunk,), lambda c, n: (c,), memory_space=pltpu.SMEM),
+                pl.BlockSpec((chunk, dim), lambda c, n: (c, 0)),
+            ],
+            out_specs=pl.BlockSpec((batch_size, dim), lambda c, n: (0, 0)),
+        ),
+        out_shape=jax.ShapeDtypeStruct((batch_size, dim), rows.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
+        interpret=_interpret(),
+    )(jnp.reshape(num_valid, (1,)).astype(jnp.int32), samples, gains, rows)
+
+
+def _pool_fits(batch_size: int, dim: int) -> bool:
+    return 0 < batch_size and batch_size * max(_cdiv(dim, 128) * 128, 128) * 4 <= _POOL_VMEM
+
+
+# --- the ops -----------------------------------------------------------------------------
+
+
+def _gather_rows(x, keys, stream: bool):
+    if stream and x.ndim == 2:
+        return stream_gather(x, keys)
+    return jnp.take(x, jnp.minimum(keys, x.shape[0] - 1), axis=0, indices_are_sorted=True, unique_indices=False)
+
+
+def _scatter_rows(x, keys, new_rows, stream: bool):
+    if stream and x.ndim == 2:
+        return stream_scatter(x, keys, new_rows)
+    return x.at[keys].set(new_rows.astype(x.dtype), mode="drop", indices_are_sorted=True, unique_indices=True)
+
+
+def sparse_dense_matmul(row_pointers, embedding_ids, sample_ids, gains, table, *, batch_size: int):
+    """Pooled lookup (see :func:`tpurec.sparse.kernels.reference.sparse_dense_matmul`)."""
+    TRACE_COUNTS["sparse_dense_matmul"] += 1
+    acc = reference.accumulator_dtype(table.dtype)
+    keys, samples, g, valid = _sorted_entries(row_pointers, embedding_ids, sample_ids, gains)
+    stream = streams(keys.shape[0], table)
+    rows = jnp.where(valid[:, None], _gather_rows(table, keys, stream).astype(acc), 0)
+    if stream and _pool_fits(batch_size, table.shape[1]):
+        return _pool(rows, samples, g.astype(acc), jnp.sum(valid.astype(jnp.int32)), batch_size)
+    weighted = rows * g.astype(acc)[:, None]
+    return jax.ops.segment_sum(weighted, jnp.where(valid, samples, batch_size), num_segments=batch_size + 1)[
+        :batch_size
+    ]
+
+
+def _grad_op(op_name, csr, grad_output, table, slots, hyperparameters):
+    TRACE_COUNTS[op_name] += 1
+    acc = reference.accumulator_dtype(table.dtype)
+    keys, samples, g, valid = _sorted_entries(*csr)
+    n = keys.shape[0]
+    grad_output = grad_output.astype(jnp.promote_types(grad_output.dtype, acc))
+    if grad_output.shape[0] == 0:
+        # An empty batch has no output rows, so no entry can carry a gradient.
+        valid = jnp.zeros_like(valid)
+        keys = jnp.full_like(keys, PAD_ID)
+        grads = jnp.zeros((n, grad_output.shape[1]), grad_output.dtype)
+    else:
+        grads = jnp.take(grad_output, samples, axis=0) * jnp.where(valid, g, 0).astype(grad_output.dtype)[:, None]
+    unique_keys, segment = _unique(keys, valid)
+    row_grads = jax.ops.segment_sum(
+        jnp.where(valid[:, None], grads, 0), jnp.where(valid, segment, n), num_segments=n + 1, indices_are_sorted=True
+    )[:n].astype(acc)
+    stream = streams(n, table)
+    w = _gather_rows(table, unique_keys, stream).astype(acc)
+    gathered = [_gather_rows(x, unique_keys, stream).astype(jnp.promote_types(x.dtype, acc)) for x in slots]
+    new_w, *new_slots = reference.OPTIMIZER_ROWS[op_name](row_grads, w, *gathered, dtype=table.dtype, **hyperparameters)
+    out = tuple(
+        _scatter_rows(x, unique_keys, r.astype(x.dtype), stream) for x, r in zip((table, *slots), (new_w, *new_slots))
+    )
+    return out if len(out) > 1 else out[0]
+
+
+def sparse_dense_matmul_grad_with_sgd(
+    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *, learning_rate
+):
+    """SGD on the touched rows (see the reference kernel)."""
+    csr = (row_pointers, embedding_ids, sample_ids, gains)
+    return _grad_op("sparse_dense_matmul_grad_with_sgd", csr, grad_output, table, (), {"learning_rate": learning_rate})
+
+
+def sparse_dense_matmul_grad_with_adagrad(
+    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, accumulator, *, learning_rate, eps
+):
+    """Adagrad on the touched rows (see the reference kernel)."""
+    csr = (row_pointers, embedding_ids, sample_ids, gains)
+    hp = {"learning_rate": learning_rate, "eps": eps}
+    return _grad_op("sparse_dense_matmul_grad_with_adagrad", csr, grad_output, table, (accumulator,), hp)
+
+
+def sparse_dense_matmul_grad_with_rowwise_adagrad(
+    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, accumulator, *, learning_rate, eps, weight_decay
+):
+    """Row-wise Adagrad on the touched rows (see the reference kernel)."""
+    csr = (row_pointers, embedding_ids, sample_ids, gains)
+    hp = {"learning_rate": learning_rate, "eps": eps, "weight_decay": weight_decay}
+    return _grad_op("sparse_dense_matmul_grad_with_rowwise_adagrad", csr, grad_output, table, (accumulator,), hp)
+
+
+def sparse_dense_matmul_grad_with_adam(
+    row_pointers,
+    embedding_ids,
+    sample_ids,
+    gains,
+    grad_output,
+    table,
+    momentum1,
+    momentum2,
+    *,
+    learning_rate,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    step,
+):
+    """Lazy Adam on the touched rows (see the reference kernel)."""
+    csr = (row_pointers, embedding_ids, sample_ids, gains)
+    hp = {
+        "learning_rate": learning_rate,
+        "beta1": beta1,
+        "beta2": beta2,
+        "eps": eps,
+        "weight_decay": weight_decay,
+        "step": step,
+    }
+    return _grad_op("sparse_dense_matmul_grad_with_adam", csr, grad_output, table, (momentum1, momentum2), hp)
