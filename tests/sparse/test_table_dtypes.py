@@ -457,7 +457,7 @@ def test_ops_pool_half_tables_into_float32_and_refuse_adam(dtype):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     import jax.numpy as jnp
-    from tpurec.sparse.kernels import reference, tpu
+    from tpurec.sparse.kernels import reference, tensorcore, tpu
     from tpurec.sparse.ops import kernel_for
 
     tables = [EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=12, feature_names=["a"])]  # for the CSR only
@@ -475,12 +475,12 @@ def test_ops_pool_half_tables_into_float32_and_refuse_adam(dtype):
             *[mode.from_tensor(t) for t in csr], mode.from_tensor(table), batch_size=3
         )
         assert fake.dtype == torch.float32
-    # SparseCore primitives and native kernels hold float32 rows: half tables take the reference kernel.
-    assert (
-        kernel_for("sparse_dense_matmul", "tpu", jnp.dtype(str(dtype).removeprefix("torch.")))
-        is reference.sparse_dense_matmul
-    )
-    assert kernel_for("sparse_dense_matmul", "tpu", jnp.float32) is tpu.sparse_dense_matmul
+    # SparseCore primitives and native kernels hold float32 rows: on a TPU half tables take the
+    # TensorCore kernel (the reference's rounding, XLA gathers), on XLA:CPU the reference.
+    half = jnp.dtype(str(dtype).removeprefix("torch."))
+    assert kernel_for("sparse_dense_matmul", "tpu", half, device_kind="TPU v5") is tensorcore.sparse_dense_matmul
+    assert kernel_for("sparse_dense_matmul", "cpu", half) is reference.sparse_dense_matmul
+    assert kernel_for("sparse_dense_matmul", "tpu", jnp.float32, device_kind="TPU v5") is tpu.sparse_dense_matmul
     with pytest.raises(TypeError, match="table has no FBGEMM CPU Adam"):
         torch.ops.tpurec.sparse_dense_matmul_grad_with_adam(
             *csr,

@@ -385,7 +385,9 @@ def test_the_op_set_picks_the_kernel_of_the_platform():
     from tpurec.sparse import ops
 
     for name in ops.OP_NAMES:
-        assert ops.kernel_for(name, "tpu") is getattr(tpu, name)
+        # A TPU whose SparseCores the primitives drive (v5p) gets them; a v5e the TensorCore kernel.
+        assert ops.kernel_for(name, "tpu", device_kind="TPU v5") is getattr(tpu, name)
+        assert ops.kernel_for(name, "tpu", device_kind="TPU v5 lite") is getattr(ops.tensorcore, name)
         assert ops.kernel_for(name, "cpu") is getattr(ops.native, name)
         assert ops.kernel_for(name, "gpu") is getattr(reference, name)
         # The lowering table entry (what the tpu device runs) goes through kernel_for.

@@ -314,7 +314,9 @@ def kernel_family(platform: str | None = None, table_dtype=jnp.float32, device_k
     return "reference"
 
 
-def kernel_for(name: str, platform: str | None = None, table_dtype=jnp.float32) -> Callable:
+def kernel_for(
+    name: str, platform: str | None = None, table_dtype=jnp.float32, device_kind: str | None = None
+) -> Callable:
     """The JAX kernel of op ``name`` for an XLA platform (default: the one in use).
 
     The family comes from :func:`kernel_family`: jax-tpu-embedding's SparseCore primitives
@@ -324,7 +326,7 @@ def kernel_for(name: str, platform: str | None = None, table_dtype=jnp.float32) 
     float32 rows only, and widening a table per call would round its update once where FBGEMM
     rounds twice).
     """
-    family = kernel_family(platform, table_dtype)
+    family = kernel_family(platform, table_dtype, device_kind)
     module = {"sparsecore": tpu, "tensorcore": tensorcore, "native": native, "reference": reference}[family]
     return getattr(module, name)
 
