@@ -269,6 +269,11 @@ def test_bench_dlrm_cli_pipeline_breakdown_and_plots(tmp_path):
         assert run["pipeline"] is True and run["compilations_after_warmup"] == 0
         assert run["max_loss_difference"] < 1e-3  # same model, weights and batches as torchrec
         assert 0 < run["host_ms_per_step_stubbed"] < 60_000
+        assert run["speedup_vs_plain_jax"] > 0
+    # The plain-JAX peer of the same step (tpurec/bench/jax_peer.py) ran in the same run.
+    assert out["plain_jax"]["step_ms"] > 0
+    lookups = 64 * 3 * 4
+    assert out["embedding_bound"]["bytes_per_step"] == lookups * 8 * 4 + lookups * (2 * 8 * 4 + 8)
     for side in ("torchrec_cpu", "tpurec_eager_synchronized"):
         phases = out["breakdown"][side]
         assert set(phases) == {

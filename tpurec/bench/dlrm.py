@@ -316,6 +316,27 @@ def _host_ms(host_times: list[float], step_times: list[float]) -> float | None:
     return statistics.median(host_times) * 1e3 if clocks.fine_enough(min(step_times)) else None
 
 
+def _embedding_bound(args: argparse.Namespace) -> dict:
+    """The step's embedding traffic and, on a TPU of a known generation, its HBM-bandwidth bound.
+
+    Bytes (float32): the forward reads each looked-up row; the backward reads and writes each
+    touched row and its row-wise accumulator (at most one per lookup).
+    """
+    import jax
+
+    from tpurec.sparse.planner.topology import generation_of_device_kind
+
+    lookups = args.batch * args.tables * args.ids_per_bag
+    nbytes = lookups * args.dim * 4 + lookups * (2 * args.dim * 4 + 8)
+    out: dict = {"bytes_per_step": nbytes}
+    device = jax.devices()[0]
+    generation = generation_of_device_kind(str(device.device_kind)) if device.platform == "tpu" else None
+    if generation is not None:
+        out["hbm_gb_s"] = generation.hbm_bw_per_chip / 1e9
+        out["hbm_bound_ms"] = nbytes / generation.hbm_bw_per_chip * 1e3
+    return out
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm") -> dict:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__)
     parser.add_argument("--batch", type=positive_int, default=2048)
@@ -338,6 +359,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
         choices=["fused", "compiled", "eager", "graphed"],
         help="graphed: the fused step captured by tpurec.graph and replayed",
     )
+    parser.add_argument("--no-jax-peer", action="store_true", help="skip the plain-JAX peer (tpurec/bench/jax_peer.py)")
     parser.add_argument("--no-pipeline", action="store_true", help="plain loop instead of sparse.TrainPipeline")
     parser.add_argument("--breakdown", action="store_true", help="per-phase times of tpurec (eager) and torchrec")
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
@@ -410,6 +432,27 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
                     close=pipeline.close,
                 )
             )
+    if not args.no_jax_peer:
+        from tpurec.bench.jax_peer import PlainJaxDlrm
+
+        jax_peer = PlainJaxDlrm(
+            tables=args.tables,
+            rows=args.rows,
+            dim=args.dim,
+            dense_in=13,
+            dense_sizes=layers["dense_arch_layer_sizes"],
+            over_sizes=layers["over_arch_layer_sizes"],
+            ids_per_bag=args.ids_per_bag,
+            batch=args.batch,
+            dense_lr=DENSE_LR,
+        )
+
+        def jax_peer_step(batches: Iterator[Batch]):
+            b = next(batches)
+            ids = b.sparse_features.values().numpy().reshape(args.tables, args.batch, args.ids_per_bag)
+            return jax_peer.step(b.dense_features.numpy(), ids.transpose(1, 0, 2), b.labels.numpy())
+
+        runners.append(_Runner("plain_jax", jax_peer_step, make_batches(), None))  # type: ignore[arg-type]
     load_before = os.getloadavg()[0]
     _interleave(runners, args.steps, args.warmup, args.round_steps)
     peer = runners[0]
@@ -426,7 +469,16 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
             "samples_per_s": args.batch / peer_median,
         },
     }
+    jax_runner = next((r for r in runners if r.name == "plain_jax"), None)
+    if jax_runner is not None:
+        result["plain_jax"] = {
+            "step_ms": statistics.median(jax_runner.times) * 1e3,
+            "samples_per_s": args.batch / statistics.median(jax_runner.times),
+        }
+    result["embedding_bound"] = _embedding_bound(args)
     for runner in runners[1:]:
+        if runner is jax_runner:
+            continue
         median = statistics.median(runner.times)
         result[runner.name] = {
             "step_ms": median * 1e3,
@@ -437,6 +489,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
             "speedup_vs_torchrec_cpu": peer_median / median,
             "max_loss_difference": max(abs(a - b) for a, b in zip(runner.losses, peer.losses)),
             "compilations_after_warmup": runner.compilations,
+            **(
+                {"speedup_vs_plain_jax": statistics.median(jax_runner.times) / median} if jax_runner is not None else {}
+            ),
             "pipeline": not args.no_pipeline,
         }
 
