@@ -109,6 +109,27 @@ def test_half_tables_match_reference(dtype):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
 
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad"])
+def test_entries_out_of_id_order(name):
+    # A sharded program hands the kernel one partition of entries received from several devices,
+    # each part sorted, the whole not: the kernel sorts them (the reference sums in entry order).
+    csr, batch, rows, dim = _csr(21, 1, 23)
+    rp, ids, samples, gains = (np.asarray(a) for a in csr)
+    n = int(rp[0])
+    perm = np.concatenate([np.random.default_rng(0).permutation(n), np.arange(n, ids.shape[0])])
+    shuffled = (rp, ids[perm], samples[perm], gains[perm])
+    table, slots = _state(2, rows, dim, name)
+    got = _jit(tensorcore.sparse_dense_matmul)(*shuffled, table, batch_size=batch)
+    want = _jit(reference.sparse_dense_matmul)(*csr, table, batch_size=batch)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
+    grad = np.random.default_rng(5).standard_normal((batch, dim)).astype(np.float32)
+    op = f"sparse_dense_matmul_grad_with_{name}"
+    got = _tuple(jax.jit(getattr(tensorcore, op))(*shuffled, grad, table, *slots, **OPTIMIZERS[name][1]))
+    want = _tuple(jax.jit(getattr(reference, op))(*csr, grad, table, *slots, **OPTIMIZERS[name][1]))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+
 def test_empty_batch():
     csr, batch, rows, dim = _csr(2, 1, 23)
     table, slots = _state(1, rows, dim, "adagrad")

@@ -116,15 +116,26 @@ def streams(num_ids: int, table: jax.Array) -> bool:
 def _sorted_entries(row_pointers, embedding_ids, sample_ids, gains):
     """``(keys, samples, gains, valid)`` with keys ascending; invalid entries keyed ``PAD_ID`` at the end.
 
-    One partition is sorted by the CSR contract; several are merged with one sort (ids of
-    different partitions differ, so unique ids stay unique).
+    The CSR contract sorts a partition's entries by (id, sample), so one partition from
+    ``preprocess_kjt`` is in order already; entries that are not (several partitions, or the
+    entries a sharded program received from several devices) are sorted once, stably (equal
+    ids keep their order). Which case holds is checked on the device: the sort runs only when
+    needed.
     """
     valid = reference._valid(row_pointers, embedding_ids)
     keys = jnp.where(valid, embedding_ids, PAD_ID)
     samples = jnp.where(valid, sample_ids, 0)
     gains = jnp.where(valid, gains, 0.0)
-    if row_pointers.shape[0] > 1:
-        keys, samples, gains = jax.lax.sort((keys, samples, gains), num_keys=1, is_stable=True)
+    if keys.shape[0] > 1:
+        in_order = jnp.all(keys[1:] >= keys[:-1])
+        keys, samples, gains = jax.lax.cond(
+            in_order,
+            lambda k, s, g: (k, s, g),
+            lambda k, s, g: tuple(jax.lax.sort((k, s, g), num_keys=1, is_stable=True)),
+            keys,
+            samples,
+            gains,
+        )
         valid = keys != PAD_ID
     return keys, samples, gains, valid
 
