@@ -413,63 +413,28 @@ def _grad_op(op_name, csr, grad_output, table, slots, hyperparameters):
     w = _gather_rows(table, unique_keys, stream).astype(acc)
     gathered = [_gather_rows(x, unique_keys, stream).astype(jnp.promote_types(x.dtype, acc)) for x in slots]
     new_w, *new_slots = reference.OPTIMIZER_ROWS[op_name](row_grads, w, *gathered, dtype=table.dtype, **hyperparameters)
-    out = tuple(
+    out: list[jax.Array] = [
         _scatter_rows(x, unique_keys, r.astype(x.dtype), stream) for x, r in zip((table, *slots), (new_w, *new_slots))
-    )
-    return out if len(out) > 1 else out[0]
+    ]
+    return tuple(out) if len(out) > 1 else out[0]
 
 
-def sparse_dense_matmul_grad_with_sgd(
-    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *, learning_rate
-):
-    """SGD on the touched rows (see the reference kernel)."""
-    csr = (row_pointers, embedding_ids, sample_ids, gains)
-    return _grad_op("sparse_dense_matmul_grad_with_sgd", csr, grad_output, table, (), {"learning_rate": learning_rate})
+def _make_grad_op(op_name: str):
+    # One entry point per optimizer, from the reference's table of row math: the slots and
+    # hyperparameters arrive as the op's schema passes them (ops.SCHEMAS).
+    def grad_op(row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *slots, **hyperparameters):
+        csr = (row_pointers, embedding_ids, sample_ids, gains)
+        return _grad_op(op_name, csr, grad_output, table, slots, hyperparameters)
+
+    grad_op.__name__ = grad_op.__qualname__ = op_name
+    grad_op.__doc__ = f"``{op_name}`` on the touched rows (the math of :mod:`tpurec.sparse.kernels.reference`)."
+    return grad_op
 
 
-def sparse_dense_matmul_grad_with_adagrad(
-    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, accumulator, *, learning_rate, eps
-):
-    """Adagrad on the touched rows (see the reference kernel)."""
-    csr = (row_pointers, embedding_ids, sample_ids, gains)
-    hp = {"learning_rate": learning_rate, "eps": eps}
-    return _grad_op("sparse_dense_matmul_grad_with_adagrad", csr, grad_output, table, (accumulator,), hp)
-
-
-def sparse_dense_matmul_grad_with_rowwise_adagrad(
-    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, accumulator, *, learning_rate, eps, weight_decay
-):
-    """Row-wise Adagrad on the touched rows (see the reference kernel)."""
-    csr = (row_pointers, embedding_ids, sample_ids, gains)
-    hp = {"learning_rate": learning_rate, "eps": eps, "weight_decay": weight_decay}
-    return _grad_op("sparse_dense_matmul_grad_with_rowwise_adagrad", csr, grad_output, table, (accumulator,), hp)
-
-
-def sparse_dense_matmul_grad_with_adam(
-    row_pointers,
-    embedding_ids,
-    sample_ids,
-    gains,
-    grad_output,
-    table,
-    momentum1,
-    momentum2,
-    *,
-    learning_rate,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-):
-    """Lazy Adam on the touched rows (see the reference kernel)."""
-    csr = (row_pointers, embedding_ids, sample_ids, gains)
-    hp = {
-        "learning_rate": learning_rate,
-        "beta1": beta1,
-        "beta2": beta2,
-        "eps": eps,
-        "weight_decay": weight_decay,
-        "step": step,
-    }
-    return _grad_op("sparse_dense_matmul_grad_with_adam", csr, grad_output, table, (momentum1, momentum2), hp)
+sparse_dense_matmul_grad_with_sgd = _make_grad_op("sparse_dense_matmul_grad_with_sgd")
+sparse_dense_matmul_grad_with_adagrad = _make_grad_op("sparse_dense_matmul_grad_with_adagrad")
+sparse_dense_matmul_grad_with_rowwise_adagrad = _make_grad_op("sparse_dense_matmul_grad_with_rowwise_adagrad")
+sparse_dense_matmul_grad_with_adam = _make_grad_op("sparse_dense_matmul_grad_with_adam")
+assert set(reference.OPTIMIZER_ROWS) == {
+    f"sparse_dense_matmul_grad_with_{n}" for n in ("sgd", "adagrad", "rowwise_adagrad", "adam")
+}, "an optimizer in the reference's table has no TensorCore entry point"
