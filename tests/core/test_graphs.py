@@ -413,3 +413,123 @@ def test_a_capture_leaves_alone_the_tuples_another_thread_is_building():
     del ballast, hooked
     assert not worker.is_alive()
     assert errors == []
+
+
+# --- several steps per launch (TpuGraph.replay_steps) ----------------------------------------
+
+K = 4  # steps per launch
+
+
+def _dropout_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Dropout(0.3), torch.nn.Linear(16, 1))
+
+
+def _train_in_launches(feed: str, batches: list) -> tuple[list[float], list[torch.Tensor], torch.Tensor, list[int]]:
+    """Warm-up, capture, then replays of ``batches[WARMUP + 1:]``: one launch per step (``feed`` "single") or
+    K steps per launch, fed stacked batches ("stacked") or by a fill callback ("fill").
+
+    Returns the losses, the parameters, the generator's state, and the programs run per launch."""
+    model = _dropout_model().to("tpu")
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05, fused=True)
+    rng.manual_seed(123)
+    static_x, static_y = torch.zeros(5, 6, device="tpu"), torch.zeros(5, 1, device="tpu")
+    graph = tpurec.TpuGraph()
+    losses, programs = [], []
+    with tpurec.mode("fused"):
+        for i, (x, y) in enumerate(batches[: WARMUP + 1]):
+            static_x.copy_(x)
+            static_y.copy_(y)
+            if i < WARMUP:
+                losses.append(_step(model, optimizer, static_x, static_y).item())
+                continue
+            with tpurec.graph(graph):
+                static_loss = _step(model, optimizer, static_x, static_y)
+            losses.append(static_loss.item())
+        rest = batches[WARMUP + 1 :]
+        on_device = [(x.to("tpu"), y.to("tpu")) for x, y in rest]
+        for start in range(0, len(rest), 1 if feed == "single" else K):
+            chunk = on_device[start : start + K]
+            before = tpurec.stats()["executions"]
+            if feed == "single":
+                tpurec.core.tensor.replace_array(static_x, chunk[0][0].to_jax())
+                tpurec.core.tensor.replace_array(static_y, chunk[0][1].to_jax())
+                graph.replay()
+                series = [static_loss.item()]
+            elif feed == "stacked":
+                xs, ys = torch.stack([x for x, _ in chunk]), torch.stack([y for _, y in chunk])
+                before = tpurec.stats()["executions"]  # after the stacking's own programs
+                (stepped,) = graph.replay_steps({static_x: xs, static_y: ys}, collect=[static_loss])
+                series = stepped.tolist()
+            else:
+
+                def fill(i: int, chunk=chunk) -> None:
+                    tpurec.core.tensor.replace_array(static_x, chunk[i][0].to_jax())
+                    tpurec.core.tensor.replace_array(static_y, chunk[i][1].to_jax())
+
+                (stepped,) = graph.replay_steps(fill=fill, steps=len(chunk), collect=[static_loss])
+                series = stepped.tolist()
+            programs.append(tpurec.stats()["executions"] - before)
+            losses.extend(series)
+        assert torch.equal(static_x.cpu(), rest[-1][0])  # the static inputs hold the last batch, as after replays
+    return losses, [p.detach().cpu() for p in model.parameters()], rng.get_state(), programs
+
+
+@pytest.mark.parametrize("feed", ["stacked", "fill"])
+def test_several_steps_per_launch_train_as_single_replays_bit_for_bit(feed):
+    batches = _batches(WARMUP + 1 + 2 * K)
+    single = _train_in_launches("single", batches)
+    looped = _train_in_launches(feed, batches)
+    assert looped[0] == single[0]  # bit for bit, dropout included
+    assert all(torch.equal(a, b) for a, b in zip(looped[1], single[1]))
+    assert torch.equal(looped[2], single[2])  # the generator advanced as far
+    # One program per launch (the loss read afterwards is a copy, not a program of the device)
+    assert looped[3][-1] <= 2 and len(looped[3]) == 2
+
+
+def _captured_sgd_step() -> tuple:
+    """A model, its optimizer, a captured step over static inputs x and y, and its loss tensor."""
+    model = _model().to("tpu")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    static_x, static_y = torch.zeros(5, 6, device="tpu"), torch.zeros(5, 1, device="tpu")
+    graph = tpurec.TpuGraph()
+    with tpurec.mode("fused"):
+        _warm(model, optimizer, static_x, static_y)
+        with tpurec.graph(graph):
+            loss = _step(model, optimizer, static_x, static_y)
+    return model, graph, static_x, static_y, loss
+
+
+def test_a_launch_of_several_steps_compiles_once_then_nothing():
+    _, graph, static_x, _, loss = _captured_sgd_step()
+    xs = torch.randn(K, 5, 6).to("tpu")
+    graph.replay_steps({static_x: xs}, collect=[loss])
+    tpurec.synchronize()
+    before = tpurec.stats()
+    for _ in range(3):
+        graph.replay_steps({static_x: xs}, collect=[loss])
+    tpurec.synchronize()
+    after = tpurec.stats()
+    assert after["compilations"] == before["compilations"]
+    assert after["executions"] - before["executions"] == 3
+    assert after["ops_by_name"] == before["ops_by_name"]  # no op dispatched: no Python of the step ran
+
+
+def test_replay_steps_refuses_what_it_cannot_feed_and_runs_nothing():
+    model, graph, static_x, static_y, loss = _captured_sgd_step()
+    before = [p.detach().cpu().clone() for p in model.parameters()]
+    weight = next(model.parameters())
+    with pytest.raises(ValueError, match=r"must be a tpu tensor torch.float32\[4, 5, 6\]"):
+        graph.replay_steps({static_x: torch.zeros(4, 5, 7, device="tpu")})
+    with pytest.raises(ValueError, match="writes the static input"):
+        graph.replay_steps({weight: torch.zeros(4, *weight.shape, device="tpu")})
+    with pytest.raises(ValueError, match="does not read the static input"):
+        graph.replay_steps({torch.zeros(5, 6, device="tpu"): torch.zeros(4, 5, 6, device="tpu")})
+    with pytest.raises(ValueError, match="collect takes whole tensors the captured step writes"):
+        graph.replay_steps({static_x: torch.zeros(4, 5, 6, device="tpu")}, collect=[static_y])
+    with pytest.raises(ValueError, match="disagree on the number of steps"):
+        graph.replay_steps({static_x: torch.zeros(4, 5, 6, device="tpu"), static_y: torch.zeros(3, 5, 1, device="tpu")})
+    with pytest.raises(ValueError, match="needs steps="):
+        graph.replay_steps(fill=lambda i: None)
+    assert all(torch.equal(a, p.detach().cpu()) for a, p in zip(before, model.parameters()))
+    assert loss.shape == ()

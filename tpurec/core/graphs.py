@@ -66,10 +66,11 @@ import gc
 import itertools
 import operator
 import weakref
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import torch
 
@@ -131,6 +132,69 @@ class TpuGraph:
             raise RuntimeError("this TpuGraph has no captured step: capture one with `with tpurec.graph(g): ...`")
         plan.replay()
 
+    def replay_steps(
+        self,
+        inputs: Mapping[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        fill: Callable[[int], None] | None = None,
+        steps: int | None = None,
+        collect: Sequence[torch.Tensor] = (),
+    ) -> tuple[torch.Tensor, ...]:
+        """Runs the captured step ``steps`` times in one program: a device loop, one launch.
+
+        Keras' ``steps_per_execution``: the host issues one program for several steps, so a step
+        costs the device's time, not a launch's. Step ``i`` reads, in place of each static input
+        given, its ``i``-th batch: from ``inputs`` (per static input, its batches stacked along a
+        new first dimension), or whatever ``fill(i)`` put into the static inputs (``copy_()``,
+        ``stage()`` of a tpurec embedding collection), called for every step before the program
+        runs. Everything else is as ``steps`` calls of :meth:`replay`: the results are those of
+        the plain replays bit for bit, random ops draw as many numbers, hooks run once per step,
+        and afterwards every tensor the step writes holds the last step's values and each static
+        input the last batch. The program is compiled once per number of steps and way of
+        feeding (a count of ``stats()["compilations"]``), then reused.
+
+        Args:
+            inputs: static input tensor -> a tpu tensor of its batches, ``[steps, *shape]``, of its
+                dtype. Each static input must be a whole tensor the step reads (not a view) and
+                does not write.
+            fill: called with ``i`` for each step, in order, before the program runs; it writes
+                step ``i``'s batch into static input tensors. Cheapest where it replaces their
+                arrays (``stage()``, :func:`tpurec.core.tensor.replace_array`): a ``copy_()``
+                in fused mode runs a program of its own per step.
+            steps: the number of steps; needed with ``fill`` alone, else taken from ``inputs``.
+            collect: tensors the step writes whose value at every step is wanted (the loss).
+
+        Returns:
+            Per tensor of ``collect``, a new tpu tensor ``[steps, *shape]``: its value after each step.
+
+        Raises:
+            ValueError: ``steps`` below 1 or not matching ``inputs``; a static input the step does
+                not read, writes, or views only in part; stacked batches of the wrong shape or dtype;
+                a collected tensor the step does not write. Nothing runs then.
+            RuntimeError: as :meth:`replay`.
+
+        Example::
+
+            (losses,) = g.replay_steps({static_x: xs, static_y: ys}, collect=[static_loss])
+            print(losses.tolist())  # xs.shape[0] losses, one launch
+        """
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError("this TpuGraph has no captured step: capture one with `with tpurec.graph(g): ...`")
+        inputs = dict(inputs or {})
+        if steps is None:
+            sizes = {int(t.shape[0]) if t.dim() else 0 for t in inputs.values()}
+            if fill is not None and not inputs:
+                raise ValueError("replay_steps(fill=...) needs steps=: how many steps to run")
+            if not inputs:
+                raise ValueError("replay_steps needs inputs (static input -> stacked batches) or fill and steps")
+            if len(sizes) != 1:
+                raise ValueError(f"replay_steps: the stacked inputs disagree on the number of steps: {sorted(sizes)}")
+            steps = sizes.pop()
+        if steps < 1:
+            raise ValueError(f"replay_steps runs at least one step, got steps={steps}")
+        return plan.replay_steps(steps, inputs, fill, list(collect))
+
     def reset(self) -> None:
         """Forgets the captured step and lets go of the tensors it held."""
         self._plan = None
@@ -163,6 +227,7 @@ class _Plan:
         self.watched = watched
         self.hooks = hooks  # Python bookkeeping of the step, repeated per replay (on_replay)
         self.checks = checks  # settings the step's Python read, unchanged since (replay_check): else an error
+        self.loops: dict = {}  # replay_steps' programs, by number of steps and way of feeding
 
     def _arrays(self, sources: list, donated: bool) -> list:
         arrays = []
@@ -185,7 +250,8 @@ class _Plan:
             arrays.append(array)
         return arrays
 
-    def replay(self) -> None:
+    def _ready(self) -> None:
+        """What every replay checks first (settings, storages) and the pending work it runs."""
         for check in self.checks:
             why = check()
             if why is not None:
@@ -199,18 +265,26 @@ class _Plan:
                     "since the capture (set_(), resize_(), .data =), so a replay would not reach it: fill tensors "
                     "in place with copy_(), or capture again"
                 )
+
+    def _seeds(self, base: int) -> list:
+        """The "others" arguments of the step whose random ops start at generator counter ``base``."""
+        high, low = np.uint32(rng._seed >> 32), np.uint32(rng._seed & 0xFFFF_FFFF)
+        others = []
+        for value in self.seeds:
+            if type(value) is tuple:
+                part, offset = value
+                others.append(high if part == 0 else low if part == 1 else np.uint32((base + offset) & 0xFFFF_FFFF))
+            else:
+                others.append(value)
+        return others
+
+    def replay(self) -> None:
+        self._ready()
         donated, kept = self.groups
         args = [self._arrays(donated, True), self._arrays(kept, False), *self.numbers]
         if self.draws:
             base = rng._counter
-            high, low = np.uint32(rng._seed >> 32), np.uint32(rng._seed & 0xFFFF_FFFF)
-            others = []
-            for value in self.seeds:
-                if type(value) is tuple:
-                    part, offset = value
-                    others.append(high if part == 0 else low if part == 1 else np.uint32((base + offset) & 0xFFFF_FFFF))
-                else:
-                    others.append(value)
+            others = self._seeds(base)
             rng._counter = base + self.draws
             args.append(others)
         else:
@@ -220,6 +294,158 @@ class _Plan:
             storage.array = values[k]
         for hook in self.hooks:
             hook()
+
+    def replay_steps(self, steps: int, inputs: dict, fill: Callable[[int], None] | None, collect: list) -> tuple:
+        """``steps`` replays as one program (see :meth:`TpuGraph.replay_steps`; arguments checked there)."""
+        from tpurec.core.tensor import TpuTensor, wrap
+
+        written = {id(storage): k for storage, k in self.outputs}  # the last write of a storage wins, as in replay
+        read: dict[int, tuple[int, int]] = {}
+        for group, sources in enumerate(self.groups):
+            for n, source in enumerate(sources):
+                if type(source) is tuple:
+                    read[id(source[0])] = (group, n)
+        stacked_at, stacked = [], []
+        for static, batches in inputs.items():
+            if not isinstance(static, TpuTensor) or not static.is_full:
+                raise ValueError(
+                    "replay_steps: each static input must be a whole tpu tensor (not a view, not on another device), "
+                    f"got {type(static).__name__} {getattr(static, 'device', '')} of shape {list(static.shape)}"
+                )
+            where = read.get(id(static._storage))
+            if where is None or id(static._storage) in written:
+                what = "does not read" if where is None else "writes"
+                raise ValueError(
+                    f"replay_steps: the captured step {what} the static input {static.dtype}{list(static.shape)}; "
+                    "batches can only be fed to tensors the step reads and leaves as they are"
+                )
+            want = (steps, *static.shape)
+            if not isinstance(batches, TpuTensor) or tuple(batches.shape) != want or batches.dtype != static.dtype:
+                got = f"{type(batches).__name__} {getattr(batches, 'dtype', '')}{list(getattr(batches, 'shape', []))}"
+                raise ValueError(
+                    f"replay_steps: the batches of a static input {static.dtype}{list(static.shape)} must be a tpu "
+                    f"tensor {static.dtype}{list(want)} (one batch per step along a new first dimension), got {got}"
+                )
+            stacked_at.append(where)
+            stacked.append(batches.to_jax())
+        collected = []
+        for t in collect:
+            k = written.get(id(getattr(t, "_storage", None)))
+            if k is None or not t.is_full:
+                raise ValueError(
+                    f"replay_steps: collect takes whole tensors the captured step writes (its loss), got "
+                    f"{type(t).__name__} {getattr(t, 'dtype', '')}{list(getattr(t, 'shape', []))}"
+                )
+            collected.append(k)
+        fed_at, fed = self._fill(steps, fill, set(stacked_at), written) if fill is not None else ([], [])
+        self._ready()
+        donated, kept = self.groups
+        args = [self._arrays(donated, True), self._arrays(kept, False), *self.numbers]
+        varying = [n for n, value in enumerate(self.seeds) if type(value) is tuple and value[0] == 2]
+        if self.draws:
+            base = rng._counter
+            others = self._seeds(base)
+            counters = np.array(
+                [[self._seeds(base + i * self.draws)[n] for n in varying] for i in range(steps)], dtype=np.uint32
+            )
+            rng._counter = base + steps * self.draws
+        else:
+            others, counters = self.seeds or None, None
+        key = (steps, tuple(stacked_at), tuple(fed_at), tuple(collected))
+        program = self.loops.get(key)
+        if program is None:
+            links = {read[s]: k for s, k in written.items() if s in read}
+            body = _loop(self.program.raw, steps, links, stacked_at, fed_at, collected, varying)
+            program = self.loops[key] = runtime.Program(body, **self.program._options)
+            program.origin = ("steps", steps)
+        final, series, last = program(*args, others, counters, stacked, fed)
+        for storage, k in self.outputs:
+            storage.array = final[k]
+        for static, array in zip(inputs, last):
+            static._storage.array = array
+        for _ in range(steps):
+            for hook in self.hooks:
+                hook()
+        index = self.outputs[0][0].index if self.outputs else 0
+        return tuple(wrap(array, index) for array in series)
+
+    def _fill(self, steps: int, fill: Callable[[int], None], stacked: set, written: dict) -> tuple[list, list]:
+        """Calls ``fill(i)`` per step; per input slot the step reads whose array changed, its array per step."""
+        slots = [
+            ((group, n), source)
+            for group, sources in enumerate(self.groups)
+            for n, source in enumerate(sources)
+            if type(source) is tuple and id(source[0]) not in written and (group, n) not in stacked
+        ]
+        per_step = []
+        for i in range(steps):
+            fill(i)
+            per_step.append([fused.resolve(source[0]._array) for _, source in slots])
+        fed_at, fed = [], []
+        for j, (where, (_, shape, dtype)) in enumerate(slots):
+            arrays = [arrays[j] for arrays in per_step]
+            if all(a is arrays[0] for a in arrays):
+                continue  # the same at every step: read as replay() reads it
+            if any(not isinstance(a, jax.Array) or a.shape != shape or a.dtype != dtype for a in arrays):
+                raise RuntimeError(
+                    f"a static input the captured step reads as {dtype}{list(shape)} was given another shape or dtype "
+                    "by fill(): fill static inputs in place (copy_(), keeping shape and dtype), or capture again"
+                )
+            fed_at.append(where)
+            fed.append(arrays)
+        return fed_at, fed
+
+
+def _loop(raw: Callable, steps: int, links: dict, stacked_at: list, fed_at: list, collected: list, varying: list):
+    """The traceable program of ``steps`` captured steps: a ``lax.scan`` over the step's program ``raw``.
+
+    Args:
+        raw: the captured window's traceable function (donated, kept, floats, ints, bools, others) -> outputs.
+        steps: how many steps.
+        links: (group, n) of an input the step reads -> the output that writes the same storage:
+            from the second step on, that input is the previous step's output.
+        stacked_at: (group, n) of the inputs fed a ``[steps, ...]`` array each.
+        fed_at: (group, n) of the inputs fed a list of ``steps`` arrays each.
+        collected: outputs whose value at every step is returned.
+        varying: positions in "others" of the random ops' counters, one row of ``counters`` per step.
+    """
+    slots = [*stacked_at, *fed_at]
+
+    def program(donated, kept, floats, ints, bools, others, counters, stacked, fed):
+        batches = [*stacked, *[jnp.stack(arrays) for arrays in fed]]
+        groups = (list(donated), list(kept))
+        shapes = jax.eval_shape(raw, groups[0], groups[1], floats, ints, bools, others)
+        # The carry: every output of the step; one written over a storage the step reads starts as that input.
+        start = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+        for (group, n), k in links.items():
+            value = groups[group][n]
+            if value.shape != shapes[k].shape or value.dtype != shapes[k].dtype:
+                raise ValueError(
+                    f"replay_steps: the captured step writes {shapes[k].dtype}{list(shapes[k].shape)} over a tensor it "
+                    f"reads as {value.dtype}{list(value.shape)}; steps with a changing shape cannot run in one loop"
+                )
+            start[k] = value
+
+        def step(carry, xs):
+            batch, counter = xs
+            args = ([*groups[0]], [*groups[1]])
+            for (group, n), k in links.items():
+                args[group][n] = carry[k]
+            for (group, n), value in zip(slots, batch):
+                args[group][n] = value
+            step_others = others
+            if varying:
+                step_others = list(others)
+                for j, n in enumerate(varying):
+                    step_others[n] = counter[j]
+            values = raw(args[0], args[1], floats, ints, bools, step_others)
+            values = [lax.convert_element_type(v, s.dtype) for v, s in zip(values, shapes)]
+            return values, [values[k] for k in collected]
+
+        final, series = lax.scan(step, start, (batches, counters), length=steps)
+        return final, series, [batch[-1] for batch in stacked]
+
+    return program
 
 
 _drain = collections.deque(maxlen=0).extend

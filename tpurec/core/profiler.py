@@ -35,6 +35,8 @@ def program_label(origin: Any) -> str:
     kind = origin[0]
     if kind == "fused":
         return "fused window"
+    if kind == "steps":
+        return f"captured step x{origin[1]}"
     if kind == "graph":
         return f"{origin[1].name.split('#')[0]} graph"
     return "op"
