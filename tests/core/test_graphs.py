@@ -533,3 +533,18 @@ def test_replay_steps_refuses_what_it_cannot_feed_and_runs_nothing():
         graph.replay_steps(fill=lambda i: None)
     assert all(torch.equal(a, p.detach().cpu()) for a, p in zip(before, model.parameters()))
     assert loss.shape == ()
+
+
+def test_stats_say_where_the_compile_seconds_of_each_program_went():
+    _, graph, static_x, _, loss = _captured_sgd_step()
+    tpurec.reset_stats()
+    graph.replay_steps({static_x: torch.randn(K + 1, 5, 6).to("tpu")}, collect=[loss])
+    stats = tpurec.stats()
+    entry = stats["compiles_by_program"][f"captured step x{K + 1}"]
+    assert entry["programs"] == 1
+    # The persistent cache may hold the program: then it loads instead of compiling.
+    assert entry["tracing"] > 0 and entry["lowering"] > 0 and entry["xla_compile"] + entry["cache_load"] > 0
+    assert entry["tracing"] + entry["lowering"] + entry["xla_compile"] + entry["cache_load"] <= entry["seconds"]
+    assert sum(e["seconds"] for e in stats["compiles_by_program"].values()) <= stats["compile_seconds"] + 1e-6
+    for phase in ("tracing", "lowering", "xla_compile", "cache_load"):
+        assert stats["compile_phases"][phase] >= entry[phase]

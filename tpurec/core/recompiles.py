@@ -133,7 +133,7 @@ def compiling(owner: Any) -> Iterator[None]:
     # their arguments count as tensors): a graph break that CPU never has.
     prior_hook = set_eval_frame(None)
     try:
-        with profiler.record(f"tpurec::compile {profiler.program_label(origin)}"):
+        with profiler.record(f"tpurec::compile {profiler.program_label(origin)}"), runtime.compile_accounting(owner):
             yield
     finally:
         set_eval_frame(prior_hook)

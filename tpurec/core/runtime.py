@@ -54,7 +54,15 @@ class Stats:
         programs_built: programs traced (new entries of the in-memory cache).
         cache_hits: calls served by a program already in memory.
         executions: compiled programs run.
-        compile_seconds: time spent tracing and compiling (or loading from disk).
+        compile_seconds: time spent tracing and compiling (or loading from disk): the wall time of
+            new programs' first runs.
+        compile_phases: seconds by phase, as JAX reports them: ``tracing`` (Python to jaxpr),
+            ``lowering`` (jaxpr to StableHLO), ``xla_compile`` (XLA's compiler) and ``cache_load``
+            (an executable read from the persistent cache instead). Counts JAX work outside
+            tpurec's programs too (shape inference).
+        compiles_by_program: per kind of program (``op <name>``, ``fused window (<n> ops)``,
+            ``<name> graph`` of ``torch.compile``, ``captured step x<k>``): how many compiled, their
+            first runs' wall seconds, and those seconds' phases as in ``compile_phases``.
         fused_graphs: graphs run by the fused mode.
         fused_ops: ops in those graphs.
         donated_buffers: input buffers a fused graph reused for its outputs (in-place updates).
@@ -76,6 +84,8 @@ class Stats:
     fused_graphs: int = 0
     fused_ops: int = 0
     donated_buffers: int = 0
+    compile_phases: dict = dataclasses.field(default_factory=lambda: dict.fromkeys(_PHASES, 0.0))
+    compiles_by_program: dict = dataclasses.field(default_factory=dict)
     sync_points: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     ops_by_name: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     host_fallbacks: collections.Counter = dataclasses.field(default_factory=collections.Counter)
@@ -95,6 +105,15 @@ class Stats:
         d["host_ops"] = dict(self.host_ops)
         return d
 
+
+# JAX's duration events -> the phase of a compilation they time.
+_PHASE_OF_EVENT = {
+    "/jax/core/compile/jaxpr_trace_duration": "tracing",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration": "lowering",
+    "/jax/core/compile/backend_compile_duration": "xla_compile",
+    "/jax/compilation_cache/cache_retrieval_time_sec": "cache_load",
+}
+_PHASES = ("tracing", "lowering", "xla_compile", "cache_load")
 
 _stats = Stats()
 
@@ -157,6 +176,58 @@ def _on_event(event: str, **kwargs) -> None:
 def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
     if event == "/jax/core/compile/backend_compile_duration":
         _stats.compile_requests += 1
+    phase = _PHASE_OF_EVENT.get(event)
+    if phase is None:
+        return
+    if phase == "cache_load":  # timed inside the backend compile, reported before it: not XLA's compiler
+        _stats.compile_phases["xla_compile"] -= duration_secs
+    _stats.compile_phases[phase] += duration_secs
+    if _compiling:
+        record = _compiling[-1]
+        if phase == "cache_load":
+            record["xla_compile"] -= duration_secs
+        record[phase] += duration_secs
+
+
+# The per-program records of the first runs under way, innermost last (see compile_accounting).
+_compiling: list[dict] = []
+
+
+def _compile_label(origin: Any) -> str:
+    """The kind of program that ``origin`` (``Program.origin``) describes, for ``compiles_by_program``."""
+    if origin is None:
+        return "op"
+    kind = origin[0]
+    if kind == "op":
+        return f"op {origin[1][0]}"[:80]
+    if kind == "fused":
+        return f"fused window ({len(origin[1][0])} ops)"
+    return _profiler.program_label(origin)
+
+
+@contextlib.contextmanager
+def compile_accounting(owner: Any):
+    """Accounts the first run of a new program (its compilation) to its kind in ``compiles_by_program``.
+
+    Args:
+        owner: a ``Program`` or a compiled graph variant, with an ``origin`` (or none).
+    """
+    record = dict.fromkeys(_PHASES, 0.0)
+    _compiling.append(record)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        _compiling.pop()
+        seconds = time.perf_counter() - start
+        label = _compile_label(getattr(owner, "origin", None))
+        entry = _stats.compiles_by_program.get(label)
+        if entry is None:
+            entry = _stats.compiles_by_program[label] = {"programs": 0, "seconds": 0.0, **dict.fromkeys(_PHASES, 0.0)}
+        entry["programs"] += 1
+        entry["seconds"] += seconds
+        for phase, value in record.items():
+            entry[phase] += value
 
 
 _listening = False
