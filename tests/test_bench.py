@@ -83,17 +83,27 @@ def test_modes_reports_host_time_per_step():
         "fused_adagrad",
         "compiled_optim",
         "graphed",
+        "graphed_k8",
     )
     run = result["runs"][0]
-    for config in ("cpu_pytorch", "eager", "fused_adagrad", "compiled_optim", "graphed"):
+    for config in ("cpu_pytorch", "eager", "fused_adagrad", "compiled_optim", "graphed", "graphed_k8"):
         assert 0 < run[config]["host_ms_per_step"], run[config]
         # The main thread's CPU time cannot exceed the process's (every thread's) CPU time.
         assert run[config]["host_ms_per_step"] <= run[config]["cpu_ms_per_step"] * 1.05 + 0.05, run[config]
     # The stubbed steps come after the losses: the tpu losses are PyTorch CPU's, not the stubs' zeros.
     assert run["cpu_pytorch"]["host_ms_per_step_stubbed"] is None
-    for config in ("eager", "fused_adagrad", "compiled_optim", "graphed"):
+    for config in ("eager", "fused_adagrad", "compiled_optim", "graphed", "graphed_k8"):
         assert run[config]["host_ms_per_step_stubbed"] > 0, run[config]
+        compiled = run[config]["compile"]  # the warm-up's compile seconds, by kind of program
+        assert compiled["seconds"] >= sum(e["seconds"] for e in compiled["by_program"].values()) - 1e-6, compiled
+    for config in ("eager", "fused_adagrad", "compiled_optim", "graphed"):
         assert run[config]["last_loss"] == pytest.approx(run["cpu_pytorch"]["last_loss"], rel=1e-5), run
+    # 8 steps per launch: one program per 8 steps, and every step's loss that of the single steps
+    k8 = run["graphed_k8"]
+    assert k8["programs_per_step"] == pytest.approx(1 / 8) and k8["compilations_after_warmup"] == 0, k8
+    match = k8["losses_match_single_steps"]
+    assert match["reference"] == "graphed" and match["steps_compared"] >= 3 and match["equal"], match
+    assert run["graphed_k8"]["compile"]["by_program"]["captured step x8"]["programs"] == 1
     floor = result["pytorch_cpu_host_floor"]
     assert floor["batch"] == 1 and floor["host_ms_per_step"] > 0, floor
 

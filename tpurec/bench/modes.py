@@ -1,8 +1,9 @@
 """A DLRM-sized dense training step in eager, fused and compiled mode next to PyTorch on CPU.
 
 Bottom MLP 13-512-256-64, dot interaction with 26 (fixed) embedding vectors,
-top MLP 512-256-1, BCE loss, Adagrad; batch 512 and 4096. Each step ends with
-``loss.item()``.
+top MLP 512-256-1, BCE loss, Adagrad; batch 512 and 4096. Losses are read one call behind:
+after issuing a call (a step, or several), the loop reads the previous call's losses, so the
+host never waits on the step it just issued and runs at most one call ahead of the device.
 
 Configurations (``--modes``):
 
@@ -21,6 +22,11 @@ Configurations (``--modes``):
 * ``graphed``: as ``fused_adagrad``, with the step captured by ``tpurec.graph`` on its third
   call (after two steps that make the optimizer's state) and replayed from then on: one
   program call per step, no Python of the model, autograd or optimizer.
+* ``graphed_k8``: as ``graphed``, with :data:`STEPS_PER_CALL` (8) steps per program call
+  (``TpuGraph.replay_steps`` over 8 stacked copies of the batch, Keras' ``steps_per_execution``):
+  one launch per 8 steps. Its losses are checked against ``graphed``'s (or ``fused_adagrad``'s)
+  step for step (``losses_match_single_steps``: bit for bit). Per-step times are a call's time
+  divided by its steps.
 
 The machine may be shared, so the configurations run **interleaved**: after each
 one's warm-up, rounds of ``--round-steps`` steps of every configuration in turn,
@@ -31,7 +37,8 @@ step (``host_ms_per_step``: the main thread's CPU time; XLA:CPU runs programs on
 threads of its own and a wait for a result costs no CPU, so this is what Python,
 PyTorch and tpurec need to issue the step: the figure that decides whether a TPU
 would wait on the host), the programs run per step and
-the compilations after warm-up (must be 0). After the timed rounds, each tpu configuration
+the compilations after warm-up (must be 0) and where the warm-up's compile seconds went
+(``compile``: seconds, by phase and by kind of program, from ``tpurec.stats()``). After the timed rounds, each tpu configuration
 runs as many steps again with its XLA programs stubbed (``tpurec.core.runtime.stubbed_execution``:
 the same JAX calls, arguments and bookkeeping, no computation), one configuration after the
 other: ``host_ms_per_step_stubbed`` is their median main-thread CPU time. On XLA:CPU the computation shares the two cores with
@@ -53,17 +60,29 @@ import statistics
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 import tpurec
 from tpurec.bench import clocks
-from tpurec.bench.captured import captured_step
+from tpurec.bench.captured import WARMUP, captured_step
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.core import runtime
 
 NUM_SPARSE = 26
 EMBEDDING_DIM = 64
-CONFIGS = ("cpu_pytorch", "eager", "fused", "fused_adagrad", "compiled", "compiled_eager", "compiled_optim", "graphed")
+CONFIGS = (
+    "cpu_pytorch",
+    "eager",
+    "fused",
+    "fused_adagrad",
+    "compiled",
+    "compiled_eager",
+    "compiled_optim",
+    "graphed",
+    "graphed_k8",
+)
+STEPS_PER_CALL = 8  # graphed_k8's steps per program call
 
 
 class DenseStep(torch.nn.Module):
@@ -104,17 +123,23 @@ class _Config:
     """One configuration's training state and what was measured of it."""
 
     name: str
-    step: Callable[[], float]
+    step: Callable[[], float]  # one call, its loss read at once (device_time exports steps with it)
     mode: str
     on_tpu: bool
+    issue: Callable[[], tuple[object, int]]  # one call: a handle on its losses (see _losses), its steps
     wall_ms: list[float] = dataclasses.field(default_factory=list)
     cpu_ms: list[float] = dataclasses.field(default_factory=list)
     host_ms: list[float] = dataclasses.field(default_factory=list)
     stubbed_host_ms: list[float] = dataclasses.field(default_factory=list)
     losses: list[float] = dataclasses.field(default_factory=list)
+    all_losses: list[float] = dataclasses.field(default_factory=list)  # every step's, warm-up included
+    steps_run: int = 0  # timed steps
     programs: int = 0
     compilations: int = 0
     first_loss: float | None = None  # of the first (warm-up) step, before any update
+    unread: tuple[object, int] | None = None  # the last call's losses, read after the next call is issued
+    compile: dict | None = None  # what the warm-up compiled
+    min_warmup: int = 0  # warm-up steps whatever --warmup says (graphed_k8: up to its first launch)
 
 
 def _make(name: str, batch: int, fused_optimizer: bool = False) -> _Config:
@@ -128,7 +153,7 @@ def _make(name: str, batch: int, fused_optimizer: bool = False) -> _Config:
     compiled = name.startswith("compiled")
     forward = torch.compile(model, backend="tpu") if compiled else model
     # graphed: a captured step keeps the optimizer's state on the device
-    fused = fused_optimizer or name in ("fused_adagrad", "graphed")
+    fused = fused_optimizer or name in ("fused_adagrad", "graphed", "graphed_k8")
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.01, fused=True if fused else None)
     update = torch.compile(optimizer.step, backend="tpu") if name == "compiled_optim" else optimizer.step
     g = torch.Generator().manual_seed(1)
@@ -143,48 +168,124 @@ def _make(name: str, batch: int, fused_optimizer: bool = False) -> _Config:
         update()
         return loss
 
-    issue = captured_step(train) if name == "graphed" else train
+    if name == "graphed_k8":
+        # The same batch at every step, as in the other configurations, stacked once for the launches.
+        stacked = {t: t.unsqueeze(0).expand(STEPS_PER_CALL, *t.shape).contiguous() for t in (dense, sparse, labels)}
+        issue = _steps_per_call(train, stacked, STEPS_PER_CALL)
+    else:
+        one = captured_step(train) if name == "graphed" else train
+
+        def issue() -> tuple[object, int]:
+            return _handle(one()), 1
 
     def step() -> float:
-        return issue().item()
+        handle, _ = issue()
+        return _losses(handle)[-1]
 
-    mode = "fused" if name in ("fused", "fused_adagrad", "compiled", "compiled_optim", "graphed") else "eager"
-    return _Config(name, step, mode, device == "tpu")
+    mode = (
+        "fused"
+        if name in ("fused", "fused_adagrad", "compiled", "compiled_optim", "graphed", "graphed_k8")
+        else "eager"
+    )
+    config = _Config(name, step, mode, device == "tpu", issue)
+    if name == "graphed_k8":
+        config.min_warmup = WARMUP + 1 + STEPS_PER_CALL  # the plain steps, the capture, a launch (compiled)
+    return config
+
+
+def _handle(loss: torch.Tensor) -> object:
+    """What :func:`_losses` reads later: a tpu loss's values as now (a replay refills the captured
+    tensor; in fused mode this ends the step's window, as ``loss.item()`` did), or the CPU tensor."""
+    return loss.to_jax() if loss.device.type == "tpu" else loss.detach()
+
+
+def _losses(handle: object) -> list[float]:
+    """The losses behind ``handle``, waiting for them."""
+    return np.asarray(handle, dtype=np.float64).reshape(-1).tolist()
+
+
+def _steps_per_call(
+    train: Callable[[], torch.Tensor], stacked: dict[torch.Tensor, torch.Tensor], k: int
+) -> Callable[[], tuple[object, int]]:
+    """``train`` run plainly for :data:`WARMUP` calls and captured on the next, as ``captured_step`` does
+    (one step per call), then ``k`` steps per call: ``replay_steps`` over the static inputs' stacked batches."""
+    graph = tpurec.TpuGraph()
+    calls = [0]
+    loss: list[torch.Tensor] = []
+
+    def issue() -> tuple[object, int]:
+        calls[0] += 1
+        if calls[0] <= WARMUP:
+            return _handle(train()), 1
+        if not loss:
+            with tpurec.graph(graph):
+                loss.append(train())
+            return _handle(loss[0]), 1
+        (series,) = graph.replay_steps(stacked, collect=loss)
+        return _handle(series), k
+
+    return issue
 
 
 def _run_steps(config: _Config, steps: int, record: bool) -> None:
+    """Runs calls of ``config`` until ``steps`` steps ran; each call's losses are read after the next is issued."""
     context = tpurec.mode(config.mode) if config.on_tpu else contextlib.nullcontext()
     with context:
         before = tpurec.stats()
-        for _ in range(steps):
+        done = 0
+        while done < steps:
             wall, cpu, host = time.perf_counter(), time.process_time(), time.thread_time()
-            loss = config.step()
-            if config.first_loss is None:
-                config.first_loss = loss
+            handle, count = config.issue()
+            _read(config, record)
+            config.unread = (handle, count)
+            done += count
             if record:
-                config.wall_ms.append((time.perf_counter() - wall) * 1e3)
-                config.cpu_ms.append((time.process_time() - cpu) * 1e3)
-                config.host_ms.append((time.thread_time() - host) * 1e3)
-                config.losses.append(loss)
+                config.wall_ms.append((time.perf_counter() - wall) * 1e3 / count)
+                config.cpu_ms.append((time.process_time() - cpu) * 1e3 / count)
+                config.host_ms.append((time.thread_time() - host) * 1e3 / count)
+        # The last call's losses: waited for here, its time counted to that call's steps.
+        wall, cpu, host = time.perf_counter(), time.process_time(), time.thread_time()
+        count = config.unread[1] if config.unread else 1
+        _read(config, record)
+        if record:
+            config.wall_ms[-1] += (time.perf_counter() - wall) * 1e3 / count
+            config.cpu_ms[-1] += (time.process_time() - cpu) * 1e3 / count
+            config.host_ms[-1] += (time.thread_time() - host) * 1e3 / count
+            config.steps_run += done
         after = tpurec.stats()
     if record and config.on_tpu:
         config.programs += after["executions"] - before["executions"]
         config.compilations += after["compilations"] - before["compilations"]
 
 
+def _read(config: _Config, record: bool) -> None:
+    """Reads the losses of ``config``'s last call issued, if not read yet."""
+    if config.unread is None:
+        return
+    values = _losses(config.unread[0])
+    config.unread = None
+    if config.first_loss is None:
+        config.first_loss = values[0]
+    config.all_losses.extend(values)
+    if record:
+        config.losses.extend(values)
+
+
 def _run_stubbed_steps(config: _Config, steps: int, record: bool) -> None:
     """Steps with every program stubbed: only the main thread's CPU time is kept (the values are garbage)."""
     with tpurec.mode(config.mode), runtime.stubbed_execution():
-        for _ in range(steps):
+        done = 0
+        while done < steps:
             host = time.thread_time()
-            config.step()
+            _, count = config.issue()
+            done += count
             if record:
-                config.stubbed_host_ms.append((time.thread_time() - host) * 1e3)
+                config.stubbed_host_ms.append((time.thread_time() - host) * 1e3 / count)
 
 
 def _summary(config: _Config) -> dict:
     median = statistics.median(config.wall_ms)
-    steps = len(config.wall_ms)
+    steps = config.steps_run
     fine = clocks.fine_enough(min(config.wall_ms) / 1e3)  # else the CPU clocks tick too coarsely for a step
     return {
         "step_ms": median,
@@ -199,6 +300,33 @@ def _summary(config: _Config) -> dict:
         "last_loss": config.losses[-1],
         "programs_per_step": config.programs / steps if config.on_tpu else None,
         "compilations_after_warmup": config.compilations if config.on_tpu else None,
+        "compile": config.compile,
+    }
+
+
+def _compile_since(before: dict) -> dict:
+    """The compile seconds since ``before`` (a ``tpurec.stats()``): in all, by phase, and by kind of program."""
+    after = tpurec.stats()
+    by_program = {}
+    for label, entry in after["compiles_by_program"].items():
+        was = before["compiles_by_program"].get(label, {})
+        delta = {key: value - was.get(key, 0) for key, value in entry.items()}
+        if delta["programs"]:
+            by_program[label] = delta
+    return {
+        "seconds": after["compile_seconds"] - before["compile_seconds"],
+        "phases": {k: v - before["compile_phases"][k] for k, v in after["compile_phases"].items()},
+        "by_program": dict(sorted(by_program.items(), key=lambda item: -item[1]["seconds"])),
+    }
+
+
+def _same_losses(config: _Config, reference: _Config) -> dict:
+    """Whether ``config``'s losses equal ``reference``'s step for step (bit for bit), over the steps both ran."""
+    n = min(len(config.all_losses), len(reference.all_losses))
+    return {
+        "reference": reference.name,
+        "steps_compared": n,
+        "equal": config.all_losses[:n] == reference.all_losses[:n],
     }
 
 
@@ -227,8 +355,10 @@ def run_batch(batch: int, names: list[str], steps: int, warmup: int, round_steps
     configs = []
     for name in names:
         try:
+            before = tpurec.stats()
             config = _make(name, batch)
-            _run_steps(config, warmup, record=False)
+            _run_steps(config, max(warmup, config.min_warmup), record=False)
+            config.compile = _compile_since(before) if config.on_tpu else None
             configs.append(config)
         except Exception as error:  # reported, not hidden: the JSON says why a configuration is missing
             run[name] = {"error": f"{type(error).__name__}: {error}"[:500]}
@@ -242,6 +372,12 @@ def run_batch(batch: int, names: list[str], steps: int, warmup: int, round_steps
     for config in configs:
         run[config.name] = _summary(config)
         run[config.name]["samples_per_s"] = batch / run[config.name]["step_ms"] * 1e3
+    by_name = {config.name: config for config in configs}
+    if "graphed_k8" in by_name:
+        reference = by_name.get("graphed") or by_name.get("fused_adagrad")
+        run["graphed_k8"]["losses_match_single_steps"] = (
+            _same_losses(by_name["graphed_k8"], reference) if reference is not None else None
+        )
     ratios = {}
     if "step_ms" in run.get("cpu_pytorch", {}):
         cpu_ms = run["cpu_pytorch"]["step_ms"]
@@ -252,6 +388,8 @@ def run_batch(batch: int, names: list[str], steps: int, warmup: int, round_steps
         ratios["fused_speedup_vs_eager"] = run["eager"]["step_ms"] / run["fused"]["step_ms"]
     if "step_ms" in run.get("fused", {}) and "step_ms" in run.get("compiled", {}):
         ratios["compiled_speedup_vs_fused"] = run["fused"]["step_ms"] / run["compiled"]["step_ms"]
+    if "step_ms" in run.get("graphed", {}) and "step_ms" in run.get("graphed_k8", {}):
+        ratios["graphed_k8_speedup_vs_graphed"] = run["graphed"]["step_ms"] / run["graphed_k8"]["step_ms"]
     run["ratios"] = ratios
     return run
 
