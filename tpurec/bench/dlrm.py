@@ -47,7 +47,7 @@ from torchrec.optim import RowWiseAdagrad
 
 import tpurec
 import tpurec.sparse as sparse
-from tpurec.bench import clocks
+from tpurec.bench import clocks, lazy_losses
 from tpurec.bench.captured import captured_step
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.cli import non_negative_int, positive_int
@@ -87,7 +87,7 @@ class _Runner:
     """One configuration's training loop, stepped a few steps at a time so configurations interleave.
 
     Each runner reads its own copy of the same batch sequence; ``step`` trains on the
-    next batch and returns the step's wall time and loss (``loss.item()`` ends the step).
+    next batch; its loss is read once the next step is issued (``tpurec.bench.lazy_losses``).
     """
 
     def __init__(
@@ -103,6 +103,7 @@ class _Runner:
         self.host_times: list[float] = []  # the main thread's CPU time of each step
         self.stubbed_host_times: list[float] = []  # the same with every XLA program stubbed
         self.losses: list[float] = []
+        self._unread: object = None  # the last step's loss (lazy_losses.handle), read after the next is issued
         self.compilations = 0
 
     def run(self, steps: int, record: bool) -> None:
@@ -111,12 +112,19 @@ class _Runner:
             before = tpurec.stats()["compilations"]
             for _ in range(steps):
                 start, host = time.perf_counter(), time.thread_time()
-                loss = self._step(self._batches).item()
+                # The previous step's loss is read once this one is issued: no wait on the step just issued.
+                unread, self._unread = self._unread, lazy_losses.handle(self._step(self._batches))
+                self.losses.extend(lazy_losses.values(unread) if unread is not None else [])
                 elapsed = time.perf_counter() - start
-                self.losses.append(loss)
                 if record:
                     self.times.append(elapsed)
                     self.host_times.append(time.thread_time() - host)
+            start, host = time.perf_counter(), time.thread_time()
+            self.losses.extend(lazy_losses.values(self._unread))  # the last step's, counted to it
+            self._unread = None
+            if record:
+                self.times[-1] += time.perf_counter() - start
+                self.host_times[-1] += time.thread_time() - host
             if record and self.mode:
                 self.compilations += tpurec.stats()["compilations"] - before
 

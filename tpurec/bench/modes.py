@@ -60,12 +60,12 @@ import statistics
 import time
 from typing import Callable
 
-import numpy as np
 import torch
 
 import tpurec
 from tpurec.bench import clocks
 from tpurec.bench.captured import WARMUP, captured_step
+from tpurec.bench.lazy_losses import handle, values
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.core import runtime
 
@@ -126,7 +126,7 @@ class _Config:
     step: Callable[[], float]  # one call, its loss read at once (device_time exports steps with it)
     mode: str
     on_tpu: bool
-    issue: Callable[[], tuple[object, int]]  # one call: a handle on its losses (see _losses), its steps
+    issue: Callable[[], tuple[object, int]]  # one call: its losses (lazy_losses.handle), its steps
     wall_ms: list[float] = dataclasses.field(default_factory=list)
     cpu_ms: list[float] = dataclasses.field(default_factory=list)
     host_ms: list[float] = dataclasses.field(default_factory=list)
@@ -176,11 +176,11 @@ def _make(name: str, batch: int, fused_optimizer: bool = False) -> _Config:
         one = captured_step(train) if name == "graphed" else train
 
         def issue() -> tuple[object, int]:
-            return _handle(one()), 1
+            return handle(one()), 1
 
     def step() -> float:
-        handle, _ = issue()
-        return _losses(handle)[-1]
+        taken, _ = issue()
+        return values(taken)[-1]
 
     mode = (
         "fused"
@@ -191,17 +191,6 @@ def _make(name: str, batch: int, fused_optimizer: bool = False) -> _Config:
     if name == "graphed_k8":
         config.min_warmup = WARMUP + 1 + STEPS_PER_CALL  # the plain steps, the capture, a launch (compiled)
     return config
-
-
-def _handle(loss: torch.Tensor) -> object:
-    """What :func:`_losses` reads later: a tpu loss's values as now (a replay refills the captured
-    tensor; in fused mode this ends the step's window, as ``loss.item()`` did), or the CPU tensor."""
-    return loss.to_jax() if loss.device.type == "tpu" else loss.detach()
-
-
-def _losses(handle: object) -> list[float]:
-    """The losses behind ``handle``, waiting for them."""
-    return np.asarray(handle, dtype=np.float64).reshape(-1).tolist()
 
 
 def _steps_per_call(
@@ -216,13 +205,13 @@ def _steps_per_call(
     def issue() -> tuple[object, int]:
         calls[0] += 1
         if calls[0] <= WARMUP:
-            return _handle(train()), 1
+            return handle(train()), 1
         if not loss:
             with tpurec.graph(graph):
                 loss.append(train())
-            return _handle(loss[0]), 1
+            return handle(loss[0]), 1
         (series,) = graph.replay_steps(stacked, collect=loss)
-        return _handle(series), k
+        return handle(series), k
 
     return issue
 
@@ -235,9 +224,9 @@ def _run_steps(config: _Config, steps: int, record: bool) -> None:
         done = 0
         while done < steps:
             wall, cpu, host = time.perf_counter(), time.process_time(), time.thread_time()
-            handle, count = config.issue()
+            taken, count = config.issue()
             _read(config, record)
-            config.unread = (handle, count)
+            config.unread = (taken, count)
             done += count
             if record:
                 config.wall_ms.append((time.perf_counter() - wall) * 1e3 / count)
@@ -262,13 +251,13 @@ def _read(config: _Config, record: bool) -> None:
     """Reads the losses of ``config``'s last call issued, if not read yet."""
     if config.unread is None:
         return
-    values = _losses(config.unread[0])
+    read = values(config.unread[0])
     config.unread = None
     if config.first_loss is None:
-        config.first_loss = values[0]
-    config.all_losses.extend(values)
+        config.first_loss = read[0]
+    config.all_losses.extend(read)
     if record:
-        config.losses.extend(values)
+        config.losses.extend(read)
 
 
 def _run_stubbed_steps(config: _Config, steps: int, record: bool) -> None:
@@ -320,7 +309,7 @@ def _compile_since(before: dict) -> dict:
     }
 
 
-def _same_losses(config: _Config, reference: _Config) -> dict:
+def _samevalues(config: _Config, reference: _Config) -> dict:
     """Whether ``config``'s losses equal ``reference``'s step for step (bit for bit), over the steps both ran."""
     n = min(len(config.all_losses), len(reference.all_losses))
     return {
@@ -376,7 +365,7 @@ def run_batch(batch: int, names: list[str], steps: int, warmup: int, round_steps
     if "graphed_k8" in by_name:
         reference = by_name.get("graphed") or by_name.get("fused_adagrad")
         run["graphed_k8"]["losses_match_single_steps"] = (
-            _same_losses(by_name["graphed_k8"], reference) if reference is not None else None
+            _samevalues(by_name["graphed_k8"], reference) if reference is not None else None
         )
     ratios = {}
     if "step_ms" in run.get("cpu_pytorch", {}):
