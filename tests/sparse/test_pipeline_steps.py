@@ -90,6 +90,9 @@ def test_steps_per_call_train_as_single_steps_bit_for_bit(batches):
     assert losses == expected  # bit for bit, every step's loss
     for key, value in plain.state_dict().items():
         assert torch.equal(model.state_dict()[key].cpu(), value.cpu()), key
+    # The collection's count of optimizer steps (Python state a replay's hook advances): once per step
+    counts = [m.model.sparse_arch.embedding_bag_collection._steps for m in (model, plain)]
+    assert counts[0] == counts[1] and counts[0][0] > 0, counts
     if batches == "full":
         assert len(programs) == WARMUP + 3 + 1  # one call per step before the capture, then K steps per call
         assert programs[WARMUP : WARMUP + 3] == [1, 1, 1]  # one launch for K steps
