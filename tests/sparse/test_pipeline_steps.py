@@ -85,7 +85,8 @@ def test_steps_per_call_train_as_single_steps_bit_for_bit(batches):
             b.dense_features, random_kjt(_tables(), BATCH, np.random.default_rng(4), 40), b.labels
         )
     expected, steps, plain, _ = _train(data, capacities)
-    losses, looped_steps, model, programs = _train(data, capacities, graphed=True, steps_per_call=K)
+    looped = _train(data, capacities, graphed=True, steps_per_call=K, compile_in_background=False)
+    losses, looped_steps, model, programs = looped
     assert [s for s, _ in losses] == list(range(len(data))) and looped_steps == steps == len(data)
     assert losses == expected  # bit for bit, every step's loss
     for key, value in plain.state_dict().items():
@@ -102,10 +103,14 @@ def test_a_warm_pipeline_with_steps_per_call_compiles_nothing():
     model = _model()
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05, fused=True)
     pipeline = sp.TrainPipeline(model, optimizer, "tpu", graphed=True, steps_per_call=K)
-    it = iter(_batches(WARMUP + 4 * K))
+    data = _batches(WARMUP + 4 * K)
+    it = iter(data)
     with tpurec.mode("fused"):
-        for _ in range(WARMUP + 1):  # the first launch compiles its program
+        for _ in range(WARMUP + 1):  # the first launch: its steps one by one while its program compiles
+            before = tpurec.stats()["executions"]
             pipeline.progress(it)
+        assert tpurec.stats()["executions"] - before == K
+        assert pipeline.wait_for_compiles(timeout=300)
         pipeline.losses(wait=True)
         before = tpurec.stats()
         for _ in range(3):
@@ -113,7 +118,8 @@ def test_a_warm_pipeline_with_steps_per_call_compiles_nothing():
         pipeline.losses(wait=True)
     after = tpurec.stats()
     assert after["compilations"] == before["compilations"]
-    assert after["executions"] - before["executions"] == 3
+    assert after["executions"] - before["executions"] == 3  # one launch per call
+    assert pipeline.steps == len(data)
     pipeline.close()
 
 

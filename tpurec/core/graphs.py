@@ -60,11 +60,15 @@ Example::
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import contextlib
 import functools
 import gc
 import itertools
+import logging
 import operator
+import threading
+import time
 import weakref
 from typing import Callable, Iterator, Mapping, Sequence
 
@@ -81,6 +85,8 @@ from tpurec.core.fused import _DONATED, _KEPT, _OTHER
 from tpurec.core.tensor import Storage, holders
 
 __all__ = ["TpuGraph", "graph", "on_replay", "replay_check"]
+
+log = logging.getLogger("tpurec.graphs")
 
 _Optimizer = torch.optim.Optimizer
 
@@ -139,6 +145,7 @@ class TpuGraph:
         fill: Callable[[int], None] | None = None,
         steps: int | None = None,
         collect: Sequence[torch.Tensor] = (),
+        compile_in_background: bool = False,
     ) -> tuple[torch.Tensor, ...]:
         """Runs the captured step ``steps`` times in one program: a device loop, one launch.
 
@@ -163,6 +170,10 @@ class TpuGraph:
                 in fused mode runs a program of its own per step.
             steps: the number of steps; needed with ``fill`` alone, else taken from ``inputs``.
             collect: tensors the step writes whose value at every step is wanted (the loss).
+            compile_in_background: while the program of this number of steps and way of feeding
+                is not compiled, compile it on a background thread and run the steps as single
+                replays (the same results; one launch per step): the first calls do not wait
+                for the compiler. :meth:`wait_for_compiles` waits for it.
 
         Returns:
             Per tensor of ``collect``, a new tpu tensor ``[steps, *shape]``: its value after each step.
@@ -193,7 +204,22 @@ class TpuGraph:
             steps = sizes.pop()
         if steps < 1:
             raise ValueError(f"replay_steps runs at least one step, got steps={steps}")
-        return plan.replay_steps(steps, inputs, fill, list(collect))
+        return plan.replay_steps(steps, inputs, fill, list(collect), compile_in_background)
+
+    def wait_for_compiles(self, timeout: float | None = None) -> bool:
+        """Waits for the programs that :meth:`replay_steps` compiles in the background.
+
+        Args:
+            timeout: seconds to wait at most (None: until they are compiled).
+
+        Returns:
+            Whether every one is compiled (or failed: the next call then compiles it itself).
+        """
+        plan = self._plan
+        if plan is None:
+            return True
+        done, _ = concurrent.futures.wait(list(plan.compiling.values()), timeout=timeout)
+        return len(done) == len(plan.compiling)
 
     def reset(self) -> None:
         """Forgets the captured step and lets go of the tensors it held."""
@@ -228,6 +254,7 @@ class _Plan:
         self.hooks = hooks  # Python bookkeeping of the step, repeated per replay (on_replay)
         self.checks = checks  # settings the step's Python read, unchanged since (replay_check): else an error
         self.loops: dict = {}  # replay_steps' programs, by number of steps and way of feeding
+        self.compiling: dict = {}  # the same key -> the Future of its compilation in the background
 
     def _arrays(self, sources: list, donated: bool) -> list:
         arrays = []
@@ -295,7 +322,9 @@ class _Plan:
         for hook in self.hooks:
             hook()
 
-    def replay_steps(self, steps: int, inputs: dict, fill: Callable[[int], None] | None, collect: list) -> tuple:
+    def replay_steps(
+        self, steps: int, inputs: dict, fill: Callable[[int], None] | None, collect: list, background: bool = False
+    ) -> tuple:
         """``steps`` replays as one program (see :meth:`TpuGraph.replay_steps`; arguments checked there)."""
         from tpurec.core.tensor import TpuTensor, wrap
 
@@ -339,9 +368,27 @@ class _Plan:
             collected.append(k)
         fed_at, fed = self._fill(steps, fill, set(stacked_at), written) if fill is not None else ([], [])
         self._ready()
+        varying = [n for n, value in enumerate(self.seeds) if type(value) is tuple and value[0] == 2]
+        key = (steps, tuple(stacked_at), tuple(fed_at), tuple(collected))
+        program = self.loops.get(key)
+        if program is None:
+            links = {read[s]: k for s, k in written.items() if s in read}
+            body = _loop(self.program.raw, steps, links, stacked_at, fed_at, collected, varying)
+            program = self.loops[key] = runtime.Program(body, **self.program._options)
+            program.origin = ("steps", steps)
+        if background and not program.ran:
+            future = self.compiling.get(key)
+            if future is None:
+                self.compiling[key] = self._compile_in_background(program, steps, len(varying), stacked, fed)
+            if future is None or not future.done():
+                return self._one_by_one(steps, stacked_at, stacked, fed_at, fed, collected)
+            try:
+                program.jitted = future.result()
+                program.ran = True  # compiled: its first call runs it
+            except Exception as error:  # noqa: BLE001 (compiled here instead, where the error surfaces)
+                log.debug("tpurec: the background compilation of %d captured steps failed: %r", steps, error)
         donated, kept = self.groups
         args = [self._arrays(donated, True), self._arrays(kept, False), *self.numbers]
-        varying = [n for n, value in enumerate(self.seeds) if type(value) is tuple and value[0] == 2]
         if self.draws:
             base = rng._counter
             others = self._seeds(base)
@@ -351,13 +398,6 @@ class _Plan:
             rng._counter = base + steps * self.draws
         else:
             others, counters = self.seeds or None, None
-        key = (steps, tuple(stacked_at), tuple(fed_at), tuple(collected))
-        program = self.loops.get(key)
-        if program is None:
-            links = {read[s]: k for s, k in written.items() if s in read}
-            body = _loop(self.program.raw, steps, links, stacked_at, fed_at, collected, varying)
-            program = self.loops[key] = runtime.Program(body, **self.program._options)
-            program.origin = ("steps", steps)
         final, series, last = program(*args, others, counters, stacked, fed)
         for storage, k in self.outputs:
             storage.array = final[k]
@@ -368,6 +408,59 @@ class _Plan:
                 hook()
         index = self.outputs[0][0].index if self.outputs else 0
         return tuple(wrap(array, index) for array in series)
+
+    def _compile_in_background(
+        self, program: runtime.Program, steps: int, varying: int, stacked: list, fed: list
+    ) -> concurrent.futures.Future:
+        """Compiles ``program`` for the arguments a call would pass, on a thread of its own."""
+
+        def spec(x):  # shapes, dtypes and placement only: the arrays themselves may be donated meanwhile
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x
+
+        donated, kept = self.groups
+        arrays = [
+            [(source[0]._array if type(source) is tuple else source) for source in group] for group in (donated, kept)
+        ]
+        others = (self._seeds(0) if self.draws else self.seeds) or None
+        counters = np.zeros((steps, varying), np.uint32) if self.draws else None
+        args = jax.tree.map(spec, [*arrays, *self.numbers, others, counters, stacked, fed])
+        future: concurrent.futures.Future = concurrent.futures.Future()
+
+        def compile_program() -> None:
+            start = time.perf_counter()
+            try:
+                with runtime.compile_accounting(program):
+                    future.set_result(program.jitted.lower(*args).compile())
+            except BaseException as error:  # noqa: BLE001 (handed to the caller through the future)
+                future.set_exception(error)
+            finally:
+                runtime.counters().compile_seconds += time.perf_counter() - start
+
+        threading.Thread(target=compile_program, name="tpurec-compile-steps", daemon=True).start()
+        return future
+
+    def _one_by_one(
+        self, steps: int, stacked_at: list, stacked: list, fed_at: list, fed: list, collected: list
+    ) -> tuple:
+        """The ``steps`` steps as single replays, each fed its batch: what the loop program computes."""
+        from tpurec.core.tensor import wrap
+
+        def storage(where: tuple[int, int]):
+            group, n = where
+            return self.groups[group][n][0]
+
+        writes = {k: s for s, k in self.outputs}
+        series: list[list] = [[] for _ in collected]
+        for i in range(steps):
+            for where, arrays in zip(fed_at, fed):
+                storage(where).array = arrays[i]
+            for where, array in zip(stacked_at, stacked):
+                storage(where).array = array[i]
+            self.replay()
+            for values, k in zip(series, collected):
+                values.append(writes[k]._array)
+        index = self.outputs[0][0].index if self.outputs else 0
+        return tuple(wrap(jnp.stack(values), index) for values in series)
 
     def _fill(self, steps: int, fill: Callable[[int], None], stacked: set, written: dict) -> tuple[list, list]:
         """Calls ``fill(i)`` per step; per input slot the step reads whose array changed, its array per step."""

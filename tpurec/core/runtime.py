@@ -9,6 +9,7 @@ import gc
 import itertools
 import logging
 import os
+import threading
 import time
 import weakref
 from typing import Any, Callable
@@ -182,15 +183,24 @@ def _on_duration(event: str, duration_secs: float, **kwargs) -> None:
     if phase == "cache_load":  # timed inside the backend compile, reported before it: not XLA's compiler
         _stats.compile_phases["xla_compile"] -= duration_secs
     _stats.compile_phases[phase] += duration_secs
-    if _compiling:
-        record = _compiling[-1]
+    compiling = _compiling_now()
+    if compiling:
+        record = compiling[-1]
         if phase == "cache_load":
             record["xla_compile"] -= duration_secs
         record[phase] += duration_secs
 
 
-# The per-program records of the first runs under way, innermost last (see compile_accounting).
-_compiling: list[dict] = []
+# Per thread (JAX reports a compilation on the thread that compiles), the per-program records of
+# the compilations under way, innermost last (see compile_accounting).
+_compiling = threading.local()
+
+
+def _compiling_now() -> list[dict]:
+    stack = getattr(_compiling, "stack", None)
+    if stack is None:
+        stack = _compiling.stack = []
+    return stack
 
 
 def _compile_label(origin: Any) -> str:
@@ -213,12 +223,13 @@ def compile_accounting(owner: Any):
         owner: a ``Program`` or a compiled graph variant, with an ``origin`` (or none).
     """
     record = dict.fromkeys(_PHASES, 0.0)
-    _compiling.append(record)
+    stack = _compiling_now()
+    stack.append(record)
     start = time.perf_counter()
     try:
         yield
     finally:
-        _compiling.pop()
+        stack.pop()
         seconds = time.perf_counter() - start
         label = _compile_label(getattr(owner, "origin", None))
         entry = _stats.compiles_by_program.get(label)

@@ -118,6 +118,10 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             ``progress`` returns the output of the call's last step; :meth:`losses` gives the loss
             of every step and :attr:`steps` counts them. At least this many batches are prepared
             ahead.
+        compile_in_background: with ``steps_per_call``, compile the program of several steps on a
+            background thread while the first calls run their steps as single replays (the same
+            results), so that the job does not stop for the compiler; :meth:`wait_for_compiles`
+            waits for it. False: the first launch compiles it and waits.
         check_finite: raise ``FloatingPointError`` naming the step when a step's loss, as read,
             is not finite (nan or inf).
 
@@ -137,6 +141,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         prefetch: int = 1,
         graphed: bool = False,
         steps_per_call: int = 1,
+        compile_in_background: bool = True,
         check_finite: bool = True,
     ) -> None:
         if prefetch < 1:
@@ -153,6 +158,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         self._device = torch.device(device)
         self._prefetch = max(prefetch, steps_per_call)
         self._steps_per_call = steps_per_call
+        self._compile_in_background = compile_in_background
         self._check_finite = check_finite
         # Embedding modules that can take a batch's KJT ahead of time: tpurec's
         # EmbeddingBagCollection, or any module with the same prefetch /
@@ -289,6 +295,17 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             self._read_losses(keep=0)
         read, self._read = self._read, []
         return read
+
+    def wait_for_compiles(self, timeout: float | None = None) -> bool:
+        """Waits for the programs of several steps compiled in the background (``compile_in_background``).
+
+        Args:
+            timeout: seconds to wait at most (None: until they are compiled).
+
+        Returns:
+            Whether every one is compiled.
+        """
+        return self._graph is None or self._graph.wait_for_compiles(timeout)
 
     def progress(self, dataloader_iter: Iterator[In], *, max_steps: int | None = None) -> Out:
         """Runs one training step on the next batch of ``dataloader_iter`` (with
@@ -476,7 +493,12 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         try:
             with modes.mode("fused"):
                 assert self._graph_loss is not None
-                (series,) = graph.replay_steps(fill=fill, steps=len(items), collect=[self._graph_loss])
+                (series,) = graph.replay_steps(
+                    fill=fill,
+                    steps=len(items),
+                    collect=[self._graph_loss],
+                    compile_in_background=self._compile_in_background,
+                )
         except _Renewed:
             # A batch made new static CSR tensors (automatic capacities grew): nothing ran. The
             # steps run one by one, which captures the step again over the new tensors.
