@@ -25,14 +25,17 @@ from tpurec.core.tensor import TpuTensor
 __all__ = ["handle", "values"]
 
 
-def handle(loss: torch.Tensor) -> object:
-    """What :func:`values` reads later: a tpu loss's values as they are now, or a CPU loss.
+def handle(loss: object) -> object:
+    """What :func:`values` reads later: a tpu loss's values as they are now, a CPU loss, or an array.
 
     A replay of a captured step refills its loss tensor, so the values are taken now (no copy,
     no wait: the array the tensor holds). In fused mode this ends the step's window, as
-    ``loss.item()`` would, without waiting for its result.
+    ``loss.item()`` would, without waiting for its result. A ``jax.Array`` (never changed in
+    place) or a number is kept as it is.
     """
-    return loss.to_jax() if isinstance(loss, TpuTensor) else loss.detach()
+    if isinstance(loss, TpuTensor):
+        return loss.to_jax()
+    return loss.detach() if isinstance(loss, torch.Tensor) else loss
 
 
 def values(taken: object) -> list[float]:
