@@ -373,7 +373,10 @@ class _Plan:
         program = self.loops.get(key)
         if program is None:
             links = {read[s]: k for s, k in written.items() if s in read}
-            body = _loop(self.program.raw, steps, links, stacked_at, fed_at, collected, varying)
+            avals: list = [None] * (1 + max((k for _, k in self.outputs), default=-1))
+            for storage, k in self.outputs:  # each holds its output of the last step run (flushed above)
+                avals[k] = (tuple(storage._array.shape), storage._array.dtype)
+            body = _loop(self.program.raw, steps, avals, links, stacked_at, fed_at, collected, varying)
             program = self.loops[key] = runtime.Program(body, **self.program._options)
             program.origin = ("steps", steps)
         if background and not program.ran:
@@ -489,12 +492,22 @@ class _Plan:
         return fed_at, fed
 
 
-def _loop(raw: Callable, steps: int, links: dict, stacked_at: list, fed_at: list, collected: list, varying: list):
+def _loop(
+    raw: Callable,
+    steps: int,
+    avals: list,
+    links: dict,
+    stacked_at: list,
+    fed_at: list,
+    collected: list,
+    varying: list,
+):
     """The traceable program of ``steps`` captured steps: a ``lax.scan`` over the step's program ``raw``.
 
     Args:
         raw: the captured window's traceable function (donated, kept, floats, ints, bools, others) -> outputs.
         steps: how many steps.
+        avals: per output of the step, its (shape, dtype).
         links: (group, n) of an input the step reads -> the output that writes the same storage:
             from the second step on, that input is the previous step's output.
         stacked_at: (group, n) of the inputs fed a ``[steps, ...]`` array each.
@@ -507,15 +520,15 @@ def _loop(raw: Callable, steps: int, links: dict, stacked_at: list, fed_at: list
     def program(donated, kept, floats, ints, bools, others, counters, stacked, fed):
         batches = [*stacked, *[jnp.stack(arrays) for arrays in fed]]
         groups = (list(donated), list(kept))
-        shapes = jax.eval_shape(raw, groups[0], groups[1], floats, ints, bools, others)
         # The carry: every output of the step; one written over a storage the step reads starts as that input.
-        start = [jnp.zeros(s.shape, s.dtype) for s in shapes]
+        start = [jnp.zeros(shape, dtype) for shape, dtype in avals]
         for (group, n), k in links.items():
             value = groups[group][n]
-            if value.shape != shapes[k].shape or value.dtype != shapes[k].dtype:
+            shape, dtype = avals[k]
+            if value.shape != shape or value.dtype != dtype:
                 raise ValueError(
-                    f"replay_steps: the captured step writes {shapes[k].dtype}{list(shapes[k].shape)} over a tensor it "
-                    f"reads as {value.dtype}{list(value.shape)}; steps with a changing shape cannot run in one loop"
+                    f"replay_steps: the captured step writes {dtype}{list(shape)} over a tensor it reads as "
+                    f"{value.dtype}{list(value.shape)}; steps with a changing shape cannot run in one loop"
                 )
             start[k] = value
 
@@ -532,7 +545,7 @@ def _loop(raw: Callable, steps: int, links: dict, stacked_at: list, fed_at: list
                 for j, n in enumerate(varying):
                     step_others[n] = counter[j]
             values = raw(args[0], args[1], floats, ints, bools, step_others)
-            values = [lax.convert_element_type(v, s.dtype) for v, s in zip(values, shapes)]
+            values = [lax.convert_element_type(v, dtype) for v, (_, dtype) in zip(values, avals)]
             return values, [values[k] for k in collected]
 
         final, series = lax.scan(step, start, (batches, counters), length=steps)
