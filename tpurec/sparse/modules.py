@@ -74,8 +74,10 @@ class _FusedLookup(torch.autograd.Function):
         return (None,) * 8
 
 
-_MAX_PREFETCHED = 8
-"""Batches :meth:`EmbeddingBagCollection.prefetch` keeps for forward (a pipeline needs 1-2)."""
+_MAX_PREFETCHED = 18
+"""Batches :meth:`EmbeddingBagCollection.prefetch` keeps for forward (a pipeline needs 1-2, and
+``TrainPipeline(steps_per_call=K)`` about 2K + 2: up to K = 8 before the oldest is dropped and
+preprocessed again)."""
 
 
 class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
