@@ -206,6 +206,40 @@ def _chunk_for(n: int) -> int:
     return CHUNK if n >= CHUNK else max(8, _cdiv(n, 8) * 8)
 
 
+def _walk(keys, num_rows: int, block_rows: int):
+    """``(padded keys, chunk, block rows, schedule)`` of a walk over sorted ``keys`` and a table."""
+    chunk = _chunk_for(keys.shape[0])
+    keys = _pad_keys(keys, chunk)
+    block_rows = min(block_rows, _cdiv(num_rows, 8) * 8)
+    return keys, chunk, block_rows, _schedule(keys, num_rows, chunk, block_rows)
+
+
+# Block specs of a walk's grid: index maps get the step and the 4 scheduled scalar arrays.
+def _keys_spec(chunk: int):
+    return pl.BlockSpec((chunk,), lambda s, lo, hi, c, b: (c[s],), memory_space=pltpu.SMEM)
+
+
+def _rows_spec(chunk: int, dim: int):
+    return pl.BlockSpec((chunk, dim), lambda s, lo, hi, c, b: (c[s], _ZERO))
+
+
+def _block_spec(block_rows: int, dim: int):
+    return pl.BlockSpec((block_rows, dim), lambda s, lo, hi, c, b: (b[s], _ZERO))
+
+
+def _walk_call(kernel, schedule, *, in_specs, out_spec, out_shape, aliases=None):
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(schedule), grid=(schedule[0].shape[0],), in_specs=in_specs, out_specs=out_spec
+        ),
+        out_shape=out_shape,
+        input_output_aliases=aliases or {},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
+        interpret=_interpret(),
+    )
+
+
 def stream_gather(table: jax.Array, keys: jax.Array, *, block_rows: int = BLOCK_ROWS) -> jax.Array:
     """``table[keys]`` for ascending ``keys`` (``PAD_ID`` at the end), streaming the table's blocks.
 
@@ -218,11 +252,8 @@ def stream_gather(table: jax.Array, keys: jax.Array, *, block_rows: int = BLOCK_
         ``[n, dim]``: the rows of the valid keys; rows of padding entries are undefined
         (mask them with ``jnp.where``, not a product).
     """
-    n, (rows, dim) = keys.shape[0], table.shape
-    chunk = _chunk_for(n)
-    keys = _pad_keys(keys, chunk)
-    block_rows = min(block_rows, _cdiv(rows, 8) * 8)
-    lo, hi, chunk_of, block_of = _schedule(keys, rows, chunk, block_rows)
+    n, dim = keys.shape[0], table.shape[1]
+    keys, chunk, block_rows, schedule = _walk(keys, table.shape[0], block_rows)
 
     def kernel(lo_ref, hi_ref, c_ref, b_ref, keys_ref, block_ref, out_ref):
         s = pl.program_id(0)
@@ -234,21 +265,13 @@ def stream_gather(table: jax.Array, keys: jax.Array, *, block_rows: int = BLOCK_
 
         _unrolled(lo_ref[s], hi_ref[s], copy)
 
-    out = pl.pallas_call(
+    out = _walk_call(
         kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(lo.shape[0],),
-            in_specs=[
-                pl.BlockSpec((chunk,), lambda s, lo, hi, c, b: (c[s],), memory_space=pltpu.SMEM),
-                pl.BlockSpec((block_rows, dim), lambda s, lo, hi, c, b: (b[s], _ZERO)),
-            ],
-            out_specs=pl.BlockSpec((chunk, dim), lambda s, lo, hi, c, b: (c[s], _ZERO)),
-        ),
+        schedule,
+        in_specs=[_keys_spec(chunk), _block_spec(block_rows, dim)],
+        out_spec=_rows_spec(chunk, dim),
         out_shape=jax.ShapeDtypeStruct((keys.shape[0], dim), table.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
-        interpret=_interpret(),
-    )(lo, hi, chunk_of, block_of, keys, table)
+    )(*schedule, keys, table)
     return out[:n]
 
 
@@ -264,12 +287,9 @@ def stream_scatter(table: jax.Array, keys: jax.Array, rows_in: jax.Array, *, blo
     Returns:
         The table with the rows written; blocks without a key are not touched.
     """
-    n, (rows, dim) = keys.shape[0], table.shape
-    chunk = _chunk_for(n)
-    keys = _pad_keys(keys, chunk)
+    n, dim = keys.shape[0], table.shape[1]
+    keys, chunk, block_rows, schedule = _walk(keys, table.shape[0], block_rows)
     rows_in = jnp.pad(rows_in, ((0, keys.shape[0] - n), (0, 0))).astype(table.dtype)
-    block_rows = min(block_rows, _cdiv(rows, 8) * 8)
-    lo, hi, chunk_of, block_of = _schedule(keys, rows, chunk, block_rows)
 
     def kernel(lo_ref, hi_ref, c_ref, b_ref, keys_ref, rows_ref, block_ref, out_ref):
         s = pl.program_id(0)
@@ -288,24 +308,15 @@ def stream_scatter(table: jax.Array, keys: jax.Array, rows_in: jax.Array, *, blo
 
         _unrolled(lo_ref[s], hi_ref[s], put)
 
-    return pl.pallas_call(
+    return _walk_call(
         kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=4,
-            grid=(lo.shape[0],),
-            in_specs=[
-                pl.BlockSpec((chunk,), lambda s, lo, hi, c, b: (c[s],), memory_space=pltpu.SMEM),
-                pl.BlockSpec((chunk, dim), lambda s, lo, hi, c, b: (c[s], _ZERO)),
-                pl.BlockSpec((block_rows, dim), lambda s, lo, hi, c, b: (b[s], _ZERO)),
-            ],
-            out_specs=pl.BlockSpec((block_rows, dim), lambda s, lo, hi, c, b: (b[s], _ZERO)),
-        ),
+        schedule,
+        in_specs=[_keys_spec(chunk), _rows_spec(chunk, dim), _block_spec(block_rows, dim)],
+        out_spec=_block_spec(block_rows, dim),
         out_shape=jax.ShapeDtypeStruct(table.shape, table.dtype),
-        # Operand 6 (after the 4 prefetched scalars, the keys and the rows) is the table.
-        input_output_aliases={6: 0},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
-        interpret=_interpret(),
-    )(lo, hi, chunk_of, block_of, keys, rows_in, table)
+        # Operand 6 (after the 4 scheduled scalars, the keys and the rows) is the table.
+        aliases={6: 0},
+    )(*schedule, keys, rows_in, table)
 
 
 def _pool(rows, samples, gains, num_valid, batch_size: int):
