@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 import tomllib
 from importlib import metadata
 from pathlib import Path
+
+import pytest
 
 import tpurec
 
@@ -95,3 +98,45 @@ def test_make_test_runs_lint_with_locked_tools():
     for tool in ("ruff", "basedpyright"):
         assert f"$(VENV)/bin/{tool}" in lint, tool
         assert re.search(rf"^{tool}==", lock, re.MULTILINE), f"{tool} is not pinned in requirements-test.lock"
+
+
+def _locked_version(name: str) -> str:
+    for line in (ROOT / "requirements.lock").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line and _name(line) == name:
+            return line.split("==")[1]
+    raise AssertionError(f"{name} is not pinned in requirements.lock")
+
+
+def test_tpu_extra_is_jax_tpu_runtime_at_the_locked_jax():
+    # `pip install "tpurec[tpu]"` must bring the libtpu that the tested JAX was built against: jax's
+    # own `tpu` extra at exactly the locked version (jax pins its libtpu release there).
+    from packaging.requirements import Requirement
+
+    (text,) = _pyproject()["project"]["optional-dependencies"]["tpu"]
+    req = Requirement(text)
+    assert _name(req.name) == "jax" and req.extras == {"tpu"}, text
+    assert str(req.specifier) == f"=={_locked_version('jax')}", text
+    jax_tpu = [Requirement(r) for r in metadata.requires("jax") or [] if 'extra == "tpu"' in r]
+    assert any(_name(r.name) == "libtpu" for r in jax_tpu), "jax's metadata names no libtpu in its tpu extra"
+
+
+@pytest.mark.slow
+def test_pip_resolves_the_tpu_extra_with_the_lock(tmp_path):
+    # pip's resolver (a dry run: metadata only, ~20 s) accepts tpurec[tpu] together with the locked set,
+    # and picks the libtpu release jax's metadata asks for.
+    from packaging.requirements import Requirement
+
+    report = tmp_path / "report.json"
+    out = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-build-isolation",
+         "--quiet", "--report", str(report), "-c", str(ROOT / "requirements.lock"), f"{ROOT}[tpu]"],
+        capture_output=True, text=True, timeout=600, check=False, cwd=tmp_path,
+    )  # fmt: skip
+    if out.returncode != 0 and re.search(r"Failed to establish a new connection|Could not fetch URL", out.stderr):
+        pytest.skip("the package index is unreachable from this machine: " + out.stderr.strip().splitlines()[-1])
+    assert out.returncode == 0, out.stderr
+    chosen = {_name(i["metadata"]["name"]): i["metadata"]["version"] for i in json.loads(report.read_text())["install"]}
+    assert chosen["jax"] == _locked_version("jax")
+    (libtpu,) = [Requirement(r) for r in metadata.requires("jax") or [] if r.startswith("libtpu")]
+    assert libtpu.specifier.contains(chosen["libtpu"]), (chosen["libtpu"], str(libtpu.specifier))
