@@ -1,12 +1,12 @@
 """Checkpoints of a DLRM run: one file, written atomically.
 
-A checkpoint holds the model's ``state_dict`` (TorchRec's keys), each tpurec
-``EmbeddingBagCollection``'s fused optimizer slots and step counts
-(``optimizer_state_dict``), the dense optimizer's ``state_dict``, where the run
-is (epoch, step), the loss/AUC history and numpy's global generator state
-(TorchRec's Criteo readers shuffle with it). Everything is copied to the host
-first; the file is written next to its final name and then renamed
-(``os.replace``), so a crash mid-write leaves the previous checkpoint intact.
+On one device the checkpoint is ``tpurec.sparse.checkpoint``'s file (``checkpoint.pt``): the
+model's ``state_dict`` (TorchRec's keys), each tpurec ``EmbeddingBagCollection``'s fused
+optimizer slots and step counts, the dense optimizer's ``state_dict``, the torch RNG states,
+checksums, and as its ``extra`` entry where the run is (epoch, step), the loss/AUC history and
+numpy's global generator state (TorchRec's Criteo readers shuffle with it). It is written next to
+its final name and then renamed, so a crash mid-write leaves the previous checkpoint intact, and
+it is checked whole before anything is loaded.
 
 A model sharded by ``tpurec.shard`` (``--num_devices > 1``) is saved in
 tpurec's sharded format instead (:mod:`tpurec.sparse.sharding.checkpoint`,
@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 import tpurec.sparse as sparse
+from tpurec.sparse import checkpoint as sparse_checkpoint
 from dlrm.flags import ConfigError
 
 FILE_NAME = "checkpoint.pt"
@@ -41,6 +42,23 @@ SHARDED_POINTER = "sharded.json"
 SHARDED_PREFIX = "sharded-"
 SHARDED_TABLES = "tables"  # the Orbax folder inside a sharded checkpoint
 SHARDED_STATE = "state.pt"  # dense optimizer, progress, numpy state
+
+
+def _numpy_state_to_plain(state: Any) -> dict[str, Any]:
+    """numpy's generator state as tensors and numbers (what ``torch.load(weights_only=True)`` reads)."""
+    kind, keys, pos, has_gauss, cached_gaussian = state
+    return {
+        "kind": kind,
+        "keys": torch.from_numpy(np.asarray(keys).astype(np.int64)),
+        "pos": int(pos),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached_gaussian),
+    }
+
+
+def _numpy_state_from_plain(plain: dict[str, Any]) -> tuple:
+    return (plain["kind"], plain["keys"].numpy().astype(np.uint32), plain["pos"], plain["has_gauss"],
+            plain["cached_gaussian"])  # fmt: skip
 
 
 def _to_host(value: Any) -> Any:
@@ -152,8 +170,7 @@ def _load_sharded(directory: str, model: nn.Module, dense_optimizer: torch.optim
         sharded.load(model, os.path.join(path, SHARDED_TABLES))
         dense_optimizer.load_state_dict(state["dense_optimizer"])
     except (RuntimeError, KeyError, EOFError, OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"--resume: checkpoint {path} does not fit this model/flags ({first})") from None
+        raise ConfigError(f"--resume: checkpoint {path} does not fit this model/flags: {_first_line(e)}") from None
     # torch moves the loaded slots to their parameter's device, one device: copy them
     # onto the mesh like the (replicated) dense parameters they belong to.
     for slots in dense_optimizer.state.values():
@@ -190,23 +207,9 @@ def save(
         numpy_state = np.random.get_state()
     if is_sharded(model):
         return _save_sharded(directory, model, dense_optimizer, progress, numpy_state)
-    payload = {
-        "model": _to_host(model.state_dict()),
-        "embedding_optimizers": {
-            name: _to_host(m.optimizer_state_dict()) for name, m in embedding_collections(model).items()
-        },
-        "dense_optimizer": _to_host(dense_optimizer.state_dict()),
-        "progress": progress,
-        "numpy_random_state": numpy_state,
-    }
     path = os.path.join(directory, FILE_NAME)
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    return path
+    extra = {"progress": progress, "numpy_random_state": _numpy_state_to_plain(numpy_state)}
+    return str(sparse_checkpoint.save(path, model, dense_optimizer, extra=extra))
 
 
 def load(directory: str, model: nn.Module, dense_optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -229,13 +232,15 @@ def load(directory: str, model: nn.Module, dense_optimizer: torch.optim.Optimize
         )
         raise ConfigError(f"--resume: no checkpoint at {path}{hint}")
     try:
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-        model.load_state_dict(payload["model"])
-    except (RuntimeError, KeyError, EOFError, OSError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConfigError(f"--resume: checkpoint {path} does not fit this model/flags ({first})") from None
-    collections = embedding_collections(model)
-    for name, state in payload["embedding_optimizers"].items():
-        collections[name].load_optimizer_state_dict(state)
-    dense_optimizer.load_state_dict(payload["dense_optimizer"])
-    return {"progress": payload["progress"], "numpy_random_state": payload["numpy_random_state"]}
+        # Everything (model, table slots and step counts, dense optimizer) is checked, then loaded.
+        extra = sparse_checkpoint.load(path, model, dense_optimizer)
+    except sparse_checkpoint.CheckpointError as e:
+        raise ConfigError(f"--resume: {_first_line(e)}") from None
+    except ValueError as e:
+        raise ConfigError(f"--resume: checkpoint {path} does not fit this model/flags: {_first_line(e)}") from None
+    return {"progress": extra["progress"], "numpy_random_state": _numpy_state_from_plain(extra["numpy_random_state"])}
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -186,7 +186,7 @@ def test_two_devices_train_like_one(tmp_path, mode):
 
 
 def _history(directory: str) -> dict:
-    return torch.load(os.path.join(directory, checkpoint.FILE_NAME), weights_only=False)["progress"]["history"]
+    return torch.load(os.path.join(directory, checkpoint.FILE_NAME), weights_only=True)["extra"]["progress"]["history"]
 
 
 @pytest.mark.slow
@@ -254,6 +254,8 @@ def test_resume_10_plus_10_equals_20(tmp_path, source):
         out = run_script(*common, *args)
         assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stdout
+    # The tables' optimizer state is loaded with them: no warning that it restarts from zero.
+    assert "restarts from zero" not in out.stderr, out.stderr[-3000:]
     a, b = _history(straight)["losses"], _history(split)["losses"]
     assert len(a) == len(b) == 20
     np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
@@ -346,6 +348,20 @@ def test_checkpoint_is_written_atomically(tmp_path, monkeypatch):
     assert open(path, "rb").read() == before  # the old checkpoint is intact
     restored = checkpoint.load(str(tmp_path), model, optimizer)
     assert restored["progress"] == {"epoch": 0}
+
+
+def test_resume_into_another_model_names_the_first_difference(tmp_path):
+    cfg = flags.parse_args([*SMALL, "--adagrad"])
+    model = model_lib.build_model(cfg, "tpu")
+    checkpoint.save(str(tmp_path), model, model_lib.dense_optimizer(cfg, model), {"epoch": 0})
+    other_cfg = flags.parse_args([*SMALL, "--adagrad", "--num_embeddings_per_feature", "50,40,30,21"])
+    other = model_lib.build_model(other_cfg, "tpu")
+    with pytest.raises(flags.ConfigError) as error:
+        checkpoint.load(str(tmp_path), other, model_lib.dense_optimizer(other_cfg, other))
+    message = str(error.value)
+    assert message.startswith(f"--resume: checkpoint {tmp_path / checkpoint.FILE_NAME} does not fit"), message
+    assert "embedding_bags.t_cat_3.weight has shape (20, 8), the model's is (21, 8)" in message, message
+    assert "\n" not in message
 
 
 def test_sharded_checkpoint_is_written_atomically(tmp_path, monkeypatch):
