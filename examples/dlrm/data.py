@@ -200,8 +200,10 @@ class InMemoryCriteo:
                 world_size=1,
                 # Only training batches shuffle: held-out metrics do not depend on the order,
                 # and numpy's global generator then serves the training data alone.
-                drop_last=False,
+                drop_last=cfg.drop_last_training_batch and stage == "train",
                 shuffle_batches=cfg.shuffle_batches and stage == "train",
+                shuffle_training_set=cfg.shuffle_training_set and stage == "train",
+                shuffle_training_set_random_seed=cfg.seed,
                 mmap_mode=cfg.mmap_mode,
                 hashes=cfg.table_rows if cfg.hash_ids else None,
             )
@@ -260,14 +262,21 @@ class MultiHotCriteo:
             part = slice(0, half) if stage == "val" else slice(half, None)
             self.dense, self.labels = self.dense[part], self.labels[part]
             self.sparse = [c[part] for c in self.sparse]
+        if cfg.shuffle_training_set and stage == "train":  # once, with --seed, as TorchRec's in-memory reader
+            order = np.random.RandomState(cfg.seed).permutation(len(self.dense))
+            self.dense, self.labels = self.dense[order], self.labels[order]
+            self.sparse = [c[order] for c in self.sparse]
         self.batch_size, self.shuffle, self.source = batch_size, cfg.shuffle_batches and stage == "train", directory
+        self.drop_last = cfg.drop_last_training_batch and stage == "train"
 
     def __len__(self) -> int:
+        if self.drop_last:
+            return len(self.dense) // self.batch_size
         return -(-len(self.dense) // self.batch_size)
 
     def epoch_batches(self, epoch: int) -> Iterator[Batch]:
         del epoch
-        for start in range(0, len(self.dense), self.batch_size):
+        for start in range(0, len(self) * self.batch_size, self.batch_size):
             part = slice(start, start + self.batch_size)
             dense, labels, cols = self.dense[part], self.labels[part], [c[part] for c in self.sparse]
             if self.shuffle:  # the global numpy generator, as TorchRec's readers (and checkpoints) use it
@@ -365,8 +374,26 @@ class MultiHot:
     (shape 0.25, as TorchRec) modulo the table size.
     """
 
-    def __init__(self, sizes: list[int], table_rows: list[int], distribution: str) -> None:
+    def __init__(self, sizes: list[int], table_rows: list[int], distribution: str, collect_stats: bool = False) -> None:
         self.sizes, self.table_rows, self.distribution = sizes, table_rows, distribution
+        # --collect_multi_hot_freqs_stats: lookups per id of each table, before and after the conversion.
+        self.collect_stats = collect_stats
+        self.freqs_pre_hash = [np.zeros(rows) for rows in table_rows] if collect_stats else []
+        self.freqs_post_hash = [np.zeros(rows) for rows in table_rows] if collect_stats else []
+
+    def save_freqs_stats(self, directory: str = ".", rank: int = 0) -> list[str]:
+        """Writes the counts as ``dlrm_main.py`` does: ``stats_{pre,post}_hash_<rank>_<distribution>.npy``, each
+        a dict ``{"<table index>": counts}`` (``np.load(path, allow_pickle=True).item()`` reads it back).
+
+        Returns:
+            The two paths.
+        """
+        paths = []
+        for kind, freqs in (("pre", self.freqs_pre_hash), ("post", self.freqs_post_hash)):
+            path = os.path.join(directory, f"stats_{kind}_hash_{rank}_{self.distribution}.npy")
+            np.save(path, {str(k): f for k, f in enumerate(freqs)})
+            paths.append(path)
+        return paths
 
     def expand(self, k: int, ids: np.ndarray) -> np.ndarray:
         """``[n]`` one-hot ids of table ``k`` -> ``[n, sizes[k]]`` bags."""
@@ -389,7 +416,11 @@ class MultiHot:
                 raise ConfigError(
                     f"--multi_hot_sizes needs one-hot input, but feature {key} has {ids.shape[0]} ids for {size} samples"
                 )
-            values.append(self.expand(k, ids).reshape(-1))
+            bags = self.expand(k, ids).reshape(-1)
+            if self.collect_stats:
+                np.add.at(self.freqs_pre_hash[k], ids, 1)
+                np.add.at(self.freqs_post_hash[k], bags, 1)
+            values.append(bags)
             lengths.append(np.full(size, self.sizes[k], dtype=np.int32))
         new = KeyedJaggedTensor.from_lengths_sync(
             keys=kjt.keys(),
@@ -427,11 +458,16 @@ class Loader:
         name: where the data comes from (for messages).
     """
 
-    def __init__(self, source, cfg: Config, limit: int | None, name: str) -> None:
+    def __init__(self, source, cfg: Config, limit: int | None, name: str, stage: str = "train") -> None:
         self.source, self.limit, self.name = source, limit, name
         self.feature_names, self.table_rows = cfg.feature_names, cfg.table_rows
         self.multi_hot = (
-            MultiHot(cfg.multi_hot_sizes, cfg.table_rows, cfg.multi_hot_distribution_type)
+            MultiHot(
+                cfg.multi_hot_sizes,
+                cfg.table_rows,
+                cfg.multi_hot_distribution_type,
+                collect_stats=cfg.collect_multi_hot_freqs_stats and stage == "train",
+            )
             if cfg.multi_hot_sizes
             else None
         )
@@ -480,5 +516,5 @@ def make_loaders(cfg: Config) -> dict[str, Loader]:
         else:
             source = InMemoryCriteo(cfg.in_memory_binary_criteo_path, stage, sizes[stage], cfg)
             name = cfg.in_memory_binary_criteo_path
-        loaders[stage] = Loader(source, cfg, limits[stage], name)
+        loaders[stage] = Loader(source, cfg, limits[stage], name, stage)
     return loaders

@@ -70,6 +70,8 @@ def check(cfg: Config) -> None:
         "--profile_dir": cfg.profile_dir is not None,
         "--print_sharding_plan": cfg.print_sharding_plan,
         "--validation_freq_within_epoch": cfg.validation_freq_within_epoch is not None,
+        "--tensorboard_dir": cfg.tensorboard_dir is not None,
+        "--metrics_file": cfg.metrics_file is not None,
     }
     given = [flag for flag, on in refused.items() if on]
     if given:
@@ -192,33 +194,52 @@ def run(cfg: Config, make_loaders: Callable[[Config], dict[str, Loader]]) -> loo
             pipeline = TrainPipelineSparseDist(model, optimizer, torch.device("tpu"))
             began = time.perf_counter()
             while True:
+                # The tables' optimizer is a plain torch.optim one here (UNFUSED_TPU), so both parts
+                # take the schedule's rate of this step.
+                lr = cfg.lr_policy.at_step(steps + len(losses))
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
                 try:
                     loss, _logits, _labels = pipeline.progress(batches)  # DLRMTrain's detached output
                 except StopIteration:
                     break
+                if cfg.print_lr and rank == 0:
+                    for i, group in enumerate(optimizer.param_groups):
+                        print(f"lr: {len(losses)} {i} {group['lr']:.6f}")
                 losses.append(loss.detach())
             steps += len(losses)
-            mean = torch.stack(losses)
-            seconds += time.perf_counter() - began  # the epoch's steps, as dispatched (validation left out)
+            mean = torch.stack(losses).cpu()  # waits for the epoch's steps
+            seconds += time.perf_counter() - began  # the epoch's steps, done (validation left out)
             pipeline.detach()
             dist.all_reduce(mean, op=dist.ReduceOp.AVG)  # equal per-rank batches: the global mean loss
             history.losses.extend(float(v) for v in mean.cpu())
             val = evaluate(model, loaders["val"], "val")
-            history.val.append({"step": steps, "auc": val.auc, "ne": val.normalized_entropy})
+            history.val.append({"step": steps, **val.summary()})
             if rank == 0:
-                print(f"AUROC over val set: {val.auc:.6f}, NE {val.normalized_entropy:.4f} (epoch {epoch}).")
+                print(f"AUROC over val set: {val.line()} (epoch {epoch}).")
         final = evaluate(model, loaders["test"], "test")
-        history.test = {"step": steps, "auc": final.auc, "ne": final.normalized_entropy}
+        history.test = {"step": steps, **final.summary()}
         if rank == 0:
-            print(f"AUROC over test set: {final.auc:.6f}, NE {final.normalized_entropy:.4f}, {final.samples} samples.")
+            print(f"AUROC over test set: {final.line()}, {final.samples} samples.")
         rate = steps * cfg.batch_size * world / seconds if seconds > 0 else float("nan")
         if rank == 0:
             print(
                 f"held-out AUC {final.auc:.4f}, normalized entropy {final.normalized_entropy:.4f} "
                 f"({final.samples} test samples); {steps} steps per process, last loss {history.losses[-1]:.4f}; "
-                f"{rate:,.0f} samples/s (all processes)"
+                f"{rate:,.0f} samples/s over all processes (every step timed, the first steps' compilations included)"
             )
+        multi_hot = loaders["train"].multi_hot
+        if cfg.collect_multi_hot_freqs_stats and multi_hot is not None:
+            paths = multi_hot.save_freqs_stats(rank=rank)
+            print(f"rank {rank} wrote {', '.join(paths)}")
         dist.barrier()
-        return loop.RunResult(history=history, samples_per_second=rate, compilations_after_warmup=None, final=final)
+        return loop.RunResult(
+            history=history,
+            samples_per_second=rate,
+            timed_steps=steps,
+            steps_run=steps,
+            compilations_after_warmup=None,
+            final=final,
+        )
     finally:
         dist.destroy_process_group()

@@ -4,7 +4,9 @@ The flags carry the names and meanings of TorchRec's ``dlrm_main.py`` (so a
 command line written for it runs here unchanged apart from the script name),
 plus tpurec's own (``--mode``, ``--num_devices``, ``--checkpoint_dir``, ...).
 Flags of ``dlrm_main.py`` that tune CUDA (``--pin_memory``, ``--allow_tf32``)
-are accepted and have no effect here.
+are accepted and have no effect here. The few that this script does not honour
+(``--undersampling_rate``, which ``dlrm_main.py`` parses and never applies;
+``--dataset_name criteo_kaggle`` with a data path) exit with status 2, saying why.
 
 Bad input is reported by :class:`ConfigError`: ``train.py`` prints its one-line
 message and exits with status 2, as argparse does for a bad flag.
@@ -17,6 +19,8 @@ import dataclasses
 from typing import Sequence
 
 from torchrec.datasets.criteo import DEFAULT_CAT_NAMES, INT_FEATURE_COUNT
+
+from dlrm import lr_schedule
 
 INTERACTION_TYPES = ("original", "dcn", "projection")
 EMBEDDING_OPTIMIZERS = ("sgd", "adagrad", "rowwise_adagrad", "adam")
@@ -60,6 +64,12 @@ class Config:
     mmap_mode: bool
     multi_hot_sizes: list[int] | None
     multi_hot_distribution_type: str
+    collect_multi_hot_freqs_stats: bool
+    drop_last_training_batch: bool
+    shuffle_training_set: bool
+    lr_warmup_steps: int
+    lr_decay_start: int
+    lr_decay_steps: int
     in_memory_binary_criteo_path: str | None
     synthetic_multi_hot_criteo_path: str | None
     tsv_criteo_path: str | None
@@ -76,10 +86,17 @@ class Config:
     resume: bool
     profile_dir: str | None
     plot: str | None
+    tensorboard_dir: str | None
+    metrics_file: str | None
     loss_every: int
     dist: str
     feature_names: list[str]
     table_rows: list[int]
+
+    @property
+    def lr_policy(self) -> lr_schedule.LRPolicy:
+        """The learning rate of each step (``--lr_warmup_steps``, ``--lr_decay_start``, ``--lr_decay_steps``)."""
+        return lr_schedule.LRPolicy(self.learning_rate, self.lr_warmup_steps, self.lr_decay_start, self.lr_decay_steps)
 
     @property
     def synthetic(self) -> bool:
@@ -111,7 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit_train_batches", type=int, default=None, help="number of train batches per epoch")
     p.add_argument("--limit_val_batches", type=int, default=None, help="number of validation batches")
     p.add_argument("--limit_test_batches", type=int, default=None, help="number of test batches")
-    p.add_argument("--dataset_name", type=str, default="criteo_1t", help="criteo_1t or criteo_kaggle (informational)")
+    p.add_argument(
+        "--dataset_name",
+        type=str,
+        choices=["criteo_1t", "criteo_kaggle"],
+        default="criteo_1t",
+        help="the layout of the npy files: criteo_1t (day_N_*; the last day is split into val and test); "
+        "criteo_kaggle is refused with a data path (see docs/dlrm_training.md)",
+    )
     p.add_argument(
         "--num_embeddings",
         type=int,
@@ -155,7 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--undersampling_rate",
         type=float,
         default=None,
-        help="accepted for compatibility; not supported (must be unset)",
+        help="not supported: dlrm_main.py parses it and never applies it (must be unset)",
     )
     p.add_argument("--seed", type=int, default=None, help="random seed (default 0)")
     p.add_argument("--pin_memory", action="store_true", help="accepted; no effect on tpu")
@@ -177,13 +201,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--learning_rate", type=float, default=15.0, help="learning rate (dense and embedding optimizers)")
     p.add_argument("--eps", type=float, default=1e-8, help="epsilon of the Adagrad/Adam optimizers")
     p.add_argument("--shuffle_batches", action="store_true", help="shuffle the samples within each batch")
-    p.add_argument("--shuffle_training_set", action="store_true", help="accepted; not supported (must be unset)")
+    p.add_argument(
+        "--shuffle_training_set",
+        action="store_true",
+        help="shuffle the training rows once, in memory, with --seed (the data is loaded whole: overrides --mmap_mode)",
+    )
     p.add_argument(
         "--validation_freq_within_epoch", type=int, default=None, help="validate every this many training steps"
     )
     p.add_argument("--adagrad", action="store_true", help="use Adagrad (dense and embeddings) instead of SGD")
     p.add_argument("--interaction_type", type=str, default="original", help="original, dcn or projection")
-    p.add_argument("--collect_multi_hot_freqs_stats", action="store_true", help="accepted; no effect")
+    p.add_argument(
+        "--collect_multi_hot_freqs_stats",
+        action="store_true",
+        help="count how often each id is looked up in training, before and after --multi_hot_sizes's conversion; "
+        "written at the end to stats_pre_hash_0_<dist>.npy and stats_post_hash_0_<dist>.npy in the working directory",
+    )
     p.add_argument(
         "--multi_hot_sizes",
         type=str,
@@ -197,10 +230,17 @@ def build_parser() -> argparse.ArgumentParser:
         default="uniform",
         help="distribution of the extra multi-hot ids",
     )
-    p.add_argument("--lr_warmup_steps", type=int, default=0, help="accepted; must be 0 (no schedule yet)")
-    p.add_argument("--lr_decay_start", type=int, default=0, help="accepted; must be 0 (no schedule yet)")
-    p.add_argument("--lr_decay_steps", type=int, default=0, help="accepted; must be 0 (no schedule yet)")
-    p.add_argument("--print_lr", action="store_true", help="print the learning rate at each validation")
+    p.add_argument("--lr_warmup_steps", type=int, default=0, help="linear learning-rate warm-up over this many steps")
+    p.add_argument(
+        "--lr_decay_start", type=int, default=0, help="step at which the quadratic learning-rate decay starts"
+    )
+    p.add_argument("--lr_decay_steps", type=int, default=0, help="steps of the learning-rate decay (0: no decay)")
+    p.add_argument(
+        "--print_lr",
+        action="store_true",
+        help="print the learning rate of each parameter group before every training step (group 0: the tables, "
+        "1: the dense part)",
+    )
     p.add_argument("--allow_tf32", action="store_true", help="accepted; no effect on tpu")
     p.add_argument(
         "--print_sharding_plan", action="store_true", help="print the TPU sharding plan of the tables (tpurec planner)"
@@ -250,6 +290,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from the checkpoint in --checkpoint_dir")
     p.add_argument("--profile_dir", type=str, default=None, help="write a trace of a few training steps here")
     p.add_argument("--plot", type=str, default=None, help="write a PNG of the loss and AUC curves to this path")
+    p.add_argument(
+        "--tensorboard_dir",
+        type=str,
+        default=None,
+        help="write TensorBoard event files here (loss, learning rate, throughput, held-out metrics)",
+    )
+    p.add_argument(
+        "--metrics_file",
+        type=str,
+        default=None,
+        help="append the same records to this file, one JSON object per line",
+    )
     p.add_argument("--loss_every", type=int, default=10, help="read the loss from the device every this many steps")
     return p
 
@@ -309,11 +361,18 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         value = getattr(a, name)
         _check(value is None or value > 0, f"--{name} must be positive, got {value}")
     _check(a.learning_rate > 0, f"--learning_rate must be positive, got {a.learning_rate}")
-    _check(a.undersampling_rate is None, "--undersampling_rate is not supported by this script; drop it")
-    _check(not a.shuffle_training_set, "--shuffle_training_set is not supported by this script; use --shuffle_batches")
     _check(
-        a.lr_warmup_steps == a.lr_decay_start == a.lr_decay_steps == 0,
-        "learning rate schedules (--lr_warmup_steps/--lr_decay_start/--lr_decay_steps) are not supported yet; drop them",
+        a.undersampling_rate is None,
+        "--undersampling_rate is not supported: TorchRec's dlrm_main.py parses it but never applies it, and this "
+        "script does not undersample either; drop it",
+    )
+    schedule = lr_schedule.LRPolicy(a.learning_rate, a.lr_warmup_steps, a.lr_decay_start, a.lr_decay_steps)
+    problem = lr_schedule.check(schedule)
+    _check(problem is None, str(problem))
+    _check(
+        a.mode != "graphed" or schedule.constant,
+        "--mode graphed replays the captured step at the learning rate it was captured with, so a schedule "
+        "(--lr_warmup_steps/--lr_decay_steps) cannot change it; use --mode fused or compile",
     )
     _check(
         a.mode != "graphed" or a.dist != "dmp",
@@ -362,6 +421,17 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         "--multi_hot_sizes converts 1-hot ids to multi-hot; it is inapplicable with --synthetic_multi_hot_criteo_path",
     )
     _check(not a.resume or a.checkpoint_dir is not None, "--resume needs --checkpoint_dir (where the checkpoint is)")
+    _check(
+        a.dataset_name == "criteo_1t" or not data_paths,
+        "--dataset_name criteo_kaggle is not supported with a data path: dlrm_main.py reads train_*.npy and "
+        "validates and tests on the second half of the rows it trains on; write the Kaggle set as day_N_*.npy files "
+        "(the last one held out) and drop --dataset_name",
+    )
+    _check(
+        not a.collect_multi_hot_freqs_stats or multi_hot is not None,
+        "--collect_multi_hot_freqs_stats counts the ids of --multi_hot_sizes's 1-hot to multi-hot conversion; "
+        "give --multi_hot_sizes",
+    )
     embedding_optimizer = a.embedding_optimizer or ("adagrad" if a.adagrad else "sgd")
     synthetic = not data_paths
     # dlrm_main.py runs 10 batches per stage on its random data unless told otherwise.
@@ -392,6 +462,12 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         mmap_mode=a.mmap_mode,
         multi_hot_sizes=multi_hot,
         multi_hot_distribution_type=a.multi_hot_distribution_type,
+        collect_multi_hot_freqs_stats=a.collect_multi_hot_freqs_stats,
+        drop_last_training_batch=a.drop_last_training_batch,
+        shuffle_training_set=a.shuffle_training_set,
+        lr_warmup_steps=a.lr_warmup_steps,
+        lr_decay_start=a.lr_decay_start,
+        lr_decay_steps=a.lr_decay_steps,
         in_memory_binary_criteo_path=a.in_memory_binary_criteo_path,
         synthetic_multi_hot_criteo_path=a.synthetic_multi_hot_criteo_path,
         tsv_criteo_path=a.tsv_criteo_path,
@@ -408,6 +484,8 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         resume=a.resume,
         profile_dir=a.profile_dir,
         plot=a.plot,
+        tensorboard_dir=a.tensorboard_dir,
+        metrics_file=a.metrics_file,
         loss_every=a.loss_every,
         dist=a.dist,
         feature_names=feature_names,

@@ -27,6 +27,7 @@ from dlrm import checkpoint
 from dlrm.data import Loader
 from dlrm.flags import Config, ConfigError
 from dlrm.metrics import EvalResult, HeldOutMetrics
+from dlrm.metrics_log import MetricsLog
 
 WARMUP_STEPS = 10
 
@@ -115,6 +116,43 @@ class ReplayableBatches:
         return self.states[index] if index < self.read else np.random.get_state()
 
 
+def embedding_optimizers(model: nn.Module) -> list[sparse.EmbeddingOptimizer]:
+    """The fused embedding optimizer configs of ``model``'s collections (each once)."""
+    found: dict[int, sparse.EmbeddingOptimizer] = {}
+    for module in model.modules():
+        config = getattr(module, "optimizer", None)
+        if isinstance(config, sparse.EmbeddingOptimizer):
+            found[id(config)] = config
+    return list(found.values())
+
+
+def set_learning_rate(
+    tables: list[sparse.EmbeddingOptimizer], optimizer: torch.optim.Optimizer, lr: float
+) -> list[float]:
+    """Sets the learning rate of the tables' fused optimizers and of every dense parameter group.
+
+    As in ``dlrm_main.py``, one rate for both: its scheduler sets every group of its combined
+    optimizer, and TorchRec's fused table optimizers take the new rate at the ``zero_grad()``
+    that starts the next step, before that step's backward updates the tables. Both are runtime
+    inputs of the step's programs (a new value never recompiles).
+
+    Returns:
+        The learning rate of each parameter group: the tables' first, then the dense optimizer's
+        (``--print_lr``'s groups).
+    """
+    for config in tables:
+        config.learning_rate = lr
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return [c.learning_rate for c in tables[:1]] + [g["lr"] for g in optimizer.param_groups]
+
+
+def print_lr(step_in_epoch: int, lrs: list[float]) -> None:
+    """``--print_lr``: one line per parameter group, as ``dlrm_main.py`` prints them before each step."""
+    for i, lr in enumerate(lrs):
+        tqdm.write(f"lr: {step_in_epoch} {i} {lr:.6f}", file=sys.stdout)
+
+
 def make_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, device: str) -> PipelinedStep:
     """The training step: the one place where the step's machinery is chosen."""
     forward = torch.compile(model, backend="tpu") if cfg.mode == "compile" else model
@@ -198,12 +236,92 @@ class History:
 
 @dataclasses.dataclass
 class RunResult:
-    """The outcome of :func:`train`."""
+    """The outcome of :func:`train`.
+
+    Attributes:
+        history: what the run measured.
+        samples_per_second: training throughput after the warm-up steps, or None when this
+            process ran no step after them.
+        timed_steps: the steps that throughput is over.
+        steps_run: the training steps this process ran (after a resume, those after the checkpoint).
+        compilations_after_warmup: XLA compilations of the timed training steps (None if unmeasured).
+        final: the test metrics.
+    """
 
     history: History
-    samples_per_second: float
+    samples_per_second: float | None
+    timed_steps: int
+    steps_run: int
     compilations_after_warmup: int | None
     final: EvalResult
+
+
+class Throughput:
+    """Samples per second of the training steps after the warm-up.
+
+    Validation, checkpoints and their compilations are left out (:meth:`paused`). The clock
+    runs from :meth:`start` (the warm-up's steps done) to :meth:`stop` (an epoch's steps done);
+    the progress bar and the summary read the same :meth:`rate`.
+
+    Args:
+        samples_per_step: samples one training step trains on (all devices).
+    """
+
+    def __init__(self, samples_per_step: int) -> None:
+        self.samples_per_step = samples_per_step
+        self.began: float | None = None
+        self.ended: float | None = None
+        self.steps = 0
+        self.excluded_seconds = 0.0
+        self.eval_compilations = 0
+
+    @property
+    def measured(self) -> bool:
+        """True once a step after the warm-up has run."""
+        return self.began is not None and self.steps > 0
+
+    def start(self) -> None:
+        """Starts the clock (call after waiting for the warm-up steps)."""
+        self.began, self.ended, self.steps = time.perf_counter(), None, 0
+        self.excluded_seconds, self.eval_compilations = 0.0, 0
+
+    def step_done(self) -> None:
+        """Counts a training step (once the clock runs)."""
+        if self.began is not None:
+            self.steps += 1
+            self.ended = None
+
+    def stop(self) -> None:
+        """Stops the clock at the end of an epoch (call after waiting for its last step)."""
+        if self.began is not None and self.ended is None:
+            self.ended = time.perf_counter()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Leaves out what runs inside (a validation, a checkpoint) and the programs it compiles."""
+        running = self.began is not None and self.ended is None
+        if running:
+            tpurec.synchronize()  # the training steps queued so far finish on the clock
+        before, began = tpurec.stats()["compilations"], time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.began is not None:
+                self.eval_compilations += tpurec.stats()["compilations"] - before
+                if running:
+                    self.excluded_seconds += time.perf_counter() - began
+
+    def rate(self) -> float:
+        """Samples per second so far (0 before any timed step)."""
+        if not self.measured:
+            return 0.0
+        end = self.ended if self.ended is not None else time.perf_counter()
+        seconds = end - self.began - self.excluded_seconds
+        return self.steps * self.samples_per_step / seconds if seconds > 0 else float("inf")
+
+    def shown(self) -> str:
+        """The progress bar's figure: the rate, or that the warm-up is still running."""
+        return f"{self.rate():,.0f}" if self.measured else "warm-up"
 
 
 class StepTrace:
@@ -283,6 +401,7 @@ def train(
         The history, throughput and final test metrics.
     """
     history = History()
+    policy, table_optimizers = cfg.lr_policy, embedding_optimizers(model)
     start_epoch, start_step, global_step = 0, 0, 0
     numpy_state = None
     if cfg.resume:
@@ -295,15 +414,19 @@ def train(
     run_start = global_step
     pending: list[torch.Tensor] = []
     trace = StepTrace(cfg.profile_dir, run_start)
-    # Throughput and compilations count training steps only: validation and
-    # checkpoint time and programs are left out.
-    timer: dict[str, Any] = {"start": None, "samples": 0, "eval_compilations": 0, "eval_seconds": 0.0}
+    metrics_log = MetricsLog(cfg.tensorboard_dir, cfg.metrics_file)
+    timer = Throughput(cfg.batch_size * cfg.num_devices)
 
     def read_losses(keep_newest: bool) -> None:
         # All but (optionally) the newest loss: those steps have finished or are about to.
         ready = pending[:-1] if keep_newest else pending[:]
         del pending[: len(ready)]
-        history.losses.extend(float(t) for t in ready)
+        for t in ready:
+            history.losses.append(float(t))
+            step = len(history.losses)
+            metrics_log.train(step, history.losses[-1], policy.at_step(step - 1))
+        if ready and timer.measured:
+            metrics_log.throughput(len(history.losses), timer.rate(), timer.steps)
 
     def save(epoch: int, step_in_epoch: int, batches: ReplayableBatches | None) -> None:
         if cfg.checkpoint_dir:
@@ -323,93 +446,93 @@ def train(
             )
 
     def validate(epoch: int, step_in_epoch: int, batches: ReplayableBatches | None) -> None:
-        before, began = tpurec.stats()["compilations"], time.perf_counter()
-        result = evaluate(model, pipeline.forward, loaders["val"], device, "val")
-        history.val.append({"step": global_step, "auc": result.auc, "ne": result.normalized_entropy})
-        lr = f", lr {cfg.learning_rate}" if cfg.print_lr else ""
-        tqdm.write(
-            f"AUROC over val set: {result.auc:.6f}, NE {result.normalized_entropy:.4f} "
-            f"(epoch {epoch}, step {global_step}{lr}).",
-            file=sys.stdout,
-        )
-        save(epoch, step_in_epoch, batches)
-        timer["eval_compilations"] += tpurec.stats()["compilations"] - before
-        timer["eval_seconds"] += time.perf_counter() - began
+        with timer.paused():
+            result = evaluate(model, pipeline.forward, loaders["val"], device, "val")
+            history.val.append({"step": global_step, **result.summary()})
+            metrics_log.held_out("val", global_step, result)
+            tqdm.write(f"AUROC over val set: {result.line()} (epoch {epoch}, step {global_step}).", file=sys.stdout)
+            save(epoch, step_in_epoch, batches)
+            metrics_log.flush()
 
-    with tpurec.mode("fused" if cfg.mode in ("compile", "graphed") else cfg.mode):
-        for epoch in range(start_epoch, cfg.epochs):
-            total = len(loaders["train"])
-            skip = start_step if epoch == start_epoch else 0
-            if skip >= total:
-                continue  # this epoch was finished before the checkpoint
-            source = loaders["train"].epoch_batches(epoch)
-            for _ in range(skip):  # replay the data order up to the checkpoint
-                next(source)
-            if numpy_state is not None:  # then the shuffling from there on
-                np.random.set_state(numpy_state)
-                numpy_state = None
-            batches = ReplayableBatches(source, first=skip)
-            bar = tqdm(total=total, initial=skip, desc=f"Epoch {epoch}", file=sys.stderr, dynamic_ncols=True)
-            window_start, window_samples = time.perf_counter(), 0
-            step_in_epoch = skip
-            try:
-                while True:
-                    if global_step - run_start == WARMUP_STEPS:
-                        tpurec.synchronize()
-                        tpurec.reset_stats()
-                        timer.update(start=time.perf_counter(), samples=0, eval_compilations=0, eval_seconds=0.0)
-                    trace.before_step(global_step)
-                    try:
-                        loss = pipeline.progress(batches)
-                    except StopIteration:
-                        break
-                    pending.append(loss)
-                    global_step += 1
-                    step_in_epoch += 1
-                    window_samples += cfg.batch_size * cfg.num_devices
-                    if timer["start"] is not None:
-                        timer["samples"] += cfg.batch_size * cfg.num_devices
-                    bar.update(1)
-                    trace.after_step(global_step)
-                    if len(pending) >= cfg.loss_every:
-                        read_losses(keep_newest=True)
-                        now = time.perf_counter()
-                        window = history.losses[-cfg.loss_every :]
-                        bar.set_postfix(
-                            loss=f"{sum(window) / len(window):.4f}",
-                            samples_per_s=f"{window_samples / max(now - window_start, 1e-9):,.0f}",
-                        )
-                        window_start, window_samples = now, 0
-                    if (
-                        cfg.validation_freq_within_epoch
-                        and step_in_epoch % cfg.validation_freq_within_epoch == 0
-                        and step_in_epoch < total
-                    ):
-                        validate(epoch, step_in_epoch, batches)
-            except BaseException:
+    try:
+        with tpurec.mode("fused" if cfg.mode in ("compile", "graphed") else cfg.mode):
+            for epoch in range(start_epoch, cfg.epochs):
+                total = len(loaders["train"])
+                skip = start_step if epoch == start_epoch else 0
+                if skip >= total:
+                    continue  # this epoch was finished before the checkpoint
+                source = loaders["train"].epoch_batches(epoch)
+                for _ in range(skip):  # replay the data order up to the checkpoint
+                    next(source)
+                if numpy_state is not None:  # then the shuffling from there on
+                    np.random.set_state(numpy_state)
+                    numpy_state = None
+                batches = ReplayableBatches(source, first=skip)
+                bar = tqdm(total=total, initial=skip, desc=f"Epoch {epoch}", file=sys.stderr, dynamic_ncols=True)
+                step_in_epoch = skip
+                try:
+                    while True:
+                        trace.before_step(global_step)
+                        lrs = set_learning_rate(table_optimizers, optimizer, policy.at_step(global_step))
+                        try:
+                            loss = pipeline.progress(batches)
+                        except StopIteration:
+                            break
+                        if cfg.print_lr:
+                            print_lr(step_in_epoch, lrs)
+                        pending.append(loss)
+                        global_step += 1
+                        step_in_epoch += 1
+                        timer.step_done()
+                        if global_step - run_start == WARMUP_STEPS:
+                            # Warm-up over (its programs compiled): time the steps from here on.
+                            tpurec.synchronize()
+                            tpurec.reset_stats()
+                            timer.start()
+                        bar.update(1)
+                        trace.after_step(global_step)
+                        if len(pending) >= cfg.loss_every:
+                            read_losses(keep_newest=True)
+                            window = history.losses[-cfg.loss_every :]
+                            bar.set_postfix(loss=f"{sum(window) / len(window):.4f}", samples_per_s=timer.shown())
+                        if (
+                            cfg.validation_freq_within_epoch
+                            and step_in_epoch % cfg.validation_freq_within_epoch == 0
+                            and step_in_epoch < total
+                        ):
+                            validate(epoch, step_in_epoch, batches)
+                except BaseException:
+                    pipeline.close()
+                    bar.leave = False  # clear the bar, so an error is the last line the user sees
+                    bar.close()
+                    raise
                 pipeline.close()
-                bar.leave = False  # clear the bar, so an error is the last line the user sees
+                trace.after_step(global_step, force=True)
+                read_losses(keep_newest=False)  # waits for the epoch's last step
+                timer.stop()
+                if history.losses:
+                    bar.set_postfix(loss=f"{history.losses[-1]:.4f}", samples_per_s=timer.shown())
                 bar.close()
-                raise
-            bar.close()
-            pipeline.close()
-            trace.after_step(global_step, force=True)
+                validate(epoch, step_in_epoch, None)
+                start_step = 0
             read_losses(keep_newest=False)
-            validate(epoch, step_in_epoch, None)
-            start_step = 0
-        read_losses(keep_newest=False)
-        tpurec.synchronize()
-        elapsed = (
-            time.perf_counter() - timer["start"] - timer["eval_seconds"] if timer["start"] is not None else float("nan")
-        )
-        compilations = (
-            tpurec.stats()["compilations"] - timer["eval_compilations"] if timer["start"] is not None else None
-        )
-        final = evaluate(model, pipeline.forward, loaders["test"], device, "test")
-    history.test = {"step": global_step, "auc": final.auc, "ne": final.normalized_entropy}
-    log(f"AUROC over test set: {final.auc:.6f}, NE {final.normalized_entropy:.4f}, {final.samples} samples.")
+            compilations = tpurec.stats()["compilations"] - timer.eval_compilations if timer.measured else None
+            final = evaluate(model, pipeline.forward, loaders["test"], device, "test")
+        history.test = {"step": global_step, **final.summary()}
+        metrics_log.held_out("test", global_step, final)
+        if timer.measured:
+            metrics_log.throughput(global_step, timer.rate(), timer.steps)
+    finally:
+        metrics_log.close()
+    log(f"AUROC over test set: {final.line()}, {final.samples} samples.")
     if cfg.plot:
         plot(cfg.plot, history)
         log(f"wrote {cfg.plot}")
-    rate = timer["samples"] / elapsed if timer["start"] is not None and elapsed > 0 else float("nan")
-    return RunResult(history=history, samples_per_second=rate, compilations_after_warmup=compilations, final=final)
+    return RunResult(
+        history=history,
+        samples_per_second=timer.rate() if timer.measured else None,
+        timed_steps=timer.steps,
+        steps_run=global_step - run_start,
+        compilations_after_warmup=compilations,
+        final=final,
+    )

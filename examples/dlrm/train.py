@@ -48,6 +48,21 @@ def print_sharding_plan(cfg: flags.Config) -> None:
     print(report)
 
 
+def throughput_line(result: loop.RunResult) -> str:
+    """The summary's throughput: over the steps after the warm-up, or why there is none."""
+    if result.samples_per_second is None:
+        if result.steps_run == 0:
+            return "throughput not measured: no training step was left to run"
+        return (
+            f"throughput not measured: this run trained {result.steps_run} step(s), all within the "
+            f"{loop.WARMUP_STEPS} warm-up steps"
+        )
+    return (
+        f"{result.samples_per_second:,.0f} samples/s over the {result.timed_steps} steps after "
+        f"{loop.WARMUP_STEPS} warm-up steps; {result.compilations_after_warmup} compilations after warm-up"
+    )
+
+
 def run(argv: list[str] | None = None) -> loop.RunResult:
     """Parses ``argv``, builds data and model, trains, and prints the results."""
     cfg = flags.parse_args(argv)
@@ -70,12 +85,13 @@ def run(argv: list[str] | None = None) -> loop.RunResult:
         f"{cfg.embedding_optimizer} embeddings / {'adagrad' if cfg.adagrad else 'sgd'} dense at lr {cfg.learning_rate}"
     )
     result = loop.train(cfg, model, optimizer, loaders)
+    multi_hot = loaders["train"].multi_hot
+    if cfg.collect_multi_hot_freqs_stats and multi_hot is not None:
+        print(f"wrote {', '.join(multi_hot.save_freqs_stats())}")
     final = result.final
-    compiled = "n/a" if result.compilations_after_warmup is None else str(result.compilations_after_warmup)
     print(
         f"held-out AUC {final.auc:.4f}, normalized entropy {final.normalized_entropy:.4f} ({final.samples} test samples); "
-        f"{len(result.history.losses)} steps, last loss {result.history.losses[-1]:.4f}; "
-        f"{result.samples_per_second:,.0f} samples/s after warm-up; {compiled} compilations after warm-up"
+        f"{len(result.history.losses)} steps, last loss {result.history.losses[-1]:.4f}; {throughput_line(result)}"
     )
     return result
 
