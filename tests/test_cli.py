@@ -143,6 +143,12 @@ def test_python_dash_m_names_itself_in_help(module, capsys):
         (["nosuch"], "tpurec", "invalid choice: 'nosuch'"),
         (["bench"], "tpurec bench", "the following arguments are required: <command>"),
         (["bench", "nosuch"], "tpurec bench", "invalid choice: 'nosuch'"),
+        (
+            ["bench", "dlrm", "--batch-size", "0"],
+            "tpurec bench dlrm",
+            "argument --batch-size: must be a positive integer",
+        ),
+        # --batch, the benchmarks' earlier spelling, is still read (and checked).
         (["bench", "dlrm", "--batch", "0"], "tpurec bench dlrm", "argument --batch: must be a positive integer"),
         (["bench", "embeddings", "--dims", "x"], "tpurec bench embeddings", "argument --dims: not an integer: 'x'"),
     ],
@@ -186,6 +192,56 @@ def test_planner_rejects_bad_input_with_one_line(args, words, capsys, tmp_path):
     for word in words:
         assert word in lines[0], (word, lines[0])
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize(
+    "topology, batch_size, words",
+    [
+        ("v5p-128", "32", ["--batch-size 32 is smaller than the 64 devices of v5p-128", "at least 64"]),
+        ("v5p-128", "100", ["--batch-size 100 does not split evenly over the 64 devices", "e.g. 64 or 128"]),
+    ],
+)
+def test_planner_refuses_a_batch_the_devices_cannot_share(topology, batch_size, words, capsys):
+    rc = plan_main(["--topology", topology, "--tables", str(TABLES), "--batch-size", batch_size], prog="tpurec plan")
+    out, err = capsys.readouterr()
+    assert rc == 2 and not out, (rc, out)
+    (line,) = err.strip().splitlines()
+    assert line.startswith("tpurec plan: error: "), line
+    for word in words:
+        assert word in line, (word, line)
+
+
+BENCH_BATCH_DEFAULTS = {"dlrm": "2048", "embeddings": "2048", "modes": "[512, 4096]", "text": "4", "transformer": "8"}
+
+
+@pytest.mark.parametrize("bench", sorted(BENCH_BATCH_DEFAULTS))
+def test_benchmarks_spell_batch_size_as_the_planner_and_show_defaults(bench, capsys):
+    from tpurec.bench.__main__ import main
+
+    status, out, err = call(main, [bench, "--help"], capsys)
+    assert status == 0, err
+    assert "--batch-size" in out and "--batch " not in out and "--batch\n" not in out, out
+    text = " ".join(out.split())  # help lines wrap at the terminal width
+    assert f"(default: {BENCH_BATCH_DEFAULTS[bench]})" in text, text
+
+
+def test_plan_help_shows_defaults(capsys):
+    status, out, _ = call(lambda argv: plan_main(argv, prog="tpurec plan"), ["--help"], capsys)
+    text = " ".join(out.split())
+    assert status == 0 and "(default: adagrad)" in text and "(default: 45)" in text, text
+
+
+def test_batch_and_batch_size_read_the_same_value():
+    import argparse
+
+    from tpurec.cli import HelpFormatter, add_batch_size, positive_int
+
+    parser = argparse.ArgumentParser(formatter_class=HelpFormatter)
+    add_batch_size(parser, "samples per step", type=positive_int, default=2048)
+    assert parser.parse_args([]).batch == 2048
+    assert parser.parse_args(["--batch-size", "64"]).batch == 64
+    assert parser.parse_args(["--batch", "64"]).batch == 64
+    assert "--batch " not in parser.format_help() and "(default: 2048)" in parser.format_help()
 
 
 @pytest.mark.parametrize(

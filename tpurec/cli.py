@@ -47,7 +47,7 @@ def run_subcommand(
         # Dispatch before any parsing here: a --help after the name belongs to the subcommand.
         module = importlib.import_module(commands[argv[0]].module)
         return module.main(argv[1:], prog=f"{prog} {argv[0]}")
-    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser = argparse.ArgumentParser(prog=prog, description=description, formatter_class=HelpFormatter)
     if version is not None:
         parser.add_argument("--version", action="version", version=f"%(prog)s {version}")
     sub = parser.add_subparsers(title="commands", dest="command", metavar="<command>", required=True)
@@ -56,6 +56,25 @@ def run_subcommand(
     args, rest = parser.parse_known_args(argv)  # exits unless argv names a command (after "--", say)
     module = importlib.import_module(commands[args.command].module)
     return module.main(rest, prog=f"{prog} {args.command}")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """``--help`` of tpurec's commands: each flag's default after its help, the description's line breaks kept."""
+
+
+def add_batch_size(parser: argparse.ArgumentParser, help: str, **kwargs: Any) -> None:
+    """Adds ``--batch-size`` (into ``args.batch``), the one spelling of a batch size in tpurec's commands.
+
+    ``--batch``, the earlier spelling of the benchmarks, stays accepted and is left out of ``--help``.
+
+    Args:
+        parser: the command's parser.
+        help: what the batch size is (per step, per device...).
+        kwargs: ``type``, ``nargs``, ``default`` as for ``add_argument``.
+    """
+    parser.add_argument("--batch-size", dest="batch", help=help, **kwargs)
+    alias = {k: v for k, v in kwargs.items() if k in ("type", "nargs", "metavar")}
+    parser.add_argument("--batch", dest="batch", default=argparse.SUPPRESS, help=argparse.SUPPRESS, **alias)
 
 
 def error(prog: str, message: str) -> int:

@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tpurec.cli import error, positive_int
+from tpurec.cli import HelpFormatter, error, positive_int
 
 COLLECTIVES = (
     "all_reduce",
@@ -150,16 +150,14 @@ def launch(spec: dict[str, Any], timeout: float) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench collectives") -> dict:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--processes", type=positive_int, default=2, help="processes (ranks), at least 2")
     parser.add_argument("--sizes", type=positive_int, nargs="+", default=[1024, 1 << 20],
-                        help="float32 elements in each rank's input (default: 1024 1048576)")  # fmt: skip
+                        help="float32 elements in each rank's input")  # fmt: skip
     parser.add_argument("--repeats", type=positive_int, default=20, help="timed calls per collective and size")
     parser.add_argument("--warmup", type=positive_int, default=3, help="untimed calls first (compilation)")
     parser.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES,
-                        help="collectives to time (default: all)")  # fmt: skip
+                        help="collectives to time")  # fmt: skip
     parser.add_argument("--timeout", type=positive_int, default=900, help="seconds the whole run may take")
     args = parser.parse_args(argv)
     if args.processes < 2:

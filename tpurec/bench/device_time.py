@@ -314,22 +314,28 @@ def run_exported(directory: str, iters: int) -> dict:
     return result
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """tpurec.cli.HelpFormatter's behaviour (defaults shown), without importing tpurec: ``run`` needs only JAX."""
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench device_time") -> dict:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=_HelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    export = sub.add_parser("export", help="export the step programs for TPU (here)")
+    export = sub.add_parser("export", help="export the step programs for TPU (here)", formatter_class=_HelpFormatter)
     export.add_argument("--out", required=True, help="directory to write the programs and inputs to")
-    export.add_argument("--batch", type=int, nargs="+", default=[512, 4096], help="bench modes batches")
-    export.add_argument("--warmup", type=int, default=5)
+    # --batch-size, tpurec's one spelling; --batch (the earlier one) stays accepted, hidden.
+    export.add_argument(
+        "--batch-size", dest="batch", type=int, nargs="+", default=[512, 4096], help="bench modes batches"
+    )
+    export.add_argument("--batch", dest="batch", type=int, nargs="+", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    export.add_argument("--warmup", type=int, default=5, help="untimed steps first")
     export.add_argument("--host-steps", type=int, default=20, help="steps timed for the host ms")
     export.add_argument("--max-saved-mb", type=float, default=1.0, help="larger inputs are made up on the TPU")
-    export.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    export.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS, help="step programs to export")
     export.add_argument("--platform", default="tpu", choices=("tpu", "cpu"), help="cpu: to check the runner here")
-    run = sub.add_parser("run", help="time the exported programs (on the TPU machine)")
-    run.add_argument("directory")
-    run.add_argument("--iters", type=int, default=50)
+    run = sub.add_parser("run", help="time the exported programs (on the TPU machine)", formatter_class=_HelpFormatter)
+    run.add_argument("directory", help="the directory export wrote")
+    run.add_argument("--iters", type=int, default=50, help="timed calls per program")
     args = parser.parse_args(argv)
     if args.command == "export":
         return export_steps(

@@ -49,6 +49,7 @@ import torch
 
 import tpurec
 from tpurec.bench import clocks
+from tpurec.cli import HelpFormatter
 from tpurec.core import fused as _fused
 
 OPS = ("add", "view", "add_", "matmul")
@@ -153,17 +154,13 @@ def measure(op: str, config: str, size: int, ops: int, repeats: int, warmup: int
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dispatch") -> dict:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--ops", type=int, default=500, help="ops per timed loop")
     parser.add_argument("--repeats", type=int, default=7, help="timed loops per op and configuration")
     parser.add_argument("--warmup", type=int, default=2, help="untimed loops first")
     parser.add_argument("--size", type=int, default=8, help="the tensors are SIZE x SIZE float32")
-    parser.add_argument("--op", nargs="+", default=list(OPS), choices=OPS, help="ops to measure (default: all)")
-    parser.add_argument(
-        "--modes", nargs="+", default=list(CONFIGS), choices=CONFIGS, help="configurations (default: all)"
-    )
+    parser.add_argument("--op", nargs="+", default=list(OPS), choices=OPS, help="ops to measure")
+    parser.add_argument("--modes", nargs="+", default=list(CONFIGS), choices=CONFIGS, help="configurations")
     args = parser.parse_args(argv)
     if args.ops < 1 or args.repeats < 1 or args.warmup < 1 or args.size < 2:
         parser.error("--ops, --repeats and --warmup must be at least 1 and --size at least 2")

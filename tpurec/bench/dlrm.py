@@ -50,7 +50,7 @@ import tpurec.sparse as sparse
 from tpurec.bench import clocks, lazy_losses
 from tpurec.bench.captured import captured_step
 from tpurec.bench.rounds import run_in_rounds
-from tpurec.cli import non_negative_int, positive_int
+from tpurec.cli import HelpFormatter, add_batch_size, non_negative_int, positive_int
 from tpurec.core import runtime
 
 
@@ -346,12 +346,12 @@ def _embedding_bound(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm") -> dict:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
-    parser.add_argument("--batch", type=positive_int, default=2048)
-    parser.add_argument("--tables", type=positive_int, default=26)
-    parser.add_argument("--rows", type=positive_int, default=100_000)
-    parser.add_argument("--dim", type=positive_int, default=64)
-    parser.add_argument("--ids-per-bag", type=positive_int, default=4)
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    add_batch_size(parser, "samples per training step", type=positive_int, default=2048)
+    parser.add_argument("--tables", type=positive_int, default=26, help="embedding tables (one feature each)")
+    parser.add_argument("--rows", type=positive_int, default=100_000, help="rows of each table")
+    parser.add_argument("--dim", type=positive_int, default=64, help="embedding dimension")
+    parser.add_argument("--ids-per-bag", type=positive_int, default=4, help="ids per sample and feature")
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per configuration")
     parser.add_argument("--warmup", type=non_negative_int, default=3, help="untimed steps per configuration first")
     parser.add_argument(

@@ -27,7 +27,7 @@ import numpy as np
 
 from tpurec import config
 from tpurec.bench.sparse import _fbgemm, _jax_kernels, _median_ms
-from tpurec.cli import positive_int
+from tpurec.cli import HelpFormatter, add_batch_size, positive_int
 
 LR, EPS = 0.01, 1e-8
 
@@ -65,16 +65,16 @@ def _torchrec(kjt, num_tables: int, rows: int, dim: int, table: np.ndarray, iter
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench embeddings") -> dict:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
-    parser.add_argument("--dims", type=positive_int, nargs="+", default=[32, 64, 128])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    parser.add_argument("--dims", type=positive_int, nargs="+", default=[32, 64, 128], help="embedding dimensions")
     parser.add_argument("--pooling", type=positive_int, nargs="+", default=[1, 4, 20], help="ids per bag")
-    parser.add_argument("--tables", type=positive_int, default=8)
-    parser.add_argument("--rows", type=positive_int, default=100_000)
-    parser.add_argument("--batch", type=positive_int, default=2048)
-    parser.add_argument("--iters", type=positive_int, default=5)
-    parser.add_argument("--partitions", type=positive_int, default=8)
+    parser.add_argument("--tables", type=positive_int, default=8, help="embedding tables")
+    parser.add_argument("--rows", type=positive_int, default=100_000, help="rows of each table")
+    add_batch_size(parser, "samples per lookup", type=positive_int, default=2048)
+    parser.add_argument("--iters", type=positive_int, default=5, help="timed calls per configuration")
+    parser.add_argument("--partitions", type=positive_int, default=8, help="MOD partitions of the CSR input")
     parser.add_argument(
-        "--threads", type=positive_int, default=None, help="CPU threads for native and FBGEMM (default: all)"
+        "--threads", type=positive_int, default=None, help="CPU threads for native and FBGEMM (None: all)"
     )
     parser.add_argument("--skip-reference", action="store_true", help="skip the (slow) JAX reference kernel")
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")

@@ -67,6 +67,7 @@ from tpurec.bench import clocks
 from tpurec.bench.captured import WARMUP, captured_step
 from tpurec.bench.lazy_losses import handle, values
 from tpurec.bench.rounds import run_in_rounds
+from tpurec.cli import HelpFormatter, add_batch_size
 from tpurec.core import runtime
 
 NUM_SPARSE = 26
@@ -384,16 +385,12 @@ def run_batch(batch: int, names: list[str], steps: int, warmup: int, round_steps
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench modes") -> dict:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--batch", type=int, nargs="+", default=[512, 4096])
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    add_batch_size(parser, "batch sizes to run (one configuration set each)", type=int, nargs="+", default=[512, 4096])
     parser.add_argument("--steps", type=int, default=20, help="timed steps per configuration")
     parser.add_argument("--warmup", type=int, default=5, help="untimed steps per configuration first")
     parser.add_argument("--round-steps", type=int, default=5, help="steps of one configuration before the next one's")
-    parser.add_argument(
-        "--modes", nargs="+", default=list(CONFIGS), choices=CONFIGS, help="configurations to run (default: all)"
-    )
+    parser.add_argument("--modes", nargs="+", default=list(CONFIGS), choices=CONFIGS, help="configurations to run")
     args = parser.parse_args(argv)
     if min(args.batch) < 1 or args.steps < 1 or args.warmup < 0 or args.round_steps < 1:
         parser.error("--batch, --steps and --round-steps must be positive and --warmup at least 0")

@@ -21,7 +21,7 @@ from typing import Callable
 import numpy as np
 
 from tpurec import config
-from tpurec.cli import positive_int
+from tpurec.cli import HelpFormatter, positive_int
 
 LR, EPS = 0.01, 1e-8
 
@@ -95,12 +95,12 @@ def _fbgemm(kjt, num_tables: int, rows: int, dim: int, table: np.ndarray, iters:
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench sparse") -> dict:
-    parser = argparse.ArgumentParser(prog=prog, description=__doc__)
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--small", action="store_true", help="4 tables x 10k rows x dim 32, batch 256 (a quick run)")
-    parser.add_argument("--iters", type=positive_int, default=10)
+    parser.add_argument("--iters", type=positive_int, default=10, help="timed calls per kernel")
     parser.add_argument("--partitions", type=positive_int, default=8, help="MOD partitions of the CSR input")
     parser.add_argument(
-        "--threads", type=positive_int, default=None, help="CPU threads for native and FBGEMM (default: all)"
+        "--threads", type=positive_int, default=None, help="CPU threads for native and FBGEMM (None: all)"
     )
     parser.add_argument("--skip-reference", action="store_true", help="skip the (slow) JAX reference kernel")
     args = parser.parse_args(argv)

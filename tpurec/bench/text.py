@@ -31,7 +31,7 @@ import torch
 
 import tpurec
 from tpurec.buckets import SequenceBuckets, power_of_two_buckets
-from tpurec.cli import positive_int
+from tpurec.cli import HelpFormatter, add_batch_size, positive_int
 
 PAD = {"input_ids": 0, "attention_mask": 0, "labels": -100}
 VOCAB = 128
@@ -111,16 +111,16 @@ def run(how: str, buckets: SequenceBuckets | None, lengths: list[int], batch: in
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench text") -> dict:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--steps", type=positive_int, default=100, help="training steps, one random length each")
     parser.add_argument("--max-length", type=positive_int, default=128, help="lengths are drawn from 1..MAX_LENGTH")
-    parser.add_argument("--batch", type=positive_int, default=4)
-    parser.add_argument("--how", nargs="+", default=["fused", "compiled"], choices=["fused", "compiled"])
+    add_batch_size(parser, "sequences per step", type=positive_int, default=4)
+    parser.add_argument(
+        "--how", nargs="+", default=["fused", "compiled"], choices=["fused", "compiled"], help="execution modes to run"
+    )
     parser.add_argument("--no-buckets", action="store_true", help="no padding: one compilation per new length")
     parser.add_argument("--check", action="store_true", help="also train unpadded on PyTorch CPU and compare losses")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model and the lengths")
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     lengths = [rng.randint(1, args.max_length) for _ in range(args.steps)]

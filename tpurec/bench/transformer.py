@@ -44,7 +44,7 @@ from tpurec.bench import clocks
 from tpurec.bench.captured import captured_step
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.bench.text import VOCAB, tiny_bert
-from tpurec.cli import positive_int
+from tpurec.cli import HelpFormatter, add_batch_size, positive_int
 from tpurec.core import runtime
 
 
@@ -130,13 +130,13 @@ def _run_steps(config: _Config, steps: int, record: bool, stubbed: bool = False)
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench transformer") -> dict:
-    parser = argparse.ArgumentParser(
-        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--steps", type=positive_int, default=20, help="timed steps per configuration")
     parser.add_argument("--warmup", type=positive_int, default=5, help="untimed steps per configuration first")
-    parser.add_argument("--round-steps", type=positive_int, default=5)
-    parser.add_argument("--batch", type=positive_int, default=8)
+    parser.add_argument(
+        "--round-steps", type=positive_int, default=5, help="steps of one configuration before the next one's"
+    )
+    add_batch_size(parser, "sequences per step", type=positive_int, default=8)
     parser.add_argument("--length", type=positive_int, default=32, help="tokens per sequence (at most 512)")
     args = parser.parse_args(argv)
     if args.length > 512:

@@ -15,7 +15,7 @@ import argparse
 import sys
 from typing import List, Optional, Tuple
 
-from tpurec.cli import error, positive_int
+from tpurec.cli import HelpFormatter, error, positive_int
 from tpurec.sparse.planner.plan_io import save_plan
 from tpurec.sparse.planner.planner import load_tables, plan
 from tpurec.sparse.planner.sharder import tpu_sharding_types
@@ -44,13 +44,21 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m tpurec.sparse.
     p = argparse.ArgumentParser(
         prog=prog,
         description="Shard embedding tables over a TPU topology with TorchRec's planner.",
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--topology", required=True, help="accelerator type, e.g. v5p-128, v6e-256, 2xv6e-256")
     p.add_argument("--slices", type=positive_int, default=1, help="number of slices (multislice over DCN)")
     p.add_argument("--slice-shape", type=_slice_shape, default=None, help="override the slice shape, e.g. 4x4x8")
     p.add_argument("--tables", required=True, help="JSON table list (see examples/planner/)")
-    p.add_argument("--batch-size", type=positive_int, required=True, help="GLOBAL batch size")
-    p.add_argument("--optimizer", default="adagrad", choices=sorted(OPTIMIZER_SLOTS))
+    p.add_argument(
+        "--batch-size",
+        type=positive_int,
+        required=True,
+        help="GLOBAL batch size (samples per step over all devices; a multiple of the number of devices)",
+    )
+    p.add_argument(
+        "--optimizer", default="adagrad", choices=sorted(OPTIMIZER_SLOTS), help="embedding optimizer (sizes its slots)"
+    )
     p.add_argument(
         "--row-wise-output",
         default="sparse",
@@ -78,6 +86,9 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m tpurec.sparse.
         topo = TpuTopology.from_name(args.topology, num_slices=args.slices, slice_shape=args.slice_shape)
     except ValueError as e:
         return error(prog, f"--topology {args.topology}: {e}")
+    problem = _batch_size_problem(args.batch_size, topo.world_size, args.topology)
+    if problem:
+        return error(prog, problem)
     try:
         tables = load_tables(args.tables)
     except (OSError, ValueError, KeyError, TypeError) as e:  # unreadable file, bad JSON, bad table fields
@@ -111,6 +122,22 @@ def main(argv: Optional[List[str]] = None, prog: str = "python -m tpurec.sparse.
             return error(prog, f"--json {args.json_out}: {e}")
         print(f"wrote {args.json_out}")
     return 0
+
+
+def _batch_size_problem(batch_size: int, devices: int, topology: str) -> str | None:
+    """Why ``batch_size`` cannot be split evenly over ``devices`` data-parallel devices, or None."""
+    if batch_size < devices:
+        return (
+            f"--batch-size {batch_size} is smaller than the {devices} devices of {topology}: each device "
+            f"trains on at least one sample of the global batch; give at least {devices}"
+        )
+    if batch_size % devices:
+        lower, upper = batch_size // devices * devices, (batch_size // devices + 1) * devices
+        return (
+            f"--batch-size {batch_size} does not split evenly over the {devices} devices of {topology} "
+            f"({batch_size / devices:g} samples each); give a multiple of {devices}, e.g. {lower} or {upper}"
+        )
+    return None
 
 
 def _slice_shape(text: str) -> Tuple[int, ...]:
