@@ -261,3 +261,35 @@ def test_generated_parts_match_the_lowering_table() -> None:
 
     for (page, name), text in gen_docs.parts().items():
         assert gen_docs.committed(page, name) == text, f"{page}: part {name!r} is stale: run python tests/gen_docs.py"
+
+
+# Development-log wording: README.md and docs/ describe the product as it is, for someone with nothing
+# else; what changed when lives in git history. Each pattern is a phrase that tells a story of
+# changes ("now compile", "before/after" columns, "in the next round") rather than what tpurec does.
+DEV_LOG_PATTERNS = [
+    r"\bnow\b(?! on\b)",  # "now compile", "is now" ("from now on" is an instruction)
+    r"\bused to (?:be|take|wrap|run|call|give|make)\b",
+    r"\bsince fixed\b",
+    r"\bin the next (?:round|session|change)\b",
+    r"\bno longer\b",
+    r"\bbefore and after:",
+    r"\|\s*before\s*\|",  # a table column of an earlier version's figures
+    r"\bbefore: ",
+    r"\bit was \d",
+    r"\bgdb\b",
+    r"\bminutes of device\s+time\b",
+    r"\bthis round\b",
+    r"\bprevious main\b",
+    r"\b(?:this|next|the) session\b",
+]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_page_has_no_development_log_wording(page: Path) -> None:
+    text = page.read_text()
+    found = [
+        f"{page.relative_to(ROOT)}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}"
+        for pattern in DEV_LOG_PATTERNS
+        for m in re.finditer(pattern, text, re.IGNORECASE)
+    ]
+    assert not found, "development-log wording (say what tpurec does, not what changed):\n" + "\n".join(found)
