@@ -10,6 +10,7 @@ Parts:
 * ``not-lowered`` (docs/lowerings.md): the ATen ops that OpInfo entries reach and that have no
   lowering (from ``tests/dense/opinfo_known_failures.txt``, kept by ``make coverage``).
 * ``flags`` (docs/config.md): the table of every ``TPUREC_*`` flag, from ``tpurec.config.FLAGS``.
+* ``patches`` (docs/import.md): every change ``import tpurec`` makes, from ``tpurec._patches.PATCHES``.
 """
 
 from __future__ import annotations
@@ -67,6 +68,19 @@ def render_flags() -> str:
     return config.markdown_table().removesuffix("\n")
 
 
+def render_patches() -> str:
+    from tpurec._patches import PATCHES
+
+    def cell(text: str) -> str:
+        return " ".join(text.split()).replace("|", "\\|")
+
+    lines = ["| patch | library | applied | what it changes | why |", "|---|---|---|---|---|"]
+    for p in PATCHES:
+        applied = f"when `{p.after_import}` is imported" if p.after_import else "at `import tpurec`"
+        lines.append(f"| `{p.name}` | {p.library} | {applied} | {cell(p.changes)} | {cell(p.reason)} |")
+    return "\n".join(lines)
+
+
 def parts() -> dict[tuple[str, str], str]:
     """(page, part name) -> the generated text."""
     ops = lowered_ops()
@@ -74,6 +88,7 @@ def parts() -> dict[tuple[str, str], str]:
         ("docs/lowerings.md", "lowered-ops"): render_lowered(ops),
         ("docs/lowerings.md", "not-lowered"): render_not_lowered(ops),
         ("docs/config.md", "flags"): render_flags(),
+        ("docs/import.md", "patches"): render_patches(),
     }
 
 
