@@ -37,12 +37,15 @@ PROG = "train.py"
 
 
 def print_sharding_plan(cfg: flags.Config) -> None:
-    """Prints tpurec's TPU sharding plan for the tables (TorchRec's planner)."""
-    from tpurec.sparse.planner import plan
+    """Prints tpurec's TPU sharding plan for the tables (TorchRec's planner), for the run's embedding optimizer."""
+    from tpurec.sparse.planner import TpuEstimatorConfig, TpuPlannerConfig, plan
 
     topology = cfg.topology or f"v5p-{2 * max(cfg.num_devices, 4)}"
+    config = TpuPlannerConfig(estimator=TpuEstimatorConfig(optimizer=cfg.embedding_optimizer))
     try:
-        _, report = plan(model_lib.table_configs(cfg), topology, batch_size=cfg.batch_size * cfg.num_devices)
+        _, report = plan(
+            model_lib.table_configs(cfg), topology, batch_size=cfg.batch_size * cfg.num_devices, config=config
+        )
     except ValueError as e:
         raise flags.ConfigError(f"--print_sharding_plan: {str(e).splitlines()[0]}") from None
     print(report)

@@ -657,6 +657,7 @@ def test_print_sharding_plan_lists_every_table(capsys):
     script.print_sharding_plan(cfg)
     text = capsys.readouterr().out
     assert "v5p-8" in text
+    assert "optimizer sgd" in text  # the run's embedding optimizer (SGD without --adagrad), not the planner's default
     for name, rows in zip(cfg.feature_names, cfg.table_rows):
         assert re.search(rf"t_{name}\s+{rows}\s+8\b", text), text
     with pytest.raises(flags.ConfigError, match="--print_sharding_plan"):
