@@ -54,7 +54,9 @@ def test_torchrun_two_processes_trains_the_dlrm_with_dmp():
         pytest.fail(f"torchrun did not end within {SECONDS} s:\n{output[-6000:]}")
     assert proc.returncode == 0, output[-6000:]
     assert "sharded by TorchRec's DistributedModelParallel on 2 processes" in output, output[-3000:]
-    assert len(re.findall(r"AUROC over val set: [0-9.]+, NE [0-9.]+ \(epoch \d\)", output)) == 2, output[-3000:]
+    assert len(re.findall(r"AUROC over val set: [0-9.]+, NE [0-9.]+, calibration [0-9.]+ \(epoch \d\)", output)) == 2, (
+        output[-3000:]
+    )
     # 8 batches a epoch over 2 processes: 4 steps each, 2 epochs; the test set is both ranks' 2 x 16 samples.
     summary = re.search(
         r"held-out AUC ([0-9.]+), .* \(32 test samples\); 8 steps per process, last loss ([0-9.]+)", output
