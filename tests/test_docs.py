@@ -275,7 +275,7 @@ DEV_LOG_PATTERNS = [
     r"\bbefore and after:",
     r"\|\s*before\s*\|",  # a table column of an earlier version's figures
     r"\bbefore: ",
-    r"\bit was \d",
+    r"\(it was \d",  # "(it was 50)": an earlier figure
     r"\bgdb\b",
     r"\bminutes of device\s+time\b",
     r"\bthis round\b",
