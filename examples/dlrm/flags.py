@@ -265,7 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--topology",
         type=str,
         default=None,
-        help="TPU topology for --print_sharding_plan, e.g. v5p-8 (default: v5p of --num_devices chips)",
+        help="TPU topology for --print_sharding_plan, e.g. v5p-8 (default: the run's chip, v5p on a host "
+        "without a TPU, with --num_devices of them)",
     )
     p.add_argument(
         "--embedding_optimizer",

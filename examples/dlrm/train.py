@@ -40,7 +40,10 @@ def print_sharding_plan(cfg: flags.Config) -> None:
     """Prints tpurec's TPU sharding plan for the tables (TorchRec's planner), for the run's embedding optimizer."""
     from tpurec.sparse.planner import TpuEstimatorConfig, TpuPlannerConfig, plan
 
-    topology = cfg.topology or f"v5p-{2 * max(cfg.num_devices, 4)}"
+    from tpurec.sparse.sharding.model import planning_topology
+
+    # By default the chip this run is on (v5p for a run on the host), with --num_devices of them.
+    topology = cfg.topology or planning_topology(cfg.num_devices)
     config = TpuPlannerConfig(estimator=TpuEstimatorConfig(optimizer=cfg.embedding_optimizer))
     try:
         _, report = plan(

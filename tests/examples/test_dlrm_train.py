@@ -662,3 +662,12 @@ def test_print_sharding_plan_lists_every_table(capsys):
         assert re.search(rf"t_{name}\s+{rows}\s+8\b", text), text
     with pytest.raises(flags.ConfigError, match="--print_sharding_plan"):
         script.print_sharding_plan(flags.parse_args([*SMALL, "--topology", "not-a-tpu"]))
+    # Without --topology: the run's chip with --num_devices of them (a v5e here, as if on one).
+    import tpurec.sparse.sharding.model as model_module
+
+    v5e = type("Device", (), {"device_kind": "TPU v5 lite", "platform": "tpu"})()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(model_module.jax, "devices", lambda *a: [v5e])
+        script.print_sharding_plan(flags.parse_args([*SMALL, "--print_sharding_plan"]))
+    text = capsys.readouterr().out
+    assert "v5e-1" in text and "v5p" not in text

@@ -96,6 +96,22 @@ def _check_mesh(mesh: Any) -> None:
         raise ValueError(f"mesh devices {strangers} are not devices of the tpu platform ({jax.default_backend()})")
 
 
+def planning_topology(num_devices: int, device: Any = None) -> str:
+    """The topology name a plan for ``num_devices`` devices like ``device`` is made for, e.g. ``"v5e-8"``.
+
+    Args:
+        num_devices: the devices the plan spreads over.
+        device: a JAX device of the run (default: the first one); its kind picks the generation
+            (:func:`planning_generation`).
+    """
+    from tpurec.sparse.planner.topology import TPU_GENERATIONS
+
+    generation = TPU_GENERATIONS[planning_generation(jax.devices()[0] if device is None else device)]
+    # Accelerator names count TensorCores on v4/v5p/v7x (two per chip), chips elsewhere.
+    chips = -(-num_devices // generation.devices_per_chip)
+    return f"{generation.name}-{chips * 2 if generation.name_counts_cores else chips}"
+
+
 def planning_generation(device: Any) -> str:
     """The TPU generation a plan for ``device`` is made for (the planner's table of device kinds).
 
@@ -130,9 +146,7 @@ def _planned(owner: nn.Module, ebc: EmbeddingBagCollection, mesh: Mesh, batch_si
     from tpurec.sparse.planner import plan as tpu_plan
 
     devices = mesh.devices.size
-    generation = planning_generation(mesh.devices.flat[0])
-    # Accelerator names count TensorCores on v4/v5p (two per chip, one device), chips elsewhere.
-    name = f"{generation}-{devices * 2 if generation in ('v4', 'v5p') else devices}"
+    name = planning_topology(devices, mesh.devices.flat[0])
     if isinstance(owner, EmbeddingCollection):
         tables: Any = TorchrecEC(owner.embedding_configs(), device=torch.device("meta"))
     else:
