@@ -185,3 +185,61 @@ def test_static_activations_of_a_graph_with_symbolic_sizes_are_packed_in_the_ord
     for got, want in zip(grads, cpu_grads):
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
     assert packed_counts and packed_counts[0] >= 2, packed_counts  # tanh(w1), sigmoid(w2), exp(scale)
+
+
+class _CpuScale(torch.nn.Module):
+    """Divides its activations by a scale computed on the CPU in the forward (DeBERTa-v2's attention scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 8)
+        self.b = torch.nn.Linear(8, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return torch.sigmoid(self.b(h) / torch.sqrt(torch.tensor(8.0))).sum()
+
+
+class _CpuIndexedTable(torch.nn.Module):
+    """Indexes a bias table with an int64 index built on the CPU in the forward (BEiT's relative
+    position bias), beside int64 indices computed on the device."""
+
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.n = n
+        self.table = torch.nn.Parameter(torch.randn(2 * n - 1, 2))
+        self.proj = torch.nn.Linear(n, n)
+
+    def forward(self, x):
+        positions = torch.arange(self.n)
+        index = positions[:, None] - positions[None, :] + self.n - 1  # on the CPU
+        bias = self.table[index.view(-1)].view(self.n, self.n, 2).sum(-1)
+        h = torch.tanh(self.proj(x) + bias)
+        order = h.argmax(-1, keepdim=True)
+        picked = torch.gather(torch.sigmoid(h), -1, order)
+        first = torch.gather(h * h, -1, h.argmin(-1, keepdim=True))
+        return (picked * first).sum()
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+@pytest.mark.parametrize("model_class", [_CpuScale, _CpuIndexedTable])
+def test_activations_saved_on_the_cpu_stay_out_of_the_packing_and_train_as_on_cpu(mode, model_class, monkeypatch):
+    # A tensor the forward graph computes on the CPU (a 0-dim scale, an int64 index) is saved
+    # for the backward beside tpu tensors of its dtype: packing them into one tpu tensor would
+    # concatenate across devices.
+    torch.manual_seed(0)
+    model = model_class()
+    g = torch.Generator().manual_seed(4)
+    batches = [torch.randn(2, 4, 4, generator=g) for _ in range(3)]
+    packed_counts = []
+    original = saved.pack_saved
+    monkeypatch.setattr(saved, "pack_saved", lambda *a: packed_counts.append(original(*a)) or packed_counts[-1])
+
+    losses, grads = _train(model, batches, "tpu", mode, packed=True)
+    cpu_losses, cpu_grads = _train(model, batches, "cpu", "eager", packed=True)
+
+    torch.testing.assert_close(losses, cpu_losses, rtol=RTOL, atol=ATOL)
+    assert len(grads) == len(cpu_grads)
+    for got, want in zip(grads, cpu_grads):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+    assert packed_counts and packed_counts[0] >= 2, packed_counts  # the tpu activations are still packed

@@ -11,8 +11,11 @@ slices each back out and views it in its shape. When the forward and backward ru
 program (fused mode's window), XLA sees the concatenation and the slices together.
 
 Packed are saved tensors that the forward graph computes (not its inputs, not its user
-outputs), with static shapes, contiguous, of at most :data:`MAX_PACKED_ELEMENTS` elements,
-that AOTAutograd checks for in-place changes as usual. ``TPUREC_COMPILE_PACK_SAVED=0`` keeps
+outputs) on the tpu device, with static shapes, contiguous, of at most
+:data:`MAX_PACKED_ELEMENTS` elements, that AOTAutograd checks for in-place changes as usual.
+A saved tensor the graph computes on the CPU (a 0-dim scale made with ``torch.tensor``, an
+index built with ``torch.arange``) stays as it is: it cannot join a tpu tensor, and it costs
+the device nothing. ``TPUREC_COMPILE_PACK_SAVED=0`` keeps
 AOTAutograd's own partition.
 
 Example::
@@ -66,6 +69,7 @@ def _packable(node: Any, user_outputs: set) -> bool:
     value = node.meta.get("val")
     return (
         isinstance(value, FakeTensor)
+        and value.device.type == "tpu"
         and all(isinstance(d, int) for d in value.shape)
         and value.numel() <= MAX_PACKED_ELEMENTS
         and value.storage_offset() == 0
