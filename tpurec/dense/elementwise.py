@@ -18,7 +18,7 @@ from jax import lax
 
 from tpurec.dense._util import ALWAYS_BOOL, DEFAULT, INT_TO_FLOAT, Kind, cast, is_float, is_weak_scalar, promote
 from tpurec.dense.registry import lower, to_jax_dtype
-from tpurec.dense import transcendental
+from tpurec.dense import error_functions, transcendental
 
 aten = torch.ops.aten
 
@@ -63,7 +63,7 @@ for _ops, _fn in [
     ((aten.acosh.default,), transcendental.acosh),
     ((aten.atanh.default,), transcendental.atanh),
     ((aten.erf.default,), jax.scipy.special.erf),
-    ((aten.erfc.default,), transcendental.erfc),
+    ((aten.erfc.default,), error_functions.erfc),
     ((aten.erfinv.default,), transcendental.erfinv),
     ((aten.lgamma.default,), transcendental.lgamma),
     ((aten.digamma.default,), transcendental.digamma),

@@ -1,4 +1,4 @@
-"""Special functions through ``jax.scipy.special``: polygamma, erfcx, Bessel
+"""Special functions through ``jax.scipy.special``: polygamma, erfcx (``error_functions``), Bessel
 functions of order 0/1 (K_0/K_1 by quadrature, J_0/J_1 and Y_0/Y_1 by series and asymptotic expansion), Airy Ai,
 ndtr/ndtri/log_ndtr, zeta, entr, xlog1py, igamma(c),
 and the orthogonal polynomial families.
@@ -22,7 +22,7 @@ from jax import lax
 
 from tpurec.dense._util import Kind, promote
 from tpurec.dense.registry import lower
-from tpurec.dense import transcendental
+from tpurec.dense import error_functions, transcendental
 
 aten = torch.ops.aten
 
@@ -88,10 +88,10 @@ _UNARY = {
     aten.special_i1e.default: jss.i1e,
     aten.special_modified_bessel_i0.default: _i0,
     aten.special_modified_bessel_i1.default: _i1,
-    aten.special_erfcx.default: transcendental.through_float64(jss.erfcx),
+    aten.special_erfcx.default: error_functions.erfcx,
     aten.special_ndtri.default: transcendental.through_float64(jss.ndtri),
     aten.special_ndtr.default: jss.ndtr,
-    aten.special_log_ndtr.default: transcendental.through_float64(jss.log_ndtr),
+    aten.special_log_ndtr.default: error_functions.log_ndtr,
     aten.special_entr.default: transcendental.entr,
     aten.special_spherical_bessel_j0.default: _spherical_j0,
     aten.special_bessel_j0.default: _bessel_j(0),

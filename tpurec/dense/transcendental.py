@@ -11,7 +11,8 @@ float32 values takes it from here. ``lax.logistic`` lowers to an ``exp`` without
 :func:`sigmoid` is written out around an accurate ``exp``; XLA expands ``asinh`` and ``atanh``
 with an approximate ``log`` (errors of 9e-5 on the TPU), so :func:`asinh` and :func:`atanh` are
 written out around ``log1p``, and :func:`sinh`, :func:`cosh`, :func:`acosh` (up to 2.6e-4) around
-``exp`` and ``log1p``; :func:`erfinv` and :func:`erfc` are computed in float64; :func:`xlogy`,
+``exp`` and ``log1p``; :func:`erfinv` is computed in float64 (``erfc`` and its relatives are
+:mod:`tpurec.dense.error_functions`, in float32); :func:`xlogy`,
 :func:`xlog1py` and :func:`entr` are written around ``log``; :func:`power` computes the common
 exponents without XLA's ``power``, which has no accuracy request, and the others in float64, as
 :func:`lgamma` (XLA's float32 expansion erred by 2.8e-4 on the TPU).
@@ -56,7 +57,6 @@ __all__ = [
     "xlog1py",
     "xlogy",
     "entr",
-    "erfc",
     "erfinv",
     "lgamma",
     "digamma",
@@ -125,10 +125,8 @@ def through_float64(fn: Callable) -> Callable:
 
 # log |gamma(x)|: XLA's float32 expansion erred by 2.8e-4 from float64 on a v5e (CPU 3.1e-7).
 lgamma = through_float64(lax.lgamma)
-# XLA's float32 expansions of these erred on a v5e (relative to float64, PyTorch CPU about 1e-7):
-# erf_inv 2.5e-5 (5.7e-6 on XLA:CPU), erfc 6.4e-6 in its tail.
+# XLA's float32 expansion erred by 2.5e-5 on a v5e (5.7e-6 on XLA:CPU; PyTorch CPU about 1e-7).
 erfinv = through_float64(lax.erf_inv)
-erfc = through_float64(lax.erfc)
 _digamma = through_float64(lax.digamma)
 
 
