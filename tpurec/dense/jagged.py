@@ -221,3 +221,6 @@ mark(
     fbgemm.keyed_jagged_index_select_dim1,
     kind=Kind.DATA_DEPENDENT,
 )
+
+# FBGEMM's pooled-embedding permutations (KeyedTensor.regroup) load with this family.
+from tpurec.dense import pooled_permutes  # noqa: E402, F401
