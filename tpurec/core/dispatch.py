@@ -41,6 +41,7 @@ from tpurec.core.host import (
     _DATA_DEPENDENT,
     _INDEXING,
     _has_bool_index,
+    _masks_as_indices,
     _indexing_across_devices,
     _on_host,
 )
@@ -241,6 +242,8 @@ def _dispatch_full(func, args: tuple, kwargs: dict):
         args, result = _indexing_across_devices(func, args)
         if args is None:
             return result
+    if _has_bool_index(func, args) and isinstance(args[0], TpuTensor):
+        args = _masks_as_indices(func, args)
     if func in _DATA_DEPENDENT or _has_bool_index(func, args):
         runtime.counters().host_ops[func.__name__] += 1
         return _on_host(func, args, kwargs)

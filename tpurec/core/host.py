@@ -93,6 +93,49 @@ def _has_bool_index(func, args) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in (args[1] or ()))
 
 
+def _masks_as_indices(func, args):
+    """``args`` with each boolean mask index whose values are known on the host (a mirror) replaced
+    by its nonzero positions, one int64 index tensor per mask dimension, moved to the device.
+
+    That is how ATen itself indexes through a mask: the result is the same, but the op's shape is
+    now known without reading the device, so it runs as a lowering (no sync point, and in fused
+    mode no window cut in the middle of a step: a masked loss such as ELECTRA's discriminator's,
+    ``logits[attention_mask == 1]``, stays in the step's one program). A mask not known on the
+    host keeps the host path.
+    """
+    self, indices = args[0], list(args[1])
+    changed = False
+    dim = 0  # the dimension of ``self`` the index at k starts at
+    for k, index in enumerate(indices):
+        if not (isinstance(index, TpuTensor) and index.dtype in (torch.bool, torch.uint8)):
+            dim += 1
+            continue
+        values = mirror_of(index)
+        if values is None:
+            return args
+        covered = tuple(self.shape[dim : dim + index.dim()])
+        if covered != tuple(index.shape):  # ATen's own check, which the positions would skip
+            raise IndexError(
+                f"The shape of the mask {list(index.shape)} at index {k} does not match the shape of the "
+                f"indexed tensor {list(self.shape)} at index {dim}"
+            )
+        dim += index.dim()
+        device = jax_device(self._storage.index)
+        positions = []
+        for column in values.nonzero().unbind(1):
+            moved = wrap(host_to_jax(column.contiguous(), device), self._storage.index)
+            attach(moved, column.contiguous())
+            positions.append(moved)
+        indices[k : k + 1] = [positions]
+        changed = True
+    if not changed:
+        return args
+    flat = []
+    for index in indices:
+        flat.extend(index if isinstance(index, list) else [index])
+    return (self, flat, *args[2:])
+
+
 def _on_host(func, args, kwargs):
     """Runs ``func`` on CPU copies of its tpu inputs and moves the results back."""
     with profiler.record(f"tpurec::host_fallback {func}"):  # tpurec.profiler hook
