@@ -280,8 +280,105 @@ for _op, _fn in _UNARY.items():
     lower(_op)(_unary(_fn))
 
 
+def _zeta_any_q(x, q):
+    """The Hurwitz zeta function with PyTorch's (Cephes') domain: negative ``q`` included.
+
+    ``jss.zeta`` is inf for every q <= 0. PyTorch sums the terms (q + k)^-x directly when x is an
+    integer (q^-x is then defined for negative q): inf at q a non-positive integer (a pole), NaN
+    for q < 0 and x not an integer; inf at x = 1 and NaN below, for any q. Here each negative q is
+    shifted by m = ceil(-q) steps with zeta(x, q) = sum_{k < m} (q + k)^-x + zeta(x, q + m), as
+    polygamma's negative arguments below (as many steps as CPU's own loop takes).
+    """
+    integer_x = x == jnp.floor(x)
+    negative = q <= 0
+    pole = negative & (q == jnp.floor(q))
+    shift = jnp.where(negative & ~pole & integer_x, jnp.ceil(-q), 0.0)
+    top = jnp.max(shift, initial=0.0)
+
+    def body(carry):
+        k, total = carry
+        term = jnp.where(k < shift, jnp.power(jnp.where(k < shift, q + k, 1.0), -x), 0.0)
+        return k + 1, total + term
+
+    _, total = lax.while_loop(lambda c: c[0] < top, body, (jnp.zeros((), q.dtype), jnp.zeros_like(q + x)))
+    out = jss.zeta(x, q + shift) + total
+    out = jnp.where(negative & ~pole & ~integer_x, jnp.nan, jnp.where(pole, jnp.inf, out))
+    # x = inf: the first term below 1 in magnitude is inf (q < 1), or q^-x = 1 (q = 1); CPU's NaN above.
+    out = jnp.where(x == jnp.inf, jnp.where(q < 1, jnp.inf, jnp.where(q == 1, 1.0, out)), out)
+    return jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, out))
+
+
 # float32 in float64: XLA's float32 expansion erred by 6.6e-6 on a v5e (PyTorch CPU 1.1e-7)
-_zeta = transcendental.through_float64(jss.zeta)
+_zeta = transcendental.through_float64(_zeta_any_q)
+
+
+_IGAMC_SERIES_TERMS = 40  # x <= 1.1: the 40th term is below 1.1^40 / 40! ~ 1e-46 of the first
+
+
+# lgamma(1 + a) = -euler_gamma a + sum_{k>=2} (-1)^k zeta(k) / k a^k for |a| < 1: the first terms.
+_LGAMMA1P_SERIES = (-np.euler_gamma,) + tuple(
+    (-1) ** k * float(mpmath_zeta) / k
+    for k, mpmath_zeta in (
+        (2, 1.6449340668482264),
+        (3, 1.2020569031595942),
+        (4, 1.0823232337111381),
+        (5, 1.0369277551433699),
+        (6, 1.0173430619844491),
+        (7, 1.0083492773819228),
+        (8, 1.0040773561979443),
+    )
+)
+
+
+def _lgamma1p(a):
+    """``lgamma(1 + a)`` without rounding ``1 + a`` for |a| < 0.01 (Cephes' lgam1p: its series)."""
+    small = jnp.abs(a) < 0.01
+    t = jnp.where(small, a, 0.0)
+    series = jnp.zeros_like(t)
+    for coefficient in reversed(_LGAMMA1P_SERIES):
+        series = (series + coefficient) * t
+    return jnp.where(small, series, lax.lgamma(1 + a))
+
+
+def _igammac_small_x(a, x):
+    """The upper regularized incomplete gamma Q(a, x), with PyTorch's series where x <= 1.1 and a is small.
+
+    ``jss.gammaincc`` takes 1 - P(a, x) there, which loses every digit of a small Q (a = 1e-30,
+    x = 0.9: 7.5e-15 for 8.4e-31). PyTorch (Cephes' ``igamc``) uses DLMF 8.7.3 in that region:
+    Q = -expm1(a log x - lgamma(1 + a)) - x^a / Gamma(a) * sum_{n>=1} (-x)^n / (n! (a + n)).
+    """
+    series_region = (x > 0) & (x <= 1.1) & (a > 0) & jnp.where(x <= 0.5, a <= -0.4 / jnp.log(x), a <= 1.1 * x)
+    sa = jnp.where(series_region, a, 1.0)
+    sx = jnp.where(series_region, x, 0.5)
+    factor = jnp.ones_like(sa + sx)
+    total = jnp.zeros_like(factor)
+    for n in range(1, _IGAMC_SERIES_TERMS + 1):
+        factor = factor * (-sx / n)
+        total = total + factor / (sa + n)
+    log_x = jnp.log(sx)
+    series = -jnp.expm1(sa * log_x - _lgamma1p(sa)) - jnp.exp(sa * log_x - lax.lgamma(sa)) * total
+    return jnp.where(series_region, series, jss.gammaincc(a, x))
+
+
+def _incomplete_gamma_edges(fn, lower: bool):
+    """``fn`` (regularized incomplete gamma) with PyTorch's values at the edges of its domain.
+
+    ``calc_igamma``/``calc_igammac``: NaN for a < 0 or x < 0; at a = 0, 1 (lower) or 0 (upper) for
+    x > 0 and NaN at x = 0 (jax.scipy gives NaN for every x); at x = 0, 0 (1); at a = inf, 0 (1)
+    unless x = inf too (NaN); at x = inf, 1 (0).
+    """
+
+    def edged(a, x):
+        out = fn(a, x)
+        low, high = (1.0, 0.0) if lower else (0.0, 1.0)  # the limits at x -> inf and at x = 0
+        out = jnp.where(jnp.isinf(x), low, out)
+        out = jnp.where(jnp.isinf(a), jnp.where(jnp.isinf(x), jnp.nan, high), out)
+        out = jnp.where(x == 0, high, out)
+        out = jnp.where(a == 0, jnp.where(x > 0, low, jnp.nan), out)
+        # (CPU's checks in its order: a NaN argument falls through to the ones after it.)
+        return jnp.where((a < 0) | (x < 0), jnp.nan, out).astype(out.dtype)
+
+    return edged
 
 
 def _xlog1py(x, y):
@@ -292,8 +389,8 @@ for _packet, _fn in (
     (aten.special_zeta, _zeta),
     (aten.special_xlog1py, _xlog1py),
     # float32 in float64: XLA's expansions take logarithms and exponentials without accuracy requests
-    (aten.igamma, transcendental.through_float64(jss.gammainc)),
-    (aten.igammac, transcendental.through_float64(jss.gammaincc)),
+    (aten.igamma, _incomplete_gamma_edges(transcendental.through_float64(jss.gammainc), lower=True)),
+    (aten.igammac, _incomplete_gamma_edges(transcendental.through_float64(_igammac_small_x), lower=False)),
 ):
     for _name in ("default", "self_scalar", "other_scalar"):
         if _name in _packet.overloads():
