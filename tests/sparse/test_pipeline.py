@@ -317,12 +317,14 @@ def test_bench_embeddings_cli_sweep(tmp_path):
         ],
         tmp_path,
     )
-    assert out["copy_bandwidth_gb_s"] > 0
+    assert out["bandwidth_gb_s"] > 0 and out["bandwidth_source"] == "host memory copy"
+    assert out["kernel"] == "native"  # XLA:CPU's own kernel
     assert [(r["dim"], r["ids_per_bag"]) for r in out["runs"]] == [(8, 1), (8, 3), (16, 1), (16, 3)]
     for run in out["runs"]:
         assert run["entries"] <= 2 * 16 * run["ids_per_bag"]
-        for impl in ("native", "fbgemm_tbe", "torchrec_ebc"):
+        for impl in ("native", "plain_jax", "fbgemm_tbe", "torchrec_ebc"):
             assert run[impl]["forward_ms"] > 0 and run[impl]["train_bandwidth_fraction"] >= 0
+            assert run[impl]["forward_rows_gb_s"] > 0
     assert len(out["plots"]) == 2
 
 

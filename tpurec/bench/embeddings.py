@@ -4,12 +4,17 @@
 
 For every (dim, ids per bag) pair, on one batch of the same KJT: the pooled
 forward and one training step (forward + backward + row-wise Adagrad on the
-touched rows) of the native FFI kernel, the JAX reference kernel, FBGEMM's
-TBE and torchrec's ``FusedEmbeddingBagCollection`` (FBGEMM underneath, through
-torchrec's module). Each time is a median in ms, next to the fraction of the
-memory-bandwidth bound it reaches: the bytes the step must move divided by the
-time, over the copy bandwidth measured in the same run (``np.copyto`` of a
-256 MiB buffer: read + write).
+touched rows) of the platform's kernel (``kernel``: the native FFI kernel on
+XLA:CPU, the SparseCore or TensorCore kernel on a TPU, by chip), the plain-JAX
+peer (``plain_jax``: gather + sum, sorted dedup, the update on the touched rows;
+:mod:`tpurec.bench.jax_peer`), the JAX reference kernel, FBGEMM's TBE and
+torchrec's ``FusedEmbeddingBagCollection`` (FBGEMM underneath, through
+torchrec's module; both on the host's CPU). Each time is a median in ms, next to
+the looked-up rows' bytes per second (``forward_rows_gb_s``) and the fraction of
+the memory-bandwidth bound it reaches: the bytes the step must move divided by
+the time, over the bandwidth of the memory the tables live in (a TPU's HBM, from
+its generation in the planner's table; on the host, a copy measured in the same
+run: ``np.copyto`` of a 256 MiB buffer, read + write).
 
 Bytes moved (float32): forward = entries x (dim x 4 + 12 CSR bytes) + outputs
 x dim x 4; training step = 2 x forward (the backward gathers the output
@@ -26,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from tpurec import config
-from tpurec.bench.sparse import _fbgemm, _jax_kernels, _median_ms
+from tpurec.bench.sparse import _fbgemm, _jax_kernels, _median_ms, _plain_jax
 from tpurec.cli import HelpFormatter, add_batch_size, positive_int
 
 LR, EPS = 0.01, 1e-8
@@ -85,13 +90,24 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench embe
     import torch
     from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 
-    from tpurec.sparse.kernels import native, reference
+    import jax
+
+    from tpurec.sparse import ops
+    from tpurec.sparse.kernels import native, reference, tensorcore, tpu
+    from tpurec.sparse.planner.topology import generation_of_device_kind
     from tpurec.sparse.preprocess import preprocess_kjt  # the step being measured (not public API)
 
     threads = args.threads or len(os.sched_getaffinity(0))
     torch.set_num_threads(threads)
-    native.ensure_registered()  # build outside the timings
-    bandwidth = copy_bandwidth_gb_s()
+    # The platform's own kernel: native on XLA:CPU, SparseCore or TensorCore on a TPU (by chip).
+    family = ops.kernel_family()
+    platform_kernels = {"native": native, "tensorcore": tensorcore, "sparsecore": tpu, "reference": reference}[family]
+    if family == "native":
+        native.ensure_registered()  # build outside the timings
+    # The bandwidth bound: the chip's HBM (its generation's figure) on a TPU, a measured copy on the host.
+    device = jax.devices()[0]
+    generation = generation_of_device_kind(str(device.device_kind)) if device.platform == "tpu" else None
+    bandwidth = generation.hbm_bw_per_chip / 1e9 if generation is not None else copy_bandwidth_gb_s()
     rng = np.random.default_rng(0)
     runs = []
     for dim in args.dims:
@@ -113,15 +129,22 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench embe
             outputs = args.tables * args.batch
             forward_bytes = entries * (dim * 4 + 12) + outputs * dim * 4
             train_bytes = 2 * forward_bytes + unique * (2 * dim * 4 + 8)
-            times = {"native": _jax_kernels(native, csr, outputs, table, args.iters)}
-            if not args.skip_reference:
+            times = {family: _jax_kernels(platform_kernels, csr, outputs, table, args.iters)}
+            ids = (
+                kjt.values().numpy().reshape(args.tables, args.batch, bag)
+                + (np.arange(args.tables) * args.rows)[:, None, None]
+            )
+            times["plain_jax"] = _plain_jax(ids.reshape(outputs, bag), table, args.iters)
+            if not args.skip_reference and family != "reference":
                 times["reference"] = _jax_kernels(reference, csr, outputs, table, args.iters)
             times["fbgemm_tbe"] = _fbgemm(kjt, args.tables, args.rows, dim, table, args.iters)
             times["torchrec_ebc"] = _torchrec(kjt, args.tables, args.rows, dim, table, args.iters)
             run = {"dim": dim, "ids_per_bag": bag, "entries": entries, "unique_ids": unique}
+            rows_bytes = args.tables * args.batch * bag * dim * 4  # the looked-up rows: the useful traffic
             for name, t in times.items():
                 run[name] = {
                     **t,
+                    "forward_rows_gb_s": round(rows_bytes / (t["forward_ms"] * 1e-3) / 1e9, 4),
                     "forward_bandwidth_fraction": round(forward_bytes / (t["forward_ms"] * 1e-3) / 1e9 / bandwidth, 3),
                     "train_bandwidth_fraction": round(train_bytes / (t["train_step_ms"] * 1e-3) / 1e9 / bandwidth, 3),
                 }
@@ -129,7 +152,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench embe
     result = {
         "benchmark": "embeddings",
         "config": {k: v for k, v in vars(args).items() if k != "plot"} | {"threads": threads},
-        "copy_bandwidth_gb_s": round(bandwidth, 2),
+        "kernel": family,
+        "bandwidth_gb_s": round(bandwidth, 2),
+        "bandwidth_source": f"HBM of a TPU {generation.name}" if generation is not None else "host memory copy",
         "runs": runs,
     }
     if args.plot:

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["PlainJaxDlrm"]
+__all__ = ["PlainJaxDlrm", "plain_jax_lookup", "plain_jax_rowwise_adagrad"]
 
 
 def _mlp_params(key, sizes: Sequence[int]) -> list[tuple[jax.Array, jax.Array]]:
@@ -132,3 +132,27 @@ class PlainJaxDlrm:
             self.params, self.dense_state, self.table, self.accumulator, *batch
         )
         return loss
+
+
+def plain_jax_lookup(table: jax.Array, ids: jax.Array) -> jax.Array:
+    """Pooled lookup as a JAX user writes it: ``ids`` ``[bags, ids_per_bag]`` rows of ``table``, summed per bag."""
+    return jnp.take(table, ids, axis=0).sum(axis=1)
+
+
+def plain_jax_rowwise_adagrad(
+    table: jax.Array, accumulator: jax.Array, ids: jax.Array, grad: jax.Array, *, learning_rate: float, eps: float
+) -> tuple[jax.Array, jax.Array]:
+    """Row-wise Adagrad on the rows ``ids`` touched, from the pooled gradient ``grad`` ``[bags, dim]``:
+    the ids sorted, gradients summed per unique id, the update applied to those rows only."""
+    n, dim = ids.size, table.shape[1]
+    flat = ids.reshape(-1)
+    g_rows = jnp.broadcast_to(grad[:, None, :], (*ids.shape, dim)).reshape(n, dim)
+    order = jnp.argsort(flat)
+    sorted_ids = flat[order]
+    first = jnp.concatenate([jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
+    segment = jnp.cumsum(first) - 1
+    g_unique = jax.ops.segment_sum(g_rows[order], segment, num_segments=n, indices_are_sorted=True)
+    unique_ids = jnp.full((n,), table.shape[0], flat.dtype).at[segment].set(sorted_ids)
+    m = accumulator.at[unique_ids].get(mode="fill", fill_value=0) + jnp.mean(g_unique**2, axis=1)
+    w = table.at[unique_ids].get(mode="fill", fill_value=0) - (learning_rate / (jnp.sqrt(m) + eps))[:, None] * g_unique
+    return table.at[unique_ids].set(w, mode="drop"), accumulator.at[unique_ids].set(m, mode="drop")

@@ -65,6 +65,34 @@ def _jax_kernels(kernels, csr, batch_size: int, table: np.ndarray, iters: int) -
     return {"forward_ms": fwd_ms, "train_step_ms": train_ms}
 
 
+def _plain_jax(ids: np.ndarray, table: np.ndarray, iters: int) -> dict[str, float]:
+    """The plain-JAX peer (:mod:`tpurec.bench.jax_peer`) on ``ids`` ``[bags, ids_per_bag]`` of ``table``:
+    the same forward and row-wise Adagrad step as :func:`_jax_kernels`."""
+    import jax
+    import jax.numpy as jnp
+
+    from tpurec.bench.jax_peer import plain_jax_lookup, plain_jax_rowwise_adagrad
+
+    ids_d = jnp.asarray(ids.astype(np.int32))
+    forward = jax.jit(plain_jax_lookup)
+
+    def step(ids, table, acc):
+        grad = plain_jax_lookup(table, ids) * 1e-3
+        return plain_jax_rowwise_adagrad(table, acc, ids, grad, learning_rate=LR, eps=EPS)
+
+    train = jax.jit(step, donate_argnums=(1, 2))
+    state = [jnp.asarray(table) * 1, jnp.zeros(table.shape[0], jnp.float32)]
+
+    def run_train():
+        state[:] = train(ids_d, *state)
+        jax.block_until_ready(state)
+
+    fwd_ms = _median_ms(lambda: forward(state[0], ids_d).block_until_ready(), iters)
+    train_ms = _median_ms(run_train, iters)
+    del state[:]
+    return {"forward_ms": fwd_ms, "train_step_ms": train_ms}
+
+
 def _fbgemm(kjt, num_tables: int, rows: int, dim: int, table: np.ndarray, iters: int) -> dict[str, float]:
     import torch
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
