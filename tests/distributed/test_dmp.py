@@ -8,61 +8,21 @@ one process, train like it with a plain optimizer over ``model.parameters()``, a
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
+import dmp_worker  # beside this file
 import numpy as np
 import pytest
-from ports import free_port_pair
+from launcher import run
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 LAUNCH_SECONDS = 600  # a bound on a hang; a launch takes 2-6 min on 2 busy cores
-sys.path.insert(0, str(HERE))
-try:
-    import dmp_worker
-finally:
-    sys.path.remove(str(HERE))
 
 
 def _launch(processes: int, out: Path, plans: tuple[str, ...], hosts: int = 1) -> None:
     """Runs dmp_worker.py under torchrun, ``hosts`` torchrun nodes (one agent each) of equal size;
     fails with their output unless every rank ended well."""
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",  # one device per process
-        "JAX_PLATFORMS": "cpu",
-        "TPUREC_TEST_HANG_SECONDS": str(LAUNCH_SECONDS - 30),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    port = str(free_port_pair())
-    agents = []
-    for host in range(hosts):
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts), "--node-rank", str(host),
-            "--nproc-per-node", str(processes // hosts), "--master-addr", "127.0.0.1", "--master-port", port,
-            str(HERE / "dmp_worker.py"), str(out), ",".join(plans),
-        ]  # fmt: skip
-        # Each agent in its own session: on a timeout every launched agent and its ranks are killed.
-        agents.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                       start_new_session=True))  # fmt: skip
-    outputs = []
-    for agent in agents:
-        try:
-            output, _ = agent.communicate(timeout=LAUNCH_SECONDS)
-        except subprocess.TimeoutExpired:
-            for other in agents:
-                if other.poll() is None:
-                    os.killpg(other.pid, signal.SIGKILL)
-            output, _ = agent.communicate()
-            pytest.fail(f"the {processes}-process launch did not end within {LAUNCH_SECONDS} s:\n{output[-6000:]}")
-        outputs.append(output)
-    for agent, output in zip(agents, outputs, strict=True):
-        assert agent.returncode == 0, output[-6000:]
+    run(HERE / "dmp_worker.py", processes, str(out), ",".join(plans), nodes=hosts, seconds=LAUNCH_SECONDS)
 
 
 def _assemble(ranks: list, tables: dict[str, np.ndarray], suffix: str) -> tuple[dict[str, np.ndarray], dict]:
@@ -108,34 +68,42 @@ def _check(out: Path, plan: str, processes: int, hosts: int = 1) -> None:
         assert shards[name] == wanted, (plan, name, kind, shards[name])
 
 
+# The 2-process plans of the tests below, in one launch (each launch's start costs the ranks' imports and
+# first compilations).
+TWO_PROCESS_PLANS = ("table_wise", "row_wise", "column_wise", "mixed", "stacked", "ec_row_wise", "ec_table_wise",
+                     "table_row_wise", "grid_shard")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the 2-process launch of every plan wrote its results."""
+    out = tmp_path_factory.mktemp("dmp") / "two"
+    run(HERE / "dmp_worker.py", 2, str(out), ",".join(TWO_PROCESS_PLANS), seconds=2 * LAUNCH_SECONDS)
+    return out
+
+
 @pytest.mark.slow
-def test_two_processes_each_sharding_type_and_a_mixed_plan(tmp_path):
+def test_two_processes_each_sharding_type_and_a_mixed_plan(two_processes):
     """Table-, row- and column-wise, a mix, and four column shards of one table on 2 ranks (each
     rank holds two: the sharded module's table parameter is them stacked)."""
-    plans = ("table_wise", "row_wise", "column_wise", "mixed", "stacked")
-    _launch(2, tmp_path / "two", plans)
-    for plan in plans:
-        _check(tmp_path / "two", plan, 2)
+    for plan in ("table_wise", "row_wise", "column_wise", "mixed", "stacked"):
+        _check(two_processes, plan, 2)
 
 
 @pytest.mark.slow
-def test_two_processes_embedding_collection_row_and_table_wise(tmp_path):
+def test_two_processes_embedding_collection_row_and_table_wise(two_processes):
     """An EmbeddingCollection (unpooled lookups) on the UNFUSED_TPU kernel matches its CPU twin:
     forward values, table gradients, trained tables."""
-    plans = ("ec_row_wise", "ec_table_wise")
-    _launch(2, tmp_path / "ec", plans)
-    for plan in plans:
-        _check(tmp_path / "ec", plan, 2)
+    for plan in ("ec_row_wise", "ec_table_wise"):
+        _check(two_processes, plan, 2)
 
 
 @pytest.mark.slow
-def test_two_processes_table_row_wise_and_grid_on_one_host(tmp_path):
+def test_two_processes_table_row_wise_and_grid_on_one_host(two_processes):
     """One host of two ranks: each table row-wise over the host; grid puts both column shards of
     t3 on every rank (stacked)."""
-    plans = ("table_row_wise", "grid_shard")
-    _launch(2, tmp_path / "twrw", plans)
-    for plan in plans:
-        _check(tmp_path / "twrw", plan, 2)
+    for plan in ("table_row_wise", "grid_shard"):
+        _check(two_processes, plan, 2)
 
 
 @pytest.mark.slow
