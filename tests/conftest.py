@@ -1,6 +1,10 @@
-"""Test set-up shared by every test: 8 host devices for JAX, tpu registered."""
+"""Test set-up shared by every test: 8 host devices for JAX, tpu registered; under pytest-xdist, how test
+files are shared out between the workers."""
+
+from __future__ import annotations
 
 import os
+from pathlib import Path
 
 # Must be set before JAX initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -12,6 +16,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tpurec.core import runtime  # noqa: E402
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest-xdist is pinned in requirements-test.lock; without it the suite runs in one process
+    LoadScopeScheduling = None
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The whole suite runs in one process and builds tens of thousands of programs, each holding
 # memory mappings; tpurec's own guard (runtime.keep_mapping_headroom) would drop them in the
@@ -27,3 +38,68 @@ def _drop_programs_between_files():
     if held is not None and held > _MAPPINGS_BETWEEN_FILES:
         torch._dynamo.reset()
         runtime.release_programs()
+
+
+# --- pytest-xdist (`make test` runs the suite on one worker per core) -----------------------------------
+# A file's tests run on one worker, in order (they share module fixtures and warm caches), except in the
+# files below, whose multi-process launches are independent: there, the tests whose names start alike (one
+# prefix per launch they share through a module fixture; every test alone where no prefix is given) are a
+# unit of their own.
+SPLIT_FILES: dict[str, tuple[str, ...]] = {
+    "tests/distributed/test_dmp.py": ("test_two_processes", "test_four_processes"),
+    "tests/distributed/test_dmp_dlrm.py": ("test_two_processes", "test_four_processes"),
+    "tests/distributed/test_dmp_fused.py": (),
+    "tests/distributed/test_faults.py": (),
+}
+# Units are handed out in collection order; the longest go first so that the short ones fill in at the end.
+LONGEST_FIRST = (
+    "tests/distributed/",
+    "tests/examples/",
+    "tests/sparse/sharding/",
+    "tests/test_docs.py",
+)
+
+
+def _first_rank(nodeid: str) -> int:
+    return next((i for i, prefix in enumerate(LONGEST_FIRST) if nodeid.startswith(prefix)), len(LONGEST_FIRST))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if hasattr(config, "workerinput"):  # an xdist worker: every worker sorts its identical collection alike
+        items.sort(key=lambda item: _first_rank(item.nodeid))
+
+
+if LoadScopeScheduling is not None:
+
+    class FileScheduling(LoadScopeScheduling):
+        """``--dist loadfile`` for this suite: a file per unit (SPLIT_FILES: smaller units), in
+        collection order, a unit handed to a worker only when it is about to run out of work."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path, _, name = nodeid.partition("::")
+            if path not in SPLIT_FILES:
+                return path
+            prefix = next((p for p in SPLIT_FILES[path] if name.startswith(p)), None)
+            return nodeid if prefix is None else f"{path}::{prefix}"
+
+        def _reschedule(self, node) -> None:  # noqa: ANN001 (xdist's WorkerController)
+            # xdist holds back a worker's last test until it knows the next one (or is told to stop), so a
+            # unit is handed over when one test is left, not earlier: no unit waits behind a long one.
+            if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
+
+        def schedule(self) -> None:
+            # Collection order (LONGEST_FIRST), not xdist's default of the units with the most tests first.
+            reorder = self.config.option.loadscopereorder
+            self.config.option.loadscopereorder = False
+            try:
+                super().schedule()
+            finally:
+                self.config.option.loadscopereorder = reorder
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201
+        if config.getvalue("dist") == "loadfile":
+            return FileScheduling(config, log)
+        return None
