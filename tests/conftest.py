@@ -1,9 +1,10 @@
-"""Test set-up shared by every test: 8 host devices for JAX, tpu registered; under pytest-xdist, how test
-files are shared out between the workers."""
+"""Test set-up shared by every test: 8 host devices for JAX, tpu registered; the device tests run in eager
+and fused mode; under pytest-xdist, how test files are shared out between the workers."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 # Must be set before JAX initialises its backends.
@@ -38,6 +39,44 @@ def _drop_programs_between_files():
     if held is not None and held > _MAPPINGS_BETWEEN_FILES:
         torch._dynamo.reset()
         runtime.release_programs()
+
+
+# --- Fused mode as a parameter -------------------------------------------------------------------------
+# The device tests run twice: in the mode the process started in (eager unless TPUREC_MODE says otherwise),
+# and with fused mode as the default (the mode set, and TPUREC_MODE=fused for the processes a test starts).
+FUSED_TOO = (
+    "tests/core/",
+    "tests/sparse/test_tpu_device.py",
+    "tests/sparse/test_dlrm.py",
+    "tests/dense/test_programs.py",
+)
+
+
+def _relative(path: Path) -> str:
+    try:
+        return path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "default_mode" in metafunc.fixturenames and _relative(metafunc.definition.path).startswith(FUSED_TOO):
+        metafunc.parametrize("default_mode", ["eager", "fused"], indirect=True, ids=["eager-default", "fused-default"])
+
+
+@pytest.fixture(autouse=True)
+def default_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str | None]:
+    """The execution mode a FUSED_TOO test starts in (None elsewhere: the process's mode, untouched)."""
+    mode = getattr(request, "param", None)
+    if mode is None:
+        yield None
+        return
+    if mode == "fused":
+        monkeypatch.setenv("TPUREC_MODE", "fused")
+    else:
+        monkeypatch.delenv("TPUREC_MODE", raising=False)
+    with tpurec.mode(mode):
+        yield mode
 
 
 # --- pytest-xdist (`make test` runs the suite on one worker per core) -----------------------------------
