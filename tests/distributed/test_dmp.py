@@ -68,42 +68,34 @@ def _check(out: Path, plan: str, processes: int, hosts: int = 1) -> None:
         assert shards[name] == wanted, (plan, name, kind, shards[name])
 
 
-# The 2-process plans of the tests below, in one launch (each launch's start costs the ranks' imports and
-# first compilations).
-TWO_PROCESS_PLANS = ("table_wise", "row_wise", "column_wise", "mixed", "stacked", "ec_row_wise", "ec_table_wise",
-                     "table_row_wise", "grid_shard")  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the 2-process launch of every plan wrote its results."""
-    out = tmp_path_factory.mktemp("dmp") / "two"
-    run(HERE / "dmp_worker.py", 2, str(out), ",".join(TWO_PROCESS_PLANS), seconds=2 * LAUNCH_SECONDS)
-    return out
-
-
 @pytest.mark.slow
-def test_two_processes_each_sharding_type_and_a_mixed_plan(two_processes):
+def test_two_processes_each_sharding_type_and_a_mixed_plan(tmp_path):
     """Table-, row- and column-wise, a mix, and four column shards of one table on 2 ranks (each
     rank holds two: the sharded module's table parameter is them stacked)."""
-    for plan in ("table_wise", "row_wise", "column_wise", "mixed", "stacked"):
-        _check(two_processes, plan, 2)
+    plans = ("table_wise", "row_wise", "column_wise", "mixed", "stacked")
+    _launch(2, tmp_path / "two", plans)
+    for plan in plans:
+        _check(tmp_path / "two", plan, 2)
 
 
 @pytest.mark.slow
-def test_two_processes_embedding_collection_row_and_table_wise(two_processes):
+def test_two_processes_embedding_collection_row_and_table_wise(tmp_path):
     """An EmbeddingCollection (unpooled lookups) on the UNFUSED_TPU kernel matches its CPU twin:
     forward values, table gradients, trained tables."""
-    for plan in ("ec_row_wise", "ec_table_wise"):
-        _check(two_processes, plan, 2)
+    plans = ("ec_row_wise", "ec_table_wise")
+    _launch(2, tmp_path / "ec", plans)
+    for plan in plans:
+        _check(tmp_path / "ec", plan, 2)
 
 
 @pytest.mark.slow
-def test_two_processes_table_row_wise_and_grid_on_one_host(two_processes):
+def test_two_processes_table_row_wise_and_grid_on_one_host(tmp_path):
     """One host of two ranks: each table row-wise over the host; grid puts both column shards of
     t3 on every rank (stacked)."""
-    for plan in ("table_row_wise", "grid_shard"):
-        _check(two_processes, plan, 2)
+    plans = ("table_row_wise", "grid_shard")
+    _launch(2, tmp_path / "twrw", plans)
+    for plan in plans:
+        _check(tmp_path / "twrw", plan, 2)
 
 
 @pytest.mark.slow

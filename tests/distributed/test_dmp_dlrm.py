@@ -17,7 +17,7 @@ from launcher import run
 
 HERE = Path(__file__).resolve().parent
 
-SECONDS = 540  # a bound on a hang, per two plans
+SECONDS = 540
 
 
 def _check(out: Path, plan: str, processes: int) -> None:
@@ -59,35 +59,14 @@ def _check(out: Path, plan: str, processes: int) -> None:
         assert np.abs(assembled - start[name].numpy()).max() > 1e-4, f"{plan}: table {table} did not train"
 
 
-# One launch per process count runs every plan of that count (each launch's start costs the ranks'
-# imports and the first compilations): the tests below check their plans' results.
-TWO_PROCESS_PLANS = ("mixed", "sequence", "weighted", "data_parallel", "table_wise", "row_wise", "column_wise")
-FOUR_PROCESS_PLANS = ("mixed", "data_parallel", "table_wise", "row_wise", "column_wise")
-
-
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the 2-process launch of every plan wrote its results."""
-    out = tmp_path_factory.mktemp("dlrm") / "two"
-    run(HERE / "dmp_dlrm_worker.py", 2, str(out), ",".join(TWO_PROCESS_PLANS), seconds=3 * SECONDS)
-    return out
-
-
-@pytest.fixture(scope="module")
-def four_processes(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the 4-process launch of every plan wrote its results."""
-    out = tmp_path_factory.mktemp("dlrm") / "four"
-    run(HERE / "dmp_dlrm_worker.py", 4, str(out), ",".join(FOUR_PROCESS_PLANS), seconds=3 * SECONDS)
-    return out
-
-
 @pytest.mark.slow
-def test_two_processes_mixed_plan_sequence_tables_and_weighted_refused(two_processes):
+def test_two_processes_mixed_plan_sequence_tables_and_weighted_refused(tmp_path):
     """One plan with a data-parallel, a table-wise, a row-wise and a column-wise table; an
     EmbeddingCollection's data-parallel tables (TorchRec's BatchedTPUEmbedding) trained like on
     CPU; and a weighted collection's lookup on tpu raising, data-parallel and UNFUSED_TPU
     row-wise (TorchRec's tpu kernel would drop the per-sample weights)."""
-    out = two_processes
+    out = tmp_path / "two"
+    run(HERE / "dmp_dlrm_worker.py", 2, str(out), "mixed,sequence,weighted", seconds=SECONDS)
     _check(out, "mixed", 2)
     losses, tables = worker.sequence_reference()
     start = worker._sequence_start()
@@ -106,16 +85,20 @@ def test_two_processes_mixed_plan_sequence_tables_and_weighted_refused(two_proce
 
 @pytest.mark.slow
 @pytest.mark.parametrize("plans", [("data_parallel", "table_wise"), ("row_wise", "column_wise")], ids="-".join)
-def test_two_processes_each_sharding_type_alone(two_processes, plans):
-    """Every table of one sharding type."""
+def test_two_processes_each_sharding_type_alone(tmp_path, plans):
+    """Every table of one sharding type (two plans a launch, so that each launch stays short)."""
+    out = tmp_path / "each"
+    run(HERE / "dmp_dlrm_worker.py", 2, str(out), ",".join(plans), seconds=SECONDS)
     for plan in plans:
-        _check(two_processes, plan, 2)
+        _check(out, plan, 2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "plans", [("mixed",), ("data_parallel", "table_wise"), ("row_wise", "column_wise")], ids="-".join
 )
-def test_four_processes_mixed_plan_and_each_sharding_type_alone(four_processes, plans):
+def test_four_processes_mixed_plan_and_each_sharding_type_alone(tmp_path, plans):
+    out = tmp_path / "four"
+    run(HERE / "dmp_dlrm_worker.py", 4, str(out), ",".join(plans), seconds=SECONDS)
     for plan in plans:
-        _check(four_processes, plan, 4)
+        _check(out, plan, 4)
