@@ -8,14 +8,19 @@ weighted collection's data-parallel table is refused."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
-import dmp_dlrm_worker as worker  # beside this file
 import numpy as np
 import pytest
-from launcher import run
+from launch import launch
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+try:
+    import dmp_dlrm_worker as worker
+finally:
+    sys.path.remove(str(HERE))
 
 SECONDS = 540
 
@@ -66,7 +71,7 @@ def test_two_processes_mixed_plan_sequence_tables_and_weighted_refused(tmp_path)
     CPU; and a weighted collection's lookup on tpu raising, data-parallel and UNFUSED_TPU
     row-wise (TorchRec's tpu kernel would drop the per-sample weights)."""
     out = tmp_path / "two"
-    run(HERE / "dmp_dlrm_worker.py", 2, str(out), "mixed,sequence,weighted", seconds=SECONDS)
+    launch(HERE / "dmp_dlrm_worker.py", 2, str(out), "mixed,sequence,weighted", seconds=SECONDS)
     _check(out, "mixed", 2)
     losses, tables = worker.sequence_reference()
     start = worker._sequence_start()
@@ -88,7 +93,7 @@ def test_two_processes_mixed_plan_sequence_tables_and_weighted_refused(tmp_path)
 def test_two_processes_each_sharding_type_alone(tmp_path, plans):
     """Every table of one sharding type (two plans a launch, so that each launch stays short)."""
     out = tmp_path / "each"
-    run(HERE / "dmp_dlrm_worker.py", 2, str(out), ",".join(plans), seconds=SECONDS)
+    launch(HERE / "dmp_dlrm_worker.py", 2, str(out), ",".join(plans), seconds=SECONDS)
     for plan in plans:
         _check(out, plan, 2)
 
@@ -99,6 +104,6 @@ def test_two_processes_each_sharding_type_alone(tmp_path, plans):
 )
 def test_four_processes_mixed_plan_and_each_sharding_type_alone(tmp_path, plans):
     out = tmp_path / "four"
-    run(HERE / "dmp_dlrm_worker.py", 4, str(out), ",".join(plans), seconds=SECONDS)
+    launch(HERE / "dmp_dlrm_worker.py", 4, str(out), ",".join(plans), seconds=SECONDS)
     for plan in plans:
         _check(out, plan, 4)
