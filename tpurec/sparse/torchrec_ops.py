@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import torch
 import torchrec.experimental.torch_tpu.pallas.ops  # noqa: F401  (defines torch.ops.torchrec)
 
+from tpurec.dense.pooled_permutes import permuted_columns
 from tpurec.dense.registry import lower
 from tpurec.sparse.ops import kernel_for
 
@@ -114,25 +115,16 @@ def pooled_lookup_offset_backward(
     return zeros.at[jnp.where(valid, indices, num_rows)].add(rows, mode="drop")
 
 
-def _permuted_columns(offset_dim_list: jax.Array, permute_list: jax.Array, columns: int) -> jax.Array:
-    """The input column of every output column: output block ``k`` is input block ``permute_list[k]``."""
-    dims = offset_dim_list[1:] - offset_dim_list[:-1]
-    out_offsets = jnp.concatenate([jnp.zeros((1,), dims.dtype), jnp.cumsum(dims[permute_list])])
-    positions = jnp.arange(columns, dtype=offset_dim_list.dtype)
-    blocks = jnp.searchsorted(out_offsets[1:], positions, side="right")
-    return offset_dim_list[permute_list[blocks]] + positions - out_offsets[blocks]
-
-
 @lower(torchrec_ops.permute_pooled_embs.default)
 def permute_pooled_embs(pooled_embs: jax.Array, offset_dim_list: jax.Array, permute_list: jax.Array) -> jax.Array:
     """Pooled embeddings ``[batch, columns]`` with their column blocks (one per feature shard) reordered."""
-    return jnp.take(pooled_embs, _permuted_columns(offset_dim_list, permute_list, pooled_embs.shape[1]), axis=1)
+    return jnp.take(pooled_embs, permuted_columns(offset_dim_list, permute_list, pooled_embs.shape[1]), axis=1)
 
 
 @lower(torchrec_ops.permute_pooled_embs_backward.default)
 def permute_pooled_embs_backward(grad_out: jax.Array, offset_dim_list: jax.Array, permute_list: jax.Array) -> jax.Array:
     """The gradient of :func:`permute_pooled_embs`: each output column's gradient back to its input column."""
-    columns = _permuted_columns(offset_dim_list, permute_list, grad_out.shape[1])
+    columns = permuted_columns(offset_dim_list, permute_list, grad_out.shape[1])
     return jnp.zeros_like(grad_out).at[:, columns].add(grad_out)
 
 
