@@ -331,10 +331,12 @@ def test_bench_embeddings_cli_sweep(tmp_path):
 def test_prefetched_batches_a_model_never_uses_do_not_pile_up():
     model, _ = make_model()
     ebc = next(m for m in model.modules() if isinstance(m, sparse.EmbeddingBagCollection))
-    batches = make_batches(12, seed=3)
+    from tpurec.sparse.modules import _MAX_PREFETCHED
+
+    batches = make_batches(_MAX_PREFETCHED + 4, seed=3)
     for b in batches:
         ebc.prefetch(b.sparse_features)
-    assert len(ebc._prefetched) == 8  # the newest ones
+    assert len(ebc._prefetched) == _MAX_PREFETCHED  # the newest ones
     # The newest is still used by forward, and gives what preprocessing inline gives.
     newest = batches[-1].sparse_features
     with_prefetch = ebc(newest).values().cpu()
