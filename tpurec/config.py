@@ -214,6 +214,16 @@ FLAGS: tuple[Flag, ...] = (
         programs=True,
     ),
     Flag(
+        "TPUREC_TENSORCORE_ONE_PASS",
+        "bool",
+        False,
+        TRACE_TIME,
+        "The TensorCore sparse kernel pools looked-up rows straight into the output and fuses the optimizer "
+        "step with the gradient sum (one pass over the table's blocks each way); experimental: checked in "
+        "Pallas' interpret mode, off until measured on a TPU.",
+        programs=True,
+    ),
+    Flag(
         "TPUREC_NATIVE_MATMUL",
         "bool",
         True,

@@ -170,7 +170,11 @@ def test_an_import_time_flag_says_what_to_use_instead():
 
 
 def test_program_settings_hold_the_flags_that_change_programs():
-    assert [f.name for f in config.FLAGS if f.programs] == ["TPUREC_SPARSE_KERNEL", "TPUREC_NATIVE_MATMUL"]
+    assert [f.name for f in config.FLAGS if f.programs] == [
+        "TPUREC_SPARSE_KERNEL",
+        "TPUREC_TENSORCORE_ONE_PASS",
+        "TPUREC_NATIVE_MATMUL",
+    ]
     with config.override(native_matmul=False):
         off = config.program_settings()
     assert off != config.program_settings() and hash(off) is not None

@@ -55,7 +55,9 @@ def _state(seed, rows, dim, name, dtype=np.float32):
 
 
 def _jit(fn):
-    return jax.jit(fn, static_argnames=("batch_size",))
+    # A new function each time: jax.jit caches traces by function, and TPUREC_TENSORCORE_ONE_PASS
+    # is read while tracing.
+    return jax.jit(lambda *args, batch_size: fn(*args, batch_size=batch_size), static_argnames=("batch_size",))
 
 
 def _tuple(x):
@@ -66,34 +68,50 @@ def _check_grad(name, csr, reference_csr, batch, table, slots, **tolerance):
     """The TensorCore gradient op on ``csr`` against the reference's on ``reference_csr``."""
     grad = np.random.default_rng(5).standard_normal((batch, table.shape[1])).astype(np.float32)
     op = f"sparse_dense_matmul_grad_with_{name}"
-    got = _tuple(jax.jit(getattr(tensorcore, op))(*csr, grad, table, *slots, **OPTIMIZERS[name][1]))
+    got = _tuple(jax.jit(lambda *a: getattr(tensorcore, op)(*a, **OPTIMIZERS[name][1]))(*csr, grad, table, *slots))
     want = _tuple(jax.jit(getattr(reference, op))(*reference_csr, grad, table, *slots, **OPTIMIZERS[name][1]))
     for g, w in zip(got, want):
         np.testing.assert_allclose(g, w, **tolerance)
 
 
-# rows 23: 3 * 16 * 6 id slots over 34 rows -> streaming; rows 100000 -> XLA gathers and scatters.
-CASES = [(1, 23), (3, 23), (4, 100000)]
+# rows 23: 3 * 16 * 6 id slots over 34 rows -> streaming; rows 3000 (4500 in all) -> the one-pass optimizer
+# step over 2048-row blocks (the last one partial); rows 100000 -> XLA gathers and scatters.
+CASES = [(1, 23), (3, 23), (1, 3000), (4, 100000)]
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["gather_then_pool", "one_pass"])
 @pytest.mark.parametrize("partitions,rows", CASES)
 @pytest.mark.parametrize("pooling,weighted", [(PoolingType.SUM, True), (PoolingType.MEAN, False)])
-def test_forward_matches_reference(partitions, rows, pooling, weighted):
+def test_forward_matches_reference(partitions, rows, pooling, weighted, one_pass):
     csr, batch, rows, dim = _csr(partitions + rows, partitions, rows, pooling=pooling, weighted=weighted)
     table = np.random.default_rng(7).standard_normal((rows, dim)).astype(np.float32)
-    assert tensorcore.streams(csr[1].shape[0], table) == (rows < 1000)
-    got = _jit(tensorcore.sparse_dense_matmul)(*csr, table, batch_size=batch)
+    assert tensorcore.streams(csr[1].shape[0], table) == (rows < 10000)
+    before = tensorcore.TRACE_COUNTS["stream_pool"]
+    with tpurec.config.override(tensorcore_one_pass=one_pass):
+        got = _jit(tensorcore.sparse_dense_matmul)(*csr, table, batch_size=batch)
+    assert tensorcore.TRACE_COUNTS["stream_pool"] - before == int(one_pass and rows < 10000)
     want = _jit(reference.sparse_dense_matmul)(*csr, table, batch_size=batch)
     # Same products, summed in the same (entry) order: equal to float32 rounding of the order.
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("one_pass", [False, True], ids=["gather_update_scatter", "one_pass"])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("partitions,rows", CASES)
-def test_grad_matches_reference(name, partitions, rows):
+def test_grad_matches_reference(name, partitions, rows, one_pass):
     csr, batch, rows, dim = _csr(partitions * 7 + rows, partitions, rows)
     table, slots = _state(3, rows, dim, name)
-    _check_grad(name, csr, csr, batch, table, slots, rtol=1e-6, atol=1e-7)
+    fused = one_pass and tensorcore.BLOCK_ROWS <= rows < 10000  # the one-pass step needs whole blocks
+    before = tensorcore.TRACE_COUNTS["stream_update"]
+    with tpurec.config.override(tensorcore_one_pass=one_pass):
+        if not fused:
+            _check_grad(name, csr, csr, batch, table, slots, rtol=1e-6, atol=1e-7)
+        else:
+            # The one-pass step sums each row's gradients in entry order too, as multiply-adds that
+            # XLA may contract into FMAs (one rounding instead of two): float32 rounding, amplified
+            # by Adam's division by sqrt(m2).
+            _check_grad(name, csr, csr, batch, table, slots, rtol=1e-5, atol=1e-6)
+    assert tensorcore.TRACE_COUNTS["stream_update"] - before == int(fused)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])

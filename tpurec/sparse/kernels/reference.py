@@ -141,8 +141,9 @@ def _rowwise_adagrad_rows(g, w, m, *, learning_rate, eps, weight_decay, dtype):
     # gradient and the weight through a correction factor, and the new weight is one
     # float32 expression rounded once to the table's dtype.
     decayed = g + weight_decay * w
-    m = m + jnp.mean(decayed * decayed, axis=1)
-    multiplier = (learning_rate / (jnp.sqrt(m) + eps))[:, None]
+    # keepdims/reshape: ``m`` is ``[n]`` here and ``[n, 1]`` in the TensorCore kernel's blocks.
+    m = m + jnp.mean(decayed * decayed, axis=1, keepdims=True).reshape(m.shape)
+    multiplier = (learning_rate / (jnp.sqrt(m) + eps)).reshape(-1, 1)
     correction = 1.0 - multiplier * weight_decay
     return (correction * w - g * multiplier).astype(dtype), m
 

@@ -28,6 +28,12 @@ docs/throughput.md). So where a batch touches enough of a table the kernels *str
   only, rows streamed back. One-dimensional slots (row-wise Adagrad's accumulator) use
   XLA's element gather and scatter (sorted, unique indices).
 
+With ``TPUREC_TENSORCORE_ONE_PASS=1`` (experimental) each direction is one pass over the
+table's blocks: :func:`stream_pool` adds every entry's row straight into the output kept in
+VMEM (no gathered rows in HBM), and :func:`stream_update` sums the entries' gradients per
+row into a VMEM block, runs the optimizer's row math on the whole block and keeps it for
+the touched rows only (no unique-id sort, segment sum, gathers or scatters).
+
 Elsewhere (a batch that touches few rows of a large table, float16/bfloat16 tables,
 whose rows Mosaic cannot address one by one, an output that does not fit VMEM) the
 same steps run as XLA gathers and scatters with sorted, unique indices. Off a TPU the
@@ -56,7 +62,9 @@ __all__ = [
     "CHUNK",
     "TRACE_COUNTS",
     "stream_gather",
+    "stream_pool",
     "stream_scatter",
+    "stream_update",
     "streams",
     "sparse_dense_matmul",
     "sparse_dense_matmul_grad_with_sgd",
@@ -166,6 +174,22 @@ def _unrolled(lo, hi, body) -> None:
     def group(k, carry):
         for u in range(_UNROLL):
             body(jnp.minimum(lo + k * _UNROLL + u, hi - 1))
+        return carry
+
+    jax.lax.fori_loop(0, (hi - lo + _UNROLL - 1) // _UNROLL, group, 0)
+
+
+def _masked_groups(lo, hi, body) -> None:
+    """``body(i, ok)`` for ``i`` in ``[lo, hi)`` in groups of :data:`_UNROLL` calls.
+
+    For bodies that accumulate (not idempotent): the calls past ``hi`` in the last group
+    get ``i = hi - 1`` and ``ok = False``, and send their result to a sink row.
+    """
+
+    def group(k, carry):
+        for u in range(_UNROLL):
+            i = lo + k * _UNROLL + u
+            body(jnp.minimum(i, hi - 1), i < hi)
         return carry
 
     jax.lax.fori_loop(0, (hi - lo + _UNROLL - 1) // _UNROLL, group, 0)
@@ -319,6 +343,223 @@ def stream_scatter(table: jax.Array, keys: jax.Array, rows_in: jax.Array, *, blo
     )(*schedule, keys, rows_in, table)
 
 
+def _pad_to(x, n: int, value=0):
+    return jnp.pad(x, (0, n - x.shape[0]), constant_values=value) if x.shape[0] != n else x
+
+
+def stream_pool(
+    table: jax.Array,
+    keys: jax.Array,
+    samples: jax.Array,
+    gains: jax.Array,
+    batch_size: int,
+    *,
+    block_rows: int = BLOCK_ROWS,
+) -> jax.Array:
+    """The pooled lookup in one pass: ``out[samples[i]] += gains[i] * table[keys[i]]`` in entry order.
+
+    The table's blocks stream through VMEM as in :func:`stream_gather`, and each entry's row
+    is added straight into the ``[batch_size, dim]`` output, which stays in VMEM for the
+    whole call: the looked-up rows never go back to HBM.
+
+    Args:
+        table: ``[rows, dim]`` float32.
+        keys: ``[n]`` int32, ascending; entries ``>= rows`` (``PAD_ID``) are padding and skipped.
+        samples: ``[n]`` int32, each entry's output row (``< batch_size``).
+        gains: ``[n]`` float32, each entry's weight.
+        batch_size: output rows.
+        block_rows: rows per streamed block.
+
+    Returns:
+        ``[batch_size, dim]`` float32.
+    """
+    TRACE_COUNTS["stream_pool"] += 1
+    dim = table.shape[1]
+    keys, chunk, block_rows, schedule = _walk(keys, table.shape[0], block_rows)
+    n = keys.shape[0]
+    samples, gains = _pad_to(samples, n), _pad_to(gains.astype(table.dtype), n)
+    sink = batch_size  # the rows of the last group's repeated calls land here
+    out_rows = _cdiv(batch_size + 1, 8) * 8
+
+    def kernel(lo_ref, hi_ref, c_ref, b_ref, keys_ref, samples_ref, gains_ref, block_ref, out_ref):
+        s = pl.program_id(0)
+        base, first_row = c_ref[s] * chunk, b_ref[s] * block_rows
+
+        @pl.when(s == 0)
+        def _():
+            out_ref[...] = jnp.zeros_like(out_ref)
+
+        def add(i, ok):
+            j = i - base
+            dst = jnp.where(ok, samples_ref[j], sink)
+            out_ref[pl.ds(dst, 1), :] += block_ref[pl.ds(keys_ref[j] - first_row, 1), :] * gains_ref[j]
+
+        _masked_groups(lo_ref[s], hi_ref[s], add)
+
+    smem = lambda: pl.BlockSpec((chunk,), lambda s, lo, hi, c, b: (c[s],), memory_space=pltpu.SMEM)  # noqa: E731
+    out = _walk_call(
+        kernel,
+        schedule,
+        in_specs=[smem(), smem(), smem(), _block_spec(block_rows, dim)],
+        out_spec=pl.BlockSpec((out_rows, dim), lambda s, lo, hi, c, b: (_ZERO, _ZERO)),
+        out_shape=jax.ShapeDtypeStruct((out_rows, dim), table.dtype),
+    )(*schedule, keys, samples, gains, table)
+    return out[:batch_size]
+
+
+def _lanes_to_column(x, lanes_iota):
+    """``[k, 128]`` (row ``r`` of a block at ``x[r // 128, r % 128]``) -> ``[128 k, 1]``.
+
+    Built from a square transpose, selects and lane sums, which Mosaic lowers for float32."""
+    k = x.shape[0]
+    square = jnp.concatenate([x, jnp.zeros((128 - k, 128), x.dtype)], axis=0).T  # column c = x[c]
+    return jnp.concatenate(
+        [jnp.sum(jnp.where(lanes_iota == c, square, 0.0), axis=1, keepdims=True) for c in range(k)], axis=0
+    )
+
+
+def _column_to_lanes(col, k: int, lanes_iota):
+    """The inverse of :func:`_lanes_to_column`: ``[128 k, 1]`` -> ``[k, 128]``."""
+    square = jnp.zeros((128, 128), col.dtype)
+    for c in range(k):
+        square = jnp.where(lanes_iota == c, col[c * 128 : (c + 1) * 128], square)
+    return square.T[:k]
+
+
+def _update_fits(batch_size: int, table: jax.Array, slots) -> bool:
+    rows, dim = table.shape
+    lanes = max(_cdiv(dim, 128) * 128, 128)
+    return (
+        0 < batch_size
+        and batch_size * lanes * 4 * 2 <= _POOL_VMEM // 2
+        and rows >= BLOCK_ROWS
+        and all(jnp.dtype(x.dtype) == jnp.float32 and (x.shape == table.shape or x.shape == (rows,)) for x in slots)
+    )
+
+
+def stream_update(
+    op_name: str, table, slots, keys, samples, gains, grad_output, hyperparameters, *, block_rows=BLOCK_ROWS
+):
+    """A fused optimizer step in one pass over the touched blocks of a table and its slots.
+
+    For each streamed block: the entries' gradients (``grad_output[sample] * gain``, the
+    output gradient kept in VMEM) are summed per row into a block-sized VMEM buffer in entry
+    order, then the optimizer's row math (:data:`reference.OPTIMIZER_ROWS`) runs on the whole
+    block and only the touched rows take the result. The table and slots are aliased to the
+    outputs (donate them to update in place); blocks without an entry are neither read nor
+    written. One-dimensional slots (row-wise Adagrad's accumulator) are viewed lane-dense
+    as ``[rows / 128, 128]``.
+
+    Args:
+        op_name: a key of :data:`reference.OPTIMIZER_ROWS`.
+        table: ``[rows, dim]`` float32, ``rows >= BLOCK_ROWS``.
+        slots: the optimizer's float32 state, each ``[rows, dim]`` or ``[rows]``.
+        keys: ``[n]`` int32, ascending; entries ``>= rows`` (``PAD_ID``) are padding.
+        samples: ``[n]`` int32, each entry's row of ``grad_output``.
+        gains: ``[n]`` float32.
+        grad_output: ``[batch_size, dim]`` float32.
+        hyperparameters: the optimizer's scalars (float or 0-d arrays).
+        block_rows: rows per streamed block, a multiple of 1024.
+
+    Returns:
+        ``(table, *slots)`` updated.
+    """
+    TRACE_COUNTS["stream_update"] += 1
+    rows, dim = table.shape
+    block_rows = min(block_rows, BLOCK_ROWS)
+    assert block_rows % 1024 == 0 and rows >= block_rows, "stream_update streams whole 1024-row blocks"
+    keys, chunk, block_rows, schedule = _walk(keys, rows, block_rows)
+    n = keys.shape[0]
+    samples, gains = _pad_to(samples, n), _pad_to(gains.astype(table.dtype), n)
+    num_steps = schedule[0].shape[0]
+    batch_size = grad_output.shape[0]
+    # Python numbers stay constants of the row math (as in the reference); traced ones (the op
+    # set passes hyperparameters traced, so a new learning rate does not recompile) go in SMEM.
+    constants = {k: v for k, v in hyperparameters.items() if isinstance(v, (int, float))}
+    names = sorted(set(hyperparameters) - set(constants))
+    hp = (
+        jnp.stack([jnp.asarray(hyperparameters[k], jnp.float32) for k in names])
+        if names
+        else jnp.zeros((1,), jnp.float32)
+    )
+    lane_rows = block_rows // 128
+    flat = [x.ndim == 1 for x in slots]
+    padded_rows = _cdiv(rows, 128) * 128
+    slot_views = [_pad_to(x, padded_rows).reshape(padded_rows // 128, 128) if f else x for x, f in zip(slots, flat)]
+    row_fn = reference.OPTIMIZER_ROWS[op_name]
+    sink = block_rows
+
+    def kernel(lo_ref, hi_ref, c_ref, b_ref, hp_ref, keys_ref, samples_ref, gains_ref, gout_ref, *refs):
+        k = 1 + len(slots)
+        ins, outs, (grad_ref, touched_ref) = refs[:k], refs[k : 2 * k], refs[2 * k :]
+        s = pl.program_id(0)
+        base, first_row = c_ref[s] * chunk, b_ref[s] * block_rows
+        first_step = jnp.logical_or(s == 0, b_ref[jnp.maximum(s - 1, 0)] != b_ref[s])
+        last_step = jnp.logical_or(s == num_steps - 1, b_ref[jnp.minimum(s + 1, num_steps - 1)] != b_ref[s])
+
+        @pl.when(first_step)
+        def _():
+            grad_ref[...] = jnp.zeros_like(grad_ref)
+            touched_ref[...] = jnp.zeros_like(touched_ref)
+
+        def add(i, ok):
+            j = i - base
+            dst = jnp.where(ok, keys_ref[j] - first_row, sink)
+            grad_ref[pl.ds(dst, 1), :] += gout_ref[pl.ds(samples_ref[j], 1), :] * gains_ref[j]
+            touched_ref[pl.ds(dst, 1), :] = jnp.ones((1, 128), jnp.float32)
+
+        _masked_groups(lo_ref[s], hi_ref[s], add)
+
+        @pl.when(last_step)
+        def _():
+            lanes_iota = jax.lax.broadcasted_iota(jnp.int32, (128, 128), 1)
+            touched = touched_ref[:block_rows, 0:1] > 0.0
+            w = ins[0][...]
+            olds = [_lanes_to_column(r[...], lanes_iota) if f else r[...] for r, f in zip(ins[1:], flat)]
+            hps = {name: jnp.full((1, 1), hp_ref[i], jnp.float32) for i, name in enumerate(names)} | constants
+            new = row_fn(grad_ref[:block_rows, :], w, *olds, dtype=table.dtype, **hps)
+            outs[0][...] = jnp.where(touched, new[0], w)
+            for r, f, old, value in zip(outs[1:], flat, olds, new[1:]):
+                kept = jnp.where(touched, value.reshape(old.shape), old)
+                r[...] = _column_to_lanes(kept, lane_rows, lanes_iota) if f else kept
+
+    def block(f):
+        if f:
+            return pl.BlockSpec((lane_rows, 128), lambda s, lo, hi, c, b: (b[s], _ZERO))
+        return _block_spec(block_rows, dim)
+
+    smem = lambda: pl.BlockSpec((chunk,), lambda s, lo, hi, c, b: (c[s],), memory_space=pltpu.SMEM)  # noqa: E731
+    specs = [block(False)] + [block(f) for f in flat]
+    arrays = [table, *slot_views]
+    first_aliased = len(schedule) + 5  # the scheduled scalars, hp, keys, samples, gains, grad_output
+    outs = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(schedule),
+            grid=(num_steps,),
+            in_specs=[
+                pl.BlockSpec(memory_space=pltpu.SMEM),
+                smem(),
+                smem(),
+                smem(),
+                pl.BlockSpec((batch_size, dim), lambda s, lo, hi, c, b: (_ZERO, _ZERO)),
+                *specs,
+            ],
+            out_specs=specs,
+            scratch_shapes=[
+                pltpu.VMEM((block_rows + 8, dim), jnp.float32),
+                pltpu.VMEM((block_rows + 8, 128), jnp.float32),
+            ],
+        ),
+        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays],
+        input_output_aliases={first_aliased + i: i for i in range(len(arrays))},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
+        interpret=_interpret(),
+    )(*schedule, hp, keys, samples, gains, grad_output.astype(jnp.float32), *arrays)
+    new_slots = [o.reshape(-1)[:rows] if f else o for o, f in zip(outs[1:], flat)]
+    return (outs[0], *new_slots)
+
+
 def _pool(rows, samples, gains, num_valid, batch_size: int):
     """``out[samples[i]] += gains[i] * rows[i]`` for the first ``num_valid`` entries, in entry order."""
     n, dim = rows.shape
@@ -388,12 +629,20 @@ def _scatter_rows(x, keys, new_rows, stream: bool):
     return x.at[keys].set(new_rows.astype(x.dtype), mode="drop", indices_are_sorted=True, unique_indices=True)
 
 
+def _one_pass() -> bool:
+    from tpurec import config
+
+    return bool(config.get("TPUREC_TENSORCORE_ONE_PASS"))
+
+
 def sparse_dense_matmul(row_pointers, embedding_ids, sample_ids, gains, table, *, batch_size: int):
     """Pooled lookup (see :func:`tpurec.sparse.kernels.reference.sparse_dense_matmul`)."""
     TRACE_COUNTS["sparse_dense_matmul"] += 1
     acc = reference.accumulator_dtype(table.dtype)
     keys, samples, g, valid = _sorted_entries(row_pointers, embedding_ids, sample_ids, gains)
     stream = streams(keys.shape[0], table)
+    if stream and _pool_fits(batch_size, table.shape[1]) and _one_pass():
+        return stream_pool(table, keys, samples, g.astype(acc), batch_size)
     rows = jnp.where(valid[:, None], _gather_rows(table, keys, stream).astype(acc), 0)
     if stream and _pool_fits(batch_size, table.shape[1]):
         return _pool(rows, samples, g.astype(acc), jnp.sum(valid.astype(jnp.int32)), batch_size)
@@ -415,6 +664,9 @@ def _grad_op(op_name, csr, grad_output, table, slots, hyperparameters):
         keys = jnp.full_like(keys, PAD_ID)
         grads = jnp.zeros((n, grad_output.shape[1]), grad_output.dtype)
     else:
+        if streams(n, table) and _update_fits(grad_output.shape[0], table, slots) and _one_pass():
+            updated = stream_update(op_name, table, slots, keys, samples, g, grad_output, hyperparameters)
+            return updated if len(updated) > 1 else updated[0]
         grads = jnp.take(grad_output, samples, axis=0) * jnp.where(valid, g, 0).astype(grad_output.dtype)[:, None]
     unique_keys, segment = _unique(keys, valid)
     row_grads = jax.ops.segment_sum(
