@@ -63,7 +63,8 @@ LAYERS = (
     "types",  # Capacity, stacked tables, SparseCore CSR input
     "batching",  # the batch sizes of a KeyedJaggedTensor
     "drops",  # entries dropped by overflow="drop", counted per module and in tpurec.stats()
-    "kernels",  # the lookup kernels (reference, SparseCore, native)
+    "update_rules",  # the fused optimizers' update rules, each declared once
+    "kernels",  # the lookup kernels (reference, SparseCore, TensorCore, native)
     "preprocess",  # KeyedJaggedTensor -> SparseCore CSR
     "ops",  # torch.ops.tpurec.*
     "torchrec_ops",  # TorchRec's TPU lookup ops (UNFUSED_TPU) as sparse_dense_matmul

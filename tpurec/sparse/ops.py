@@ -39,6 +39,7 @@ import torch
 
 from tpurec.dense.registry import lower, to_jax_dtype
 from tpurec.sparse.kernels import native, reference, tensorcore, tpu
+from tpurec.sparse.update_rules import RULES, UpdateRule, on_register, rule_of
 
 __all__ = [
     "OP_NAMES",
@@ -56,21 +57,10 @@ _CSR = "Tensor row_pointers, Tensor embedding_ids, Tensor sample_ids, Tensor gai
 
 SCHEMAS: dict[str, str] = {
     "sparse_dense_matmul": f"({_CSR}, Tensor table, *, int batch_size) -> Tensor",
-    "sparse_dense_matmul_grad_with_sgd": f"({_CSR}, Tensor grad_output, Tensor table, *, float learning_rate) -> Tensor",
-    "sparse_dense_matmul_grad_with_adagrad": (
-        f"({_CSR}, Tensor grad_output, Tensor table, Tensor accumulator, *, float learning_rate, float eps)"
-        " -> (Tensor, Tensor)"
-    ),
-    "sparse_dense_matmul_grad_with_rowwise_adagrad": (
-        f"({_CSR}, Tensor grad_output, Tensor table, Tensor accumulator, *, float learning_rate, float eps, "
-        "float weight_decay) -> (Tensor, Tensor)"
-    ),
-    "sparse_dense_matmul_grad_with_adam": (
-        f"({_CSR}, Tensor grad_output, Tensor table, Tensor momentum1, Tensor momentum2, *, float learning_rate, "
-        "float beta1, float beta2, float eps, float weight_decay, float step) -> (Tensor, Tensor, Tensor)"
-    ),
+    **{name: rule.schema() for name, rule in RULES.items()},
 }
-OP_NAMES: tuple[str, ...] = tuple(SCHEMAS)
+"""Op name -> its torch schema; a gradient op's comes from its update rule (:mod:`tpurec.sparse.update_rules`)."""
+OP_NAMES: list[str] = list(SCHEMAS)
 
 # Arguments baked into the compiled program (everything else is traced).
 _STATIC = {"sparse_dense_matmul": ("batch_size",)}
@@ -115,24 +105,16 @@ def touched_rows_update_cpu(
     return [torch.from_dlpack(o) for o in out]
 
 
-# Tensor arguments of each op after the four CSR arrays, and the shape each must have:
-# "table" = the table's shape, "rows" = [table rows], "grad" = [batch, table dim].
-_STATE_ARGUMENTS: dict[str, tuple[tuple[str, str], ...]] = {
-    "sparse_dense_matmul": (("table", "table"),),
-    "sparse_dense_matmul_grad_with_sgd": (("grad_output", "grad"), ("table", "table")),
-    "sparse_dense_matmul_grad_with_adagrad": (("grad_output", "grad"), ("table", "table"), ("accumulator", "table")),
-    "sparse_dense_matmul_grad_with_rowwise_adagrad": (
-        ("grad_output", "grad"),
-        ("table", "table"),
-        ("accumulator", "rows"),
-    ),
-    "sparse_dense_matmul_grad_with_adam": (
-        ("grad_output", "grad"),
-        ("table", "table"),
-        ("momentum1", "table"),
-        ("momentum2", "table"),
-    ),
-}
+def _state_arguments(name: str) -> tuple[tuple[str, str], ...]:
+    """Tensor arguments of op ``name`` after the four CSR arrays, and the shape each must have:
+    ``"table"`` = the table's shape, ``"rows"`` = ``[table rows]``, ``"grad"`` = ``[batch, table dim]``."""
+    if name == "sparse_dense_matmul":
+        return (("table", "table"),)
+    rule = rule_of(name)
+    slots = tuple((s.argument, "rows" if s.kind == "row" else "table") for s in rule.slots)
+    return (("grad_output", "grad"), ("table", "table"), *slots)
+
+
 _FLOAT_NAMES = ("float16", "bfloat16", "float32", "float64")
 _HALF_NAMES = ("float16", "bfloat16")
 
@@ -165,11 +147,12 @@ def check_arguments(name: str, tensors, kwargs) -> None:
     from tpurec.core.errors import ArgumentTypeError, ArgumentValueError
 
     op = f"torch.ops.tpurec.{name}"
-    expected = 4 + len(_STATE_ARGUMENTS[name])
+    arguments = _state_arguments(name)
+    expected = 4 + len(arguments)
     if len(tensors) != expected:
         raise ArgumentValueError(f"{op} takes {expected} tensor arguments, got {len(tensors)}")
     row_pointers, embedding_ids, sample_ids, gains = tensors[:4]
-    state = dict(zip((n for n, _ in _STATE_ARGUMENTS[name]), tensors[4:]))
+    state = dict(zip((n for n, _ in arguments), tensors[4:]))
     csr_dtypes = (("row_pointers", "int32"), ("embedding_ids", "int32"), ("sample_ids", "int32"), ("gains", "float32"))
     for (arg, want), x in zip(csr_dtypes, tensors[:4]):
         if _dtype_name(x) != want:
@@ -200,13 +183,14 @@ def check_arguments(name: str, tensors, kwargs) -> None:
             raise ArgumentTypeError(f"{op}: {arg} must be a floating point tensor, got {_dtype_name(x)}")
     if len(table.shape) != 2:
         raise ArgumentValueError(f"{op}: table must be 2-D [rows, dim], got shape {tuple(table.shape)}")
-    if name == "sparse_dense_matmul_grad_with_adam" and _dtype_name(table) in _HALF_NAMES:
+    if name in RULES and not RULES[name].half_tables and _dtype_name(table) in _HALF_NAMES:
+        half_ok = [r.name for r in RULES.values() if r.half_tables]
         raise ArgumentTypeError(
-            f"{op}: a {_dtype_name(table)} table has no FBGEMM CPU Adam to follow (FBGEMM's GPU Adam rounds "
-            "stochastically); use a float32 table, or SGD/Adagrad/RowWiseAdagrad"
+            f"{op}: a {_dtype_name(table)} table has no FBGEMM CPU {RULES[name].name} update to follow (FBGEMM's "
+            f"GPU kernels round stochastically); use a float32 table, or one of the optimizers {half_ok}"
         )
     rows, dim = table.shape
-    for arg, kind in _STATE_ARGUMENTS[name]:
+    for arg, kind in arguments:
         x = state[arg]
         if kind == "table" and tuple(x.shape) != (rows, dim):
             raise ArgumentValueError(f"{op}: {arg} must have the table's shape {(rows, dim)}, got {tuple(x.shape)}")
@@ -345,12 +329,20 @@ def _platform_lowering(name: str) -> Callable:
     return lowering
 
 
-def _register() -> None:
-    for name, schema in SCHEMAS.items():
-        _lib.define(name + schema)
-        _lib.impl(name, _make_cpu_kernel(name), "CPU")
-        torch.library.register_fake(f"tpurec::{name}", _make_fake_kernel(name), lib=_lib)
-        lower(getattr(torch.ops.tpurec, name).default)(_platform_lowering(name))
+def _define(name: str, schema: str) -> None:
+    _lib.define(name + schema)
+    _lib.impl(name, _make_cpu_kernel(name), "CPU")
+    torch.library.register_fake(f"tpurec::{name}", _make_fake_kernel(name), lib=_lib)
+    lower(getattr(torch.ops.tpurec, name).default)(_platform_lowering(name))
 
 
-_register()
+def _define_rule(rule: UpdateRule) -> None:
+    # An update rule registered after import: its gradient op joins the set.
+    SCHEMAS[rule.op_name] = rule.schema()
+    OP_NAMES.append(rule.op_name)
+    _define(rule.op_name, SCHEMAS[rule.op_name])
+
+
+for _name, _schema in SCHEMAS.items():
+    _define(_name, _schema)
+on_register(_define_rule)

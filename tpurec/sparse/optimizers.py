@@ -1,8 +1,25 @@
 """Fused embedding optimizers: configs (hyperparameters as in FBGEMM) and slots.
 
 An embedding optimizer runs inside the backward of the lookup (as on
-SparseCores and in FBGEMM's TBE), on the touched rows only. Each config
-names its gradient op and the optimizer slots (state tensors) it needs.
+SparseCores and in FBGEMM's TBE), on the touched rows only. Each config names
+its update rule (:mod:`tpurec.sparse.update_rules`: the slots, hyperparameters
+and row math, declared once), whose gradient op every kernel family runs; its
+dataclass fields hold the hyperparameters' values.
+
+A new optimizer is one rule and one config::
+
+    from tpurec.sparse.update_rules import Slot, UpdateRule
+
+    def momentum_rows(g, w, m, *, learning_rate, momentum, dtype):
+        m = momentum * m + g
+        return (w - learning_rate * m).astype(dtype), m
+
+    @dataclasses.dataclass
+    class SGDMomentum(EmbeddingOptimizer):
+        momentum: float = 0.9
+        rule: ClassVar[UpdateRule] = UpdateRule(
+            "sgd_momentum", "SGD with momentum", (Slot("momentum1", "element"),),
+            ("learning_rate", "momentum"), momentum_rows)
 
 Example::
 
@@ -14,6 +31,10 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, ClassVar, Literal, Mapping
+
+from tpurec.sparse import ops  # noqa: F401  (defines the gradient op of each rule registered here)
+from tpurec.sparse import update_rules
+from tpurec.sparse.update_rules import UpdateRule
 
 __all__ = [
     "EmbeddingOptimizer",
@@ -29,6 +50,10 @@ __all__ = [
 class EmbeddingOptimizer:
     """Base of the fused optimizer configs.
 
+    A subclass sets ``rule`` (its :class:`~tpurec.sparse.update_rules.UpdateRule`, registered
+    when the class is made) and has a field for each of the rule's hyperparameters but
+    ``step`` (the module's update count).
+
     Attributes:
         learning_rate: step size (mutable: a schedule may change it each step;
             it is a traced value, so changing it never recompiles).
@@ -36,14 +61,29 @@ class EmbeddingOptimizer:
 
     learning_rate: float = 0.01
 
+    rule: ClassVar[UpdateRule]
     op_name: ClassVar[str]
     # slot name -> "row" ([rows]) or "element" ([rows, dim])
     slots: ClassVar[dict[str, str]] = {}
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        rule = cls.__dict__.get("rule")
+        if rule is not None:
+            update_rules.register(rule)
+            cls.op_name = rule.op_name
+            cls.slots = {s.name: s.kind for s in rule.slots}
+
+    def __post_init__(self) -> None:
+        if "rule" not in dir(type(self)):
+            raise TypeError(f"{type(self).__name__} names no update rule (set the class attribute rule)")
+        missing = [h for h in self.rule.hyperparameters if h != "step" and not hasattr(self, h)]
+        if missing:
+            raise TypeError(f"{type(self).__name__} has no field for the hyperparameters {missing} of its rule")
+
     def hyperparameters(self, step: int) -> dict[str, float]:
         """Keyword arguments of the gradient op for update number ``step`` (from 1)."""
-        del step
-        return {"learning_rate": float(self.learning_rate)}
+        return {h: float(step) if h == "step" else float(getattr(self, h)) for h in self.rule.hyperparameters}
 
 
 @dataclasses.dataclass
@@ -55,8 +95,7 @@ class SGD(EmbeddingOptimizer):
         SGD(learning_rate=0.1)
     """
 
-    op_name: ClassVar[str] = "sparse_dense_matmul_grad_with_sgd"
-    slots: ClassVar[dict[str, str]] = {}
+    rule: ClassVar[UpdateRule] = update_rules.SGD
 
 
 @dataclasses.dataclass
@@ -70,11 +109,7 @@ class Adagrad(EmbeddingOptimizer):
 
     eps: float = 1.0e-8
 
-    op_name: ClassVar[str] = "sparse_dense_matmul_grad_with_adagrad"
-    slots: ClassVar[dict[str, str]] = {"momentum1": "element"}
-
-    def hyperparameters(self, step: int) -> dict[str, float]:
-        return {"learning_rate": float(self.learning_rate), "eps": float(self.eps)}
+    rule: ClassVar[UpdateRule] = update_rules.ADAGRAD
 
 
 @dataclasses.dataclass
@@ -92,15 +127,7 @@ class RowWiseAdagrad(EmbeddingOptimizer):
     eps: float = 1.0e-8
     weight_decay: float = 0.0
 
-    op_name: ClassVar[str] = "sparse_dense_matmul_grad_with_rowwise_adagrad"
-    slots: ClassVar[dict[str, str]] = {"momentum1": "row"}
-
-    def hyperparameters(self, step: int) -> dict[str, float]:
-        return {
-            "learning_rate": float(self.learning_rate),
-            "eps": float(self.eps),
-            "weight_decay": float(self.weight_decay),
-        }
+    rule: ClassVar[UpdateRule] = update_rules.ROWWISE_ADAGRAD
 
 
 @dataclasses.dataclass
@@ -118,18 +145,7 @@ class Adam(EmbeddingOptimizer):
     eps: float = 1.0e-8
     weight_decay: float = 0.0
 
-    op_name: ClassVar[str] = "sparse_dense_matmul_grad_with_adam"
-    slots: ClassVar[dict[str, str]] = {"momentum1": "element", "momentum2": "element"}
-
-    def hyperparameters(self, step: int) -> dict[str, float]:
-        return {
-            "learning_rate": float(self.learning_rate),
-            "beta1": float(self.beta1),
-            "beta2": float(self.beta2),
-            "eps": float(self.eps),
-            "weight_decay": float(self.weight_decay),
-            "step": float(step),
-        }
+    rule: ClassVar[UpdateRule] = update_rules.ADAM
 
 
 def _kwargs(kwargs: Mapping[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:

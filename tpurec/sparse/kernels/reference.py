@@ -13,7 +13,10 @@ Tables may be float16 or bfloat16 (FBGEMM's ``weights_precision``): rows are
 gathered in the table's dtype and everything else (pooling, gradients, optimizer
 state and math) is float32, as in FBGEMM's CPU kernels; only the new weights are
 rounded back (to nearest even), in the order FBGEMM's CPU kernels round them (see
-:func:`accumulator_dtype` and the optimizer row functions).
+:func:`accumulator_dtype` and :mod:`tpurec.sparse.update_rules`).
+
+The gradient ops ``sparse_dense_matmul_grad_with_<name>`` exist for every update rule
+(:mod:`tpurec.sparse.update_rules`): the rows a batch touched get the rule's row math.
 
 Example::
 
@@ -23,22 +26,21 @@ Example::
 from __future__ import annotations
 
 import collections
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
 from tpurec.sparse.types import PAD_ID
+from tpurec.sparse.update_rules import RULES, UpdateRule, rule_of
 
 __all__ = [
     "TRACE_COUNTS",
     "sparse_dense_matmul",
-    "sparse_dense_matmul_grad_with_sgd",
-    "sparse_dense_matmul_grad_with_adagrad",
-    "sparse_dense_matmul_grad_with_rowwise_adagrad",
-    "sparse_dense_matmul_grad_with_adam",
     "touched_rows_update",
-    "OPTIMIZER_ROWS",
     "accumulator_dtype",
+    "make_grad_op",
+    "grad_ops",
 ]
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -117,65 +119,13 @@ def _scatter(x, unique_ids, rows):
     return x.at[unique_ids].set(rows.astype(x.dtype), mode="drop")
 
 
-def _round_update(update, w, dtype):
-    """``update`` as FBGEMM's CPU kernels apply it to a ``dtype`` weight with ``w -= update``.
-
-    The right-hand side is converted to the weight's type before the subtraction
-    (C++ ``at::Half -= float``), so a float16 weight sees the update rounded to float16
-    first; for a float32 weight both casts are exact.
-    """
-    return w - update.astype(dtype).astype(w.dtype)
-
-
-def _sgd_rows(g, w, *, learning_rate, dtype):
-    return (_round_update(learning_rate * g, w, dtype).astype(dtype),)
-
-
-def _adagrad_rows(g, w, m, *, learning_rate, eps, dtype):
-    m = m + g * g
-    return _round_update(learning_rate * g / (jnp.sqrt(m) + eps), w, dtype).astype(dtype), m
-
-
-def _rowwise_adagrad_rows(g, w, m, *, learning_rate, eps, weight_decay, dtype):
-    # FBGEMM's form (L2 weight decay): the decay enters the accumulator through the
-    # gradient and the weight through a correction factor, and the new weight is one
-    # float32 expression rounded once to the table's dtype.
-    decayed = g + weight_decay * w
-    # keepdims/reshape: ``m`` is ``[n]`` here and ``[n, 1]`` in the TensorCore kernel's blocks.
-    m = m + jnp.mean(decayed * decayed, axis=1, keepdims=True).reshape(m.shape)
-    multiplier = (learning_rate / (jnp.sqrt(m) + eps)).reshape(-1, 1)
-    correction = 1.0 - multiplier * weight_decay
-    return (correction * w - g * multiplier).astype(dtype), m
-
-
-def _adam_rows(g, w, m1, m2, *, learning_rate, beta1, beta2, eps, weight_decay, step, dtype):
-    m1 = beta1 * m1 + (1.0 - beta1) * g
-    m2 = beta2 * m2 + (1.0 - beta2) * g * g
-    m1_hat = m1 / (1.0 - beta1**step)
-    m2_hat = m2 / (1.0 - beta2**step)
-    return (w - learning_rate * (m1_hat / (jnp.sqrt(m2_hat) + eps) + weight_decay * w)).astype(dtype), m1, m2
-
-
-OPTIMIZER_ROWS = {
-    "sparse_dense_matmul_grad_with_sgd": _sgd_rows,
-    "sparse_dense_matmul_grad_with_adagrad": _adagrad_rows,
-    "sparse_dense_matmul_grad_with_rowwise_adagrad": _rowwise_adagrad_rows,
-    "sparse_dense_matmul_grad_with_adam": _adam_rows,
-}
-"""Gradient op name -> the optimizer on gathered rows: ``(g, w, *slots, dtype=, **hp) -> (w, *slots)``.
-
-``g``, ``w`` and the slots are in the accumulator dtype; the new ``w`` comes back in
-``dtype`` (the table's), the slots in theirs.
-"""
-
-
 def _touched_rows(op_name, row_pointers, embedding_ids, sample_ids, gains, grad_output, table, slots, hyperparameters):
     ids, g = _row_gradients(row_pointers, embedding_ids, sample_ids, gains, grad_output, table)
     acc = g.dtype
     w = _gather(table, ids).astype(acc)
     # Optimizer state is kept (and read) in its own dtype: float32, as FBGEMM keeps momenta.
     gathered = [_gather(x, ids).astype(jnp.promote_types(x.dtype, acc)) for x in slots]
-    new_w, *new_slots = OPTIMIZER_ROWS[op_name](g, w, *gathered, dtype=table.dtype, **hyperparameters)
+    new_w, *new_slots = rule_of(op_name).rows(g, w, *gathered, dtype=table.dtype, **hyperparameters)
     return ids, (new_w, *(r.astype(x.dtype) for r, x in zip(new_slots, slots)))
 
 
@@ -205,100 +155,42 @@ def _grad_op(op_name, csr, grad_output, table, slots, hyperparameters):
     return out if len(out) > 1 else out[0]
 
 
-def sparse_dense_matmul_grad_with_sgd(
-    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *, learning_rate
-):
-    """SGD on the touched rows (FBGEMM EXACT_SGD): ``w -= lr * g``.
+def make_grad_op(rule: UpdateRule, body: Callable, module: str) -> Callable:
+    """The entry point of ``rule``'s gradient op for a kernel module: the op's arguments
+    (CSR, ``grad_output``, ``table``, the slots, the hyperparameters by keyword) passed to
+    ``body(op_name, csr, grad_output, table, slots, hyperparameters)``."""
+    hyper_names = frozenset(rule.hyperparameters)
 
-    Returns:
-        The updated table.
-    """
-    return _grad_op(
-        "sparse_dense_matmul_grad_with_sgd",
-        (row_pointers, embedding_ids, sample_ids, gains),
-        grad_output,
-        table,
-        (),
-        {"learning_rate": learning_rate},
-    )
+    def grad_op(row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *slots, **hyperparameters):
+        if len(slots) != len(rule.slots) or set(hyperparameters) != hyper_names:
+            raise TypeError(
+                f"{rule.op_name} takes the slots {[s.argument for s in rule.slots]} and the hyperparameters "
+                f"{list(rule.hyperparameters)}; got {len(slots)} slots and {sorted(hyperparameters)}"
+            )
+        csr = (row_pointers, embedding_ids, sample_ids, gains)
+        return body(rule.op_name, csr, grad_output, table, slots, hyperparameters)
 
-
-def sparse_dense_matmul_grad_with_adagrad(
-    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, accumulator, *, learning_rate, eps
-):
-    """Adagrad (FBGEMM EXACT_ADAGRAD): ``m += g**2; w -= lr * g / (sqrt(m) + eps)``.
-
-    Returns:
-        ``(table, accumulator)`` updated.
-    """
-    return _grad_op(
-        "sparse_dense_matmul_grad_with_adagrad",
-        (row_pointers, embedding_ids, sample_ids, gains),
-        grad_output,
-        table,
-        (accumulator,),
-        {"learning_rate": learning_rate, "eps": eps},
-    )
+    grad_op.__name__ = grad_op.__qualname__ = rule.op_name
+    grad_op.__module__ = module
+    returns = f"``(table, {', '.join(s.argument for s in rule.slots)})``" if rule.slots else "the table"
+    grad_op.__doc__ = f"{rule.summary}.\n\nReturns:\n    {returns} updated."
+    return grad_op
 
 
-def sparse_dense_matmul_grad_with_rowwise_adagrad(
-    row_pointers, embedding_ids, sample_ids, gains, grad_output, table, accumulator, *, learning_rate, eps, weight_decay
-):
-    """Row-wise Adagrad (FBGEMM EXACT_ROWWISE_ADAGRAD, L2 weight decay).
+def grad_ops(body: Callable, module: str) -> Callable[[str], Callable]:
+    """A kernel module's ``__getattr__`` for its gradient ops: one entry point per registered
+    rule (:mod:`tpurec.sparse.update_rules`), made on first use and kept."""
+    made: dict[str, Callable] = {}
 
-    ``g += wd * w; m += mean(g**2); w -= lr * g / (sqrt(m) + eps)`` with one
-    accumulator value per row.
+    def entry(name: str) -> Callable:
+        fn = made.get(name)
+        if fn is None:
+            if name not in RULES:
+                raise AttributeError(f"module {module!r} has no attribute {name!r}")
+            fn = made[name] = make_grad_op(RULES[name], body, module)
+        return fn
 
-    Returns:
-        ``(table, accumulator)`` updated; ``accumulator`` is ``[rows]``.
-    """
-    return _grad_op(
-        "sparse_dense_matmul_grad_with_rowwise_adagrad",
-        (row_pointers, embedding_ids, sample_ids, gains),
-        grad_output,
-        table,
-        (accumulator,),
-        {"learning_rate": learning_rate, "eps": eps, "weight_decay": weight_decay},
-    )
+    return entry
 
 
-def sparse_dense_matmul_grad_with_adam(
-    row_pointers,
-    embedding_ids,
-    sample_ids,
-    gains,
-    grad_output,
-    table,
-    momentum1,
-    momentum2,
-    *,
-    learning_rate,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-):
-    """Lazy Adam on the touched rows (FBGEMM ADAM; ``step`` counts from 1).
-
-    ``m1 = b1 m1 + (1-b1) g; m2 = b2 m2 + (1-b2) g**2;
-    w -= lr * (m1/(1-b1**t) / (sqrt(m2/(1-b2**t)) + eps) + wd * w)``.
-
-    Returns:
-        ``(table, momentum1, momentum2)`` updated.
-    """
-    return _grad_op(
-        "sparse_dense_matmul_grad_with_adam",
-        (row_pointers, embedding_ids, sample_ids, gains),
-        grad_output,
-        table,
-        (momentum1, momentum2),
-        {
-            "learning_rate": learning_rate,
-            "beta1": beta1,
-            "beta2": beta2,
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "step": step,
-        },
-    )
+__getattr__ = grad_ops(_grad_op, __name__)

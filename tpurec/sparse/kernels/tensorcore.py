@@ -1,8 +1,7 @@
 """TensorCore kernels of the sparse op set: embeddings on TPUs without usable SparseCores.
 
 Same signatures and semantics as :mod:`tpurec.sparse.kernels.reference` (the optimizer
-row math is the reference's :data:`~tpurec.sparse.kernels.reference.OPTIMIZER_ROWS`,
-declared once), built for what is slow on a TensorCore: XLA's row gather from a
+row math is the update rules' of :mod:`tpurec.sparse.update_rules`, declared once), built for what is slow on a TensorCore: XLA's row gather from a
 ``[rows, 64]`` float32 table moves 11 GB/s on a TPU v5e and its row scatter 2.6-4.9 GB/s,
 while reading a whole table streams at about 700 GB/s (measured on the chip,
 docs/throughput.md). So where a batch touches enough of a table the kernels *stream*:
@@ -56,6 +55,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from tpurec.sparse.kernels import reference
 from tpurec.sparse.types import PAD_ID
+from tpurec.sparse.update_rules import rule_of
 
 __all__ = [
     "BLOCK_ROWS",
@@ -67,10 +67,6 @@ __all__ = [
     "stream_update",
     "streams",
     "sparse_dense_matmul",
-    "sparse_dense_matmul_grad_with_sgd",
-    "sparse_dense_matmul_grad_with_adagrad",
-    "sparse_dense_matmul_grad_with_rowwise_adagrad",
-    "sparse_dense_matmul_grad_with_adam",
 ]
 
 TRACE_COUNTS: collections.Counter = collections.Counter()
@@ -444,14 +440,14 @@ def stream_update(
 
     For each streamed block: the entries' gradients (``grad_output[sample] * gain``, the
     output gradient kept in VMEM) are summed per row into a block-sized VMEM buffer in entry
-    order, then the optimizer's row math (:data:`reference.OPTIMIZER_ROWS`) runs on the whole
+    order, then the update rule's row math (:mod:`tpurec.sparse.update_rules`) runs on the whole
     block and only the touched rows take the result. The table and slots are aliased to the
     outputs (donate them to update in place); blocks without an entry are neither read nor
     written. One-dimensional slots (row-wise Adagrad's accumulator) are viewed lane-dense
     as ``[rows / 128, 128]``.
 
     Args:
-        op_name: a key of :data:`reference.OPTIMIZER_ROWS`.
+        op_name: a gradient op of :data:`tpurec.sparse.update_rules.RULES`.
         table: ``[rows, dim]`` float32, ``rows >= BLOCK_ROWS``.
         slots: the optimizer's float32 state, each ``[rows, dim]`` or ``[rows]``.
         keys: ``[n]`` int32, ascending; entries ``>= rows`` (``PAD_ID``) are padding.
@@ -486,7 +482,7 @@ def stream_update(
     flat = [x.ndim == 1 for x in slots]
     padded_rows = _cdiv(rows, 128) * 128
     slot_views = [_pad_to(x, padded_rows).reshape(padded_rows // 128, 128) if f else x for x, f in zip(slots, flat)]
-    row_fn = reference.OPTIMIZER_ROWS[op_name]
+    row_fn = rule_of(op_name).rows
     sink = block_rows
 
     def kernel(lo_ref, hi_ref, c_ref, b_ref, hp_ref, keys_ref, samples_ref, gains_ref, gout_ref, *refs):
@@ -675,29 +671,12 @@ def _grad_op(op_name, csr, grad_output, table, slots, hyperparameters):
     stream = streams(n, table)
     w = _gather_rows(table, unique_keys, stream).astype(acc)
     gathered = [_gather_rows(x, unique_keys, stream).astype(jnp.promote_types(x.dtype, acc)) for x in slots]
-    new_w, *new_slots = reference.OPTIMIZER_ROWS[op_name](row_grads, w, *gathered, dtype=table.dtype, **hyperparameters)
+    new_w, *new_slots = rule_of(op_name).rows(row_grads, w, *gathered, dtype=table.dtype, **hyperparameters)
     out: list[jax.Array] = [
         _scatter_rows(x, unique_keys, r.astype(x.dtype), stream) for x, r in zip((table, *slots), (new_w, *new_slots))
     ]
     return tuple(out) if len(out) > 1 else out[0]
 
 
-def _make_grad_op(op_name: str):
-    # One entry point per optimizer, from the reference's table of row math: the slots and
-    # hyperparameters arrive as the op's schema passes them (ops.SCHEMAS).
-    def grad_op(row_pointers, embedding_ids, sample_ids, gains, grad_output, table, *slots, **hyperparameters):
-        csr = (row_pointers, embedding_ids, sample_ids, gains)
-        return _grad_op(op_name, csr, grad_output, table, slots, hyperparameters)
-
-    grad_op.__name__ = grad_op.__qualname__ = op_name
-    grad_op.__doc__ = f"``{op_name}`` on the touched rows (the math of :mod:`tpurec.sparse.kernels.reference`)."
-    return grad_op
-
-
-sparse_dense_matmul_grad_with_sgd = _make_grad_op("sparse_dense_matmul_grad_with_sgd")
-sparse_dense_matmul_grad_with_adagrad = _make_grad_op("sparse_dense_matmul_grad_with_adagrad")
-sparse_dense_matmul_grad_with_rowwise_adagrad = _make_grad_op("sparse_dense_matmul_grad_with_rowwise_adagrad")
-sparse_dense_matmul_grad_with_adam = _make_grad_op("sparse_dense_matmul_grad_with_adam")
-assert set(reference.OPTIMIZER_ROWS) == {
-    f"sparse_dense_matmul_grad_with_{n}" for n in ("sgd", "adagrad", "rowwise_adagrad", "adam")
-}, "an optimizer in the reference's table has no TensorCore entry point"
+# One entry point per update rule (sparse_dense_matmul_grad_with_<name>), made on first use.
+__getattr__ = reference.grad_ops(_grad_op, __name__)

@@ -46,7 +46,9 @@ SparseCores per device, ``B`` our ``batch_size``):
   corrections are computed on the TensorCore so the row update uses only
   elementwise ops. Row-wise Adagrad's accumulator is stored full width on the
   SparseCore (the primitive wants every slot shaped like the table): ``[rows]``
-  in, broadcast to ``[rows, dim]``, column 0 out.
+  in, broadcast to ``[rows, dim]``, column 0 out. Any other update rule
+  (:mod:`tpurec.sparse.update_rules`) with element slots only runs its row math
+  in the generic primitive as written (elementwise ``jax.numpy`` on padded rows).
 
 Extra static keyword arguments of every kernel: ``num_sc_per_device`` (None:
 from the device kind through jax-tpu-embedding's ``NUM_SC_PER_DEVICE_MAP``),
@@ -70,6 +72,8 @@ from jax_tpu_embedding.sparsecore.lib.core.primitives import sparse_dense_matmul
 from jax_tpu_embedding.sparsecore.lib.core.primitives import sparse_dense_matmul_grad_with_sgd as _sgd
 from jax_tpu_embedding.sparsecore.lib.core.primitives import sparse_dense_matmul_optimizer_grad as _opt
 from jax_tpu_embedding.sparsecore.utils import utils as _jte_utils
+
+from tpurec.sparse.update_rules import RULES, rule_of
 
 from tpurec.sparse.types import PAD_ID, PARTITION_ALIGNMENT
 
@@ -502,3 +506,63 @@ def sparse_dense_matmul_grad_with_adam(
         max_unique_ids_per_partition=max_unique_ids_per_partition,
         sparsecore_layout=sparsecore_layout,
     )
+
+
+def _rule_grad_op(op_name: str) -> Callable:
+    """The SparseCore entry point of an update rule without a hand-written one above."""
+    rule = rule_of(op_name)
+
+    def grad_op(
+        row_pointers,
+        embedding_ids,
+        sample_ids,
+        gains,
+        grad_output,
+        table,
+        *slots,
+        num_sc_per_device: int | None = None,
+        max_ids_per_partition: int | None = None,
+        max_unique_ids_per_partition: int | None = None,
+        sparsecore_layout: bool = False,
+        **hyperparameters,
+    ):
+        if any(s.kind == "row" for s in rule.slots):
+            raise NotImplementedError(
+                f"{op_name} on SparseCores: the rule has per-row slots, which the generic primitive holds full "
+                "width and whose row reductions would count the padded columns; run it with "
+                "TPUREC_SPARSE_KERNEL=tensorcore, or give the rule element slots"
+            )
+        names = rule.hyperparameters
+
+        def update(g, w, *rest):
+            rows, hps = rest[: len(slots)], rest[len(slots) :]
+            return tuple(rule.rows(g, w, *rows, dtype=jnp.float32, **dict(zip(names, hps))))
+
+        return _grad_with_optimizer(
+            rule.name,
+            update,
+            (row_pointers, embedding_ids, sample_ids, gains),
+            grad_output,
+            table,
+            slots,
+            [hyperparameters[n] for n in names],
+            num_sc_per_device=num_sc_per_device,
+            max_ids_per_partition=max_ids_per_partition,
+            max_unique_ids_per_partition=max_unique_ids_per_partition,
+            sparsecore_layout=sparsecore_layout,
+        )
+
+    grad_op.__name__ = grad_op.__qualname__ = op_name
+    grad_op.__doc__ = f"{rule.summary} (generic SparseCore primitive)."
+    return grad_op
+
+
+_RULE_OPS: dict[str, Callable] = {}
+
+
+def __getattr__(name: str):
+    if name in RULES:
+        if name not in _RULE_OPS:
+            _RULE_OPS[name] = _rule_grad_op(name)
+        return _RULE_OPS[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -6,6 +6,9 @@ The kernels are ``tpurec/native/sparse_cpu.cc``, part of tpurec's one native
 library (:mod:`tpurec.native`: built with g++ on first use and cached); KJT ->
 CSR preprocessing in the same library is :mod:`tpurec.sparse.kernels.native.preprocess`.
 
+SGD, Adagrad, row-wise Adagrad and Adam have their row math in C++; the gradient op of any
+other update rule (:mod:`tpurec.sparse.update_rules`) is the reference's XLA kernel.
+
 The gradient ops alias their table/slot outputs to the inputs
 (``input_output_aliases``): only touched rows are written, and with the inputs
 donated by the caller the update is in place (no table copy).
@@ -26,6 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from tpurec.native import FFI_TARGETS, NativeBuildError, ensure_registered, library_path, load_library
+from tpurec.sparse.kernels import reference
+from tpurec.sparse.update_rules import RULES
 
 __all__ = [
     "NativeBuildError",
@@ -194,3 +199,10 @@ def sparse_dense_matmul_grad_with_adam(
         table,
         (momentum1, momentum2),
     )
+
+
+def __getattr__(name: str):
+    # Update rules without C++ row math: the reference's XLA kernel (same semantics).
+    if name in RULES:
+        return getattr(reference, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
