@@ -109,7 +109,7 @@ def _register_device() -> None:
 def _calling_thread_backward() -> None:
     from tpurec.core import device
 
-    device._run_backward_on_calling_thread()
+    device.run_backward_on_calling_thread()
 
 
 def _keep_parameters() -> None:

@@ -587,23 +587,25 @@ def _module_name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if path.name == "__init__.py" else parts)
 
 
-def import_graph(sources: dict[str, tuple[str, str]]) -> dict[str, dict[str, int]]:
+def import_graph(sources: dict[str, tuple[str, str]], *, type_only: bool = False) -> dict[str, dict[str, int]]:
     """Module -> {module it imports: line}, over the given modules only.
 
     ``from pkg import name`` is an edge to ``pkg.name`` when that is a module, else to
     ``pkg``; an import of a module outside ``sources`` counts as its closest enclosing
     module there. Imports inside functions count; those under ``if TYPE_CHECKING:`` do
-    not (they never run). Python's implicit import of a module's parent packages is not
-    an edge: a package importing its own submodules would make every package a circle.
+    not (they never run) unless ``type_only``. Python's implicit import of a module's parent
+    packages is not an edge: a package importing its own submodules would make every package
+    a circle.
 
     Args:
         sources: module name -> (source text, package it belongs to).
+        type_only: count the imports under ``if TYPE_CHECKING:`` too.
     """
     graph: dict[str, dict[str, int]] = {}
     for name, (source, package) in sources.items():
         edges: dict[str, int] = {}
         tree = ast.parse(source)
-        skipped = _type_checking_only(tree)
+        skipped = set() if type_only else _type_checking_only(tree)
         for node in ast.walk(tree):
             if id(node) in skipped:
                 continue
@@ -686,8 +688,81 @@ def test_the_circle_finder_finds_a_circle_hidden_in_a_function():
 KNOWN_CIRCLES: list[list[str]] = []
 
 
-def test_tpurec_has_no_import_circle():
+@pytest.mark.parametrize("type_only", [False, True], ids=["run_time", "with_type_only_imports"])
+def test_tpurec_has_no_import_circle(type_only):
+    # Type-only imports count too: a module annotated with a class of a module above it is
+    # an upward dependency all the same (a protocol where it is used says what it needs).
     files = sorted(PACKAGE_ROOT.rglob("*.py"))
-    graph = import_graph({_module_name(p): (p.read_text(), _package_of(p)) for p in files})
+    graph = import_graph({_module_name(p): (p.read_text(), _package_of(p)) for p in files}, type_only=type_only)
     found = [c for c in circles(graph) if c not in KNOWN_CIRCLES]
     assert found == [], "\n\n".join(_describe(graph, c) for c in found)
+
+
+# --- outside the core, only its public names ---------------------------------------------
+
+
+def private_core_uses(source: str) -> list[str]:
+    """``line: name`` for each private name of ``tpurec.core`` that ``source`` imports or reads
+    (``from tpurec.core.x import _y``, ``x._y`` on an imported core module, ``importlib`` included)."""
+    tree = ast.parse(source)
+    core_names: dict[str, str] = {}
+    found: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and _within(node.module, ("tpurec.core",)):
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    found.append(f"{node.lineno}: {node.module}.{alias.name}")
+                core_names[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if _within(alias.name, ("tpurec.core",)):
+                    core_names[alias.asname or alias.name] = alias.name
+        elif isinstance(node, ast.Assign) and isinstance(node.value, ast.Call):
+            # module = importlib.import_module("tpurec.core.x")
+            call = node.value
+            if (
+                ast.unparse(call.func) in ("importlib.import_module", "import_module")
+                and call.args
+                and isinstance(call.args[0], ast.Constant)
+                and _within(str(call.args[0].value), ("tpurec.core",))
+            ):
+                for target in node.targets:
+                    if isinstance(target, ast.Name):
+                        core_names[target.id] = str(call.args[0].value)
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in core_names
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{node.lineno}: {core_names[node.value.id]}.{node.attr}")
+    return found
+
+
+@pytest.mark.parametrize(
+    "source,expected",
+    [
+        ("from tpurec.core.programs import _run\n", ["1: tpurec.core.programs._run"]),
+        ("from tpurec.core import fused\nfused._flush()\n", ["2: tpurec.core.fused._flush"]),
+        (
+            "import importlib\nm = importlib.import_module('tpurec.core.tensor')\nm._wrap\n",
+            ["3: tpurec.core.tensor._wrap"],
+        ),
+        ("from tpurec.core import fused as _fused\n_fused.record\n", []),  # a private alias of a public name
+        ("from tpurec.core.programs import run_program\n", []),
+    ],
+)
+def test_private_core_uses_are_found(source, expected):
+    assert private_core_uses(source) == expected
+
+
+def test_no_module_outside_the_core_uses_its_private_names():
+    found = [
+        f"{path.relative_to(PACKAGE_ROOT.parent)}:{use}"
+        for path in sorted(PACKAGE_ROOT.rglob("*.py"))
+        if "core" not in path.relative_to(PACKAGE_ROOT).parts[:1]
+        for use in private_core_uses(path.read_text())
+    ]
+    assert found == [], "make the name public in tpurec.core (with a docstring) or keep the use inside it"

@@ -34,7 +34,7 @@ from tpurec.dense.trace_context import traced_as_spmd
 from tpurec.core.device import jax_device
 from tpurec.core.dispatch import pending_value, value_of
 from tpurec.core.fused import Pending
-from tpurec.core.programs import _store, fresh_with_key
+from tpurec.core.programs import store_array, fresh_with_key
 from tpurec.core.views import contiguous_strides
 from tpurec.core.tensor import TpuTensor, host_to_jax, is_plain
 
@@ -379,7 +379,7 @@ def _write_input(t: Any, new: Any, index: int, key: tuple) -> None:
     and bumps the inputs' versions itself.
     """
     if isinstance(t, TpuTensor) and t.is_full:
-        _store(t._storage, new)
+        store_array(t._storage, new)
         return
     with torch.no_grad():
         t.copy_(fresh_with_key(new, index, key))

@@ -19,7 +19,7 @@ from tpurec.composites import COMPOSITES
 from tpurec.core import fused, modes, rng, runtime
 from tpurec.core.errors import ArgumentError, lowering_failed, unsupported_op
 from tpurec.core.fused import Pending
-from tpurec.core.programs import _placed, _run, _store, fresh, fresh_with_key
+from tpurec.core.programs import _placed, run_program, store_array, fresh, fresh_with_key
 from tpurec.core.tensor import TpuTensor, host_array, is_plain
 from tpurec.core.views import read_view, reinterpretation, write_view
 from tpurec.dense import calling, dtype_rules
@@ -288,7 +288,7 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
         outs = program(*inputs)
     if targets is not None:
         for t, new in zip(targets, outs):
-            _store(t._storage, new)
+            store_array(t._storage, new)
         return targets
     return [
         None if key is None else fresh_with_key(o, index, key, plain)
@@ -392,14 +392,14 @@ def _execute(
         seen.extend(call.inputs)
         seen.append(program)
     try:
-        outs = _run(program, *call.inputs, device=index)
+        outs = run_program(program, *call.inputs, device=index)
     except Exception as error:
         if program.ran or program.out_avals is not None or isinstance(error, ArgumentError):
             raise
         raise lowering_failed(func, error) from error
     if targets is not None:
         for t, new in zip(targets, outs):
-            _store(t._storage, new)
+            store_array(t._storage, new)
         return targets
     if modes.get_mode() == "debug":
         _debug_check(func, outs, program.metas)

@@ -276,7 +276,8 @@ class _CallingThreadEngine:
         return getattr(self._engine, name)
 
 
-def _run_backward_on_calling_thread() -> None:
+def run_backward_on_calling_thread() -> None:
+    """Makes autograd run each backward pass on the thread that asked for it (see ``_CallingThreadEngine``)."""
     from torch.autograd.variable import Variable
 
     if not isinstance(Variable._execution_engine, _CallingThreadEngine):

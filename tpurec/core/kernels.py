@@ -20,7 +20,7 @@ from tpurec.core import modes
 from tpurec.core.calls import _fallback, execute
 from tpurec.core.device import jax_device
 from tpurec.core.mirrors import from_host, mirror_of
-from tpurec.core.programs import _compile, _run, _store, fresh, value_of
+from tpurec.core.programs import _compile, run_program, store_array, fresh, value_of
 from tpurec.core.tensor import Storage, TpuTensor, host_to_jax, is_plain, jax_to_host, with_key, wrap
 from tpurec.core.view_ops import _meta_base, _set_metadata
 from tpurec.core.views import (
@@ -64,7 +64,7 @@ def _new_storage(size, stride, dtype, index) -> TpuTensor:
     jdtype = to_jax_dtype(dtype)
     program = _compile(("zeros", shape, jdtype, index), lambda: [jnp.zeros(shape, jdtype)], index)
     storage = Storage(None, index)
-    _store(storage, _run(program, device=index)[0])
+    store_array(storage, run_program(program, device=index)[0])
     return TpuTensor(storage, size, stride, 0, dtype)
 
 
@@ -118,7 +118,7 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
         if values.dtype != to_jax_dtype(dtype):
             shape = tuple(values.shape)
             key = (shape, self.dtype, shape, contiguous_strides(shape), 0, self.dtype)
-            values = _run(_cast_program(key, dtype), values, now=True)[0]
+            values = run_program(_cast_program(key, dtype), values, now=True)[0]
         return jax_to_host(values)
     if target.type != "tpu":
         raise RuntimeError(f"cannot copy a tpu tensor to {target} directly; go through .cpu()")
@@ -126,7 +126,7 @@ def _to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non
     if index != self._storage.index:
         values = jax.device_put(value_of(self, "transfer between devices"), jax_device(index))
         return _to_copy(wrap(values, index, self.dtype), dtype=dtype)
-    return fresh(_run(_cast_program(self._key, dtype), self._storage.array, device=index)[0], index, dtype)
+    return fresh(run_program(_cast_program(self._key, dtype), self._storage.array, device=index)[0], index, dtype)
 
 
 def _copy_program(dst_key, src_key):
@@ -154,14 +154,14 @@ def _copy_(dst, src, non_blocking=False):
     if isinstance(src, TpuTensor) and src._storage.index == dst._storage.index:
         if dst.is_full and src.is_full and src.dtype == dst.dtype and src.shape == dst.shape:
             # Arrays are immutable, so the destination can share the source's buffer.
-            _store(dst._storage, src._storage.array)
+            store_array(dst._storage, src._storage.array)
             return dst
         source, source_key = src._storage.array, src._key
     else:
         device = jax_device(dst._storage.index)
         if not isinstance(src, TpuTensor) and dst.is_full and src.dtype == dst.dtype and src.shape == dst.shape:
             # A whole host tensor into a whole tpu tensor (``.to("tpu")``): the transfer is the copy.
-            _store(dst._storage, host_to_jax(src, device))
+            store_array(dst._storage, host_to_jax(src, device))
             from_host(dst, src)
             return dst
         if isinstance(src, TpuTensor):
@@ -171,7 +171,7 @@ def _copy_(dst, src, non_blocking=False):
         shape = tuple(source.shape)
         source_key = (shape, src.dtype, shape, contiguous_strides(shape), 0, src.dtype)
     program = _copy_program(dst._key, source_key)
-    _store(dst._storage, _run(program, dst._storage.array, source, device=dst._storage.index)[0])
+    store_array(dst._storage, run_program(program, dst._storage.array, source, device=dst._storage.index)[0])
     return dst
 
 
@@ -226,9 +226,9 @@ def _resize_(self, size, memory_format=None):
                 "view_as_complex); resize the tensor it views, or a copy (.clone()), instead"
             )
         index = self._storage.index
-        grown = _run(_grow_program(storage_shape, needed), self._storage.array, device=index)[0]
+        grown = run_program(_grow_program(storage_shape, needed), self._storage.array, device=index)[0]
         storage = Storage(None, index)
-        _store(storage, grown)
+        store_array(storage, grown)
     _set_metadata(self, new_size, new_stride, offset, storage)
     return self
 

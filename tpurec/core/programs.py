@@ -15,7 +15,7 @@ from tpurec.core.device import jax_device
 from tpurec.core.tensor import Storage, TpuTensor, with_key, wrap
 from tpurec.core.views import read_view, reinterpretation
 
-__all__ = ["fresh", "pending_value", "value_of"]
+__all__ = ["fresh", "fresh_with_key", "pending_value", "run_program", "store_array", "value_of"]
 
 
 # --- running programs ---------------------------------------------------------
@@ -34,7 +34,7 @@ def _compile(key, fn, index: int | None = None) -> runtime.Program:
     return runtime.programs.get(key, lambda: runtime.Program(fn, **_placed(index)))
 
 
-def _run(program: runtime.Program, *inputs, now: bool = False, device: int = 0) -> list:
+def run_program(program: runtime.Program, *inputs, now: bool = False, device: int = 0) -> list:
     """Runs (eager, debug) or records (fused) ``program`` on ``tpu:device``; returns its outputs."""
     if not now and modes.get_mode() == "fused":
         return fused.record(program, inputs, device)
@@ -48,7 +48,8 @@ def _run(program: runtime.Program, *inputs, now: bool = False, device: int = 0) 
     return outs
 
 
-def _store(storage: Storage, array) -> None:
+def store_array(storage: Storage, array) -> None:
+    """Makes ``array`` (concrete, or pending in fused mode) the new contents of ``storage``."""
     if type(array) is _Pending:
         _track(storage, replaced=storage.array)
     storage.array = array
@@ -98,7 +99,7 @@ def value_of(t: TpuTensor, reason: str = "value needed") -> jax.Array:
         array = t._storage.array
     if t.is_full:
         return array
-    return _run(_read_program(t._key), array, now=True)[0]
+    return run_program(_read_program(t._key), array, now=True)[0]
 
 
 def pending_value(t: TpuTensor):
@@ -110,4 +111,4 @@ def pending_value(t: TpuTensor):
     array = t._storage.array
     if t.is_full:
         return array
-    return _run(_read_program(t._key), array, device=t._storage.index)[0]
+    return run_program(_read_program(t._key), array, device=t._storage.index)[0]

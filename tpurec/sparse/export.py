@@ -37,7 +37,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Mapping, Optional, Protocol
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
@@ -46,8 +46,29 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
 from tpurec.sparse.types import Capacity, CapacityError, SparseCoreInput, StackedTable
 
-if TYPE_CHECKING:
-    from tpurec.sparse.modules import EmbeddingBagCollection
+
+class ExportedLookup(Protocol):
+    """What export reads of an :class:`~tpurec.sparse.EmbeddingBagCollection` (a protocol:
+    this module sits below the modules, which call it)."""
+
+    training: bool
+    num_partitions: int
+    overflow: str
+    output_dtype: torch.dtype
+    _fixed_capacities: Capacity | Mapping[str, Capacity] | None
+    _auto_capacities: dict[str, Capacity]
+    _embedding_names: list[str]
+    _length_per_key: list[int]
+
+    @property
+    def stacks(self) -> list[StackedTable]: ...
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]: ...
+
+    def is_weighted(self) -> bool: ...
+
+    def stacked_weight(self, index: int) -> torch.Tensor: ...
+
 
 __all__ = ["is_tracing", "traced_forward", "kjt_dynamic_shapes", "layout_of", "LookupPlan", "SCRIPT_UNSUPPORTED"]
 
@@ -66,7 +87,7 @@ def is_tracing(features: Any) -> bool:
 # --- the layout: what the lookup needs besides the tables -----------------------------
 
 
-def layout_of(module: "EmbeddingBagCollection") -> str:
+def layout_of(module: ExportedLookup) -> str:
     """The JSON layout string of ``module``'s lookup (the op's ``layout`` argument).
 
     Auto-grown capacities are recorded as they are now; the exported program keeps
@@ -327,7 +348,7 @@ def _lookup(features: KeyedJaggedTensor, stacked_weights: list[torch.Tensor], la
     )
 
 
-def traced_forward(module: "EmbeddingBagCollection", features: KeyedJaggedTensor) -> KeyedTensor:
+def traced_forward(module: ExportedLookup, features: KeyedJaggedTensor) -> KeyedTensor:
     """``module.forward`` as a graph: one ``tpurec::embedding_bag_collection`` node.
 
     Raises:

@@ -654,19 +654,19 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     def _staged_forward(self, entries: list[Any], b: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The forward program on the tables' and the entries' tensors: ``(out, received entries)``."""
-        from tpurec.core.programs import _run, fresh, pending_value
+        from tpurec.core.programs import run_program, fresh, pending_value
 
         L = self.layout
         tables: list[Any] = [getattr(self, f"shard_weight_{g}") for g in range(len(L.groups))]
         tables += [getattr(self, f"dp_weight_{g}") for g in range(len(L.dp_groups))]
         program = self._staged_programs(b)[0]
-        outs = _run(program, *(pending_value(t) for t in (*tables, *entries)))
+        outs = run_program(program, *(pending_value(t) for t in (*tables, *entries)))
         return fresh(outs[0], 0), [fresh(o, 0) for o in outs[1:]]
 
     def _staged_backward(self, entries: list[Any], received: list[Any], grad_output: Any, b: int) -> None:
         """The backward program: the fused optimizer's update written into the tables' and slots' tensors."""
         from tpurec.core import graphs
-        from tpurec.core.programs import _run, _store, pending_value
+        from tpurec.core.programs import run_program, store_array, pending_value
 
         self._step += 1
         graphs.on_replay(self._count_step)  # a replayed step counts too (its numbers do not change)
@@ -676,9 +676,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         dp_entries = entries[3 * len(self.layout.groups) :]
         inputs = (grad_output.contiguous(), *targets, *received, *dp_entries)
         program = self._staged_programs(b)[1]
-        outs = _run(program, *(pending_value(t) for t in inputs), *hyper.values())
+        outs = run_program(program, *(pending_value(t) for t in inputs), *hyper.values())
         for t, new in zip(targets, outs):
-            _store(t._storage, new)
+            store_array(t._storage, new)
 
     def _state_tensors(self) -> list[Any]:
         """Each sharded group's table and slots, then each data-parallel group's (the backward's order)."""

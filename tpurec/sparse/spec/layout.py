@@ -27,7 +27,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig
 from tpurec.sparse.spec.sharding_types import DATA_PARALLEL
 from tpurec.sparse.spec.shards import ShardPiece, TableSharding
 
-__all__ = ["Group", "DataParallelGroup", "TablePlacement", "Layout"]
+__all__ = ["Group", "DataParallelGroup", "TableRouting", "Layout"]
 
 _ROW_ALIGNMENT = 8
 
@@ -81,7 +81,7 @@ class DataParallelGroup:
 
 
 @dataclasses.dataclass
-class TablePlacement:
+class TableRouting:
     """Host-side routing of one sharded table's ids (vectorised over ids).
 
     For column block ``c`` and row block ``r`` (found with ``searchsorted`` on
@@ -169,7 +169,7 @@ class Layout:
         for dg in self.dp_groups:
             dg.num_rows = _round_up(dg.num_rows)
 
-        self.placements: dict[str, TablePlacement] = {}
+        self.placements: dict[str, TableRouting] = {}  # table name -> how its ids are routed
         for cfg in self.configs:
             ts = shardings[cfg.name]
             if ts.sharding_type == DATA_PARALLEL:
@@ -177,7 +177,7 @@ class Layout:
             row_starts = np.array(sorted({p.row_offset for p in ts.pieces}), np.int64)
             col_starts = sorted({p.col_offset for p in ts.pieces})
             by_cell = {(p.row_offset, p.col_offset): p for p in ts.pieces}
-            place = TablePlacement([], row_starts, [], [], [])
+            place = TableRouting([], row_starts, [], [], [])
             for c0 in col_starts:
                 cells = [by_cell[(int(r0), c0)] for r0 in row_starts]
                 g = group_by_width[cells[0].cols]
