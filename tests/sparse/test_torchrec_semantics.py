@@ -89,24 +89,37 @@ def test_in_backward_settings_without_an_exact_fused_update_raise(optimizer_clas
         sp.from_torchrec(model, device="tpu")
 
 
-def test_second_lookup_before_backward_raises_for_in_backward_adagrad():
-    tables, reference, ours = _pair(torch.optim.Adagrad, {"lr": 0.1})
+@pytest.mark.parametrize(
+    "optimizer_class, kwargs",
+    [(torch.optim.Adagrad, {"lr": 0.1}), (TorchrecRowWiseAdagrad, {"lr": 0.1}), (torch.optim.SGD, {"lr": 0.5})],
+    ids=["adagrad", "rowwise-adagrad", "sgd"],
+)
+@pytest.mark.parametrize("device", ["tpu", "cpu"])
+def test_two_lookups_in_one_step_make_one_update_on_the_summed_gradient(optimizer_class, kwargs, device):
+    # apply_optimizer_in_backward updates a table once per backward pass, on the gradient summed
+    # over every lookup of the step; a fused update per lookup would square Adagrad's sum apart.
+    tables, reference, ours = _pair(optimizer_class, kwargs)
+    ours = ours.to(device)
     rng = np.random.default_rng(2)
-    a, b = random_kjt(tables, 3, rng), random_kjt(tables, 3, rng)
-    before = _tables_of(ours)
-    first = ours(a).values()
-    with pytest.raises(NotImplementedError, match="summed gradient"):
-        ours(b)
-    del first  # its graph is gone: a new lookup is a new step
-    for key, value in _tables_of(ours).items():
-        torch.testing.assert_close(value, before[key], atol=0, rtol=0)
-    # One lookup per backward: trains as TorchRec.
-    for kjt in (a, b):
-        reference(kjt).values().sum().backward()
-        ours(kjt).values().sum().backward()
+    for _ in range(STEPS):
+        a, b = random_kjt(tables, 3, rng), random_kjt(tables, 2, rng)
+        (reference(a).values().pow(2).sum() + reference(b).values().sum()).backward()
+        (ours(a.to(device)).values().pow(2).sum() + ours(b.to(device)).values().sum()).backward()
     theirs = _tables_of(reference)
     for key, value in _tables_of(ours).items():
         torch.testing.assert_close(value, theirs[key], atol=1e-5, rtol=1e-5, msg=key)
+
+
+def test_a_lookup_left_out_of_the_backward_takes_no_update():
+    tables, reference, ours = _pair(torch.optim.Adagrad, {"lr": 0.1})
+    rng = np.random.default_rng(3)
+    a, b = random_kjt(tables, 3, rng), random_kjt(tables, 3, rng)
+    reference(a).values().sum().backward()
+    ours(b)  # looked up, never differentiated: TorchRec's hooks see no gradient from it
+    ours(a).values().sum().backward()
+    theirs = _tables_of(reference)
+    for key, value in _tables_of(ours).items():
+        torch.testing.assert_close(value, theirs[key], atol=1e-6, rtol=1e-6, msg=key)
 
 
 def test_second_lookup_before_backward_is_exact_for_sgd():

@@ -23,12 +23,13 @@ import contextlib
 import math
 import warnings
 import weakref
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Sequence
 
 import jax
 import numpy as np
 import torch
 from torch import nn
+from torch.autograd.variable import Variable
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
@@ -68,10 +69,49 @@ class _FusedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        ctx.module._pending_lookups.discard(ctx)
-        ctx.module._apply_optimizer(ctx.index, ctx.csr, grad_output.contiguous())
+        module = ctx.module
+        module._pending_lookups.discard(ctx)
+        if module.optimizer_semantics == "torch":
+            module._stash_gradient(ctx.index, ctx.csr, grad_output.contiguous())
+        else:
+            module._apply_optimizer(ctx.index, ctx.csr, grad_output.contiguous())
         # The table is updated in place: it gets no .grad (a dense optimizer skips it).
         return (None,) * 8
+
+
+def _combined_lookups(lookups: list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]):
+    """One CSR input and output gradient for several lookups of one stack.
+
+    Partition ``p`` holds each lookup's partition ``p`` in turn (entries past a row pointer
+    become padding ids, so every position is inside the new row pointers); the samples of a
+    lookup are shifted by the batches of the lookups before it, whose output gradients come
+    first. The kernels sum a row's gradient over all entries: one update on the summed gradient.
+    """
+    ids_parts, sample_parts, gain_parts, grads = [], [], [], []
+    offset = 0
+    for (row_pointers, ids, samples, gains), grad_output in lookups:
+        partitions = row_pointers.shape[0]
+        size = ids.shape[0] // partitions
+        position = (
+            torch.arange(size, device=ids.device)[None, :]
+            + (torch.arange(partitions, device=ids.device) * size)[:, None]
+        )
+        valid = (position < row_pointers[:, None]) & (ids.view(partitions, size) != PAD_ID)
+        ids_parts.append(torch.where(valid, ids.view(partitions, size), PAD_ID))
+        sample_parts.append(torch.where(valid, samples.view(partitions, size) + offset, 0))
+        gain_parts.append(torch.where(valid, gains.view(partitions, size), 0.0))
+        grads.append(grad_output)
+        offset += grad_output.shape[0]
+    ids = torch.cat(ids_parts, dim=1)
+    partitions, size = ids.shape
+    row_pointers = torch.arange(1, partitions + 1, dtype=torch.int32, device=ids.device) * size
+    csr = (
+        row_pointers,
+        ids.reshape(-1),
+        torch.cat(sample_parts, dim=1).reshape(-1),
+        torch.cat(gain_parts, dim=1).reshape(-1),
+    )
+    return csr, torch.cat(grads, dim=0)
 
 
 _MAX_PREFETCHED = 18
@@ -174,10 +214,13 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             )
         # "fbgemm": one optimizer update per lookup, as FBGEMM's fused kernels (and torchrec's
         # FusedEmbeddingBagCollection) do. "torch": the optimizer came from torchrec's
-        # apply_optimizer_in_backward, which makes one update on the summed gradient of a step;
-        # from_torchrec sets it, and a second lookup before the first one's backward then raises.
+        # apply_optimizer_in_backward, which makes one update per backward pass on the summed
+        # gradient of every lookup in it (from_torchrec sets it).
         self.optimizer_semantics: Literal["fbgemm", "torch"] = "fbgemm"
         self._pending_lookups: weakref.WeakSet[Any] = weakref.WeakSet()
+        # "torch" semantics: each lookup's (CSR input, output gradient) of the running backward
+        # pass, per stack, until its end applies one update on their summed gradient.
+        self._stashed_gradients: dict[int, list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]] = {}
         self.num_partitions = num_partitions
         self.overflow = overflow
         self._drops = DropCounter()  # entries overflow="drop" left out, per feature
@@ -593,19 +636,37 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                     "gradient. Use SUM pooling and overflow='error', or detach the weights."
                 )
         if (
-            self.optimizer_semantics == "torch"
+            not self._sums_repeated_lookups
+            and self.optimizer_semantics == "torch"
             and self.optimizer is not None
             and not isinstance(self.optimizer, SGD)
             and len(self._pending_lookups) > 0
         ):
             tables = [t.name for t in self._embedding_bag_configs]
             raise NotImplementedError(
-                f"EmbeddingBagCollection (tables {tables}) is looked up again before the backward of its previous "
+                f"{type(self).__name__} (tables {tables}) is looked up again before the backward of its previous "
                 f"lookup. Its {type(self.optimizer).__name__} came from apply_optimizer_in_backward, which makes one "
-                "update on the summed gradient of both lookups; tpurec's fused optimizer updates once per lookup "
-                "(as FBGEMM does), which differs. Look up both batches in one call (concatenate the KJTs), run "
+                "update on the summed gradient of both lookups; this collection's fused optimizer updates once per "
+                "lookup (as FBGEMM does), which differs. Look up both batches in one call (concatenate the KJTs), run "
                 "backward between the lookups, or use FBGEMM's semantics explicitly (optimizer_semantics='fbgemm')."
             )
+
+    _sums_repeated_lookups: ClassVar[bool] = True
+    """Whether a lookup before the backward of the previous one is trained as TorchRec's in-backward
+    optimizer trains it (one update on the summed gradient); where not, it raises."""
+
+    def _stash_gradient(self, index: int, csr: tuple[torch.Tensor, ...], grad_output: torch.Tensor) -> None:
+        # The update waits for the end of the backward pass, when every lookup of the step has
+        # given its gradient (as the post-accumulate-grad hook of apply_optimizer_in_backward).
+        if not self._stashed_gradients:
+            Variable._execution_engine.queue_callback(self._apply_stashed_gradients)
+        self._stashed_gradients.setdefault(index, []).append((csr, grad_output))
+
+    def _apply_stashed_gradients(self) -> None:
+        stashed, self._stashed_gradients = self._stashed_gradients, {}
+        for index, lookups in stashed.items():
+            csr, grad_output = lookups[0] if len(lookups) == 1 else _combined_lookups(lookups)
+            self._apply_optimizer(index, csr, grad_output)
 
     def _count_step(self, index: int) -> None:
         self._steps[index] += 1

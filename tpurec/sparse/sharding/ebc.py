@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from typing import Any, Literal, Mapping, Sequence
+from typing import Any, ClassVar, Literal, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -930,3 +930,5 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
     # The unsharded collection's rules, on the same attributes (one text for both).
     _weights_need_grad = EmbeddingBagCollection._weights_need_grad
     _check_trainable_lookup = EmbeddingBagCollection._check_trainable_lookup
+    # Its backward programs update once per lookup: a second lookup before the backward raises.
+    _sums_repeated_lookups: ClassVar[bool] = False
