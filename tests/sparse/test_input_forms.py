@@ -405,7 +405,7 @@ def test_export_of_a_feature_in_two_tables_equals_eager_and_torchrec():
         torch.export.export(converted, (with_inverse,))
 
 
-# --- the sharded collection refuses what it cannot run -------------------------------------------
+# --- the sharded collection: what it runs and what it refuses ------------------------------------
 
 
 def _sharded(tables):
@@ -417,22 +417,24 @@ def _sharded(tables):
     return model, ShardingPlan({"ebc": plan})
 
 
-def test_sharded_collection_refuses_vbe_and_inverse_indices():
+def test_sharded_collection_pools_vbe_and_inverse_indices_as_the_unsharded_one():
+    # (tests/sparse/sharding/test_sharded_vbe.py trains them against TorchRec.)
     tables = make_tables(dims=(8, 8), rows=(20, 12), features=(("f0",), ("f1",)))
     model, plan = _sharded(tables)
+    unsharded = copy.deepcopy(model)
     sharded = tpurec.shard(model, plan)
     rng = np.random.default_rng(7)
-    with pytest.raises(NotImplementedError, match=r"variable batch size per feature \(VBE\)"):
-        sharded["ebc"](vbe_kjt(tables, 8, rng))
+    vbe = vbe_kjt(tables, 8, rng)
     uniform = random_kjt(tables, 8, rng)
     with_inverse = KeyedJaggedTensor.from_lengths_sync(
         keys=uniform.keys(),
         values=uniform.values(),
         lengths=uniform.lengths(),
-        inverse_indices=(uniform.keys(), torch.zeros(2, 8, dtype=torch.long)),
+        inverse_indices=(uniform.keys(), torch.from_numpy(rng.integers(0, 8, (2, 8))).long()),
     )
-    with pytest.raises(NotImplementedError, match="inverse_indices"):
-        sharded["ebc"](with_inverse)
+    with torch.no_grad():
+        for kjt in (vbe, with_inverse):
+            torch.testing.assert_close(sharded["ebc"](kjt).values().cpu(), unsharded["ebc"](kjt).values().cpu())
 
 
 def test_shard_refuses_a_feature_in_two_tables():

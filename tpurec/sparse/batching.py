@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-__all__ = ["Batching", "read_batching"]
+__all__ = ["Batching", "read_batching", "expand_bags"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +68,8 @@ def read_batching(kjt: KeyedJaggedTensor, variable_batch: bool) -> Batching:
         if vbe:
             raise NotImplementedError(
                 "variable batch size per feature (VBE), a KeyedJaggedTensor built with stride_per_key_per_rank, is "
-                f"not supported by this module (features {keys}): tpurec's sharded EmbeddingBagCollection and its "
-                "EmbeddingCollection need one batch size for every feature; the unsharded "
-                "tpurec.sparse.EmbeddingBagCollection accepts VBE batches"
+                f"not supported by this module (features {keys}): tpurec's EmbeddingCollection needs one batch size "
+                "for every feature; tpurec.sparse.EmbeddingBagCollection (unsharded or sharded) accepts VBE batches"
             )
         stride = kjt.stride()
         return Batching((stride,) * len(keys), stride, None)
@@ -121,3 +120,44 @@ def read_batching(kjt: KeyedJaggedTensor, variable_batch: bool) -> Batching:
             "each sample"
         )
     return Batching(bags, bags[0] if bags else 0, None)
+
+
+def expand_bags(kjt: KeyedJaggedTensor, batching: Batching) -> KeyedJaggedTensor:
+    """``kjt`` with its ``inverse_indices`` applied: output sample ``b`` of feature ``f`` becomes
+    a bag of its own, a copy of bag ``inverse_indices[f][b]``, so every feature has one batch
+    size (the inverse indices' width) and no inverse indices are left.
+
+    Pooling the result gives what TorchRec's ``EmbeddingBagCollection`` returns for ``kjt``
+    (it pools each bag once and expands the pooled rows), and the gradient of a copied bag's
+    ids is the sum over its copies, as through TorchRec's expansion. Runs on the host; ids and
+    weights are gathered with torch ops, so weights that require grad keep their graph.
+
+    Args:
+        kjt: a batch already validated by ``read_kjt(..., variable_batch=True)``.
+        batching: its :func:`read_batching`, with ``inverse_indices``.
+
+    Returns:
+        The expanded batch, on ``kjt``'s device.
+    """
+    if batching.inverse_indices is None:
+        raise ValueError("expand_bags needs a batch with inverse_indices")
+    keys = list(kjt.keys())
+    lengths = kjt.lengths().long()
+    bag_starts = torch.cumsum(lengths, 0) - lengths  # each bag's first id in values
+    first_bag = np.cumsum((0, *batching.bags_per_key))[:-1]
+    chosen = torch.from_numpy(
+        np.concatenate([first_bag[i] + batching.inverse_indices[key] for i, key in enumerate(keys)]).astype(np.int64)
+    ).to(lengths.device)
+    new_lengths = lengths[chosen]
+    within = torch.arange(int(new_lengths.sum()), device=lengths.device) - torch.repeat_interleave(
+        torch.cumsum(new_lengths, 0) - new_lengths, new_lengths
+    )
+    index = torch.repeat_interleave(bag_starts[chosen], new_lengths) + within
+    weights = kjt.weights_or_none()
+    return KeyedJaggedTensor(
+        keys=keys,
+        values=kjt.values()[index],
+        weights=None if weights is None else weights[index],
+        lengths=new_lengths.to(kjt.lengths().dtype),
+        stride=len(next(iter(batching.inverse_indices.values()))) if keys else 0,
+    )

@@ -920,7 +920,8 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         anchor = next(self.parameters())
         # Per-id weights that require grad get TorchRec's gradient from the backward program
         # (the gains carry them into the lookup as constants, as in the unsharded collection).
-        id_weights = features.weights() if self._weights_need_grad(features) else None
+        # (A VBE batch was routed with its bags expanded: its weights are gathered the same way.)
+        id_weights = self.router.one_batch_size(features).weights() if self._weights_need_grad(features) else None
         if staged is not None and id_weights is None and batch["per_device"] > 0:
             values = _StagedLookup.apply(anchor, self, self._static_entries, batch["per_device"])
         else:

@@ -23,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+from tpurec.sparse.batching import expand_bags, read_batching
 from tpurec.sparse.preprocess import read_kjt
 from tpurec.sparse.sharding.fingerprint import agree_on_step
 from tpurec.sparse.spec.layout import Layout
@@ -128,6 +129,32 @@ class InputRouter:
         # (table, feature) of each routed feature, in routing order (Routed.features indexes it).
         self.features = [(cfg.name, f) for cfg in self.configs for f in cfg.feature_names]
 
+    def one_batch_size(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+        """A variable-batch (VBE) or ``inverse_indices`` batch as one of a single batch size.
+
+        TorchRec pools each bag once and expands the pooled rows by ``inverse_indices``; here the
+        bags are expanded on the host instead (:func:`~tpurec.sparse.batching.expand_bags`), which
+        pools and differentiates to the same values and lets the batch be routed as any other.
+        """
+        vbe, inverse = features.variable_stride_per_key(), features.inverse_indices_or_none()
+        if not vbe and inverse is None:
+            return features
+        # Every rule first (inverse_indices included), so a bad batch names what is wrong.
+        read_kjt(features, self.stacks, is_weighted=self.is_weighted, variable_batch=True)
+        batching = read_batching(features, variable_batch=True)
+        if batching.inverse_indices is not None:
+            return expand_bags(features, batching)
+        if not vbe:
+            return features  # empty inverse_indices: TorchRec ignores them too
+        # Every feature has the same number of bags: the batch already has one size.
+        return KeyedJaggedTensor(
+            keys=list(features.keys()),
+            values=features.values(),
+            weights=features.weights_or_none(),
+            lengths=features.lengths(),
+            stride=batching.bags_per_key[0] if batching.bags_per_key else 0,
+        )
+
     def route(self, features: KeyedJaggedTensor) -> Routed:
         """Validates ``features`` and finds every entry's source device, shard and output slot.
 
@@ -138,13 +165,8 @@ class InputRouter:
                 evenly over this process's devices.
         """
         L, D = self.layout, self.layout.num_devices
-        local_batch, feats = read_kjt(features, self.stacks, is_weighted=self.is_weighted)  # refuses VBE
-        if features.inverse_indices_or_none() is not None:
-            raise NotImplementedError(
-                "the KeyedJaggedTensor has inverse_indices, which TorchRec's EmbeddingBagCollection uses to expand "
-                "the pooled rows, but the sharded EmbeddingBagCollection does not; expand the batch first or look "
-                "it up with the unsharded tpurec.sparse.EmbeddingBagCollection"
-            )
+        features = self.one_batch_size(features)
+        local_batch, feats = read_kjt(features, self.stacks, is_weighted=self.is_weighted)
         n_local = self.local_devices
         if local_batch % n_local:
             raise ValueError(
