@@ -22,7 +22,7 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection as TorchrecEBC
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
-from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel, row_wise, table_wise
 from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import EmbeddingConfig, PoolingType
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
@@ -437,12 +437,36 @@ def test_sharded_collection_pools_vbe_and_inverse_indices_as_the_unsharded_one()
             torch.testing.assert_close(sharded["ebc"](kjt).values().cpu(), unsharded["ebc"](kjt).values().cpu())
 
 
-def test_shard_refuses_a_feature_in_two_tables():
-    model, plan = _sharded(shared_tables())
-    before = _tables_of(model)
-    with pytest.raises(NotImplementedError, match=r"feature 'shared' is looked up in tables \['t0', 't1', 't2'\]"):
-        tpurec.shard(model, plan)
-    assert isinstance(model["ebc"], sp.EmbeddingBagCollection)  # nothing swapped or moved
-    assert all(len(p._storage.array.sharding.device_set) == 1 for p in model.parameters())
-    for key, value in _tables_of(model).items():
-        assert torch.equal(value, before[key]), key
+@pytest.mark.parametrize("kinds", ["table_wise", "row_dp_table"])
+def test_a_feature_in_two_tables_trains_sharded_as_torchrec(kinds):
+    # ``shared`` is looked up in t0 (SUM), t1 (MEAN, another dim) and t2: each table its own
+    # output block, as in TorchRec's EmbeddingBagCollection.
+    tables = shared_tables()
+    torch.manual_seed(0)
+    reference = TorchrecEBC(tables)
+    ours = copy.deepcopy(reference)
+    apply_optimizer_in_backward(torch.optim.Adagrad, reference.parameters(), {"lr": 0.1})
+    apply_optimizer_in_backward(torch.optim.Adagrad, ours.parameters(), {"lr": 0.1})
+    model = torch.nn.ModuleDict({"ebc": sp.from_torchrec(ours)}).to("tpu")
+    meta = TorchrecEBC(tables=tables, device=torch.device("meta"))
+    per_table = (
+        {t.name: table_wise(rank=i) for i, t in enumerate(tables)}
+        if kinds == "table_wise"
+        else {"t0": row_wise(), "t1": data_parallel(), "t2": table_wise(rank=5)}
+    )
+    plan = ShardingPlan(
+        {"ebc": construct_module_sharding_plan(meta, per_table, local_size=8, world_size=8, device_type="cpu")}
+    )
+    sharded = tpurec.shard(model, plan)["ebc"]
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        kjt = uniform_kjt(tables, 8, rng)
+        out, expected = sharded(kjt), reference(kjt)
+        assert out.keys() == expected.keys()
+        torch.testing.assert_close(out.values().detach().cpu(), expected.values().detach(), atol=1e-6, rtol=1e-5)
+        out.values().pow(2).sum().backward()
+        expected.values().pow(2).sum().backward()
+    full = sharded.full_tables()[0]
+    for key, value in _tables_of(reference).items():
+        name = key.split(".")[-2]
+        np.testing.assert_allclose(np.asarray(full[name]), value.numpy(), atol=1e-5, rtol=1e-5, err_msg=key)

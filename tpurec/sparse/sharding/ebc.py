@@ -36,7 +36,7 @@ from tpurec.sparse.drops import DropCounter
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.ops import kernel_for
 from tpurec.sparse.optimizers import EmbeddingOptimizer
-from tpurec.sparse.preprocess import shared_features, stack_tables
+from tpurec.sparse.preprocess import stack_tables
 from tpurec.sparse.sharding import programs
 from tpurec.sparse.spec.layout import Layout
 from tpurec.sparse.sharding.routing import InputRouter, Prefetched, Routed
@@ -159,12 +159,6 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         if capacity is not None and capacity <= 0:
             raise ValueError(f"capacity must be a positive number of entries, got {capacity}")
         configs: list[EmbeddingBagConfig] = list(source.embedding_bag_configs())
-        for feature, tables in shared_features(configs).items():
-            raise NotImplementedError(
-                f"feature {feature!r} is looked up in tables {tables}: the sharded EmbeddingBagCollection routes "
-                "each feature to one table; keep this collection unsharded (tpurec.sparse.EmbeddingBagCollection "
-                "looks such features up as TorchRec does) or give each table its own feature"
-            )
         low = [f"{c.name} ({c.data_type.name})" for c in configs if c.data_type != DataType.FP32]
         if low:
             # The sharded tables and slots are float32 global arrays: FP16/BF16 tables would be

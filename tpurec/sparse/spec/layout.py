@@ -112,11 +112,12 @@ class Layout:
         self.configs = list(configs)
         self.shardings = shardings
         # torchrec's output order: tables in order, their features in order, dim columns each.
-        self.feature_columns: dict[str, int] = {}
+        # Keyed by (table, feature): a feature looked up in several tables has a block in each.
+        self.feature_columns: dict[tuple[str, str], int] = {}
         column = 0
         for cfg in self.configs:
             for f in cfg.feature_names:
-                self.feature_columns[f] = column
+                self.feature_columns[(cfg.name, f)] = column
                 column += cfg.embedding_dim
         self.total_dim = column
 
@@ -208,21 +209,21 @@ class Layout:
         pad = self.total_dim
         parts: list[np.ndarray] = []
         segments: list[int] = []
-        span = lambda f, c0, w: self.feature_columns[f] + c0 + np.arange(w)  # noqa: E731
+        span = lambda t, f, c0, w: self.feature_columns[(t, f)] + c0 + np.arange(w)  # noqa: E731
         for grp in self.groups:
             w, K = grp.width, grp.num_a2a
             block = np.full((self.num_devices, K, w), pad, np.int64)
             for s, slots in enumerate(grp.a2a_slots):
                 for k, (p, f) in enumerate(slots):
-                    block[s, k] = span(f, p.col_offset, w)
+                    block[s, k] = span(p.table, f, p.col_offset, w)
             rs = np.full((len(grp.rs_slots), w), pad, np.int64)
-            for j, (_t, f) in enumerate(grp.rs_slots):
-                rs[j] = span(f, 0, w)
+            for j, (t, f) in enumerate(grp.rs_slots):
+                rs[j] = span(t, f, 0, w)
             parts += [block.reshape(-1), rs.reshape(-1)]
             segments += [block.size, rs.size]
         for dg in self.dp_groups:
             block = (
-                np.stack([span(f, 0, dg.width) for _t, f in dg.slots])
+                np.stack([span(t, f, 0, dg.width) for t, f in dg.slots])
                 if dg.slots
                 else np.zeros((0, dg.width), np.int64)
             )
