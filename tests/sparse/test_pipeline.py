@@ -328,6 +328,22 @@ def test_bench_embeddings_cli_sweep(tmp_path):
     assert len(out["plots"]) == 2
 
 
+@pytest.mark.slow
+def test_bench_embeddings_times_the_tensorcore_kernel_and_its_one_pass_variant(tmp_path, monkeypatch):
+    # On a TPU without SparseCores the kernel is the TensorCore one; here it is forced (Pallas in
+    # interpret mode), on a stacked table of 2 x 1100 rows: whole 2048-row blocks to stream.
+    monkeypatch.setenv("TPUREC_SPARSE_KERNEL", "tensorcore")
+    out = _run_bench(
+        ["embeddings", "--dims", "8", "--pooling", "1", "--tables", "2", "--rows", "1100", "--batch", "64"]
+        + ["--iters", "1", "--skip-reference"],
+        tmp_path,
+    )
+    assert out["kernel"] == "tensorcore"
+    (run,) = out["runs"]
+    for impl in ("tensorcore", "tensorcore_one_pass", "plain_jax"):
+        assert run[impl]["forward_ms"] > 0 and run[impl]["train_step_ms"] > 0
+
+
 def test_prefetched_batches_a_model_never_uses_do_not_pile_up():
     model, _ = make_model()
     ebc = next(m for m in model.modules() if isinstance(m, sparse.EmbeddingBagCollection))

@@ -42,7 +42,11 @@ def _jax_kernels(kernels, csr, batch_size: int, table: np.ndarray, iters: int) -
     import jax.numpy as jnp
 
     csr = tuple(jnp.asarray(a) for a in csr)
-    forward = jax.jit(kernels.sparse_dense_matmul, static_argnames="batch_size")
+    # A new function each call: flags read while tracing (TPUREC_TENSORCORE_ONE_PASS) then apply.
+    forward = jax.jit(
+        lambda *args, batch_size: kernels.sparse_dense_matmul(*args, batch_size=batch_size),
+        static_argnames="batch_size",
+    )
 
     def step(csr, table, acc):
         out = kernels.sparse_dense_matmul(*csr, table, batch_size=batch_size)
