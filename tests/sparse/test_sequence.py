@@ -107,3 +107,32 @@ def test_tables_of_two_dims_are_refused_as_in_torchrec():
     ]
     with pytest.raises(ValueError, match="one embedding dim"):
         sp.EmbeddingCollection(tables)
+
+
+def test_a_feature_in_two_tables_trains_as_torchrec():
+    # TorchRec names the outputs of a feature looked up in several tables "feature@table".
+    tables = [
+        EmbeddingConfig(name="item", embedding_dim=4, num_embeddings=30, feature_names=["history", "clicked"]),
+        EmbeddingConfig(name="shops", embedding_dim=4, num_embeddings=7, feature_names=["shop", "clicked"]),
+    ]
+    torch.manual_seed(0)
+    reference = TorchrecEC(tables, need_indices=True)
+    ours = copy.deepcopy(reference)
+    for model in (reference, ours):
+        apply_optimizer_in_backward(torch.optim.Adagrad, model.parameters(), {"lr": 0.1})
+    ours = sp.from_torchrec(ours, device="tpu")
+    rng = np.random.default_rng(3)
+    # One config with the three features and the smallest table's rows: ids that fit every table.
+    batch_shape = [
+        EmbeddingConfig(name="ids", embedding_dim=4, num_embeddings=7, feature_names=["history", "clicked", "shop"])
+    ]
+    for _ in range(3):
+        kjt = random_kjt(batch_shape, 4, rng, max_len=4)
+        outs = [model(kjt) for model in (reference, ours)]
+        assert list(outs[1]) == list(outs[0]) == ["history", "clicked@item", "shop", "clicked@shops"]
+        _assert_same_output(outs[1], outs[0], need_indices=True)
+        for out in outs:
+            sum(jt.values().pow(2).sum() * (i + 1) for i, jt in enumerate(out.values())).backward()
+    theirs = reference.state_dict()
+    for key, value in ours.state_dict().items():
+        torch.testing.assert_close(value.cpu(), theirs[key], atol=1e-5, rtol=1e-5, msg=key)

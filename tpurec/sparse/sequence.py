@@ -29,7 +29,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor
 
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer
-from tpurec.sparse.preprocess import read_kjt, shared_features
+from tpurec.sparse.preprocess import read_kjt
 from tpurec.sparse.types import Capacity, CapacityError
 
 __all__ = ["EmbeddingCollection"]
@@ -83,12 +83,6 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
         if len(dims) > 1:
             raise ValueError(
                 f"all tables of an EmbeddingCollection have one embedding dim (as in TorchRec), got {sorted(dims)}"
-            )
-        for feature, names in shared_features(tables).items():
-            raise NotImplementedError(
-                f"feature {feature!r} is looked up in tables {names}: tpurec's EmbeddingCollection gives each feature "
-                "one table; give each table its own feature (the pooled tpurec.sparse.EmbeddingBagCollection does "
-                "look one feature up in several tables)"
             )
         for t in tables:
             # FP16/BF16 bags follow FBGEMM's pooled TBE; its sequence (nobag) kernels are not
@@ -238,11 +232,13 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
         pooled = self.bags(one_id_bags).to_dict()
         device = self.device
         out: dict[str, JaggedTensor] = {}
-        for names in self._embedding_names_by_table:
-            for name in names:
-                lengths = torch.from_numpy(per_feature[name].lengths).to(device)
-                values = pooled[name].index_select(0, torch.from_numpy(rows[name]).to(device))
-                ids = torch.from_numpy(per_feature[name].ids).to(device) if self._need_indices else None
+        # A feature in several tables has one output per table, named "feature@table" (TorchRec's
+        # embedding names, which the inner collection's pooled keys follow too).
+        for table, names in zip(self._embedding_configs, self._embedding_names_by_table):
+            for feature, name in zip(table.feature_names, names):
+                lengths = torch.from_numpy(per_feature[feature].lengths).to(device)
+                values = pooled[name].index_select(0, torch.from_numpy(rows[feature]).to(device))
+                ids = torch.from_numpy(per_feature[feature].ids).to(device) if self._need_indices else None
                 out[name] = JaggedTensor(values=values, lengths=lengths, weights=ids)
         return out
 
