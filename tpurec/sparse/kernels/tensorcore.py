@@ -422,25 +422,46 @@ def _column_to_lanes(col, k: int, lanes_iota):
     return square.T[:k]
 
 
-def _update_fits(batch_size: int, table: jax.Array, slots) -> bool:
-    rows, dim = table.shape
+def _update_vmem(batch_size: int, dim: int, slots) -> tuple[int, int]:
+    """VMEM bytes of :func:`stream_update`: ``(blocks, resident output gradient)``.
+
+    Blocks: each 2-D array's block in and out (two buffers each), the gradient and
+    touched-row scratch, and room for the 1-D slots' blocks. The output gradient kept in
+    VMEM takes two buffers too.
+    """
     lanes = max(_cdiv(dim, 128) * 128, 128)
+    block = BLOCK_ROWS * lanes * 4
+    return 4 * block * (1 + sum(x.ndim == 2 for x in slots)) + 2 * block, 2 * batch_size * lanes * 4
+
+
+def _update_fits(table: jax.Array, slots) -> bool:
+    rows, dim = table.shape
+    blocks, _ = _update_vmem(0, dim, slots)
     return (
-        0 < batch_size
-        and batch_size * lanes * 4 * 2 <= _POOL_VMEM // 2
+        blocks <= _VMEM_LIMIT - 8 * 2**20
         and rows >= BLOCK_ROWS
         and all(jnp.dtype(x.dtype) == jnp.float32 and (x.shape == table.shape or x.shape == (rows,)) for x in slots)
     )
 
 
 def stream_update(
-    op_name: str, table, slots, keys, samples, gains, grad_output, hyperparameters, *, block_rows=BLOCK_ROWS
+    op_name: str,
+    table,
+    slots,
+    keys,
+    samples,
+    gains,
+    grad_output,
+    hyperparameters,
+    *,
+    block_rows: int = BLOCK_ROWS,
+    resident: bool | None = None,
 ):
     """A fused optimizer step in one pass over the touched blocks of a table and its slots.
 
-    For each streamed block: the entries' gradients (``grad_output[sample] * gain``, the
-    output gradient kept in VMEM) are summed per row into a block-sized VMEM buffer in entry
-    order, then the update rule's row math (:mod:`tpurec.sparse.update_rules`) runs on the whole
+    For each streamed block: the entries' gradients (``grad_output[sample] * gain``: the
+    output gradient kept in VMEM when it fits, else gathered per entry by XLA first and
+    streamed in chunks) are summed per row into a block-sized VMEM buffer in entry order, then the update rule's row math (:mod:`tpurec.sparse.update_rules`) runs on the whole
     block and only the touched rows take the result. The table and slots are aliased to the
     outputs (donate them to update in place); blocks without an entry are neither read nor
     written. One-dimensional slots (row-wise Adagrad's accumulator) are viewed lane-dense
@@ -456,6 +477,7 @@ def stream_update(
         grad_output: ``[batch_size, dim]`` float32.
         hyperparameters: the optimizer's scalars (float or 0-d arrays).
         block_rows: rows per streamed block, a multiple of 1024.
+        resident: keep ``grad_output`` in VMEM (None: when it fits).
 
     Returns:
         ``(table, *slots)`` updated.
@@ -484,6 +506,15 @@ def stream_update(
     slot_views = [_pad_to(x, padded_rows).reshape(padded_rows // 128, 128) if f else x for x, f in zip(slots, flat)]
     row_fn = rule_of(op_name).rows
     sink = block_rows
+    blocks_vmem, gradient_vmem = _update_vmem(batch_size, dim, slots)
+    if resident is None:
+        resident = blocks_vmem + gradient_vmem <= _VMEM_LIMIT - 8 * 2**20
+    grad_output = grad_output.astype(jnp.float32)
+    if resident:
+        gradient, gradient_spec = grad_output, pl.BlockSpec((batch_size, dim), lambda s, lo, hi, c, b: (_ZERO, _ZERO))
+    else:  # each entry's gradient row, read chunk by chunk with its ids
+        rows_of = jnp.take(grad_output, jnp.clip(samples, 0, max(batch_size - 1, 0)), axis=0)
+        gradient, gradient_spec = rows_of * gains[:, None], _rows_spec(chunk, dim)
 
     def kernel(lo_ref, hi_ref, c_ref, b_ref, hp_ref, keys_ref, samples_ref, gains_ref, gout_ref, *refs):
         k = 1 + len(slots)
@@ -501,7 +532,10 @@ def stream_update(
         def add(i, ok):
             j = i - base
             dst = jnp.where(ok, keys_ref[j] - first_row, sink)
-            grad_ref[pl.ds(dst, 1), :] += gout_ref[pl.ds(samples_ref[j], 1), :] * gains_ref[j]
+            if resident:
+                grad_ref[pl.ds(dst, 1), :] += gout_ref[pl.ds(samples_ref[j], 1), :] * gains_ref[j]
+            else:
+                grad_ref[pl.ds(dst, 1), :] += gout_ref[pl.ds(j, 1), :]
             touched_ref[pl.ds(dst, 1), :] = jnp.ones((1, 128), jnp.float32)
 
         _masked_groups(lo_ref[s], hi_ref[s], add)
@@ -527,7 +561,7 @@ def stream_update(
     smem = lambda: pl.BlockSpec((chunk,), lambda s, lo, hi, c, b: (c[s],), memory_space=pltpu.SMEM)  # noqa: E731
     specs = [block(False)] + [block(f) for f in flat]
     arrays = [table, *slot_views]
-    first_aliased = len(schedule) + 5  # the scheduled scalars, hp, keys, samples, gains, grad_output
+    first_aliased = len(schedule) + 5  # the scheduled scalars, hp, keys, samples, gains, the gradient
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -538,7 +572,7 @@ def stream_update(
                 smem(),
                 smem(),
                 smem(),
-                pl.BlockSpec((batch_size, dim), lambda s, lo, hi, c, b: (_ZERO, _ZERO)),
+                gradient_spec,
                 *specs,
             ],
             out_specs=specs,
@@ -551,7 +585,7 @@ def stream_update(
         input_output_aliases={first_aliased + i: i for i in range(len(arrays))},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
         interpret=_interpret(),
-    )(*schedule, hp, keys, samples, gains, grad_output.astype(jnp.float32), *arrays)
+    )(*schedule, hp, keys, samples, gains, gradient, *arrays)
     new_slots = [o.reshape(-1)[:rows] if f else o for o, f in zip(outs[1:], flat)]
     return (outs[0], *new_slots)
 
@@ -660,7 +694,7 @@ def _grad_op(op_name, csr, grad_output, table, slots, hyperparameters):
         keys = jnp.full_like(keys, PAD_ID)
         grads = jnp.zeros((n, grad_output.shape[1]), grad_output.dtype)
     else:
-        if streams(n, table) and _update_fits(grad_output.shape[0], table, slots) and _one_pass():
+        if streams(n, table) and _update_fits(table, slots) and _one_pass():
             updated = stream_update(op_name, table, slots, keys, samples, g, grad_output, hyperparameters)
             return updated if len(updated) > 1 else updated[0]
         grads = jnp.take(grad_output, samples, axis=0) * jnp.where(valid, g, 0).astype(grad_output.dtype)[:, None]
