@@ -102,7 +102,7 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def streams(num_ids: int, table: jax.Array) -> bool:
+def streams(num_ids: int, table: jax.Array | np.ndarray) -> bool:
     """Whether a call with ``num_ids`` id slots on ``table`` uses the streaming kernels."""
     rows, dim = table.shape
     return (
