@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 from torchrec import EmbeddingBagCollection as TorchrecEBC
+from torchrec import EmbeddingCollection as TorchrecEC
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel, row_wise, table_wise
 from torchrec.distributed.types import ShardingPlan
@@ -345,15 +346,23 @@ def test_a_feature_listed_twice_in_one_table_is_refused():
         sp.EmbeddingBagCollection(tables, optimizer=sp.SGD(0.1))
 
 
-def test_sequence_collection_refuses_a_feature_in_two_tables_and_vbe():
-    tables = [EmbeddingConfig(name=n, embedding_dim=4, num_embeddings=5, feature_names=["f"]) for n in ("a", "b")]
-    with pytest.raises(NotImplementedError, match=r"feature 'f' is looked up in tables \['a', 'b'\]"):
-        sp.EmbeddingCollection(tables, optimizer=sp.SGD(0.1))
-    tables = [EmbeddingConfig(name="a", embedding_dim=4, num_embeddings=5, feature_names=["f", "g"])]
-    ec = sp.EmbeddingCollection(tables, optimizer=sp.SGD(0.1), device="tpu")
+def test_sequence_collection_takes_a_feature_in_two_tables_and_vbe_as_torchrec():
+    # (tests/sparse/test_sequence.py trains both against TorchRec.)
+    tables = [
+        EmbeddingConfig(name="a", embedding_dim=4, num_embeddings=5, feature_names=["f", "g"]),
+        EmbeddingConfig(name="b", embedding_dim=4, num_embeddings=5, feature_names=["f"]),
+    ]
+    torch.manual_seed(0)
+    reference = TorchrecEC(tables)
+    ec = sp.from_torchrec(copy.deepcopy(reference), optimizer=sp.SGD(0.1), device="tpu")
     bags = [EmbeddingBagConfig(name="a", embedding_dim=4, num_embeddings=5, feature_names=["f", "g"])]
-    with pytest.raises(NotImplementedError, match=r"variable batch size per feature \(VBE\)"):
-        ec(vbe_kjt(bags, 3, np.random.default_rng(8), strides={"f": 1, "g": 3}))
+    kjt = vbe_kjt(bags, 3, np.random.default_rng(8), strides={"f": 1, "g": 3})
+    with torch.no_grad():
+        ours, theirs = ec(kjt), reference(kjt)
+    assert list(ours) == list(theirs) == ["f@a", "g", "f@b"]
+    for key in theirs:
+        torch.testing.assert_close(ours[key].values().cpu(), theirs[key].values(), atol=1e-6, rtol=0, msg=key)
+        torch.testing.assert_close(ours[key].lengths().cpu(), theirs[key].lengths(), msg=key)
 
 
 def test_quantized_collection_looks_up_a_shared_feature_as_torchrec_and_refuses_vbe():

@@ -15,6 +15,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 import tpurec
 import tpurec.sparse as sp
 from helpers import random_kjt
+from test_input_forms import vbe_kjt
 
 STEPS = 5
 
@@ -131,6 +132,25 @@ def test_a_feature_in_two_tables_trains_as_torchrec():
         outs = [model(kjt) for model in (reference, ours)]
         assert list(outs[1]) == list(outs[0]) == ["history", "clicked@item", "shop", "clicked@shops"]
         _assert_same_output(outs[1], outs[0], need_indices=True)
+        for out in outs:
+            sum(jt.values().pow(2).sum() * (i + 1) for i, jt in enumerate(out.values())).backward()
+    theirs = reference.state_dict()
+    for key, value in ours.state_dict().items():
+        torch.testing.assert_close(value.cpu(), theirs[key], atol=1e-5, rtol=1e-5, msg=key)
+
+
+@pytest.mark.parametrize("inverse", [False, True], ids=["no_inverse_indices", "inverse_indices_ignored"])
+def test_a_variable_batch_per_feature_trains_as_torchrec(inverse):
+    # TorchRec's EmbeddingCollection reads each feature's own sequences (and no inverse_indices).
+    reference, ours = _pair()
+    rng = np.random.default_rng(4)
+    for _ in range(3):
+        kjt = vbe_kjt(_tables(), 5, rng, max_len=4, inverse=inverse)
+        outs = [model(kjt) for model in (reference, ours)]
+        assert {k: v.lengths().numel() for k, v in outs[1].items()} == {
+            k: v.lengths().numel() for k, v in outs[0].items()
+        }
+        _assert_same_output(outs[1], outs[0])
         for out in outs:
             sum(jt.values().pow(2).sum() * (i + 1) for i, jt in enumerate(out.values())).backward()
     theirs = reference.state_dict()

@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import numpy as np
 import torch
@@ -45,7 +46,7 @@ def _is_integer(t: torch.Tensor) -> bool:
     return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
 
 
-def read_batching(kjt: KeyedJaggedTensor, variable_batch: bool) -> Batching:
+def read_batching(kjt: KeyedJaggedTensor, variable_batch: bool | Literal["unpooled"]) -> Batching:
     """Rule 3 of :func:`read_kjt`: the bags per feature and how they map to output samples.
 
     Expects rules 1 and 2 to hold (every table feature is a key, once).
@@ -53,7 +54,10 @@ def read_batching(kjt: KeyedJaggedTensor, variable_batch: bool) -> Batching:
     Args:
         kjt: the batch.
         variable_batch: accept a variable batch size per feature (VBE) and
-            ``inverse_indices``, as TorchRec's ``EmbeddingBagCollection`` does.
+            ``inverse_indices``, as TorchRec's ``EmbeddingBagCollection`` does;
+            ``"unpooled"``: each feature's bags are its own outputs (TorchRec's
+            ``EmbeddingCollection``), so their counts may differ and
+            ``inverse_indices`` are not read (``rows`` is the most bags of a feature).
 
     Returns:
         The :class:`Batching`.
@@ -68,8 +72,9 @@ def read_batching(kjt: KeyedJaggedTensor, variable_batch: bool) -> Batching:
         if vbe:
             raise NotImplementedError(
                 "variable batch size per feature (VBE), a KeyedJaggedTensor built with stride_per_key_per_rank, is "
-                f"not supported by this module (features {keys}): tpurec's EmbeddingCollection needs one batch size "
-                "for every feature; tpurec.sparse.EmbeddingBagCollection (unsharded or sharded) accepts VBE batches"
+                f"not supported by this caller (features {keys}), which needs one batch size for every feature; "
+                "tpurec.sparse.EmbeddingBagCollection (unsharded or sharded) and EmbeddingCollection accept VBE "
+                "batches"
             )
         stride = kjt.stride()
         return Batching((stride,) * len(keys), stride, None)
@@ -83,6 +88,8 @@ def read_batching(kjt: KeyedJaggedTensor, variable_batch: bool) -> Batching:
         bags = tuple(int(sum(ranks)) for ranks in per_rank)
     else:
         bags = (kjt.stride(),) * len(keys)
+    if variable_batch == "unpooled":
+        return Batching(bags, max(bags, default=0), None)
     inverse = kjt.inverse_indices_or_none()
     # TorchRec expands the pooled rows only when inverse_indices hold something.
     if inverse is not None and inverse[1].numel() > 0:

@@ -161,7 +161,7 @@ def read_kjt(
     stacks: Sequence[StackedTable],
     is_weighted: bool | None = None,
     *,
-    variable_batch: bool = False,
+    variable_batch: bool | Literal["unpooled"] = False,
 ) -> tuple[int, dict[str, FeatureBatch]]:
     """Validates ``kjt`` against the tables and splits it per feature.
 
@@ -211,7 +211,8 @@ def read_kjt(
         is_weighted: require (True) or ignore (False) weights; None uses them
             when present.
         variable_batch: accept a variable batch size per feature and
-            ``inverse_indices`` (rule 3).
+            ``inverse_indices`` (rule 3); ``"unpooled"``: per-feature batch
+            sizes for outputs per bag (:func:`read_batching`).
 
     Returns:
         ``(rows, {feature: FeatureBatch})``: ``rows`` is the batch size (with
@@ -227,7 +228,10 @@ def read_kjt(
 
 
 def _read_kjt(
-    kjt: KeyedJaggedTensor, stacks: Sequence[StackedTable], is_weighted: bool | None, variable_batch: bool
+    kjt: KeyedJaggedTensor,
+    stacks: Sequence[StackedTable],
+    is_weighted: bool | None,
+    variable_batch: bool | Literal["unpooled"],
 ) -> tuple[Batching, dict[str, FeatureBatch]]:
     """:func:`read_kjt`, returning the whole :class:`Batching`."""
     slots: dict[str, list] = {}

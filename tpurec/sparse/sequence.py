@@ -212,16 +212,21 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
             ``{feature: JaggedTensor}`` with values ``[sum of lengths, dim]`` and the KJT's
             lengths (on the tables' device), in TorchRec's order.
         """
-        _, per_feature = read_kjt(features, self.bags.stacks, is_weighted=False)
+        # Each feature's sequences are its own outputs, so a variable batch per feature (VBE)
+        # is read as TorchRec's EmbeddingCollection reads it: each feature with its own count.
+        batch, per_feature = read_kjt(features, self.bags.stacks, is_weighted=False, variable_batch="unpooled")
         seq_len = self._seq_len({f: b.lengths for f, b in per_feature.items()})
         keys = list(features.keys())
         positions = np.arange(seq_len)
         bag_lengths, rows = [], {}
         for key in keys:
             lengths = per_feature[key].lengths
-            filled = positions[None, :] < lengths[:, None]  # [batch, seq_len]
-            bag_lengths.append(filled.reshape(-1).astype(np.int64))
+            filled = positions[None, :] < lengths[:, None]  # [sequences, seq_len]
             rows[key] = np.flatnonzero(filled)  # bag index of each id, in KJT order
+            # Features with fewer sequences than the batch get empty ones after theirs.
+            padded = np.zeros((batch, seq_len), bool)
+            padded[: len(lengths)] = filled
+            bag_lengths.append(padded.reshape(-1).astype(np.int64))
         one_id_bags = KeyedJaggedTensor.from_lengths_sync(
             keys=keys,
             values=torch.cat([torch.from_numpy(per_feature[k].ids) for k in keys])
