@@ -94,12 +94,28 @@ def test_a_rule_without_learning_rate_or_a_config_without_its_fields_is_refused(
         Missing()
 
 
-def test_sparsecore_entry_refuses_row_slots_with_a_clear_error():
+def test_sparsecore_entry_exports_element_slot_rules_and_refuses_row_slots():
     rule = UpdateRule("test_row_slot", "x", (Slot("acc", "row"),), ("learning_rate",), lambda g, w, a, **k: (w, a))
     update_rules.register(rule)
     with pytest.raises(NotImplementedError, match="per-row slots"):
         getattr(tpu, rule.op_name)(*([None] * 7), learning_rate=0.1)
-    assert callable(getattr(tpu, SGDMomentum.op_name))  # element slots: the generic primitive
+    # Element slots: the rule's row math runs in jax-tpu-embedding's generic primitive (a TPU program
+    # exported here; running it needs a chip with SparseCores).
+    import jax
+    import jax.numpy as jnp
+
+    from test_tpu_kernel import _DISABLED
+
+    def step(rp, ids, samples, gains, grad, table, m):
+        return getattr(tpu, SGDMomentum.op_name)(
+            rp, ids, samples, gains, grad, table, m, learning_rate=0.1, momentum=0.9, num_sc_per_device=2
+        )
+
+    f32, i32 = jnp.float32, jnp.int32
+    shapes = [((2,), i32), ((16,), i32), ((16,), i32), ((16,), f32), ((4, 8), f32), ((37, 8), f32), ((37, 8), f32)]
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in shapes]
+    text = jax.export.export(jax.jit(step), platforms=["tpu"], disabled_checks=_DISABLED)(*args).mlir_module()
+    assert text.count("stablehlo.custom_call @SparseDenseMatmulGradOpWithOptimizerUpdate(") == 1
 
 
 @pytest.mark.parametrize(

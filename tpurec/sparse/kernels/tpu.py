@@ -85,10 +85,6 @@ __all__ = [
     "to_sparsecore_layout",
     "from_sparsecore_layout",
     "sparse_dense_matmul",
-    "sparse_dense_matmul_grad_with_sgd",
-    "sparse_dense_matmul_grad_with_adagrad",
-    "sparse_dense_matmul_grad_with_rowwise_adagrad",
-    "sparse_dense_matmul_grad_with_adam",
 ]
 
 CUSTOM_CALL_TARGETS: tuple[str, ...] = ("SparseDenseMatmulOp", "SparseDenseMatmulGradOpWithOptimizerUpdate")
@@ -367,150 +363,34 @@ def _grad_with_optimizer(
     return out if len(out) > 1 else out[0]
 
 
-def sparse_dense_matmul_grad_with_sgd(
-    row_pointers,
-    embedding_ids,
-    sample_ids,
-    gains,
-    grad_output,
-    table,
-    *,
-    learning_rate,
-    num_sc_per_device: int | None = None,
-    max_ids_per_partition: int | None = None,
-    max_unique_ids_per_partition: int | None = None,
-    sparsecore_layout: bool = False,
-):
-    """SGD on the touched rows: ``w -= lr * g``. Returns the updated table."""
-    return _grad_with_optimizer(
-        "sgd",
-        None,
-        (row_pointers, embedding_ids, sample_ids, gains),
-        grad_output,
-        table,
-        (),
-        (learning_rate,),
-        num_sc_per_device=num_sc_per_device,
-        max_ids_per_partition=max_ids_per_partition,
-        max_unique_ids_per_partition=max_unique_ids_per_partition,
-        sparsecore_layout=sparsecore_layout,
-    )
+def _adam_hyperparameters(hp: dict) -> list:
+    # Bias corrections on the TensorCore: the row update then uses only elementwise ops.
+    beta1, beta2, step = (jnp.asarray(hp[k], jnp.float32) for k in ("beta1", "beta2", "step"))
+    c1, c2 = 1.0 / (1.0 - beta1**step), 1.0 / (1.0 - beta2**step)
+    return [hp["learning_rate"], beta1, beta2, hp["eps"], hp["weight_decay"], c1, c2]
 
 
-def sparse_dense_matmul_grad_with_adagrad(
-    row_pointers,
-    embedding_ids,
-    sample_ids,
-    gains,
-    grad_output,
-    table,
-    accumulator,
-    *,
-    learning_rate,
-    eps,
-    num_sc_per_device: int | None = None,
-    max_ids_per_partition: int | None = None,
-    max_unique_ids_per_partition: int | None = None,
-    sparsecore_layout: bool = False,
-):
-    """Adagrad: ``m += g**2; w -= lr * g / (sqrt(m) + eps)``. Returns ``(table, accumulator)``."""
-    return _grad_with_optimizer(
-        "adagrad",
-        _adagrad_row,
-        (row_pointers, embedding_ids, sample_ids, gains),
-        grad_output,
-        table,
-        (accumulator,),
-        (learning_rate, eps),
-        num_sc_per_device=num_sc_per_device,
-        max_ids_per_partition=max_ids_per_partition,
-        max_unique_ids_per_partition=max_unique_ids_per_partition,
-        sparsecore_layout=sparsecore_layout,
-    )
-
-
-def sparse_dense_matmul_grad_with_rowwise_adagrad(
-    row_pointers,
-    embedding_ids,
-    sample_ids,
-    gains,
-    grad_output,
-    table,
-    accumulator,
-    *,
-    learning_rate,
-    eps,
-    weight_decay,
-    num_sc_per_device: int | None = None,
-    max_ids_per_partition: int | None = None,
-    max_unique_ids_per_partition: int | None = None,
-    sparsecore_layout: bool = False,
-):
-    """Row-wise Adagrad (L2 weight decay). Returns ``(table, accumulator)``.
-
-    ``accumulator`` is ``[rows]``; with ``sparsecore_layout`` it is stored
-    full width, shaped like the SparseCore table (every column equal).
-    """
-    dim = table.shape[1]
-    return _grad_with_optimizer(
-        "rowwise_adagrad",
-        _rowwise_adagrad_row(dim),
-        (row_pointers, embedding_ids, sample_ids, gains),
-        grad_output,
-        table,
-        (accumulator,),
-        (learning_rate, eps, weight_decay),
-        num_sc_per_device=num_sc_per_device,
-        max_ids_per_partition=max_ids_per_partition,
-        max_unique_ids_per_partition=max_unique_ids_per_partition,
-        sparsecore_layout=sparsecore_layout,
-        rowwise_slots=not sparsecore_layout,
-    )
-
-
-def sparse_dense_matmul_grad_with_adam(
-    row_pointers,
-    embedding_ids,
-    sample_ids,
-    gains,
-    grad_output,
-    table,
-    momentum1,
-    momentum2,
-    *,
-    learning_rate,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    step,
-    num_sc_per_device: int | None = None,
-    max_ids_per_partition: int | None = None,
-    max_unique_ids_per_partition: int | None = None,
-    sparsecore_layout: bool = False,
-):
-    """Lazy Adam on the touched rows (``step`` counts from 1). Returns ``(table, momentum1, momentum2)``."""
-    beta1, beta2, step = (jnp.asarray(x, jnp.float32) for x in (beta1, beta2, step))
-    c1 = 1.0 / (1.0 - beta1**step)
-    c2 = 1.0 / (1.0 - beta2**step)
-    return _grad_with_optimizer(
-        "adam",
-        _adam_row,
-        (row_pointers, embedding_ids, sample_ids, gains),
-        grad_output,
-        table,
-        (momentum1, momentum2),
-        (learning_rate, beta1, beta2, eps, weight_decay, c1, c2),
-        num_sc_per_device=num_sc_per_device,
-        max_ids_per_partition=max_ids_per_partition,
-        max_unique_ids_per_partition=max_unique_ids_per_partition,
-        sparsecore_layout=sparsecore_layout,
-    )
+# How a rule's row math runs in the primitive where it cannot run as the rule writes it: rows
+# are padded to a multiple of 8 columns (a row reduction must divide by the real dim) and the
+# SparseCore has no pow. Rule name -> (row update for a table dim, None: jax-tpu-embedding's SGD
+# primitive; the primitive's hyperparameter list from the op's). Other rules with element slots
+# run their row math as written.
+_SPARSECORE_FORMS: dict[str, tuple[Callable[[int], Callable | None], Callable[[dict], list]]] = {
+    "sgd": (lambda dim: None, lambda hp: [hp["learning_rate"]]),
+    "adagrad": (lambda dim: _adagrad_row, lambda hp: [hp["learning_rate"], hp["eps"]]),
+    "rowwise_adagrad": (_rowwise_adagrad_row, lambda hp: [hp["learning_rate"], hp["eps"], hp["weight_decay"]]),
+    "adam": (lambda dim: _adam_row, _adam_hyperparameters),
+}
 
 
 def _rule_grad_op(op_name: str) -> Callable:
-    """The SparseCore entry point of an update rule without a hand-written one above."""
+    """The SparseCore entry point of an update rule's gradient op (the reference's arguments plus
+    ``num_sc_per_device``, ``max_ids_per_partition``, ``max_unique_ids_per_partition`` and
+    ``sparsecore_layout``)."""
     rule = rule_of(op_name)
+    form = _SPARSECORE_FORMS.get(rule.name)
+    rowwise = any(s.kind == "row" for s in rule.slots)
+    names = rule.hyperparameters
 
     def grad_op(
         row_pointers,
@@ -526,18 +406,27 @@ def _rule_grad_op(op_name: str) -> Callable:
         sparsecore_layout: bool = False,
         **hyperparameters,
     ):
-        if any(s.kind == "row" for s in rule.slots):
+        if len(slots) != len(rule.slots) or set(hyperparameters) != set(names):
+            raise TypeError(
+                f"{op_name} takes the slots {[s.argument for s in rule.slots]} and the hyperparameters {list(names)}; "
+                f"got {len(slots)} slots and {sorted(hyperparameters)}"
+            )
+        update: Callable | None
+        if form is not None:
+            update, hps = form[0](table.shape[1]), form[1](hyperparameters)
+        elif rowwise:
             raise NotImplementedError(
                 f"{op_name} on SparseCores: the rule has per-row slots, which the generic primitive holds full "
                 "width and whose row reductions would count the padded columns; run it with "
                 "TPUREC_SPARSE_KERNEL=tensorcore, or give the rule element slots"
             )
-        names = rule.hyperparameters
+        else:
 
-        def update(g, w, *rest):
-            rows, hps = rest[: len(slots)], rest[len(slots) :]
-            return tuple(rule.rows(g, w, *rows, dtype=jnp.float32, **dict(zip(names, hps))))
+            def as_written(g, w, *rest):
+                rows, values = rest[: len(slots)], rest[len(slots) :]
+                return tuple(rule.rows(g, w, *rows, dtype=jnp.float32, **dict(zip(names, values))))
 
+            update, hps = as_written, [hyperparameters[n] for n in names]
         return _grad_with_optimizer(
             rule.name,
             update,
@@ -545,15 +434,16 @@ def _rule_grad_op(op_name: str) -> Callable:
             grad_output,
             table,
             slots,
-            [hyperparameters[n] for n in names],
+            hps,
             num_sc_per_device=num_sc_per_device,
             max_ids_per_partition=max_ids_per_partition,
             max_unique_ids_per_partition=max_unique_ids_per_partition,
             sparsecore_layout=sparsecore_layout,
+            rowwise_slots=rowwise and not sparsecore_layout,
         )
 
     grad_op.__name__ = grad_op.__qualname__ = op_name
-    grad_op.__doc__ = f"{rule.summary} (generic SparseCore primitive)."
+    grad_op.__doc__ = f"{rule.summary} (SparseCore primitives)."
     return grad_op
 
 
@@ -561,6 +451,7 @@ _RULE_OPS: dict[str, Callable] = {}
 
 
 def __getattr__(name: str):
+    # One entry point per update rule (sparse_dense_matmul_grad_with_<name>), made on first use.
     if name in RULES:
         if name not in _RULE_OPS:
             _RULE_OPS[name] = _rule_grad_op(name)
