@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from tpurec.core import fused, rng, runtime
-from tpurec.core.tensor import TpuTensor
+from tpurec.core.tensor import TpuTensor, replace_array
 
 __all__ = ["warmup"]
 
@@ -61,14 +61,15 @@ def _is_counter(value: Any) -> bool:
 class _Snapshot:
     """What a step may change in ``modules`` and ``optimizers``, kept to be put back.
 
-    Tensors are kept by storage: a tpu storage's array is copied on its device (the copy keeps its
-    sharding, and the step's programs see the same buffers donated as in a real step, where
-    nothing else holds them); a CPU tensor's values are cloned.
+    A whole tpu tensor's array is copied on its device (the copy keeps its sharding, and the
+    step's programs see the same buffers donated as in a real step, where nothing else holds
+    them) and put back in place; other tensors' values are cloned and copied back.
     """
 
     def __init__(self, modules: list[nn.Module], optimizers: list[torch.optim.Optimizer]) -> None:
-        self.arrays: dict[int, tuple[Any, jax.Array]] = {}  # id(storage) -> (storage, copy)
-        self.cpu: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kept: set[int] = set()
+        self.arrays: list[tuple[torch.Tensor, jax.Array]] = []  # whole tpu tensors and copies of their arrays
+        self.values: list[tuple[torch.Tensor, torch.Tensor]] = []  # other tensors and clones of their values
         self.grads: list[tuple[torch.Tensor, torch.Tensor | None]] = []
         self.counters: list[tuple[nn.Module, str, Any]] = []
         self.optimizers: list[tuple[torch.optim.Optimizer, dict, list[dict]]] = []
@@ -104,19 +105,20 @@ class _Snapshot:
         self.rng = (rng.get_state(), torch.get_rng_state())
 
     def _keep(self, tensor: torch.Tensor) -> None:
-        if isinstance(tensor, TpuTensor):
-            storage = tensor._storage
-            if id(storage) not in self.arrays:
-                array = tensor.to_jax() if tensor.is_full else storage.array
-                self.arrays[id(storage)] = (storage, jax.device_put(array, array.sharding, may_alias=False))
-        elif tensor.device.type == "cpu":
-            self.cpu.append((tensor, tensor.detach().clone()))
+        if id(tensor) in self.kept:
+            return
+        self.kept.add(id(tensor))
+        if isinstance(tensor, TpuTensor) and tensor.is_full:
+            array = tensor.to_jax()
+            self.arrays.append((tensor, jax.device_put(array, array.sharding, may_alias=False)))
+        else:  # a CPU tensor, or a view of a tpu storage: its values, copied back
+            self.values.append((tensor, tensor.detach().clone()))
 
     def restore(self) -> None:
-        for storage, array in self.arrays.values():
-            storage.array = array
+        for tensor, array in self.arrays:
+            replace_array(tensor, array)
         with torch.no_grad():
-            for tensor, values in self.cpu:
+            for tensor, values in self.values:
                 tensor.detach().copy_(values)
         for param, grad in self.grads:
             param.grad = grad
@@ -195,6 +197,7 @@ def warmup(step: Callable[..., Any], *args: Any, state: Any, steps: int = 2, **k
         runtime.synchronize()
     finally:
         snapshot.restore()
+        runtime.synchronize()  # what the restore copied runs now, not in the first real step's program
     after = runtime.stats()
     return {
         "seconds": time.perf_counter() - started,

@@ -230,7 +230,7 @@ def test_two_devices_compiled_trains_like_fused():
     np.testing.assert_allclose(runs["compile"], runs["fused"], rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("source", ["synthetic", "criteo_npy_shuffled"])
+@pytest.mark.parametrize("source", ["synthetic", "criteo_npy_shuffled", "criteo_npy_shuffled_graphed_k4"])
 def test_resume_10_plus_10_equals_20(tmp_path, source):
     common = [
         *SMALL,
@@ -244,12 +244,15 @@ def test_resume_10_plus_10_equals_20(tmp_path, source):
         "--validation_freq_within_epoch",
         "4",
     ]
-    if source == "criteo_npy_shuffled":
+    if source.startswith("criteo_npy_shuffled"):
         # TorchRec's reader shuffles each batch with numpy's global generator: the
-        # checkpoint must carry that state from before the first unread batch.
+        # checkpoint must carry that state from before the first unread batch (with
+        # --steps_per_call 4 the pipeline reads further ahead, up to a launch's batches).
         write_criteo_npy(str(tmp_path), days=3, rows=400, table_rows=[20] * 26)
         common[1] = ",".join(["20"] * 26)  # --num_embeddings_per_feature: 26 Criteo features
         common += ["--in_memory_binary_criteo_path", str(tmp_path), "--shuffle_batches"]
+    if source.endswith("graphed_k4"):
+        common += ["--mode", "graphed", "--steps_per_call", "4"]
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     for args in (
         ["--limit_train_batches", "20", "--checkpoint_dir", straight],
