@@ -39,6 +39,27 @@ def test_dispatch_reports_host_cost_per_op_next_to_pytorch_cpu():
         assert row["fused"]["flush_us"] > 0
 
 
+def test_every_benchmark_reports_where_its_compile_seconds_went():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpurec.bench", "dispatch", "--op", "add", "--ops", "5", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)["compile"]
+    assert report["programs"] >= 1 and report["programs"] == sum(e["programs"] for e in report["by_program"].values())
+    assert set(report["phases"]) == {"tracing", "lowering", "xla_compile", "cache_load"}
+    assert report["seconds"] >= sum(e["seconds"] for e in report["by_program"].values()) - 1e-6
+    slowest = next(iter(report["by_program"]))
+    line = [ln for ln in proc.stderr.splitlines() if ln.startswith("python -m tpurec.bench: ")]
+    assert len(line) == 1, proc.stderr[-3000:]
+    assert f"compiling {report['programs']} programs (tracing " in line[0] and f"slowest: {slowest} " in line[0]
+
+
 def test_dispatch_reports_no_host_time_where_the_thread_clock_ticks_coarsely(monkeypatch):
     # Under gVisor (some TPU machines) time.thread_time() advances in 10 ms ticks: a loop of ops reads 0.
     from tpurec.bench import clocks, dispatch

@@ -39,6 +39,7 @@ from tpurec.profiler import profile  # noqa: E402
 from tpurec import config  # noqa: E402,F401
 
 from tpurec._api import flush, shard  # noqa: E402
+from tpurec._warmup import warmup  # noqa: E402
 from tpurec.dense.registry import defer as _defer  # noqa: E402
 
 # TorchRec's TPU lookup ops (its UNFUSED_TPU kernel under DistributedModelParallel) lower to the
@@ -66,4 +67,5 @@ __all__ = [
     "shard",
     "stats",
     "synchronize",
+    "warmup",
 ]

@@ -89,6 +89,7 @@ class Config:
     tensorboard_dir: str | None
     metrics_file: str | None
     loss_every: int
+    steps_per_call: int
     dist: str
     feature_names: list[str]
     table_rows: list[int]
@@ -303,7 +304,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="append the same records to this file, one JSON object per line",
     )
-    p.add_argument("--loss_every", type=int, default=10, help="read the loss from the device every this many steps")
+    p.add_argument(
+        "--loss_every",
+        type=int,
+        default=10,
+        help="show the mean loss of the last this many steps on the progress bar every this many steps (losses "
+        "are read from the device one call behind the steps issued, never waited for at once)",
+    )
+    p.add_argument(
+        "--steps_per_call",
+        type=int,
+        default=1,
+        help="--mode graphed: run up to this many captured steps in one program (one launch); validation, "
+        "checkpoints and the progress bar keep step granularity (one device only)",
+    )
     return p
 
 
@@ -350,6 +364,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         "dcn_low_rank_dim",
         "num_devices",
         "loss_every",
+        "steps_per_call",
     ):
         _check(getattr(a, name) > 0, f"--{name} must be positive, got {getattr(a, name)}")
     for name in (
@@ -374,6 +389,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         a.mode != "graphed" or schedule.constant,
         "--mode graphed replays the captured step at the learning rate it was captured with, so a schedule "
         "(--lr_warmup_steps/--lr_decay_steps) cannot change it; use --mode fused or compile",
+    )
+    _check(
+        a.steps_per_call == 1 or a.mode == "graphed",
+        f"--steps_per_call {a.steps_per_call} runs several captured steps in one program: it needs --mode graphed",
+    )
+    _check(
+        a.steps_per_call == 1 or a.num_devices == 1,
+        f"--steps_per_call {a.steps_per_call} runs on one device: drop --num_devices or use --steps_per_call 1",
     )
     _check(
         a.mode != "graphed" or a.dist != "dmp",
@@ -488,6 +511,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         tensorboard_dir=a.tensorboard_dir,
         metrics_file=a.metrics_file,
         loss_every=a.loss_every,
+        steps_per_call=a.steps_per_call,
         dist=a.dist,
         feature_names=feature_names,
         table_rows=table_rows,

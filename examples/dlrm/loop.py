@@ -1,10 +1,13 @@
 """The training loop: steps, progress bar, validation, checkpoints, profile, plot.
 
-One training step goes through :func:`make_pipeline`'s ``progress(iterator)``:
-``tpurec.sparse.TrainPipeline`` (TorchRec's ``TrainPipeline.progress`` shape),
-which prepares the next batch on the host while the device runs this one. The loss stays on the device;
-it is read every ``--loss_every`` steps, all but the newest step's, so the host
-never waits for the step it has just dispatched.
+Training steps go through :func:`make_pipeline`'s ``progress(iterator)``:
+``tpurec.sparse.TrainPipeline`` (TorchRec's ``TrainPipeline.progress`` shape), which prepares
+the next batch on the host while the device runs this one; with ``--mode graphed
+--steps_per_call K`` one call runs up to K captured steps in one program. The losses stay on
+the device: the pipeline reads a call's losses once the next call is issued, so the host never
+waits for the steps it has just dispatched, and a loss that is not finite stops the run naming
+its step (:class:`NonFiniteLoss`). Validation, checkpoints, the end of the warm-up and the
+profile keep step granularity: a call never runs past one of them.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import contextlib
 import dataclasses
 import sys
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NoReturn
 
 import numpy as np
 import torch
@@ -30,22 +33,31 @@ from dlrm.metrics import EvalResult, HeldOutMetrics
 from dlrm.metrics_log import MetricsLog
 
 WARMUP_STEPS = 10
+CAPTURED_STEP = 3  # --mode graphed: TrainPipeline runs two plain steps, then captures the third
 
 
-def end_step() -> None:
-    """Marks a step boundary: in fused mode the step's recorded ops run now, as
-    one program, without waiting for it (XLA dispatch is asynchronous)."""
-    if tpurec.get_mode() == "fused":
-        tpurec.flush("step")  # the window flush behind torch.tpu.synchronize, minus the wait
+class NonFiniteLoss(Exception):
+    """A training step's loss is nan or inf: the run stops (``train.py`` exits with status 1).
+
+    Attributes:
+        step: the step, counted from 1 over the whole run (as the history and the metrics log count).
+        value: the loss read.
+    """
+
+    def __init__(self, step: int, value: float) -> None:
+        super().__init__(
+            f"the training loss of step {step} is {value}: the model diverged (lower --learning_rate, or check "
+            "the data); the steps issued after it ran and are not in the history or a checkpoint"
+        )
+        self.step, self.value = step, value
 
 
 class PipelinedStep:
-    """One training step per ``progress`` call through ``tpurec.sparse.TrainPipeline``.
+    """Training steps through ``tpurec.sparse.TrainPipeline``, their losses read one call behind.
 
-    The pipeline reads, preprocesses and transfers batch ``i + 1`` on a worker
-    thread while step ``i`` runs; :class:`TrainStep` wraps the model to give it
-    the ``model(batch) -> (loss, output)`` shape (TorchRec's ``DLRMTrain``) the
-    pipeline expects.
+    The pipeline reads, preprocesses and transfers the next batches on a worker thread while
+    the device runs the current step; :class:`TrainStep` wraps the model to give it the
+    ``model(batch) -> (loss, output)`` shape (TorchRec's ``DLRMTrain``) the pipeline expects.
 
     Args:
         model: the model (its tables update themselves in the backward).
@@ -54,6 +66,7 @@ class PipelinedStep:
         forward: the callable to run the model with (the model, or its
             ``torch.compile`` form).
         graphed: capture the step and replay it (``TrainPipeline(graphed=True)``).
+        steps_per_call: with ``graphed``, the captured steps one call may run in one program.
     """
 
     def __init__(
@@ -63,27 +76,48 @@ class PipelinedStep:
         device: str,
         forward: Callable | None = None,
         graphed: bool = False,
+        steps_per_call: int = 1,
     ) -> None:
         self.model, self.optimizer, self.device = model, optimizer, device
         self.forward = model if forward is None else forward
         self.train_module = TrainStep(model, self.forward)
         self.graphed = graphed
-        self.pipeline = sparse.TrainPipeline(self.train_module, optimizer, device, graphed=graphed)
+        self.steps_per_call = steps_per_call
+        self.launches = 0  # calls that ran several steps in one program
+        self.launched_steps = 0  # the steps those calls ran
+        self.pipeline = sparse.TrainPipeline(
+            self.train_module, optimizer, device, graphed=graphed, steps_per_call=steps_per_call
+        )
 
-    def progress(self, batches: Iterator[Batch]) -> torch.Tensor:
-        """Trains on the next batch of ``batches``.
+    def progress(self, batches: Iterator[Batch], max_steps: int = 1) -> int:
+        """Trains on the next batches of ``batches``: one step, or with ``steps_per_call`` up to
+        ``max_steps`` (at most ``steps_per_call``) in one program.
 
         Returns:
-            The batch's mean loss, on the device (not read).
+            The number of steps run (their losses come from :meth:`losses`).
 
         Raises:
             StopIteration: ``batches`` is exhausted.
+            FloatingPointError: the loss of a step read here is not finite.
         """
-        loss, _logits, _labels = self.pipeline.progress(batches)
-        if self.graphed:
-            loss = loss.clone()  # a replay refills the captured loss; the caller keeps each step's
-        end_step()
-        return loss
+        before = self.pipeline.steps
+        if self.steps_per_call > 1:
+            self.pipeline.progress(batches, max_steps=max(1, min(max_steps, self.steps_per_call)))
+        else:
+            self.pipeline.progress(batches)
+        ran = self.pipeline.steps - before
+        if ran > 1:
+            self.launches += 1
+            self.launched_steps += ran
+        return ran
+
+    def losses(self, wait: bool = False) -> list[tuple[int, float]]:
+        """The (pipeline step, loss) pairs read since the last call (``wait``: of every step issued)."""
+        return self.pipeline.losses(wait=wait)
+
+    def wait_for_compiles(self) -> None:
+        """Waits for the program of several steps that the pipeline compiles in the background."""
+        self.pipeline.wait_for_compiles()
 
     def close(self) -> None:
         """Stops the pipeline's worker (at the end of an epoch)."""
@@ -96,8 +130,8 @@ class ReplayableBatches:
     pipeline reads ahead, so a checkpoint after step ``s`` must store the state
     from before batch ``s`` was read, not the current one."""
 
-    def __init__(self, batches: Iterator[Batch], first: int = 0) -> None:
-        self.batches, self.read = batches, first
+    def __init__(self, batches: Iterator[Batch], first: int = 0, keep: int = 16) -> None:
+        self.batches, self.read, self.keep = batches, first, keep
         self.states: dict[int, Any] = {}
 
     def __iter__(self) -> "ReplayableBatches":
@@ -107,7 +141,7 @@ class ReplayableBatches:
         state = np.random.get_state()
         batch = next(self.batches)
         self.states[self.read] = state
-        self.states.pop(self.read - 16, None)
+        self.states.pop(self.read - self.keep, None)  # more than the pipeline reads ahead
         self.read += 1
         return batch
 
@@ -156,7 +190,9 @@ def print_lr(step_in_epoch: int, lrs: list[float]) -> None:
 def make_pipeline(model: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, device: str) -> PipelinedStep:
     """The training step: the one place where the step's machinery is chosen."""
     forward = torch.compile(model, backend="tpu") if cfg.mode == "compile" else model
-    return PipelinedStep(model, optimizer, device, forward, graphed=cfg.mode == "graphed")
+    return PipelinedStep(
+        model, optimizer, device, forward, graphed=cfg.mode == "graphed", steps_per_call=cfg.steps_per_call
+    )
 
 
 def place_model(model: nn.Module, cfg: Config) -> nn.Module:
@@ -246,6 +282,9 @@ class RunResult:
         steps_run: the training steps this process ran (after a resume, those after the checkpoint).
         compilations_after_warmup: XLA compilations of the timed training steps (None if unmeasured).
         final: the test metrics.
+        warmup_steps: the steps before the throughput's clock started.
+        launches: calls that ran several captured steps in one program (``--steps_per_call``).
+        launched_steps: the steps those calls ran.
     """
 
     history: History
@@ -254,6 +293,9 @@ class RunResult:
     steps_run: int
     compilations_after_warmup: int | None
     final: EvalResult
+    warmup_steps: int = WARMUP_STEPS
+    launches: int = 0
+    launched_steps: int = 0
 
 
 class Throughput:
@@ -285,10 +327,10 @@ class Throughput:
         self.began, self.ended, self.steps = time.perf_counter(), None, 0
         self.excluded_seconds, self.eval_compilations = 0.0, 0
 
-    def step_done(self) -> None:
-        """Counts a training step (once the clock runs)."""
+    def step_done(self, steps: int = 1) -> None:
+        """Counts ``steps`` training steps (once the clock runs)."""
         if self.began is not None:
-            self.steps += 1
+            self.steps += steps
             self.ended = None
 
     def stop(self) -> None:
@@ -335,6 +377,10 @@ class StepTrace:
         self.directory, self.first = directory, run_start + self.FIRST
         self.stack: contextlib.ExitStack | None = None
 
+    def boundaries(self) -> list[int]:
+        """The steps (counted over the run) before which the trace starts and after which it ends."""
+        return [self.first, self.first + self.STEPS] if self.directory else []
+
     def before_step(self, global_step: int) -> None:
         if self.directory and global_step == self.first:
             self.stack = contextlib.ExitStack()
@@ -379,6 +425,15 @@ def plot(path: str, history: History) -> None:
     plt.close(fig)
 
 
+def warmup_steps(cfg: Config) -> int:
+    """Steps of a process before the throughput is timed: their programs compile.
+
+    With ``--steps_per_call K`` the warm-up also holds the first call of K steps (after the
+    two plain steps and the capture), whose program compiles in the background meanwhile.
+    """
+    return max(WARMUP_STEPS, CAPTURED_STEP + cfg.steps_per_call) if cfg.steps_per_call > 1 else WARMUP_STEPS
+
+
 def train(
     cfg: Config,
     model: nn.Module,
@@ -399,6 +454,9 @@ def train(
 
     Returns:
         The history, throughput and final test metrics.
+
+    Raises:
+        NonFiniteLoss: a step's loss is nan or inf.
     """
     history = History()
     policy, table_optimizers = cfg.lr_policy, embedding_optimizers(model)
@@ -412,25 +470,38 @@ def train(
         log(f"resumed from {cfg.checkpoint_dir} at epoch {start_epoch}, step {start_step} ({global_step} steps done)")
     pipeline = make_pipeline(model, optimizer, cfg, device)
     run_start = global_step
-    pending: list[torch.Tensor] = []
+    warmup = warmup_steps(cfg)
     trace = StepTrace(cfg.profile_dir, run_start)
     metrics_log = MetricsLog(cfg.tensorboard_dir, cfg.metrics_file)
     timer = Throughput(cfg.batch_size * cfg.num_devices)
+    shown = [len(history.losses)]  # the step whose loss the progress bar last showed
 
-    def read_losses(keep_newest: bool) -> None:
-        # All but (optionally) the newest loss: those steps have finished or are about to.
-        ready = pending[:-1] if keep_newest else pending[:]
-        del pending[: len(ready)]
-        for t in ready:
-            history.losses.append(float(t))
+    def read_losses(wait: bool) -> None:
+        # The losses the pipeline has read (one call behind; wait: all of them). Its steps count
+        # from 0 at this process's first step; the history's count from 1 over the whole run.
+        try:
+            read = pipeline.losses(wait=wait)
+        except FloatingPointError as error:
+            diverged(error)
+        record(read)
+
+    def diverged(error: FloatingPointError) -> NoReturn:
+        # The pipeline keeps the losses of the steps before the bad one: into the history first.
+        record(pipeline.losses())
+        raise NonFiniteLoss(run_start + error.step + 1, error.loss) from None  # type: ignore[attr-defined]
+
+    def record(read: list[tuple[int, float]]) -> None:
+        for index, value in read:
+            assert run_start + index == len(history.losses), "the pipeline's losses come in step order"
+            history.losses.append(value)
             step = len(history.losses)
-            metrics_log.train(step, history.losses[-1], policy.at_step(step - 1))
-        if ready and timer.measured:
+            metrics_log.train(step, value, policy.at_step(step - 1))
+        if read and timer.measured:
             metrics_log.throughput(len(history.losses), timer.rate(), timer.steps)
 
     def save(epoch: int, step_in_epoch: int, batches: ReplayableBatches | None) -> None:
         if cfg.checkpoint_dir:
-            read_losses(keep_newest=False)
+            read_losses(wait=True)
             numpy_state = batches.state_before(step_in_epoch) if batches is not None else np.random.get_state()
             checkpoint.save(
                 cfg.checkpoint_dir,
@@ -454,6 +525,18 @@ def train(
             save(epoch, step_in_epoch, batches)
             metrics_log.flush()
 
+    def steps_to_boundary(step_in_epoch: int, total: int) -> int:
+        # Steps a call may run without passing the end of the warm-up, a validation, the profile's
+        # first or last step, or the epoch's end: each of those happens between two steps.
+        room = [total - step_in_epoch]
+        done = global_step - run_start
+        if done < warmup:
+            room.append(warmup - done)
+        if cfg.validation_freq_within_epoch:
+            room.append(cfg.validation_freq_within_epoch - step_in_epoch % cfg.validation_freq_within_epoch)
+        room.extend(b - global_step for b in trace.boundaries() if b > global_step)
+        return max(1, min(room))
+
     try:
         with tpurec.mode("fused" if cfg.mode in ("compile", "graphed") else cfg.mode):
             for epoch in range(start_epoch, cfg.epochs):
@@ -467,32 +550,39 @@ def train(
                 if numpy_state is not None:  # then the shuffling from there on
                     np.random.set_state(numpy_state)
                     numpy_state = None
-                batches = ReplayableBatches(source, first=skip)
+                batches = ReplayableBatches(source, first=skip, keep=2 * cfg.steps_per_call + 16)
                 bar = tqdm(total=total, initial=skip, desc=f"Epoch {epoch}", file=sys.stderr, dynamic_ncols=True)
                 step_in_epoch = skip
                 try:
                     while True:
                         trace.before_step(global_step)
                         lrs = set_learning_rate(table_optimizers, optimizer, policy.at_step(global_step))
+                        # A call of several steps only where it fits before the next boundary whole:
+                        # a shorter one would compile a program of its own.
+                        room = steps_to_boundary(step_in_epoch, total)
                         try:
-                            loss = pipeline.progress(batches)
+                            ran = pipeline.progress(batches, room if room >= cfg.steps_per_call else 1)
                         except StopIteration:
                             break
+                        except FloatingPointError as error:
+                            diverged(error)
                         if cfg.print_lr:
-                            print_lr(step_in_epoch, lrs)
-                        pending.append(loss)
-                        global_step += 1
-                        step_in_epoch += 1
-                        timer.step_done()
-                        if global_step - run_start == WARMUP_STEPS:
+                            for i in range(ran):  # one rate for the call's steps (graphed: a constant one)
+                                print_lr(step_in_epoch + i, lrs)
+                        global_step += ran
+                        step_in_epoch += ran
+                        timer.step_done(ran)
+                        if global_step - run_start == warmup:
                             # Warm-up over (its programs compiled): time the steps from here on.
+                            pipeline.wait_for_compiles()
                             tpurec.synchronize()
                             tpurec.reset_stats()
                             timer.start()
-                        bar.update(1)
+                        bar.update(ran)
                         trace.after_step(global_step)
-                        if len(pending) >= cfg.loss_every:
-                            read_losses(keep_newest=True)
+                        read_losses(wait=False)
+                        if len(history.losses) - shown[0] >= cfg.loss_every:
+                            shown[0] = len(history.losses)
                             window = history.losses[-cfg.loss_every :]
                             bar.set_postfix(loss=f"{sum(window) / len(window):.4f}", samples_per_s=timer.shown())
                         if (
@@ -508,14 +598,14 @@ def train(
                     raise
                 pipeline.close()
                 trace.after_step(global_step, force=True)
-                read_losses(keep_newest=False)  # waits for the epoch's last step
+                read_losses(wait=True)  # waits for the epoch's last step
                 timer.stop()
                 if history.losses:
                     bar.set_postfix(loss=f"{history.losses[-1]:.4f}", samples_per_s=timer.shown())
                 bar.close()
                 validate(epoch, step_in_epoch, None)
                 start_step = 0
-            read_losses(keep_newest=False)
+            read_losses(wait=True)
             compilations = tpurec.stats()["compilations"] - timer.eval_compilations if timer.measured else None
             final = evaluate(model, pipeline.forward, loaders["test"], device, "test")
         history.test = {"step": global_step, **final.summary()}
@@ -535,4 +625,7 @@ def train(
         steps_run=global_step - run_start,
         compilations_after_warmup=compilations,
         final=final,
+        warmup_steps=warmup,
+        launches=pipeline.launches,
+        launched_steps=pipeline.launched_steps,
     )

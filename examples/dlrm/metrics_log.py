@@ -5,7 +5,7 @@
 JSON object per line. Both get the same records:
 
 * ``train``: each step's loss and learning rate (``train/loss``, ``train/lr``), written when the
-  loss is read from the device (every ``--loss_every`` steps);
+  loss is read from the device (one call behind the steps issued);
 * ``throughput``: samples per second after the warm-up steps (``train/samples_per_s``), at each
   loss read once measured;
 * ``val`` / ``test``: AUC, normalized entropy, calibration, log loss and the number of samples of

@@ -13,7 +13,9 @@ DistributedModelParallel shards the tables instead of ``tpurec.shard`` (see dlrm
     .venv/bin/python -m torch.distributed.run --nproc-per-node 2 examples/dlrm/train.py --dist dmp
 
 Bad input (missing or malformed data, ids outside their tables, inconsistent
-layer sizes, unknown flags) prints one line and exits with status 2.
+layer sizes, unknown flags) prints one line and exits with status 2; a training
+loss that is not finite (nan, inf) prints one line naming its step and exits
+with status 1.
 """
 
 from __future__ import annotations
@@ -61,11 +63,21 @@ def throughput_line(result: loop.RunResult) -> str:
             return "throughput not measured: no training step was left to run"
         return (
             f"throughput not measured: this run trained {result.steps_run} step(s), all within the "
-            f"{loop.WARMUP_STEPS} warm-up steps"
+            f"{result.warmup_steps} warm-up steps"
         )
     return (
         f"{result.samples_per_second:,.0f} samples/s over the {result.timed_steps} steps after "
-        f"{loop.WARMUP_STEPS} warm-up steps; {result.compilations_after_warmup} compilations after warm-up"
+        f"{result.warmup_steps} warm-up steps; {result.compilations_after_warmup} compilations after warm-up"
+    )
+
+
+def launches_line(cfg: flags.Config, result: loop.RunResult) -> str:
+    """``--steps_per_call``: how many steps ran in launches of several steps."""
+    if cfg.steps_per_call == 1:
+        return ""
+    return (
+        f"; {result.launched_steps} of {result.steps_run} steps in {result.launches} launches of up to "
+        f"{cfg.steps_per_call} steps"
     )
 
 
@@ -98,6 +110,7 @@ def run(argv: list[str] | None = None) -> loop.RunResult:
     print(
         f"held-out AUC {final.auc:.4f}, normalized entropy {final.normalized_entropy:.4f} ({final.samples} test samples); "
         f"{len(result.history.losses)} steps, last loss {result.history.losses[-1]:.4f}; {throughput_line(result)}"
+        f"{launches_line(cfg, result)}"
     )
     return result
 
@@ -109,6 +122,9 @@ def main() -> None:
     except flags.ConfigError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         sys.exit(2)
+    except loop.NonFiniteLoss as e:
+        print(f"{PROG}: error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
-"""The persistent cache folder: an unusable one costs the cache, never the import or the run."""
+"""The persistent cache folder: an unusable one costs the cache, never the import or the run; a second
+process reads every program of a training step (fused, captured, several steps per launch) from it."""
 
 import os
 import subprocess
 import sys
 
 import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SCRIPT = """
 import warnings
@@ -73,3 +76,61 @@ def test_a_warm_cache_moved_or_copied_elsewhere_is_still_hit(tmp_path, how):
     (shutil.move if how == "moved" else shutil.copytree)(first, second)
     again = _counts(second)
     assert again == (requests, requests, 0), again  # every program from the disk cache, none compiled
+
+
+STEPS = """
+import json, torch, tpurec
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)).to("tpu")
+optimizer = torch.optim.Adagrad(model.parameters(), lr=0.1, fused=True)
+g = torch.Generator().manual_seed(1)
+x, y = torch.randn(32, 8, generator=g).to("tpu"), torch.randn(32, 1, generator=g).to("tpu")
+xs = torch.randn(4, 32, 8, generator=g).to("tpu")
+tpurec.reset_stats()
+losses = []
+with tpurec.mode("fused"):
+    def step():
+        optimizer.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        return loss
+    for _ in range(2):  # fused steps: the optimizer's state, then the steady step
+        losses.append(step().item())
+    graph = tpurec.TpuGraph()
+    with tpurec.graph(graph):  # the captured step
+        loss = step()
+    losses.append(loss.item())
+    (series,) = graph.replay_steps({x: xs}, collect=[loss], compile_in_background=True)  # 4 steps, one program
+    graph.wait_for_compiles(timeout=300)
+    (series,) = graph.replay_steps({x: xs}, collect=[loss], compile_in_background=True)
+    losses += series.tolist()
+s = tpurec.stats()
+print("STATS", json.dumps({
+    "requests": s["compile_requests"], "hits": s["disk_hits"], "compilations": s["compilations"],
+    "programs": sorted(label for label, e in s["compiles_by_program"].items() for _ in range(e["programs"])),
+    "cache_load": s["compile_phases"]["cache_load"], "losses": losses,
+}))
+"""
+
+
+def _step_stats(cache) -> dict:
+    import json
+
+    env = {**os.environ, "TPUREC_CACHE_DIR": str(cache), "PYTHONPATH": ROOT}
+    result = subprocess.run([sys.executable, "-c", STEPS], capture_output=True, text=True, timeout=600, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return json.loads(result.stdout.split("STATS ", 1)[1])
+
+
+def test_a_second_process_reads_every_program_of_the_steps_from_the_shared_cache(tmp_path):
+    """Two processes, one cache folder: the first compiles the fused steps, the captured step and the
+    program of 4 captured steps (compiled on a background thread); the second reads each from disk."""
+    first = _step_stats(tmp_path / "cache")
+    assert first["requests"] > 0 and first["hits"] == 0 and first["compilations"] == first["requests"], first
+    assert "captured step x4" in first["programs"], first["programs"]
+    second = _step_stats(tmp_path / "cache")
+    assert second["requests"] == first["requests"], (first, second)
+    assert second["hits"] == second["requests"] and second["compilations"] == 0, second
+    assert second["programs"] == first["programs"] and second["cache_load"] > 0
+    assert second["losses"] == first["losses"] and len(first["losses"]) == 7

@@ -121,7 +121,8 @@ def test_lr_schedule_trains_like_torchrec_fbgemm_under_dlrm_mains_scheduler():
         stream = iter(batches)
         for step in range(len(batches)):  # the script's step
             loop.set_learning_rate(tables, dense_optimizer, cfg.lr_policy.at_step(step))
-            ours_losses.append(pipeline.progress(stream))
+            pipeline.progress(stream)
+        ours_losses = [value for _, value in pipeline.losses(wait=True)]
         pipeline.close()
         for batch in batches:
             ref_optimizer.zero_grad()
@@ -131,7 +132,7 @@ def test_lr_schedule_trains_like_torchrec_fbgemm_under_dlrm_mains_scheduler():
             ref_optimizer.step()
             scheduler.step()
             ref_losses.append(loss.item())
-    np.testing.assert_allclose([float(x) for x in ours_losses], ref_losses, rtol=1e-4, atol=0)
+    np.testing.assert_allclose(ours_losses, ref_losses, rtol=1e-4, atol=0)
     state = ours.state_dict()
     for key, value in reference.state_dict().items():
         if "embedding_bags" in key:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -134,7 +135,8 @@ def test_first_20_steps_match_torchrec_fbgemm(interaction, optimizer_flags):
     with tpurec.mode("fused" if cfg.mode == "graphed" else cfg.mode):
         stream = iter(batches)
         for _ in batches:  # the script's step: TrainPipeline over one iterator
-            ours_losses.append(pipeline.progress(stream))
+            pipeline.progress(stream)
+        ours_losses = [value for _, value in pipeline.losses(wait=True)]
         pipeline.close()
         for batch in batches:
             ref_optimizer.zero_grad()
@@ -143,7 +145,6 @@ def test_first_20_steps_match_torchrec_fbgemm(interaction, optimizer_flags):
             loss.backward()
             ref_optimizer.step()
             ref_losses.append(loss.item())
-    ours_losses = [float(x) for x in ours_losses]
     assert len(ours_losses) == 20
     if cfg.mode == "graphed":  # it did capture and replay (a refused capture raises; other shapes run plainly)
         graph = pipeline.pipeline._graph
@@ -170,7 +171,9 @@ def test_two_devices_train_like_one(tmp_path, mode):
         loaders = data.make_loaders(cfg)
         with tpurec.mode("fused" if cfg.mode == "graphed" else cfg.mode):
             stream = loaders["train"].epoch_batches(0)
-            losses = [float(pipeline.progress(stream)) for _ in range(10)]
+            for _ in range(10):
+                pipeline.progress(stream)
+            losses = [value for _, value in pipeline.losses(wait=True)]
             pipeline.close()
             if cfg.mode == "graphed":  # it did capture (a refused capture raises)
                 assert pipeline.pipeline._graph is not None and pipeline.pipeline._graph.captured
@@ -217,7 +220,9 @@ def test_two_devices_compiled_trains_like_fused():
         pipeline = loop.make_pipeline(model, model_lib.dense_optimizer(cfg, model), cfg, "tpu")
         with tpurec.mode("fused" if mode == "compile" else mode):
             stream = data.make_loaders(cfg)["train"].epoch_batches(0)
-            runs[mode] = [float(pipeline.progress(stream)) for _ in range(6)]
+            for _ in range(6):
+                pipeline.progress(stream)
+            runs[mode] = [value for _, value in pipeline.losses(wait=True)]
             pipeline.close()
         # The sharded ids were routed on the pipeline's worker, ahead of their steps.
         assert threads[:6] == ["tpurec-train-pipeline"] * 6
@@ -225,7 +230,7 @@ def test_two_devices_compiled_trains_like_fused():
     np.testing.assert_allclose(runs["compile"], runs["fused"], rtol=1e-5, atol=0)
 
 
-@pytest.mark.parametrize("source", ["synthetic", "criteo_npy_shuffled"])
+@pytest.mark.parametrize("source", ["synthetic", "criteo_npy_shuffled", "criteo_npy_shuffled_graphed_k4"])
 def test_resume_10_plus_10_equals_20(tmp_path, source):
     common = [
         *SMALL,
@@ -239,12 +244,15 @@ def test_resume_10_plus_10_equals_20(tmp_path, source):
         "--validation_freq_within_epoch",
         "4",
     ]
-    if source == "criteo_npy_shuffled":
+    if source.startswith("criteo_npy_shuffled"):
         # TorchRec's reader shuffles each batch with numpy's global generator: the
-        # checkpoint must carry that state from before the first unread batch.
+        # checkpoint must carry that state from before the first unread batch (with
+        # --steps_per_call 4 the pipeline reads further ahead, up to a launch's batches).
         write_criteo_npy(str(tmp_path), days=3, rows=400, table_rows=[20] * 26)
         common[1] = ",".join(["20"] * 26)  # --num_embeddings_per_feature: 26 Criteo features
         common += ["--in_memory_binary_criteo_path", str(tmp_path), "--shuffle_batches"]
+    if source.endswith("graphed_k4"):
+        common += ["--mode", "graphed", "--steps_per_call", "4"]
     straight, split = str(tmp_path / "straight"), str(tmp_path / "split")
     for args in (
         ["--limit_train_batches", "20", "--checkpoint_dir", straight],
@@ -529,6 +537,14 @@ BAD_INPUTS = {
         lambda tmp: ["--dist", "dmp", "--mode", "graphed"],
         "--mode graphed captures the step of a model on one device or sharded by tpurec.shard",
     ),
+    "steps_per_call_without_graphed": (
+        lambda tmp: ["--steps_per_call", "4"],
+        "--steps_per_call 4 runs several captured steps in one program: it needs --mode graphed",
+    ),
+    "steps_per_call_on_two_devices": (
+        lambda tmp: ["--steps_per_call", "4", "--mode", "graphed", "--num_devices", "2"],
+        "--steps_per_call 4 runs on one device",
+    ),
     "resume_without_sharded_checkpoint": (
         lambda tmp: ["--num_devices", "2", "--checkpoint_dir", tmp, "--resume"],
         "no sharded checkpoint (sharded.json)",
@@ -573,9 +589,19 @@ def test_bad_input_exits_2_with_one_line(case, tmp_path):
     assert expected in lines[0], lines[0]
 
 
-def test_graphed_mode_trains_as_fused_mode_through_the_command_line():
+def _train_losses(path) -> list[float]:
+    """The per-step training losses of a --metrics_file, in step order (steps 1, 2, ... checked)."""
+    records = [json.loads(line) for line in open(path)]
+    train = [r for r in records if r["stage"] == "train"]
+    assert [r["step"] for r in train] == list(range(1, len(train) + 1))
+    return [r["loss"] for r in train]
+
+
+def test_graphed_mode_and_steps_per_call_train_as_fused_mode_through_the_command_line(tmp_path):
     # The captured step replayed from the third step on, with validation and checkpoints around it:
     # the same losses, AUC and entropy as fused mode (dense Adagrad with fused=True: the same arithmetic).
+    # With --steps_per_call 4, steps 6-9 run in one launch (between the validation after step 5 and
+    # the one after step 10): every step's loss equal bit for bit, validations at the same steps.
     args = [
         *SMALL,
         "--adagrad",
@@ -586,14 +612,68 @@ def test_graphed_mode_trains_as_fused_mode_through_the_command_line():
         "--validation_freq_within_epoch",
         "5",
     ]
-    summaries = {}
-    for mode in ("fused", "graphed"):
-        out = run_script(*args, "--mode", mode)
+    summaries, losses = {}, {}
+    for name, extra in (
+        ("fused", ["--mode", "fused"]),
+        ("graphed", ["--mode", "graphed"]),
+        ("graphed_k4", ["--mode", "graphed", "--steps_per_call", "4", "--checkpoint_dir", str(tmp_path / "k4")]),
+    ):
+        metrics = tmp_path / f"{name}.jsonl"
+        out = run_script(*args, *extra, "--metrics_file", str(metrics))
         assert out.returncode == 0, out.stderr[-3000:]
         summary = out.stdout.strip().splitlines()[-1]
-        summaries[mode] = (re.sub(r"[\d,]+ samples/s", "", summary), re.findall(r"AUROC over val set: \S+", out.stdout))
+        if name == "graphed_k4":
+            assert summary.endswith("; 4 of 12 steps in 1 launches of up to 4 steps"), summary
+            summary = summary.rsplit("; 4 of 12", 1)[0]
+        summaries[name] = (re.sub(r"[\d,]+ samples/s", "", summary), re.findall(r"AUROC over val set: .+", out.stdout))
+        losses[name] = _train_losses(metrics)
     assert summaries["graphed"] == summaries["fused"]
+    assert summaries["graphed_k4"] == summaries["graphed"]
     assert "12 steps" in summaries["fused"][0] and len(summaries["fused"][1]) == 3  # at steps 5, 10 and the end
+    assert "(epoch 0, step 5)" in summaries["graphed_k4"][1][0] and "step 10" in summaries["graphed_k4"][1][1]
+    assert len(losses["fused"]) == 12
+    assert losses["graphed"] == losses["fused"]
+    assert losses["graphed_k4"] == losses["graphed"]
+    assert _history(str(tmp_path / "k4"))["losses"] == losses["graphed_k4"]  # the checkpoint's history
+
+
+def _reference_losses(args: list[str]) -> list[float]:
+    """The script's model and data, trained here by a plain loop that reads every loss at once (eager mode)."""
+    cfg = flags.parse_args(args)
+    model = model_lib.build_model(cfg, "tpu")
+    optimizer = model_lib.dense_optimizer(cfg, model)
+    step = loop.TrainStep(model, model)
+    losses = []
+    for batch in data.make_loaders(cfg)["train"].epoch_batches(0):
+        optimizer.zero_grad()
+        loss, _ = step(type(batch)(batch.dense_features.to("tpu"), batch.sparse_features, batch.labels.to("tpu")))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize(
+    "mode", [["--mode", "fused"], ["--mode", "graphed", "--steps_per_call", "3"]], ids=["fused", "graphed_k3"]
+)
+def test_a_nan_loss_stops_the_run_naming_its_step(tmp_path, mode):
+    """SGD at learning rate 30 diverges: the script stops at the first loss that is not finite, names
+    its step (read one call behind; with --steps_per_call 3 inside a launch of steps 7-9), keeps the
+    losses before it, and exits with status 1 and one line."""
+    args = [*SMALL, "--learning_rate", "30", "--limit_train_batches", "12"]
+    reference = _reference_losses(args)
+    bad = next(i for i, value in enumerate(reference) if not np.isfinite(value))
+    assert 4 <= bad < 11, reference  # past the plain steps and the capture, before the end
+    metrics = tmp_path / "metrics.jsonl"
+    out = run_script(*args, *mode, "--metrics_file", str(metrics))
+    shown = [line.rsplit("\r", 1)[-1].strip() for line in out.stderr.split("\n")]
+    lines = [line for line in shown if line]
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert len(lines) == 1, out.stderr[-3000:]
+    assert lines[0].startswith(f"train.py: error: the training loss of step {bad + 1} is nan"), lines[0]
+    got = _train_losses(metrics)
+    assert len(got) == bad
+    np.testing.assert_allclose(got, reference[:bad], rtol=1e-3)  # diverging: float32 rounding grows with the loss
 
 
 def test_unknown_flag_is_argparse_error():

@@ -17,7 +17,9 @@ at every step, every parameter's gradient after step 1 and every parameter after
 (:func:`judge`: ``TOL`` against CPU float32, or the float64 rule); for generative models, the tokens
 of a greedy ``generate`` of ``NEW_TOKENS`` tokens equal to CPU's; in fused and compiled mode, no new
 program after the ``WARMUP`` steps (``compile_requests``: a new program, compiled or read from the
-disk cache). Fused mode's programs per step are measured and reported.
+disk cache). Fused mode's programs per step are measured and reported, and so are the first step's
+wall time and where the warm-up's compile seconds went (by phase and kind of program): the run's
+summary lists them per family and mode, and ``ZOO_COMPILE_JSON=path`` writes them as JSON.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import torch
 import transformers
 
 import tpurec
+from tpurec.bench.compile_report import compile_since, summary_line
 
 STEPS = 5
 WARMUP = 2  # step 1 creates AdamW's state, step 2 is the first steady step
@@ -467,6 +470,9 @@ class Trace:
     generate_traceback: str | None = None
     warm: dict[str, Any] = dataclasses.field(default_factory=dict)  # stats over the warm steps
     seconds: float = 0.0
+    # Over the warm-up steps: where the compile seconds went (tpurec.bench.compile_report.compile_since).
+    compile: dict[str, Any] = dataclasses.field(default_factory=dict)
+    first_step_seconds: float = 0.0  # from the first step's start to its loss on the host
 
 
 def initial(family: Family) -> tuple[torch.nn.Module, dict, dict | None]:
@@ -508,8 +514,12 @@ def train(
     batch = _tree_to(batch, device, dtype)
     forward = torch.compile(model, backend="tpu") if mode == "compiled" else model
     context = {"fused": lambda: tpurec.mode("fused"), "shadow": tpurec.debug.shadow}.get(mode, contextlib.nullcontext)
+    before = tpurec.stats()
+    first_step = time.perf_counter()
     for step in range(1, STEPS + 1):
         if step == WARMUP + 1:
+            if device != "cpu":
+                trace.compile = compile_since(before)
             tpurec.reset_stats()
         with context():
             optimizer.zero_grad()
@@ -518,6 +528,7 @@ def train(
             optimizer.step()
         trace.losses.append(_host(loss))
         if step == 1:
+            trace.first_step_seconds = time.perf_counter() - first_step
             trace.grads = {n: _host(p.grad) for n, p in zip(names, model.parameters())}
     if device != "cpu":
         torch.tpu.synchronize()
@@ -598,6 +609,18 @@ class Report:
     warm: dict[str, Any]
     seconds: float
     tracebacks: list[str] = dataclasses.field(default_factory=list)  # of what raised, for diagnosis
+    compile: dict[str, Any] = dataclasses.field(default_factory=dict)  # the warm-up steps' compile seconds
+    first_step_seconds: float = 0.0  # the first step's wall time, compilation included
+
+    def compile_line(self) -> str:
+        """The time to the first finished step and where the warm-up's compile seconds went, in one line."""
+        if not self.compile:
+            return f"{self.family} {self.mode}: no compile record (training raised)"
+        return f"{self.family} {self.mode}: first step {self.first_step_seconds:.2f} s; {summary_line(self.compile, top=3)}"
+
+
+# Every run's report in this process, in order (tests/models/conftest.py prints their compile lines).
+reports: list[Report] = []
 
 
 _REFERENCES: dict[str, tuple[Trace, Callable[[], Trace]]] = {}
@@ -643,7 +666,9 @@ def run(name: str, mode: str) -> Report:
         tpu = train(model, batch, prompt, "tpu", mode)
     except Exception as error:  # noqa: BLE001 (the report names it)
         problems.append(f"training raised {_first_line(error)}")
-        return Report(name, mode, attn, problems, {}, 0.0, [traceback.format_exc()])
+        report = Report(name, mode, attn, problems, {}, 0.0, [traceback.format_exc()])
+        reports.append(report)
+        return report
     for step, (a, e) in enumerate(zip(tpu.losses, cpu.losses), 1):
         problems.append(judge(f"loss at step {step}", a, e, lambda s=step: float64().losses[s - 1]))
     for n, e in cpu.grads.items():
@@ -675,7 +700,7 @@ def run(name: str, mode: str) -> Report:
         )
     if tpu.warm.get("host_fallbacks"):
         problems.append(f"host fallbacks in the warm steps: {tpu.warm['host_fallbacks']}")
-    return Report(
+    report = Report(
         name,
         mode,
         attn,
@@ -683,4 +708,8 @@ def run(name: str, mode: str) -> Report:
         tpu.warm,
         tpu.seconds,
         [tpu.generate_traceback] if tpu.generate_traceback else [],
+        tpu.compile,
+        tpu.first_step_seconds,
     )
+    reports.append(report)
+    return report

@@ -257,19 +257,25 @@ def test_bench_dlrm_cli_pipeline_breakdown_and_plots(tmp_path):
             "compiled",
             "eager",
             "graphed",
+            "graphed_k8",
             "--breakdown",
             "--plot",
             str(tmp_path / "plots"),
         ],
         tmp_path,
     )
-    for mode in ("fused", "compiled", "eager", "graphed"):
+    for mode in ("fused", "compiled", "eager", "graphed", "graphed_k8"):
         run = out[f"tpurec_{mode}"]
         # graphed: the step captured on its third call (the first timed one), then replayed
         assert run["pipeline"] is True and run["compilations_after_warmup"] == 0
         assert run["max_loss_difference"] < 1e-3  # same model, weights and batches as torchrec
         assert 0 < run["host_ms_per_step_stubbed"] < 60_000
         assert run["speedup_vs_plain_jax"] > 0
+    # graphed_k8: 8 captured steps per launch (one call per round of 2 timed steps), the same losses
+    # as graphed's single steps bit for bit.
+    k8 = out["tpurec_graphed_k8"]
+    assert k8["steps_per_call"] == 8 and k8["timed_steps"] == 8
+    assert k8["losses_match_single_steps"] == {"reference": "tpurec_graphed", "steps_compared": 4, "equal": True}
     # The plain-JAX peer of the same step (tpurec/bench/jax_peer.py) ran in the same run.
     assert out["plain_jax"]["step_ms"] > 0
     lookups = 64 * 3 * 4

@@ -1,5 +1,9 @@
 """``python -m tpurec.bench <name> [options]`` (or ``tpurec bench``): run one benchmark, print JSON.
 
+Besides the benchmark's own figures, the JSON's ``compile`` says where the run's compile seconds
+went (``tpurec.bench.compile_report``: by phase and by kind of program, the slowest first), and
+one line of it goes to stderr.
+
 ``python -m tpurec.bench <name> --help`` lists that benchmark's flags.
 """
 
@@ -39,9 +43,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench") ->
     Returns:
         The exit status, 0.
     """
+    import tpurec
+    from tpurec.bench.compile_report import compile_since, summary_line
+
+    before = tpurec.stats()
     result = run_subcommand(
         prog, "Run one benchmark, print its result as JSON.", BENCHMARKS, sys.argv[1:] if argv is None else argv
     )
+    if isinstance(result, dict):
+        # Where the run's compile seconds went: on stderr for the reader, in the JSON for the record.
+        report = compile_since(before)
+        print(f"{prog}: {summary_line(report)}", file=sys.stderr)
+        result.setdefault("compile", report)
     json.dump(result, sys.stdout, indent=2)
     print()
     return 0

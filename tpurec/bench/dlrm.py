@@ -15,7 +15,12 @@ for XLA:CPU's computation through the shared cores, a TPU's host does not). tpur
 each of ``--modes`` (eager, fused, compiled = ``torch.compile(backend="tpu")``; graphed = the
 fused step captured by :func:`tpurec.graph` on its third call and replayed: ``TrainPipeline(...,
 graphed=True)``, or with ``--no-pipeline`` the plain loop with each batch copied into static dense
-tensors and staged with ``EmbeddingBagCollection.stage``; not a default).
+tensors and staged with ``EmbeddingBagCollection.stage``; graphed_k8 = as graphed, with 8 captured
+steps per launch, ``TrainPipeline(..., graphed=True, steps_per_call=8)``, a call's time counted to
+its steps in equal parts and its losses compared with graphed's step for step; neither a default).
+Every configuration reads its losses one call behind: the previous call's once the next is
+issued (the pipeline's ``losses()``, or ``tpurec.bench.lazy_losses`` for the plain loops and
+the peers), so the host never waits on the call it just issued.
 TorchRec and the tpurec modes run **interleaved**: after each one's warm-up,
 rounds of ``--round-steps`` steps of each in turn, so that a change in the
 machine's load hits all of them alike; ``load_average`` is the 1-minute load
@@ -35,7 +40,7 @@ import os
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, cast
 
 import numpy as np
 import torch
@@ -55,6 +60,8 @@ from tpurec.core import runtime
 
 
 DENSE_LR = 0.005  # small enough that random labels do not blow the logits up
+STEPS_PER_CALL = 8  # graphed_k8's captured steps per launch
+CAPTURED_STEP = 3  # TrainPipeline(graphed=True) runs two plain steps, then captures the third
 PHASES = (
     "read",
     "preprocess",
@@ -86,45 +93,55 @@ def _batches(n: int, batch: int, tables: int, rows: int, ids_per_bag: int, seed:
 class _Runner:
     """One configuration's training loop, stepped a few steps at a time so configurations interleave.
 
-    Each runner reads its own copy of the same batch sequence; ``step`` trains on the
-    next batch; its loss is read once the next step is issued (``tpurec.bench.lazy_losses``).
+    Each runner reads its own copy of the same batch sequence. ``issue`` runs one call (one step,
+    or with several steps per call up to that many) and returns how many steps it ran;
+    ``collect(wait)`` returns the losses read since its last call: one call behind the calls
+    issued (``tpurec.sparse.TrainPipeline.losses``, or ``tpurec.bench.lazy_losses``), and with
+    ``wait`` every one. A call's time counts to each of its steps in equal parts.
     """
 
     def __init__(
         self,
         name: str,
-        step: Callable[[Iterator[Batch]], torch.Tensor],
+        issue: Callable[[Iterator[Batch]], int],
+        collect: Callable[[bool], list[float]],
         batches: Iterator[Batch],
         mode: str | None,
         close: Callable[[], None] = lambda: None,
+        steps_per_call: int = 1,
+        min_warmup: int = 0,
     ) -> None:
-        self.name, self._step, self._batches, self.mode, self.close = name, step, batches, mode, close
-        self.times: list[float] = []
-        self.host_times: list[float] = []  # the main thread's CPU time of each step
+        self.name, self._issue, self._collect, self._batches, self.mode = name, issue, collect, batches, mode
+        self.close, self.steps_per_call, self.min_warmup = close, steps_per_call, min_warmup
+        self.times: list[float] = []  # per call: its wall time per step
+        self.host_times: list[float] = []  # the main thread's CPU time per step of each call
         self.stubbed_host_times: list[float] = []  # the same with every XLA program stubbed
         self.losses: list[float] = []
-        self._unread: object = None  # the last step's loss (lazy_losses.handle), read after the next is issued
         self.compilations = 0
+        self.steps_run = 0  # timed steps
 
     def run(self, steps: int, record: bool) -> None:
+        """Runs calls until ``steps`` steps ran (a call of several steps may run past them)."""
         context = tpurec.mode(self.mode) if self.mode else contextlib.nullcontext()
         with context:
             before = tpurec.stats()["compilations"]
-            for _ in range(steps):
+            done, count = 0, 1
+            while done < steps:
                 start, host = time.perf_counter(), time.thread_time()
-                # The previous step's loss is read once this one is issued: no wait on the step just issued.
-                unread, self._unread = self._unread, lazy_losses.handle(self._step(self._batches))
-                self.losses.extend(lazy_losses.values(unread) if unread is not None else [])
+                count = self._issue(self._batches)
+                # The losses read so far: the previous call's, once this one is issued (no wait on it).
+                self.losses.extend(self._collect(False))
                 elapsed = time.perf_counter() - start
+                done += count
                 if record:
-                    self.times.append(elapsed)
-                    self.host_times.append(time.thread_time() - host)
+                    self.times.append(elapsed / count)
+                    self.host_times.append((time.thread_time() - host) / count)
             start, host = time.perf_counter(), time.thread_time()
-            self.losses.extend(lazy_losses.values(self._unread))  # the last step's, counted to it
-            self._unread = None
+            self.losses.extend(self._collect(True))  # the last call's, counted to it
             if record:
-                self.times[-1] += time.perf_counter() - start
-                self.host_times[-1] += time.thread_time() - host
+                self.times[-1] += (time.perf_counter() - start) / count
+                self.host_times[-1] += (time.thread_time() - host) / count
+                self.steps_run += done
             if record and self.mode:
                 self.compilations += tpurec.stats()["compilations"] - before
 
@@ -133,11 +150,37 @@ class _Runner:
         values, and the weights after them, are garbage)."""
         assert self.mode is not None, "only tpurec steps can be stubbed"
         with tpurec.mode(self.mode), runtime.stubbed_execution():
-            for _ in range(steps):
+            done = 0
+            while done < steps:
                 host = time.thread_time()
-                self._step(self._batches).item()
+                count = self._issue(self._batches)
+                self._collect(True)
+                done += count
                 if record:
-                    self.stubbed_host_times.append(time.thread_time() - host)
+                    self.stubbed_host_times.append((time.thread_time() - host) / count)
+
+
+def _one_call_behind(step: Callable[[Iterator[Batch]], object]) -> tuple[Callable, Callable]:
+    """``issue`` and ``collect`` of a runner over a plain step returning its loss."""
+    loop = lazy_losses.OneCallBehind(step)
+    return loop.issue, loop.collect
+
+
+def _pipelined(pipeline: sparse.TrainPipeline, steps_per_call: int) -> tuple[Callable, Callable]:
+    """``issue`` and ``collect`` of a runner over ``pipeline``, which reads its losses one call behind."""
+
+    def issue(batches: Iterator[Batch]) -> int:
+        before = pipeline.steps
+        if steps_per_call > 1:
+            pipeline.progress(batches, max_steps=steps_per_call)
+        else:
+            pipeline.progress(batches)
+        return pipeline.steps - before
+
+    def collect(wait: bool) -> list[float]:
+        return [value for _, value in pipeline.losses(wait=wait)]
+
+    return issue, collect
 
 
 def _plain_step(model, optimizer, device: str) -> Callable[[Iterator[Batch]], torch.Tensor]:
@@ -193,7 +236,7 @@ def _interleave(runners: list[_Runner], steps: int, warmup: int, round_steps: in
     runners' stubbed steps, one runner after the other (switching models every few steps
     would start each on cold caches), after a warm-up in which the stubs compile."""
     for runner in runners:
-        runner.run(warmup, record=False)
+        runner.run(max(warmup, runner.min_warmup), record=False)
     run_in_rounds(runners, lambda runner, count, record: runner.run(count, record), steps, round_steps)
     for runner in runners:
         if runner.mode is not None:
@@ -364,14 +407,18 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
         "--modes",
         nargs="+",
         default=["fused", "compiled", "eager"],
-        choices=["fused", "compiled", "eager", "graphed"],
-        help="graphed: the fused step captured by tpurec.graph and replayed",
+        choices=["fused", "compiled", "eager", "graphed", "graphed_k8"],
+        help="graphed: the fused step captured by tpurec.graph and replayed; graphed_k8: as graphed, with "
+        f"{STEPS_PER_CALL} captured steps per launch (TrainPipeline(steps_per_call={STEPS_PER_CALL})), its losses "
+        "compared with graphed's step for step when both run",
     )
     parser.add_argument("--no-jax-peer", action="store_true", help="skip the plain-JAX peer (tpurec/bench/jax_peer.py)")
     parser.add_argument("--no-pipeline", action="store_true", help="plain loop instead of sparse.TrainPipeline")
     parser.add_argument("--breakdown", action="store_true", help="per-phase times of tpurec (eager) and torchrec")
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
     args = parser.parse_args(argv)
+    if "graphed_k8" in args.modes and args.no_pipeline:
+        parser.error("--modes graphed_k8 runs its steps through TrainPipeline(steps_per_call=8): drop --no-pipeline")
 
     configs = [
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=args.dim, num_embeddings=args.rows, feature_names=[f"f{i}"])
@@ -394,7 +441,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
     state = {k: v.detach().clone() for k, v in reference.state_dict().items()}  # before training changes it
     # The measured steps, then the stubbed ones.
     total = args.steps + args.warmup + args.steps + _stubbed_warmup(args.warmup)
-    make_batches = lambda: _batches(total, args.batch, args.tables, args.rows, args.ids_per_bag)  # noqa: E731
+    batch_shape = (args.batch, args.tables, args.rows, args.ids_per_bag)
+    make_batches = lambda: _batches(total, *batch_shape)  # noqa: E731
 
     def build(fused: bool = False):
         ours = DLRMTrain(DLRM(embedding_bag_collection=EmbeddingBagCollection(configs), **layers))
@@ -411,35 +459,58 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
     runners = [
         _Runner(
             "torchrec_cpu",
-            _plain_step(reference, torch.optim.Adagrad(reference.parameters(), lr=DENSE_LR), "cpu"),
+            *_one_call_behind(_plain_step(reference, torch.optim.Adagrad(reference.parameters(), lr=DENSE_LR), "cpu")),
             make_batches(),
             None,
         )
     ]
     for mode in args.modes:
-        ours, optimizer = build(fused=mode == "graphed")
+        graphed = mode in ("graphed", "graphed_k8")
+        ours, optimizer = build(fused=graphed)
         if mode == "graphed" and args.no_pipeline:
             runners.append(
-                _Runner("tpurec_graphed", _graphed_step(ours, optimizer, args.batch), make_batches(), "fused")
+                _Runner(
+                    "tpurec_graphed",
+                    *_one_call_behind(_graphed_step(ours, optimizer, args.batch)),
+                    make_batches(),
+                    "fused",
+                )
             )
             continue
-        step_model = torch.compile(ours, backend="tpu") if mode == "compiled" else ours
-        run_mode = "fused" if mode in ("compiled", "graphed") else mode
+        step_model: torch.nn.Module = (
+            cast(torch.nn.Module, torch.compile(ours, backend="tpu")) if mode == "compiled" else ours
+        )
+        run_mode = "fused" if mode in ("compiled", "graphed", "graphed_k8") else mode
         if args.no_pipeline:
-            runners.append(
-                _Runner(f"tpurec_{mode}", _plain_step(step_model, optimizer, "tpu"), make_batches(), run_mode)
-            )
-        else:
-            pipeline = sparse.TrainPipeline(step_model, optimizer, torch.device("tpu"), graphed=mode == "graphed")
             runners.append(
                 _Runner(
                     f"tpurec_{mode}",
-                    lambda batches, p=pipeline: p.progress(batches)[0],
+                    *_one_call_behind(_plain_step(step_model, optimizer, "tpu")),
                     make_batches(),
                     run_mode,
-                    close=pipeline.close,
                 )
             )
+            continue
+        k = STEPS_PER_CALL if mode == "graphed_k8" else 1
+        # The program of k steps compiles in the warm-up's first call of k steps (not in the background).
+        pipeline = sparse.TrainPipeline(
+            step_model, optimizer, torch.device("tpu"), graphed=graphed, steps_per_call=k, compile_in_background=False
+        )
+        runners.append(
+            _Runner(
+                f"tpurec_{mode}",
+                *_pipelined(pipeline, k),
+                # A call of k steps may run past a round's steps: more batches for it.
+                _batches(total + k * (-(-args.steps // args.round_steps) + 4), *batch_shape)
+                if k > 1
+                else make_batches(),
+                run_mode,
+                close=pipeline.close,
+                steps_per_call=k,
+                # Two plain steps, the capture, then a call of k steps (its program compiles).
+                min_warmup=CAPTURED_STEP + k if k > 1 else 0,
+            )
+        )
     if not args.no_jax_peer:
         from tpurec.bench.jax_peer import PlainJaxDlrm
 
@@ -460,7 +531,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
             ids = b.sparse_features.values().numpy().reshape(args.tables, args.batch, args.ids_per_bag)
             return jax_peer.step(b.dense_features.numpy(), ids.transpose(1, 0, 2), b.labels.numpy())
 
-        runners.append(_Runner("plain_jax", jax_peer_step, make_batches(), None))  # type: ignore[arg-type]
+        runners.append(_Runner("plain_jax", *_one_call_behind(jax_peer_step), make_batches(), None))
     load_before = os.getloadavg()[0]
     _interleave(runners, args.steps, args.warmup, args.round_steps)
     peer = runners[0]
@@ -501,6 +572,17 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
                 {"speedup_vs_plain_jax": statistics.median(jax_runner.times) / median} if jax_runner is not None else {}
             ),
             "pipeline": not args.no_pipeline,
+            "steps_per_call": runner.steps_per_call,
+            "timed_steps": runner.steps_run,
+        }
+    by_name = {runner.name: runner for runner in runners}
+    if "tpurec_graphed_k8" in by_name and "tpurec_graphed" in by_name:
+        k8, single = by_name["tpurec_graphed_k8"].losses, by_name["tpurec_graphed"].losses
+        n = min(len(k8), len(single))
+        result["tpurec_graphed_k8"]["losses_match_single_steps"] = {
+            "reference": "tpurec_graphed",
+            "steps_compared": n,
+            "equal": k8[:n] == single[:n],
         }
 
     if args.breakdown:

@@ -17,12 +17,14 @@ Example::
 
 from __future__ import annotations
 
+from typing import Callable, Generic, TypeVar
+
 import numpy as np
 import torch
 
 from tpurec.core.tensor import TpuTensor
 
-__all__ = ["handle", "values"]
+__all__ = ["OneCallBehind", "handle", "values"]
 
 
 def handle(loss: object) -> object:
@@ -41,3 +43,38 @@ def handle(loss: object) -> object:
 def values(taken: object) -> list[float]:
     """The losses behind ``taken`` (one per step), waiting for the device if needed."""
     return np.asarray(taken, dtype=np.float64).reshape(-1).tolist()
+
+
+Batches = TypeVar("Batches")
+
+
+class OneCallBehind(Generic[Batches]):
+    """A step function returning its loss, as a loop that reads each loss once the next step is issued.
+
+    Args:
+        step: one training step on the next batch of its argument; returns the step's loss (a
+            tensor, an array or a number).
+
+    Example::
+
+        loop = OneCallBehind(step)
+        for _ in range(steps):
+            loop.issue(batches)
+            print(loop.collect())  # the previous step's loss: no wait on the step just issued
+        print(loop.collect(wait=True))  # the last one's
+    """
+
+    def __init__(self, step: Callable[[Batches], object]) -> None:
+        self.step = step
+        self.unread: list[object] = []
+
+    def issue(self, batches: Batches) -> int:
+        """Runs one step; returns the number of steps it ran (1)."""
+        self.unread.append(handle(self.step(batches)))
+        return 1
+
+    def collect(self, wait: bool = False) -> list[float]:
+        """The losses of every step issued but the last (``wait``: of every one), each once."""
+        ready = self.unread if wait else self.unread[:-1]
+        self.unread = [] if wait else self.unread[-1:]
+        return [value for taken in ready for value in values(taken)]

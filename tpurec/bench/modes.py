@@ -65,6 +65,7 @@ import torch
 import tpurec
 from tpurec.bench import clocks
 from tpurec.bench.captured import WARMUP, captured_step
+from tpurec.bench.compile_report import compile_since
 from tpurec.bench.lazy_losses import handle, values
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.cli import HelpFormatter, add_batch_size
@@ -294,22 +295,6 @@ def _summary(config: _Config) -> dict:
     }
 
 
-def _compile_since(before: dict) -> dict:
-    """The compile seconds since ``before`` (a ``tpurec.stats()``): in all, by phase, and by kind of program."""
-    after = tpurec.stats()
-    by_program = {}
-    for label, entry in after["compiles_by_program"].items():
-        was = before["compiles_by_program"].get(label, {})
-        delta = {key: value - was.get(key, 0) for key, value in entry.items()}
-        if delta["programs"]:
-            by_program[label] = delta
-    return {
-        "seconds": after["compile_seconds"] - before["compile_seconds"],
-        "phases": {k: v - before["compile_phases"][k] for k, v in after["compile_phases"].items()},
-        "by_program": dict(sorted(by_program.items(), key=lambda item: -item[1]["seconds"])),
-    }
-
-
 def _samevalues(config: _Config, reference: _Config) -> dict:
     """Whether ``config``'s losses equal ``reference``'s step for step (bit for bit), over the steps both ran."""
     n = min(len(config.all_losses), len(reference.all_losses))
@@ -348,7 +333,7 @@ def run_batch(batch: int, names: list[str], steps: int, warmup: int, round_steps
             before = tpurec.stats()
             config = _make(name, batch)
             _run_steps(config, max(warmup, config.min_warmup), record=False)
-            config.compile = _compile_since(before) if config.on_tpu else None
+            config.compile = compile_since(before) if config.on_tpu else None
             configs.append(config)
         except Exception as error:  # reported, not hidden: the JSON says why a configuration is missing
             run[name] = {"error": f"{type(error).__name__}: {error}"[:500]}

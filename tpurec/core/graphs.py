@@ -59,6 +59,7 @@ Example::
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import contextlib
@@ -94,6 +95,16 @@ _Optimizer = torch.optim.Optimizer
 # replay still does what the step would (replay_check).
 _replay_hooks: list[Callable[[], None]] | None = None
 _replay_checks: list[Callable[[], str | None]] | None = None
+
+# Background compilations under way (replay_steps(compile_in_background=True)): a process that ends
+# while XLA compiles on one of their (daemon) threads can abort in XLA's teardown, so the exit waits.
+_compiling_in_background: set[concurrent.futures.Future] = set()
+
+
+@atexit.register
+def _wait_for_background_compiles() -> None:
+    concurrent.futures.wait(list(_compiling_in_background), timeout=600)
+
 
 _WARM_UP = "Run the step at least twice in fused mode first, reading a result of each (loss.item()), then capture"
 
@@ -438,7 +449,9 @@ class _Plan:
                 future.set_exception(error)
             finally:
                 runtime.counters().compile_seconds += time.perf_counter() - start
+                _compiling_in_background.discard(future)
 
+        _compiling_in_background.add(future)
         threading.Thread(target=compile_program, name="tpurec-compile-steps", daemon=True).start()
         return future
 

@@ -287,7 +287,8 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
 
         Raises:
             FloatingPointError: (``check_finite``) a loss read now is not finite; the message names
-                its step. The losses of the steps before it are kept for the next call.
+                its step, and the error's ``step`` and ``loss`` attributes hold them. The losses of
+                the steps before it are kept for the next call.
             Exception: an error of the device surfaced while waiting for a step, with a note
                 naming the steps.
         """
@@ -397,10 +398,12 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             self._unread.popleft()
             for step, value in enumerate(read, start=first):
                 if self._check_finite and not math.isfinite(value):
-                    raise FloatingPointError(
+                    error = FloatingPointError(
                         f"tpurec TrainPipeline: the loss of step {step} is {value}. Steps after it may have run "
                         "already (the pipeline reads losses one call behind); pass check_finite=False to go on"
                     )
+                    error.step, error.loss = step, value  # type: ignore[attr-defined]  # for a caller's own report
+                    raise error
                 self._read.append((step, value))
 
     # --- the steps ---------------------------------------------------------------------
