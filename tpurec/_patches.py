@@ -199,7 +199,7 @@ def _torchrec_tpu_fused() -> None:
     importlib.import_module("tpurec.distributed.torchrec_fused").install()
 
 
-def _torchrec_tpu_data_parallel() -> None:
+def _torchrec_tpu_dense() -> None:
     importlib.import_module("tpurec.distributed.torchrec_dp").install()
 
 
@@ -503,15 +503,20 @@ PATCHES: tuple[Patch, ...] = (
         after_import="torchrec.distributed.embedding_lookup",
     ),
     Patch(
-        "torchrec_tpu_data_parallel",
+        "torchrec_tpu_dense",
         "_create_embedding_kernel of TorchRec's GroupedPooledEmbeddingsLookup and GroupedEmbeddingsLookup (in "
-        "torchrec.distributed.embedding_lookup) builds a data-parallel (DENSE) group on a tpu device with TorchRec's "
-        "tpu kernel (BatchedTPUEmbeddingBag / BatchedTPUEmbedding) instead of FBGEMM's dense kernel (when that "
-        "module is imported; it wraps torchrec_tpu_fused's wrapper)",
+        "torchrec.distributed.embedding_lookup) builds a DENSE-kernel group (data-parallel, or sharded with no "
+        "kernel named) on a tpu device with tpurec's dense tpu kernel (TorchRec's BatchedTPUEmbeddingBag / "
+        "BatchedTPUEmbedding taking tables of any width) instead of FBGEMM's dense kernel, and refuses a tpu group "
+        "whose shards are placed on another tpu device than the process's (when that module is imported; it wraps "
+        "torchrec_tpu_fused's wrapper)",
         "Without CUDA TorchRec builds FBGEMM's dense kernel on the CPU, and its DistributedDataParallel wrapper then "
         "refuses a CPU module for a tpu device; the kernel's TableBatchedEmbeddingSlice tables cannot be tpu "
-        "tensors either (see tpurec/distributed/torchrec_dp.py).",
-        _torchrec_tpu_data_parallel,
+        "tensors either; TorchRec's tpu kernel takes widths of multiples of 16 only and hands the sharded module "
+        "tables that require grad where it declares a DENSE table's ShardedTensor without; a shard on another "
+        "device would fail later with PyTorch's message on one rank while the others wait (see "
+        "tpurec/distributed/torchrec_dp.py).",
+        _torchrec_tpu_dense,
         requires=(
             "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup._create_embedding_kernel",
             "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup._create_embedding_kernel",

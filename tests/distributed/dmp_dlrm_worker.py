@@ -213,12 +213,12 @@ def train_sharded(out_path: str, plan_name: str) -> None:
             raise AssertionError(f"{name} lives on {[str(t.device) for t in tensors]}")
 
     # Every parameter, data-parallel tables included, is a tpu tensor (DDP over the "tpu" group
-    # refuses anything else); the data-parallel tables run TorchRec's tpu kernel.
+    # refuses anything else); the data-parallel tables run tpurec's DENSE tpu kernel.
     if any(p.device.type != "tpu" for p in model.parameters()):
         raise AssertionError(
             f"parameters off tpu: {[n for n, p in model.named_parameters() if p.device.type != 'tpu']}"
         )
-    dp_kernels = {type(m).__name__ for m in _submodules(model) if type(m).__name__.startswith("DataParallelTPU")}
+    dp_kernels = {type(m).__name__ for m in _submodules(model) if type(m).__name__.startswith("DenseTPU")}
     if ("data_parallel" in types.values()) != bool(dp_kernels):
         raise AssertionError(f"data-parallel kernels {dp_kernels} for the plan {types}")
 
@@ -331,7 +331,7 @@ def sequence_data_parallel(out_path: str) -> None:
         collection, device=torch.device("tpu"), plan=ShardingPlan({"": module_plan}), sharders=[sharder]
     )
     kernels = {type(m).__name__ for m in _submodules(model)}
-    if "DataParallelTPUEmbedding" not in kernels:
+    if "DenseTPUEmbedding" not in kernels:
         raise AssertionError(f"no data-parallel tpu kernel among {sorted(kernels)}")
     result = model.load_state_dict(
         OrderedDict((f"embeddings.{name}.weight", torch.from_numpy(w)) for name, w in _sequence_start().items())

@@ -1,86 +1,150 @@
-"""TorchRec's data-parallel tables on the tpu device: TorchRec's own TPU kernel in place of FBGEMM's.
+"""TorchRec's DENSE compute kernel on the tpu device: tpurec's unfused tpu kernel in place of FBGEMM's.
 
-TorchRec runs a data-parallel table (sharding type ``DATA_PARALLEL``, compute kernel
-``DENSE``, the only kernel its planner allows there) on FBGEMM's
-``DenseTableBatchedEmbeddingBagsCodegen``, which it builds on the CPU wherever CUDA is
-absent; its sharded collection then wraps that lookup in ``DistributedDataParallel`` with
-``device_ids=[tpu]``, and DDP refuses a CPU module for a tpu device. The kernel's tables are
-``TableBatchedEmbeddingSlice`` views of one flat weight, a tensor subclass that cannot be made
-over a tpu tensor either.
+TorchRec gives a table the ``DENSE`` kernel (FBGEMM's ``DenseTableBatchedEmbeddingBagsCodegen``,
+plain autograd tables trained by the dense optimizer) when it is data-parallel (the only kernel
+its planner allows there) and, in ``construct_module_sharding_plan``'s ``row_wise()``,
+``table_wise()``, ``column_wise()``... when no kernel is named and the table has no in-backward
+optimizer. Without CUDA TorchRec builds FBGEMM's kernel on the CPU: a data-parallel group's
+``DistributedDataParallel`` wrapper (``device_ids=[tpu]``) refuses a CPU module, and the kernel's
+tables are ``TableBatchedEmbeddingSlice`` views of one flat weight, a tensor subclass that cannot
+be made over a tpu tensor either.
 
 :func:`install` (a patch of ``tpurec/_patches.py``, applied when
 ``torchrec.distributed.embedding_lookup`` is imported) makes TorchRec's grouped lookups
-(``GroupedPooledEmbeddingsLookup``, ``GroupedEmbeddingsLookup``) build a data-parallel group on
-a tpu device with TorchRec's own tpu kernel instead (``BatchedTPUEmbeddingBag`` /
-``BatchedTPUEmbedding``, the ``UNFUSED_TPU`` kernel): one tpu parameter per table, whole on
-every rank, looked up by ``torch.ops.torchrec`` (tpurec's ``sparse_dense_matmul``,
-``tpurec/sparse/torchrec_ops.py``), its gradient the dense table gradient, which the sharded
-collection's DDP wrapper all-reduces (averages) over the ``"tpu"`` group. Pooling (sum, mean)
-is the table's, as in FBGEMM's kernel. Every other device keeps TorchRec's FBGEMM kernel.
+(``GroupedPooledEmbeddingsLookup``, ``GroupedEmbeddingsLookup``) build a ``DENSE`` group of any
+sharding type on a tpu device with :class:`DenseTPUEmbeddingBag` / :class:`DenseTPUEmbedding`
+instead: TorchRec's tpu kernels (``BatchedTPUEmbeddingBag`` / ``BatchedTPUEmbedding``, one tpu
+parameter per table shard, looked up by ``torch.ops.torchrec``, tpurec's ``sparse_dense_matmul``
+in ``tpurec/sparse/torchrec_ops.py``) with what FBGEMM's dense kernel does that they do not:
+
+* tables of any width (TorchRec's pooled tpu table takes multiples of 16 only, a limit of its
+  Pallas kernel that tpurec's lookup does not have);
+* the tables' values in ``state_dict`` detached from autograd, as FBGEMM's kernel gives them: the
+  sharded collection declares a ``DENSE`` table's ShardedTensor ``requires_grad=False`` and
+  refuses local shards that require grad. They share the parameters' storage, so loading a
+  state_dict writes the tables the lookups read.
+
+A data-parallel table's gradient is the dense table gradient, which the sharded collection's
+DDP wrapper all-reduces (averages) over the ``"tpu"`` group; a sharded table's is its shard's,
+trained by the optimizer over ``model.parameters()`` as on CPU. Pooling (sum, mean) is the
+group's, as in FBGEMM's kernel. Every other device keeps FBGEMM's kernel.
 
 FBGEMM's kernel also takes per-sample weights (a weighted collection) and variable batch
-sizes per feature; TorchRec's tpu kernel would ignore the first and mis-stack the second, so
-a data-parallel group on tpu raises ``NotImplementedError`` for either instead.
+sizes per feature; the tpu lookups would ignore the first and mis-stack the second, so a
+``DENSE`` group on tpu raises ``NotImplementedError`` for either instead.
+
+Before any kernel of a tpu group is built (``DENSE``, ``FUSED`` or ``UNFUSED_TPU``), the
+placements of its shards are checked (:func:`tpurec.distributed.torchrec_plan.check_placements`):
+a plan that places a rank's shards on another tpu device than the process's gets tpurec's error.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any
+from typing import Any, cast
 
 import torch
+from torch import nn
+
+from tpurec.distributed.torchrec_plan import check_placements
 
 __all__ = ["install"]
 
 _LOOKUPS = "torchrec.distributed.embedding_lookup"
 _KERNELS = "torchrec.distributed.batched_embedding_kernel"
+_TPU_MODULES = "torchrec.experimental.torch_tpu.modules.embedding_modules"
 
 
 def _check_input(kernel: str, features: Any) -> None:
-    """Refuses what TorchRec's tpu kernel would compute differently from FBGEMM's dense kernel."""
+    """Refuses what the tpu lookups would compute differently from FBGEMM's dense kernel."""
     if features.weights_or_none() is not None:
         raise NotImplementedError(
-            f"{kernel}: a data-parallel table on the tpu device takes no per-sample weights (a weighted "
+            f"{kernel}: a DENSE-kernel table on the tpu device takes no per-sample weights (a weighted "
             "EmbeddingBagCollection; TorchRec's tpu kernel would drop them); shard weighted tables with tpurec.shard"
         )
     if features.variable_stride_per_key():
         raise NotImplementedError(
-            f"{kernel}: a data-parallel table on the tpu device takes one batch size for every feature "
+            f"{kernel}: a DENSE-kernel table on the tpu device takes one batch size for every feature "
             "(variable batch sizes per feature are not run); shard these tables another way"
         )
 
 
 @functools.cache
 def _classes() -> tuple[type, type]:
-    """The data-parallel tpu kernels: TorchRec's TPU kernels with the input check in front."""
+    """The DENSE tpu kernels: TorchRec's TPU kernels, any table width, detached state_dict values."""
     kernels = importlib.import_module(_KERNELS)
+    tpu_modules = importlib.import_module(_TPU_MODULES)
+    from torchrec.modules.embedding_configs import data_type_to_sparse_type
 
-    class DataParallelTPUEmbeddingBag(kernels.BatchedTPUEmbeddingBag):
-        """A data-parallel pooled group on tpu: TorchRec's ``BatchedTPUEmbeddingBag`` (tpurec.distributed.torchrec_dp)."""
+    from tpurec.distributed.torchrec_tables import stack_column_shards
+
+    class PooledTable(tpu_modules.TPUEmbeddingBagUnfused):
+        """TorchRec's pooled tpu table (its offset lookup) of any width."""
+
+        def __init__(self, rows: int, dim: int, device: torch.device | None, dtype: torch.dtype, mode: str) -> None:
+            # TorchRec's __init__ but its multiple-of-16 check (its Pallas kernel's, not tpurec's lookup's).
+            nn.Module.__init__(self)
+            self._num_embeddings = rows
+            self._embedding_dim = dim
+            self._device = device
+            self._dtype = dtype
+            self._weight = nn.Parameter(torch.zeros((rows, dim), dtype=dtype, device=device))
+            self.output_dtype = dtype
+            self.mode = mode
+            self._kernel = tpu_modules.PooledLookupKernel.OFFSET
+
+    class DenseTPUEmbeddingBag(kernels.BatchedTPUEmbeddingBag):
+        """A DENSE pooled group on tpu (tpurec.distributed.torchrec_dp)."""
+
+        def __init__(
+            self, config: Any, pg: Any = None, device: torch.device | None = None, sharding_type: Any = None
+        ) -> None:
+            # TorchRec's BatchedTPUEmbeddingBag.__init__ with tables of any width.
+            kernels.BaseBatchedEmbeddingBag.__init__(self, config, pg, device, sharding_type)
+            self.pooled_lookup_kernel = tpu_modules.PooledLookupKernel.OFFSET
+            self._use_batched_lookup = False
+            dtype = data_type_to_sparse_type(config.data_type).as_dtype()
+            mode = "mean" if self._pooling == kernels.PoolingMode.MEAN else "sum"
+            self._emb_modules = nn.ModuleList(
+                PooledTable(rows, cols, device, dtype, mode)
+                for rows, cols in zip(self._local_rows, self._local_cols, strict=True)
+            )
+            self.init_parameters()
+            stack_column_shards(self)
+
+        def split_embedding_weights(self) -> list[torch.Tensor]:
+            return [weight.detach() for weight in super().split_embedding_weights()]
 
         def forward(self, features: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
             _check_input(type(self).__name__, features)
             return super().forward(features, *args, **kwargs)
 
-    class DataParallelTPUEmbedding(kernels.BatchedTPUEmbedding):
-        """A data-parallel sequence group on tpu: TorchRec's ``BatchedTPUEmbedding`` (tpurec.distributed.torchrec_dp)."""
+    class DenseTPUEmbedding(kernels.BatchedTPUEmbedding):
+        """A DENSE sequence group on tpu (tpurec.distributed.torchrec_dp)."""
+
+        def split_embedding_weights(self) -> list[torch.Tensor]:
+            return [weight.detach() for weight in super().split_embedding_weights()]
 
         def forward(self, features: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
             _check_input(type(self).__name__, features)
             return super().forward(features, *args, **kwargs)
 
-    return DataParallelTPUEmbeddingBag, DataParallelTPUEmbedding
+    return DenseTPUEmbeddingBag, DenseTPUEmbedding
 
 
-def _is_tpu_dense(config: Any, device: torch.device | None) -> bool:
+def _on_tpu(device: torch.device | None) -> bool:
+    return device is not None and device.type == "tpu"
+
+
+def _is_dense(config: Any) -> bool:
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 
-    return device is not None and device.type == "tpu" and config.compute_kernel == EmbeddingComputeKernel.DENSE
+    return config.compute_kernel == EmbeddingComputeKernel.DENSE
 
 
 def install() -> None:
-    """Makes TorchRec's grouped lookups build data-parallel groups on tpu with its tpu kernel (idempotent)."""
+    """Makes TorchRec's grouped lookups build DENSE groups on tpu with tpurec's dense tpu kernels (idempotent)."""
     lookups = importlib.import_module(_LOOKUPS)
     pooled = lookups.GroupedPooledEmbeddingsLookup
     sequence = lookups.GroupedEmbeddingsLookup
@@ -93,29 +157,28 @@ def install() -> None:
     def create_pooled(
         self: Any, config: Any, device: torch.device | None, pg: Any, sharding_type: Any, env: Any
     ) -> torch.nn.Module:
-        if not _is_tpu_dense(config, device):
+        if not _on_tpu(device):
             return pooled_original(self, config, device, pg, sharding_type, env)
-        fused = config.fused_params or {}
-        return _classes()[0](
-            config=config,
-            pg=pg,
-            device=device,
-            sharding_type=sharding_type,
-            pooled_lookup_kernel=fused.get("pooled_lookup_kernel"),
-        )
+        check_placements(config, cast(torch.device, device))
+        if not _is_dense(config):
+            return pooled_original(self, config, device, pg, sharding_type, env)
+        return _classes()[0](config=config, pg=pg, device=device, sharding_type=sharding_type)
 
     def create_sequence(
         self: Any, config: Any, pg: Any, device: torch.device | None, env: Any = None
     ) -> torch.nn.Module:
-        if not _is_tpu_dense(config, device):
+        if not _on_tpu(device):
+            return sequence_original(self, config, pg, device, env)
+        check_placements(config, cast(torch.device, device))
+        if not _is_dense(config):
             return sequence_original(self, config, pg, device, env)
         return _classes()[1](config=config, pg=pg, device=device)
 
     for cls, method in ((pooled, create_pooled), (sequence, create_sequence)):
         method.__name__ = "_create_embedding_kernel"
         method.__doc__ = (
-            "TorchRec's kernel for the group; a data-parallel (DENSE) group on a tpu device gets TorchRec's tpu "
-            "kernel (tpurec.distributed.torchrec_dp)."
+            "TorchRec's kernel for the group; a DENSE group on a tpu device gets tpurec's dense tpu kernel, and "
+            "a tpu group's shard placements are checked first (tpurec.distributed.torchrec_dp)."
         )
         method._tpurec_data_parallel = True  # pyright: ignore[reportFunctionMemberAccess]
         cls._create_embedding_kernel = method
