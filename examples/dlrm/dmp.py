@@ -2,20 +2,25 @@
 
 Beside the ``tpurec.shard`` path (one process driving every device), this is TorchRec's
 multi-process way, as ``dlrm_main.py`` runs it on GPUs: one process per tpu device, started by
-``torchrun``, the ``"cpu:gloo,tpu:tpu"`` process group, TorchRec's ``EmbeddingShardingPlanner``
-with the TPU topology (``Topology(compute_device="tpu", local_world_size=1)``: each process's
-shards on its own ``tpu:0``) and TorchRec's ``UNFUSED_TPU`` kernel, the dense part wrapped in
-DistributedDataParallel by DMP, and TorchRec's ``TrainPipelineSparseDist`` running the steps.
-``--batch_size`` is per process (``dlrm_main.py``'s per-rank batch); rank ``r`` trains on the
-data's batches ``r, r + N, r + 2N, ...``. The held-out metrics are over every rank's samples.
+``torchrun``, the ``"cpu:gloo,tpu:tpu"`` process group, a plan from tpurec's TPU planner (TorchRec's
+``EmbeddingShardingPlanner`` with the chip's topology, HBM and SparseCore cost model; or one read
+from ``tpurec plan --json`` with ``--plan``), each rank's shards on its own ``tpu:0``
+(``on_process_devices``), the sharded tables on TorchRec's ``FUSED`` kernel with the embedding
+optimizer applied in the backward (as ``dlrm_main.py``'s ``apply_optimizer_in_backward``; tpurec's
+fused kernel on tpu), data-parallel tables and the dense part wrapped in DistributedDataParallel
+by DMP, and TorchRec's ``TrainPipelineSparseDist`` running the steps. ``--batch_size`` is per
+process (``dlrm_main.py``'s per-rank batch); rank ``r`` trains on the data's batches
+``r, r + N, r + 2N, ...``. The held-out metrics are over every rank's samples.
 """
 
 from __future__ import annotations
 
 import datetime
 import itertools
+import logging
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -33,13 +38,25 @@ from dlrm.data import Loader
 from dlrm.flags import Config, ConfigError
 from dlrm.metrics import EvalResult, HeldOutMetrics
 
-# UNFUSED_TPU's lookups take table dims (and column shards) that are multiples of this.
-DIM_MULTIPLE = 16
-# The sharding types the planner may choose (the ones tpurec's DMP tests check; table-row-wise and
-# grid-wise plans do not run yet).
-SHARDING_TYPES = ["table_wise", "row_wise", "column_wise"]
-# Plain torch.optim optimizers over the tables' shards (the UNFUSED_TPU kernel has no fused one).
-TABLE_OPTIMIZERS = ("sgd", "adagrad")
+# The sharding types this path runs, from the planner or a --plan file (table-row-wise and grid
+# plans need torchrun's nodes to be the plan's hosts, which a plan file cannot promise).
+SHARDING_TYPES = ("data_parallel", "table_wise", "row_wise", "column_wise")
+# The module path of the tables in DLRMTrain (its DLRM's sparse arch).
+TABLES_PATH = "model.sparse_arch.embedding_bag_collection"
+# torch's deprecation notices of the calls TorchRec makes inside DMP (its DDP wrappers, its
+# row-wise collectives): TorchRec's to update, nothing a user of this script can change.
+TORCHREC_DEPRECATIONS = (
+    r"`broadcast_buffers` is deprecated",
+    r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+)
+
+
+class _NoCachingNote(logging.Filter):
+    """Drops TorchRec's note, logged for every data-parallel table, that its caching parameters are
+    ignored: this script sets none."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "caching params will be ignored" not in record.getMessage()
 
 
 def check(cfg: Config) -> None:
@@ -53,22 +70,11 @@ def check(cfg: Config) -> None:
             "--dist dmp runs one process per tpu device under torchrun: "
             "torchrun --nproc-per-node N examples/dlrm/train.py --dist dmp ..."
         )
-    if cfg.embedding_dim % DIM_MULTIPLE:
-        raise ConfigError(
-            f"--dist dmp: TorchRec's UNFUSED_TPU kernel needs --embedding_dim a multiple of {DIM_MULTIPLE}, "
-            f"got {cfg.embedding_dim}"
-        )
-    if cfg.embedding_optimizer not in TABLE_OPTIMIZERS:
-        raise ConfigError(
-            f"--dist dmp trains the tables with torch.optim ({', '.join(TABLE_OPTIMIZERS)}); "
-            f"--embedding_optimizer {cfg.embedding_optimizer} is the tpurec path's (drop --dist dmp)"
-        )
     refused = {
         "--num_devices": cfg.num_devices != 1,
         "--mode fused/compile": cfg.mode != "eager",
         "--checkpoint_dir": cfg.checkpoint_dir is not None,
         "--profile_dir": cfg.profile_dir is not None,
-        "--print_sharding_plan": cfg.print_sharding_plan,
         "--validation_freq_within_epoch": cfg.validation_freq_within_epoch is not None,
         "--tensorboard_dir": cfg.tensorboard_dir is not None,
         "--metrics_file": cfg.metrics_file is not None,
@@ -81,54 +87,161 @@ def check(cfg: Config) -> None:
         )
 
 
+# The FBGEMM optimizer of each --embedding_optimizer, as TorchRec's FUSED kernel takes it.
+_FUSED_OPTIMIZERS = {"sgd": "EXACT_SGD", "adagrad": "EXACT_ADAGRAD", "rowwise_adagrad": "EXACT_ROWWISE_ADAGRAD",
+                     "adam": "ADAM"}  # fmt: skip
+
+
+def fused_params(cfg: Config) -> dict[str, Any]:
+    """The sharded tables' in-backward optimizer, as ``dlrm_main.py`` gives it (``--embedding_optimizer``)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    params: dict[str, Any] = {
+        "optimizer": EmbOptimType[_FUSED_OPTIMIZERS[cfg.embedding_optimizer]],
+        "learning_rate": cfg.learning_rate,
+    }
+    if cfg.embedding_optimizer != "sgd":
+        params["eps"] = cfg.eps
+    return params
+
+
+def _table_optimizer(cfg: Config, params: Any) -> torch.optim.Optimizer:
+    """``--embedding_optimizer`` as a torch optimizer, for the data-parallel tables (dense parameters)."""
+    from torchrec.optim import RowWiseAdagrad
+
+    lr, eps = cfg.learning_rate, cfg.eps
+    if cfg.embedding_optimizer == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr, eps=eps)
+    if cfg.embedding_optimizer == "rowwise_adagrad":
+        return RowWiseAdagrad(params, lr=lr, eps=eps)
+    if cfg.embedding_optimizer == "adam":
+        return torch.optim.Adam(params, lr=lr, eps=eps)
+    return torch.optim.SGD(params, lr=lr)
+
+
 def _optimizer(cfg: Config, model: nn.Module) -> Any:
-    """``--embedding_optimizer`` over the tables, ``--adagrad`` (else SGD) over the dense part."""
+    """The sharded tables' fused optimizer, ``--embedding_optimizer`` over the data-parallel tables and
+    ``--adagrad`` (else SGD) over the dense part, as one TorchRec ``CombinedOptimizer``."""
     from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
+    from torchrec.optim.optimizers import in_backward_optimizer_filter
 
     tables = {id(p) for m in model.modules() if "ShardedEmbeddingBagCollection" in type(m).__name__
               for p in m.parameters()}  # fmt: skip
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    groups = {
-        "tables": ({n: p for n, p in named if id(p) in tables}, cfg.embedding_optimizer == "adagrad"),
-        "dense": ({n: p for n, p in named if id(p) not in tables}, cfg.adagrad),
-    }
-    parts = []
-    for key, (params, adagrad) in groups.items():
+    # The fused tables are updated in their backward: left out of the torch optimizers.
+    named = [(n, p) for n, p in in_backward_optimizer_filter(model.named_parameters()) if p.requires_grad]
+    data_parallel = {n: p for n, p in named if id(p) in tables}
+    dense = {n: p for n, p in named if id(p) not in tables}
 
-        def make(group: Any, adagrad: bool = adagrad) -> torch.optim.Optimizer:
-            if adagrad:
-                return torch.optim.Adagrad(group, lr=cfg.learning_rate, eps=cfg.eps)
-            return torch.optim.SGD(group, lr=cfg.learning_rate)
+    def dense_optimizer(group: Any) -> torch.optim.Optimizer:
+        if cfg.adagrad:
+            return torch.optim.Adagrad(group, lr=cfg.learning_rate, eps=cfg.eps)
+        return torch.optim.SGD(group, lr=cfg.learning_rate)
 
-        parts.append((key, KeyedOptimizerWrapper(cast(dict[str, Any], params), make)))
-    return CombinedOptimizer(parts)
+    parts: list[tuple[str, Any]] = [("fused", cast(Any, model).fused_optimizer)]
+    if data_parallel:
+        parts.append(("tables", KeyedOptimizerWrapper(cast(dict[str, Any], data_parallel),
+                                                      lambda group: _table_optimizer(cfg, group))))  # fmt: skip
+    parts.append(("dense", KeyedOptimizerWrapper(cast(dict[str, Any], dense), dense_optimizer)))
+    return CombinedOptimizer(cast(Any, parts))
 
 
-def shard(cfg: Config) -> nn.Module:
-    """TorchRec's DLRM (and its loss, ``DLRMTrain``) sharded by DMP on this process's tpu device."""
+def _world_topology(cfg: Config, world: int) -> str:
+    """The topology the plan is made for: ``--topology`` or the run's chip, one device per process."""
+    from tpurec.sparse.planner import TpuTopology
+    from tpurec.sparse.sharding.model import planning_topology
+
+    name = cfg.topology or planning_topology(world)
+    try:
+        devices = TpuTopology.from_name(name).world_size
+    except ValueError as e:
+        raise ConfigError(f"--topology {name}: {str(e).splitlines()[0]}") from None
+    if devices != world:
+        raise ConfigError(
+            f"--topology {name} has {devices} devices but torchrun started {world} processes (one per device); "
+            "give a topology of that many devices, or leave --topology out"
+        )
+    return name
+
+
+def _planned(cfg: Config, world: int) -> tuple[Any, Any]:
+    """tpurec's TPU planner's plan of the tables (TorchRec's planner with the TPU's topology) and its report.
+
+    Rank 0 plans (the search is bounded in time, so two ranks could settle on different plans) and
+    hands the plan, or the reason there is none, to every rank; the report is rank 0's.
+    """
+    from tpurec.sparse.planner import TpuEstimatorConfig, TpuPlannerConfig, plan
+
+    outcome: list[Any] = [None]
+    report = None
+    if dist.get_rank() == 0:
+        config = TpuPlannerConfig(
+            estimator=TpuEstimatorConfig(optimizer=cfg.embedding_optimizer), sharding_types=list(SHARDING_TYPES)
+        )
+        try:
+            topology = _world_topology(cfg, world)
+            result = plan(model_lib.table_configs(cfg), topology, batch_size=cfg.batch_size * world, config=config)
+            outcome[0], report = result.plan, result.report
+        except ConfigError as e:
+            outcome[0] = str(e)
+        except ValueError as e:
+            outcome[0] = f"--dist dmp: planning the tables: {str(e).splitlines()[0]}"
+    dist.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], str):
+        raise ConfigError(outcome[0])
+    return outcome[0], report
+
+
+def _read_plan(cfg: Config, world: int) -> Any:
+    """The plan of ``--plan FILE``, checked against the tables and the process count."""
+    from tpurec.sparse.planner import load_plan, validate_plan
+
+    path = cast(str, cfg.plan)
+    try:
+        loaded = load_plan(path)
+        validate_plan(loaded, {c.name: (c.num_embeddings, c.embedding_dim) for c in model_lib.table_configs(cfg)},
+                      world)  # fmt: skip
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConfigError(f"--plan {path}: {str(e).splitlines()[0]}") from None
+    for module_plan in loaded.plan.values():
+        for name, sharding in module_plan.items():  # pyright: ignore[reportAttributeAccessIssue]
+            if sharding.sharding_type not in SHARDING_TYPES:
+                raise ConfigError(
+                    f"--plan {path}: table {name!r} is {sharding.sharding_type}; --dist dmp runs "
+                    f"{', '.join(SHARDING_TYPES)} (plan with `tpurec plan --sharding-types "
+                    f"{','.join(SHARDING_TYPES)}`)"
+                )
+    return loaded
+
+
+def shard(cfg: Config) -> tuple[nn.Module, Any]:
+    """TorchRec's DLRM (and its loss, ``DLRMTrain``) sharded by DMP on this process's tpu device.
+
+    Returns:
+        The sharded model and the planner's report (None for a ``--plan`` file).
+    """
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
-    from torchrec.distributed.planner.types import ParameterConstraints
-    from torchrec.distributed.types import ModuleSharder
+    from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingPlan
 
+    from tpurec.distributed.torchrec_plan import on_process_devices
+
+    world = dist.get_world_size()
     torch.manual_seed(cfg.seed)
     configs = model_lib.table_configs(cfg)
     ebc = EmbeddingBagCollection(tables=configs, device=torch.device("meta"))
     train_model = DLRMTrain(cast(Any, model_lib.build_torchrec_model(cfg, ebc)))
-    planner = EmbeddingShardingPlanner(
-        topology=Topology(world_size=dist.get_world_size(), compute_device="tpu", local_world_size=1),
-        batch_size=cfg.batch_size,
-        constraints={
-            c.name: ParameterConstraints(
-                sharding_types=SHARDING_TYPES, compute_kernels=["unfused_tpu"], min_partition=DIM_MULTIPLE
-            )
-            for c in configs
-        },  # fmt: skip
-    )
-    sharder = cast(ModuleSharder[nn.Module], EmbeddingBagCollectionSharder())
-    plan = planner.collective_plan(train_model, [sharder], dist.GroupMember.WORLD)
-    return DistributedModelParallel(train_model, device=torch.device("tpu"), plan=plan, sharders=[sharder])
+    report = None
+    if cfg.plan is not None:
+        planned = _read_plan(cfg, world)
+    else:
+        planned, report = _planned(cfg, world)
+    # The plan's tables (made for a bare collection) are the DLRM's sparse arch's; each rank's
+    # shards on its own tpu:0 (tpurec's planner places them as on a host that sees all its chips).
+    tables = {name: sharding for module_plan in planned.plan.values() for name, sharding in module_plan.items()}
+    plan = on_process_devices(ShardingPlan({TABLES_PATH: EmbeddingModuleShardingPlan(tables)}))
+    sharder = cast(ModuleSharder[nn.Module], EmbeddingBagCollectionSharder(fused_params=fused_params(cfg)))
+    model = DistributedModelParallel(train_model, device=torch.device("tpu"), plan=plan, sharders=[sharder])
+    return model, report
 
 
 def _my_batches(loader: Loader, epoch: int) -> Iterator[Batch]:
@@ -173,12 +286,17 @@ def run(cfg: Config, make_loaders: Callable[[Config], dict[str, Loader]]) -> loo
     from torchrec.distributed.train_pipeline import TrainPipelineSparseDist
 
     check(cfg)
+    for message in TORCHREC_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning)
+    logging.getLogger("torchrec.distributed.utils").addFilter(_NoCachingNote())
     dist.init_process_group("cpu:gloo,tpu:tpu", timeout=datetime.timedelta(seconds=300))
     try:
         loaders = make_loaders(cfg)
         rank, world = dist.get_rank(), dist.get_world_size()
-        model = shard(cfg)
+        model, report = shard(cfg)
         optimizer = _optimizer(cfg, model)
+        if rank == 0 and cfg.print_sharding_plan:
+            print(report if report is not None else f"the plan of {cfg.plan}:\n{model.plan}")
         if rank == 0:
             print(
                 f"{cfg.interaction_type} DLRM sharded by TorchRec's DistributedModelParallel on {world} processes "

@@ -81,6 +81,7 @@ class Config:
     mode: str
     num_devices: int
     topology: str | None
+    plan: str | None
     embedding_optimizer: str
     checkpoint_dir: str | None
     resume: bool
@@ -259,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=DISTRIBUTIONS,
         default="tpurec",
         help="tpurec: one process, tables sharded by tpurec.shard over --num_devices; dmp: one process per device "
-        "under torchrun, TorchRec's DistributedModelParallel (UNFUSED_TPU kernel) and TrainPipelineSparseDist",
+        "under torchrun, TorchRec's DistributedModelParallel (tables planned by tpurec's planner or --plan) and "
+        "TrainPipelineSparseDist",
     )
     p.add_argument("--num_devices", type=int, default=1, help="tpu devices to train on")
     p.add_argument(
@@ -267,7 +269,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=str,
         default=None,
         help="TPU topology for --print_sharding_plan, e.g. v5p-8 (default: the run's chip, v5p on a host "
-        "without a TPU, with --num_devices of them)",
+        "without a TPU, with --num_devices of them; with --dist dmp, as many as torchrun's processes)",
+    )
+    p.add_argument(
+        "--plan",
+        type=str,
+        default=None,
+        help="with --dist dmp: shard the tables with this plan, the JSON file `tpurec plan --json` writes for the "
+        "run's tables and process count (default: tpurec's planner plans them at start-up)",
     )
     p.add_argument(
         "--embedding_optimizer",
@@ -403,6 +412,11 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         "--mode graphed captures the step of a model on one device or sharded by tpurec.shard (--dist tpurec); "
         "use it without --dist dmp",
     )
+    _check(
+        a.plan is None or a.dist == "dmp",
+        "--plan FILE shards the tables of --dist dmp (TorchRec's DistributedModelParallel); the tpurec path "
+        "plans with tpurec.shard at start-up, so drop --plan or add --dist dmp",
+    )
     dense_sizes = _int_list("dense_arch_layer_sizes", a.dense_arch_layer_sizes)
     over_sizes = _int_list("over_arch_layer_sizes", a.over_arch_layer_sizes)
     branch1 = _int_list("interaction_branch1_layer_sizes", a.interaction_branch1_layer_sizes)
@@ -503,6 +517,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Config:
         mode=a.mode or ("eager" if a.dist == "dmp" else "fused"),
         num_devices=a.num_devices,
         topology=a.topology,
+        plan=a.plan,
         embedding_optimizer=embedding_optimizer,
         checkpoint_dir=a.checkpoint_dir,
         resume=a.resume,

@@ -8,9 +8,11 @@ synthetic click data with a learnable rule.
     .venv/bin/python examples/dlrm/train.py --interaction_type dcn --adagrad --learning_rate 0.05
 
 With ``--dist dmp`` and torchrun (one process per tpu device), TorchRec's own
-DistributedModelParallel shards the tables instead of ``tpurec.shard`` (see dlrm/dmp.py):
+DistributedModelParallel shards the tables instead of ``tpurec.shard``, with a plan from tpurec's
+planner or ``--plan FILE`` from ``tpurec plan --json`` (see dlrm/dmp.py):
 
-    .venv/bin/python -m torch.distributed.run --nproc-per-node 2 examples/dlrm/train.py --dist dmp
+    .venv/bin/python -m torch.distributed.run --nproc-per-node 2 examples/dlrm/train.py --dist dmp \
+        --adagrad --learning_rate 0.05 --batch_size 128 --limit_train_batches 200
 
 Bad input (missing or malformed data, ids outside their tables, inconsistent
 layer sizes, unknown flags) prints one line and exits with status 2; a training

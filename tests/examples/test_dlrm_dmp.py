@@ -1,8 +1,10 @@
 """examples/dlrm/train.py --dist dmp: TorchRec's DistributedModelParallel and TrainPipelineSparseDist
-through the script's command line, under torchrun with 2 processes (one XLA:CPU device each)."""
+through the script's command line, under torchrun with 2 processes (one XLA:CPU device each): the
+tables planned by tpurec's planner at start-up or read from a ``tpurec plan --json`` file."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -38,11 +40,11 @@ def _env() -> dict[str, str]:
     }
 
 
-@pytest.mark.slow
-def test_torchrun_two_processes_trains_the_dlrm_with_dmp():
+def _torchrun(*args: str) -> str:
+    """``torchrun --nproc-per-node 2 train.py --dist dmp ARGS``: its output, or a test failure (bounded)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port_pair()), SCRIPT, "--dist", "dmp", "--epochs", "2", *SMALL,
+        "--master-port", str(free_port_pair()), SCRIPT, "--dist", "dmp", *args,
     ]  # fmt: skip
     proc = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
@@ -53,17 +55,96 @@ def test_torchrun_two_processes_trains_the_dlrm_with_dmp():
         output, _ = proc.communicate()
         pytest.fail(f"torchrun did not end within {SECONDS} s:\n{output[-6000:]}")
     assert proc.returncode == 0, output[-6000:]
+    return output
+
+
+def _write_plan(tmp_path, devices: int) -> str:
+    """A plan of SMALL's 26 tables for ``devices`` devices, written by ``tpurec plan --json``."""
+    tables = tmp_path / "tables.json"
+    tables.write_text(json.dumps({
+        "embedding_dim": 16,
+        "tables": [{"name": f"t_cat_{i}", "num_embeddings": 100, "feature_names": [f"cat_{i}"]} for i in range(26)],
+    }))  # fmt: skip
+    plan = tmp_path / "plan.json"
+    topology = {1: "v5p-2", 2: "v5p-4"}[devices]
+    out = subprocess.run(
+        [sys.executable, "-m", "tpurec", "plan", "--topology", topology, "--tables", str(tables), "--batch-size",
+         str(16 * devices), "--optimizer", "sgd", "--json", str(plan), "--no-torchrec-compare"],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return str(plan)
+
+
+def _summary(output: str) -> tuple[float, float, int, int]:
+    """The summary line's held-out AUC, last loss, test samples and steps per process."""
+    summary = re.search(
+        r"held-out AUC ([0-9.]+), .* \((\d+) test samples\); (\d+) steps per process, last loss ([0-9.]+)", output
+    )
+    assert summary is not None, output[-3000:]
+    return float(summary.group(1)), float(summary.group(4)), int(summary.group(2)), int(summary.group(3))
+
+
+def _documented_flags() -> list[str]:
+    """The flags of the ``--dist dmp`` command in docs/dlrm_training.md (after ``--dist dmp``)."""
+    text = open(os.path.join(ROOT, "docs", "dlrm_training.md")).read()
+    block = re.search(r"```bash\n(\.venv/bin/python -m torch\.distributed\.run [^`]*--dist dmp[^`]*)```", text)
+    assert block is not None, "docs/dlrm_training.md has no --dist dmp command"
+    words = block.group(1).replace("\\\n", " ").split()
+    return words[words.index("dmp") + 1 :]
+
+
+@pytest.mark.slow
+def test_torchrun_two_processes_trains_the_dlrm_with_dmp_from_a_plan_file(tmp_path):
+    """``--plan`` takes what ``tpurec plan --json`` wrote for 2 devices; 2 epochs of 4 steps, a
+    validation pass each, the test set over both ranks."""
+    plan = _write_plan(tmp_path, devices=2)
+    output = _torchrun("--epochs", "2", "--plan", plan, "--print_sharding_plan", *SMALL)
     assert "sharded by TorchRec's DistributedModelParallel on 2 processes" in output, output[-3000:]
+    assert f"the plan of {plan}:" in output and "model.sparse_arch.embedding_bag_collection" in output, output[-3000:]
+    planned = json.loads(open(plan).read())["plan"]["<root>"]
+    printed = dict((m[0], m[1:]) for m in re.findall(r"(t_cat_\d+) +\| (\w+) +\| (\w+)", output))
+    assert printed == {name: (t["sharding_type"], t["compute_kernel"]) for name, t in planned.items()}, output[-6000:]
+    assert "caching params will be ignored" not in output, output[-6000:]
     assert len(re.findall(r"AUROC over val set: [0-9.]+, NE [0-9.]+, calibration [0-9.]+ \(epoch \d\)", output)) == 2, (
         output[-3000:]
     )
     # 8 batches a epoch over 2 processes: 4 steps each, 2 epochs; the test set is both ranks' 2 x 16 samples.
-    summary = re.search(
-        r"held-out AUC ([0-9.]+), .* \(32 test samples\); 8 steps per process, last loss ([0-9.]+)", output
-    )
-    assert summary is not None, output[-3000:]
-    auc, loss = float(summary.group(1)), float(summary.group(2))
-    assert 0.0 <= auc <= 1.0 and math.isfinite(loss) and loss > 0, summary.group(0)
+    auc, loss, samples, steps = _summary(output)
+    assert (samples, steps) == (32, 8) and 0.0 <= auc <= 1.0 and math.isfinite(loss) and loss > 0, output[-3000:]
+
+
+@pytest.mark.slow
+def test_the_documented_dmp_command_learns_without_torchrec_warnings():
+    """The command of docs/dlrm_training.md, planned by tpurec's planner at start-up: held-out AUC
+    above 0.75 on the synthetic data; no TorchRec warning that the job will fail, no FutureWarning."""
+    output = _torchrun(*_documented_flags())
+    auc, _loss, _samples, _steps = _summary(output)
+    assert auc > 0.75, output[-3000:]
+    assert "the job will fail" not in output and "FutureWarning" not in output, output[-6000:]
+
+
+def test_a_plan_for_another_process_count_is_refused(tmp_path):
+    """A plan made for 2 devices, given to a run of 1 process: one line naming the file, status 2."""
+    plan = _write_plan(tmp_path, devices=2)
+    env = {**_env(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port_pair())}  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, SCRIPT, "--dist", "dmp", "--plan", plan, *SMALL],
+        env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("train.py: error:")]
+    assert len(lines) == 1 and f"--plan {plan}:" in lines[0] and "1 devices" in lines[0], out.stderr[-3000:]
+
+
+def test_plan_is_refused_without_dist_dmp(tmp_path):
+    out = subprocess.run(
+        [sys.executable, SCRIPT, "--plan", str(tmp_path / "plan.json"), *SMALL],
+        env=_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "train.py: error: --plan FILE shards the tables of --dist dmp" in out.stderr, out.stderr[-3000:]
 
 
 def test_dist_dmp_without_torchrun_says_how_to_launch():
