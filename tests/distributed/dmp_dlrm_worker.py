@@ -356,10 +356,11 @@ def sequence_data_parallel(out_path: str) -> None:
 
 
 def weighted_data_parallel(out_path: str) -> None:
-    """A weighted collection's table on tpu, data-parallel and row-wise (TorchRec's UNFUSED_TPU
-    kernel): its lookup must refuse the per-sample weights (TorchRec's tpu kernel would drop them).
-    (Both put a shard on every rank, so every rank raises at the same point and the next case
-    starts in step.) Writes ``OUT.weighted.<rank>``: ``<sharding type> <the error's text>`` per line."""
+    """A weighted collection's table on tpu, data-parallel (tpurec's DENSE tpu kernel) and row-wise
+    (TorchRec's UNFUSED_TPU kernel): the data-parallel lookup pools with the per-sample weights as
+    TorchRec does on CPU (within 1e-6), the UNFUSED_TPU one refuses them (TorchRec's tpu kernel would
+    drop them). (Both put a shard on every rank, so every rank reaches the same point and the next
+    case starts in step.) Writes ``OUT.weighted.<rank>``: ``<sharding type> <outcome>`` per line."""
     import torch
     import torch.distributed as dist
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
@@ -368,12 +369,19 @@ def weighted_data_parallel(out_path: str) -> None:
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, data_parallel, row_wise
     from torchrec.distributed.types import ModuleSharder, ShardingPlan
 
+    configs = [EmbeddingBagConfig(name="w", embedding_dim=16, num_embeddings=8, feature_names=["fw"])]
+    table = torch.from_numpy(np.random.default_rng(4).uniform(-1, 1, (8, 16)).astype(np.float32))
+    kjt = KeyedJaggedTensor(
+        keys=["fw"], values=torch.tensor([1, 2, 3]), lengths=torch.tensor([2, 1]), weights=torch.tensor([0.5, 2.0, 1.0])
+    )
+    reference = EmbeddingBagCollection(tables=configs, is_weighted=True, device=torch.device("cpu"))
+    reference.load_state_dict(OrderedDict([("embedding_bags.w.weight", table)]))
+    want = reference(kjt).to_dict()["fw"].detach().numpy()
     lines = []
     for kind, sharding in (
         ("data_parallel", data_parallel()),
         ("row_wise", row_wise(compute_kernel="unfused_tpu")),
     ):
-        configs = [EmbeddingBagConfig(name="w", embedding_dim=16, num_embeddings=8, feature_names=["fw"])]
         collection = EmbeddingBagCollection(tables=configs, is_weighted=True, device=torch.device("meta"))
         sharder = cast(ModuleSharder[torch.nn.Module], EmbeddingBagCollectionSharder())
         module_plan = construct_module_sharding_plan(
@@ -383,17 +391,13 @@ def weighted_data_parallel(out_path: str) -> None:
         model = DistributedModelParallel(
             collection, device=torch.device("tpu"), plan=ShardingPlan({"": module_plan}), sharders=[sharder]
         )
-        kjt = KeyedJaggedTensor(
-            keys=["fw"],
-            values=torch.tensor([1, 2, 3]),
-            lengths=torch.tensor([2, 1]),
-            weights=torch.tensor([0.5, 2.0, 1.0]),
-        )
+        model.load_state_dict(OrderedDict([("embedding_bags.w.weight", table)]))
         try:
-            model(kjt.to(torch.device("tpu"))).wait()
-            outcome = "looked up without an error"
-        except NotImplementedError as error:
-            outcome = f"NotImplementedError: {error}"
+            got = model(kjt.to(torch.device("tpu"))).wait().to_dict()["fw"].detach().cpu().numpy()
+            error = float(np.abs(got - want).max())
+            outcome = f"looked up, {'matching' if error <= 1e-6 else 'differing from'} CPU (max error {error:.3g})"
+        except NotImplementedError as e:
+            outcome = f"NotImplementedError: {e}"
         lines.append(f"{kind} {outcome}".replace("\n", " "))
     with open(f"{out_path}.weighted.{dist.get_rank()}", "w") as f:
         f.write("\n".join(lines) + "\n")

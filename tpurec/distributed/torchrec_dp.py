@@ -29,9 +29,11 @@ DDP wrapper all-reduces (averages) over the ``"tpu"`` group; a sharded table's i
 trained by the optimizer over ``model.parameters()`` as on CPU. Pooling (sum, mean) is the
 group's, as in FBGEMM's kernel. Every other device keeps FBGEMM's kernel.
 
-FBGEMM's kernel also takes per-sample weights (a weighted collection) and variable batch
-sizes per feature; the tpu lookups would ignore the first and mis-stack the second, so a
-``DENSE`` group on tpu raises ``NotImplementedError`` for either instead.
+FBGEMM's kernel also takes per-sample weights (a weighted collection), which TorchRec's tpu
+lookups would drop: a weighted batch is pooled with ``torch.nn.functional.embedding_bag`` and its
+``per_sample_weights`` on tpu instead (the weighted sum, divided by the bag's length for MEAN, as
+FBGEMM pools). Variable batch sizes per feature, which the lookups would mis-stack, raise
+``NotImplementedError``.
 
 Before any kernel of a tpu group is built (``DENSE``, ``FUSED`` or ``UNFUSED_TPU``), the
 placements of its shards are checked (:func:`tpurec.distributed.torchrec_plan.check_placements`):
@@ -58,11 +60,6 @@ _TPU_MODULES = "torchrec.experimental.torch_tpu.modules.embedding_modules"
 
 def _check_input(kernel: str, features: Any) -> None:
     """Refuses what the tpu lookups would compute differently from FBGEMM's dense kernel."""
-    if features.weights_or_none() is not None:
-        raise NotImplementedError(
-            f"{kernel}: a DENSE-kernel table on the tpu device takes no per-sample weights (a weighted "
-            "EmbeddingBagCollection; TorchRec's tpu kernel would drop them); shard weighted tables with tpurec.shard"
-        )
     if features.variable_stride_per_key():
         raise NotImplementedError(
             f"{kernel}: a DENSE-kernel table on the tpu device takes one batch size for every feature "
@@ -94,6 +91,24 @@ def _classes() -> tuple[type, type]:
             self.mode = mode
             self._kernel = tpu_modules.PooledLookupKernel.OFFSET
 
+        def forward(
+            self, input: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None
+        ) -> torch.Tensor:
+            if per_sample_weights is None:
+                return super().forward(input, offsets)
+            # FBGEMM's weighted pooling: the weighted sum, divided by the bag's length for MEAN. (A
+            # weighted KeyedJaggedTensor's per-key offsets may be computed on the host.)
+            device = self._weight.device
+            input, offsets, per_sample_weights = (t.to(device) for t in (input, offsets, per_sample_weights))
+            pooled = nn.functional.embedding_bag(
+                input, self._weight, offsets, mode="sum", per_sample_weights=per_sample_weights,
+                include_last_offset=True,
+            )  # fmt: skip
+            if self.mode == "mean":
+                lengths = (offsets[1:] - offsets[:-1]).clamp(min=1)
+                pooled = pooled / lengths.unsqueeze(1).to(pooled.dtype)
+            return pooled
+
     class DenseTPUEmbeddingBag(kernels.BatchedTPUEmbeddingBag):
         """A DENSE pooled group on tpu (tpurec.distributed.torchrec_dp)."""
 
@@ -118,7 +133,17 @@ def _classes() -> tuple[type, type]:
 
         def forward(self, features: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
             _check_input(type(self).__name__, features)
-            return super().forward(features, *args, **kwargs)
+            if features.weights_or_none() is None:
+                return super().forward(features, *args, **kwargs)
+            # A weighted collection: each feature's bags pooled with its per-sample weights.
+            by_key = features.to_dict()
+            outputs = [
+                self._emb_modules[self._feature_table_map[i]](
+                    input=by_key[key].values(), offsets=by_key[key].offsets(), per_sample_weights=by_key[key].weights()
+                )
+                for i, key in enumerate(features.keys())
+            ]
+            return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     class DenseTPUEmbedding(kernels.BatchedTPUEmbedding):
         """A DENSE sequence group on tpu (tpurec.distributed.torchrec_dp)."""
