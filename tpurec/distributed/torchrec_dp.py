@@ -94,12 +94,13 @@ def _classes() -> tuple[type, type]:
         def forward(
             self, input: torch.Tensor, offsets: torch.Tensor, per_sample_weights: torch.Tensor | None = None
         ) -> torch.Tensor:
+            # A KeyedJaggedTensor's per-key offsets may be computed on the host (from its lengths).
+            device = self._weight.device
+            input, offsets = input.to(device), offsets.to(device)
             if per_sample_weights is None:
                 return super().forward(input, offsets)
-            # FBGEMM's weighted pooling: the weighted sum, divided by the bag's length for MEAN. (A
-            # weighted KeyedJaggedTensor's per-key offsets may be computed on the host.)
-            device = self._weight.device
-            input, offsets, per_sample_weights = (t.to(device) for t in (input, offsets, per_sample_weights))
+            # FBGEMM's weighted pooling: the weighted sum, divided by the bag's length for MEAN.
+            per_sample_weights = per_sample_weights.to(device)
             pooled = nn.functional.embedding_bag(
                 input, self._weight, offsets, mode="sum", per_sample_weights=per_sample_weights,
                 include_last_offset=True,
