@@ -32,3 +32,15 @@ def random_kjt(
     return KeyedJaggedTensor.from_lengths_sync(
         keys=keys, values=v, lengths=torch.from_numpy(np.concatenate(lens)).long(), **kwargs
     )
+
+
+def with_weights(kjt: KeyedJaggedTensor, weights: torch.Tensor) -> KeyedJaggedTensor:
+    """``kjt`` (VBE and inverse_indices kept) with ``weights`` as its per-id weights."""
+    return KeyedJaggedTensor(
+        keys=kjt.keys(),
+        values=kjt.values(),
+        lengths=kjt.lengths(),
+        weights=weights,
+        stride_per_key_per_rank=kjt.stride_per_key_per_rank(),
+        inverse_indices=kjt.inverse_indices(),
+    )

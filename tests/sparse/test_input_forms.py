@@ -31,7 +31,7 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 import tpurec
 import tpurec.sparse as sp
-from helpers import make_tables, random_kjt
+from helpers import make_tables, random_kjt, with_weights
 
 STEPS = 5
 MODES = ["eager", "fused"]
@@ -203,15 +203,7 @@ def test_weighted_vbe_gives_weights_torchrecs_gradient():
     grads = []
     for model in (reference, ours):
         weights = kjt.weights().clone().requires_grad_(True)
-        batch = KeyedJaggedTensor(
-            keys=kjt.keys(),
-            values=kjt.values(),
-            lengths=kjt.lengths(),
-            weights=weights,
-            stride_per_key_per_rank=kjt.stride_per_key_per_rank(),
-            inverse_indices=kjt.inverse_indices(),
-        )
-        out = model(batch).values()
+        out = model(with_weights(kjt, weights)).values()
         out.pow(2).sum().backward()
         grads.append((out.detach().cpu(), weights.grad))
     torch.testing.assert_close(grads[1][0], grads[0][0], atol=1e-6, rtol=1e-5)

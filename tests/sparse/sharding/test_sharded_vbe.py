@@ -4,8 +4,6 @@ pools, differentiates and trains as TorchRec's EmbeddingBagCollection does on th
 from __future__ import annotations
 
 import copy
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,10 +15,8 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 import tpurec
 import tpurec.sparse as sp
-from helpers import make_tables
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_input_forms import vbe_kjt  # noqa: E402
+from helpers import make_tables, with_weights
+from test_input_forms import vbe_kjt
 
 TABLES = make_tables(dims=(4, 4, 8))
 BATCH = 16  # output samples: two per host device
@@ -34,17 +30,6 @@ def _plan():
         local_size=8,
         world_size=8,
         device_type="cpu",
-    )
-
-
-def _with_weights(kjt: KeyedJaggedTensor, weights: torch.Tensor) -> KeyedJaggedTensor:
-    return KeyedJaggedTensor(
-        keys=kjt.keys(),
-        values=kjt.values(),
-        lengths=kjt.lengths(),
-        weights=weights,
-        stride_per_key_per_rank=kjt.stride_per_key_per_rank(),
-        inverse_indices=kjt.inverse_indices(),
     )
 
 
@@ -65,7 +50,7 @@ def test_vbe_batches_train_as_torchrec_under_shard():
         got = []
         for model in (reference, sharded):
             weights = kjt.weights().clone().requires_grad_(True)
-            out = model(_with_weights(kjt, weights)).values()
+            out = model(with_weights(kjt, weights)).values()
             out.pow(2).sum().backward()
             got.append((out.detach().cpu(), weights.grad))
         torch.testing.assert_close(got[1][0], got[0][0], atol=1e-6, rtol=1e-5)
