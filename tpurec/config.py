@@ -216,11 +216,11 @@ FLAGS: tuple[Flag, ...] = (
     Flag(
         "TPUREC_TENSORCORE_ONE_PASS",
         "bool",
-        False,
+        True,
         TRACE_TIME,
         "The TensorCore sparse kernel pools looked-up rows straight into the output and fuses the optimizer "
-        "step with the gradient sum (one pass over the table's blocks each way); experimental: checked in "
-        "Pallas' interpret mode, off until measured on a TPU.",
+        "step with the gradient sum (one pass over the table's blocks each way); 0: the two-pass kernels "
+        "(gather then pool; gather, update, scatter), slower on a TPU v5e.",
         programs=True,
     ),
     Flag(

@@ -233,3 +233,41 @@ def test_other_platforms_and_override():
         assert ops.kernel_family("tpu", jnp.float32, device_kind="TPU v5") == "reference"
     with tpurec.config.override(sparse_kernel="sparsecore"), pytest.raises(ValueError, match="needs a TPU"):
         ops.kernel_family("cpu", jnp.float32)
+
+
+def _pallas_calls(jaxpr) -> list:
+    """Every ``pallas_call`` equation of a jaxpr, nested jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found.append(eqn)
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    found += _pallas_calls(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    found += _pallas_calls(sub)
+    return found
+
+
+@pytest.mark.parametrize("one_pass", [False, True], ids=["two_pass", "one_pass"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_block_index_is_int32_as_mosaic_requires(name, one_pass):
+    # tpurec runs JAX with x64 on, where a Python 0 in an index map (or a BlockSpec without one)
+    # traces as int64: Pallas' interpreter accepts it and Mosaic refuses to compile the kernel
+    # ("failed to legalize operation 'func.func' ... -> i64"), so only a TPU would show it.
+    csr, batch, rows, dim = _csr(3, 1, 3000)
+    table, slots = _state(3, rows, dim, name)
+    grad = np.zeros((batch, dim), np.float32)
+    op = f"sparse_dense_matmul_grad_with_{name}"
+    # Hyperparameters traced, as the op set passes them (they go to SMEM).
+    hp = {k: jnp.float32(v) for k, v in OPTIMIZERS[name][1].items()}
+    with tpurec.config.override(tensorcore_one_pass=one_pass):
+        forward = jax.make_jaxpr(lambda *a: tensorcore.sparse_dense_matmul(*a, batch_size=batch))(*csr, table)
+        backward = jax.make_jaxpr(lambda *a: getattr(tensorcore, op)(*a, **hp))(*csr, grad, table, *slots)
+    calls = _pallas_calls(forward.jaxpr) + _pallas_calls(backward.jaxpr)
+    assert len(calls) >= 2  # the forward's and the backward's streaming kernels
+    for eqn in calls:
+        for mapping in eqn.params["grid_mapping"].block_mappings:
+            dtypes = [str(a.dtype) for a in mapping.index_map_jaxpr.out_avals]
+            assert set(dtypes) <= {"int32"}, (eqn.params.get("name"), mapping.block_shape, dtypes)

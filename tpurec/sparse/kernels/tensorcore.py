@@ -11,27 +11,23 @@ docs/throughput.md). So where a batch touches enough of a table the kernels *str
   call (``lax.sort``). Walking the sorted ids and the table's blocks of
   :data:`BLOCK_ROWS` rows together gives a list of steps (an id chunk, a table block,
   the entries of that chunk in that block), computed on the device from the ids.
-* **Gather** (:func:`stream_gather`): a Pallas kernel whose grid runs over the steps;
+* **Forward** (:func:`stream_pool`): a Pallas kernel whose grid runs over the steps;
   each step's table block is DMA'd into VMEM by the pipeline (a block no id touches is
-  never read, and consecutive steps of one block read it once) and the rows are copied
-  out of VMEM, so HBM sees only whole blocks.
-* **Scatter** (:func:`stream_scatter`): the same walk over the unique ids, writing new
-  rows into the blocks in place (the table is aliased to the output and donated by the
-  modules: no table-sized temporary, untouched blocks are never written).
-* **Pooling** (forward): the gathered rows are summed into the output by sample with a
-  Pallas kernel that keeps the whole ``[batch, dim]`` output in VMEM, in entry order
-  (the order the reference's segment sum adds them).
-* **Backward**: per-entry gradients (the output gradient gathered by sample, times the
-  gain), summed per unique id in sorted order (``segment_sum`` over sorted segments),
-  table and slot rows streamed in, the optimizer's row math in XLA on the touched rows
-  only, rows streamed back. One-dimensional slots (row-wise Adagrad's accumulator) use
-  XLA's element gather and scatter (sorted, unique indices).
+  never read, and consecutive steps of one block read it once) and each entry's row is
+  added, times its gain, straight into the ``[batch, dim]`` output kept in VMEM, in entry
+  order (the order the reference's segment sum adds them).
+* **Backward** (:func:`stream_update`): the same walk; each entry's gradient (the output
+  gradient kept in VMEM, or gathered per entry by XLA when it does not fit) is added into
+  a block-sized VMEM buffer, and at the block's last step the update rule's row math runs
+  on the whole block and only the touched rows take the result. The table and slots are
+  aliased to the outputs (donated by the modules: updated in place, no table-sized
+  temporary, untouched blocks neither read nor written); one-dimensional slots (row-wise
+  Adagrad's accumulator) are viewed lane-dense.
 
-With ``TPUREC_TENSORCORE_ONE_PASS=1`` (experimental) each direction is one pass over the
-table's blocks: :func:`stream_pool` adds every entry's row straight into the output kept in
-VMEM (no gathered rows in HBM), and :func:`stream_update` sums the entries' gradients per
-row into a VMEM block, runs the optimizer's row math on the whole block and keeps it for
-the touched rows only (no unique-id sort, segment sum, gathers or scatters).
+``TPUREC_TENSORCORE_ONE_PASS=0`` selects the two-pass kernels instead (slower on a TPU
+v5e: docs/throughput.md): rows gathered by :func:`stream_gather` then pooled by a second
+kernel; per-entry gradients summed per unique id, the touched rows gathered, updated by
+XLA and written back by :func:`stream_scatter`.
 
 Elsewhere (a batch that touches few rows of a large table, float16/bfloat16 tables,
 whose rows Mosaic cannot address one by one, an output that does not fit VMEM) the
@@ -568,7 +564,7 @@ def stream_update(
             num_scalar_prefetch=len(schedule),
             grid=(num_steps,),
             in_specs=[
-                pl.BlockSpec(memory_space=pltpu.SMEM),
+                pl.BlockSpec(hp.shape, lambda s, lo, hi, c, b: (_ZERO,), memory_space=pltpu.SMEM),
                 smem(),
                 smem(),
                 smem(),
