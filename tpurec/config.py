@@ -224,6 +224,17 @@ FLAGS: tuple[Flag, ...] = (
         programs=True,
     ),
     Flag(
+        "TPUREC_TENSORCORE_ROW_SUM",
+        "choice",
+        "loop",
+        TRACE_TIME,
+        "How the TensorCore kernel's one-pass optimizer step sums each table row's gradients: loop (one "
+        "entry at a time) or mxu (a one-hot matrix product per 128 entries, each product exact); "
+        "experimental: mxu is checked in Pallas' interpret mode and not yet measured on a TPU.",
+        choices=("loop", "mxu"),
+        programs=True,
+    ),
+    Flag(
         "TPUREC_NATIVE_MATMUL",
         "bool",
         True,

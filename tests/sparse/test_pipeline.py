@@ -335,7 +335,7 @@ def test_bench_embeddings_cli_sweep(tmp_path):
 
 
 @pytest.mark.slow
-def test_bench_embeddings_times_the_tensorcore_kernel_and_its_two_pass_variant(tmp_path, monkeypatch):
+def test_bench_embeddings_times_the_tensorcore_kernel_and_its_variants(tmp_path, monkeypatch):
     # On a TPU without SparseCores the kernel is the TensorCore one; here it is forced (Pallas in
     # interpret mode), on a stacked table of 2 x 1100 rows: whole 2048-row blocks to stream.
     monkeypatch.setenv("TPUREC_SPARSE_KERNEL", "tensorcore")
@@ -346,7 +346,7 @@ def test_bench_embeddings_times_the_tensorcore_kernel_and_its_two_pass_variant(t
     )
     assert out["kernel"] == "tensorcore"
     (run,) = out["runs"]
-    for impl in ("tensorcore", "tensorcore_two_pass", "plain_jax"):
+    for impl in ("tensorcore", "tensorcore_two_pass", "tensorcore_mxu_row_sum", "plain_jax"):
         assert run[impl]["forward_ms"] > 0 and run[impl]["train_step_ms"] > 0
 
 

@@ -95,27 +95,31 @@ def test_forward_matches_reference(partitions, rows, pooling, weighted, one_pass
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("one_pass", [False, True], ids=["gather_update_scatter", "one_pass"])
+# The MXU row sum changes the one-pass step only, which runs on the (1, 3000) case.
+GRAD_CASES = [(*case, one_pass, "loop") for case in CASES for one_pass in (False, True)] + [(1, 3000, True, "mxu")]
+
+
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("partitions,rows", CASES)
-def test_grad_matches_reference(name, partitions, rows, one_pass):
+@pytest.mark.parametrize("partitions,rows,one_pass,row_sum", GRAD_CASES)
+def test_grad_matches_reference(name, partitions, rows, one_pass, row_sum):
     csr, batch, rows, dim = _csr(partitions * 7 + rows, partitions, rows)
     table, slots = _state(3, rows, dim, name)
     fused = one_pass and tensorcore.BLOCK_ROWS <= rows < 10000  # the one-pass step needs whole blocks
     before = tensorcore.TRACE_COUNTS["stream_update"]
-    with tpurec.config.override(tensorcore_one_pass=one_pass):
+    with tpurec.config.override(tensorcore_one_pass=one_pass, tensorcore_row_sum=row_sum):
         if not fused:
             _check_grad(name, csr, csr, batch, table, slots, rtol=1e-6, atol=1e-7)
         else:
             # The one-pass step sums each row's gradients in entry order too, as multiply-adds that
-            # XLA may contract into FMAs (one rounding instead of two): float32 rounding, amplified
-            # by Adam's division by sqrt(m2).
+            # XLA may contract into FMAs (one rounding instead of two), or on the MXU in its own
+            # order (exact products): float32 rounding, amplified by Adam's division by sqrt(m2).
             _check_grad(name, csr, csr, batch, table, slots, rtol=1e-5, atol=1e-6)
     assert tensorcore.TRACE_COUNTS["stream_update"] - before == int(fused)
 
 
+@pytest.mark.parametrize("row_sum", ["loop", "mxu"])
 @pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
-def test_one_pass_step_with_the_output_gradient_streamed_per_entry(name):
+def test_one_pass_step_with_the_output_gradient_streamed_per_entry(name, row_sum):
     # A batch whose output gradient does not fit VMEM: XLA gathers each entry's gradient row
     # first and the kernel reads them chunk by chunk with the ids.
     csr, batch, rows, dim = _csr(31, 1, 3000)
@@ -126,7 +130,9 @@ def test_one_pass_step_with_the_output_gradient_streamed_per_entry(name):
 
     def streamed(*args):
         keys, samples, gains, _ = tensorcore._sorted_entries(*args[:4])
-        return tensorcore.stream_update(op, args[5], args[6:], keys, samples, gains, args[4], hp, resident=False)
+        return tensorcore.stream_update(
+            op, args[5], args[6:], keys, samples, gains, args[4], hp, resident=False, row_sum=row_sum
+        )
 
     got = _tuple(jax.jit(streamed)(*csr, grad, table, *slots))
     want = _tuple(jax.jit(lambda *a: getattr(reference, op)(*a, **hp))(*csr, grad, table, *slots))
@@ -250,9 +256,11 @@ def _pallas_calls(jaxpr) -> list:
     return found
 
 
-@pytest.mark.parametrize("one_pass", [False, True], ids=["two_pass", "one_pass"])
+@pytest.mark.parametrize(
+    "one_pass,row_sum", [(False, "loop"), (True, "loop"), (True, "mxu")], ids=["two_pass", "one_pass", "mxu"]
+)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_every_block_index_is_int32_as_mosaic_requires(name, one_pass):
+def test_every_block_index_is_int32_as_mosaic_requires(name, one_pass, row_sum):
     # tpurec runs JAX with x64 on, where a Python 0 in an index map (or a BlockSpec without one)
     # traces as int64: Pallas' interpreter accepts it and Mosaic refuses to compile the kernel
     # ("failed to legalize operation 'func.func' ... -> i64"), so only a TPU would show it.
@@ -262,7 +270,7 @@ def test_every_block_index_is_int32_as_mosaic_requires(name, one_pass):
     op = f"sparse_dense_matmul_grad_with_{name}"
     # Hyperparameters traced, as the op set passes them (they go to SMEM).
     hp = {k: jnp.float32(v) for k, v in OPTIMIZERS[name][1].items()}
-    with tpurec.config.override(tensorcore_one_pass=one_pass):
+    with tpurec.config.override(tensorcore_one_pass=one_pass, tensorcore_row_sum=row_sum):
         forward = jax.make_jaxpr(lambda *a: tensorcore.sparse_dense_matmul(*a, batch_size=batch))(*csr, table)
         backward = jax.make_jaxpr(lambda *a: getattr(tensorcore, op)(*a, **hp))(*csr, grad, table, *slots)
     calls = _pallas_calls(forward.jaxpr) + _pallas_calls(backward.jaxpr)

@@ -74,6 +74,10 @@ BLOCK_ROWS = 2048
 CHUNK = 512
 """Ids per chunk of the schedule (held in SMEM while their steps run)."""
 
+MXU_CHUNK = 128
+"""Ids per chunk when the optimizer step sums gradients on the MXU: each step multiplies a
+``[BLOCK_ROWS, MXU_CHUNK]`` one-hot matrix."""
+
 _STREAM_DENSITY = 64
 """Stream when a call has at least one id per this many table rows: a block of
 :data:`BLOCK_ROWS` rows then serves about 32 ids, which XLA's per-row gather
@@ -222,9 +226,9 @@ def _chunk_for(n: int) -> int:
     return CHUNK if n >= CHUNK else max(8, _cdiv(n, 8) * 8)
 
 
-def _walk(keys, num_rows: int, block_rows: int):
+def _walk(keys, num_rows: int, block_rows: int, chunk: int | None = None):
     """``(padded keys, chunk, block rows, schedule)`` of a walk over sorted ``keys`` and a table."""
-    chunk = _chunk_for(keys.shape[0])
+    chunk = chunk or _chunk_for(keys.shape[0])
     keys = _pad_keys(keys, chunk)
     block_rows = min(block_rows, _cdiv(num_rows, 8) * 8)
     return keys, chunk, block_rows, _schedule(keys, num_rows, chunk, block_rows)
@@ -399,6 +403,21 @@ def stream_pool(
     return out[:batch_size]
 
 
+def _one_hot_dot(onehot, x):
+    """``onehot @ x`` in float32 with every product exact, in three one-pass bfloat16 products.
+
+    ``x`` splits into bfloat16 parts ``hi + mid + lo`` that hold its 24 significand bits
+    (exact for normal floats), and a 0/1 matrix is exact in bfloat16, so each product is an
+    exact copy of a part; the float32 accumulation sums in the MXU's order, not entry order.
+    """
+    ones = onehot.astype(jnp.bfloat16)
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    return sum(jnp.dot(ones, part, preferred_element_type=jnp.float32) for part in (hi, mid, lo))
+
+
 def _lanes_to_column(x, lanes_iota):
     """``[k, 128]`` (row ``r`` of a block at ``x[r // 128, r % 128]``) -> ``[128 k, 1]``.
 
@@ -452,6 +471,7 @@ def stream_update(
     *,
     block_rows: int = BLOCK_ROWS,
     resident: bool | None = None,
+    row_sum: str = "loop",
 ):
     """A fused optimizer step in one pass over the touched blocks of a table and its slots.
 
@@ -474,6 +494,10 @@ def stream_update(
         hyperparameters: the optimizer's scalars (float or 0-d arrays).
         block_rows: rows per streamed block, a multiple of 1024.
         resident: keep ``grad_output`` in VMEM (None: when it fits).
+        row_sum: how a step's entries are summed into the block's gradient: ``"loop"``, one
+            entry at a time; ``"mxu"``, one matrix product per step of :data:`MXU_CHUNK`
+            entries, ``onehot(ids)^T @ gradients`` (the gradients gathered per entry first, so
+            ``resident`` does not apply), each product exact (:func:`_one_hot_dot`).
 
     Returns:
         ``(table, *slots)`` updated.
@@ -482,7 +506,9 @@ def stream_update(
     rows, dim = table.shape
     block_rows = min(block_rows, BLOCK_ROWS)
     assert block_rows % 1024 == 0 and rows >= block_rows, "stream_update streams whole 1024-row blocks"
-    keys, chunk, block_rows, schedule = _walk(keys, rows, block_rows)
+    assert row_sum in ("loop", "mxu"), row_sum
+    mxu = row_sum == "mxu"
+    keys, chunk, block_rows, schedule = _walk(keys, rows, block_rows, MXU_CHUNK if mxu else None)
     n = keys.shape[0]
     samples, gains = _pad_to(samples, n), _pad_to(gains.astype(table.dtype), n)
     num_steps = schedule[0].shape[0]
@@ -505,14 +531,18 @@ def stream_update(
     blocks_vmem, gradient_vmem = _update_vmem(batch_size, dim, slots)
     if resident is None:
         resident = blocks_vmem + gradient_vmem <= _VMEM_LIMIT - 8 * 2**20
+    resident = resident and not mxu
     grad_output = grad_output.astype(jnp.float32)
     if resident:
         gradient, gradient_spec = grad_output, pl.BlockSpec((batch_size, dim), lambda s, lo, hi, c, b: (_ZERO, _ZERO))
     else:  # each entry's gradient row, read chunk by chunk with its ids
         rows_of = jnp.take(grad_output, jnp.clip(samples, 0, max(batch_size - 1, 0)), axis=0)
         gradient, gradient_spec = rows_of * gains[:, None], _rows_spec(chunk, dim)
+    # The MXU sum reads the chunk's ids as a lane vector too (the loop reads them from SMEM).
+    keys_row = keys.reshape(n // chunk, chunk)
+    keys_row_spec = pl.BlockSpec((1, chunk), lambda s, lo, hi, c, b: (c[s], _ZERO))
 
-    def kernel(lo_ref, hi_ref, c_ref, b_ref, hp_ref, keys_ref, samples_ref, gains_ref, gout_ref, *refs):
+    def kernel(lo_ref, hi_ref, c_ref, b_ref, hp_ref, keys_ref, samples_ref, gains_ref, gout_ref, keys_row_ref, *refs):
         k = 1 + len(slots)
         ins, outs, (grad_ref, touched_ref) = refs[:k], refs[k : 2 * k], refs[2 * k :]
         s = pl.program_id(0)
@@ -534,7 +564,15 @@ def stream_update(
                 grad_ref[pl.ds(dst, 1), :] += gout_ref[pl.ds(j, 1), :]
             touched_ref[pl.ds(dst, 1), :] = jnp.ones((1, 128), jnp.float32)
 
-        _masked_groups(lo_ref[s], hi_ref[s], add)
+        if mxu:
+            entry = jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1) + base
+            in_step = jnp.logical_and(entry >= lo_ref[s], entry < hi_ref[s])
+            local = jnp.where(in_step, keys_row_ref[...] - first_row, -1)
+            onehot_t = jax.lax.broadcasted_iota(jnp.int32, (block_rows, chunk), 0) == local  # [block, chunk]
+            grad_ref[:block_rows, :] += _one_hot_dot(onehot_t, gout_ref[...])
+            touched_ref[:block_rows, 0:1] += jnp.sum(onehot_t.astype(jnp.float32), axis=1, keepdims=True)
+        else:
+            _masked_groups(lo_ref[s], hi_ref[s], add)
 
         @pl.when(last_step)
         def _():
@@ -557,7 +595,7 @@ def stream_update(
     smem = lambda: pl.BlockSpec((chunk,), lambda s, lo, hi, c, b: (c[s],), memory_space=pltpu.SMEM)  # noqa: E731
     specs = [block(False)] + [block(f) for f in flat]
     arrays = [table, *slot_views]
-    first_aliased = len(schedule) + 5  # the scheduled scalars, hp, keys, samples, gains, the gradient
+    first_aliased = len(schedule) + 6  # the scheduled scalars, hp, keys, samples, gains, the gradient, keys_row
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -569,6 +607,7 @@ def stream_update(
                 smem(),
                 smem(),
                 gradient_spec,
+                keys_row_spec,
                 *specs,
             ],
             out_specs=specs,
@@ -581,7 +620,7 @@ def stream_update(
         input_output_aliases={first_aliased + i: i for i in range(len(arrays))},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
         interpret=_interpret(),
-    )(*schedule, hp, keys, samples, gains, gradient, *arrays)
+    )(*schedule, hp, keys, samples, gains, gradient, keys_row, *arrays)
     new_slots = [o.reshape(-1)[:rows] if f else o for o, f in zip(outs[1:], flat)]
     return (outs[0], *new_slots)
 
@@ -661,6 +700,12 @@ def _one_pass() -> bool:
     return bool(config.get("TPUREC_TENSORCORE_ONE_PASS"))
 
 
+def _row_sum() -> str:
+    from tpurec import config
+
+    return str(config.get("TPUREC_TENSORCORE_ROW_SUM"))
+
+
 def sparse_dense_matmul(row_pointers, embedding_ids, sample_ids, gains, table, *, batch_size: int):
     """Pooled lookup (see :func:`tpurec.sparse.kernels.reference.sparse_dense_matmul`)."""
     TRACE_COUNTS["sparse_dense_matmul"] += 1
@@ -691,7 +736,9 @@ def _grad_op(op_name, csr, grad_output, table, slots, hyperparameters):
         grads = jnp.zeros((n, grad_output.shape[1]), grad_output.dtype)
     else:
         if streams(n, table) and _update_fits(table, slots) and _one_pass():
-            updated = stream_update(op_name, table, slots, keys, samples, g, grad_output, hyperparameters)
+            updated = stream_update(
+                op_name, table, slots, keys, samples, g, grad_output, hyperparameters, row_sum=_row_sum()
+            )
             return updated if len(updated) > 1 else updated[0]
         grads = jnp.take(grad_output, samples, axis=0) * jnp.where(valid, g, 0).astype(grad_output.dtype)[:, None]
     unique_keys, segment = _unique(keys, valid)
