@@ -30,7 +30,7 @@ from typing import Any, cast
 CASES = ("default", "data_parallel_dense", "table_wise_fused", "row_wise_fused", "column_wise_fused")
 
 
-def _stand_in_for_the_missing_tests_package() -> None:
+def stand_in_for_the_missing_tests_package() -> None:
     class TestEmbeddingCollectionSharder:
         """TorchRec's 2D-parallel test sharder, not in its wheel."""
 
@@ -92,7 +92,7 @@ def main(out_path: str, cases: list[str]) -> None:
 
     import tpurec  # noqa: F401 (registers the "tpu" backend)
 
-    _stand_in_for_the_missing_tests_package()
+    stand_in_for_the_missing_tests_package()
     dist.init_process_group("cpu:gloo,tpu:tpu", timeout=datetime.timedelta(seconds=120))
     done = []
     for case in cases:
