@@ -71,6 +71,7 @@ LAYERS = (
     "optimizers",  # fused embedding optimizers
     "torchrec_fused",  # TorchRec's FUSED kernel on tpu: its lookup and fused optimizer as tpurec's ops
     "table_init",  # initial table values independent of the sharding (tables born on meta)
+    "lookup",  # what every embedding collection does around its lookup (batches ahead, optimizer state)
     "export",  # torch.export / tracing of the collections
     "modules",  # EmbeddingBagCollection
     "sequence",  # EmbeddingCollection

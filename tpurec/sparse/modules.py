@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import warnings
 import weakref
@@ -37,6 +38,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from tpurec.core import graphs, modes
 from tpurec.sparse import export as _export
 from tpurec.sparse.drops import DropCounter
+from tpurec.sparse.lookup import Prepared, Staged
 from tpurec.sparse.optimizers import SGD, Adam, EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
 from tpurec.sparse.ops import touched_rows_update_cpu
@@ -112,6 +114,19 @@ def _combined_lookups(lookups: list[tuple[tuple[torch.Tensor, ...], torch.Tensor
         torch.cat(gain_parts, dim=1).reshape(-1),
     )
     return csr, torch.cat(grads, dim=0)
+
+
+@dataclasses.dataclass
+class PreparedCsr(Prepared):
+    """A KJT's CSR input as :meth:`EmbeddingBagCollection.prefetch` prepared it.
+
+    Attributes:
+        batch: the host CSR input.
+        arrays: per stack, its CSR arrays on the tables' device (their copies started).
+    """
+
+    batch: SparseCoreInput
+    arrays: list[list[Any]]
 
 
 _MAX_PREFETCHED = 18
@@ -231,13 +246,12 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._fixed_capacities = capacities
         self._auto_capacities: dict[str, Capacity] = {}
         self._steps: list[int] = [0] * len(self._stacks)
-        # id(kjt) -> (kjt, its CSR, per stack the CSR arrays already sent to the
-        # tables' device): filled by prefetch() (TrainPipeline's worker thread),
+        # id(kjt) -> its CSR, prepared by prefetch() (TrainPipeline's worker thread),
         # taken by forward() of that same KJT object.
-        self._prefetched: dict[int, tuple[KeyedJaggedTensor, SparseCoreInput, list[list[torch.Tensor | Any]]]] = {}
+        self._prefetched: dict[int, PreparedCsr] = {}
         # stage(): the KJT staged last and its CSR, and per stack the CSR tensors that hold it on the
         # tables' device; the same tensors from batch to batch, so a captured step reads each new batch.
-        self._staged: tuple[KeyedJaggedTensor, SparseCoreInput] | None = None
+        self._staged: Staged[SparseCoreInput] | None = None
         self._static_csr: list[list[torch.Tensor]] = []
         self._static_batch_size = 0  # the batch size the staged tensors were made for
         # How many times stage() made new static tensors (a first batch, a new batch size, grown
@@ -390,7 +404,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 arrays.append([jax.device_put(a, target) for a in csr])  # asynchronous copies
             else:
                 arrays.append([torch.from_numpy(a).to(device) for a in csr])
-        self._prefetched[id(features)] = (features, batch, arrays)
+        self._prefetched[id(features)] = PreparedCsr(features, batch, arrays)
         # A model that hands a different KJT object to this module never takes
         # its prefetched batches: keep only the newest few, not every batch.
         while len(self._prefetched) > _MAX_PREFETCHED:
@@ -433,9 +447,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             )
         entry = self._prefetched.get(id(features))
         moved_ahead = None
-        if batch is None and entry is not None and entry[0] is features:
+        if batch is None and entry is not None and entry.features is features:
             del self._prefetched[id(features)]
-            batch, moved_ahead = entry[1], entry[2]
+            batch, moved_ahead = entry.batch, entry.arrays
         elif batch is None:
             batch = self.preprocess(features)
         device = self.device
@@ -483,18 +497,18 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 renewed = True
         self._static_csr, self._static_batch_size = stacks, batch.batch_size
         self.staged_generation += renewed
-        self._staged = (features, batch)
+        self._staged = Staged(features, batch)
         self._drops.add(batch.dropped_by_feature)
 
     def clear_prefetched(self) -> None:
         """Drops batches prepared by :meth:`prefetch` that no step used."""
         self._prefetched.clear()
 
-    def _take_prefetched(self, features: KeyedJaggedTensor) -> tuple[SparseCoreInput, list[list[torch.Tensor]]] | None:
+    def _take_prefetched(self, features: KeyedJaggedTensor) -> tuple[SparseCoreInput, list[list[Any]]] | None:
         entry = self._prefetched.pop(id(features), None)
-        if entry is None or entry[0] is not features:
+        if entry is None or entry.features is not features:
             return None
-        _, batch, arrays = entry
+        batch, arrays = entry.batch, entry.arrays
         device = self.device
         if device.type == "tpu":
             from tpurec.core.tensor import wrap
@@ -536,9 +550,9 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             )
         self._check_trainable_lookup(features)
         prefetched = self._take_prefetched(features)
-        staged = self._staged if prefetched is None and self._staged and self._staged[0] is features else None
+        staged = self._staged if prefetched is None and self._staged and self._staged.features is features else None
         if staged is not None:
-            batch = staged[1]  # its drops were counted by stage()
+            batch = staged.batch  # its drops were counted by stage()
         else:
             batch = self.preprocess(features) if prefetched is None else prefetched[0]
             self._drops.add(batch.dropped_by_feature)

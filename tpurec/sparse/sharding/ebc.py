@@ -33,13 +33,14 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from tpurec.core import runtime
 from tpurec.core.tensor import replace_array, wrap
 from tpurec.sparse.drops import DropCounter
+from tpurec.sparse.lookup import Staged
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.ops import kernel_for
 from tpurec.sparse.optimizers import EmbeddingOptimizer
 from tpurec.sparse.preprocess import stack_tables
 from tpurec.sparse.sharding import programs
 from tpurec.sparse.spec.layout import Layout
-from tpurec.sparse.sharding.routing import InputRouter, Prefetched, Routed
+from tpurec.sparse.sharding.routing import InputRouter, MeshBatch, Prefetched, Routed
 from tpurec.sparse.spec.shards import TableSharding
 from tpurec.sparse.table_init import check_rows_fit, local_stack_values, table_init, table_key
 from tpurec.sparse.types import StackedTable
@@ -199,7 +200,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         # stage(): the staged KJT and its batch, the static entry tensors the staged lookup reads
         # (each group's and then each data-parallel group's rows, samples and gains) and the
         # samples per device they were made for; staged_generation counts new static tensors.
-        self._staged: tuple[KeyedJaggedTensor, dict[str, Any]] | None = None
+        self._staged: Staged[MeshBatch] | None = None
         self._static_entries: list[torch.Tensor] = []
         self._static_per_device: int | None = None
         self.staged_generation = 0
@@ -619,13 +620,13 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         batch = self._take_prefetched(features)
         if batch is None:
             batch = self.distribute_input(features)
-        arrays = [a for entries in (*batch["groups"], *batch["dp"]) for a in entries]
+        arrays = [a for entries in (*batch.groups, *batch.dp) for a in entries]
         old = self._static_entries
         # A new batch size makes new tensors even where the entry shapes (set by the capacity)
         # stay: a step captured for the old one then refuses to replay instead of misreading.
         if (
             len(old) == len(arrays)
-            and batch["per_device"] == self._static_per_device
+            and batch.per_device == self._static_per_device
             and all(tuple(t.shape) == a.shape and t.dtype == torch.from_numpy(np.zeros(0, a.dtype)).dtype
                     for t, a in zip(old, arrays))
         ):  # fmt: skip
@@ -637,11 +638,11 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             for t in old:
                 free_storage(t)  # a step captured over the old shapes then refuses to replay
             self._static_entries = [wrap(a, 0) for a in arrays]
-            self._static_per_device = batch["per_device"]
+            self._static_per_device = batch.per_device
             self.staged_generation += 1
-        self._staged = (features, batch)
+        self._staged = Staged(features, batch)
 
-    def _take_staged(self, features: KeyedJaggedTensor) -> dict[str, Any] | None:
+    def _take_staged(self, features: KeyedJaggedTensor) -> MeshBatch | None:
         """The batch :meth:`stage` made of this KJT object (its drops already counted), or None."""
         staged = self._staged
         return staged[1] if staged is not None and staged[0] is features else None
@@ -746,7 +747,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         )
         return cache[b]
 
-    def _take_prefetched(self, features: KeyedJaggedTensor) -> dict[str, Any] | None:
+    def _take_prefetched(self, features: KeyedJaggedTensor) -> MeshBatch | None:
         """The prepared batch of this KJT object (counting its drops), or None."""
         entry = self._prefetched.pop(id(features), None)
         if entry is None or entry.features is not features:
@@ -757,7 +758,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._count_drops(entry.batch, entry.dropped)
         return entry.batch
 
-    def distribute_input(self, features: KeyedJaggedTensor) -> dict[str, Any]:
+    def distribute_input(self, features: KeyedJaggedTensor) -> MeshBatch:
         """Validates this process's batch and builds the global entry arrays.
 
         Nothing changes on a bad batch except (with automatic capacities) a
@@ -765,10 +766,8 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         ``overflow="drop"`` are added to ``dropped``.
 
         Returns:
-            ``{"per_device": samples per device, "groups": [(rows, samples, gains)],
-            "dp": [(rows, samples, gains)], "origins": [(entry positions, KJT value
-            indices)], "num_ids": ids in the KJT}``: global arrays, and (origins) host
-            arrays saying which KJT id each of this process's entries came from.
+            The batch's entry arrays on the mesh (per group ``(rows, samples, gains)``),
+            and which KJT id each of this process's entries came from.
 
         Raises:
             ValueError: a malformed batch (the message says what is wrong), or a
@@ -779,10 +778,10 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._count_drops(batch, dropped)
         return batch
 
-    def _count_drops(self, batch: dict[str, Any], dropped: int) -> None:
+    def _count_drops(self, batch: MeshBatch, dropped: int) -> None:
         """Counts the entries a batch taken by a step left out (``overflow="drop"``)."""
         self.dropped += dropped
-        self._drops.add(batch.get("dropped", {}))
+        self._drops.add(batch.dropped)
 
     def dropped_entries(self) -> dict[str, int]:
         """Entries ``overflow="drop"`` left out of this process's batches so far, per feature.
@@ -796,7 +795,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         """Validates ``features`` and routes its entries (host only; see :meth:`InputRouter.route`)."""
         return self.router.route(features)
 
-    def _pack(self, routed: Routed) -> tuple[dict[str, Any], int]:
+    def _pack(self, routed: Routed) -> tuple[MeshBatch, int]:
         """The routed batch's fixed-capacity arrays on the mesh (see :meth:`InputRouter.pack`)."""
         return self.router.pack(routed)
 
@@ -837,20 +836,20 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             self.layout, self.mesh, update, grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper, b
         )
 
-    def _run_forward(self, batch: dict[str, Any], with_rows: bool = False) -> tuple[torch.Tensor, tuple]:
+    def _run_forward(self, batch: MeshBatch, with_rows: bool = False) -> tuple[torch.Tensor, tuple]:
         L = self.layout
         weights, _ = self._arrays("shard", len(L.groups))
         dp_weights, _ = self._arrays("dp", len(L.dp_groups))
-        b = batch["per_device"]
-        origins = (batch["origins"], batch["num_ids"]) if with_rows else None
+        b = batch.per_device
+        origins = (batch.origins, batch.num_ids) if with_rows else None
         if b == 0:
             # An empty batch: nothing to look up; the programs would split by zero samples.
             # The [0, dims] output is batch-sharded like every other (as unsharded: [0, D]).
             empty = np.zeros((0, L.total_dim), np.float32)
-            return wrap(self.router.to_global(empty), 0), ([], batch["dp"], [], origins, b)
+            return wrap(self.router.to_global(empty), 0), ([], batch.dp, [], origins, b)
         program = self._programs(b, with_rows)[0]
-        out, received, kept = program(weights, dp_weights, batch["groups"], batch["dp"])
-        return wrap(out, 0), (received, batch["dp"], kept, origins, b)
+        out, received, kept = program(weights, dp_weights, batch.groups, batch.dp)
+        return wrap(out, 0), (received, batch.dp, kept, origins, b)
 
     def _run_backward(self, saved: tuple, grad_output: torch.Tensor) -> np.ndarray | None:
         """Runs the backward program; returns the per-id weights' gradient (KJT order) when asked for."""
@@ -916,8 +915,8 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         # (the gains carry them into the lookup as constants, as in the unsharded collection).
         # (A VBE batch was routed with its bags expanded: its weights are gathered the same way.)
         id_weights = self.router.one_batch_size(features).weights() if self._weights_need_grad(features) else None
-        if staged is not None and id_weights is None and batch["per_device"] > 0:
-            values = _StagedLookup.apply(anchor, self, self._static_entries, batch["per_device"])
+        if staged is not None and id_weights is None and batch.per_device > 0:
+            values = _StagedLookup.apply(anchor, self, self._static_entries, batch.per_device)
         else:
             values = _ShardedLookup.apply(anchor, id_weights, self, batch)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)

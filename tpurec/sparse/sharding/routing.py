@@ -24,12 +24,13 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.sparse.batching import expand_bags, read_batching
+from tpurec.sparse.lookup import Prepared
 from tpurec.sparse.preprocess import read_kjt
 from tpurec.sparse.sharding.fingerprint import agree_on_step
 from tpurec.sparse.spec.layout import Layout
 from tpurec.sparse.types import PAD_ID, CapacityError, StackedTable
 
-__all__ = ["ALIGN", "InputRouter", "Prefetched", "Routed"]
+__all__ = ["ALIGN", "InputRouter", "MeshBatch", "Prefetched", "Routed"]
 
 ALIGN = 8
 """Capacities are multiples of this many entries."""
@@ -58,18 +59,53 @@ class Routed:
     features: list[np.ndarray] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(eq=False)
+class MeshBatch:
+    """One process's batch, routed and packed into fixed-capacity entry arrays on the mesh.
+
+    Each ``(rows, samples, gains)`` triple holds one group's entries: the row each entry reads
+    in the group's local stack, the output row it adds to and its weight (padding entries
+    read no row). Fields read by key too (``batch["groups"]``), as a mapping of them.
+
+    Attributes:
+        per_device: samples per device.
+        groups: per sharded group, global ``[local devices, devices, capacity]`` arrays.
+        dp: per data-parallel group, global ``[local devices, capacity]`` arrays.
+        origins: per group (sharded, then data-parallel), ``(entry positions, KJT value
+            indices)`` host arrays: which id of this process's KJT each kept entry came from.
+        num_ids: ids in this process's KJT.
+        dropped: feature -> entries ``overflow="drop"`` left out (features with drops only).
+    """
+
+    per_device: int
+    groups: list[tuple[jax.Array, jax.Array, jax.Array]]
+    dp: list[tuple[jax.Array, jax.Array, jax.Array]]
+    origins: list[tuple[np.ndarray, np.ndarray]]
+    num_ids: int
+    dropped: dict[str, int]
+
+    def __getitem__(self, key: str) -> Any:
+        """The field named ``key``.
+
+        Raises:
+            KeyError: no field has that name.
+        """
+        if key not in {f.name for f in dataclasses.fields(self)}:
+            raise KeyError(key)
+        return getattr(self, key)
+
+
 @dataclasses.dataclass
-class Prefetched:
-    """What a collection's ``prefetch`` prepared for one KJT object.
+class Prefetched(Prepared):
+    """What a sharded collection's ``prefetch`` prepared for one KJT object.
 
     ``batch`` (on the mesh) and ``dropped`` when the arrays could be built on
     the worker; else only ``routed`` (several processes: the capacity agreement
     is a collective, so it runs in the step, in the same order on every process).
     """
 
-    features: KeyedJaggedTensor
     routed: Routed | None = None
-    batch: dict[str, Any] | None = None
+    batch: MeshBatch | None = None
     dropped: int = 0
 
 
@@ -228,16 +264,12 @@ class InputRouter:
         codes = [np.concatenate(w) if w else np.zeros(0, np.int32) for w in which]
         return Routed(per_device=b, groups=packed, needs=needs, num_ids=num_ids, features=codes)
 
-    def pack(self, routed: Routed) -> tuple[dict[str, Any], int]:
+    def pack(self, routed: Routed) -> tuple[MeshBatch, int]:
         """Fixed-capacity entry arrays of a routed batch, sent to the mesh (asynchronous copies).
 
         Returns:
-            ``(batch, dropped)``: ``{"per_device": samples per device, "groups":
-            [(rows, samples, gains)], "dp": [(rows, samples, gains)], "origins":
-            [(entry positions, KJT value indices)], "num_ids": ids in the KJT}``
-            (global arrays, and host arrays saying which KJT id each of this
-            process's entries came from), ``"dropped"``: feature -> entries left
-            out; and how many entries ``overflow="drop"`` left out in all.
+            ``(batch, dropped)``: the batch on the mesh, and how many entries
+            ``overflow="drop"`` left out in all.
 
         Raises:
             CapacityError: a fixed capacity overflows with ``overflow="error"``.
@@ -264,15 +296,23 @@ class InputRouter:
             s = np.full(size, PAD_ID, np.int32)
             v = np.zeros(size, np.float32)
             r[flat], s[flat], v[flat] = rows[keep], out[keep], gains[keep]
-            arrays = tuple(self.to_global(x.reshape(shape)) for x in (r, s, v))
+            arrays = (
+                self.to_global(r.reshape(shape)),
+                self.to_global(s.reshape(shape)),
+                self.to_global(v.reshape(shape)),
+            )
             (result_groups if j < n_groups else result_dp).append(arrays)
             # (this process's flat entry position, KJT value index) of each kept entry: maps the
             # per-entry gradients of per-id weights back to the KJT's weights.
             origins.append((flat, origin[keep]))
-        batch = {"per_device": routed.per_device, "groups": result_groups, "dp": result_dp}
-        batch["origins"], batch["num_ids"] = origins, routed.num_ids
-        # Feature -> entries overflow="drop" left out (features with drops only).
-        batch["dropped"] = {self.features[c][1]: int(n) for c, n in enumerate(by_feature.tolist()) if n}
+        batch = MeshBatch(
+            per_device=routed.per_device,
+            groups=result_groups,
+            dp=result_dp,
+            origins=origins,
+            num_ids=routed.num_ids,
+            dropped={self.features[c][1]: int(n) for c, n in enumerate(by_feature.tolist()) if n},
+        )
         return batch, dropped
 
     def capacities_for(self, needs: list[int], routed: Routed | None = None) -> list[int]:
