@@ -6,6 +6,14 @@ collection :func:`tpurec.shard` makes, :class:`~tpurec.sparse.QuantEmbeddingBagC
 (SparseCore CSR per stacked table, fixed-capacity entries per shard, sequences as bags of one
 id) and in the programs that look it up. Around that they share one lifecycle, kept here:
 
+* :class:`EmbeddingLookup`: the tables' configs and stacks, the KJT features they read, the
+  output's keys and the order its blocks are assembled in, the entries ``overflow="drop"``
+  left out;
+* :class:`CsrLookup`: tables stacked in one device's memory and looked up from SparseCore CSR
+  input: the batch's preprocessing (capacities fixed or grown), the stacked parameters, and
+  state dicts with TorchRec's keys (every table checked before any is written);
+* :class:`TrainableLookup`: the fused embedding optimizer's step counts, what a captured step
+  checks before a replay, and the checks of its state dict;
 * the batches a collection prepares ahead of its forward: what ``prefetch(kjt)`` made of a
   KeyedJaggedTensor object (:class:`Prepared`, taken by the forward of that same object), and
   the batch ``stage(kjt)`` wrote into the collection's static input tensors (:class:`Staged`).
@@ -14,11 +22,32 @@ id) and in the programs that look it up. Around that they share one lifecycle, k
 from __future__ import annotations
 
 import dataclasses
-from typing import Generic, NamedTuple, TypeVar
+import math
+import weakref
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Generic, Literal, NamedTuple, TypeVar
 
+import torch
+from torch import nn
+from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-__all__ = ["Prepared", "Staged"]
+from tpurec.core import graphs
+from tpurec.sparse.drops import DropCounter
+from tpurec.sparse.optimizers import EmbeddingOptimizer
+from tpurec.sparse.preprocess import preprocess_kjt
+from tpurec.sparse.types import Capacity, CapacityError, SparseCoreInput, StackedTable, TableInStack
+
+__all__ = [
+    "CsrLookup",
+    "EmbeddingLookup",
+    "Prepared",
+    "Staged",
+    "TrainableLookup",
+    "check_optimizer_state",
+    "preprocess_growing",
+]
 
 BatchT = TypeVar("BatchT")
 
@@ -43,3 +72,345 @@ class Staged(NamedTuple, Generic[BatchT]):
 
     features: KeyedJaggedTensor
     batch: BatchT
+
+
+# --- preprocessing with capacities -------------------------------------------------------
+
+
+def _power_of_two(n: int) -> int:
+    return 2 ** math.ceil(math.log2(max(n, 1)))
+
+
+def preprocess_growing(
+    features: KeyedJaggedTensor,
+    stacks: Sequence[StackedTable],
+    num_partitions: int,
+    fixed: Capacity | Mapping[str, Capacity] | None,
+    grown: dict[str, Capacity],
+    is_weighted: bool,
+    overflow: Literal["error", "drop"],
+) -> SparseCoreInput:
+    """The CSR input of ``features``, with fixed capacities or capacities grown on demand.
+
+    Fixed capacities are used as given (``overflow`` decides what a batch beyond them
+    does). Without them each stack's capacities (``grown``, 8 at first) grow to the next
+    power of two a batch needs; ``grown`` is updated in place and only grows (each growth
+    compiles the lookup again).
+
+    Raises:
+        ValueError: a malformed batch (named by ``preprocess_kjt``).
+        CapacityError: a fixed capacity overflows with ``overflow="error"``.
+    """
+    if fixed is not None:
+        return preprocess_kjt(features, stacks, num_partitions, fixed, is_weighted=is_weighted, overflow=overflow)
+    caps = {st.name: grown.get(st.name, Capacity(8)) for st in stacks}
+    try:
+        return preprocess_kjt(features, stacks, num_partitions, caps, is_weighted=is_weighted)
+    except CapacityError:
+        needed = preprocess_kjt(features, stacks, num_partitions, None, is_weighted=is_weighted)
+    for st in stacks:
+        csr, old = needed.stacks[st.name], caps[st.name]
+        ids = max(old.max_ids_per_partition, _power_of_two(int(csr.max_ids.max())))
+        unique = max(old.max_unique_ids_per_partition or 0, _power_of_two(int(csr.max_unique_ids.max())))
+        grown[st.name] = Capacity(ids, min(unique, ids))
+    caps = {st.name: grown[st.name] for st in stacks}
+    return preprocess_kjt(features, stacks, num_partitions, caps, is_weighted=is_weighted)
+
+
+# --- the collections' common part ---------------------------------------------------------
+
+
+class EmbeddingLookup(nn.Module):
+    """What every tpurec embedding collection holds besides its routing and its programs.
+
+    A subclass sets ``_embedding_bag_configs``, ``_is_weighted`` and ``_stacks`` in its
+    ``__init__`` (after this one's) and calls :meth:`_init_outputs` for its output order.
+    """
+
+    _embedding_bag_configs: list[EmbeddingBagConfig]
+    _is_weighted: bool
+    _stacks: list[StackedTable]
+    _embedding_names: list[str]
+    _length_per_key: list[int]
+    _output_runs: list[tuple[int, int, int]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._drops = DropCounter()  # entries overflow="drop" left out, per feature
+
+    # --- torchrec interface ---------------------------------------------------------
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return self._embedding_bag_configs
+
+    def is_weighted(self) -> bool:
+        return self._is_weighted
+
+    @property
+    def stacks(self) -> list[StackedTable]:
+        """The stacked tables (what a batch is validated against and looked up in)."""
+        return list(self._stacks)
+
+    @property
+    def feature_names(self) -> list[str]:
+        """The KJT keys this collection looks up (once each, also when two tables share one)."""
+        return list(dict.fromkeys(s.feature for st in self._stacks for s in st.features))
+
+    def dropped_entries(self) -> dict[str, int]:
+        """Entries ``overflow="drop"`` left out of this collection's batches so far, per feature.
+
+        Features that never dropped an entry are absent; the process-wide sum is
+        ``tpurec.stats()["dropped_entries"]``.
+        """
+        return self._drops.by_feature()
+
+    # --- the output -----------------------------------------------------------------
+
+    def _init_outputs(self, ordered: Sequence[EmbeddingBagConfig]) -> None:
+        """The output's keys and widths in the order of ``ordered`` (tables, then their features),
+        and the runs of stack slots that fill it: ``(stack, first slot, end slot)``.
+
+        A feature of two tables has a slot in each (output ``"<feature>@<table>"``).
+        """
+        self._embedding_names = [n for names in get_embedding_names_by_table(list(ordered)) for n in names]
+        self._length_per_key = [t.embedding_dim for t in ordered for _ in t.feature_names]
+        where = {(s.table, s.feature): (i, s.slot) for i, st in enumerate(self._stacks) for s in st.features}
+        self._output_runs = []
+        for i, slot in (where[t.name, f] for t in ordered for f in t.feature_names):
+            if self._output_runs and self._output_runs[-1][0] == i and self._output_runs[-1][2] == slot:
+                self._output_runs[-1] = (i, self._output_runs[-1][1], slot + 1)
+            else:
+                self._output_runs.append((i, slot, slot + 1))
+
+    def _pooled_values(self, stack_outputs: Sequence[torch.Tensor], batch_size: int) -> torch.Tensor:
+        """``[batch, sum of dims]`` from each stack's ``[slots, batch, dim]`` pooled rows, in output order.
+
+        One block per run of consecutive slots: a transpose per run, not a select per
+        feature (whose backward would add up full-size zeros).
+        """
+        blocks = [
+            stack_outputs[i][first:last]
+            .transpose(0, 1)
+            .reshape(batch_size, (last - first) * self._stacks[i].embedding_dim)
+            for i, first, last in self._output_runs
+        ]
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+
+
+class CsrLookup(EmbeddingLookup):
+    """A collection whose stacks are parameters or buffers ``stacked_weight_<i>`` on one device,
+    looked up from SparseCore CSR input.
+
+    A subclass also sets ``num_partitions``, ``overflow``, ``_fixed_capacities`` and
+    ``_auto_capacities`` (what :meth:`preprocess` follows).
+    """
+
+    num_partitions: int
+    overflow: Literal["error", "drop"]
+    _fixed_capacities: Capacity | Mapping[str, Capacity] | None
+    _auto_capacities: dict[str, Capacity]
+
+    @property
+    def device(self) -> torch.device:
+        return self.stacked_weight(0).device
+
+    def stacked_weight(self, index: int) -> torch.Tensor:
+        """The tensor holding stack ``index``."""
+        return getattr(self, f"stacked_weight_{index}")
+
+    def table_weight(self, name: str) -> torch.Tensor:
+        """A view of table ``name``'s rows inside its stack."""
+        for i, st in enumerate(self._stacks):
+            for t in st.tables:
+                if t.name == name:
+                    return self.stacked_weight(i)[t.row_offset : t.row_offset + t.num_embeddings]
+        raise KeyError(f"no table named {name!r}")
+
+    def preprocess(self, features: KeyedJaggedTensor) -> SparseCoreInput:
+        """Validates ``features`` and builds the CSR input (host side, no state change
+        except growing automatic capacities)."""
+        return preprocess_growing(
+            features,
+            self._stacks,
+            self.num_partitions,
+            self._fixed_capacities,
+            self._auto_capacities,
+            self._is_weighted,
+            self.overflow,
+        )
+
+    # --- state dicts: TorchRec's keys, one per table ----------------------------------
+
+    def _tables(self) -> list[tuple[str, int, TableInStack]]:
+        """``(state dict key, stack, table)`` of every table, stack by stack."""
+        return [(f"embedding_bags.{t.name}.weight", i, t) for i, st in enumerate(self._stacks) for t in st.tables]
+
+    def _table_value(
+        self, state_dict: Mapping[str, Any], key: str, stack: int, target: torch.Tensor
+    ) -> tuple[Any, str | None]:
+        """State dict entry ``key`` as the rows to copy into ``target``, or the error it has."""
+        value = state_dict[key]
+        if tuple(value.shape) != tuple(target.shape):
+            return None, f"size mismatch for {key}: checkpoint {tuple(value.shape)}, model {tuple(target.shape)}"
+        return value, None
+
+    def _table_companions(self, key: str) -> list[str]:
+        """Other state dict keys that belong to table ``key`` (not unexpected when present)."""
+        return []
+
+    def _tables_loaded(self, prefix: str) -> None:
+        """Called after ``load_state_dict`` wrote the tables."""
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        for key, i, t in self._tables():
+            weight = self.stacked_weight(i)
+            weight = weight if keep_vars else weight.detach()
+            destination[prefix + key] = weight[t.row_offset : t.row_offset + t.num_embeddings]
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    ):
+        # Every table is checked before any is written: a bad checkpoint changes nothing.
+        expected, writes = set(), []
+        for key, i, t in self._tables():
+            full = prefix + key
+            expected.add(full)
+            if full not in state_dict:
+                missing_keys.append(full)
+                continue
+            expected.update(self._table_companions(full))
+            target = self.stacked_weight(i)[t.row_offset : t.row_offset + t.num_embeddings]
+            value, error = self._table_value(state_dict, full, i, target)
+            if error is not None:
+                error_msgs.append(error)
+                continue
+            writes.append((target, value))
+        if strict:
+            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
+        if error_msgs or (strict and missing_keys):
+            return
+        with torch.no_grad():
+            for target, value in writes:
+                target.copy_(value)
+        if writes:
+            self._tables_loaded(prefix)
+
+
+class TrainableLookup(EmbeddingLookup):
+    """A collection whose backward updates its tables with a fused embedding optimizer.
+
+    ``_steps`` counts the optimizer's steps (per stack, or one for all of a collection's
+    tables); a replay of a captured step counts too, and refuses to run when the
+    optimizer's settings changed since the capture.
+    """
+
+    optimizer: EmbeddingOptimizer | None
+    optimizer_semantics: Literal["fbgemm", "torch"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.optimizer = None
+        # "fbgemm": one optimizer update per lookup, as FBGEMM's fused kernels (and torchrec's
+        # FusedEmbeddingBagCollection) do. "torch": the optimizer came from torchrec's
+        # apply_optimizer_in_backward, which makes one update per backward pass on the summed
+        # gradient of every lookup in it (from_torchrec sets it).
+        self.optimizer_semantics = "fbgemm"
+        self._steps: list[int] = []
+        # The lookups whose backward has not run yet (until it runs or their graph is freed).
+        self._pending_lookups: weakref.WeakSet[Any] = weakref.WeakSet()
+
+    def _step_tables(self, index: int) -> list[str]:
+        """The tables whose optimizer steps ``_steps[index]`` counts."""
+        return [t.name for t in self._stacks[index].tables]
+
+    def _hyperparameters(self, step: int) -> dict[str, Any]:
+        """The optimizer's settings at ``step`` (what its update op takes)."""
+        assert self.optimizer is not None
+        return self.optimizer.hyperparameters(step)
+
+    def _count_step(self, index: int) -> None:
+        self._steps[index] += 1
+
+    def _next_step(self, index: int) -> dict[str, Any]:
+        """Counts an optimizer step of ``_steps[index]``; returns its settings."""
+        self._steps[index] += 1
+        return self._hyperparameters(self._steps[index])
+
+    def _next_captured_step(self, index: int) -> dict[str, Any]:
+        """:meth:`_next_step` in a step that may be captured: a replay counts its step too, and
+        refuses to run once the optimizer's settings differ from those the capture read."""
+        hyperparameters = self._next_step(index)
+        graphs.on_replay(lambda: self._count_step(index))  # a replayed step counts too (its numbers do not change)
+        graphs.replay_check(lambda: self._changed_optimizer(index, hyperparameters))
+        return hyperparameters
+
+    def _changed_optimizer(self, index: int, captured: dict[str, Any]) -> str | None:
+        """What changed in the embedding optimizer's settings since a captured step read them (None: nothing)."""
+        now = None if self.optimizer is None else self._hyperparameters(self._steps[index] + 1)
+        if now == captured:
+            return None
+        return (
+            f"the embedding optimizer of {self._tables_noun} {self._step_tables(index)} now has {now}, and the "
+            f"step was captured with {captured}: a replay would use the old settings. Capture again after the change"
+        )
+
+    _tables_noun: ClassVar[str] = "tables"
+    """How :meth:`_changed_optimizer` names the tables of a step count."""
+
+
+def check_optimizer_state(
+    state_dict: Any,
+    expected: Mapping[str, Mapping[str, tuple[int, ...]]],
+    optimizer: str | None,
+    steps: int | None,
+    owner: str,
+    remedy: str,
+) -> None:
+    """Checks an embedding optimizer state (``optimizer_state_dict()``'s format) without writing it.
+
+    Args:
+        state_dict: ``{"optimizer": name, "steps": [...], "state": {table key: {slot: tensor}}}``.
+        expected: table key -> slot -> the shape its tensor must have.
+        optimizer: the optimizer's class name (None: an inference collection).
+        steps: how many step counts the state must hold (None: one or more).
+        owner: the collection, as the messages name it (``"this EmbeddingBagCollection"``).
+        remedy: what to do when the state is of another optimizer.
+
+    Raises:
+        ValueError: the state does not fit (the message says what differs).
+    """
+    if not isinstance(state_dict, Mapping) or "steps" not in state_dict or "state" not in state_dict:
+        keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
+        raise ValueError(
+            f"an embedding optimizer state needs 'steps' and 'state' (from optimizer_state_dict()), got {keys}"
+        )
+    theirs = state_dict.get("optimizer", optimizer)
+    if theirs != optimizer:
+        raise ValueError(f"the optimizer state is of {theirs}, but {owner} uses {optimizer}; {remedy}")
+    counts = state_dict["steps"]
+    if (
+        not isinstance(counts, (list, tuple))
+        or (len(counts) != steps if steps is not None else not counts)
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in counts)
+    ):
+        raise ValueError(
+            f"steps must be {steps} non-negative ints (one per stacked table), got {counts!r}"
+            if steps is not None
+            else f"steps must be a non-empty list of non-negative ints, got {counts!r}"
+        )
+    state = state_dict["state"]
+    if not isinstance(state, Mapping) or set(state) != set(expected):
+        got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"the optimizer state has tables {got}, {owner} has {sorted(expected)}")
+    for key, slots in expected.items():
+        entry = state[key]
+        if not isinstance(entry, Mapping) or set(entry) != set(slots):
+            got = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
+            raise ValueError(f"the optimizer state of {key} has slots {got}, but {optimizer} needs {sorted(slots)}")
+        for name, shape in slots.items():
+            value = entry[name]
+            if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
+                got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+                raise ValueError(f"slot {name} of {key}: expected shape {tuple(shape)}, got {got}")
+            if not value.dtype.is_floating_point:
+                raise ValueError(f"slot {name} of {key}: expected a floating point tensor, got {value.dtype}")

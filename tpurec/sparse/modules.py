@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import math
 import warnings
-import weakref
 from typing import Any, ClassVar, Literal, Mapping, Sequence
 
 import jax
@@ -32,17 +30,16 @@ import torch
 from torch import nn
 from torch.autograd.variable import Variable
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from tpurec.core import graphs, modes
+from tpurec.core import modes
 from tpurec.sparse import export as _export
-from tpurec.sparse.drops import DropCounter
-from tpurec.sparse.lookup import Prepared, Staged
+from tpurec.sparse.lookup import CsrLookup, Prepared, Staged, TrainableLookup, check_optimizer_state
 from tpurec.sparse.optimizers import SGD, Adam, EmbeddingOptimizer, optimizer_from_torch
-from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
+from tpurec.sparse.preprocess import stack_tables
 from tpurec.sparse.ops import touched_rows_update_cpu
-from tpurec.sparse.types import PAD_ID, Capacity, CapacityError, SparseCoreInput, StackedTable
+from tpurec.sparse.types import PAD_ID, Capacity, SparseCoreInput, StackedTable
 
 __all__ = ["EmbeddingBagCollection", "OUTPUT_DTYPES", "TABLE_DTYPES"]
 
@@ -135,7 +132,7 @@ _MAX_PREFETCHED = 18
 preprocessed again)."""
 
 
-class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
+class EmbeddingBagCollection(CsrLookup, TrainableLookup, EmbeddingBagCollectionInterface):
     """Pooled embedding lookups on SparseCore-shaped ops, with a fused optimizer.
 
     Behaves like ``torchrec.EmbeddingBagCollection`` (same configs, same
@@ -227,25 +224,18 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 "GPU Adam rounds the new weights stochastically, so tpurec cannot reproduce it. Use FP32 tables "
                 "with Adam, or SGD, Adagrad or RowWiseAdagrad with FP16/BF16 tables."
             )
-        # "fbgemm": one optimizer update per lookup, as FBGEMM's fused kernels (and torchrec's
-        # FusedEmbeddingBagCollection) do. "torch": the optimizer came from torchrec's
-        # apply_optimizer_in_backward, which makes one update per backward pass on the summed
-        # gradient of every lookup in it (from_torchrec sets it).
-        self.optimizer_semantics: Literal["fbgemm", "torch"] = "fbgemm"
-        self._pending_lookups: weakref.WeakSet[Any] = weakref.WeakSet()
         # "torch" semantics: each lookup's (CSR input, output gradient) of the running backward
         # pass, per stack, until its end applies one update on their summed gradient.
         self._stashed_gradients: dict[int, list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]] = {}
         self.num_partitions = num_partitions
         self.overflow = overflow
-        self._drops = DropCounter()  # entries overflow="drop" left out, per feature
         # CPU tables: update the touched rows in place instead of calling the
         # functional gradient op (same math; False forces the op, for tests).
         self.cpu_in_place = True
-        self._stacks: list[StackedTable] = stack_tables(self._embedding_bag_configs, stack=stack)
+        self._stacks = stack_tables(self._embedding_bag_configs, stack=stack)
         self._fixed_capacities = capacities
-        self._auto_capacities: dict[str, Capacity] = {}
-        self._steps: list[int] = [0] * len(self._stacks)
+        self._auto_capacities = {}
+        self._steps = [0] * len(self._stacks)
         # id(kjt) -> its CSR, prepared by prefetch() (TrainPipeline's worker thread),
         # taken by forward() of that same KJT object.
         self._prefetched: dict[int, PreparedCsr] = {}
@@ -260,25 +250,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
         # Set while tpurec.sparse.checkpoint loads the tables with their optimizer state
         # (so load_state_dict does not warn that the optimizer restarts).
         self._optimizer_state_follows = False
-        self._embedding_names: list[str] = [
-            n for names in get_embedding_names_by_table(self._embedding_bag_configs) for n in names
-        ]
-        self._length_per_key: list[int] = [
-            t.embedding_dim for t in self._embedding_bag_configs for _ in t.feature_names
-        ]
-        # Output order (torchrec's): tables in order, features in order -> (stack, slot). A
-        # feature of two tables has a slot in each (outputs "<feature>@<table>").
-        where = {(s.table, s.feature): (i, s.slot) for i, st in enumerate(self._stacks) for s in st.features}
-        self._output_slots: list[tuple[int, int]] = [
-            where[t.name, f] for t in self._embedding_bag_configs for f in t.feature_names
-        ]
-        # (stack, first slot, end slot) runs covering _output_slots in order.
-        self._output_runs: list[tuple[int, int, int]] = []
-        for i, slot in self._output_slots:
-            if self._output_runs and self._output_runs[-1][0] == i and self._output_runs[-1][2] == slot:
-                self._output_runs[-1] = (i, self._output_runs[-1][1], slot + 1)
-            else:
-                self._output_runs.append((i, slot, slot + 1))
+        self._init_outputs(self._embedding_bag_configs)  # torchrec's order: tables, then their features
         configs = {t.name: t for t in self._embedding_bag_configs}
         # On "meta" the tables get no values (and no host memory): tpurec.shard creates each
         # shard on its own device (tpurec.sparse.table_init); an unsharded lookup refuses.
@@ -308,76 +280,11 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
     def _slot_names_and_shapes(self) -> list[tuple[str, str]]:
         return [] if self.optimizer is None else list(self.optimizer.slots.items())
 
-    # --- torchrec interface ---------------------------------------------------------
-
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return self._embedding_bag_configs
-
-    def is_weighted(self) -> bool:
-        return self._is_weighted
-
-    @property
-    def device(self) -> torch.device:
-        return self.stacked_weight(0).device
-
-    @property
-    def stacks(self) -> list[StackedTable]:
-        """The stacked tables (layout of ``stacked_weight_<i>``)."""
-        return list(self._stacks)
-
     def stacked_weight(self, index: int) -> nn.Parameter:
         """The parameter holding stack ``index``."""
         return getattr(self, f"stacked_weight_{index}")
 
-    def table_weight(self, name: str) -> torch.Tensor:
-        """A view of table ``name``'s rows inside its stack."""
-        for i, st in enumerate(self._stacks):
-            for t in st.tables:
-                if t.name == name:
-                    return self.stacked_weight(i)[t.row_offset : t.row_offset + t.num_embeddings]
-        raise KeyError(f"no table named {name!r}")
-
     # --- forward / backward ---------------------------------------------------------
-
-    def preprocess(self, features: KeyedJaggedTensor) -> SparseCoreInput:
-        """Validates ``features`` and builds the CSR input (host side, no state change
-        except growing automatic capacities)."""
-        if self._fixed_capacities is not None:
-            return preprocess_kjt(
-                features,
-                self._stacks,
-                self.num_partitions,
-                self._fixed_capacities,
-                is_weighted=self._is_weighted,
-                overflow=self.overflow,
-            )
-        caps = {st.name: self._auto_capacities.get(st.name, Capacity(8)) for st in self._stacks}
-        try:
-            return preprocess_kjt(features, self._stacks, self.num_partitions, caps, is_weighted=self._is_weighted)
-        except CapacityError:
-            needed = preprocess_kjt(features, self._stacks, self.num_partitions, None, is_weighted=self._is_weighted)
-            for st in self._stacks:
-                csr, old = needed.stacks[st.name], caps[st.name]
-                ids = max(old.max_ids_per_partition, 2 ** math.ceil(math.log2(max(int(csr.max_ids.max()), 1))))
-                uniq = max(
-                    old.max_unique_ids_per_partition, 2 ** math.ceil(math.log2(max(int(csr.max_unique_ids.max()), 1)))
-                )
-                self._auto_capacities[st.name] = Capacity(ids, min(uniq, ids))
-            caps = {st.name: self._auto_capacities.get(st.name, Capacity(8)) for st in self._stacks}
-            return preprocess_kjt(features, self._stacks, self.num_partitions, caps, is_weighted=self._is_weighted)
-
-    def dropped_entries(self) -> dict[str, int]:
-        """Entries ``overflow="drop"`` left out of this collection's batches so far, per feature.
-
-        Features that never dropped an entry are absent; the process-wide sum is
-        ``tpurec.stats()["dropped_entries"]``.
-        """
-        return self._drops.by_feature()
-
-    @property
-    def feature_names(self) -> list[str]:
-        """The KJT keys this collection looks up (once each, also when two tables share one)."""
-        return list(dict.fromkeys(s.feature for st in self._stacks for s in st.features))
 
     def prefetch(self, features: KeyedJaggedTensor, batch: SparseCoreInput | None = None) -> None:
         """Preprocesses ``features`` and starts moving its CSR arrays to the tables' device.
@@ -573,15 +480,7 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 # samples sharing a bag, as TorchRec's index select does.
                 out = out.index_select(0, self._expansion_index(st, batch).to(device))
             stack_outputs.append(out.view(st.num_slots, out_batch, st.embedding_dim))
-        # One [batch, slots * dim] block per run of consecutive slots: a transpose per
-        # run, not a select per feature (whose backward would add up full-size zeros).
-        blocks = [
-            stack_outputs[i][first:last]
-            .transpose(0, 1)
-            .reshape(out_batch, (last - first) * self._stacks[i].embedding_dim)
-            for i, first, last in self._output_runs
-        ]
-        values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        values = self._pooled_values(stack_outputs, out_batch)
         if self._weights_need_grad(features):
             values = values + self._per_id_weight_gradients(features, batch)
         values = values.to(self.output_dtype)
@@ -682,19 +581,6 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             csr, grad_output = lookups[0] if len(lookups) == 1 else _combined_lookups(lookups)
             self._apply_optimizer(index, csr, grad_output)
 
-    def _count_step(self, index: int) -> None:
-        self._steps[index] += 1
-
-    def _changed_optimizer(self, index: int, captured: dict[str, Any]) -> str | None:
-        """What changed in the embedding optimizer's settings since a captured step read them (None: nothing)."""
-        now = None if self.optimizer is None else self.optimizer.hyperparameters(self._steps[index] + 1)
-        if now == captured:
-            return None
-        return (
-            f"the embedding optimizer of tables {[t.name for t in self._stacks[index].tables]} now has {now}, and the "
-            f"step was captured with {captured}: a replay would use the old settings. Capture again after the change"
-        )
-
     def _apply_optimizer(self, index: int, csr: tuple[torch.Tensor, ...], grad_output: torch.Tensor) -> None:
         if self.optimizer is None:
             tables = [t.name for t in self._stacks[index].tables]
@@ -704,13 +590,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 "tpurec.sparse.RowWiseAdagrad(learning_rate=0.05)) or pass optimizer= to from_torchrec; to keep them "
                 "frozen, detach its output or run it under torch.no_grad() / torch.inference_mode()."
             )
-        self._steps[index] += 1
-        graphs.on_replay(lambda: self._count_step(index))  # a replayed step counts too (its numbers do not change)
+        hyperparameters = self._next_captured_step(index)
         op = getattr(torch.ops.tpurec, self.optimizer.op_name)
         weight = self.stacked_weight(index)
         slots = [getattr(self, f"stacked_{s}_{index}") for s in self.optimizer.slots]
-        hyperparameters = self.optimizer.hyperparameters(self._steps[index])
-        graphs.replay_check(lambda: self._changed_optimizer(index, hyperparameters))
         with torch.no_grad():
             if weight.device.type == "cpu" and self.cpu_in_place:
                 # Same kernel math, but only the touched rows come back and are
@@ -734,53 +617,15 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     # --- checkpoints ----------------------------------------------------------------
 
-    def _table_keys(self) -> list[tuple[str, int, int, int]]:
-        return [
-            (f"embedding_bags.{t.name}.weight", i, t.row_offset, t.num_embeddings)
-            for i, st in enumerate(self._stacks)
-            for t in st.tables
-        ]
-
-    def _save_to_state_dict(self, destination, prefix, keep_vars):  # torchrec's keys, one per table
-        for key, i, offset, rows in self._table_keys():
-            w = self.stacked_weight(i)
-            w = w if keep_vars else w.detach()
-            destination[prefix + key] = w[offset : offset + rows]
-
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
-        # Every table is checked before any is written: a bad checkpoint changes nothing.
-        expected, writes = set(), []
-        for key, i, offset, rows in self._table_keys():
-            full = prefix + key
-            expected.add(full)
-            if full not in state_dict:
-                missing_keys.append(full)
-                continue
-            value = state_dict[full]
-            target = self.stacked_weight(i)[offset : offset + rows]
-            if tuple(value.shape) != tuple(target.shape):
-                error_msgs.append(
-                    f"size mismatch for {full}: checkpoint {tuple(value.shape)}, model {tuple(target.shape)}"
-                )
-                continue
-            writes.append((target, value))
-        if strict:
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
-        if error_msgs or (strict and missing_keys):
-            return
-        with torch.no_grad():
-            for target, value in writes:
-                target.copy_(value)
-        if writes and self.optimizer is not None and self.optimizer.slots and not self._optimizer_state_follows:
+    def _tables_loaded(self, prefix: str) -> None:
+        if self.optimizer is not None and self.optimizer.slots and not self._optimizer_state_follows:
             warnings.warn(
                 f"tpurec: loaded the tables of {prefix.rstrip('.') or 'the EmbeddingBagCollection'} but not its "
                 f"{type(self.optimizer).__name__} state (slots {list(self.optimizer.slots)} and step counts): the "
                 "embedding optimizer restarts from zero unless load_optimizer_state_dict follows. To resume "
                 "training, save and load with tpurec.sparse.checkpoint.save/load.",
                 UserWarning,
-                stacklevel=2,
+                stacklevel=3,  # the frame that called _load_from_state_dict
             )
 
     def optimizer_state_dict(self) -> dict[str, Any]:
@@ -792,9 +637,10 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             slots empty) for an inference module.
         """
         state: dict[str, dict[str, torch.Tensor]] = {}
-        for key, i, offset, rows in self._table_keys():
+        for key, i, t in self._tables():
             state[key] = {
-                s: getattr(self, f"stacked_{s}_{i}")[offset : offset + rows] for s, _ in self._slot_names_and_shapes()
+                s: getattr(self, f"stacked_{s}_{i}")[t.row_offset : t.row_offset + t.num_embeddings]
+                for s, _ in self._slot_names_and_shapes()
             }
         name = None if self.optimizer is None else type(self.optimizer).__name__
         return {"optimizer": name, "steps": list(self._steps), "state": state}
@@ -813,46 +659,19 @@ class EmbeddingBagCollection(EmbeddingBagCollectionInterface):
             ValueError: the state does not fit this module (the message says what differs).
         """
         mine = self.optimizer_state_dict()
-        if not isinstance(state_dict, Mapping) or "steps" not in state_dict or "state" not in state_dict:
-            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
-            raise ValueError(
-                f"an embedding optimizer state needs 'steps' and 'state' (from optimizer_state_dict()), got {keys}"
-            )
-        theirs = state_dict.get("optimizer", mine["optimizer"])
-        if theirs != mine["optimizer"]:
-            raise ValueError(
-                f"the optimizer state is of {theirs}, but this EmbeddingBagCollection uses {mine['optimizer']}; "
-                "build the module with the optimizer the checkpoint was trained with"
-            )
-        steps = state_dict["steps"]
-        if (
-            not isinstance(steps, (list, tuple))
-            or len(steps) != len(mine["steps"])
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in steps)
-        ):
-            raise ValueError(
-                f"steps must be {len(mine['steps'])} non-negative ints (one per stacked table), got {steps!r}"
-            )
-        state = state_dict["state"]
-        if not isinstance(state, Mapping) or set(state) != set(mine["state"]):
-            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"the optimizer state has tables {got}, this module has {sorted(mine['state'])}")
-        writes = []
-        for key, slots in mine["state"].items():
-            if not isinstance(state[key], Mapping) or set(state[key]) != set(slots):
-                got = sorted(state[key]) if isinstance(state[key], Mapping) else type(state[key]).__name__
-                raise ValueError(
-                    f"the optimizer state of {key} has slots {got}, but {mine['optimizer']} needs {sorted(slots)}"
-                )
-            for name, target in slots.items():
-                value = state[key][name]
-                if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape):
-                    got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise ValueError(f"slot {name} of {key}: expected shape {tuple(target.shape)}, got {got}")
-                if not value.dtype.is_floating_point:
-                    raise ValueError(f"slot {name} of {key}: expected a floating point tensor, got {value.dtype}")
-                writes.append((target, value))
-        return writes
+        check_optimizer_state(
+            state_dict,
+            {key: {name: tuple(t.shape) for name, t in slots.items()} for key, slots in mine["state"].items()},
+            mine["optimizer"],
+            len(mine["steps"]),
+            "this EmbeddingBagCollection",
+            "build the module with the optimizer the checkpoint was trained with",
+        )
+        return [
+            (target, state_dict["state"][key][name])
+            for key, slots in mine["state"].items()
+            for name, target in slots.items()
+        ]
 
     def load_optimizer_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Loads what :meth:`optimizer_state_dict` returned (copies into the slots).

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import torch
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 if TYPE_CHECKING:  # (imported where used: it loads FBGEMM's inference ops)
@@ -38,10 +38,9 @@ if TYPE_CHECKING:  # (imported where used: it loads FBGEMM's inference ops)
 
 from tpurec.library import jax_op
 from tpurec.sparse.kernels.reference import _valid
-from tpurec.sparse.drops import DropCounter
-from tpurec.sparse.modules import EmbeddingBagCollection
+from tpurec.sparse.lookup import CsrLookup
 from tpurec.sparse.preprocess import stack_tables
-from tpurec.sparse.types import Capacity, StackedTable
+from tpurec.sparse.types import Capacity
 
 __all__ = ["QuantEmbeddingBagCollection", "QUANT_BITS", "OUTPUT_DTYPES", "row_bytes", "from_torchrec_quant"]
 
@@ -170,7 +169,7 @@ def _torchrec_quant_order(tables: Sequence[EmbeddingBagConfig]) -> list[Embeddin
     return [t for p in poolings for t in tables if t.pooling == p]
 
 
-class QuantEmbeddingBagCollection(EmbeddingBagCollectionInterface):
+class QuantEmbeddingBagCollection(CsrLookup, EmbeddingBagCollectionInterface):
     """Pooled lookups of row-wise quantized tables, for inference (TorchRec's quantized EBC).
 
     Tables of one data type and embedding dim are stacked in one uint8 buffer
@@ -243,29 +242,17 @@ class QuantEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self.row_alignment = row_alignment
         self.num_partitions = num_partitions
         self.overflow = overflow
-        self._drops = DropCounter()  # entries overflow="drop" left out, per feature
         self._fixed_capacities = capacities
-        self._auto_capacities: dict[str, Capacity] = {}
+        self._auto_capacities = {}
         # Stacks hold one data type each (the bits per value are a property of the buffer).
         kinds = list(dict.fromkeys(t.data_type for t in self._embedding_bag_configs))
-        self._stacks: list[StackedTable] = []
+        self._stacks = []
         self._stack_bits: list[int] = []
         for kind in kinds:
             for st in stack_tables([t for t in self._embedding_bag_configs if t.data_type == kind], stack=stack):
                 self._stacks.append(st)
                 self._stack_bits.append(QUANT_BITS[kind])
-        ordered = _torchrec_quant_order(self._embedding_bag_configs)
-        self._embedding_names: list[str] = [n for names in get_embedding_names_by_table(ordered) for n in names]
-        self._length_per_key: list[int] = [t.embedding_dim for t in ordered for _ in t.feature_names]
-        # A feature of two tables has a slot in each: key the slots by (table, feature).
-        where = {(s.table, s.feature): (i, s.slot) for i, st in enumerate(self._stacks) for s in st.features}
-        # (stack, first slot, end slot) runs covering the output features in order.
-        self._output_runs: list[tuple[int, int, int]] = []
-        for i, slot in (where[t.name, f] for t in ordered for f in t.feature_names):
-            if self._output_runs and self._output_runs[-1][0] == i and self._output_runs[-1][2] == slot:
-                self._output_runs[-1] = (i, self._output_runs[-1][1], slot + 1)
-            else:
-                self._output_runs.append((i, slot, slot + 1))
+        self._init_outputs(_torchrec_quant_order(self._embedding_bag_configs))
         for i, (st, bits) in enumerate(zip(self._stacks, self._stack_bits)):
             weight = torch.zeros(st.num_rows, row_bytes(st.embedding_dim, bits, row_alignment), dtype=torch.uint8)
             self.register_buffer(f"stacked_weight_{i}", weight, persistent=False)
@@ -274,48 +261,10 @@ class QuantEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     # --- torchrec interface ---------------------------------------------------------
 
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return self._embedding_bag_configs
-
-    def is_weighted(self) -> bool:
-        return self._is_weighted
-
     def output_dtype(self) -> torch.dtype:
         return self._output_dtype
 
-    @property
-    def device(self) -> torch.device:
-        return self.stacked_weight(0).device
-
-    @property
-    def stacks(self) -> list[StackedTable]:
-        """The stacked tables (layout of ``stacked_weight_<i>``)."""
-        return list(self._stacks)
-
-    @property
-    def feature_names(self) -> list[str]:
-        """The KJT keys this collection looks up (once each, also when two tables share one)."""
-        return list(dict.fromkeys(s.feature for st in self._stacks for s in st.features))
-
-    def stacked_weight(self, index: int) -> torch.Tensor:
-        """The uint8 buffer holding stack ``index``."""
-        return getattr(self, f"stacked_weight_{index}")
-
-    def table_weight(self, name: str) -> torch.Tensor:
-        """A view of table ``name``'s stored rows (uint8 ``[rows, row_bytes]``) inside its stack."""
-        for i, st in enumerate(self._stacks):
-            for t in st.tables:
-                if t.name == name:
-                    return self.stacked_weight(i)[t.row_offset : t.row_offset + t.num_embeddings]
-        raise KeyError(f"no table named {name!r}")
-
     # --- lookup ---------------------------------------------------------------------
-
-    # The float collection's preprocessing, unchanged (it reads the same attributes:
-    # stacks, partitions, capacities, overflow, is_weighted): the same validation, the
-    # same errors for a bad batch, the same CSR.
-    preprocess = EmbeddingBagCollection.preprocess
-    dropped_entries = EmbeddingBagCollection.dropped_entries
 
     @torch.compiler.disable
     def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -365,54 +314,19 @@ class QuantEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 output_dtype=dtype,
             )
             stack_outputs.append(out.view(st.num_slots, batch.batch_size, st.embedding_dim))
-        blocks = [
-            stack_outputs[i][first:last]
-            .transpose(0, 1)
-            .reshape(batch.batch_size, (last - first) * self._stacks[i].embedding_dim)
-            for i, first, last in self._output_runs
-        ]
-        values = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
+        values = self._pooled_values(stack_outputs, batch.batch_size)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
 
     # --- checkpoints ----------------------------------------------------------------
 
-    def _table_keys(self) -> list[tuple[str, int, int, int, int, int]]:
-        """(key, stack, row offset, rows, dim, bits) per table."""
-        return [
-            (f"embedding_bags.{t.name}.weight", i, t.row_offset, t.num_embeddings, st.embedding_dim, bits)
-            for i, (st, bits) in enumerate(zip(self._stacks, self._stack_bits))
-            for t in st.tables
-        ]
+    def _table_value(
+        self, state_dict: Mapping[str, Any], key: str, stack: int, target: torch.Tensor
+    ) -> tuple[Any, str | None]:
+        rows, width = target.shape
+        return _stored_rows(state_dict, key, rows, self._stacks[stack].embedding_dim, self._stack_bits[stack], width)
 
-    def _save_to_state_dict(self, destination, prefix, keep_vars):  # TorchRec's keys, one per table
-        for key, i, offset, rows, _dim, _bits in self._table_keys():
-            destination[prefix + key] = self.stacked_weight(i)[offset : offset + rows]
-
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ):
-        # Every table is checked before any is written: a bad checkpoint changes nothing.
-        expected, writes = set(), []
-        for key, i, offset, rows, dim, bits in self._table_keys():
-            full = prefix + key
-            expected.add(full)
-            if full not in state_dict:
-                missing_keys.append(full)
-                continue
-            target = self.stacked_weight(i)[offset : offset + rows]
-            value, error = _stored_rows(state_dict, full, rows, dim, bits, target.shape[1])
-            expected.update((full + "_qscale", full + "_qbias"))
-            if error:
-                error_msgs.append(error)
-                continue
-            writes.append((target, value))
-        if strict:
-            unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
-        if error_msgs or (strict and missing_keys):
-            return
-        with torch.no_grad():
-            for target, value in writes:
-                target.copy_(value)
+    def _table_companions(self, key: str) -> list[str]:
+        return [key + "_qscale", key + "_qbias"]  # TorchRec's split scale/bias form
 
 
 def _plain_uint8(value: Any) -> Any:

@@ -27,13 +27,12 @@ import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from torch import nn
 from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
-from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface, get_embedding_names_by_table
+from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.core import runtime
 from tpurec.core.tensor import replace_array, wrap
-from tpurec.sparse.drops import DropCounter
-from tpurec.sparse.lookup import Staged
+from tpurec.sparse.lookup import Staged, TrainableLookup, check_optimizer_state
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.ops import kernel_for
 from tpurec.sparse.optimizers import EmbeddingOptimizer
@@ -117,7 +116,7 @@ class _StagedLookup(torch.autograd.Function):
         return None, None, None, None
 
 
-class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
+class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInterface):
     """An EmbeddingBagCollection whose tables are sharded ``jax.Array`` s on a mesh.
 
     Built by :func:`tpurec.shard` from a tpurec ``EmbeddingBagCollection`` and a
@@ -144,6 +143,8 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         sharded = ShardedEmbeddingBagCollection(ebc, table_shardings(configs, plan, 8), mesh)
         kt = sharded(kjt)
     """
+
+    optimizer: EmbeddingOptimizer  # (never None: tpurec.shard refuses an inference collection)
 
     def __init__(
         self,
@@ -180,17 +181,16 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
                 "sharding an EmbeddingBagCollection without an embedding optimizer is not supported: pass "
                 "optimizer= to tpurec.shard (or build the module with one)"
             )
-        self.optimizer: EmbeddingOptimizer = source.optimizer
+        self.optimizer = source.optimizer
         # As the unsharded collection's (docs/torchrec_semantics.md): "torch" (the optimizer came
         # from apply_optimizer_in_backward) refuses a second lookup before the first one's backward.
-        self.optimizer_semantics: Literal["fbgemm", "torch"] = getattr(source, "optimizer_semantics", "fbgemm")
-        self._pending_lookups: weakref.WeakSet[Any] = weakref.WeakSet()
+        self.optimizer_semantics = getattr(source, "optimizer_semantics", "fbgemm")
         self.mesh = mesh
         self.axis = tuple(mesh.axis_names)
         self.layout = Layout(configs, dict(shardings), mesh.devices.size)
         self.dropped = 0  # entries overflow="drop" left out, in all (dropped_entries(): per feature)
-        self._drops = DropCounter()
-        self._step = max(getattr(source, "_steps", [0]) or [0])
+        # One step count: the sharded collection steps all its tables together.
+        self._steps = [max(getattr(source, "_steps", [0]) or [0])]
         self._stacks = stack_tables(configs, stack=False)
         # Host routing of each batch (capacities, this process's devices): see routing.py.
         self.router = InputRouter(configs, self._stacks, self.layout, mesh, self._is_weighted, capacity, overflow)
@@ -205,8 +205,7 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self._static_per_device: int | None = None
         self.staged_generation = 0
         self._staged_program_cache: dict[int, tuple[runtime.Program, runtime.Program]] = {}
-        self._embedding_names = [n for names in get_embedding_names_by_table(configs) for n in names]
-        self._length_per_key = [t.embedding_dim for t in configs for _ in t.feature_names]
+        self._init_outputs(configs)
 
         self._sharded = NamedSharding(mesh, P(self.axis))
         self._replicated = NamedSharding(mesh, P())
@@ -472,65 +471,29 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             ValueError: the state is of another optimizer, other tables, slots or shapes.
         """
         tables, slots = self.full_tables()
-        mine = type(self.optimizer).__name__
-        if not isinstance(state_dict, Mapping) or "steps" not in state_dict or "state" not in state_dict:
-            keys = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
-            raise ValueError(
-                f"an embedding optimizer state needs 'steps' and 'state' (from optimizer_state_dict()), got {keys}"
-            )
-        if state_dict.get("optimizer", mine) != mine:
-            raise ValueError(
-                f"the optimizer state is of {state_dict['optimizer']}, but this collection uses {mine}; shard a "
-                "module built with the optimizer the checkpoint was trained with"
-            )
-        steps = state_dict["steps"]
-        if (
-            not isinstance(steps, (list, tuple))
-            or not steps
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in steps)
-        ):
-            raise ValueError(f"steps must be a non-empty list of non-negative ints, got {steps!r}")
-        state = state_dict["state"]
-        expected = {f"embedding_bags.{name}.weight": name for name in slots}
-        if not isinstance(state, Mapping) or set(state) != set(expected):
-            got = sorted(state) if isinstance(state, Mapping) else type(state).__name__
-            raise ValueError(f"the optimizer state has tables {got}, this collection has {sorted(expected)}")
-        new_slots: dict[str, dict[str, np.ndarray]] = {}
-        for key, name in expected.items():
-            entry = state[key]
-            if not isinstance(entry, Mapping) or set(entry) != set(slots[name]):
-                got = sorted(entry) if isinstance(entry, Mapping) else type(entry).__name__
-                raise ValueError(
-                    f"the optimizer state of {key} has slots {got}, but {mine} needs {sorted(slots[name])}"
-                )
-            new_slots[name] = {}
-            for slot, target in slots[name].items():
-                value = entry[slot]
-                if (
-                    not isinstance(value, torch.Tensor)
-                    or tuple(value.shape) != target.shape
-                    or not value.dtype.is_floating_point
-                ):
-                    got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
-                    raise ValueError(
-                        f"slot {slot} of {key}: expected a float tensor of shape {target.shape}, got {got}"
-                    )
-                new_slots[name][slot] = value.detach().cpu().numpy().astype(np.float32)
+        check_optimizer_state(
+            state_dict,
+            {f"embedding_bags.{name}.weight": {s: v.shape for s, v in kinds.items()} for name, kinds in slots.items()},
+            type(self.optimizer).__name__,
+            None,
+            "this collection",
+            "shard a module built with the optimizer the checkpoint was trained with",
+        )
+        new_slots = {
+            name: {
+                slot: state_dict["state"][f"embedding_bags.{name}.weight"][slot]
+                .detach()
+                .cpu()
+                .numpy()
+                .astype(np.float32)
+                for slot in kinds
+            }
+            for name, kinds in slots.items()
+        }
         self._load_host_tables(tables, new_slots)
-        self._step = max(steps)
+        self._step = max(state_dict["steps"])
 
     # --- torchrec interface ---------------------------------------------------------
-
-    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
-        return self._embedding_bag_configs
-
-    def is_weighted(self) -> bool:
-        return self._is_weighted
-
-    @property
-    def stacks(self) -> list[StackedTable]:
-        """One unstacked table per config (what ``read_kjt`` validates a batch against)."""
-        return list(self._stacks)
 
     @property
     def device(self) -> torch.device:
@@ -660,13 +623,9 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
 
     def _staged_backward(self, entries: list[Any], received: list[Any], grad_output: Any, b: int) -> None:
         """The backward program: the fused optimizer's update written into the tables' and slots' tensors."""
-        from tpurec.core import graphs
         from tpurec.core.programs import run_program, store_array, pending_value
 
-        self._step += 1
-        graphs.on_replay(self._count_step)  # a replayed step counts too (its numbers do not change)
-        hyper = {k: float(v) for k, v in self.optimizer.hyperparameters(self._step).items()}
-        graphs.replay_check(lambda: self._changed_optimizer(hyper))
+        hyper = self._next_captured_step(0)
         targets = self._state_tensors()
         dp_entries = entries[3 * len(self.layout.groups) :]
         inputs = (grad_output.contiguous(), *targets, *received, *dp_entries)
@@ -685,19 +644,23 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
             for name in ("weight", *slots)
         ]
 
-    def _count_step(self) -> None:
-        self._step += 1
+    @property
+    def _step(self) -> int:
+        """The optimizer steps of every table (the sharded collection steps them together)."""
+        return self._steps[0]
 
-    def _changed_optimizer(self, captured: dict[str, float]) -> str | None:
-        """What changed in the embedding optimizer's settings since a captured step read them (None: nothing)."""
-        now = {k: float(v) for k, v in self.optimizer.hyperparameters(self._step + 1).items()}
-        if now == captured:
-            return None
-        return (
-            f"the embedding optimizer of the sharded tables {[c.name for c in self._embedding_bag_configs]} now has "
-            f"{now}, and the step was captured with {captured}: a replay would use the old settings. Capture again "
-            "after the change"
-        )
+    @_step.setter
+    def _step(self, value: int) -> None:
+        self._steps[0] = value
+
+    def _step_tables(self, index: int) -> list[str]:
+        return [c.name for c in self._embedding_bag_configs]
+
+    def _hyperparameters(self, step: int) -> dict[str, Any]:
+        # Floats: the programs take them as arguments (one program for every value).
+        return {k: float(v) for k, v in self.optimizer.hyperparameters(step).items()}
+
+    _tables_noun: ClassVar[str] = "the sharded tables"
 
     def _staged_programs(self, b: int) -> tuple[runtime.Program, runtime.Program]:
         """The forward and backward programs of staged lookups for ``b`` samples per device (cached).
@@ -783,14 +746,6 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         self.dropped += dropped
         self._drops.add(batch.dropped)
 
-    def dropped_entries(self) -> dict[str, int]:
-        """Entries ``overflow="drop"`` left out of this process's batches so far, per feature.
-
-        Features that never dropped an entry are absent; the process-wide sum is
-        ``tpurec.stats()["dropped_entries"]`` (``dropped`` is the total here).
-        """
-        return self._drops.by_feature()
-
     def _route(self, features: KeyedJaggedTensor) -> Routed:
         """Validates ``features`` and routes its entries (host only; see :meth:`InputRouter.route`)."""
         return self.router.route(features)
@@ -859,13 +814,12 @@ class ShardedEmbeddingBagCollection(EmbeddingBagCollectionInterface):
         L = self.layout
         if b == 0:
             # An empty batch updates no row, but counts as a step (as the unsharded collection does).
-            self._step += 1
+            self._count_step(0)
             return None if origins is None else np.zeros(origins[1], np.float32)
         grad = value_of(grad_output.contiguous(), "sharded embedding backward")
         weights, slots = self._arrays("shard", len(L.groups))
         dp_weights, dp_slots = self._arrays("dp", len(L.dp_groups))
-        self._step += 1
-        hyper = {k: float(v) for k, v in self.optimizer.hyperparameters(self._step).items()}
+        hyper = self._next_step(0)
         program = self._programs(b, origins is not None)[1]
         new_w, new_s, new_dw, new_ds, dots = program(
             grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper
