@@ -36,15 +36,15 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 from typing import Any, Mapping, Optional, Protocol
 
 import torch
 from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from tpurec.sparse.preprocess import preprocess_kjt, stack_tables
-from tpurec.sparse.types import Capacity, CapacityError, SparseCoreInput, StackedTable
+from tpurec.sparse.lookup import output_runs, preprocess_growing
+from tpurec.sparse.preprocess import stack_tables
+from tpurec.sparse.types import Capacity, SparseCoreInput, StackedTable
 
 
 class ExportedLookup(Protocol):
@@ -181,15 +181,7 @@ class LookupPlan:
         self.dims: list[int] = [t.embedding_dim for t in self.configs for _ in t.feature_names]
         # (stack, first slot, end slot): runs of consecutive output slots in TorchRec's
         # output order (tables, then their features), as the module assembles them.
-        # A feature of two tables has a slot in each: key the slots by (table, feature).
-        where = {(s.table, s.feature): (i, s.slot) for i, st in enumerate(self.stacks) for s in st.features}
-        self.output_runs: list[tuple[int, int, int]] = []
-        for key in ((t.name, f) for t in self.configs for f in t.feature_names):
-            i, slot = where[key]
-            if self.output_runs and self.output_runs[-1][0] == i and self.output_runs[-1][2] == slot:
-                self.output_runs[-1] = (i, self.output_runs[-1][1], slot + 1)
-            else:
-                self.output_runs.append((i, slot, slot + 1))
+        self.output_runs: list[tuple[int, int, int]] = output_runs(self.stacks, self.configs)
 
     @staticmethod
     @functools.lru_cache(maxsize=None)
@@ -204,31 +196,15 @@ class LookupPlan:
         them does); otherwise capacities grow to the next power of two a batch needs,
         as :meth:`EmbeddingBagCollection.preprocess` grows them.
         """
-        if self.fixed_capacities is not None:
-            return preprocess_kjt(
-                features,
-                self.stacks,
-                self.num_partitions,
-                self.fixed_capacities,
-                is_weighted=self.is_weighted,
-                overflow=self.overflow,  # type: ignore[arg-type]
-            )
-        caps = {st.name: self.grown_capacities.get(st.name, Capacity(8)) for st in self.stacks}
-        try:
-            return preprocess_kjt(features, self.stacks, self.num_partitions, caps, is_weighted=self.is_weighted)
-        except CapacityError:
-            needed = preprocess_kjt(features, self.stacks, self.num_partitions, None, is_weighted=self.is_weighted)
-        for st in self.stacks:
-            csr, old = needed.stacks[st.name], caps[st.name]
-            ids = max(old.max_ids_per_partition, _power_of_two(int(csr.max_ids.max())))
-            unique = max(old.max_unique_ids_per_partition, _power_of_two(int(csr.max_unique_ids.max())))
-            self.grown_capacities[st.name] = Capacity(ids, min(unique, ids))
-        caps = {st.name: self.grown_capacities[st.name] for st in self.stacks}
-        return preprocess_kjt(features, self.stacks, self.num_partitions, caps, is_weighted=self.is_weighted)
-
-
-def _power_of_two(n: int) -> int:
-    return 2 ** math.ceil(math.log2(max(n, 1)))
+        return preprocess_growing(
+            features,
+            self.stacks,
+            self.num_partitions,
+            self.fixed_capacities,
+            self.grown_capacities,
+            self.is_weighted,
+            self.overflow,  # type: ignore[arg-type]
+        )
 
 
 # --- the op ---------------------------------------------------------------------------

@@ -46,6 +46,7 @@ __all__ = [
     "Staged",
     "TrainableLookup",
     "check_optimizer_state",
+    "output_runs",
     "preprocess_growing",
 ]
 
@@ -117,6 +118,26 @@ def preprocess_growing(
     return preprocess_kjt(features, stacks, num_partitions, caps, is_weighted=is_weighted)
 
 
+def output_runs(stacks: Sequence[StackedTable], ordered: Sequence[EmbeddingBagConfig]) -> list[tuple[int, int, int]]:
+    """The runs of consecutive stack slots that give a pooled output's blocks, in output order.
+
+    Args:
+        stacks: the stacked tables (a feature of two tables has a slot in each).
+        ordered: the tables in output order (their features in order).
+
+    Returns:
+        ``(stack, first slot, end slot)`` per run.
+    """
+    where = {(s.table, s.feature): (i, s.slot) for i, st in enumerate(stacks) for s in st.features}
+    runs: list[tuple[int, int, int]] = []
+    for i, slot in (where[t.name, f] for t in ordered for f in t.feature_names):
+        if runs and runs[-1][0] == i and runs[-1][2] == slot:
+            runs[-1] = (i, runs[-1][1], slot + 1)
+        else:
+            runs.append((i, slot, slot + 1))
+    return runs
+
+
 # --- the collections' common part ---------------------------------------------------------
 
 
@@ -174,13 +195,7 @@ class EmbeddingLookup(nn.Module):
         """
         self._embedding_names = [n for names in get_embedding_names_by_table(list(ordered)) for n in names]
         self._length_per_key = [t.embedding_dim for t in ordered for _ in t.feature_names]
-        where = {(s.table, s.feature): (i, s.slot) for i, st in enumerate(self._stacks) for s in st.features}
-        self._output_runs = []
-        for i, slot in (where[t.name, f] for t in ordered for f in t.feature_names):
-            if self._output_runs and self._output_runs[-1][0] == i and self._output_runs[-1][2] == slot:
-                self._output_runs[-1] = (i, self._output_runs[-1][1], slot + 1)
-            else:
-                self._output_runs.append((i, slot, slot + 1))
+        self._output_runs = output_runs(self._stacks, ordered)
 
     def _pooled_values(self, stack_outputs: Sequence[torch.Tensor], batch_size: int) -> torch.Tensor:
         """``[batch, sum of dims]`` from each stack's ``[slots, batch, dim]`` pooled rows, in output order.
