@@ -13,10 +13,11 @@ id) and in the programs that look it up. Around that they share one lifecycle, k
   input: the batch's preprocessing (capacities fixed or grown), the stacked parameters, and
   state dicts with TorchRec's keys (every table checked before any is written);
 * :class:`TrainableLookup`: the fused embedding optimizer's step counts, what a captured step
-  checks before a replay, and the checks of its state dict;
-* the batches a collection prepares ahead of its forward: what ``prefetch(kjt)`` made of a
+  checks before a replay, and the checks of its state dict; the lookups waiting for their
+  backward; and the batches prepared ahead of the forward: what ``prefetch(kjt)`` made of a
   KeyedJaggedTensor object (:class:`Prepared`, taken by the forward of that same object), and
-  the batch ``stage(kjt)`` wrote into the collection's static input tensors (:class:`Staged`).
+  the batch ``stage(kjt)`` wrote into the collection's static input tensors (:class:`Staged`,
+  written by :func:`restage`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, Literal, NamedTuple, TypeVar
 
+import numpy as np
 import torch
 from torch import nn
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -48,6 +50,7 @@ __all__ = [
     "check_optimizer_state",
     "output_runs",
     "preprocess_growing",
+    "restage",
 ]
 
 BatchT = TypeVar("BatchT")
@@ -333,6 +336,14 @@ class TrainableLookup(EmbeddingLookup):
         self._steps: list[int] = []
         # The lookups whose backward has not run yet (until it runs or their graph is freed).
         self._pending_lookups: weakref.WeakSet[Any] = weakref.WeakSet()
+        # id(kjt) -> what prefetch() (TrainPipeline's worker thread) prepared for that KJT
+        # object; taken by forward() of the same object.
+        self._prefetched: dict[int, Any] = {}
+        # stage(): the KJT staged last and its batch (the static input tensors are the subclass's).
+        self._staged: Staged[Any] | None = None
+        # How many times stage() made new static tensors (a first batch, a new batch size, grown
+        # capacities): a step captured over older ones cannot replay.
+        self.staged_generation = 0
 
     def _step_tables(self, index: int) -> list[str]:
         """The tables whose optimizer steps ``_steps[index]`` counts."""
@@ -371,6 +382,110 @@ class TrainableLookup(EmbeddingLookup):
 
     _tables_noun: ClassVar[str] = "tables"
     """How :meth:`_changed_optimizer` names the tables of a step count."""
+
+    # --- lookups waiting for their backward ---------------------------------------------
+
+    def _lookup_started(self, ctx: Any, reads: Sequence[torch.Tensor]) -> None:
+        """Records the autograd context of a lookup until its backward runs (or its graph is
+        freed); ``reads``: the batch input tensors its backward reads."""
+        ctx.reads = tuple(reads)
+        self._pending_lookups.add(ctx)
+
+    def _lookup_finished(self, ctx: Any) -> None:
+        self._pending_lookups.discard(ctx)
+
+    # --- batches prepared ahead of the forward ------------------------------------------
+
+    _max_prefetched: ClassVar[int] = 8
+    """Batches :meth:`_keep_prefetched` keeps for forward (a pipeline needs 1-2)."""
+
+    def clear_prefetched(self) -> None:
+        """Drops batches prepared by :meth:`prefetch` that no step used."""
+        self._prefetched.clear()
+
+    def _keep_prefetched(self, entry: Prepared) -> None:
+        """Keeps what ``prefetch`` prepared, for the forward of ``entry.features``."""
+        self._prefetched[id(entry.features)] = entry
+        # A model that hands a different KJT object to this module never takes
+        # its prefetched batches: keep only the newest few, not every batch.
+        # (A snapshot of the keys: the step's thread may pop one meanwhile.)
+        for key in list(self._prefetched)[: -self._max_prefetched]:
+            self._prefetched.pop(key, None)
+
+    def _pop_prefetched(self, features: KeyedJaggedTensor) -> Any:
+        """What ``prefetch`` prepared for this KJT object (no longer kept), or None."""
+        entry = self._prefetched.pop(id(features), None)
+        return entry if entry is not None and entry.features is features else None
+
+    def _take_staged(self, features: KeyedJaggedTensor) -> Any:
+        """The batch ``stage`` made of this KJT object (its drops already counted), or None."""
+        staged = self._staged
+        return staged.batch if staged is not None and staged.features is features else None
+
+    def _refuse_restaging(self, static: Iterable[torch.Tensor], what: str) -> None:
+        """Raises while a lookup that reads the static input tensors ``static`` waits for its
+        backward (staging the next batch would change what that backward reads)."""
+        ids = {id(t) for t in static}
+        if any(id(t) in ids for ctx in list(self._pending_lookups) for t in getattr(ctx, "reads", ())):
+            raise RuntimeError(
+                f"stage(): the lookup of the batch staged before still waits for its backward, which reads the "
+                f"staged {what}; run the backward (or drop that step's outputs) before staging the next batch"
+            )
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype:
+    return torch.from_numpy(np.zeros(0, np.dtype(dtype))).dtype
+
+
+def restage(
+    old: list[torch.Tensor] | None,
+    arrays: Sequence[Any],
+    same_batch: bool,
+    device: torch.device,
+    index: int = 0,
+) -> tuple[list[torch.Tensor], bool]:
+    """Writes a staged batch's input arrays into the static tensors ``old``, or into new ones.
+
+    In place while every shape and dtype, the device and the batch (``same_batch``) stay as
+    ``old`` holds them: a step captured over those tensors reads the new batch at its next
+    replay. Otherwise new tensors; on a tpu device the old ones are freed, so that a step
+    captured over them refuses to replay instead of misreading the batch.
+
+    Args:
+        old: the static tensors of the batch staged before (None: none).
+        arrays: the new batch's arrays: ``jax.Array`` s already on the device (tpu), else numpy.
+        same_batch: the new batch has the batch size ``old`` was made for.
+        device: the device of the static tensors.
+        index: the tpu device index of new tensors (on a tpu device).
+
+    Returns:
+        ``(tensors, renewed)``: the static tensors now holding the batch, and whether they are new.
+    """
+    if (
+        old is not None
+        and same_batch
+        and len(old) == len(arrays)
+        and all(
+            t.device == device and tuple(t.shape) == tuple(a.shape) and t.dtype == _torch_dtype(a.dtype)
+            for t, a in zip(old, arrays)
+        )
+    ):
+        for t, a in zip(old, arrays):
+            if device.type == "tpu":
+                from tpurec.core.tensor import replace_array
+
+                replace_array(t, a)
+            else:
+                t.copy_(torch.from_numpy(a))
+        return old, False
+    if device.type == "tpu":
+        from tpurec.core.tensor import free_storage, wrap
+
+        for t in old or ():
+            free_storage(t)
+        tensors: list[torch.Tensor] = [wrap(a, index) for a in arrays]
+        return tensors, True
+    return [torch.from_numpy(a).to(device) for a in arrays], True
 
 
 def check_optimizer_state(

@@ -35,7 +35,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.core import modes
 from tpurec.sparse import export as _export
-from tpurec.sparse.lookup import CsrLookup, Prepared, Staged, TrainableLookup, check_optimizer_state
+from tpurec.sparse.lookup import CsrLookup, Prepared, Staged, TrainableLookup, check_optimizer_state, restage
 from tpurec.sparse.optimizers import SGD, Adam, EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.preprocess import stack_tables
 from tpurec.sparse.ops import touched_rows_update_cpu
@@ -61,7 +61,7 @@ class _FusedLookup(torch.autograd.Function):
     def forward(ctx, weight, row_pointers, embedding_ids, sample_ids, gains, module, index, batch_size):
         ctx.csr = (row_pointers, embedding_ids, sample_ids, gains)
         ctx.module, ctx.index = module, index
-        module._pending_lookups.add(ctx)  # until its backward runs or its graph is freed
+        module._lookup_started(ctx, ctx.csr)
         return torch.ops.tpurec.sparse_dense_matmul(
             row_pointers, embedding_ids, sample_ids, gains, weight, batch_size=batch_size
         )
@@ -69,7 +69,7 @@ class _FusedLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         module = ctx.module
-        module._pending_lookups.discard(ctx)
+        module._lookup_finished(ctx)
         if module.optimizer_semantics == "torch":
             module._stash_gradient(ctx.index, ctx.csr, grad_output.contiguous())
         else:
@@ -236,17 +236,10 @@ class EmbeddingBagCollection(CsrLookup, TrainableLookup, EmbeddingBagCollectionI
         self._fixed_capacities = capacities
         self._auto_capacities = {}
         self._steps = [0] * len(self._stacks)
-        # id(kjt) -> its CSR, prepared by prefetch() (TrainPipeline's worker thread),
-        # taken by forward() of that same KJT object.
-        self._prefetched: dict[int, PreparedCsr] = {}
-        # stage(): the KJT staged last and its CSR, and per stack the CSR tensors that hold it on the
-        # tables' device; the same tensors from batch to batch, so a captured step reads each new batch.
-        self._staged: Staged[SparseCoreInput] | None = None
+        # stage(): per stack the CSR tensors that hold the staged batch on the tables' device; the
+        # same tensors from batch to batch, so a captured step reads each new batch.
         self._static_csr: list[list[torch.Tensor]] = []
         self._static_batch_size = 0  # the batch size the staged tensors were made for
-        # How many times stage() made new static tensors (a first batch, a new batch size, grown
-        # automatic capacities): a step captured over older ones cannot replay.
-        self.staged_generation = 0
         # Set while tpurec.sparse.checkpoint loads the tables with their optimizer state
         # (so load_state_dict does not warn that the optimizer restarts).
         self._optimizer_state_follows = False
@@ -311,11 +304,7 @@ class EmbeddingBagCollection(CsrLookup, TrainableLookup, EmbeddingBagCollectionI
                 arrays.append([jax.device_put(a, target) for a in csr])  # asynchronous copies
             else:
                 arrays.append([torch.from_numpy(a).to(device) for a in csr])
-        self._prefetched[id(features)] = PreparedCsr(features, batch, arrays)
-        # A model that hands a different KJT object to this module never takes
-        # its prefetched batches: keep only the newest few, not every batch.
-        while len(self._prefetched) > _MAX_PREFETCHED:
-            self._prefetched.pop(next(iter(self._prefetched)))
+        self._keep_prefetched(PreparedCsr(features, batch, arrays))
 
     def stage(self, features: KeyedJaggedTensor, batch: SparseCoreInput | None = None) -> None:
         """Preprocesses ``features`` into the collection's static CSR input, for the next forward.
@@ -346,74 +335,44 @@ class EmbeddingBagCollection(CsrLookup, TrainableLookup, EmbeddingBagCollectionI
                 ebc.stage(kjt)
                 g.replay()
         """
-        static = {id(t) for stack in self._static_csr for t in stack}
-        if any(id(ctx.csr[0]) in static for ctx in list(self._pending_lookups)):
-            raise RuntimeError(
-                "stage(): the lookup of the batch staged before still waits for its backward, which reads the "
-                "staged CSR input; run the backward (or drop that step's outputs) before staging the next batch"
-            )
-        entry = self._prefetched.get(id(features))
+        self._refuse_restaging([t for stack in self._static_csr for t in stack], "CSR input")
         moved_ahead = None
-        if batch is None and entry is not None and entry.features is features:
-            del self._prefetched[id(features)]
-            batch, moved_ahead = entry.batch, entry.arrays
-        elif batch is None:
-            batch = self.preprocess(features)
+        if batch is None:
+            entry: PreparedCsr | None = self._pop_prefetched(features)
+            if entry is not None:
+                batch, moved_ahead = entry.batch, entry.arrays
+            else:
+                batch = self.preprocess(features)
         device = self.device
+        index = 0
         if device.type == "tpu":
             from tpurec.core.device import TpuModule, jax_device
-            from tpurec.core.tensor import free_storage, replace_array, wrap
 
             index = device.index if device.index is not None else TpuModule.current_device()
         stacks, renewed = [], False
         for i, st in enumerate(self._stacks):
-            arrays = batch.stacks[st.name].arrays()
-            old = self._static_csr[i] if i < len(self._static_csr) else None
-            # A new batch size makes new tensors even where the CSR shapes (set by the capacities) stay:
-            # a step captured for the old batch size then refuses to replay instead of misreading the batch.
-            same = (
-                old is not None
-                and batch.batch_size == self._static_batch_size
-                and all(
-                    t.device == device and tuple(t.shape) == a.shape and t.dtype == torch.from_numpy(a[:0]).dtype
-                    for t, a in zip(old, arrays)
-                )
-            )
+            arrays: Sequence[Any] = batch.stacks[st.name].arrays()
             if device.type == "tpu":
                 # asynchronous copies (already started by prefetch())
-                moved: list[Any] = (
+                arrays = (
                     moved_ahead[i]
                     if moved_ahead is not None
                     else [jax.device_put(a, jax_device(index)) for a in arrays]
                 )
-                if old is not None and same:
-                    for t, a in zip(old, moved):
-                        replace_array(t, a)
-                    stacks.append(old)
-                    continue
-                for t in old or ():
-                    free_storage(t)  # a step captured over the old shapes then refuses to replay
-                stacks.append([wrap(a, index) for a in moved])
-                renewed = True
-            elif old is not None and same:
-                for t, a in zip(old, arrays):
-                    t.copy_(torch.from_numpy(a))
-                stacks.append(old)
-            else:
-                stacks.append([torch.from_numpy(a).to(device) for a in arrays])
-                renewed = True
+            old = self._static_csr[i] if i < len(self._static_csr) else None
+            # A new batch size makes new tensors even where the CSR shapes (set by the capacities) stay:
+            # a step captured for the old batch size then refuses to replay instead of misreading the batch.
+            tensors, new = restage(old, arrays, batch.batch_size == self._static_batch_size, device, index)
+            stacks.append(tensors)
+            renewed |= new
         self._static_csr, self._static_batch_size = stacks, batch.batch_size
         self.staged_generation += renewed
         self._staged = Staged(features, batch)
         self._drops.add(batch.dropped_by_feature)
 
-    def clear_prefetched(self) -> None:
-        """Drops batches prepared by :meth:`prefetch` that no step used."""
-        self._prefetched.clear()
-
     def _take_prefetched(self, features: KeyedJaggedTensor) -> tuple[SparseCoreInput, list[list[Any]]] | None:
-        entry = self._prefetched.pop(id(features), None)
-        if entry is None or entry.features is not features:
+        entry: PreparedCsr | None = self._pop_prefetched(features)
+        if entry is None:
             return None
         batch, arrays = entry.batch, entry.arrays
         device = self.device
@@ -457,9 +416,9 @@ class EmbeddingBagCollection(CsrLookup, TrainableLookup, EmbeddingBagCollectionI
             )
         self._check_trainable_lookup(features)
         prefetched = self._take_prefetched(features)
-        staged = self._staged if prefetched is None and self._staged and self._staged.features is features else None
+        staged = self._take_staged(features) if prefetched is None else None
         if staged is not None:
-            batch = staged.batch  # its drops were counted by stage()
+            batch = staged  # its drops were counted by stage()
         else:
             batch = self.preprocess(features) if prefetched is None else prefetched[0]
             self._drops.add(batch.dropped_by_feature)
@@ -563,6 +522,8 @@ class EmbeddingBagCollection(CsrLookup, TrainableLookup, EmbeddingBagCollectionI
                 "lookup (as FBGEMM does), which differs. Look up both batches in one call (concatenate the KJTs), run "
                 "backward between the lookups, or use FBGEMM's semantics explicitly (optimizer_semantics='fbgemm')."
             )
+
+    _max_prefetched: ClassVar[int] = _MAX_PREFETCHED
 
     _sums_repeated_lookups: ClassVar[bool] = True
     """Whether a lookup before the backward of the previous one is trained as TorchRec's in-backward

@@ -32,7 +32,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.core import runtime
 from tpurec.core.tensor import replace_array, wrap
-from tpurec.sparse.lookup import Staged, TrainableLookup, check_optimizer_state
+from tpurec.sparse.lookup import Staged, TrainableLookup, check_optimizer_state, restage
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.ops import kernel_for
 from tpurec.sparse.optimizers import EmbeddingOptimizer
@@ -79,12 +79,12 @@ class _ShardedLookup(torch.autograd.Function):
         out, saved = module._run_forward(batch, with_rows=id_weights is not None)
         ctx.module, ctx.saved = module, saved
         ctx.id_weights = None if id_weights is None else (id_weights.device, id_weights.dtype)
-        module._pending_lookups.add(ctx)  # until its backward runs or its graph is freed
+        module._lookup_started(ctx, ())
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        ctx.module._pending_lookups.discard(ctx)
+        ctx.module._lookup_finished(ctx)
         id_grad = ctx.module._run_backward(ctx.saved, grad_output)
         if ctx.id_weights is not None:
             device, dtype = ctx.id_weights
@@ -106,12 +106,12 @@ class _StagedLookup(torch.autograd.Function):
     def forward(ctx, anchor, module, entries, b):
         out, received = module._staged_forward(entries, b)
         ctx.module, ctx.entries, ctx.received, ctx.b = module, entries, received, b
-        module._pending_lookups.add(ctx)  # until its backward runs or its graph is freed
+        module._lookup_started(ctx, entries)
         return out
 
     @staticmethod
     def backward(ctx, grad_output):
-        ctx.module._pending_lookups.discard(ctx)
+        ctx.module._lookup_finished(ctx)
         ctx.module._staged_backward(ctx.entries, ctx.received, grad_output, ctx.b)
         return None, None, None, None
 
@@ -194,16 +194,10 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         self._stacks = stack_tables(configs, stack=False)
         # Host routing of each batch (capacities, this process's devices): see routing.py.
         self.router = InputRouter(configs, self._stacks, self.layout, mesh, self._is_weighted, capacity, overflow)
-        # id(kjt) -> what prefetch() (TrainPipeline's worker thread) prepared for
-        # that KJT object; taken by forward() of the same object.
-        self._prefetched: dict[int, Prefetched] = {}
-        # stage(): the staged KJT and its batch, the static entry tensors the staged lookup reads
-        # (each group's and then each data-parallel group's rows, samples and gains) and the
-        # samples per device they were made for; staged_generation counts new static tensors.
-        self._staged: Staged[MeshBatch] | None = None
+        # stage(): the static entry tensors the staged lookup reads (each group's and then each
+        # data-parallel group's rows, samples and gains) and the samples per device they were made for.
         self._static_entries: list[torch.Tensor] = []
         self._static_per_device: int | None = None
-        self.staged_generation = 0
         self._staged_program_cache: dict[int, tuple[runtime.Program, runtime.Program]] = {}
         self._init_outputs(configs)
 
@@ -533,16 +527,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         else:
             batch, dropped = self._pack(routed)
             entry = Prefetched(features, batch=batch, dropped=dropped)
-        self._prefetched[id(features)] = entry
-        # A model that hands a different KJT object to this module never takes
-        # its prefetched batches: keep only the newest few, not every batch.
-        # (A snapshot of the keys: the step's thread may pop one meanwhile.)
-        for key in list(self._prefetched)[:-_MAX_PREFETCHED]:
-            self._prefetched.pop(key, None)
-
-    def clear_prefetched(self) -> None:
-        """Drops batches prepared by :meth:`prefetch` that no step used."""
-        self._prefetched.clear()
+        self._keep_prefetched(entry)
 
     def stage(self, features: KeyedJaggedTensor) -> None:
         """Routes ``features`` into the collection's static entry tensors, for the next forward.
@@ -574,41 +559,19 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
                 sharded.stage(kjt)
                 g.replay()
         """
-        static = {id(t) for t in self._static_entries}
-        if any(id(t) in static for ctx in list(self._pending_lookups) for t in getattr(ctx, "entries", ())):
-            raise RuntimeError(
-                "stage(): the lookup of the batch staged before still waits for its backward, which reads the "
-                "staged entries; run the backward (or drop that step's outputs) before staging the next batch"
-            )
+        self._refuse_restaging(self._static_entries, "entries")
         batch = self._take_prefetched(features)
         if batch is None:
             batch = self.distribute_input(features)
         arrays = [a for entries in (*batch.groups, *batch.dp) for a in entries]
-        old = self._static_entries
         # A new batch size makes new tensors even where the entry shapes (set by the capacity)
         # stay: a step captured for the old one then refuses to replay instead of misreading.
-        if (
-            len(old) == len(arrays)
-            and batch.per_device == self._static_per_device
-            and all(tuple(t.shape) == a.shape and t.dtype == torch.from_numpy(np.zeros(0, a.dtype)).dtype
-                    for t, a in zip(old, arrays))
-        ):  # fmt: skip
-            for t, a in zip(old, arrays):
-                replace_array(t, a)
-        else:
-            from tpurec.core.tensor import free_storage
-
-            for t in old:
-                free_storage(t)  # a step captured over the old shapes then refuses to replay
-            self._static_entries = [wrap(a, 0) for a in arrays]
-            self._static_per_device = batch.per_device
-            self.staged_generation += 1
+        self._static_entries, renewed = restage(
+            self._static_entries, arrays, batch.per_device == self._static_per_device, self.device, 0
+        )
+        self._static_per_device = batch.per_device
+        self.staged_generation += renewed
         self._staged = Staged(features, batch)
-
-    def _take_staged(self, features: KeyedJaggedTensor) -> MeshBatch | None:
-        """The batch :meth:`stage` made of this KJT object (its drops already counted), or None."""
-        staged = self._staged
-        return staged[1] if staged is not None and staged[0] is features else None
 
     def _staged_forward(self, entries: list[Any], b: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The forward program on the tables' and the entries' tensors: ``(out, received entries)``."""
@@ -712,8 +675,8 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
 
     def _take_prefetched(self, features: KeyedJaggedTensor) -> MeshBatch | None:
         """The prepared batch of this KJT object (counting its drops), or None."""
-        entry = self._prefetched.pop(id(features), None)
-        if entry is None or entry.features is not features:
+        entry: Prefetched | None = self._pop_prefetched(features)
+        if entry is None:
             return None
         if entry.batch is None:
             assert entry.routed is not None
@@ -874,6 +837,8 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         else:
             values = _ShardedLookup.apply(anchor, id_weights, self, batch)
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
+
+    _max_prefetched: ClassVar[int] = _MAX_PREFETCHED
 
     # The unsharded collection's rules, on the same attributes (one text for both).
     _weights_need_grad = EmbeddingBagCollection._weights_need_grad
