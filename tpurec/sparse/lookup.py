@@ -8,13 +8,14 @@ id) and in the programs that look it up. Around that they share one lifecycle, k
 
 * :class:`EmbeddingLookup`: the tables' configs and stacks, the KJT features they read, the
   output's keys and the order its blocks are assembled in, the entries ``overflow="drop"``
-  left out;
+  left out, and whether a batch's per-id weights take a gradient;
 * :class:`CsrLookup`: tables stacked in one device's memory and looked up from SparseCore CSR
   input: the batch's preprocessing (capacities fixed or grown), the stacked parameters, and
   state dicts with TorchRec's keys (every table checked before any is written);
 * :class:`TrainableLookup`: the fused embedding optimizer's step counts, what a captured step
   checks before a replay, and the checks of its state dict; the lookups waiting for their
-  backward; and the batches prepared ahead of the forward: what ``prefetch(kjt)`` made of a
+  backward, and the refusal of a training lookup whose gradient would differ from TorchRec's;
+  and the batches prepared ahead of the forward: what ``prefetch(kjt)`` made of a
   KeyedJaggedTensor object (:class:`Prepared`, taken by the forward of that same object), and
   the batch ``stage(kjt)`` wrote into the collection's static input tensors (:class:`Staged`,
   written by :func:`restage`).
@@ -31,13 +32,13 @@ from typing import Any, ClassVar, Generic, Literal, NamedTuple, TypeVar
 import numpy as np
 import torch
 from torch import nn
-from torchrec.modules.embedding_configs import EmbeddingBagConfig
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.core import graphs
 from tpurec.sparse.drops import DropCounter
-from tpurec.sparse.optimizers import EmbeddingOptimizer
+from tpurec.sparse.optimizers import SGD, EmbeddingOptimizer
 from tpurec.sparse.preprocess import preprocess_kjt
 from tpurec.sparse.types import Capacity, CapacityError, SparseCoreInput, StackedTable, TableInStack
 
@@ -147,13 +148,14 @@ def output_runs(stacks: Sequence[StackedTable], ordered: Sequence[EmbeddingBagCo
 class EmbeddingLookup(nn.Module):
     """What every tpurec embedding collection holds besides its routing and its programs.
 
-    A subclass sets ``_embedding_bag_configs``, ``_is_weighted`` and ``_stacks`` in its
-    ``__init__`` (after this one's) and calls :meth:`_init_outputs` for its output order.
+    A subclass sets ``_embedding_bag_configs``, ``_is_weighted``, ``_stacks`` and ``overflow``
+    in its ``__init__`` (after this one's) and calls :meth:`_init_outputs` for its output order.
     """
 
     _embedding_bag_configs: list[EmbeddingBagConfig]
     _is_weighted: bool
     _stacks: list[StackedTable]
+    overflow: Literal["error", "drop"]
     _embedding_names: list[str]
     _length_per_key: list[int]
     _output_runs: list[tuple[int, int, int]]
@@ -214,17 +216,23 @@ class EmbeddingLookup(nn.Module):
         ]
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
+    # --- trainability ----------------------------------------------------------------
+
+    def _weights_need_grad(self, features: KeyedJaggedTensor) -> bool:
+        """Whether ``features``' per-id weights take part in the autograd graph of this lookup."""
+        weights = features.weights_or_none()
+        return self._is_weighted and torch.is_grad_enabled() and weights is not None and weights.requires_grad
+
 
 class CsrLookup(EmbeddingLookup):
     """A collection whose stacks are parameters or buffers ``stacked_weight_<i>`` on one device,
     looked up from SparseCore CSR input.
 
-    A subclass also sets ``num_partitions``, ``overflow``, ``_fixed_capacities`` and
-    ``_auto_capacities`` (what :meth:`preprocess` follows).
+    A subclass also sets ``num_partitions``, ``_fixed_capacities`` and ``_auto_capacities``
+    (what :meth:`preprocess` follows).
     """
 
     num_partitions: int
-    overflow: Literal["error", "drop"]
     _fixed_capacities: Capacity | Mapping[str, Capacity] | None
     _auto_capacities: dict[str, Capacity]
 
@@ -382,6 +390,40 @@ class TrainableLookup(EmbeddingLookup):
 
     _tables_noun: ClassVar[str] = "tables"
     """How :meth:`_changed_optimizer` names the tables of a step count."""
+
+    # --- trainability ----------------------------------------------------------------
+
+    _sums_repeated_lookups: ClassVar[bool] = True
+    """Whether a lookup before the backward of the previous one is trained as TorchRec's in-backward
+    optimizer trains it (one update on the summed gradient); where not, it raises."""
+
+    def _check_trainable_lookup(self, features: KeyedJaggedTensor) -> None:
+        """Raises where a training lookup would silently differ from TorchRec's."""
+        if not torch.is_grad_enabled():
+            return
+        if self._weights_need_grad(features):
+            unpooled = [t.name for t in self._embedding_bag_configs if t.pooling != PoolingType.SUM]
+            if unpooled or self.overflow == "drop":
+                why = f"tables {unpooled} do not use SUM pooling" if unpooled else "overflow='drop' may drop ids"
+                raise NotImplementedError(
+                    f"the KJT's per-id weights require grad, but {why}, so tpurec cannot give them TorchRec's "
+                    "gradient. Use SUM pooling and overflow='error', or detach the weights."
+                )
+        if (
+            not self._sums_repeated_lookups
+            and self.optimizer_semantics == "torch"
+            and self.optimizer is not None
+            and not isinstance(self.optimizer, SGD)
+            and len(self._pending_lookups) > 0
+        ):
+            tables = [t.name for t in self._embedding_bag_configs]
+            raise NotImplementedError(
+                f"{type(self).__name__} (tables {tables}) is looked up again before the backward of its previous "
+                f"lookup. Its {type(self.optimizer).__name__} came from apply_optimizer_in_backward, which makes one "
+                "update on the summed gradient of both lookups; this collection's fused optimizer updates once per "
+                "lookup (as FBGEMM does), which differs. Look up both batches in one call (concatenate the KJTs), run "
+                "backward between the lookups, or use FBGEMM's semantics explicitly (optimizer_semantics='fbgemm')."
+            )
 
     # --- lookups waiting for their backward ---------------------------------------------
 

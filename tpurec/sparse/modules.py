@@ -29,14 +29,14 @@ import numpy as np
 import torch
 from torch import nn
 from torch.autograd.variable import Variable
-from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig, PoolingType
+from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.core import modes
 from tpurec.sparse import export as _export
 from tpurec.sparse.lookup import CsrLookup, Prepared, Staged, TrainableLookup, check_optimizer_state, restage
-from tpurec.sparse.optimizers import SGD, Adam, EmbeddingOptimizer, optimizer_from_torch
+from tpurec.sparse.optimizers import Adam, EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.preprocess import stack_tables
 from tpurec.sparse.ops import touched_rows_update_cpu
 from tpurec.sparse.types import PAD_ID, Capacity, SparseCoreInput, StackedTable
@@ -459,10 +459,6 @@ class EmbeddingBagCollection(CsrLookup, TrainableLookup, EmbeddingBagCollectionI
             np.concatenate([s.slot * rows + batch.inverse_indices[s.feature] for s in stack.features])
         )
 
-    def _weights_need_grad(self, features: KeyedJaggedTensor) -> bool:
-        weights = features.weights_or_none()
-        return self._is_weighted and torch.is_grad_enabled() and weights is not None and weights.requires_grad
-
     def _per_id_weight_gradients(self, features: KeyedJaggedTensor, batch: SparseCoreInput) -> torch.Tensor:
         """A term equal to zero whose gradient w.r.t. each per-id weight is TorchRec's.
 
@@ -495,39 +491,7 @@ class EmbeddingBagCollection(CsrLookup, TrainableLookup, EmbeddingBagCollectionI
                 blocks.append(block)
         return blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=1)
 
-    def _check_trainable_lookup(self, features: KeyedJaggedTensor) -> None:
-        """Raises where a training lookup would silently differ from TorchRec's."""
-        if not torch.is_grad_enabled():
-            return
-        if self._weights_need_grad(features):
-            unpooled = [t.name for t in self._embedding_bag_configs if t.pooling != PoolingType.SUM]
-            if unpooled or self.overflow == "drop":
-                why = f"tables {unpooled} do not use SUM pooling" if unpooled else "overflow='drop' may drop ids"
-                raise NotImplementedError(
-                    f"the KJT's per-id weights require grad, but {why}, so tpurec cannot give them TorchRec's "
-                    "gradient. Use SUM pooling and overflow='error', or detach the weights."
-                )
-        if (
-            not self._sums_repeated_lookups
-            and self.optimizer_semantics == "torch"
-            and self.optimizer is not None
-            and not isinstance(self.optimizer, SGD)
-            and len(self._pending_lookups) > 0
-        ):
-            tables = [t.name for t in self._embedding_bag_configs]
-            raise NotImplementedError(
-                f"{type(self).__name__} (tables {tables}) is looked up again before the backward of its previous "
-                f"lookup. Its {type(self.optimizer).__name__} came from apply_optimizer_in_backward, which makes one "
-                "update on the summed gradient of both lookups; this collection's fused optimizer updates once per "
-                "lookup (as FBGEMM does), which differs. Look up both batches in one call (concatenate the KJTs), run "
-                "backward between the lookups, or use FBGEMM's semantics explicitly (optimizer_semantics='fbgemm')."
-            )
-
     _max_prefetched: ClassVar[int] = _MAX_PREFETCHED
-
-    _sums_repeated_lookups: ClassVar[bool] = True
-    """Whether a lookup before the backward of the previous one is trained as TorchRec's in-backward
-    optimizer trains it (one update on the summed gradient); where not, it raises."""
 
     def _stash_gradient(self, index: int, csr: tuple[torch.Tensor, ...], grad_output: torch.Tensor) -> None:
         # The update waits for the end of the backward pass, when every lookup of the step has

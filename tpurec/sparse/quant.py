@@ -282,8 +282,7 @@ class QuantEmbeddingBagCollection(CsrLookup, EmbeddingBagCollectionInterface):
             NotImplementedError: the per-id weights require grad (quantized tables
                 are for inference: nothing would give them a gradient).
         """
-        weights = features.weights_or_none()
-        if self._is_weighted and torch.is_grad_enabled() and weights is not None and weights.requires_grad:
+        if self._weights_need_grad(features):
             raise NotImplementedError(
                 f"QuantEmbeddingBagCollection (tables {[t.name for t in self._embedding_bag_configs]}) is for "
                 "inference, but the KJT's per-id weights require grad: TorchRec's quantized lookup gives them no "

@@ -17,7 +17,6 @@ compute and output distribution (see docs/sharding.md):
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any, ClassVar, Literal, Mapping, Sequence
 
 import jax
@@ -33,7 +32,6 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 from tpurec.core import runtime
 from tpurec.core.tensor import replace_array, wrap
 from tpurec.sparse.lookup import Staged, TrainableLookup, check_optimizer_state, restage
-from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.ops import kernel_for
 from tpurec.sparse.optimizers import EmbeddingOptimizer
 from tpurec.sparse.preprocess import stack_tables
@@ -42,7 +40,6 @@ from tpurec.sparse.spec.layout import Layout
 from tpurec.sparse.sharding.routing import InputRouter, MeshBatch, Prefetched, Routed
 from tpurec.sparse.spec.shards import TableSharding
 from tpurec.sparse.table_init import check_rows_fit, local_stack_values, table_init, table_key
-from tpurec.sparse.types import StackedTable
 
 __all__ = ["ShardedEmbeddingBagCollection", "host_values"]
 
@@ -840,8 +837,5 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
 
     _max_prefetched: ClassVar[int] = _MAX_PREFETCHED
 
-    # The unsharded collection's rules, on the same attributes (one text for both).
-    _weights_need_grad = EmbeddingBagCollection._weights_need_grad
-    _check_trainable_lookup = EmbeddingBagCollection._check_trainable_lookup
     # Its backward programs update once per lookup: a second lookup before the backward raises.
     _sums_repeated_lookups: ClassVar[bool] = False
