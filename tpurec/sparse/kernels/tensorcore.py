@@ -538,11 +538,12 @@ def stream_update(
     else:  # each entry's gradient row, read chunk by chunk with its ids
         rows_of = jnp.take(grad_output, jnp.clip(samples, 0, max(batch_size - 1, 0)), axis=0)
         gradient, gradient_spec = rows_of * gains[:, None], _rows_spec(chunk, dim)
-    # The MXU sum reads the chunk's ids as a lane vector too (the loop reads them from SMEM).
-    keys_row = keys.reshape(n // chunk, chunk)
-    keys_row_spec = pl.BlockSpec((1, chunk), lambda s, lo, hi, c, b: (c[s], _ZERO))
+    # The MXU sum reads the chunk's ids as a lane vector too (the loop reads them from SMEM only).
+    lane_keys = [keys.reshape(n // chunk, chunk)] if mxu else []
+    lane_keys_specs = [pl.BlockSpec((1, chunk), lambda s, lo, hi, c, b: (c[s], _ZERO))] if mxu else []
 
-    def kernel(lo_ref, hi_ref, c_ref, b_ref, hp_ref, keys_ref, samples_ref, gains_ref, gout_ref, keys_row_ref, *refs):
+    def kernel(lo_ref, hi_ref, c_ref, b_ref, hp_ref, keys_ref, samples_ref, gains_ref, gout_ref, *refs):
+        keys_row_ref, refs = (refs[0], refs[1:]) if mxu else (None, refs)
         k = 1 + len(slots)
         ins, outs, (grad_ref, touched_ref) = refs[:k], refs[k : 2 * k], refs[2 * k :]
         s = pl.program_id(0)
@@ -564,7 +565,7 @@ def stream_update(
                 grad_ref[pl.ds(dst, 1), :] += gout_ref[pl.ds(j, 1), :]
             touched_ref[pl.ds(dst, 1), :] = jnp.ones((1, 128), jnp.float32)
 
-        if mxu:
+        if keys_row_ref is not None:  # the MXU row sum
             entry = jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1) + base
             in_step = jnp.logical_and(entry >= lo_ref[s], entry < hi_ref[s])
             local = jnp.where(in_step, keys_row_ref[...] - first_row, -1)
@@ -595,7 +596,8 @@ def stream_update(
     smem = lambda: pl.BlockSpec((chunk,), lambda s, lo, hi, c, b: (c[s],), memory_space=pltpu.SMEM)  # noqa: E731
     specs = [block(False)] + [block(f) for f in flat]
     arrays = [table, *slot_views]
-    first_aliased = len(schedule) + 6  # the scheduled scalars, hp, keys, samples, gains, the gradient, keys_row
+    # After the scheduled scalars, hp, keys, samples, gains, the gradient and (MXU) the ids as lanes.
+    first_aliased = len(schedule) + 5 + len(lane_keys)
     outs = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -607,7 +609,7 @@ def stream_update(
                 smem(),
                 smem(),
                 gradient_spec,
-                keys_row_spec,
+                *lane_keys_specs,
                 *specs,
             ],
             out_specs=specs,
@@ -620,7 +622,7 @@ def stream_update(
         input_output_aliases={first_aliased + i: i for i in range(len(arrays))},
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
         interpret=_interpret(),
-    )(*schedule, hp, keys, samples, gains, gradient, keys_row, *arrays)
+    )(*schedule, hp, keys, samples, gains, gradient, *lane_keys, *arrays)
     new_slots = [o.reshape(-1)[:rows] if f else o for o, f in zip(outs[1:], flat)]
     return (outs[0], *new_slots)
 
