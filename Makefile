@@ -31,10 +31,11 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/basedpyright --pythonpath $(PY)
 
-# Lint, the whole suite, then the device tests again with fused mode as the default.
+# Lint, then the whole suite (the device tests in eager and in fused mode) on TEST_WORKERS processes
+# (pytest-xdist; tests/conftest.py says how the files are shared out), the slowest tests listed at the end.
+TEST_WORKERS ?= 2
 test: lint
-	$(PY) -m pytest -q
-	TPUREC_MODE=fused $(PY) -m pytest -q tests/core tests/sparse/test_tpu_device.py tests/sparse/test_dlrm.py tests/dense/test_programs.py
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The model zoo (tests/models): every transformers family x eager/fused/compiled against CPU; `make test`
 # runs only its default slice. Results and known failures: docs/zoo.md.

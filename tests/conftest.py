@@ -1,6 +1,11 @@
-"""Test set-up shared by every test: 8 host devices for JAX, tpu registered."""
+"""Test set-up shared by every test: 8 host devices for JAX, tpu registered; the device tests run in eager
+and fused mode; under pytest-xdist, how test files are shared out between the workers."""
+
+from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from pathlib import Path
 
 # Must be set before JAX initialises its backends.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -12,6 +17,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tpurec.core import runtime  # noqa: E402
+
+try:
+    from xdist.scheduler import LoadScopeScheduling
+except ImportError:  # pytest-xdist is pinned in requirements-test.lock; without it the suite runs in one process
+    LoadScopeScheduling = None
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # The whole suite runs in one process and builds tens of thousands of programs, each holding
 # memory mappings; tpurec's own guard (runtime.keep_mapping_headroom) would drop them in the
@@ -27,3 +39,167 @@ def _drop_programs_between_files():
     if held is not None and held > _MAPPINGS_BETWEEN_FILES:
         torch._dynamo.reset()
         runtime.release_programs()
+
+
+# --- Fused mode as a parameter -------------------------------------------------------------------------
+# The device tests run twice: in the mode the process started in (eager unless TPUREC_MODE says otherwise),
+# and with fused mode as the default (the mode set, and TPUREC_MODE=fused for the processes a test starts).
+FUSED_TOO = (
+    "tests/core/",
+    "tests/sparse/test_tpu_device.py",
+    "tests/sparse/test_dlrm.py",
+    "tests/dense/test_programs.py",
+)
+
+
+def _relative(path: Path) -> str:
+    try:
+        return path.resolve().relative_to(ROOT).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "default_mode" in metafunc.fixturenames and _relative(metafunc.definition.path).startswith(FUSED_TOO):
+        metafunc.parametrize("default_mode", ["eager", "fused"], indirect=True, ids=["eager-default", "fused-default"])
+
+
+def _eager_then_fused(items: list[pytest.Item]) -> list[pytest.Item]:
+    """Each file's eager-default tests, then its fused-default ones (as the two runs of a file would be)."""
+    blocks: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        fused = getattr(item, "callspec", None) is not None and item.callspec.params.get("default_mode") == "fused"
+        blocks.setdefault(item.nodeid.split("::", 1)[0] + ("::fused" if fused else ""), []).append(item)
+    return [item for block in blocks.values() for item in block]
+
+
+# The files whose fused-default tests started: the first of them starts from no compiled program.
+_FUSED_STARTED: set[str] = set()
+
+
+@pytest.fixture(autouse=True)
+def default_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str | None]:
+    """The execution mode a FUSED_TOO test starts in (None elsewhere: the process's mode, untouched).
+
+    A file's fused-default tests run after its eager-default ones and start, as a run of their own in a
+    fresh process would, with no program compiled (the tests that count compilations and recompilations
+    would otherwise see the eager run's programs).
+    """
+    mode = getattr(request, "param", None)
+    if mode is None:
+        yield None
+        return
+    if mode == "fused":
+        path = request.node.nodeid.split("::", 1)[0]
+        if path not in _FUSED_STARTED:
+            _FUSED_STARTED.add(path)
+            torch._dynamo.reset()
+            runtime.release_programs()
+        monkeypatch.setenv("TPUREC_MODE", "fused")
+    else:
+        monkeypatch.delenv("TPUREC_MODE", raising=False)
+    with tpurec.mode(mode):
+        yield mode
+
+
+# --- pytest-xdist (`make test` runs the suite on one worker per core) -----------------------------------
+# A file's tests run on one worker, in order (they share module fixtures and warm caches), except in the
+# files below, whose multi-process launches are independent: there, each test is a unit of its own (or, where
+# prefixes are given, the tests whose names start alike, such as tests sharing a launch through a module fixture).
+SPLIT_FILES: dict[str, tuple[str, ...]] = {
+    "tests/distributed/test_dmp.py": (),
+    "tests/distributed/test_dmp_dlrm.py": (),
+    "tests/distributed/test_dmp_fused.py": (),
+    "tests/distributed/test_faults.py": (),
+}
+# Units are handed out in collection order; the longest go first (the multi-process launches, longest first
+# as measured on 2 cores), so that the short ones fill in at the end.
+LONGEST_FIRST = (
+    "tests/distributed/test_dmp_dlrm.py",
+    "tests/distributed/test_dmp.py",
+    "tests/distributed/test_fsdp.py",
+    "tests/distributed/test_dmp_fused.py",
+    "tests/distributed/test_dmp_checkpoint.py",
+    "tests/distributed/test_dmp_pipeline.py",
+    "tests/distributed/test_ddp.py",
+    "tests/distributed/test_functional.py",
+    "tests/distributed/test_dtensor.py",
+    "tests/distributed/test_c10d.py",
+    "tests/examples/",
+    "tests/sparse/sharding/",
+    "tests/test_docs.py",
+    "tests/distributed/",
+)
+# Tests that mostly wait (a lost process is noticed after a 20 s peer timeout): spread one by one between
+# the first units, so that while one worker waits the other computes.
+SPREAD = ("tests/distributed/test_faults.py",)
+
+
+def _first_rank(nodeid: str) -> int:
+    return next((i for i, prefix in enumerate(LONGEST_FIRST) if nodeid.startswith(prefix)), len(LONGEST_FIRST))
+
+
+def unit(nodeid: str) -> str:
+    """The unit of work ``nodeid`` belongs to: its file, or a part of a SPLIT_FILES file."""
+    path, _, name = nodeid.partition("::")
+    if path not in SPLIT_FILES:
+        return path
+    prefix = next((p for p in SPLIT_FILES[path] if name.startswith(p)), None)
+    return nodeid if prefix is None else f"{path}::{prefix}"
+
+
+def _xdist_order(items: list[pytest.Item]) -> list[pytest.Item]:
+    """LONGEST_FIRST's order, with the SPREAD tests' units placed one after each of the first other units."""
+    spread = [item for item in items if item.nodeid.startswith(SPREAD)]
+    others = sorted((item for item in items if not item.nodeid.startswith(SPREAD)), key=lambda i: _first_rank(i.nodeid))
+    spread_units: dict[str, list[pytest.Item]] = {}
+    for item in spread:
+        spread_units.setdefault(unit(item.nodeid), []).append(item)
+    waiting = list(spread_units.values())
+    ordered: list[pytest.Item] = []
+    for i, item in enumerate(others):
+        ordered.append(item)
+        ends_a_unit = i + 1 == len(others) or unit(others[i + 1].nodeid) != unit(item.nodeid)
+        if ends_a_unit and waiting:
+            ordered.extend(waiting.pop(0))
+    for rest in waiting:
+        ordered.extend(rest)
+    return ordered
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items[:] = _eager_then_fused(items)
+    if hasattr(config, "workerinput"):  # an xdist worker: every worker orders its identical collection alike
+        items[:] = _xdist_order(items)
+
+
+if LoadScopeScheduling is not None:
+
+    class FileScheduling(LoadScopeScheduling):
+        """``--dist loadfile`` for this suite: a file per unit (SPLIT_FILES: smaller units), in
+        collection order, a unit handed to a worker only when it is about to run out of work."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return unit(nodeid)
+
+        def _reschedule(self, node) -> None:  # noqa: ANN001 (xdist's WorkerController)
+            # xdist holds back a worker's last test until it knows the next one (or is told to stop), so a
+            # unit is handed over when one test is left, not earlier: no unit waits behind a long one.
+            if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            super()._reschedule(node)
+
+        def schedule(self) -> None:
+            # Collection order (LONGEST_FIRST), not xdist's default of the units with the most tests first.
+            reorder = self.config.option.loadscopereorder
+            self.config.option.loadscopereorder = False
+            try:
+                super().schedule()
+            finally:
+                self.config.option.loadscopereorder = reorder
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201
+        if config.getvalue("dist") == "loadfile":
+            return FileScheduling(config, log)
+        return None

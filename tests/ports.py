@@ -4,10 +4,14 @@ The ports are picked outside the kernel's ephemeral range. A port inside it (wha
 taken between the check and the launch by any outgoing connection of another process: gloo's pairs, torchrun's
 store clients, a second test run on the machine. A port outside it is taken only by a program that binds it by
 number, so a pair found free here stays free for the launch.
+
+Under pytest-xdist each worker picks from its own slice of that range, so two workers never pick the
+same pair between their check and their launch.
 """
 
 from __future__ import annotations
 
+import os
 import random
 import socket
 from pathlib import Path
@@ -26,12 +30,30 @@ def ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
-def candidate_ports() -> range:
+def _all_candidates() -> range:
     """The ports below the ephemeral range (or above it where the range starts too low), as pair starts."""
     low, high = ephemeral_range()
     if low - LOWEST > 1000:
         return range(LOWEST, low - 1)
     return range(high + 1, 65535 - 1)
+
+
+def _xdist_worker() -> tuple[int, int]:
+    """This process's pytest-xdist worker index and the number of workers ((0, 1) outside xdist)."""
+    name = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    if not name.startswith("gw") or count < 2:
+        return 0, 1
+    return int(name[2:]) % count, count
+
+
+def candidate_ports() -> range:
+    """The pair starts this process may pick: outside the ephemeral range, this xdist worker's slice of it."""
+    ports = _all_candidates()
+    index, count = _xdist_worker()
+    size = len(ports) // count
+    # A worker's last pair start leaves its second port inside the slice.
+    return range(ports.start + index * size, ports.start + (index + 1) * size - 1)
 
 
 def _free(port: int) -> bool:

@@ -256,8 +256,7 @@ def test_the_checks_catch_bad_commands() -> None:
 
 def test_generated_parts_match_the_lowering_table() -> None:
     """The lists in the docs that tests/gen_docs.py writes equal what it writes now."""
-    sys.path.insert(0, str(Path(__file__).parent))
-    import gen_docs
+    import gen_docs  # beside this file (tests/ is on sys.path: tests/conftest.py)
 
     for (page, name), text in gen_docs.parts().items():
         assert gen_docs.committed(page, name) == text, f"{page}: part {name!r} is stale: run python tests/gen_docs.py"

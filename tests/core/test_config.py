@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pathlib
 import re
-import sys
 
 import pytest
 
@@ -182,8 +181,7 @@ def test_program_settings_hold_the_flags_that_change_programs():
 
 
 def test_docs_table_is_the_generated_one():
-    sys.path.insert(0, str(REPO_ROOT / "tests"))
-    import gen_docs
+    import gen_docs  # tests/ is on sys.path (tests/conftest.py)
 
     committed = gen_docs.committed("docs/config.md", "flags")
     assert committed == config.markdown_table().removesuffix("\n"), "docs/config.md is stale: python tests/gen_docs.py"

@@ -131,7 +131,12 @@ def test_a_replaced_lowering_is_used_at_once(monkeypatch):
     torch.testing.assert_close((t - t).cpu(), torch.zeros(3))  # route and fast entry kept
     monkeypatch.setitem(LOWERINGS, op, Lowering(op, lambda a, b, alpha=1: right.fn(a, b, alpha=alpha) + 7.0))
     runtime.programs.clear()  # the programs traced with the old lowering
-    torch.testing.assert_close((t - t).cpu(), torch.full((3,), 7.0))
+    try:
+        torch.testing.assert_close((t - t).cpu(), torch.full((3,), 7.0))
+    finally:
+        # The programs traced with the replaced lowering must not outlive it (later tests in this process).
+        monkeypatch.undo()
+        runtime.programs.clear()
 
 
 def test_the_fast_path_gathers_what_the_full_path_gathers():

@@ -207,6 +207,10 @@ def test_a_sync_point_in_the_step_is_refused_after_the_step_ran():
 
 
 def test_a_step_without_warm_up_is_refused():
+    from tpurec.core import fused
+
+    # No step of these structures ran in this process before (an earlier test in it may have run them).
+    fused.clear_programs()
     model, optimizer, x, y = _setup()
     with tpurec.mode("fused"):
         _refused("made its state in it", lambda: _step(model, optimizer, x, y), model)

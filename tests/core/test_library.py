@@ -1,5 +1,6 @@
 """tpurec.library.jax_op: JAX and Pallas functions as custom ops on tpu tensors."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -26,6 +27,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 # A plain JAX op: differentiated by jax.vjp; a float (runtime) and an int (static) argument.
+# Ops a test defines get a new name each time it runs (the fused-mode run of a test is in the same process).
+_fresh = itertools.count()
+
+
 @jax_op("tpurec_test::gated_tanh")
 def gated_tanh(x: jax.Array, gate: jax.Array, *, scale: float = 1.0, power: int = 1) -> jax.Array:
     return jnp.tanh(x) ** power * jax.nn.sigmoid(gate) * scale
@@ -127,6 +132,9 @@ def test_compiled_graph_with_custom_ops_is_one_program():
 
 
 def test_custom_op_reuses_its_program_and_float_arguments_are_runtime_values():
+    from tpurec.core import runtime
+
+    runtime.release_programs()  # no program of power=3 left by an earlier test in this process
     x, gate = torch.randn(4, 5).to("tpu"), torch.randn(4, 5).to("tpu")
     gated_tanh(x, gate, scale=2.0, power=1).cpu()
     tpurec.reset_stats()
@@ -158,7 +166,7 @@ def test_two_outputs_on_tpu_cpu_and_fake_tensors():
 
 
 def test_pallas_without_backward_fails_in_forward_with_advice():
-    @jax_op("tpurec_test::mul_relu_no_backward")
+    @jax_op(f"tpurec_test::mul_relu_no_backward_{next(_fresh)}")  # a new name each run in this process
     def no_backward(x: jax.Array, y: jax.Array) -> jax.Array:
         return pl.pallas_call(_mul_relu_kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), interpret=True)(x, y)
 
@@ -187,7 +195,7 @@ def test_bad_definitions_are_rejected_clearly():
 
 
 def test_user_backward_must_return_one_gradient_per_tensor():
-    @jax_op("tpurec_test::bad_backward", backward=lambda g, x, y: g)
+    @jax_op(f"tpurec_test::bad_backward_{next(_fresh)}", backward=lambda g, x, y: g)
     def add(x: jax.Array, y: jax.Array) -> jax.Array:
         return x + y
 

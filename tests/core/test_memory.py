@@ -109,6 +109,11 @@ def test_bad_devices_are_refused_like_cuda():
 def test_platform_allocator_statistics_are_used_where_xla_reports_them(monkeypatch):
     # XLA:CPU reports none; TPU and GPU report these keys (jax.Device.memory_stats()).
     platform = {"bytes_in_use": 1000, "peak_bytes_in_use": 5000, "bytes_limit": 10_000, "pool_bytes": 3000}
+    # The reset below notes XLA's peak in the device's accounting: undo() puts back what was there, for the
+    # tests that run after this one in the process.
+    account = memory._devices[torch.tpu.current_device()]
+    for name in ("platform_peak_at_reset", "platform_in_use_at_reset", "own_at_reset"):
+        monkeypatch.setattr(account, name, getattr(account, name))
     monkeypatch.setattr(memory, "_platform_stats", lambda index: dict(platform))
     assert torch.tpu.memory_allocated() == 1000 and torch.tpu.max_memory_allocated() == 5000
     assert torch.tpu.memory_reserved() == 3000

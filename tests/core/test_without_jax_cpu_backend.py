@@ -7,11 +7,16 @@ made to look absent (``jax.devices("cpu")`` raises as JAX does) and both run on 
 
 from __future__ import annotations
 
+import itertools
+
 import jax
 import pytest
 import torch
 
 import tpurec.library
+
+# Ops a test defines get a new name each run (the fused-mode run of a test is in the same process).
+_fresh = itertools.count()
 
 
 @pytest.fixture
@@ -42,7 +47,7 @@ def test_compiled_graph_with_cpu_constants_runs() -> None:
 
 @pytest.mark.usefixtures("no_cpu_backend")
 def test_custom_op_on_cpu_tensors_runs() -> None:
-    @tpurec.library.jax_op("tpurec_test_no_cpu::twice")
+    @tpurec.library.jax_op(f"tpurec_test_no_cpu::twice_{next(_fresh)}")
     def twice(x: jax.Array) -> jax.Array:
         return x * 2
 

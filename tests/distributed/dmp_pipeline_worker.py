@@ -18,13 +18,11 @@ import faulthandler
 import os
 import sys
 from collections import OrderedDict
-from pathlib import Path
 from typing import Any, cast
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import dmp_worker  # noqa: E402
+import dmp_worker  # the script's folder is first on sys.path
 
 
 def _model_class():

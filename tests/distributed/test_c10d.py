@@ -3,18 +3,17 @@ the same CPU tensors (see c10d_worker.py for the checks each rank makes)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-from launch import launch
+from launcher import run
 
 HERE = Path(__file__).resolve().parent
 
 
 def _launch(processes: int, backend: str, out: Path, *flags: str, checks: tuple[str, ...]) -> None:
     """Runs c10d_worker.py under torchrun; fails with its output unless every rank passed."""
-    launch(HERE / "c10d_worker.py", processes, backend, str(out), *flags)
+    run(HERE / "c10d_worker.py", processes, backend, str(out), *flags)
     reports = [Path(f"{out}.{rank}").read_text().split("\n") for rank in range(processes)]
     for rank, report in enumerate(reports):
         # The sub-group checks run on its members, the odd ranks.
@@ -27,11 +26,8 @@ def _same_training_as_one_process(out: Path) -> None:
     """DDP over the ranks trained like one process on the whole batch (1e-5 relative)."""
     import numpy as np
 
-    sys.path.insert(0, str(HERE))
-    try:
-        import c10d_worker
-    finally:
-        sys.path.remove(str(HERE))
+    import c10d_worker
+
     losses, params = c10d_worker.reference()
     got = np.load(f"{out}.ddp.npz")
     assert len(got["losses"]) == c10d_worker.STEPS

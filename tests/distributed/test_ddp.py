@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from launch import launch
+from launcher import run
 
 HERE = Path(__file__).resolve().parent
 MODES = ("eager", "fused")
@@ -28,7 +28,7 @@ MODES = ("eager", "fused")
 def test_ddp_options_two_processes_equal_one_process(tmp_path):
     out = tmp_path / "ddp"
     names = list(ddp_worker.SCENARIOS)
-    launch(HERE / "ddp_worker.py", 2, str(out), ",".join(MODES), ",".join(names), seconds=420)
+    run(HERE / "ddp_worker.py", 2, str(out), ",".join(MODES), ",".join(names), seconds=420)
     for rank in range(2):
         report = Path(f"{out}.{rank}").read_text().split("\n")
         wanted = [f"{name} {mode}" for mode in MODES for name in names] + [

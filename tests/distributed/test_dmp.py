@@ -8,61 +8,21 @@ one process, train like it with a plain optimizer over ``model.parameters()``, a
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
+import dmp_worker  # beside this file
 import numpy as np
 import pytest
-from ports import free_port_pair
+from launcher import run
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 LAUNCH_SECONDS = 600  # a bound on a hang; a launch takes 2-6 min on 2 busy cores
-sys.path.insert(0, str(HERE))
-try:
-    import dmp_worker
-finally:
-    sys.path.remove(str(HERE))
 
 
 def _launch(processes: int, out: Path, plans: tuple[str, ...], hosts: int = 1) -> None:
     """Runs dmp_worker.py under torchrun, ``hosts`` torchrun nodes (one agent each) of equal size;
     fails with their output unless every rank ended well."""
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",  # one device per process
-        "JAX_PLATFORMS": "cpu",
-        "TPUREC_TEST_HANG_SECONDS": str(LAUNCH_SECONDS - 30),
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    port = str(free_port_pair())
-    agents = []
-    for host in range(hosts):
-        command = [
-            sys.executable, "-m", "torch.distributed.run", "--nnodes", str(hosts), "--node-rank", str(host),
-            "--nproc-per-node", str(processes // hosts), "--master-addr", "127.0.0.1", "--master-port", port,
-            str(HERE / "dmp_worker.py"), str(out), ",".join(plans),
-        ]  # fmt: skip
-        # Each agent in its own session: on a timeout every launched agent and its ranks are killed.
-        agents.append(subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                       start_new_session=True))  # fmt: skip
-    outputs = []
-    for agent in agents:
-        try:
-            output, _ = agent.communicate(timeout=LAUNCH_SECONDS)
-        except subprocess.TimeoutExpired:
-            for other in agents:
-                if other.poll() is None:
-                    os.killpg(other.pid, signal.SIGKILL)
-            output, _ = agent.communicate()
-            pytest.fail(f"the {processes}-process launch did not end within {LAUNCH_SECONDS} s:\n{output[-6000:]}")
-        outputs.append(output)
-    for agent, output in zip(agents, outputs, strict=True):
-        assert agent.returncode == 0, output[-6000:]
+    run(HERE / "dmp_worker.py", processes, str(out), ",".join(plans), nodes=hosts, seconds=LAUNCH_SECONDS)
 
 
 def _assemble(ranks: list, tables: dict[str, np.ndarray], suffix: str) -> tuple[dict[str, np.ndarray], dict]:

@@ -6,26 +6,21 @@ dmp_checkpoint_worker.py)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import dmp_worker  # beside this file
 import numpy as np
 import pytest
-from launch import launch
+from launcher import run
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-try:
-    import dmp_worker
-finally:
-    sys.path.remove(str(HERE))
 
 PAIRS = ("row_wise:table_wise", "table_wise:mixed", "mixed:mixed")
 
 
 @pytest.mark.slow
 def test_two_processes_save_and_load_across_plans(tmp_path):
-    launch(HERE / "dmp_checkpoint_worker.py", 2, str(tmp_path), ",".join(PAIRS), seconds=420)
+    run(HERE / "dmp_checkpoint_worker.py", 2, str(tmp_path), ",".join(PAIRS), seconds=420)
     start = dmp_worker._weights("mixed")
     for pair in PAIRS:
         folder = tmp_path / pair.replace(":", "-")

@@ -8,19 +8,14 @@ weighted collection's data-parallel table pools with its per-sample weights as o
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import dmp_dlrm_worker as worker  # beside this file
 import numpy as np
 import pytest
-from launch import launch
+from launcher import run
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-try:
-    import dmp_dlrm_worker as worker
-finally:
-    sys.path.remove(str(HERE))
 
 SECONDS = 540
 
@@ -72,7 +67,7 @@ def test_two_processes_mixed_plan_sequence_tables_and_weighted_tables(tmp_path):
     as on CPU, and its UNFUSED_TPU row-wise lookup raising (TorchRec's tpu kernel would drop
     them)."""
     out = tmp_path / "two"
-    launch(HERE / "dmp_dlrm_worker.py", 2, str(out), "mixed,sequence,weighted", seconds=SECONDS)
+    run(HERE / "dmp_dlrm_worker.py", 2, str(out), "mixed,sequence,weighted", seconds=SECONDS)
     _check(out, "mixed", 2)
     losses, tables = worker.sequence_reference()
     start = worker._sequence_start()
@@ -95,7 +90,7 @@ def test_two_processes_mixed_plan_sequence_tables_and_weighted_tables(tmp_path):
 def test_two_processes_each_sharding_type_alone(tmp_path, plans):
     """Every table of one sharding type (two plans a launch, so that each launch stays short)."""
     out = tmp_path / "each"
-    launch(HERE / "dmp_dlrm_worker.py", 2, str(out), ",".join(plans), seconds=SECONDS)
+    run(HERE / "dmp_dlrm_worker.py", 2, str(out), ",".join(plans), seconds=SECONDS)
     for plan in plans:
         _check(out, plan, 2)
 
@@ -106,6 +101,6 @@ def test_two_processes_each_sharding_type_alone(tmp_path, plans):
 )
 def test_four_processes_mixed_plan_and_each_sharding_type_alone(tmp_path, plans):
     out = tmp_path / "four"
-    launch(HERE / "dmp_dlrm_worker.py", 4, str(out), ",".join(plans), seconds=SECONDS)
+    run(HERE / "dmp_dlrm_worker.py", 4, str(out), ",".join(plans), seconds=SECONDS)
     for plan in plans:
         _check(out, plan, 4)

@@ -7,19 +7,14 @@ column-wise plan on 2 and 4 processes, trains like FBGEMM's fused TBE on CPU in 
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import dmp_fused_worker as worker  # beside this file
 import numpy as np
 import pytest
-from launch import launch
+from launcher import run
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-try:
-    import dmp_fused_worker as worker
-finally:
-    sys.path.remove(str(HERE))
 
 SECONDS = 540
 
@@ -56,7 +51,7 @@ def _check(out: Path, plan: str, optimizer: str, processes: int) -> None:
 @pytest.mark.slow
 def test_two_processes_mixed_plan_every_optimizer(tmp_path):
     optimizers = ("sgd", "adagrad", "rowwise", "adam")
-    launch(HERE / "dmp_fused_worker.py", 2, str(tmp_path / "two"), ",".join(f"mixed:{o}" for o in optimizers),
+    run(HERE / "dmp_fused_worker.py", 2, str(tmp_path / "two"), ",".join(f"mixed:{o}" for o in optimizers),
            seconds=SECONDS)  # fmt: skip
     for optimizer in optimizers:
         _check(tmp_path / "two", "mixed", optimizer, 2)
@@ -64,13 +59,13 @@ def test_two_processes_mixed_plan_every_optimizer(tmp_path):
 
 @pytest.mark.slow
 def test_four_processes_row_wise_rowwise_adagrad(tmp_path):
-    launch(HERE / "dmp_fused_worker.py", 4, str(tmp_path / "four"), "row_wise:rowwise", seconds=SECONDS)
+    run(HERE / "dmp_fused_worker.py", 4, str(tmp_path / "four"), "row_wise:rowwise", seconds=SECONDS)
     _check(tmp_path / "four", "row_wise", "rowwise", 4)
 
 
 @pytest.mark.slow
 def test_what_tpurec_cannot_run_exactly_is_refused_and_the_learning_rate_is_passed_on(tmp_path):
-    launch(HERE / "dmp_fused_worker.py", 1, str(tmp_path / "e"), "errors", seconds=SECONDS)
+    run(HERE / "dmp_fused_worker.py", 1, str(tmp_path / "e"), "errors", seconds=SECONDS)
     lines = dict(line.split(" ", 1) for line in (tmp_path / "e.errors.0").read_text().splitlines())
     expected = {
         "unfused_in_backward": "UNFUSED_TPU kernel ignores the in-backward optimizer",

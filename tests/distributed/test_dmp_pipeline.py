@@ -5,25 +5,20 @@ by TorchRec on CPU in one process (see dmp_pipeline_worker.py)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import dmp_worker  # beside this file
 import numpy as np
 import pytest
-from launch import launch
+from launcher import run
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-try:
-    import dmp_worker
-finally:
-    sys.path.remove(str(HERE))
 
 
 @pytest.mark.slow
 def test_two_processes_pipeline_trains_like_the_plain_loop(tmp_path):
     out = tmp_path / "pipe"
-    launch(HERE / "dmp_pipeline_worker.py", 2, str(out), "mixed", seconds=420)
+    run(HERE / "dmp_pipeline_worker.py", 2, str(out), "mixed", seconds=420)
     losses, tables, _grads = dmp_worker.reference("mixed")
     ranks = [np.load(f"{out}.{rank}.npz") for rank in range(2)]
     for got in ranks:

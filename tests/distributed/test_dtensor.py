@@ -6,13 +6,17 @@ and Partial, redistribute between them, matmul, elementwise ops, reductions and 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from launch import torchrun
+import launcher
+
+HERE = Path(__file__).resolve().parent
 
 
 @pytest.mark.slow
 def test_dtensor_on_four_process_tpu_mesh(tmp_path):
-    reports = torchrun("stack_worker.py", 4, tmp_path / "dtensor", "dtensor", seconds=300)
+    reports = launcher.reports(HERE / "stack_worker.py", 4, tmp_path / "dtensor", "dtensor", seconds=300)
     placements = ("Shard(0)", "Shard(1)", "Replicate")
     wanted = [f"redistribute {a} -> {b}" for a in placements for b in placements if a != b]
     wanted += ["redistribute Partial -> Replicate", "redistribute Partial -> Shard(1)", "distribute_tensor Partial",

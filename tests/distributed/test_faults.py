@@ -9,7 +9,6 @@ the last committed checkpoint ends where an uninterrupted run does.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import launcher
 from ports import free_port_pair
 
 HERE = Path(__file__).resolve().parent
@@ -29,16 +29,7 @@ pytestmark = pytest.mark.slow
 
 
 def _env(**settings: str) -> dict[str, str]:
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        "FAULT_HANG_SECONDS": "240",
-        "TPUREC_PEER_TIMEOUT": "20",
-    }
-    env.update(settings)
-    return env
+    return launcher.environment(devices=4, FAULT_HANG_SECONDS="240", TPUREC_PEER_TIMEOUT="20", **settings)
 
 
 class Job:
@@ -174,12 +165,9 @@ def test_a_lost_process_ends_the_other_with_an_error_naming_it(tmp_path, lost, s
     assert not _running(service[0]), f"JAX's coordination service (pid {service[0]}) outlived the job"
 
 
-def _torchrun(
-    tmp_path: Path, port: int, *extra: str, timeout: float = 400, **settings: str
-) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(port), *extra, str(WORKER)]  # fmt: skip
-    return subprocess.run(command, env=_env(**settings), capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+def _torchrun(tmp_path: Path, port: int, *extra: str, timeout: float = 400, **settings: str) -> launcher.Launch:
+    return launcher.run(WORKER, 2, torchrun_args=extra, env=_env(**settings), seconds=timeout, port=port, cwd=tmp_path,
+               check=False, separate_streams=True)  # fmt: skip
 
 
 def test_a_taken_coordinator_port_is_an_error_naming_it(tmp_path):

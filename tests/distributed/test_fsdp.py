@@ -3,26 +3,25 @@ whole batch, and a torch.distributed.checkpoint saved by two processes loads in 
 
 from __future__ import annotations
 
-import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
-from launch import HERE, torchrun
+import launcher
+
+HERE = Path(__file__).resolve().parent
 
 
 def _reference():
-    sys.path.insert(0, str(HERE))
-    try:
-        import stack_worker
-    finally:
-        sys.path.remove(str(HERE))
+    import stack_worker
+
     return stack_worker.STEPS, stack_worker.reference()
 
 
 @pytest.mark.slow
 def test_fully_shard_two_processes_then_checkpoint_loads_in_four(tmp_path):
     checkpoint = tmp_path / "checkpoint"
-    reports = torchrun("stack_worker.py", 2, tmp_path / "fsdp", "fsdp", str(checkpoint))
+    reports = launcher.reports(HERE / "stack_worker.py", 2, tmp_path / "fsdp", "fsdp", str(checkpoint))
     assert all("fsdp trained" in r and "dcp saved" in r for r in reports), reports
     steps, (losses, params) = _reference()
     got = np.load(tmp_path / "fsdp.fsdp.npz")
@@ -32,6 +31,6 @@ def test_fully_shard_two_processes_then_checkpoint_loads_in_four(tmp_path):
     for name, want in params.items():
         np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6, err_msg=name)
     # The 2-process checkpoint, resharded onto 4 processes, holds exactly the trained parameters.
-    reports = torchrun("stack_worker.py", 4, tmp_path / "load", "load", str(checkpoint), str(tmp_path / "fsdp.fsdp.npz"),
+    reports = launcher.reports(HERE / "stack_worker.py", 4, tmp_path / "load", "load", str(checkpoint), str(tmp_path / "fsdp.fsdp.npz"),
                        seconds=300)  # fmt: skip
     assert all("dcp loaded" in r and "dcp loaded trains" in r for r in reports), reports

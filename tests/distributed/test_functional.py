@@ -6,8 +6,10 @@ The checks each rank makes are in stack_worker.py (``functional``): in eager and
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
-from launch import torchrun
+import launcher
 
 
 def test_group_name_is_visible_to_cpp():
@@ -32,9 +34,12 @@ def test_group_name_is_visible_to_cpp():
         dist.destroy_process_group()
 
 
+HERE = Path(__file__).resolve().parent
+
+
 @pytest.mark.slow
 def test_functional_collectives_two_processes(tmp_path):
-    reports = torchrun("stack_worker.py", 2, tmp_path / "functional", "functional")
+    reports = launcher.reports(HERE / "stack_worker.py", 2, tmp_path / "functional", "functional")
     for mode in ("eager", "fused"):
         wanted = [f"{mode} all_reduce avg", f"{mode} all_gather_tensor dim 1", f"{mode} reduce_scatter_tensor",
                   f"{mode} broadcast", f"{mode} all_to_all_single uneven", f"{mode} all_to_all_single even",

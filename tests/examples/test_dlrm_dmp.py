@@ -8,19 +8,15 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 
 import pytest
+from launcher import environment, run
+from ports import free_port_pair
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "dlrm", "train.py")
-sys.path.insert(0, os.path.join(ROOT, "tests"))
-try:
-    from ports import free_port_pair
-finally:
-    sys.path.remove(os.path.join(ROOT, "tests"))
 
 SMALL = [
     "--num_embeddings", "100", "--embedding_dim", "16", "--dense_arch_layer_sizes", "32,16",
@@ -31,31 +27,12 @@ SECONDS = 420
 
 
 def _env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-        "JAX_PLATFORMS": "cpu",
-        "OMP_NUM_THREADS": "1",
-        "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
+    return environment(OMP_NUM_THREADS="1")
 
 
 def _torchrun(*args: str) -> str:
     """``torchrun --nproc-per-node 2 train.py --dist dmp ARGS``: its output, or a test failure (bounded)."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port_pair()), SCRIPT, "--dist", "dmp", *args,
-    ]  # fmt: skip
-    proc = subprocess.Popen(command, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=SECONDS)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun did not end within {SECONDS} s:\n{output[-6000:]}")
-    assert proc.returncode == 0, output[-6000:]
-    return output
+    return run(SCRIPT, 2, "--dist", "dmp", *args, env=_env(), seconds=SECONDS).output
 
 
 def _write_plan(tmp_path, devices: int) -> str:

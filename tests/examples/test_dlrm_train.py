@@ -18,10 +18,9 @@ from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "dlrm", "train.py")
-sys.path.insert(0, os.path.join(ROOT, "examples"))
 
 import tpurec  # noqa: E402,F401
-from dlrm import checkpoint, data, flags, loop  # noqa: E402
+from dlrm import checkpoint, data, flags, loop  # noqa: E402  (examples/ is on sys.path: pyproject.toml)
 from dlrm import model as model_lib  # noqa: E402
 
 SMALL = [

@@ -1,11 +1,9 @@
-import os
-import sys
+"""Shared setup of the sparse tests; this folder is on sys.path (pytest puts a conftest's folder there), so
+helpers.py and fuzz_kjt.py import from the tests in its subfolders."""
 
-sys.path.insert(0, os.path.dirname(__file__))
+from hypothesis import settings
 
-from hypothesis import settings  # noqa: E402
-
-import tpurec  # noqa: E402,F401  (x64, device registration)
+import tpurec  # noqa: F401  (x64, device registration)
 
 # Long fuzz runs: pytest tests/sparse/test_fuzz.py --hypothesis-profile=fuzz-long (see test_fuzz.py).
 settings.register_profile("fuzz-long", max_examples=10_000, deadline=None)

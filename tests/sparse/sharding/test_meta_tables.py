@@ -19,7 +19,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from ports import free_port_pair
+import launcher
 import torch
 from jax.extend.random import threefry_2x32
 from torchrec import EmbeddingBagConfig
@@ -371,11 +371,8 @@ def test_a_table_born_sharded_under_an_address_space_cap_trains_like_the_one_bui
 
 def _compare_checkpoints(a: Path, b: Path, atol: float) -> None:
     """Both checkpoints (written shard by shard) load into one model here: equal tables, slots, dense."""
-    sys.path.insert(0, str(HERE))
-    try:
-        import meta_tables_run
-    finally:
-        sys.path.remove(str(HERE))
+    import meta_tables_run
+
     states = []
     for folder in (a, b):
         model = _shard(meta_tables_run.build(BIG_ROWS, meta=True), meta_tables_run.plan(BIG_ROWS), seed=1)
@@ -403,20 +400,9 @@ def test_two_processes_each_unable_to_hold_the_table_shard_it_from_meta_and_trai
     reductions sum in another order)."""
     out = tmp_path / "two"
     out.mkdir()
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        "MALLOC_ARENA_MAX": "2",
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-        "--master-port", str(free_port_pair()), str(HERE / "meta_tables_run.py"), str(out), "meta", str(BIG_ROWS),
-        str(MULTI_SLACK_MB),
-    ]  # fmt: skip
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=800)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    env = launcher.environment(devices=4, MALLOC_ARENA_MAX="2")
+    launcher.run(HERE / "meta_tables_run.py", 2, str(out), "meta", str(BIG_ROWS), str(MULTI_SLACK_MB), env=env,
+                 seconds=800)  # fmt: skip
     results = [json.loads((out / f"result{r}.json").read_text()) for r in range(2)]
     for result in results:
         assert "error" not in result, result["error"]

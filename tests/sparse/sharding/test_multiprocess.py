@@ -4,14 +4,11 @@ sharded checkpoint loads in 1 process under another plan."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
-from ports import free_port_pair
+import launcher
 
 import tpurec.distributed as distributed
 
@@ -21,38 +18,14 @@ ROOT = HERE.parents[2]
 
 @pytest.mark.slow
 def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
-    env = {
-        **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        # A hang (see docs/sharding.md) fails the test with every thread's stack.
-        "TPUREC_TEST_HANG_SECONDS": "240",
-        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }
+    # A hang (see docs/sharding.md) fails the test with every thread's stack.
+    env = launcher.environment(devices=4, hang_seconds=240)
     two = tmp_path / "two.npz"
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port_pair()),
-        str(HERE / "multiprocess_train.py"),
-        str(two),
-        str(tmp_path / "ckpt"),
-    ]
-    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=540)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
+    launcher.run(HERE / "multiprocess_train.py", 2, str(two), str(tmp_path / "ckpt"), env=env, seconds=540)
 
     # The reference: this process, 8 devices (tests/conftest.py), same script.
-    sys.path.insert(0, str(HERE))
-    try:
-        import multiprocess_train
-    finally:
-        sys.path.remove(str(HERE))
+    import multiprocess_train
+
     one = tmp_path / "one.npz"
     multiprocess_train.main(str(one))
     a, b = np.load(one), np.load(two)
