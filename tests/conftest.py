@@ -16,7 +16,8 @@ import tpurec  # noqa: E402,F401
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tpurec.core import runtime  # noqa: E402
+from tpurec import config  # noqa: E402
+from tpurec.core import modes, runtime  # noqa: E402
 
 try:
     from xdist.scheduler import LoadScopeScheduling
@@ -39,6 +40,52 @@ def _drop_programs_between_files():
     if held is not None and held > _MAPPINGS_BETWEEN_FILES:
         torch._dynamo.reset()
         runtime.release_programs()
+
+
+# --- One file's process state does not reach the next ---------------------------------------------------
+# Under pytest-xdist a worker runs files in an order of its own (see the scheduling below), so whatever a file
+# leaves set in the process meets files it never met in a one-process run in path order.
+
+
+def _process_state() -> dict[str, object]:
+    """The settings of this process a test may change and must put back: they change what later tests run."""
+    return {
+        "the execution mode (tpurec.mode)": modes.get_mode(),
+        "tpurec.config.update/override values": dict(config._overrides),
+        "TPUREC_* environment variables": {k: v for k, v in os.environ.items() if k.startswith("TPUREC_")},
+    }
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _process_state_per_file(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Each test file starts in the process state the run started in.
+
+    Mesh arrays: once a sharded collection has put global arrays in the process, tpurec traces every
+    compiled graph as an SPMD program from then on (runtime.mesh_arrays_exist), and such a program keeps
+    XLA's dot instead of the native XLA:CPU kernels; the file's global arrays are gone when it ends (this
+    fixture is torn down after the file's own module fixtures), so the next file starts without them, as
+    it would in a process of its own.
+
+    The settings of :func:`_process_state` are put back too, and a file that left one changed fails (an
+    error in its last test's teardown) naming it: that file is where a restore is missing.
+    """
+    before = _process_state()
+    yield
+    runtime._mesh_arrays_exist = False
+    after = _process_state()
+    if after == before:
+        return
+    changed = [f"{what}: {before[what]!r} -> {after[what]!r}" for what in before if before[what] != after[what]]
+    modes.set_mode(before["the execution mode (tpurec.mode)"])  # type: ignore[arg-type]
+    config._overrides.clear()
+    config._overrides.update(before["tpurec.config.update/override values"])  # type: ignore[arg-type]
+    for name in after["TPUREC_* environment variables"]:  # type: ignore[union-attr]
+        os.environ.pop(name)
+    os.environ.update(before["TPUREC_* environment variables"])  # type: ignore[arg-type]
+    pytest.fail(
+        f"{request.node.nodeid} left the process changed for the files after it (put back now): " + "; ".join(changed),
+        pytrace=False,
+    )
 
 
 # --- Fused mode as a parameter -------------------------------------------------------------------------
@@ -186,6 +233,11 @@ if LoadScopeScheduling is not None:
             # xdist holds back a worker's last test until it knows the next one (or is told to stop), so a
             # unit is handed over when one test is left, not earlier: no unit waits behind a long one.
             if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
+                return
+            if node not in self.registered_collections:
+                # A worker started in place of one that died: it gets work once its collection is in (xdist
+                # reschedules every node when any one finishes collecting, and would index this one's
+                # missing collection: an INTERNALERROR that ends the whole run).
                 return
             super()._reschedule(node)
 
