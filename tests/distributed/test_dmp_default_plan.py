@@ -8,19 +8,14 @@ tpurec's error (see dmp_default_plan_worker.py)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import dmp_default_plan_worker as worker  # beside this file
 import numpy as np
 import pytest
-from launch import launch
+from launcher import run
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-try:
-    import dmp_default_plan_worker as worker
-finally:
-    sys.path.remove(str(HERE))
 
 SECONDS = 540
 PROCESSES = 2
@@ -47,7 +42,7 @@ def test_two_processes_default_plans_train_on_tpu_as_on_cpu(tmp_path):
     """Losses within 1e-5 relative, every trained table within 1e-5 relative and 1e-6 absolute of
     the CPU model's; every table trained; the misplaced plan refused on both ranks."""
     out = tmp_path / "default"
-    launch(HERE / "dmp_default_plan_worker.py", PROCESSES, str(out), ",".join(worker.CASES), seconds=SECONDS)
+    run(HERE / "dmp_default_plan_worker.py", PROCESSES, str(out), ",".join(worker.CASES), seconds=SECONDS)
     for case in ("planner", "constructed", "sequence"):
         if case == "sequence":
             cpu_losses, cpu_tables = worker.sequence_reference()

@@ -7,25 +7,22 @@ up to 5 rows of magnitude up to 2)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from launcher import environment
 from ports import free_port_pair
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
 
 
 @pytest.mark.slow
 def test_one_process_dmp_dense_tables_of_any_width_match_cpu(tmp_path):
-    env = {
-        **os.environ, "OUT": str(tmp_path), "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1",
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=1", "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port_pair()), "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-    }  # fmt: skip
+    env = environment(
+        OUT=str(tmp_path), OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port_pair())
+    )
     out = subprocess.run(
         [sys.executable, str(HERE / "dmp_dense_on_device.py")], env=env, capture_output=True, text=True, timeout=300
     )

@@ -8,23 +8,18 @@ torchrec_model_worker.py for the glue)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-from launch import launch
+import torchrec_model_worker as worker  # beside this file
+from launcher import run
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-try:
-    import torchrec_model_worker as worker
-finally:
-    sys.path.remove(str(HERE))
 
 
 @pytest.mark.slow
 def test_torchrec_model_parallel_cases_pass_on_tpu_with_two_processes(tmp_path):
     out = tmp_path / "model"
-    launch(HERE / "torchrec_model_worker.py", 2, str(out), ",".join(worker.CASES), seconds=540)
+    run(HERE / "torchrec_model_worker.py", 2, str(out), ",".join(worker.CASES), seconds=540)
     for rank in range(2):
         assert Path(f"{out}.{rank}").read_text().split() == [w for c in worker.CASES for w in (c, "passed")], rank
