@@ -158,6 +158,7 @@ SPLIT_FILES: dict[str, tuple[str, ...]] = {
     "tests/distributed/test_dmp_dlrm.py": (),
     "tests/distributed/test_dmp_fused.py": (),
     "tests/distributed/test_faults.py": (),
+    "tests/examples/test_dlrm_dmp.py": (),
 }
 # Units are handed out in collection order; the longest go first (the multi-process launches, longest first
 # as measured on 2 cores), so that the short ones fill in at the end.
@@ -172,6 +173,9 @@ LONGEST_FIRST = (
     "tests/distributed/test_functional.py",
     "tests/distributed/test_dtensor.py",
     "tests/distributed/test_c10d.py",
+    "tests/distributed/test_torchrec_model_parallel.py",
+    "tests/distributed/test_dmp_default_plan.py",
+    "tests/examples/test_dlrm_dmp.py",
     "tests/examples/",
     "tests/sparse/sharding/",
     "tests/test_docs.py",
