@@ -6,19 +6,14 @@ run in device memory, on CPU none (see dmp_uvm_worker.py)."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
+import dmp_uvm_worker as worker  # beside this file
 import numpy as np
 import pytest
-from launch import launch
+from launcher import run
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-try:
-    import dmp_uvm_worker as worker
-finally:
-    sys.path.remove(str(HERE))
 
 SECONDS = 420
 PROCESSES = 2
@@ -44,7 +39,7 @@ def test_host_memory_kernels_train_on_tpu_as_on_cpu_with_one_warning(tmp_path, o
     """Losses within 1e-5 relative, every trained table within 1e-5 relative and 1e-6 absolute of the
     CPU model's; every table trained; one warning per tpu rank naming the kernels, none on CPU."""
     out = tmp_path / "uvm"
-    launch(HERE / "dmp_uvm_worker.py", PROCESSES, str(out), optimizer, seconds=SECONDS)
+    run(HERE / "dmp_uvm_worker.py", PROCESSES, str(out), optimizer, seconds=SECONDS)
     cpu_ranks, cpu_tables = _run(out, "cpu")
     tpu_ranks, tpu_tables = _run(out, "tpu")
     np.testing.assert_allclose(tpu_ranks[0]["losses"], cpu_ranks[0]["losses"], rtol=1e-5, atol=0, err_msg="losses")

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 
 import pytest
-from launch import launch
+from launcher import run
 
 HERE = Path(__file__).resolve().parent
 SOURCE_VARIABLE = "TPUREC_TORCHREC_SOURCE"
@@ -61,7 +61,7 @@ def test_torchrec_tpu_path_tests_pass_on_tpu(tmp_path, test_file):
     source = _source(test_file)
     processes = SUITES[test_file]
     out = tmp_path / "outcomes"
-    launch(HERE / "torchrec_tpu_tests_worker.py", processes, str(out), str(source), test_file, seconds=420)
+    run(HERE / "torchrec_tpu_tests_worker.py", processes, str(out), str(source), test_file, seconds=420)
     for rank in range(processes):
         outcomes = json.loads(Path(f"{out}.{rank}").read_text())
         by_test = {test_id.split(".", 1)[1] if "." in test_id else test_id: o for test_id, o in outcomes.items()}
