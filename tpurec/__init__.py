@@ -28,12 +28,20 @@ from tpurec import core  # noqa: E402
 
 from tpurec import library  # noqa: E402,F401
 from tpurec import debug  # noqa: E402,F401 (TPUREC_SHADOW=cpu starts shadowing at import)
-from tpurec.core.device import platform  # noqa: E402
-from tpurec.core.graphs import TpuGraph, graph  # noqa: E402
-from tpurec.core.modes import get_mode, mode, set_mode  # noqa: E402
-from tpurec.core.recompiles import explain_recompiles  # noqa: E402
-from tpurec.core.runtime import enable_disk_cache, reset_stats, stats, synchronize  # noqa: E402
-from tpurec.core.tensor import TpuTensor  # noqa: E402
+from tpurec.core import (  # noqa: E402
+    TpuGraph,
+    TpuTensor,
+    enable_disk_cache,
+    explain_recompiles,
+    get_mode,
+    graph,
+    mode,
+    platform,
+    reset_stats,
+    set_mode,
+    stats,
+    synchronize,
+)
 from tpurec.profiler import profile  # noqa: E402
 
 from tpurec import config  # noqa: E402,F401

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from tpurec.core import fused as _fused
+from tpurec.core import flush as _flush
 
 if TYPE_CHECKING:
     from jax.sharding import Mesh
@@ -48,7 +48,7 @@ def flush(reason: str = "flush") -> None:
     """
     if not isinstance(reason, str) or not reason:
         raise TypeError(f"flush(reason) takes a non-empty string (the stats label), got {reason!r}")
-    _fused.flush(reason)
+    _flush(reason)
 
 
 def shard(

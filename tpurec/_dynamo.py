@@ -37,7 +37,7 @@ from typing import Any
 
 import torch
 
-from tpurec.core.tensor import TpuTensor
+from tpurec.core import TpuTensor
 
 __all__ = [
     "apply",

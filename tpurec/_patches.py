@@ -89,45 +89,45 @@ def _enable_x64() -> None:
 
 
 def _listen_to_jax() -> None:
-    from tpurec.core import runtime
+    from tpurec.core import listen_to_jax
 
-    runtime.listen_to_jax()
+    listen_to_jax()
 
 
 def _serialization() -> None:
-    from tpurec.core import tensor
+    from tpurec.core import install_serialization
 
-    tensor.install_serialization()
+    install_serialization()
 
 
 def _register_device() -> None:
-    from tpurec.core import device
+    from tpurec.core import register_device
 
-    device.register()
+    register_device()
 
 
 def _calling_thread_backward() -> None:
-    from tpurec.core import device
+    from tpurec.core import run_backward_on_calling_thread
 
-    device.run_backward_on_calling_thread()
+    run_backward_on_calling_thread()
 
 
 def _keep_parameters() -> None:
-    from tpurec.core import conversion
+    from tpurec.core import install_module_conversion
 
-    conversion.install()  # module.to("tpu") keeps Parameter objects, as on CUDA
+    install_module_conversion()  # module.to("tpu") keeps Parameter objects, as on CUDA
 
 
 def _register_factories() -> None:
-    from tpurec.core.entry import register_factories
+    from tpurec.core import register_factories
 
     register_factories()
 
 
 def _register_pinning() -> None:
-    from tpurec.core import device
+    from tpurec.core import register_pinning
 
-    device.register_pinning()
+    register_pinning()
 
 
 def _register_autocast() -> None:
@@ -170,25 +170,23 @@ def _fsdp_storage() -> None:
 
 
 def _disk_cache() -> None:
-    from tpurec.core.runtime import enable_disk_cache
+    from tpurec.core import enable_disk_cache
 
     enable_disk_cache()
 
 
 def _memory_api() -> None:
-    from tpurec.core import memory
-    from tpurec.core.device import TpuModule
+    from tpurec.core import TpuModule, install_memory_api
 
-    memory.install(TpuModule)  # torch.tpu.memory_allocated() and friends
+    install_memory_api(TpuModule)  # torch.tpu.memory_allocated() and friends
 
 
 def _graph_api() -> None:
-    from tpurec.core import graphs
-    from tpurec.core.device import TpuModule
+    from tpurec.core import TpuGraph, TpuModule, graph
 
     # As torch.cuda.CUDAGraph / torch.cuda.graph: code written for CUDA graphs changes only the device name.
-    TpuModule.TpuGraph = graphs.TpuGraph  # pyright: ignore[reportAttributeAccessIssue]
-    TpuModule.graph = staticmethod(graphs.graph)  # pyright: ignore[reportAttributeAccessIssue]
+    TpuModule.TpuGraph = TpuGraph  # pyright: ignore[reportAttributeAccessIssue]
+    TpuModule.graph = staticmethod(graph)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def _torchrec_tpu_tables() -> None:
@@ -214,7 +212,7 @@ def _old_module_paths() -> None:
 def _foreach_optimizers() -> None:
     optimizer = importlib.import_module("torch.optim.optimizer")
 
-    from tpurec.core.tensor import TpuTensor
+    from tpurec.core import TpuTensor
 
     if TpuTensor not in optimizer._foreach_supported_types:
         optimizer._foreach_supported_types.append(TpuTensor)

@@ -18,8 +18,7 @@ import jax
 import torch
 from torch import nn
 
-from tpurec.core import fused, rng, runtime
-from tpurec.core.tensor import TpuTensor, replace_array
+from tpurec.core import TpuTensor, flush, get_rng_state, replace_array, set_rng_state, stats, synchronize
 
 __all__ = ["warmup"]
 
@@ -102,7 +101,7 @@ class _Snapshot:
                     self.grads.append((param, param.grad))
                     if param.grad is not None:
                         self._keep(param.grad)
-        self.rng = (rng.get_state(), torch.get_rng_state())
+        self.rng = (get_rng_state(), torch.get_rng_state())
 
     def _keep(self, tensor: torch.Tensor) -> None:
         if id(tensor) in self.kept:
@@ -130,7 +129,7 @@ class _Snapshot:
             optimizer.state.update({param: dict(entry) for param, entry in state.items()})
             for group, saved in zip(optimizer.param_groups, groups):
                 group.update(saved)
-        rng.set_state(self.rng[0])
+        set_rng_state(self.rng[0])
         torch.set_rng_state(self.rng[1])
         self.arrays.clear()  # the restored arrays are held by their storages alone (donated as in any step)
 
@@ -184,21 +183,21 @@ def warmup(step: Callable[..., Any], *args: Any, state: Any, steps: int = 2, **k
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"tpurec.warmup(steps=...) runs the step at least once, got steps={steps!r}")
     modules, optimizers = _objects(state)
-    runtime.synchronize()  # pending work belongs to the state as it is
-    before, started = runtime.stats(), time.perf_counter()
+    synchronize()  # pending work belongs to the state as it is
+    before, started = stats(), time.perf_counter()
     snapshot = _Snapshot(modules, optimizers)
     try:
         for _ in range(steps):
             result = step(*args, **kwargs)
             # A step ends at its sync point with its result alive (a loop reading its loss): in
             # fused mode the same window, with the same live outputs, as a real step's.
-            fused.flush("step")
+            flush("step")
             del result
-        runtime.synchronize()
+        synchronize()
     finally:
         snapshot.restore()
-        runtime.synchronize()  # what the restore copied runs now, not in the first real step's program
-    after = runtime.stats()
+        synchronize()  # what the restore copied runs now, not in the first real step's program
+    after = stats()
     return {
         "seconds": time.perf_counter() - started,
         "compilations": after["compilations"] - before["compilations"],

@@ -40,8 +40,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
 from tpurec import config
-from tpurec.core import entry, errors, fused, modes
-from tpurec.core.tensor import TpuTensor, array_of, jax_to_host
+from tpurec import core
+from tpurec.core import LIBRARY_DIRS, TpuTensor, array_of, flush, get_mode, is_pending, jax_to_host, mode
 from tpurec.dense.registry import get_lowering
 
 __all__ = ["shadow", "ShadowMismatch", "ShadowReport", "DEFAULT_TOLERANCES", "FLOAT64_FACTOR"]
@@ -250,7 +250,7 @@ def _user_lines(frames: list[traceback.FrameSummary], callers: int = 3) -> list[
         path = os.path.abspath(frame.filename)
         if frame.filename.startswith("<frozen"):
             continue
-        if path.startswith(errors.LIBRARY_DIRS):
+        if path.startswith(LIBRARY_DIRS):
             continue
         if found and "-packages" + os.sep in path:
             continue
@@ -270,7 +270,7 @@ def _tolerance(dtype: torch.dtype, report: ShadowReport) -> tuple[float, float]:
 
 def _host(value) -> torch.Tensor:
     # A tpu value here is an op's input or output: the op runtime is loaded.
-    value = entry.load_runtime().value_of(value, "tpurec.debug.shadow") if isinstance(value, TpuTensor) else value
+    value = core.value_of(value, "tpurec.debug.shadow") if isinstance(value, TpuTensor) else value
     value = jax_to_host(value) if not isinstance(value, torch.Tensor) else value
     return value.detach().resolve_conj().resolve_neg()
 
@@ -391,8 +391,8 @@ class _Inputs:
                 self.keys.setdefault(id(x), x._key)
             if isinstance(x, TpuTensor) and id(x._storage) not in self.before:
                 array = array_of(x)
-                if fused.is_pending(array):
-                    fused.flush("tpurec.debug.shadow")
+                if is_pending(array):
+                    flush("tpurec.debug.shadow")
                     array = array_of(x)
                 self.before[id(x._storage)] = (x._storage, array)
 
@@ -728,7 +728,7 @@ def _raise_pending() -> None:
 def _check(run, func, args, kwargs):
     if _pending is not None and torch._C._current_autograd_node() is None:
         _raise_pending()
-    if not _sessions or modes.get_mode() != "debug" or getattr(_local, "busy", False) or func in _NOT_COMPARED:
+    if not _sessions or get_mode() != "debug" or getattr(_local, "busy", False) or func in _NOT_COMPARED:
         return run(func, args, kwargs)
     report = _sessions[-1]
     inputs = _Inputs(args, kwargs)
@@ -807,14 +807,14 @@ def _start(report: ShadowReport) -> None:
                 torch.nn.modules.module.register_module_forward_hook(_forward_post, always_call=True),
             ]
         )
-        entry.load_runtime().install_shadow(_check)  # the op runtime, loaded now if no tpu op ran yet
+        core.install_shadow(_check)  # the op runtime, loaded now if no tpu op ran yet
     _sessions.append(report)
 
 
 def _stop(report: ShadowReport) -> None:
     _sessions.remove(report)
     if not _sessions:
-        entry.load_runtime().install_shadow(None)
+        core.install_shadow(None)
         for handle in _hook_handles:
             handle.remove()
         _hook_handles.clear()
@@ -840,7 +840,7 @@ def shadow(rtol: float | None = None, atol: float | None = None) -> Iterator[Sha
         A :class:`ShadowReport` counting the ops compared.
     """
     report = ShadowReport(rtol=rtol, atol=atol)
-    with modes.mode("debug"):
+    with mode("debug"):
         _start(report)
         try:
             yield report
@@ -853,9 +853,9 @@ def shadow(rtol: float | None = None, atol: float | None = None) -> Iterator[Sha
 def _from_environment() -> None:
     if config.get("TPUREC_SHADOW") == "off":
         return
-    if modes.get_mode() != "debug":
+    if get_mode() != "debug":
         raise ValueError(
-            f"TPUREC_SHADOW=cpu compares each op as it runs, which needs TPUREC_MODE=debug (it is {modes.get_mode()!r})"
+            f"TPUREC_SHADOW=cpu compares each op as it runs, which needs TPUREC_MODE=debug (it is {get_mode()!r})"
         )
     _start(ShadowReport())
     atexit.register(_finish_environment)

@@ -220,8 +220,7 @@ def _describe(specs: Sequence[Any]) -> str:
 
 def _host_kernel(signature: _Signature, fn: Callable) -> Callable:
     """The op on CPU tensors: ``fn`` under ``jax.jit`` on XLA:CPU, one program per static arguments."""
-    from tpurec.core.device import host_device
-    from tpurec.core.tensor import host_array, jax_to_host
+    from tpurec.core import host_array, host_device, jax_to_host
 
     cache: dict[tuple, Callable] = {}
 

@@ -41,11 +41,11 @@ from typing import Any, Iterator
 import jax
 import torch
 
-from tpurec.core import runtime
-
 # The ranges are recorded by the runtime core (tpurec/core/profiler.py); profile() sits
 # above the core because it synchronizes the device.
-from tpurec.core.profiler import enabled, program_label, record
+from tpurec.core import profiler_range as record
+from tpurec.core import profiling_enabled as enabled
+from tpurec.core import program_label, synchronize
 
 __all__ = ["enabled", "record", "profile", "program_label"]
 
@@ -78,7 +78,7 @@ def profile(logdir: str, *, device_trace: bool = True, **profiler_options: Any) 
         with prof:
             yield prof
             # Waits inside the profiled region, so the device work of the block is in both traces.
-            runtime.synchronize()
+            synchronize()
     finally:
         if device_trace:
             jax.profiler.stop_trace()

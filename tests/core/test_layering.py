@@ -47,10 +47,52 @@ def _type_checking_only(tree: ast.AST) -> set[int]:
     return skipped
 
 
+def _string_constants(tree: ast.Module) -> dict[str, str]:
+    """The module-level ``NAME = "text"`` assignments of a module (a module path kept in a constant)."""
+    constants: dict[str, str] = {}
+    for node in tree.body:
+        if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Constant):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for target in targets:
+                if isinstance(target, ast.Name) and isinstance(node.value.value, str):
+                    constants[target.id] = node.value.value
+    return constants
+
+
+def _import_call_argument(node: ast.Call, constants: dict[str, str]) -> str | None:
+    """The module an ``importlib.import_module``/``__import__`` call names, where the source says
+    it: a literal, or a module-level string constant. None for another call or a computed name."""
+    called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+    if called not in ("import_module", "__import__") or not node.args:
+        return None
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    if isinstance(arg, ast.Name):
+        return constants.get(arg.id)
+    return None
+
+
+def dynamic_imports(source: str) -> list[int]:
+    """The lines of the ``importlib.import_module``/``__import__`` calls whose module the source
+    does not say (neither a literal nor a module-level string constant)."""
+    tree = ast.parse(source)
+    constants = _string_constants(tree)
+    return [
+        node.lineno
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and (node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", ""))
+        in ("import_module", "__import__")
+        and _import_call_argument(node, constants) is None
+    ]
+
+
 def imported_modules(source: str, package: str, *, run_time_only: bool = False) -> list[tuple[int, str]]:
     """Every module ``source`` imports, with its line: ``import``, ``from ... import``
     (a name of a ``from pkg import name`` counts as the module ``pkg.name``), anywhere in
-    the file, and ``importlib.import_module``/``__import__`` calls with a literal name.
+    the file, and ``importlib.import_module``/``__import__`` calls with a literal name or a
+    module-level string constant (``_MODULE = "pkg.mod"``).
 
     Args:
         source: Python source text.
@@ -59,6 +101,7 @@ def imported_modules(source: str, package: str, *, run_time_only: bool = False) 
     """
     found: list[tuple[int, str]] = []
     tree = ast.parse(source)
+    constants = _string_constants(tree)
     skipped = _type_checking_only(tree) if run_time_only else set()
     for node in ast.walk(tree):
         if id(node) in skipped:
@@ -73,10 +116,10 @@ def imported_modules(source: str, package: str, *, run_time_only: bool = False) 
                 base = f"{parent}.{base}" if base else parent
             found.append((node.lineno, base))
             found.extend((node.lineno, f"{base}.{alias.name}") for alias in node.names if alias.name != "*")
-        elif isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
-            called = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            if called in ("import_module", "__import__") and isinstance(node.args[0].value, str):
-                found.append((node.lineno, node.args[0].value))
+        elif isinstance(node, ast.Call):
+            named = _import_call_argument(node, constants)
+            if named is not None:
+                found.append((node.lineno, named))
     return found
 
 
@@ -199,15 +242,15 @@ def test_core_modules_import_only_downward():
 def test_the_core_package_imports_its_layers_in_order():
     # Each layer's hooks into the ones below are installed by importing it: in order, the eager
     # layers, then entry (the top layer, whose hooks load the lazy ones on the first tpu op).
-    names = [
-        name.split(".")[-1]
-        for _, name in imported_modules((CORE_DIR / "__init__.py").read_text(), "tpurec.core", run_time_only=True)
-        if name.startswith("tpurec.core.")
-    ]
+    # (The facade's imports below the layers' come from them in the same order.)
     core = tpurec.core
+    names: list[str] = []
+    for _, name in imported_modules((CORE_DIR / "__init__.py").read_text(), "tpurec.core", run_time_only=True):
+        layer = _core_layer(name, core.LAYERS)
+        if layer is not None and layer not in names:
+            names.append(layer)
     assert names == [*core.EAGER_LAYERS, "entry"]
     assert core.LAYERS == (*core.EAGER_LAYERS, *core.LAZY_LAYERS, "entry")
-    assert core.__all__ == ["EAGER_LAYERS", "LAYERS", "LAZY_LAYERS", *core.LAYERS]
 
 
 def _module_level_imports(source: str) -> list[str]:
@@ -605,17 +648,20 @@ def import_graph(sources: dict[str, tuple[str, str]], *, type_only: bool = False
     for name, (source, package) in sources.items():
         edges: dict[str, int] = {}
         tree = ast.parse(source)
+        constants = _string_constants(tree)
         skipped = set() if type_only else _type_checking_only(tree)
         for node in ast.walk(tree):
             if id(node) in skipped:
                 continue
             targets: list[str] = []
-            if isinstance(node, (ast.Import, ast.ImportFrom, ast.Call)):
-                if isinstance(node, ast.ImportFrom):
-                    base = imported_modules(ast.unparse(ast.Module([node], [])), package)[0][1]
-                    targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in sources else base for a in node.names]
-                else:
-                    targets = [m for _, m in imported_modules(ast.unparse(ast.Module([node], [])), package)]
+            if isinstance(node, ast.ImportFrom):
+                base = imported_modules(ast.unparse(ast.Module([node], [])), package)[0][1]
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in sources else base for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [m for _, m in imported_modules(ast.unparse(ast.Module([node], [])), package)]
+            elif isinstance(node, ast.Call):
+                named = _import_call_argument(node, constants)
+                targets = [named] if named is not None else []
             for target in targets:
                 while target and target not in sources:
                     target = target.rpartition(".")[0]
@@ -766,3 +812,195 @@ def test_no_module_outside_the_core_uses_its_private_names():
         for use in private_core_uses(path.read_text())
     ]
     assert found == [], "make the name public in tpurec.core (with a docstring) or keep the use inside it"
+
+
+# --- outside the core, only its facade ------------------------------------------------------
+
+
+def facade_violations(source: str, package: str, facade: Sequence[str]) -> list[str]:
+    """``line: what`` for each use of ``tpurec.core`` in ``source`` that is not a facade name.
+
+    Allowed: ``from tpurec.core import NAME`` and ``core.NAME`` on the package (``from tpurec
+    import core``, ``import tpurec.core as core``, ``tpurec.core.NAME``) for ``NAME`` in
+    ``facade``. Anything else that reaches a layer module (``from tpurec.core.tensor import
+    wrap``, ``from tpurec.core import runtime``, ``importlib.import_module("tpurec.core.x")``,
+    a relative import) is reported, type-only imports included.
+
+    Args:
+        source: Python source text of a module outside the core.
+        package: the package it belongs to (resolves relative imports).
+        facade: the names ``tpurec.core`` offers (its ``__all__``).
+    """
+    tree = ast.parse(source)
+    found: list[str] = []
+    core_aliases: set[str] = set()  # local names bound to the tpurec.core package
+    tpurec_aliases: set[str] = set()  # local names bound to tpurec itself
+    for line, name in imported_modules(source, package):
+        if _within(name, ("tpurec.core",)) and name != "tpurec.core":
+            head = name.removeprefix("tpurec.core.")
+            if "." in head or head not in facade:
+                found.append(f"{line}: {name}")
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = imported_modules(ast.unparse(ast.Module([node], [])), package)[0][1]
+            for alias in node.names:
+                if f"{base}.{alias.name}" == "tpurec.core":
+                    core_aliases.add(alias.asname or alias.name)
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name == "tpurec.core" and alias.asname:
+                    core_aliases.add(alias.asname)
+                elif alias.name.split(".")[0] == "tpurec" and not alias.asname:
+                    tpurec_aliases.add("tpurec")
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        on_core = isinstance(node.value, ast.Name) and node.value.id in core_aliases
+        on_core = on_core or (
+            isinstance(node.value, ast.Attribute)
+            and node.value.attr == "core"
+            and isinstance(node.value.value, ast.Name)
+            and node.value.value.id in tpurec_aliases
+        )
+        if on_core and node.attr not in facade:
+            found.append(f"{node.lineno}: tpurec.core.{node.attr}")
+    by_line: dict[int, str] = {}  # one per line (``from tpurec.core.x import y`` names x and x.y)
+    for use in found:
+        by_line.setdefault(int(use.split(":")[0]), use)
+    return [by_line[line] for line in sorted(by_line)]
+
+
+FACADE_FOR_CHECKER = ("wrap", "value_of", "Program")
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from tpurec.core.tensor import wrap\n",
+        "from tpurec.core import runtime\n",
+        "import tpurec.core.dispatch\n",
+        "def f():\n    from tpurec.core.programs import run_program\n",
+        "import importlib\nimportlib.import_module('tpurec.core.tensor')\n",
+        "import importlib\n_M = 'tpurec.core.fused'\ndef f():\n    return importlib.import_module(_M)\n",
+        "from tpurec import core\ncore.runtime.stats()\n",
+        "import tpurec.core as c\nc.tensor\n",
+        "import tpurec\ntpurec.core.fused.flush()\n",
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tpurec.core.tensor import TpuTensor\n",
+        "from ..core import tensor\n",
+    ],
+)
+def test_facade_checker_reports_a_reach_past_the_facade(source):
+    found = facade_violations(source, "tpurec.sparse", FACADE_FOR_CHECKER)
+    assert len(found) == 1, found
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "from tpurec.core import wrap, value_of\n",
+        "from tpurec import core\ncore.Program(f)\n",
+        "import tpurec.core as c\nc.wrap(x, 0)\n",
+        "import tpurec\ntpurec.core.value_of(t)\n",
+        "from tpurec.dense.registry import lower\nimport jax\n",
+    ],
+)
+def test_facade_checker_accepts_the_facade(source):
+    assert facade_violations(source, "tpurec.sparse", FACADE_FOR_CHECKER) == []
+
+
+def test_the_facade_lists_what_it_offers():
+    core = tpurec.core
+    names = [n for n in core.__all__ if n not in ("EAGER_LAYERS", "LAYERS", "LAZY_LAYERS", "LAZY_NAMES")]
+    assert len(set(names)) == len(names)
+    assert not any(n.startswith("_") for n in names)
+    assert set(core.LAZY_NAMES) <= set(names)
+    assert set(core.LAZY_NAMES.values()) <= set(core.LAZY_LAYERS)
+    assert set(names).isdisjoint(core.LAYERS), "a layer module is not a facade name"
+    for name in names:
+        assert getattr(core, name) is not None, name
+
+
+def test_the_facade_loads_the_op_runtime_only_for_its_names_of_it():
+    code = (
+        "import sys, tpurec.core as c\n"
+        "assert 'tpurec.core.programs' not in sys.modules\n"
+        "eager = [n for n in c.__all__ if n not in c.LAZY_NAMES]\n"
+        "[getattr(c, n) for n in eager]\n"
+        "assert 'tpurec.core.programs' not in sys.modules\n"
+        "from tpurec.core import value_of\n"
+        "from tpurec.core.programs import value_of as direct\n"
+        "assert value_of is direct\n"
+    )
+    done = _run_python("-c", code)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_outside_the_core_only_the_facade_is_used():
+    facade = tpurec.core.__all__
+    found = [
+        f"{path.relative_to(PACKAGE_ROOT.parent)}:{use}"
+        for path in sorted(PACKAGE_ROOT.rglob("*.py"))
+        if "core" not in path.relative_to(PACKAGE_ROOT).parts[:1]
+        for use in facade_violations(path.read_text(), _package_of(path), facade)
+    ]
+    assert found == [], "\n".join(found) + "\nuse a name of tpurec.core (add it to its facade if it is missing)"
+
+
+# --- imports the checks can read --------------------------------------------------------------
+
+# The imports whose module is computed, and why: every other import_module/__import__ in tpurec
+# names its module as a literal or a module-level constant, which the checks above read.
+DYNAMIC_IMPORTS = {
+    "tpurec/cli.py": "a subcommand's module, from the command table",
+    "tpurec/_patches.py": "the module of a patched object named in the patch table",
+    "tpurec/_old_paths.py": "the module an old path became (OLD_PATHS)",
+    "tpurec/dense/registry.py": "an op family of tpurec.dense, or a module registered with defer()",
+    "tpurec/distributed/fsdp.py": "each of FSDP2's modules in _MODULES",
+    "tpurec/core/__init__.py": "its own lazy layers",
+}
+
+
+def test_dynamic_imports_are_declared():
+    found = {
+        str(path.relative_to(PACKAGE_ROOT.parent)): lines
+        for path in sorted(PACKAGE_ROOT.rglob("*.py"))
+        if (lines := dynamic_imports(path.read_text()))
+    }
+    assert set(found) == set(DYNAMIC_IMPORTS), found
+
+
+def test_a_module_path_in_a_constant_is_read():
+    source = "import importlib\n_MODULE = 'tpurec.sparse.x'\ndef f():\n    importlib.import_module(_MODULE)\n"
+    assert imported_modules(source, "tpurec") == [(1, "importlib"), (4, "tpurec.sparse.x")]
+    assert dynamic_imports(source) == []
+    assert dynamic_imports("import importlib\ndef f(n):\n    importlib.import_module(n)\n") == [3]
+
+
+# tpurec.distributed sits below tpurec.sparse (sparse imports it). What it may import of tpurec,
+# and its one reach up, named here with its reason.
+DISTRIBUTED_FOUNDATION = ("tpurec.config", "tpurec.core", "tpurec.dense", "tpurec.native", "tpurec.distributed")
+DISTRIBUTED_REACHES_UP = {
+    # TorchRec's grouped lookups call the patch while they build a tpu table group; tpurec.sparse
+    # imports TorchRec's distributed modules, which are being imported when the patch is applied.
+    ("torchrec_fused.py", "tpurec.sparse.torchrec_fused"),
+}
+
+
+def test_distributed_imports_only_below_it_and_its_declared_reach():
+    dist_dir = PACKAGE_ROOT / "distributed"
+    reaches: set[tuple[str, str]] = set()
+    violations: list[str] = []
+    for path in sorted(dist_dir.rglob("*.py")):
+        where = str(path.relative_to(dist_dir))
+        found = imported_modules(path.read_text(), _package_of(path))
+        for line, name in found:
+            if name.split(".")[0] != "tpurec" or _within(name, DISTRIBUTED_FOUNDATION):
+                continue
+            if any(n.startswith(name + ".") for at, n in found if at == line):
+                continue  # ``from pkg import x`` also yields ``pkg``; ``pkg.x`` is judged on its own
+            if (where, name) in DISTRIBUTED_REACHES_UP:
+                reaches.add((where, name))
+            else:
+                violations.append(f"{where}:{line}: imports {name}")
+    assert violations == [], "\n".join(violations)
+    assert reaches == DISTRIBUTED_REACHES_UP  # each declared reach is still there (or drop it)

@@ -51,9 +51,9 @@ def _spy_programs(before: Callable[[Any, tuple], None], after: Callable[[], None
 
     ``after()`` runs once the call has returned (the program is enqueued, not finished).
     """
-    from tpurec.core import runtime
+    from tpurec.core import Program
 
-    original = runtime.Program.__call__
+    original = Program.__call__
 
     def spy(self, *args):
         if self.origin is None or self.origin[0] != "fused":
@@ -66,11 +66,11 @@ def _spy_programs(before: Callable[[Any, tuple], None], after: Callable[[], None
 
     @contextlib.contextmanager
     def installed():
-        runtime.Program.__call__ = spy
+        Program.__call__ = spy
         try:
             yield
         finally:
-            runtime.Program.__call__ = original
+            Program.__call__ = original
 
     return installed()
 

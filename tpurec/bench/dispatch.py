@@ -50,7 +50,7 @@ import torch
 import tpurec
 from tpurec.bench import clocks
 from tpurec.cli import HelpFormatter
-from tpurec.core import fused as _fused
+from tpurec.core import max_fused_ops
 
 OPS = ("add", "view", "add_", "matmul")
 CONFIGS = ("cpu_pytorch", "eager", "fused", "floor_subclass", "floor_jax")
@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench disp
     args = parser.parse_args(argv)
     if args.ops < 1 or args.repeats < 1 or args.warmup < 1 or args.size < 2:
         parser.error("--ops, --repeats and --warmup must be at least 1 and --size at least 2")
-    if "fused" in args.modes and args.ops >= _fused.max_ops():
-        parser.error(f"--ops must stay below the fused window's limit ({_fused.max_ops()} ops) to time recording alone")
+    if "fused" in args.modes and args.ops >= max_fused_ops():
+        parser.error(f"--ops must stay below the fused window's limit ({max_fused_ops()} ops) to time recording alone")
     result: dict = {
         "benchmark": "dispatch",
         "platform": tpurec.platform(),

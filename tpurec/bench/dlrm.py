@@ -56,7 +56,7 @@ from tpurec.bench import clocks, lazy_losses
 from tpurec.bench.captured import captured_step
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.cli import HelpFormatter, add_batch_size, non_negative_int, positive_int
-from tpurec.core import runtime
+from tpurec.core import stubbed_execution
 
 
 DENSE_LR = 0.005  # small enough that random labels do not blow the logits up
@@ -149,7 +149,7 @@ class _Runner:
         """Steps with every XLA program stubbed: only their main-thread CPU time is kept (the
         values, and the weights after them, are garbage)."""
         assert self.mode is not None, "only tpurec steps can be stubbed"
-        with tpurec.mode(self.mode), runtime.stubbed_execution():
+        with tpurec.mode(self.mode), stubbed_execution():
             done = 0
             while done < steps:
                 host = time.thread_time()

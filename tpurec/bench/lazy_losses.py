@@ -22,7 +22,7 @@ from typing import Callable, Generic, TypeVar
 import numpy as np
 import torch
 
-from tpurec.core.tensor import TpuTensor
+from tpurec.core import TpuTensor
 
 __all__ = ["OneCallBehind", "handle", "values"]
 

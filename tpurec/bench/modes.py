@@ -69,7 +69,7 @@ from tpurec.bench.compile_report import compile_since
 from tpurec.bench.lazy_losses import handle, values
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.cli import HelpFormatter, add_batch_size
-from tpurec.core import runtime
+from tpurec.core import stubbed_execution
 
 NUM_SPARSE = 26
 EMBEDDING_DIM = 64
@@ -264,7 +264,7 @@ def _read(config: _Config, record: bool) -> None:
 
 def _run_stubbed_steps(config: _Config, steps: int, record: bool) -> None:
     """Steps with every program stubbed: only the main thread's CPU time is kept (the values are garbage)."""
-    with tpurec.mode(config.mode), runtime.stubbed_execution():
+    with tpurec.mode(config.mode), stubbed_execution():
         done = 0
         while done < steps:
             host = time.thread_time()

@@ -45,7 +45,7 @@ from tpurec.bench.captured import captured_step
 from tpurec.bench.rounds import run_in_rounds
 from tpurec.bench.text import VOCAB, tiny_bert
 from tpurec.cli import HelpFormatter, add_batch_size, positive_int
-from tpurec.core import runtime
+from tpurec.core import stubbed_execution
 
 
 @dataclasses.dataclass
@@ -111,7 +111,7 @@ def _run_steps(config: _Config, steps: int, record: bool, stubbed: bool = False)
         torch.set_num_threads(1)
     try:
         graphs = "dispatch" if config.name == "compiled_dispatch" else "defer"
-        stubs = runtime.stubbed_execution() if stubbed else contextlib.nullcontext()
+        stubs = stubbed_execution() if stubbed else contextlib.nullcontext()
         with tpurec.mode("eager" if on_cpu else "fused"), tpurec.config.override(fused_compiled_graphs=graphs), stubs:
             before = tpurec.stats()["compilations"]
             for _ in range(steps):

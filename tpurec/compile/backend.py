@@ -26,17 +26,23 @@ import torch
 import torch.fx
 
 from tpurec import config
-from tpurec.core import fused, modes, profiler, recompiles, rng, runtime
+from tpurec import core
 from tpurec.compile import saved
 from tpurec.compile.graph import CompileError, GraphProgram
 from tpurec.dense.registry import get_lowering
 from tpurec.dense.trace_context import traced_as_spmd
-from tpurec.core.device import jax_device
-from tpurec.core.dispatch import pending_value, value_of
-from tpurec.core.fused import Pending
-from tpurec.core.programs import store_array, fresh_with_key
-from tpurec.core.views import contiguous_strides
-from tpurec.core.tensor import TpuTensor, host_to_jax, is_plain
+from tpurec.core import (
+    Pending,
+    TpuTensor,
+    contiguous_strides,
+    fresh_with_key,
+    host_to_jax,
+    is_plain,
+    jax_device,
+    pending_value,
+    store_array,
+    value_of,
+)
 
 log = logging.getLogger("tpurec.compile")
 
@@ -47,7 +53,7 @@ __all__ = ["CompiledGraph", "compile_graph", "decompositions", "tpu_backend"]
 
 
 def _count_build() -> None:
-    counters = runtime.counters()
+    counters = core.counters()
     if hasattr(counters, "programs_built"):
         counters.programs_built += 1
     # Older runtimes count compilations by hand; newer ones count XLA compilations
@@ -81,7 +87,7 @@ class _Variant:
         self.jitted = None
         # In fused mode the graph is one node of the fused window: this program's
         # traceable ``raw`` is called inside the window's single XLA program.
-        self.recorded: runtime.Program | None = None
+        self.recorded: core.Program | None = None
         self.ran = False
         self.origin = None
         self.reused = False
@@ -112,7 +118,7 @@ class CompiledGraph:
         _serial += 1
         self.serial = _serial
         self.name = f"{name}#{self.serial}"
-        self.compile_id = recompiles.current_compile_id()  # Dynamo's (frame, compile): groups recompilations
+        self.compile_id = core.current_compile_id()  # Dynamo's (frame, compile): groups recompilations
         self.program = GraphProgram(gm)
         self.device_index = _example_device(example_inputs)
         # The program's outputs: the graph's own, then the new value of each input the graph
@@ -141,7 +147,7 @@ class CompiledGraph:
             boxed = args[0]
             args = tuple(boxed)
             boxed.clear()
-        deferred = modes.get_mode() == "fused"
+        deferred = core.get_mode() == "fused"
         settings = config.program_settings()
         plan = self._plan
         gathered = None
@@ -150,7 +156,7 @@ class CompiledGraph:
         if plan is not None and gathered is not None:
             inputs, index = gathered
             variant = plan.variant
-            runtime.counters().cache_hits += 1
+            core.counters().cache_hits += 1
         else:
             inputs, signature, index = self._inputs(args, deferred)
             key = (signature, settings)
@@ -158,9 +164,9 @@ class CompiledGraph:
             if variant is None:
                 variant = self.variants[key] = self._build(signature, settings)
             else:
-                runtime.counters().cache_hits += 1
+                core.counters().cache_hits += 1
             self._plan = _Plan.of(variant, settings, args)
-        seeds = [rng.next_seed_and_counter() for _ in self.program.random_nodes]
+        seeds = [core.next_seed_and_counter() for _ in self.program.random_nodes]
         if deferred:
             outs = self._record(variant, inputs, seeds, index)
         else:
@@ -183,7 +189,7 @@ class CompiledGraph:
                 _write_input(args[position], new, index, key)
         if deferred and config.get("TPUREC_FUSED_COMPILED_GRAPHS") == "dispatch":
             # Not a wait: the window's program is enqueued and runs while Python goes on.
-            fused.flush("compiled graph")
+            core.flush("compiled graph")
         return results
 
     def _inputs(self, args: Sequence[Any], deferred: bool = False):
@@ -244,7 +250,7 @@ class CompiledGraph:
         variant.run = run
         # Global (mesh) inputs would make XLA partition this program: trace it as such
         # once they may exist (variant.recorded, in fused mode, is a Program that knows).
-        variant.jitted = jax.jit(traced_as_spmd(run) if runtime.mesh_arrays_exist() else run, **options)
+        variant.jitted = jax.jit(traced_as_spmd(run) if core.mesh_arrays_exist() else run, **options)
         return variant
 
     def _record(self, variant: _Variant, inputs: list, seeds: list, index: int) -> list:
@@ -267,27 +273,27 @@ class CompiledGraph:
                 triples = [tuple(rest[k : k + 3]) for k in range(0, len(rest), 3)]
                 return run(graph_arrays, scalars, triples)
 
-            variant.recorded = runtime.Program(raw)
+            variant.recorded = core.Program(raw)
             variant.recorded.origin = variant.origin
         flat_seeds = [x for triple in seeds for x in triple]
-        counters = runtime.counters()
+        counters = core.counters()
         counters.ops_by_name[f"compiled {self.name.split('#')[0]} graph"] += 1
-        return fused.record(variant.recorded, (*arrays, *self.program.constants, *flat_seeds), index)
+        return core.record_in_fused_window(variant.recorded, (*arrays, *self.program.constants, *flat_seeds), index)
 
     def _execute(self, variant: _Variant, inputs: list, seeds: list) -> list:
-        counters = runtime.counters()
+        counters = core.counters()
         counters.executions += 1
         arrays = [v for v in inputs if not isinstance(v, (int, float, bool))]
-        if runtime.execution_stubbed():
+        if core.execution_stubbed():
             assert variant.run is not None  # set by _build
-            return runtime.run_stub(variant, variant.run, {}, (arrays, self.program.constants, seeds))
+            return core.run_stub(variant, variant.run, {}, (arrays, self.program.constants, seeds))
         if variant.ran:
             variant.reused = True  # ran twice: its family is warm (recompilation diagnostics)
-            with profiler.record(f"tpurec::execute {profiler.program_label(variant.origin)}"):  # profiler hook
+            with core.profiler_range(f"tpurec::execute {core.program_label(variant.origin)}"):  # profiler hook
                 return variant.jitted(arrays, self.program.constants, seeds)
         start = time.perf_counter()
         try:
-            with recompiles.compiling(variant):  # tpurec hook: compile range + recompilation diagnostics
+            with core.compiling(variant):  # tpurec hook: compile range + recompilation diagnostics
                 return variant.jitted(arrays, self.program.constants, seeds)
         except CompileError:
             raise

@@ -31,13 +31,11 @@ import torch
 import torch.fx
 from torch._dynamo.exc import ShortenTraceback
 
-from tpurec.core import rng
 from tpurec.compile import views as _views  # noqa: F401 (registers the VIEW entries)
 from tpurec.dense import calling
 from tpurec.dense.calling import argument_kinds
 from tpurec.dense.registry import Kind, entry, get_lowering, lower, to_jax_dtype
-from tpurec.core.device import host_device
-from tpurec.core.tensor import host_to_jax
+from tpurec.core import host_device, host_to_jax, rng_key_from
 
 aten = torch.ops.aten
 
@@ -215,7 +213,7 @@ def _plan_node(node: torch.fx.Node) -> _Step:
     special = entry(target, Kind.GRAPH)
     if special is not None:
         return _Step(node, special.fn, "special", dtypes=_meta_dtypes(node))
-    from tpurec.core.errors import unsupported_op
+    from tpurec.core import unsupported_op
 
     raise CompileError(f"{unsupported_op(target)}\n  in {describe_node(node)}")
 
@@ -300,7 +298,7 @@ class GraphProgram:
             args = [_bind(calling.kind_of(kinds, i), a, scalar_it, load) for i, a in enumerate(node.args)]
             kwargs = {k: _bind(calling.kind_of(kinds, k), a, scalar_it, load) for k, a in node.kwargs.items()}
             if step.random:
-                kwargs["key"] = rng.key_from(*next(seed_it))
+                kwargs["key"] = rng_key_from(*next(seed_it))
             return _cast(step.fn(*args, **kwargs), step.dtypes)
         except CompileError:
             raise
@@ -346,8 +344,7 @@ def _cast(out, dtypes):
 def _constant(value):
     """A tensor attribute of the graph (a lifted constant) as a jax array."""
     if isinstance(value, torch.Tensor):
-        from tpurec.core.dispatch import value_of
-        from tpurec.core.tensor import TpuTensor
+        from tpurec.core import TpuTensor, value_of
 
         if isinstance(value, TpuTensor):
             return value_of(value)

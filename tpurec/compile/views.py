@@ -18,7 +18,7 @@ import torch
 from jax import lax
 
 from tpurec.dense.registry import TABLE, Kind, entry, lower, to_jax_dtype
-from tpurec.core.views import read_view, write_view
+from tpurec.core import read_view, write_view
 from tpurec.dense.trace_context import transpose as _transpose
 
 aten = torch.ops.aten

@@ -53,6 +53,12 @@ Where a lower module must reach a higher one, the higher one installs a hook at 
 
 Outside the core, the modules here may import only ``tpurec.dense`` (the lowering table),
 ``tpurec.amp`` and ``tpurec.composites``, which import nothing of the core.
+
+The other packages (``tpurec.compile``, ``tpurec.sparse``, ``tpurec.distributed``, the
+package root, ...) reach the core through this package only: the names in ``__all__`` below
+(the facade: run a program, store its result, wrap an array as a tensor, read a tensor's
+array, the counters, the modes, ...), never a layer module. The facade's names of the op
+runtime (``run_program``, ``value_of``, ...) load it when first read, as the layers do.
 ``tests/core/test_layering.py`` checks all of this. The old paths (``tpurec.runtime``,
 ``tpurec.device``, ...) load older checkpoints only (see ``tpurec._old_paths``).
 
@@ -62,8 +68,7 @@ layer below can need it.
 """
 
 import importlib
-from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from tpurec.core import errors, views, rng, profiler, runtime, recompiles  # noqa: I001 (layer order)
 from tpurec.core import device, memory, tensor, conversion, fused, modes, graphs  # noqa: I001 (layer order)
@@ -98,43 +103,178 @@ LAZY_LAYERS = (
 )
 LAYERS = (*EAGER_LAYERS, *LAZY_LAYERS, "entry")
 
-# Written out (not built from LAYERS) so that tools read it; tests/core/test_layering.py checks it.
+# The facade: what the packages outside the core use of it (tests/core/test_layering.py
+# allows them nothing else). Grouped by the layer each name comes from.
+from tpurec.core.errors import LIBRARY_DIRS, ArgumentTypeError, ArgumentValueError, unsupported_op  # noqa: E402
+from tpurec.core.views import contiguous_strides, read_view, write_view  # noqa: E402
+from tpurec.core.rng import get_state as get_rng_state, set_state as set_rng_state  # noqa: E402
+from tpurec.core.rng import key_from as rng_key_from, next_seed_and_counter  # noqa: E402
+from tpurec.core.profiler import enabled as profiling_enabled, program_label  # noqa: E402
+from tpurec.core.profiler import record as profiler_range  # noqa: E402
+from tpurec.core.runtime import (  # noqa: E402
+    Program,
+    counters,
+    drop_programs_with,
+    enable_disk_cache,
+    execution_stubbed,
+    listen_to_jax,
+    mesh_arrays_exist,
+    mesh_arrays_in_use,
+    register_stats_source,
+    reset_stats,
+    run_stub,
+    stats,
+    stubbed_execution,
+    synchronize,
+)
+from tpurec.core.recompiles import compiling, current_compile_id, explain_recompiles  # noqa: E402
+from tpurec.core.device import TpuModule, host_device, jax_device, platform  # noqa: E402
+from tpurec.core.device import register as register_device, register_pinning, run_backward_on_calling_thread  # noqa: E402
+from tpurec.core.memory import install as install_memory_api  # noqa: E402
+from tpurec.core.tensor import (  # noqa: E402
+    TpuTensor,
+    alloc_storage,
+    array_of,
+    free_storage,
+    host_array,
+    host_to_jax,
+    install_serialization,
+    is_global,
+    is_plain,
+    jax_to_host,
+    replace_array,
+    wrap,
+)
+from tpurec.core.conversion import install as install_module_conversion  # noqa: E402
+from tpurec.core.fused import Pending, flush, is_pending, max_ops as max_fused_ops  # noqa: E402
+from tpurec.core.fused import record as record_in_fused_window  # noqa: E402
+from tpurec.core.modes import get_mode, mode, set_mode  # noqa: E402
+from tpurec.core.graphs import TpuGraph, graph, on_replay, replay_check  # noqa: E402
+from tpurec.core.entry import load_runtime, register_factories  # noqa: E402
+
+# The facade's names from the op runtime, with their layer: read, they load it (see __getattr__).
+LAZY_NAMES = {
+    "fresh": "programs",
+    "fresh_with_key": "programs",
+    "pending_value": "programs",
+    "run_program": "programs",
+    "store_array": "programs",
+    "value_of": "programs",
+    "install_shadow": "dispatch",
+}
+
+# Written out (not built from the imports) so that tools read it; tests/core/test_layering.py checks it.
 __all__ = [
     "EAGER_LAYERS",
     "LAYERS",
     "LAZY_LAYERS",
-    "errors",
-    "views",
-    "rng",
-    "profiler",
-    "runtime",
-    "recompiles",
-    "device",
-    "memory",
-    "tensor",
-    "conversion",
-    "fused",
-    "modes",
-    "graphs",
-    "mirrors",
-    "programs",
-    "calls",
-    "view_ops",
-    "kernels",
-    "mutating",
-    "host",
-    "dispatch",
-    "entry",
+    "LAZY_NAMES",
+    # errors
+    "LIBRARY_DIRS",
+    "ArgumentTypeError",
+    "ArgumentValueError",
+    "unsupported_op",
+    # views
+    "contiguous_strides",
+    "read_view",
+    "write_view",
+    # rng
+    "get_rng_state",
+    "set_rng_state",
+    "rng_key_from",
+    "next_seed_and_counter",
+    # profiler
+    "profiling_enabled",
+    "program_label",
+    "profiler_range",
+    # runtime
+    "Program",
+    "counters",
+    "drop_programs_with",
+    "enable_disk_cache",
+    "execution_stubbed",
+    "listen_to_jax",
+    "mesh_arrays_exist",
+    "mesh_arrays_in_use",
+    "register_stats_source",
+    "reset_stats",
+    "run_stub",
+    "stats",
+    "stubbed_execution",
+    "synchronize",
+    # recompiles
+    "compiling",
+    "current_compile_id",
+    "explain_recompiles",
+    # device
+    "TpuModule",
+    "host_device",
+    "jax_device",
+    "platform",
+    "register_device",
+    "register_pinning",
+    "run_backward_on_calling_thread",
+    # memory
+    "install_memory_api",
+    # tensor
+    "TpuTensor",
+    "alloc_storage",
+    "array_of",
+    "free_storage",
+    "host_array",
+    "host_to_jax",
+    "install_serialization",
+    "is_global",
+    "is_plain",
+    "jax_to_host",
+    "replace_array",
+    "wrap",
+    # conversion
+    "install_module_conversion",
+    # fused
+    "Pending",
+    "flush",
+    "is_pending",
+    "max_fused_ops",
+    "record_in_fused_window",
+    # modes
+    "get_mode",
+    "mode",
+    "set_mode",
+    # graphs
+    "TpuGraph",
+    "graph",
+    "on_replay",
+    "replay_check",
+    # entry
+    "load_runtime",
+    "register_factories",
+    # programs and dispatch (the op runtime: loaded when read)
+    "install_shadow",
+    "fresh",
+    "fresh_with_key",
+    "pending_value",
+    "run_program",
+    "store_array",
+    "value_of",
 ]
 
 
-if TYPE_CHECKING:  # the lazy layers, for type checkers (at run time __getattr__ loads them)
+if TYPE_CHECKING:  # the lazy layers and names, for type checkers (at run time __getattr__ loads them)
     from tpurec.core import calls, dispatch, host, kernels, mirrors, mutating, programs, view_ops  # noqa: F401
+    from tpurec.core.dispatch import install_shadow
+    from tpurec.core.programs import fresh, fresh_with_key, pending_value, run_program, store_array, value_of
 
 
-def __getattr__(name: str) -> ModuleType:
-    # tpurec.core.dispatch (and the other lazy layers) read as attributes: the op runtime, loaded now.
+def __getattr__(name: str) -> Any:
+    # tpurec.core.dispatch (and the other lazy layers), or a facade name of the op runtime,
+    # read as attributes: the op runtime, loaded now.
     if name in LAZY_LAYERS:
         entry.load_runtime()  # imports all of them, in order
         return importlib.import_module(f"tpurec.core.{name}")
+    if name in LAZY_NAMES:
+        entry.load_runtime()
+        value = getattr(importlib.import_module(f"tpurec.core.{LAZY_NAMES[name]}"), name)
+        globals()[name] = value  # read once: later reads skip this function
+        return value
     raise AttributeError(f"module 'tpurec.core' has no attribute {name!r}")

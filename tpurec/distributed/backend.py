@@ -195,7 +195,7 @@ class TpuBackend(dist.ProcessGroup):
 
     @staticmethod
     def _write(out: torch.Tensor, array: jax.Array) -> None:
-        from tpurec.core.tensor import wrap
+        from tpurec.core import wrap
 
         with torch.no_grad():
             out.copy_(wrap(array.reshape(tuple(out.shape)), out.device.index))
@@ -360,7 +360,7 @@ class TpuBackend(dist.ProcessGroup):
         return self._done(list(outputs), [result], opts)
 
     def barrier(self, opts: Any = None) -> TpuWork:
-        from tpurec.core.device import jax_device
+        from tpurec.core import jax_device
 
         device = jax_device(None)
         token = jax.device_put(np.zeros((1,), np.int32), device)

@@ -23,7 +23,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tpurec.core import runtime
+from tpurec.core import drop_programs_with
 
 __all__ = [
     "REDUCE_OPS",
@@ -95,7 +95,7 @@ def _drop_programs() -> int:
     return count
 
 
-runtime.drop_programs_with(_drop_programs)
+drop_programs_with(_drop_programs)
 
 
 def _run(name: str, group: Group, local: jax.Array, static: tuple, body: Callable, *extra: jax.Array) -> jax.Array:

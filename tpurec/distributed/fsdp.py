@@ -37,7 +37,7 @@ def _for_tpu(original: Callable[[torch.Tensor], None], on_tpu: Callable[[torch.T
 
 def install() -> None:
     """Makes FSDP2's ``free_storage`` / ``alloc_storage`` work on tpu tensors (idempotent)."""
-    from tpurec.core.tensor import alloc_storage, free_storage
+    from tpurec.core import alloc_storage, free_storage
 
     for name in _MODULES:
         module = importlib.import_module(name)

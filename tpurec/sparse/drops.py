@@ -5,7 +5,7 @@ that do not fit its fixed capacities. Each collection counts them per feature
 (``dropped_entries()``); the process-wide sum since the last
 ``tpurec.reset_stats()`` is ``tpurec.stats()["dropped_entries"]``. The core's
 counters know nothing of sparse: this module registers the entry with
-``runtime.register_stats_source`` at import.
+``tpurec.core.register_stats_source`` at import.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import collections
 import threading
 from collections.abc import Mapping
 
-from tpurec.core import runtime
+from tpurec.core import register_stats_source
 
 __all__ = ["DropCounter", "totals"]
 
@@ -59,4 +59,4 @@ def _reset() -> None:
         _totals.clear()
 
 
-runtime.register_stats_source("dropped_entries", totals, _reset)
+register_stats_source("dropped_entries", totals, _reset)

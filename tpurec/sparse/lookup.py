@@ -36,7 +36,7 @@ from torchrec.modules.embedding_configs import EmbeddingBagConfig, PoolingType
 from torchrec.modules.embedding_modules import get_embedding_names_by_table
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tpurec.core import graphs
+from tpurec.core import on_replay, replay_check
 from tpurec.sparse.drops import DropCounter
 from tpurec.sparse.optimizers import SGD, EmbeddingOptimizer
 from tpurec.sparse.preprocess import preprocess_kjt
@@ -374,8 +374,8 @@ class TrainableLookup(EmbeddingLookup):
         """:meth:`_next_step` in a step that may be captured: a replay counts its step too, and
         refuses to run once the optimizer's settings differ from those the capture read."""
         hyperparameters = self._next_step(index)
-        graphs.on_replay(lambda: self._count_step(index))  # a replayed step counts too (its numbers do not change)
-        graphs.replay_check(lambda: self._changed_optimizer(index, hyperparameters))
+        on_replay(lambda: self._count_step(index))  # a replayed step counts too (its numbers do not change)
+        replay_check(lambda: self._changed_optimizer(index, hyperparameters))
         return hyperparameters
 
     def _changed_optimizer(self, index: int, captured: dict[str, Any]) -> str | None:
@@ -514,14 +514,14 @@ def restage(
     ):
         for t, a in zip(old, arrays):
             if device.type == "tpu":
-                from tpurec.core.tensor import replace_array
+                from tpurec.core import replace_array
 
                 replace_array(t, a)
             else:
                 t.copy_(torch.from_numpy(a))
         return old, False
     if device.type == "tpu":
-        from tpurec.core.tensor import free_storage, wrap
+        from tpurec.core import free_storage, wrap
 
         for t in old or ():
             free_storage(t)

@@ -33,7 +33,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from tpurec.core import modes
+from tpurec.core import mode
 from tpurec.sparse import export as _export
 from tpurec.sparse.lookup import CsrLookup, Prepared, Staged, TrainableLookup, check_optimizer_state, restage
 from tpurec.sparse.optimizers import Adam, EmbeddingOptimizer, optimizer_from_torch
@@ -298,7 +298,7 @@ class EmbeddingBagCollection(CsrLookup, TrainableLookup, EmbeddingBagCollectionI
         for st in self._stacks:
             csr = batch.stacks[st.name].arrays()
             if device.type == "tpu":
-                from tpurec.core.device import jax_device
+                from tpurec.core import jax_device
 
                 target = jax_device(device.index)
                 arrays.append([jax.device_put(a, target) for a in csr])  # asynchronous copies
@@ -346,7 +346,7 @@ class EmbeddingBagCollection(CsrLookup, TrainableLookup, EmbeddingBagCollectionI
         device = self.device
         index = 0
         if device.type == "tpu":
-            from tpurec.core.device import TpuModule, jax_device
+            from tpurec.core import TpuModule, jax_device
 
             index = device.index if device.index is not None else TpuModule.current_device()
         stacks, renewed = [], False
@@ -377,7 +377,7 @@ class EmbeddingBagCollection(CsrLookup, TrainableLookup, EmbeddingBagCollectionI
         batch, arrays = entry.batch, entry.arrays
         device = self.device
         if device.type == "tpu":
-            from tpurec.core.tensor import wrap
+            from tpurec.core import wrap
 
             index = device.index if device.index is not None else torch.tpu.current_device()
             arrays = [[wrap(a, index) for a in stack] for stack in arrays]
@@ -534,7 +534,7 @@ class EmbeddingBagCollection(CsrLookup, TrainableLookup, EmbeddingBagCollectionI
             # One fused program for the update and the write-back: the old table and
             # slot buffers are donated to it, so the update happens in place even in
             # eager mode (no copy of whole tables per step).
-            with modes.mode("fused") if weight.device.type == "tpu" else contextlib.nullcontext():
+            with mode("fused") if weight.device.type == "tpu" else contextlib.nullcontext():
                 updated = op(*csr, grad_output, weight.detach(), *slots, **hyperparameters)
                 updated = updated if isinstance(updated, (tuple, list)) else (updated,)
                 for target, value in zip([weight, *slots], updated):

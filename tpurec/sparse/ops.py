@@ -144,7 +144,7 @@ def check_arguments(name: str, tensors, kwargs) -> None:
         TypeError: a tensor has the wrong dtype.
         ValueError: a tensor has the wrong rank or size, or ``batch_size`` < 0.
     """
-    from tpurec.core.errors import ArgumentTypeError, ArgumentValueError
+    from tpurec.core import ArgumentTypeError, ArgumentValueError
 
     op = f"torch.ops.tpurec.{name}"
     arguments = _state_arguments(name)

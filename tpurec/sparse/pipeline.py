@@ -54,7 +54,7 @@ from torchrec.distributed.train_pipeline import TrainPipeline as TorchRecTrainPi
 from torchrec.distributed.train_pipeline.types import PipelineState
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-from tpurec.core import fused, graphs, modes
+from tpurec import core
 from tpurec.sparse.managed import remapped_features
 from tpurec.sparse.spec.batch import OnDevice as _OnDevice  # started by the worker thread, wrapped on the main one
 from tpurec.sparse.spec.batch import map_batch
@@ -194,7 +194,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
                     f"TrainPipeline(graphed=True) captures a model on the tpu device, but {why}; use graphed=False"
                 )
         # graphed: the capture, its step count, the static batch tensors and the captured output.
-        self._graph = graphs.TpuGraph() if graphed else None
+        self._graph = core.TpuGraph() if graphed else None
         self._graph_calls = 0
         self._graph_generations: list[int] = []  # each staged collection's staged_generation at the capture
         self._statics: list[torch.Tensor] | None = None
@@ -218,8 +218,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
     def _to_device(self, t: torch.Tensor) -> Any:
         if self._device.type != "tpu":
             return t.to(self._device, non_blocking=True)
-        from tpurec.core.device import jax_device
-        from tpurec.core.tensor import host_array, host_to_jax
+        from tpurec.core import host_array, host_to_jax, jax_device
 
         if t.device.type != "cpu":
             return t  # already on a device: the step moves it if needed
@@ -377,7 +376,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
 
     def _issued(self, loss: torch.Tensor, count: int) -> None:
         """Notes the loss (one value, or ``count`` stacked) of the ``count`` steps just issued."""
-        from tpurec.core.tensor import TpuTensor
+        from tpurec.core import TpuTensor
 
         # A tpu loss's values as they are now (the array, no copy): a replay refills the captured loss tensor.
         values: Any = loss.to_jax() if isinstance(loss, TpuTensor) else loss.detach()
@@ -420,16 +419,16 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             self._state = PipelineState.CALL_BWD
             loss.backward()
             self._optimizer.step()
-        if flush and self._device.type == "tpu" and modes.get_mode() == "fused":
+        if flush and self._device.type == "tpu" and core.get_mode() == "fused":
             # The step's recorded ops go out now as one program, without
             # waiting for it: the host moves on to the next batch while the
             # device runs, and every step is the same (cached) program even
             # if the caller reads no value.
-            fused.flush("step")
+            core.flush("step")
         return loss.detach(), output  # _state stays at the last phase reached, as in TorchRec's pipelines
 
     def _as_batch(self, item: Any) -> Any:
-        from tpurec.core.tensor import wrap
+        from tpurec.core import wrap
 
         return map_batch(
             item, lambda t: wrap(t.array, t.index, t.dtype) if isinstance(t, _OnDevice) else t, lambda k: k
@@ -441,7 +440,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         Returns whether it could (False: the item's shapes are not the static ones, nothing
         written), and the item's KJTs.
         """
-        from tpurec.core.tensor import replace_array, wrap
+        from tpurec.core import replace_array, wrap
 
         leaves: list = []
         kjts: list[KeyedJaggedTensor] = []
@@ -494,7 +493,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
                 raise _Renewed
 
         try:
-            with modes.mode("fused"):
+            with core.mode("fused"):
                 assert self._graph_loss is not None
                 (series,) = graph.replay_steps(
                     fill=fill,
@@ -539,7 +538,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         if not regular:
             # Not the static shapes (a short last batch): an uncaptured step on the batch as it
             # came, its KJTs as the worker prefetched them; the static tensors and the capture stay.
-            with modes.mode("fused"):
+            with core.mode("fused"):
                 loss, output = self._step(self._as_batch(item))
             self._issued(loss, 1)
             return output
@@ -551,9 +550,9 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         if graph.captured and staged != self._graph_generations:
             # stage() made new CSR tensors (automatic capacities grew): the capture read the old
             # ones. This step runs uncaptured (warm for the new shapes), the next is captured.
-            graph = self._graph = graphs.TpuGraph()
+            graph = self._graph = core.TpuGraph()
             self._graph_calls = 1
-        with modes.mode("fused"):
+        with core.mode("fused"):
             if graph.captured and self._model.training == self._graph_training:
                 graph.replay()
                 self._state = PipelineState.CALL_BWD if self._graph_training else PipelineState.CALL_FWD
@@ -570,7 +569,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
                 self._issued(loss, 1)
                 return output
             try:
-                with graphs.graph(graph):
+                with core.graph(graph):
                     loss, output = self._step(batch, flush=False)  # the capture runs the window itself
             except RuntimeError:
                 self._graph = None  # refused: the step ran in full, and the steps go on uncaptured

@@ -310,7 +310,7 @@ def _kernel_class() -> type:
             return _GroupLookup.apply(self, inputs, batch, self._placeholder, *self._tables.values())
 
         def _update(self, inputs: list[tuple[tuple[torch.Tensor, ...], int]], batch: int, grad: torch.Tensor) -> None:
-            from tpurec.core import modes
+            from tpurec.core import mode
 
             self._steps += 1  # one optimizer step per backward of the group, as FBGEMM's TBE counts
             op = getattr(torch.ops.tpurec, self.optimizer.op_name)
@@ -324,7 +324,7 @@ def _kernel_class() -> type:
                     grad_rows = block.reshape(batch, count, dim).permute(1, 0, 2).reshape(count * batch, dim)
                     slots = list(self.slots[name].values())
                     # One fused program for the update and its write-back (the old buffers donated).
-                    fused = modes.mode("fused") if weight.device.type == "tpu" else contextlib.nullcontext()
+                    fused = mode("fused") if weight.device.type == "tpu" else contextlib.nullcontext()
                     with fused:
                         updated = op(*csr, grad_rows.contiguous(), weight.detach(), *slots, **hyperparameters)
                         updated = updated if isinstance(updated, (tuple, list)) else (updated,)

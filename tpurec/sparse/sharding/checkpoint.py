@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec as P
 from torch import nn
 
 from tpurec.sparse.checkpoint import CheckpointError, list_checkpoints
-from tpurec.core.tensor import array_of, replace_array
+from tpurec.core import array_of, replace_array
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
 
 __all__ = ["FORMAT", "CheckpointError", "list_checkpoints", "load", "save"]
@@ -308,7 +308,7 @@ def _canonical_sharding(module: ShardedEmbeddingBagCollection, ndim: int) -> Nam
 
 
 def _tree(model: nn.Module) -> dict[str, Any]:
-    from tpurec.core.dispatch import value_of
+    from tpurec.core import value_of
 
     tree: dict[str, Any] = {"embeddings": {}, "dense": {}}
     for path, module in _modules(model).items():
@@ -504,7 +504,7 @@ def _optimizer_name(module: ShardedEmbeddingBagCollection) -> str:
 
 def _description(model: nn.Module) -> dict[str, Any]:
     """What the checkpoint holds, for the strict checks of :func:`load` (JSON, in ``_CHECKPOINT_METADATA``)."""
-    from tpurec.core.dispatch import value_of
+    from tpurec.core import value_of
 
     collections = {}
     for mpath, m in _modules(model).items():
@@ -597,7 +597,7 @@ def _check_fits(
 
     The messages are those of the single-device format (:mod:`tpurec.sparse.checkpoint`).
     """
-    from tpurec.core.dispatch import value_of
+    from tpurec.core import value_of
 
     saved_paths, mine = set(stored_tree["embeddings"]), {_key(p) for p in modules}
     if saved_paths != mine:

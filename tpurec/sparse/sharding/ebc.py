@@ -29,8 +29,7 @@ from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
 from torchrec.modules.embedding_modules import EmbeddingBagCollectionInterface
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
-from tpurec.core import runtime
-from tpurec.core.tensor import replace_array, wrap
+from tpurec.core import Program, mesh_arrays_in_use, replace_array, wrap
 from tpurec.sparse.lookup import Staged, TrainableLookup, check_optimizer_state, restage
 from tpurec.sparse.ops import kernel_for
 from tpurec.sparse.optimizers import EmbeddingOptimizer
@@ -195,7 +194,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         # data-parallel group's rows, samples and gains) and the samples per device they were made for.
         self._static_entries: list[torch.Tensor] = []
         self._static_per_device: int | None = None
-        self._staged_program_cache: dict[int, tuple[runtime.Program, runtime.Program]] = {}
+        self._staged_program_cache: dict[int, tuple[Program, Program]] = {}
         self._init_outputs(configs)
 
         self._sharded = NamedSharding(mesh, P(self.axis))
@@ -204,7 +203,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         if source.device.type == "meta":
             # Born sharded: each shard is created on its device; no host ever holds a table.
             self._init_on_mesh(seed)
-            runtime.mesh_arrays_in_use()
+            mesh_arrays_in_use()
             return
         host_tables = {c.name: source.table_weight(c.name).detach().cpu().numpy().astype(np.float32) for c in configs}
         opt_state = source.optimizer_state_dict()["state"]
@@ -216,7 +215,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
             for c in configs
         }
         self._load_host_tables(host_tables, host_slots, register=True)
-        runtime.mesh_arrays_in_use()
+        mesh_arrays_in_use()
 
     # --- state ------------------------------------------------------------------
 
@@ -346,7 +345,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
                 self.register_buffer(name, tensor, persistent=False)
 
     def _arrays(self, prefix: str, count: int) -> tuple[list[jax.Array], list[list[jax.Array]]]:
-        from tpurec.core.dispatch import value_of
+        from tpurec.core import value_of
 
         weights = [value_of(getattr(self, f"{prefix}_weight_{g}")) for g in range(count)]
         slots = [[value_of(getattr(self, f"{prefix}_{s}_{g}")) for s in self.optimizer.slots] for g in range(count)]
@@ -572,7 +571,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
 
     def _staged_forward(self, entries: list[Any], b: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The forward program on the tables' and the entries' tensors: ``(out, received entries)``."""
-        from tpurec.core.programs import run_program, fresh, pending_value
+        from tpurec.core import fresh, pending_value, run_program
 
         L = self.layout
         tables: list[Any] = [getattr(self, f"shard_weight_{g}") for g in range(len(L.groups))]
@@ -583,7 +582,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
 
     def _staged_backward(self, entries: list[Any], received: list[Any], grad_output: Any, b: int) -> None:
         """The backward program: the fused optimizer's update written into the tables' and slots' tensors."""
-        from tpurec.core.programs import run_program, store_array, pending_value
+        from tpurec.core import pending_value, run_program, store_array
 
         hyper = self._next_captured_step(0)
         targets = self._state_tensors()
@@ -622,7 +621,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
 
     _tables_noun: ClassVar[str] = "the sharded tables"
 
-    def _staged_programs(self, b: int) -> tuple[runtime.Program, runtime.Program]:
+    def _staged_programs(self, b: int) -> tuple[Program, Program]:
         """The forward and backward programs of staged lookups for ``b`` samples per device (cached).
 
         Over flat lists of arrays (a fused window's nodes take flat inputs): the forward takes
@@ -663,10 +662,10 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
 
         state = (groups + dps) * (1 + slots)
         cache[b] = (
-            runtime.Program(forward),
+            Program(forward),
             # Eagerly the tables and slots are updated in place (donated); a fused window donates
             # the buffers its writes replace.
-            runtime.Program(backward, donate_argnums=tuple(range(1, 1 + state))),
+            Program(backward, donate_argnums=tuple(range(1, 1 + state))),
         )
         return cache[b]
 
@@ -768,7 +767,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
 
     def _run_backward(self, saved: tuple, grad_output: torch.Tensor) -> np.ndarray | None:
         """Runs the backward program; returns the per-id weights' gradient (KJT order) when asked for."""
-        from tpurec.core.dispatch import value_of
+        from tpurec.core import value_of
 
         received, dp, kept, origins, b = saved
         L = self.layout
@@ -794,7 +793,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         entries, num_ids = origins
         return programs.id_weight_gradient(dots, entries, num_ids)
 
-    def _programs(self, b: int, with_rows: bool = False) -> tuple[runtime.Program, runtime.Program]:
+    def _programs(self, b: int, with_rows: bool = False) -> tuple[Program, Program]:
         """The forward and backward programs for ``b`` samples per device (cached).
 
         ``with_rows``: the pair that also gives per-id weights their gradient.

@@ -21,7 +21,6 @@ import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from torch import nn
 
-from tpurec.core import runtime
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.sequence import EmbeddingCollection
@@ -31,7 +30,7 @@ from tpurec.sparse.spec.batch import map_batch
 from tpurec.sparse.spec.mesh import batch_sharded_array, local_device_count
 from tpurec.sparse.spec.shards import TableSharding, module_plans, table_shardings
 from tpurec.sparse.table_init import check_rows_fit, table_init, table_key
-from tpurec.core.tensor import TpuTensor, host_array, is_global, replace_array, wrap
+from tpurec.core import TpuTensor, host_array, is_global, mesh_arrays_in_use, replace_array, wrap
 
 __all__ = ["shard", "batch_sharded_array", "default_mesh", "distribute_batch", "local_device_count", "replicate"]
 
@@ -70,7 +69,7 @@ def distribute_batch(tensor: torch.Tensor, mesh: Mesh) -> torch.Tensor:
 
 def replicate(tensor: torch.Tensor, mesh: Mesh) -> None:
     """Makes tpu tensor ``tensor`` hold a copy of its values on every mesh device (in place)."""
-    from tpurec.core.dispatch import value_of
+    from tpurec.core import value_of
 
     if is_global(tensor):
         return
@@ -386,7 +385,7 @@ def shard(
     for path, new in sharded.items():
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path), name, new)
-    runtime.mesh_arrays_in_use()
+    mesh_arrays_in_use()
     if born:
         _move_to_tpu(model, {id(t) for t in dense if t.device.type == "cpu"})
         dense = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in inside]

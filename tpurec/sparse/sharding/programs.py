@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from tpurec.core import runtime
+from tpurec.core import Program
 from tpurec.sparse.spec.layout import Layout
 from tpurec.sparse.types import PAD_ID
 
@@ -231,7 +231,7 @@ def backward(
 
 def make_programs(
     forward_fn: Callable[..., Any], backward_fn: Callable[..., Any], b: int, with_rows: bool
-) -> tuple[runtime.Program, runtime.Program]:
+) -> tuple[Program, Program]:
     """The compiled forward and backward pair for ``b`` samples per device.
 
     Args:
@@ -241,9 +241,9 @@ def make_programs(
         with_rows: the pair that also gives per-id weights their gradient.
     """
     return (
-        runtime.Program(lambda *a: forward_fn(*a, b=b, with_rows=with_rows)),
+        Program(lambda *a: forward_fn(*a, b=b, with_rows=with_rows)),
         # The tables and slots are updated in place: their buffers are donated.
-        runtime.Program(lambda *a: backward_fn(*a, b=b), donate_argnums=(1, 2, 3, 4)),
+        Program(lambda *a: backward_fn(*a, b=b), donate_argnums=(1, 2, 3, 4)),
     )
 
 
