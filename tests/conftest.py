@@ -17,7 +17,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tpurec import config  # noqa: E402
-from tpurec.core import modes, runtime  # noqa: E402
+from tpurec.core import headroom, modes, runtime  # noqa: E402
 
 try:
     from xdist.scheduler import LoadScopeScheduling
@@ -27,7 +27,7 @@ except ImportError:  # pytest-xdist is pinned in requirements-test.lock; without
 ROOT = Path(__file__).resolve().parents[1]
 
 # The whole suite runs in one process and builds tens of thousands of programs, each holding
-# memory mappings; tpurec's own guard (runtime.keep_mapping_headroom) would drop them in the
+# memory mappings; tpurec's own guard (headroom.keep_mapping_headroom) would drop them in the
 # middle of some test, under tests that count compilations. Dropping them between test files,
 # well before that, keeps the guard out of the way.
 _MAPPINGS_BETWEEN_FILES = 24_000
@@ -36,10 +36,10 @@ _MAPPINGS_BETWEEN_FILES = 24_000
 @pytest.fixture(autouse=True, scope="module")
 def _drop_programs_between_files():
     yield
-    held = runtime.mapping_count()
+    held = headroom.mapping_count()
     if held is not None and held > _MAPPINGS_BETWEEN_FILES:
         torch._dynamo.reset()
-        runtime.release_programs()
+        headroom.release_programs()
 
 
 # --- One file's process state does not reach the next ---------------------------------------------------
@@ -141,7 +141,7 @@ def default_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
         if path not in _FUSED_STARTED:
             _FUSED_STARTED.add(path)
             torch._dynamo.reset()
-            runtime.release_programs()
+            headroom.release_programs()
         monkeypatch.setenv("TPUREC_MODE", "fused")
     else:
         monkeypatch.delenv("TPUREC_MODE", raising=False)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import tpurec
-from tpurec.core import runtime
+from tpurec.core import accounting
 
 X = torch.arange(20.0).reshape(5, 4) / 7
 ROWS = torch.tensor([3, 0, 3])
@@ -122,7 +122,7 @@ def test_cpu_indices_in_fused_and_compiled_mode(mode):
     host_t, host_v = X.clone().requires_grad_(), VALUES.clone().requires_grad_()
     f(host_t, ROWS, host_v).backward()
     dev_t, dev_v = X.to("tpu").requires_grad_(), VALUES.to("tpu").requires_grad_()
-    before = sum(runtime.counters().host_fallbacks.values())
+    before = sum(accounting.counters().host_fallbacks.values())
     if mode == "fused":
         with tpurec.mode("fused"):
             loss = f(dev_t, ROWS, dev_v)
@@ -130,6 +130,6 @@ def test_cpu_indices_in_fused_and_compiled_mode(mode):
     else:
         loss = torch.compile(f, backend="tpu")(dev_t, ROWS, dev_v)
         loss.backward()
-    assert sum(runtime.counters().host_fallbacks.values()) == before
+    assert sum(accounting.counters().host_fallbacks.values()) == before
     torch.testing.assert_close(dev_t.grad.cpu(), host_t.grad, rtol=0, atol=0)
     torch.testing.assert_close(dev_v.grad.cpu(), host_v.grad, rtol=0, atol=0)

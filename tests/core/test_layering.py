@@ -420,12 +420,14 @@ def test_old_module_paths_offer_only_what_a_checkpoint_can_name():
     import tpurec.runtime as old_runtime
 
     assert old_runtime is not tpurec.core.runtime  # not an alias: a read-only view for unpickling
-    assert old_runtime.synchronize is tpurec.core.runtime.synchronize  # a function: a pickle may name it
+    assert old_runtime.enable_disk_cache is tpurec.core.runtime.enable_disk_cache  # a function: a pickle may name it
     with pytest.raises(AttributeError, match=r"tpurec.runtime is an old module path.*tpurec.core.runtime.programs"):
         _ = old_runtime.programs  # module state, not a class or function
-    with pytest.raises(AttributeError, match=r"read-only old module path; set 'synchronize' on tpurec.core.runtime"):
-        old_runtime.synchronize = None
-    assert tpurec.core.runtime.synchronize is old_runtime.synchronize  # the failed write changed nothing
+    with pytest.raises(
+        AttributeError, match=r"read-only old module path; set 'enable_disk_cache' on tpurec.core.runtime"
+    ):
+        old_runtime.enable_disk_cache = None
+    assert tpurec.core.runtime.enable_disk_cache is old_runtime.enable_disk_cache  # the failed write changed nothing
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("tpurec.jax")  # only the modules that moved have old paths
 
@@ -433,10 +435,10 @@ def test_old_module_paths_offer_only_what_a_checkpoint_can_name():
 def test_public_names_are_unchanged():
     for name in tpurec.__all__:
         assert getattr(tpurec, name) is not None, name
-    from tpurec.core.runtime import enable_disk_cache, reset_stats, stats, synchronize  # noqa: F401
+    from tpurec.core import enable_disk_cache, reset_stats, stats, synchronize  # noqa: F401
     from tpurec.profiler import enabled, profile, program_label, record  # noqa: F401
 
-    assert tpurec.synchronize is tpurec.core.runtime.synchronize
+    assert tpurec.synchronize is tpurec.core.sync.synchronize
     assert tpurec.TpuTensor is tpurec.core.tensor.TpuTensor
 
 
@@ -445,7 +447,7 @@ def test_the_hooks_of_the_layers_above_are_installed():
     tpurec.core.entry.load_runtime()  # what the first tpu op does: dispatch replaces entry's loaders
     assert core_tensor._dispatch is tpurec.core.dispatch.dispatch
     assert core_tensor._value_of is tpurec.core.dispatch.value_of
-    assert tpurec.core.runtime._flush_pending_work is tpurec.core.fused.flush
+    assert tpurec.core.sync._flush_pending_work is tpurec.core.fused.flush
     assert tpurec.core.runtime._compile_observer is tpurec.core.recompiles.compiling
 
 

@@ -16,12 +16,12 @@ import pytest
 SCRIPT = """
 import json, logging, sys
 import torch, tpurec
-from tpurec.core import runtime
+from tpurec.core import headroom
 
 logging.basicConfig(stream=sys.stderr, level=logging.WARNING)
-runtime._CHECK_EVERY = 32  # programs built between checks (256 would need far more programs)
+headroom._CHECK_EVERY = 32  # programs built between checks (256 would need far more programs)
 torch.ones(1, device="tpu").cpu()
-budget = runtime.mapping_count() + 400
+budget = headroom.mapping_count() + 400
 tpurec.config.update("TPUREC_MAPPING_BUDGET", budget)
 peak, wrong = 0, []
 for n in range(1, 151):
@@ -30,8 +30,8 @@ for n in range(1, 151):
     want = ((x * 2 + 1).relu().sum()).item()
     if got != want:
         wrong.append((n, got, want))
-    peak = max(peak, runtime.mapping_count())
-print(json.dumps({"budget": budget, "peak": peak, "wrong": wrong, "built": runtime._programs_built}))
+    peak = max(peak, headroom.mapping_count())
+print(json.dumps({"budget": budget, "peak": peak, "wrong": wrong, "built": headroom._programs_built}))
 """
 
 

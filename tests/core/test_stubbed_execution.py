@@ -1,6 +1,6 @@
-"""Stubbed execution (tpurec/core/runtime.py): a step's host cost measured without its computation.
+"""Stubbed execution (tpurec/core/stubs.py): a step's host cost measured without its computation.
 
-``runtime.stubbed_execution()`` makes every program return outputs of the real shapes and
+``tpurec.core.stubbed_execution()`` makes every program return outputs of the real shapes and
 dtypes without computing them, so ``bench modes`` / ``bench transformer`` can time what the
 host needs to issue a step. What it must keep: the real programs' calling path (shapes,
 dtypes, strides of the tensors made), work pending on entry run for real, real results
@@ -10,7 +10,7 @@ again once it ends, one compilation per stub.
 import torch
 
 import tpurec
-from tpurec.core import runtime
+from tpurec.core import stubs
 
 
 def _inputs():
@@ -22,17 +22,17 @@ def test_eager_ops_under_stubs_give_the_real_metadata_and_zeros_then_real_values
     a, w = _inputs()
     ta, tw = a.to("tpu"), w.to("tpu")
     with tpurec.mode("eager"):
-        with runtime.stubbed_execution():
-            assert runtime.execution_stubbed()
+        with stubs.stubbed_execution():
+            assert stubs.execution_stubbed()
             mm = ta @ tw
             mask = ta > 0
             index = ta.argmax(dim=1)
             half = ta.to(torch.float16).t()
-        assert not runtime.execution_stubbed()
+        assert not stubs.execution_stubbed()
         real = ta @ tw
     assert mm.shape == (6, 3) and mm.dtype == torch.float32
     minus_inf = torch.full((2, 3), float("-inf")).to("tpu")
-    with runtime.stubbed_execution():
+    with stubs.stubbed_execution():
         masked = minus_inf + ta[:2, :3]  # an inf first input: the stub's zeros stay zeros
     assert masked.cpu().eq(0).all()
     assert mask.dtype == torch.bool and index.dtype == torch.int64 and index.shape == (6,)
@@ -47,7 +47,7 @@ def test_pending_fused_work_runs_for_real_before_the_stubs_and_recorded_work_as_
     ta, tw = a.to("tpu"), w.to("tpu")
     with tpurec.mode("fused"):
         before = ta @ tw  # pending on entry: runs for real
-        with runtime.stubbed_execution():
+        with stubs.stubbed_execution():
             inside = (ta @ tw).relu() + 1  # recorded inside: runs as a stub when the context ends
         after = ta @ tw
     torch.testing.assert_close(before.cpu(), a @ w, rtol=1e-6, atol=1e-6)
@@ -70,7 +70,7 @@ def test_a_stubbed_training_step_keeps_its_parameters_shapes_and_compiles_its_st
 
     with tpurec.mode("fused"):
         step()
-        with runtime.stubbed_execution():
+        with stubs.stubbed_execution():
             first = step()  # traces and compiles the window's stub (its parameters donated)
             compilations = tpurec.stats()["compilations"]
             losses = [step() for _ in range(3)]
@@ -88,7 +88,7 @@ def test_a_compiled_graph_run_outside_fused_mode_is_stubbed_too():
     f = torch.compile(lambda x, y: torch.tanh(x @ y).sum(dim=0), backend="tpu")
     with tpurec.mode("eager"):
         torch.testing.assert_close(f(ta, tw).cpu(), torch.tanh(a @ w).sum(dim=0), rtol=1e-5, atol=1e-6)
-        with runtime.stubbed_execution():
+        with stubs.stubbed_execution():
             stubbed = f(ta, tw)
         again = f(ta, tw)
     assert stubbed.shape == (3,) and not stubbed.cpu().any()

@@ -72,7 +72,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 from torch.utils._pytree import tree_flatten, tree_map  # noqa: E402
 
 import tpurec  # noqa: E402, F401 (registers the tpu device)
-from tpurec.core import dispatch, runtime  # noqa: E402
+from tpurec.core import accounting, dispatch  # noqa: E402
 
 MAX_SAMPLES = 3
 # float32, tpu vs CPU: XLA:CPU's vectorised transcendental functions and its
@@ -436,11 +436,11 @@ def _grads(outputs, inputs, cotangents):
 
 
 def _fallbacks() -> int:
-    return sum(runtime.counters().host_fallbacks.values())
+    return sum(accounting.counters().host_fallbacks.values())
 
 
 def _host_fallback_names(before: dict) -> list[str]:
-    now = runtime.counters().host_fallbacks
+    now = accounting.counters().host_fallbacks
     return sorted(name for name, n in now.items() if n > before.get(name, 0))
 
 
@@ -486,7 +486,7 @@ def check_entry(
     requires_grad = bool(backward and op.supports_autograd and (dtype.is_floating_point or dtype.is_complex))
     result = Result(entry_name(op))
     start = time.perf_counter()
-    host_ops_before = dict(runtime.counters().host_ops)
+    host_ops_before = dict(accounting.counters().host_ops)
     forward: list[str] = []
     backward_outcomes: list[str] = []
     with _quiet():
@@ -515,7 +515,7 @@ def check_entry(
                     for k in ("input", "args", "kwargs")
                 }
             )
-            fallbacks_before = dict(runtime.counters().host_fallbacks)
+            fallbacks_before = dict(accounting.counters().host_fallbacks)
             try:
                 with mode():
                     actual = _run(device_op, device_sample, 0)
@@ -578,7 +578,7 @@ def check_entry(
     dispatch._pending_fallback_error = None
     result.forward = _summary(forward)
     result.backward = _summary(backward_outcomes)
-    now = runtime.counters().host_ops
+    now = accounting.counters().host_ops
     result.host_ops = tuple(sorted(n for n, k in now.items() if k > host_ops_before.get(n, 0)))
     result.seconds = time.perf_counter() - start
     return result

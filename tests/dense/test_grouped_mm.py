@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tpurec
-from tpurec.core import runtime
+from tpurec.core import accounting
 
 pytestmark = pytest.mark.usefixtures("no_host_fallback")
 
@@ -138,12 +138,12 @@ def test_new_offsets_reuse_the_compiled_program():
     torch.manual_seed(0)
     a, b = torch.randn(12, 8).to("tpu"), torch.randn(3, 8, 4).to("tpu")
     torch._grouped_mm(a, b, offs=_offs([4, 4, 12]).to("tpu")).cpu()
-    built = runtime.stats()["programs_built"]
+    built = accounting.stats()["programs_built"]
     for ends in ([0, 6, 12], [12, 12, 12], [1, 2, 3]):
         offs = _offs(ends)
         out = torch._grouped_mm(a, b, offs=offs.to("tpu")).cpu()
         torch.testing.assert_close(out.double(), _loop(a.cpu(), b.cpu(), offs), **F32)
-    assert runtime.stats()["programs_built"] == built
+    assert accounting.stats()["programs_built"] == built
 
 
 @pytest.mark.parametrize(
@@ -210,10 +210,10 @@ def test_tiny_deepseek_v3_trains_one_adamw_step_as_on_cpu():
         opt.step()
         return loss.detach().cpu(), grads, {n: p.detach().cpu() for n, p in model.named_parameters()}
 
-    calls = runtime.counters().ops_by_name["_grouped_mm.default"]
+    calls = accounting.counters().ops_by_name["_grouped_mm.default"]
     want = step(cpu_model, ids)
     got = step(dev_model, ids.to("tpu"))
-    assert runtime.counters().ops_by_name["_grouped_mm.default"] - calls == 6  # 2 forward + 4 backward
+    assert accounting.counters().ops_by_name["_grouped_mm.default"] - calls == 6  # 2 forward + 4 backward
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=0)
     assert got[1].keys() == want[1].keys()
     for name, grad in want[1].items():

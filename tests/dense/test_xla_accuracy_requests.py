@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import tpurec
-from tpurec.core import runtime
+from tpurec.core import headroom
 
 _TRANSCENDENTAL = re.compile(
     r"(%[\w#]+) = stablehlo\.(exponential|log|log_plus_one|exponential_minus_one|tanh|logistic)\b(.*)"
@@ -71,7 +71,7 @@ CASES = {
 
 def _dumped_modules(f, x: torch.Tensor, tmp_path: Path) -> dict[str, str]:
     """Runs ``f(x)`` forward and backward with every program lowered afresh; the StableHLO JAX dumped, by file."""
-    runtime.release_programs()  # so every program of the case is lowered (and dumped) here, none found cached
+    headroom.release_programs()  # so every program of the case is lowered (and dumped) here, none found cached
     previous = jax.config.read("jax_dump_ir_to")
     jax.config.update("jax_dump_ir_to", str(tmp_path))
     try:

@@ -70,9 +70,9 @@ def test_a_failing_synchronize_raises_its_message(monkeypatch):
         with pytest.raises(RuntimeError, match="ValueError: device lost"):
             torch.accelerator.synchronize()
     finally:
-        from tpurec.core import runtime
+        from tpurec.core import sync
 
-        torch_hooks.set_synchronize(runtime.synchronize)
+        torch_hooks.set_synchronize(sync.synchronize)
 
 
 def _run(script: str, cache: Path, **env: str) -> subprocess.CompletedProcess:

@@ -39,7 +39,7 @@ PyTorch and tpurec need to issue the step: the figure that decides whether a TPU
 would wait on the host), the programs run per step and
 the compilations after warm-up (must be 0) and where the warm-up's compile seconds went
 (``compile``: seconds, by phase and by kind of program, from ``tpurec.stats()``). After the timed rounds, each tpu configuration
-runs as many steps again with its XLA programs stubbed (``tpurec.core.runtime.stubbed_execution``:
+runs as many steps again with its XLA programs stubbed (``tpurec.core.stubbed_execution``:
 the same JAX calls, arguments and bookkeeping, no computation), one configuration after the
 other: ``host_ms_per_step_stubbed`` is their median main-thread CPU time. On XLA:CPU the computation shares the two cores with
 Python (small programs run on the calling thread; large ones evict its caches), so the

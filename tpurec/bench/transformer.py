@@ -18,7 +18,7 @@ They run interleaved (``tpurec.bench.rounds``); reported per configuration: medi
 minimum wall ms of a step, median host ms (the main thread's CPU time), the last loss,
 and for tpu the compilations after warm-up (must be 0) and ``host_ms_per_step_stubbed``: the
 median host ms of as many steps again with the XLA programs stubbed
-(``tpurec.core.runtime.stubbed_execution``; see ``bench modes``), run after every loss is
+(``tpurec.core.stubbed_execution``; see ``bench modes``), run after every loss is
 taken, one configuration after the other. Compare ratios from one run only.
 
 Example::

@@ -8,8 +8,13 @@ Lowest first (``LAYERS``):
 ``rng``         the device's random state (seed and counter)
 ``profiler``    ``record_function`` ranges in ``torch.profiler`` traces (the hooks only;
                 ``tpurec.profile`` lives above the core, in ``tpurec/profiler.py``)
-``runtime``     counters (``stats``), compiled programs and their cache, the disk cache,
-                ``synchronize``
+``accounting``  the counters (``stats``) and the accounting of compilations by JAX's reports
+``sync``        sync points: ``synchronize`` and the slot where the fused window plugs in
+``headroom``    memory-mapping headroom: compiled programs dropped before the kernel
+                refuses the process more mappings
+``stubs``       stubbed execution: programs that compute nothing (a step's host cost)
+``runtime``     compiled programs (``Program``), their cache, programs over mesh arrays,
+                XLA's persistent cache on disk
 ``recompiles``  why a warm program compiled again (wraps each program's first run)
 ``device``      JAX devices behind ``tpu:N`` and the ``torch.tpu`` module, PrivateUse1 renamed
 ``memory``      live-buffer accounting and ``torch.tpu.memory_allocated()`` and friends
@@ -47,7 +52,8 @@ Where a lower module must reach a higher one, the higher one installs a hook at 
 * ``dispatch`` -> ``tensor.install_dispatcher``: then they reach the dispatcher itself;
 * ``dispatch`` -> ``kernels.install_redispatch``: a kernel that runs another op (``conj``)
   reaches the dispatcher;
-* ``fused`` -> ``runtime.flush_pending_work_with``: ``synchronize`` runs the pending window;
+* ``fused`` -> ``sync.flush_pending_work_with``: ``synchronize`` (and stubbed execution) run
+  the pending window;
 * ``recompiles`` -> ``runtime.observe_compilations``: each new program's first run is
   timed, profiled and checked for recompilation.
 
@@ -70,7 +76,8 @@ layer below can need it.
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tpurec.core import errors, views, rng, profiler, runtime, recompiles  # noqa: I001 (layer order)
+from tpurec.core import errors, views, rng, profiler, accounting, sync, headroom, stubs  # noqa: I001 (layer order)
+from tpurec.core import runtime, recompiles  # noqa: I001 (layer order)
 from tpurec.core import device, memory, tensor, conversion, fused, modes, graphs  # noqa: I001 (layer order)
 from tpurec.core import entry
 
@@ -80,6 +87,10 @@ EAGER_LAYERS = (
     "views",
     "rng",
     "profiler",
+    "accounting",
+    "sync",
+    "headroom",
+    "stubs",
     "runtime",
     "recompiles",
     "device",
@@ -111,22 +122,11 @@ from tpurec.core.rng import get_state as get_rng_state, set_state as set_rng_sta
 from tpurec.core.rng import key_from as rng_key_from, next_seed_and_counter  # noqa: E402
 from tpurec.core.profiler import enabled as profiling_enabled, program_label  # noqa: E402
 from tpurec.core.profiler import record as profiler_range  # noqa: E402
-from tpurec.core.runtime import (  # noqa: E402
-    Program,
-    counters,
-    drop_programs_with,
-    enable_disk_cache,
-    execution_stubbed,
-    listen_to_jax,
-    mesh_arrays_exist,
-    mesh_arrays_in_use,
-    register_stats_source,
-    reset_stats,
-    run_stub,
-    stats,
-    stubbed_execution,
-    synchronize,
-)
+from tpurec.core.accounting import counters, listen_to_jax, register_stats_source, reset_stats, stats  # noqa: E402
+from tpurec.core.sync import synchronize  # noqa: E402
+from tpurec.core.headroom import drop_programs_with  # noqa: E402
+from tpurec.core.stubs import execution_stubbed, run_stub, stubbed_execution  # noqa: E402
+from tpurec.core.runtime import Program, enable_disk_cache, mesh_arrays_exist, mesh_arrays_in_use  # noqa: E402
 from tpurec.core.recompiles import compiling, current_compile_id, explain_recompiles  # noqa: E402
 from tpurec.core.device import TpuModule, host_device, jax_device, platform  # noqa: E402
 from tpurec.core.device import register as register_device, register_pinning, run_backward_on_calling_thread  # noqa: E402
@@ -187,21 +187,25 @@ __all__ = [
     "profiling_enabled",
     "program_label",
     "profiler_range",
-    # runtime
-    "Program",
+    # accounting
     "counters",
-    "drop_programs_with",
-    "enable_disk_cache",
-    "execution_stubbed",
     "listen_to_jax",
-    "mesh_arrays_exist",
-    "mesh_arrays_in_use",
     "register_stats_source",
     "reset_stats",
-    "run_stub",
     "stats",
-    "stubbed_execution",
+    # sync
     "synchronize",
+    # headroom
+    "drop_programs_with",
+    # stubs
+    "execution_stubbed",
+    "run_stub",
+    "stubbed_execution",
+    # runtime
+    "Program",
+    "enable_disk_cache",
+    "mesh_arrays_exist",
+    "mesh_arrays_in_use",
     # recompiles
     "compiling",
     "current_compile_id",

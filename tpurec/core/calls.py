@@ -16,7 +16,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from tpurec.composites import COMPOSITES
-from tpurec.core import fused, modes, rng, runtime
+from tpurec.core import accounting, fused, modes, rng, runtime
 from tpurec.core.errors import ArgumentError, lowering_failed, unsupported_op
 from tpurec.core.fused import Pending
 from tpurec.core.programs import _placed, run_program, store_array, fresh, fresh_with_key
@@ -276,7 +276,7 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
     fast = table.get(signature)
     if fast is None:
         return _execute_and_remember(func, lowering, args, kwargs, targets, signature, inputs, table)
-    runtime.counters().cache_hits += 1
+    accounting.counters().cache_hits += 1
     program = fast.program
     if fast.random:
         inputs.extend(rng.next_seed_and_counter())

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import jax
 import torch
 
-from tpurec.core import rng, runtime
+from tpurec.core import rng, sync
 
 __all__ = ["platform", "jax_device", "TpuModule", "register", "register_pinning"]
 
@@ -91,12 +91,12 @@ class Event:
     def query(self) -> bool:
         """Whether the marked work is done; JAX offers no cheap test, so this waits for it, then says True."""
         if self._recorded:
-            runtime.synchronize()
+            sync.synchronize()
         return True
 
     def synchronize(self) -> None:
         """Waits until the device work issued before the event is computed."""
-        runtime.synchronize()
+        sync.synchronize()
 
 
 class Stream:
@@ -129,12 +129,12 @@ class Stream:
 
     def query(self) -> bool:
         """Whether the stream's work is done; this waits for it, then says True (as :meth:`Event.query`)."""
-        runtime.synchronize()
+        sync.synchronize()
         return True
 
     def synchronize(self) -> None:
         """Waits until the device work issued so far is computed."""
-        runtime.synchronize()
+        sync.synchronize()
 
 
 class _Streams(threading.local):
@@ -205,7 +205,7 @@ class TpuModule:
 
     @staticmethod
     def synchronize(device=None) -> None:
-        runtime.synchronize()
+        sync.synchronize()
 
     @staticmethod
     def manual_seed(seed: int) -> None:
@@ -303,7 +303,7 @@ def register() -> None:
     # ones): they add pinned host memory, which DDP's reducer needs. Where they cannot be
     # built the Python hooks serve.
     torch_hooks.register()
-    torch_hooks.set_synchronize(runtime.synchronize)  # torch.accelerator.synchronize() on tpu
+    torch_hooks.set_synchronize(sync.synchronize)  # torch.accelerator.synchronize() on tpu
     _setup_privateuseone_for_python_backend("tpu", backend_module=TpuModule, hook=_Hooks(), device_guard=_Guard())
     _registered = True
 

@@ -27,7 +27,7 @@ import warnings
 import torch
 import torch.autograd.profiler as _torch_profiler
 
-from tpurec.core import kernels, mirrors, modes, profiler, runtime
+from tpurec.core import accounting, kernels, mirrors, modes, profiler
 from tpurec.core.calls import (
     _Call,
     _debug_check,
@@ -176,7 +176,7 @@ def _dispatch_checked(func, args: tuple, kwargs: dict):
     try:
         return _dispatch(func, args, kwargs)
     except Exception as error:
-        runtime.counters().host_fallbacks[func.__name__] += 1
+        accounting.counters().host_fallbacks[func.__name__] += 1
         message = (
             f"tpurec: {func} failed on the tpu device during backward ({type(error).__name__}: {error}); "
             "it ran on the host instead"
@@ -208,7 +208,7 @@ def _returned(func) -> int:
 
 
 def _dispatch(func, args: tuple, kwargs: dict):
-    runtime.counters().ops_by_name[func.__name__] += 1
+    accounting.counters().ops_by_name[func.__name__] += 1
     route = _routes.get(id(func))
     if route is not None and route[1].get(route[2]) is route[3]:
         how = route[0]
@@ -245,7 +245,7 @@ def _dispatch_full(func, args: tuple, kwargs: dict):
     if _has_bool_index(func, args) and isinstance(args[0], TpuTensor):
         args = _masks_as_indices(func, args)
     if func in _DATA_DEPENDENT or _has_bool_index(func, args):
-        runtime.counters().host_ops[func.__name__] += 1
+        accounting.counters().host_ops[func.__name__] += 1
         return _on_host(func, args, kwargs)
     if torch.is_inference_mode_enabled() or func.overloadpacket is aten.to:
         # The autograd kernels normally decompose CompositeImplicitAutograd ops
@@ -269,7 +269,7 @@ def _dispatch_full(func, args: tuple, kwargs: dict):
     lowering = get_lowering(func)
     if lowering is None:
         if func in _DATA_DEPENDENT:  # marked by a deferred family that get_lowering just loaded
-            runtime.counters().host_ops[func.__name__] += 1
+            accounting.counters().host_ops[func.__name__] += 1
             return _on_host(func, args, kwargs)
         return _fallback(func, args, kwargs)
     kinds = argument_kinds(func, lowering.static_scalars)

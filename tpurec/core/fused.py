@@ -19,7 +19,7 @@ import numpy as np
 from jax._src.lax.lax import _convert_element_type
 
 from tpurec import config
-from tpurec.core import profiler, runtime
+from tpurec.core import accounting, headroom, profiler, runtime, sync
 from tpurec.core.device import jax_device
 from tpurec.core.tensor import NOT_ARRAYS, fill, holders
 
@@ -123,7 +123,7 @@ def clear_programs() -> int:
     return count
 
 
-runtime.drop_programs_with(clear_programs)
+headroom.drop_programs_with(clear_programs)
 
 
 def max_ops() -> int:
@@ -240,7 +240,7 @@ def flush(reason: str) -> tuple | None:
     if not window.nodes:
         return None
     _window = _Window(window.serial + 1)
-    counters = runtime.counters()
+    counters = accounting.counters()
     counters.sync_points[reason] += 1
     if capture_sync_points is not None:
         capture_sync_points.append(reason)
@@ -248,11 +248,11 @@ def flush(reason: str) -> tuple | None:
         return (window, *_flush(window, counters))
 
 
-# synchronize() (in runtime, a layer below) runs the pending window first.
-runtime.flush_pending_work_with(flush)
+# synchronize() (in sync, a layer below) runs the pending window first.
+sync.flush_pending_work_with(flush)
 
 
-def _flush(window: _Window, counters: runtime.Stats) -> tuple:
+def _flush(window: _Window, counters: accounting.Stats) -> tuple:
     """Builds (or reuses) the program of one recorded ``window``, runs it and fills in its live storages.
 
     Returns:
@@ -297,7 +297,7 @@ def _flush(window: _Window, counters: runtime.Stats) -> tuple:
         key = (wiring, outputs, donate, device)
         built = _fused_programs.get(key)
         if built is None:
-            runtime.keep_mapping_headroom()
+            headroom.keep_mapping_headroom()
             counters.programs_built += 1
             built = _fused_programs[key] = _build(nodes, [w[1] for w in wiring], outputs, donate, device)
             built[0].origin = ("fused", key, device)  # for recompilation diagnostics

@@ -80,7 +80,7 @@ import numpy as np
 import torch
 
 from tpurec import config
-from tpurec.core import fused, modes, rng, runtime
+from tpurec.core import accounting, fused, modes, rng, runtime
 from tpurec.core import tensor as _tensor
 from tpurec.core.fused import _DONATED, _KEPT, _OTHER
 from tpurec.core.tensor import Storage, holders
@@ -443,12 +443,12 @@ class _Plan:
         def compile_program() -> None:
             start = time.perf_counter()
             try:
-                with runtime.compile_accounting(program):
+                with accounting.compile_accounting(program):
                     future.set_result(program.jitted.lower(*args).compile())
             except BaseException as error:  # noqa: BLE001 (handed to the caller through the future)
                 future.set_exception(error)
             finally:
-                runtime.counters().compile_seconds += time.perf_counter() - start
+                accounting.counters().compile_seconds += time.perf_counter() - start
                 _compiling_in_background.discard(future)
 
         _compiling_in_background.add(future)
@@ -679,7 +679,7 @@ def graph(tpu_graph: TpuGraph) -> Iterator[None]:
         raise RuntimeError("a step is being captured already: captures do not nest")
     fused.flush("graph capture starts")
     before, optimizers = _live_state()
-    counters = runtime.counters()
+    counters = accounting.counters()
     executions, transfers, first_draw = counters.executions, _tensor.transfers.count, rng._counter
     sync_points: list = []
     draws: list = []
@@ -695,7 +695,7 @@ def graph(tpu_graph: TpuGraph) -> Iterator[None]:
             ran = fused.flush("graph capture")
     finally:
         fused.capture_sync_points, rng._log, _replay_hooks, _replay_checks = None, None, None, None
-    ran_extra = runtime.counters().executions - executions - (ran is not None)
+    ran_extra = accounting.counters().executions - executions - (ran is not None)
     new_state = sum(_state_size(optimizer) != size for optimizer, size, _ in optimizers)
     cpu_writes = sum(t._version != version for _, _, state in optimizers for t, version in state)
     checks = (sync_points, ran_extra, _tensor.transfers.count - transfers, new_state, cpu_writes)

@@ -49,7 +49,7 @@ import torch
 from torch._C._dynamo.eval_frame import set_eval_frame
 
 from tpurec import config
-from tpurec.core import errors, profiler, runtime
+from tpurec.core import accounting, errors, profiler, runtime
 
 __all__ = ["Recompilation", "explain_recompiles", "compiling", "logging_enabled"]
 
@@ -103,7 +103,7 @@ def explain_recompiles() -> list[Recompilation]:
         for report in tpurec.explain_recompiles():
             print(report)
     """
-    return list(runtime.counters().recompile_reports)
+    return list(accounting.counters().recompile_reports)
 
 
 # --- the hook at each new program's first run ------------------------------------------
@@ -126,14 +126,14 @@ def compiling(owner: Any) -> Iterator[None]:
             and a ``reused`` flag.
     """
     origin = getattr(owner, "origin", None)
-    disk_hits = runtime.counters().disk_hits
+    disk_hits = accounting.counters().disk_hits
     start = time.perf_counter()
     # JAX traces and compiles in Python that logs. In a torch.compile graph break's eager region
     # Dynamo's frame hook is on, and it would compile logging.Logger.debug frames (numpy arrays in
     # their arguments count as tensors): a graph break that CPU never has.
     prior_hook = set_eval_frame(None)
     try:
-        with profiler.record(f"tpurec::compile {profiler.program_label(origin)}"), runtime.compile_accounting(owner):
+        with profiler.record(f"tpurec::compile {profiler.program_label(origin)}"), accounting.compile_accounting(owner):
             yield
     finally:
         set_eval_frame(prior_hook)
@@ -141,7 +141,7 @@ def compiling(owner: Any) -> Iterator[None]:
         return
     seconds = time.perf_counter() - start
     try:
-        _note(owner, origin, seconds, runtime.counters().disk_hits > disk_hits)
+        _note(owner, origin, seconds, accounting.counters().disk_hits > disk_hits)
     except Exception as error:  # noqa: BLE001 (diagnostics must never break a run)
         log.debug("tpurec: recompilation check failed: %r", error)
 
@@ -159,7 +159,7 @@ def _note(owner: Any, origin: tuple, seconds: float, from_disk: bool) -> None:
     if live and any(getattr(o, "reused", False) for _, o in live):
         report = _explain(origin, key, [k for k, _ in live], user_line)
         report.seconds, report.from_disk = seconds, from_disk
-        runtime.counters().recompile_reports.append(report)
+        accounting.counters().recompile_reports.append(report)
         if logging_enabled():
             log.warning("%s", report)
     entries.append((key, weakref.ref(owner)))

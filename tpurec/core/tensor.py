@@ -448,7 +448,7 @@ def replace_array(t: torch.Tensor, array: jax.Array) -> None:
 
 def is_global(t: Any) -> bool:
     """``t`` is a tpu tensor whose array spans several devices of a mesh (a sharded or replicated global array)."""
-    return isinstance(t, TpuTensor) and _runtime._is_global(t._storage.array)
+    return isinstance(t, TpuTensor) and _runtime.is_global(t._storage.array)
 
 
 # Freed storage -> the (shape, dtype) of the array it held, to give it memory of that size back.
