@@ -1,4 +1,4 @@
-"""Module paths of older tpurec releases that checkpoints name, resolved when imported.
+"""Module paths of older tpurec releases, resolved when imported: the one place that keeps them working.
 
 Before the runtime moved to ``tpurec.core``, its modules lived at ``tpurec.tensor``,
 ``tpurec.runtime``, ... A checkpoint written then names them: a tpu tensor pickled as
@@ -13,6 +13,10 @@ imports an old path; then it is a small read-only module whose attributes are th
 classes and functions of the ``tpurec.core`` module (the globals a pickle can name).
 Its other names raise an error that says where they are now: code should use the
 public ``tpurec`` API.
+
+Modules that moved to the package of their kind (``tpurec.composites`` is an op family of
+``tpurec.dense``) keep their old path for code as well (``MOVED``): importing it gives the
+module itself, under its new name.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import types
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["OLD_PATHS", "install"]
+__all__ = ["MOVED", "OLD_PATHS", "install"]
 
 # Old path -> the module it became.
 OLD_PATHS: dict[str, str] = {
@@ -45,6 +49,12 @@ OLD_PATHS: dict[str, str] = {
         "tensor",
         "views",
     )
+}
+
+
+# Old path -> the module it became, for code: the old path imports the module itself.
+MOVED: dict[str, str] = {
+    "tpurec.composites": "tpurec.dense.composites",
 }
 
 
@@ -87,15 +97,21 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: types.ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in OLD_PATHS:
+        if fullname not in OLD_PATHS and fullname not in MOVED:
             return None
         return importlib.util.spec_from_loader(fullname, self)
 
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType | None:
+        if spec.name in MOVED:
+            return None  # the default module: exec_module puts the moved one in its place
         return OldPath(spec.name, OLD_PATHS[spec.name])
 
     def exec_module(self, module: types.ModuleType) -> None:
-        pass  # nothing to run: attributes are looked up in the new module on access
+        # An old checkpoint path: nothing to run, attributes are looked up in the new module on
+        # access. A moved module: the import system returns what sys.modules holds under the
+        # name once this returns, so the old path is the moved module itself.
+        if module.__name__ in MOVED:
+            sys.modules[module.__name__] = importlib.import_module(MOVED[module.__name__])
 
 
 def install() -> None:

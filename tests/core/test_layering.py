@@ -4,7 +4,7 @@
 of every core module with ``ast``: module level, inside functions and classes, and
 ``importlib.import_module("tpurec...")`` calls, since an import hidden in a function
 to dodge a cycle is still a cycle. Outside the core, a core module may import only the
-foundation modules below it (``tpurec.dense``, ``tpurec.amp``, ``tpurec.composites``),
+foundation modules below it (``tpurec.dense``, ``tpurec.amp``),
 and those must import nothing of tpurec but each other.
 """
 
@@ -32,7 +32,7 @@ from tpurec.core import tensor as core_tensor
 PACKAGE_ROOT = pathlib.Path(tpurec.__file__).parent
 CORE_DIR = PACKAGE_ROOT / "core"
 # Modules outside the core that the core may import: they sit below it.
-FOUNDATION = ("tpurec.config", "tpurec.dense", "tpurec.amp", "tpurec.composites", "tpurec.cache", "tpurec.native")
+FOUNDATION = ("tpurec.config", "tpurec.dense", "tpurec.amp", "tpurec.cache", "tpurec.native")
 
 
 def _type_checking_only(tree: ast.AST) -> set[int]:
@@ -167,7 +167,7 @@ def layering_violations(module: str, source: str, layers: Sequence[str]) -> list
 
 
 def _foundation_files() -> list[pathlib.Path]:
-    files = [PACKAGE_ROOT / "amp.py", PACKAGE_ROOT / "composites.py"]
+    files = [PACKAGE_ROOT / "amp.py"]
     return files + sorted((PACKAGE_ROOT / "dense").rglob("*.py"))
 
 
@@ -214,7 +214,7 @@ def test_checker_reports_an_import_that_is_not_downward(source):
         "def f():\n    from tpurec.core import errors\n",
         "from . import errors\n",
         "from tpurec.dense.registry import to_jax_dtype\n",
-        "from tpurec.composites import COMPOSITES\n",
+        "from tpurec.dense.composites import COMPOSITES\n",
         "import jax\nimport torch\nfrom typing import Any\n",
     ],
 )
@@ -430,6 +430,42 @@ def test_old_module_paths_offer_only_what_a_checkpoint_can_name():
     assert tpurec.core.runtime.enable_disk_cache is old_runtime.enable_disk_cache  # the failed write changed nothing
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("tpurec.jax")  # only the modules that moved have old paths
+
+
+def test_moved_modules_keep_their_old_paths_for_code():
+    from tpurec import _old_paths
+
+    assert _old_paths.MOVED  # what this checks exists
+    for old, new in _old_paths.MOVED.items():
+        old_file = PACKAGE_ROOT.parent / (old.replace(".", "/") + ".py")
+        assert not old_file.exists() and not old_file.with_suffix("").is_dir(), old  # one copy: the new one
+        assert importlib.import_module(old) is importlib.import_module(new), old
+        parent, _, name = old.rpartition(".")
+        assert getattr(importlib.import_module(parent), name) is importlib.import_module(new)  # from pkg import name
+    code = (
+        "import sys, tpurec\n"
+        "from tpurec._old_paths import MOVED\n"
+        "assert not any(old in sys.modules for old in MOVED)  # nothing imported until asked for\n"
+        "from tpurec.composites import COMPOSITES\n"
+        "import tpurec.dense.composites as new\n"
+        "assert new.COMPOSITES is COMPOSITES and sys.modules['tpurec.composites'] is new\n"
+        "assert new.__spec__.name == 'tpurec.dense.composites'  # the moved module is untouched\n"
+    )
+    done = _run_python("-c", code)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_tpurec_imports_no_old_path():
+    from tpurec import _old_paths
+
+    old = set(_old_paths.MOVED) | set(_old_paths.OLD_PATHS)
+    found = [
+        f"{path.relative_to(PACKAGE_ROOT.parent)}:{line}: {name}"
+        for path in sorted(PACKAGE_ROOT.rglob("*.py"))
+        for line, name in imported_modules(path.read_text(), _package_of(path))
+        if name in old
+    ]
+    assert found == [], found
 
 
 def test_public_names_are_unchanged():

@@ -30,7 +30,7 @@ def test_every_kind_has_entries_from_its_layer():
     assert entry(aten.view.default, Kind.VIEW) is not None  # tpurec.compile.views
     assert entry(aten.empty_like.default, Kind.GRAPH) is not None
     assert entry(aten.sym_size.int, Kind.SIZE_QUERY) is not None
-    assert entry(aten._native_multi_head_attention.default, Kind.COMPOSITE) is not None  # tpurec.composites
+    assert entry(aten._native_multi_head_attention.default, Kind.COMPOSITE) is not None  # tpurec.dense.composites
     assert entry(aten._pack_padded_sequence.default, Kind.COMPOSITE) is not None  # a family's own
     assert entry(aten.nonzero.default, Kind.DATA_DEPENDENT) is not None
     assert entry(aten.zeros.default, Kind.FACTORY) is not None

@@ -455,7 +455,7 @@ def decompositions() -> dict:
 
     table = {op: fn for op, fn in decomposition_table.items() if isinstance(op, torch._ops.OpOverload)}
     table.update(core_aten_decompositions())
-    # The COMPOSITE entries (tpurec.composites and the families' own, all loaded with tpurec.dense).
+    # The COMPOSITE entries (tpurec.dense.composites and the families' own, all loaded with tpurec.dense).
     table.update({op: composite.fn for op, composite in TABLE[Kind.COMPOSITE].items()})
     return {op: fn for op, fn in table.items() if get_lowering(op) is None and not handled_without_lowering(op)}
 

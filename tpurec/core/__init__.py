@@ -58,7 +58,7 @@ Where a lower module must reach a higher one, the higher one installs a hook at 
   timed, profiled and checked for recompilation.
 
 Outside the core, the modules here may import only ``tpurec.dense`` (the lowering table),
-``tpurec.amp`` and ``tpurec.composites``, which import nothing of the core.
+and ``tpurec.amp``, which import nothing of the core.
 
 The other packages (``tpurec.compile``, ``tpurec.sparse``, ``tpurec.distributed``, the
 package root, ...) reach the core through this package only: the names in ``__all__`` below

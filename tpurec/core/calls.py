@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import torch
 from torch.utils._pytree import tree_map
 
-from tpurec.composites import COMPOSITES
+from tpurec.dense.composites import COMPOSITES
 from tpurec.core import accounting, fused, modes, rng, runtime
 from tpurec.core.errors import ArgumentError, lowering_failed, unsupported_op
 from tpurec.core.fused import Pending

@@ -1,7 +1,7 @@
 """The ATen lowering library: ATen overload -> JAX function, one file per op family.
 
 Importing this package fills the lowering table (``tpurec.dense.registry``) with every
-family in ``FAMILIES`` and with ``tpurec.composites``; the ``DEFERRED`` ones load on the first op of their namespace.
+family in ``FAMILIES`` (``composites`` among them: fused PyTorch kernels written as ordinary ops); the ``DEFERRED`` ones load on the first op of their namespace.
 """
 
 from tpurec.dense.registry import (
@@ -14,8 +14,5 @@ from tpurec.dense.registry import (
 )
 
 load_families()
-
-# The composites (fused PyTorch kernels written as ordinary ops) enter the same table.
-import tpurec.composites  # noqa: E402,F401
 
 __all__ = ["LOWERINGS", "Kind", "Lowering", "get_lowering", "lower"]

@@ -5,7 +5,7 @@ contract 1). Each entry says its :class:`Kind`: most are ``JAX`` lowerings
 (below); the others are the device kernels eager runs itself (``tpurec.core``),
 the functional forms of views, allocations and size queries that compiled
 graphs use (``tpurec.compile``), composites written in torch ops
-(``tpurec.composites``), and marks for data-dependent ops and factories. All
+(``tpurec.dense.composites``), and marks for data-dependent ops and factories. All
 register through :func:`lower` (``kind=``); the families of JAX lowerings are
 the modules listed in :data:`FAMILIES`, imported with ``tpurec.dense``.
 
@@ -231,6 +231,7 @@ def defer(namespace: str, module: str) -> None:
 # The op families, each a module of tpurec.dense that registers its entries when
 # imported; tpurec/dense/__init__.py imports them all (load_families).
 FAMILIES = (
+    "composites",  # fused PyTorch kernels (the Transformer fast path) written as ordinary ops
     "conv",
     "creation",
     "ctc",
@@ -265,8 +266,8 @@ DEFERRED_ABOVE: dict[str, str] = {}
 
 def load_families() -> None:
     """Imports every family of :data:`FAMILIES` (each once); the deferred ones stay deferred.
-    (``tpurec.dense`` imports ``tpurec.composites`` next; the device kernels register with
-    ``tpurec.core``, the compiled graphs' entries with ``tpurec.compile``: the layers that run them.)"""
+    (The device kernels register with ``tpurec.core``, the compiled graphs' entries with
+    ``tpurec.compile``: the layers that run them.)"""
     import importlib
 
     for name in FAMILIES:
