@@ -55,6 +55,7 @@ OLD_PATHS: dict[str, str] = {
 # Old path -> the module it became, for code: the old path imports the module itself.
 MOVED: dict[str, str] = {
     "tpurec.composites": "tpurec.dense.composites",
+    "tpurec._dynamo": "tpurec.compile.dynamo",
 }
 
 

@@ -144,15 +144,15 @@ def _grouped_mm_fake_rule() -> None:
 
 def _compile_patch(name: str) -> Callable[[], None]:
     def apply() -> None:
-        from tpurec import _dynamo
+        from tpurec.compile import dynamo
 
-        getattr(_dynamo, name)()
+        getattr(dynamo, name)()
 
     return apply
 
 
 def _register_compile_backend() -> None:
-    from tpurec._dynamo import register
+    from tpurec.compile.dynamo import register
 
     register()
 

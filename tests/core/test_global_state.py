@@ -92,7 +92,7 @@ loaded_at_import = tpurec.core.entry.loaded()
 # The op runtime loads on the first tpu op, the compiler on the first torch.compile: neither
 # may change anything more (every process-wide change is made by import, from the list).
 (torch.ones(2, device="tpu") * 2).cpu()
-import tpurec.compile
+import tpurec.compile.backend
 later, regs_later = snapshot()
 changed_later = sorted(k for k in later if after.get(k) != later[k])
 added_later = sorted([op, key] for key in KEYS for op in regs_later[key] - regs_after[key])
@@ -199,7 +199,7 @@ def test_dynamos_patches_wait_for_its_import(tmp_path):
     assert seen["waiting"] == seen["marked"] and seen["marked"], seen
     assert seen["waiting_after"] == [] and seen["installed"] == seen["listed"]
     assert seen["finder_left"] == []  # the import hook is gone once nothing waits
-    assert seen["wrap"] == "tpurec._dynamo" and seen["backend"] is True
+    assert seen["wrap"] == "tpurec.compile.dynamo" and seen["backend"] is True
 
 
 def test_every_patch_says_why_and_what_it_relies_on():

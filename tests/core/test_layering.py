@@ -302,7 +302,10 @@ def test_importing_or_planning_leaves_the_op_runtime_out(args):
     assert done.returncode == 0, done.stderr[-3000:]
     imported = _imported(done.stderr)
     assert "tpurec.core.entry" in imported  # the log is read right: the device is there
-    runtime = {f"tpurec.core.{layer}" for layer in tpurec.core.LAZY_LAYERS} | {"tpurec.compile"}
+    runtime = {f"tpurec.core.{layer}" for layer in tpurec.core.LAZY_LAYERS} | {
+        "tpurec.compile.backend",
+        "tpurec.compile.graph",
+    }
     assert imported & runtime == set()
     if args == ("-c", "import tpurec"):
         assert "torch._dynamo" not in imported  # its patches wait for its import (tpurec/_patches.py)
@@ -311,7 +314,7 @@ def test_importing_or_planning_leaves_the_op_runtime_out(args):
 _FIRST_OPS = """
 import sys, torch, tpurec
 lazy = [f"tpurec.core.{layer}" for layer in tpurec.core.LAZY_LAYERS]
-assert not any(m in sys.modules for m in [*lazy, "tpurec.compile", "torch._dynamo"]) and not tpurec.core.entry.loaded()
+assert not any(m in sys.modules for m in [*lazy, "tpurec.compile.backend", "torch._dynamo"]) and not tpurec.core.entry.loaded()
 assert torch.tpu.device_count() >= 1  # the device is there
 torch.manual_seed(0)
 linear = torch.nn.Linear(3, 2)
@@ -322,10 +325,10 @@ assert moved is linear and linear.weight.device.type == "tpu"
 y = linear(x.to("tpu"))
 assert torch.allclose(y.cpu(), torch.nn.functional.linear(x, linear.weight.cpu(), linear.bias.cpu()), rtol=1e-5, atol=1e-6)
 assert torch.equal(torch.arange(5, device="tpu").cpu(), torch.arange(5))  # a factory, through dispatch's kernel now
-assert "tpurec.compile" not in sys.modules  # (Dynamo may be imported: PyTorch's meta kernels import it)
-double = torch.compile(lambda t: t * 2 + 1, backend="tpu")  # the registered backend loads tpurec.compile
+assert "tpurec.compile.backend" not in sys.modules  # (Dynamo may be imported: PyTorch's meta kernels import it)
+double = torch.compile(lambda t: t * 2 + 1, backend="tpu")  # the registered backend loads tpurec.compile.backend
 assert torch.equal(double(torch.arange(3.0, device="tpu")).cpu(), torch.tensor([1.0, 3.0, 5.0]))
-assert "tpurec.compile" in sys.modules and "tpu" in torch._dynamo.list_backends()
+assert "tpurec.compile.backend" in sys.modules and "tpu" in torch._dynamo.list_backends()
 print("ok")
 """
 
@@ -995,6 +998,7 @@ DYNAMIC_IMPORTS = {
     "tpurec/dense/registry.py": "an op family of tpurec.dense, or a module registered with defer()",
     "tpurec/distributed/fsdp.py": "each of FSDP2's modules in _MODULES",
     "tpurec/core/__init__.py": "its own lazy layers",
+    "tpurec/compile/__init__.py": "the compiler's modules, when their names are read on the package",
 }
 
 

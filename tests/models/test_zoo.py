@@ -15,7 +15,7 @@ DEFAULT = {("llama", "eager"), ("llama", "fused"), ("vit", "compiled"), ("bert",
 
 # (family, mode) -> the exact cause of today's failure (docs/zoo.md has the table and the measurements).
 # Empty: every pair passes. The compiled KV-cache failure (Dynamo's fake run of the cache's torch.cat) left
-# when tpu tensors made inside compiled code became fake (tpurec/_dynamo.py).
+# when tpu tensors made inside compiled code became fake (tpurec/compile/dynamo.py).
 KNOWN: dict[tuple[str, str], str] = {}
 
 
