@@ -1,50 +1,37 @@
-"""CPU shadow: every ATen op on tpu tensors run again by PyTorch on CPU, and compared.
+"""The shadow's comparison engine: one op's tpu outputs and in-place writes against PyTorch CPU's.
 
-``with tpurec.debug.shadow():`` (or ``TPUREC_MODE=debug TPUREC_SHADOW=cpu``) runs
-each op as usual, then runs the same ATen overload on CPU copies of the values its
-tpu inputs had, and raises :class:`ShadowMismatch` at the first op whose outputs, or
-whose writes into its arguments, differ from PyTorch's. The error names the op, the
-``nn.Module`` being run, the user's line and the difference.
-
-Each op is judged on its own: its CPU inputs are copied from the tpu values just
-before it runs, so a divergence never cascades into later ops, and random ops (whose
-values cannot be compared) leave nothing behind that later ops would see differently.
-A CPU copy is made per storage, with each tensor rebuilt as the same
-(size, stride, offset) view of it, so views and in-place ops through views behave on
-CPU as on tpu, and an in-place op is compared on the whole storage it wrote (the base
-and every other view of it included).
-
-Example::
-
-    with tpurec.debug.shadow() as report:
-        loss = model(x).sum()
-        loss.backward()
-        optimizer.step()
-    print(report.checked, report.unchecked)
+:func:`compare` runs an ATen op again on CPU copies of the values its tpu inputs had
+(:class:`Inputs`, taken just before it ran) and judges each output and each written argument
+within the tolerances of its dtype, or as PyTorch's own float64 reference allows
+(``FLOAT64_FACTOR``). ``tpurec.debug.hook`` calls it for every op of a shadow session.
 """
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
-import os
-import sys
-import threading
-import traceback
 import weakref
 from collections import Counter
-from typing import Any, Iterator, cast
+from typing import Any, cast
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 
-from tpurec import config
 from tpurec import core
-from tpurec.core import LIBRARY_DIRS, TpuTensor, array_of, flush, get_mode, is_pending, jax_to_host, mode
+from tpurec.core import TpuTensor, array_of, flush, is_pending, jax_to_host
 from tpurec.dense.registry import get_lowering
 
-__all__ = ["shadow", "ShadowMismatch", "ShadowReport", "DEFAULT_TOLERANCES", "FLOAT64_FACTOR"]
+__all__ = [
+    "DEFAULT_TOLERANCES",
+    "FLOAT64_FACTOR",
+    "Inputs",
+    "ShadowReport",
+    "compare",
+    "is_random",
+    "op_name",
+    "owner_of",
+    "roots",
+    "tensor_summary",
+]
 
 aten = torch.ops.aten
 
@@ -82,26 +69,6 @@ _WORKSPACES = {aten._ctc_loss.default: (1,), aten._ctc_loss.Tensor: (1,)}
 # Index outputs that may order ties either way (sort without stable=True, topk): any indices
 # that pick CPU's values from the input are right.
 _TIES = {aten.sort.default, aten.sort.stable, aten.topk.default}
-# Host-side facts about a tpu tensor, not computations: CPU's answer is about a CPU tensor.
-_NOT_COMPARED = {aten.is_pinned.default, aten._pin_memory.default}
-
-_MODULE_KEY = "tpurec.debug.module"
-_NO_SEQUENCE = 2**64 - 1  # AccumulateGrad's sequence number
-
-
-class ShadowMismatch(RuntimeError):
-    """An op whose tpu result differs from PyTorch CPU's on the same inputs.
-
-    Attributes:
-        op: the ATen overload, e.g. ``"aten.mul.Tensor"``.
-        module: the ``nn.Module`` path being run (``None`` outside any module).
-        where: the user's line, ``File "...", line N, in f: code``.
-        details: the differences, one output or written argument per line.
-    """
-
-    def __init__(self, message: str, op: str, module: str | None, where: str | None, details: str) -> None:
-        super().__init__(message)
-        self.op, self.module, self.where, self.details = op, module, where, details
 
 
 @dataclasses.dataclass
@@ -132,132 +99,6 @@ class ShadowReport:
     undefined_casts: Counter = dataclasses.field(default_factory=Counter)
     workspaces: Counter = dataclasses.field(default_factory=Counter)
     ties: Counter = dataclasses.field(default_factory=Counter)
-
-
-# --- where an op runs: module path and user line ---------------------------------------
-
-
-class _Frame:
-    __slots__ = ("module", "path", "start")
-
-    def __init__(self, module, path: str, start: int) -> None:
-        self.module, self.path, self.start = module, path, start
-
-
-_local = threading.local()
-_names: "weakref.WeakKeyDictionary[torch.nn.Module, dict]" = weakref.WeakKeyDictionary()
-
-
-def _stack() -> list:
-    stack = getattr(_local, "modules", None)
-    if stack is None:
-        stack = _local.modules = []
-    return stack
-
-
-def _label(module, path: str) -> str:
-    return f"{path} ({type(module).__name__})" if path else f"the root module ({type(module).__name__})"
-
-
-def _path_of(module, parent: _Frame | None) -> str:
-    if parent is None:
-        return ""
-    known = _names.setdefault(module, {})
-    if parent.path in known:
-        return known[parent.path]
-    name = next((n for n, m in parent.module._modules.items() if m is module), None)
-    if name is None:  # called by an ancestor rather than its owner, or not registered at all
-        name = next((n for n, m in parent.module.named_modules() if m is module), f"<{type(module).__name__}>")
-    path = known[parent.path] = f"{parent.path}.{name}" if parent.path else name
-    return path
-
-
-def _forward_pre(module, args) -> None:
-    if torch.compiler.is_compiling():  # Dynamo traces global hooks; compiled graphs are not shadowed
-        return
-    stack = _stack()
-    path = _path_of(module, stack[-1] if stack else None)
-    stack.append(_Frame(module, path, torch._C._autograd._get_sequence_nr()))  # pyright: ignore[reportAttributeAccessIssue] (no stub)
-
-
-def _tensors(value) -> Iterator[torch.Tensor]:
-    # Model outputs are often dict subclasses (transformers' ModelOutput) that pytree may not know.
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for v in value.values():
-            yield from _tensors(v)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            yield from _tensors(v)
-
-
-def _forward_post(module, args, output) -> None:
-    if torch.compiler.is_compiling():
-        return
-    stack = _stack()
-    for i in range(len(stack) - 1, -1, -1):
-        if stack[i].module is module:
-            frame = stack[i]
-            del stack[i:]
-            break
-    else:
-        return
-    if not torch.is_grad_enabled():
-        return
-    # The backward thread knows only the autograd node it runs: tag each node this forward
-    # made (sequence numbers grow per thread, so they are the ones numbered since the
-    # pre-hook) with the module. Submodules' hooks ran first, so the innermost module wins.
-    label = _label(module, frame.path)
-    todo = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
-    seen = set()
-    while todo:
-        node = todo.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        number = node._sequence_nr()
-        if number < frame.start:
-            continue
-        meta: dict[str, str] = node.metadata  # pyright: ignore[reportAssignmentType] (a dict at run time; the stub says a method)
-        if _MODULE_KEY not in meta:
-            meta[_MODULE_KEY] = label
-        if number != _NO_SEQUENCE:
-            todo.extend(n for n, _ in node.next_functions if n is not None)
-
-
-def _current_module() -> str | None:
-    node = torch._C._current_autograd_node()
-    if node is not None:
-        module = node.metadata.get(_MODULE_KEY)  # pyright: ignore[reportAttributeAccessIssue] (a dict at run time)
-        name = type(node).__name__
-        return f"backward of {module} (autograd node {name})" if module else f"backward (autograd node {name})"
-    stack = _stack()
-    return _label(stack[-1].module, stack[-1].path) if stack else None
-
-
-def _describe(frame: traceback.FrameSummary) -> str:
-    return f'File "{frame.filename}", line {frame.lineno}, in {frame.name}: {frame.line}'
-
-
-def _user_lines(frames: list[traceback.FrameSummary], callers: int = 3) -> list[str]:
-    """The innermost frame outside torch, jax and tpurec, then its callers outside installed packages.
-
-    For a transformers model that is the line in the modeling code, then the user's own lines.
-    """
-    found = []
-    for frame in reversed(frames):
-        path = os.path.abspath(frame.filename)
-        if frame.filename.startswith("<frozen"):
-            continue
-        if path.startswith(LIBRARY_DIRS):
-            continue
-        if found and "-packages" + os.sep in path:
-            continue
-        found.append(_describe(frame))
-        if len(found) > callers:
-            break
-    return found
 
 
 # --- comparing values -----------------------------------------------------------------
@@ -323,7 +164,7 @@ def _difference(actual: torch.Tensor, expected: torch.Tensor, bad: torch.Tensor,
     )
 
 
-def _meta(t: torch.Tensor) -> str:
+def tensor_summary(t: torch.Tensor) -> str:
     return f"{list(t.shape)} {str(t.dtype).replace('torch.', '')}"
 
 
@@ -333,7 +174,7 @@ def _judge(actual: torch.Tensor, expected: torch.Tensor, reference, report: Shad
     ``reference()`` gives CPU's result of the op in float64 (or raises), asked only on a miss.
     """
     if actual.dtype != expected.dtype or actual.shape != expected.shape:
-        return f"tpu gives {_meta(actual)}, CPU {_meta(expected)}"
+        return f"tpu gives {tensor_summary(actual)}, CPU {tensor_summary(expected)}"
     if not (actual.is_floating_point() or actual.is_complex()):
         if torch.equal(actual, expected):
             return None
@@ -378,7 +219,7 @@ _WIDE = {
 }
 
 
-class _Inputs:
+class Inputs:
     """An op's tpu inputs as they were before it ran (jax arrays are immutable: references suffice)."""
 
     def __init__(self, args, kwargs) -> None:
@@ -500,7 +341,7 @@ def _same_ties(func, cpu_args, cpu_kwargs, indices: torch.Tensor, values: torch.
     )
 
 
-def _meta_run(func, inputs: _Inputs):
+def _meta_run(func, inputs: Inputs):
     """The op's outputs by PyTorch's meta kernel (flattened), or the exception it raises."""
 
     def to_meta(x):
@@ -520,7 +361,7 @@ def _meta_run(func, inputs: _Inputs):
         return error
 
 
-def _meta_output(func, inputs: _Inputs, i: int) -> tuple | None:
+def _meta_output(func, inputs: Inputs, i: int) -> tuple | None:
     """(shape, dtype) of output ``i`` by PyTorch's meta kernel (None without one)."""
     outs = _meta_run(func, inputs)
     if isinstance(outs, Exception) or i >= len(outs) or not isinstance(outs[i], torch.Tensor):
@@ -535,7 +376,7 @@ def _refused(error: Exception) -> bool:
     )
 
 
-def _is_random(func) -> bool:
+def is_random(func) -> bool:
     if torch.Tag.nondeterministic_seeded in func.tags:
         return True
     lowering = get_lowering(func)
@@ -546,11 +387,11 @@ def _first_line(error: Exception) -> str:
     return (str(error).splitlines() or [""])[0][:200]
 
 
-def _name(func) -> str:
+def op_name(func) -> str:
     return f"{func.namespace}.{func._schema.name.split('::')[-1]}.{func._overloadname}"
 
 
-def _compare(func, inputs: _Inputs, out, report: ShadowReport) -> list[str] | None:
+def compare(func, inputs: Inputs, out, report: ShadowReport) -> list[str] | None:
     """The differences between the tpu run (done) and a CPU run of ``func``; None when CPU cannot run it."""
     cpu_args, cpu_kwargs, cpu_storages = inputs.on_cpu()
     unified = False
@@ -578,7 +419,7 @@ def _compare(func, inputs: _Inputs, out, report: ShadowReport) -> list[str] | No
             except Exception:  # noqa: BLE001
                 pass
         if expected is None:
-            report.unchecked.setdefault(_name(func), f"{type(error).__name__}: {_first_line(error)}")
+            report.unchecked.setdefault(op_name(func), f"{type(error).__name__}: {_first_line(error)}")
             return None
     wide_cache: list = []
 
@@ -589,7 +430,7 @@ def _compare(func, inputs: _Inputs, out, report: ShadowReport) -> list[str] | No
         return wide_cache[0]
 
     problems = []
-    name = _name(func)
+    name = op_name(func)
     uninitialised = func in _UNINITIALISED
     actual_flat, expected_flat = tree_flatten(out)[0], tree_flatten(expected)[0]
     if len(actual_flat) != len(expected_flat):
@@ -612,11 +453,11 @@ def _compare(func, inputs: _Inputs, out, report: ShadowReport) -> list[str] | No
         if i in _WORKSPACES.get(func, ()):
             report.workspaces[name] += 1
             if a.dtype != e.dtype:
-                problems.append(f"{label}: tpu gives {_meta(a)}, CPU {_meta(e)}")
+                problems.append(f"{label}: tpu gives {tensor_summary(a)}, CPU {tensor_summary(e)}")
             continue
         if uninitialised:
             if a.shape != e.shape or a.dtype != e.dtype:
-                problems.append(f"{label}: tpu gives {_meta(a)}, CPU {_meta(e)}")
+                problems.append(f"{label}: tpu gives {tensor_summary(a)}, CPU {tensor_summary(e)}")
             continue
         if (a.dtype != e.dtype or a.shape != e.shape) and _meta_output(func, inputs, i) == (a.shape, a.dtype):
             # PyTorch's backends disagree here and tpu follows the meta kernel (as CUDA does):
@@ -640,7 +481,7 @@ def _compare(func, inputs: _Inputs, out, report: ShadowReport) -> list[str] | No
             e = torch.where(undefined, a, e)
         verdict = _judge(a, e, lambda i=i: wide_run()[0][i], report)
         if verdict:
-            problems.append(f"{label} {_meta(e)}: {verdict}")
+            problems.append(f"{label} {tensor_summary(e)}: {verdict}")
     if uninitialised:
         return problems
     # Writes: the whole storage behind each written argument (its base and other views too),
@@ -672,14 +513,19 @@ def _compare(func, inputs: _Inputs, out, report: ShadowReport) -> list[str] | No
                 e = torch.where(flat, a, e)
         verdict = _judge(a, e, lambda key=key: wide_run()[1][key], report)
         if verdict:
-            owner = _owner(storage)
-            problems.append(f"{where}, written in place{owner} (storage {_meta(e)}): {verdict}")
+            owner = owner_of(storage)
+            problems.append(f"{where}, written in place{owner} (storage {tensor_summary(e)}): {verdict}")
     return problems
 
 
-def _owner(storage) -> str:
+# The modules run under a session (root modules: tpurec.debug.hook adds them): their
+# parameters, gradients and buffers name a storage an op wrote in place.
+roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
+
+
+def owner_of(storage) -> str:
     """Which known parameter, gradient or buffer lives in ``storage`` (for optimizer steps)."""
-    for root in list(_roots):
+    for root in list(roots):
         for name, p in root.named_parameters():
             if isinstance(p, TpuTensor) and p._storage is storage:
                 return f" = parameter {name}"
@@ -689,182 +535,3 @@ def _owner(storage) -> str:
             if isinstance(b, TpuTensor) and b._storage is storage:
                 return f" = buffer {name}"
     return ""
-
-
-_roots: "weakref.WeakSet[torch.nn.Module]" = weakref.WeakSet()
-
-
-def _inputs_text(inputs: _Inputs) -> str:
-    parts = []
-    for x in tree_flatten((inputs.args, inputs.kwargs))[0]:
-        if isinstance(x, TpuTensor):
-            _, dtype, size, *_ = inputs.keys[id(x)]
-            parts.append(f"{list(size)} {str(dtype).replace('torch.', '')}")
-        elif isinstance(x, torch.Tensor):
-            parts.append(f"{_meta(x)} ({x.device})")
-        elif isinstance(x, (int, float, bool)):
-            parts.append(repr(x))
-        if len(parts) >= 8:
-            parts.append("...")
-            break
-    return ", ".join(parts)
-
-
-# --- the per-op hook -------------------------------------------------------------------
-
-
-_sessions: list[ShadowReport] = []
-_pending: ShadowMismatch | None = None
-_hook_handles: list = []
-
-
-def _raise_pending() -> None:
-    global _pending
-    error, _pending = _pending, None
-    assert error is not None, "_raise_pending is called only with a pending mismatch"
-    raise error
-
-
-def _check(run, func, args, kwargs):
-    if _pending is not None and torch._C._current_autograd_node() is None:
-        _raise_pending()
-    if not _sessions or get_mode() != "debug" or getattr(_local, "busy", False) or func in _NOT_COMPARED:
-        return run(func, args, kwargs)
-    report = _sessions[-1]
-    inputs = _Inputs(args, kwargs)
-    out = run(func, args, kwargs)
-    name = _name(func)
-    if _is_random(func):
-        report.random[name] += 1
-        return out
-    in_engine = torch._C._current_autograd_node() is not None
-    _local.busy = True
-    # One PyTorch thread for the CPU side: between ops its OpenMP workers spin, fighting XLA:CPU's
-    # own pool for the cores (an elementwise op on 256x256 took 1 ms instead of 10 us on 2 cores).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        problems = _compare(func, inputs, out, report)
-        if problems is None:
-            return out
-        report.checked[name] += 1
-        if problems:
-            error = _mismatch(name, inputs, problems, in_engine)
-            if not in_engine:
-                raise error
-            _defer(error)
-    except ShadowMismatch:
-        raise
-    except Exception as error:  # noqa: BLE001
-        if not in_engine:
-            raise
-        # An exception cannot leave the autograd engine (the process would abort): keep it for later.
-        _defer(RuntimeError(f"tpurec.debug.shadow: comparing {name} failed: {type(error).__name__}: {error}"))
-    finally:
-        torch.set_num_threads(threads)
-        _local.busy = False
-    return out
-
-
-def _defer(error) -> None:
-    global _pending
-    if _pending is None:
-        _pending = error
-
-
-_SHOWN = 4
-
-
-def _mismatch(name: str, inputs: _Inputs, problems: list[str], in_engine: bool) -> ShadowMismatch:
-    module = _current_module()
-    user = _user_lines(traceback.extract_stack())  # backward runs on the caller's thread (core/device.py)
-    inner = user[0] if user else None
-    lines = [f"tpurec.debug.shadow: {name} on tpu differs from PyTorch CPU on the same inputs"]
-    lines.append(f"  module: {module or 'none (outside any nn.Module forward)'}")
-    lines.append(f"  {'backward called at' if in_engine else 'at'}: {inner or 'unknown'}")
-    lines.extend(f"  called from: {line}" for line in user[1:])
-    lines.append(f"  inputs: {_inputs_text(inputs)}")
-    lines.extend(f"  {p}" for p in problems[:_SHOWN])
-    if len(problems) > _SHOWN:
-        lines.append(f"  ... and {len(problems) - _SHOWN} more outputs or written arguments that differ")
-    if in_engine:
-        lines.append("  (found during backward; raised at the next tpu op, as errors cannot cross the autograd engine)")
-    details = "\n".join(problems)
-    return ShadowMismatch("\n".join(lines), name, module, inner, details)
-
-
-def _track_roots(module, args) -> None:
-    if not torch.compiler.is_compiling() and not _stack():
-        _roots.add(module)
-
-
-def _start(report: ShadowReport) -> None:
-    if not _sessions:
-        _hook_handles.extend(
-            [
-                torch.nn.modules.module.register_module_forward_pre_hook(_track_roots),
-                torch.nn.modules.module.register_module_forward_pre_hook(_forward_pre),
-                torch.nn.modules.module.register_module_forward_hook(_forward_post, always_call=True),
-            ]
-        )
-        core.install_shadow(_check)  # the op runtime, loaded now if no tpu op ran yet
-    _sessions.append(report)
-
-
-def _stop(report: ShadowReport) -> None:
-    _sessions.remove(report)
-    if not _sessions:
-        core.install_shadow(None)
-        for handle in _hook_handles:
-            handle.remove()
-        _hook_handles.clear()
-        _stack().clear()
-
-
-@contextlib.contextmanager
-def shadow(rtol: float | None = None, atol: float | None = None) -> Iterator[ShadowReport]:
-    """Checks every ATen op on tpu tensors in the block against PyTorch CPU.
-
-    The block runs in debug mode (each op synchronously). Each op also runs on CPU
-    copies of its inputs; the first whose outputs or in-place writes differ raises
-    :class:`ShadowMismatch` (during backward: at the next tpu op after it, or at the
-    end of the block).
-
-    Args:
-        rtol, atol: tolerance for floating results, ``|tpu - cpu| <= atol + rtol * |cpu|``;
-            default per dtype (:data:`DEFAULT_TOLERANCES`, float32: 1e-4, 1e-5). A miss is
-            still accepted when tpu is no farther from the op run in float64 than
-            :data:`FLOAT64_FACTOR` times CPU is. Integers, bools and NaN positions must match.
-
-    Yields:
-        A :class:`ShadowReport` counting the ops compared.
-    """
-    report = ShadowReport(rtol=rtol, atol=atol)
-    with mode("debug"):
-        _start(report)
-        try:
-            yield report
-        finally:
-            _stop(report)
-    if _pending is not None:
-        _raise_pending()
-
-
-def _from_environment() -> None:
-    if config.get("TPUREC_SHADOW") == "off":
-        return
-    if get_mode() != "debug":
-        raise ValueError(
-            f"TPUREC_SHADOW=cpu compares each op as it runs, which needs TPUREC_MODE=debug (it is {get_mode()!r})"
-        )
-    _start(ShadowReport())
-    atexit.register(_finish_environment)
-
-
-def _finish_environment() -> None:
-    # A divergence found in the last backward of a script, with no tpu op after it to raise it.
-    if _pending is not None:
-        print(str(_pending), file=sys.stderr)
-
-
-_from_environment()
