@@ -132,9 +132,9 @@ def test_compiled_graph_with_custom_ops_is_one_program():
 
 
 def test_custom_op_reuses_its_program_and_float_arguments_are_runtime_values():
-    from tpurec.core import runtime
+    from tpurec.core import headroom
 
-    runtime.release_programs()  # no program of power=3 left by an earlier test in this process
+    headroom.release_programs()  # no program of power=3 left by an earlier test in this process
     x, gate = torch.randn(4, 5).to("tpu"), torch.randn(4, 5).to("tpu")
     gated_tanh(x, gate, scale=2.0, power=1).cpu()
     tpurec.reset_stats()
