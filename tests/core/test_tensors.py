@@ -114,3 +114,24 @@ def test_array_accessors_read_and_replace_the_storage():
         array_of(torch.zeros(2))
     with pytest.raises(TypeError, match="needs a jax.Array"):
         replace_array(t, torch.zeros(8))
+
+
+def test_a_storage_kept_in_another_shape_reads_writes_and_replaces_as_the_tensor():
+    import jax.numpy as jnp
+
+    from tpurec.core import array_of, replace_array, with_storage_shape
+
+    cpu = torch.randn(6, 4)
+    t = with_storage_shape(cpu.to("tpu"), (3, 8))
+    assert tuple(t.shape) == (6, 4) and tuple(array_of(t).shape) == (3, 8)
+    torch.testing.assert_close(t.cpu(), cpu, rtol=0, atol=0)
+    torch.testing.assert_close(t[1:3, 2:].cpu(), cpu[1:3, 2:], rtol=0, atol=0)
+    t.add_(1.0)  # an in-place write keeps the storage's shape
+    assert tuple(array_of(t).shape) == (3, 8)
+    torch.testing.assert_close(t.cpu(), cpu + 1.0, rtol=0, atol=0)
+    replace_array(t, jnp.zeros((6, 4), jnp.float32))  # the tensor's own shape: stored in the storage's
+    assert tuple(array_of(t).shape) == (3, 8) and float(t.sum().cpu()) == 0.0
+    with pytest.raises(ValueError, match="whole storage"):
+        with_storage_shape(t[1:], (5, 4))
+    with pytest.raises(ValueError, match="holds 20 elements"):
+        with_storage_shape(t, (5, 4))

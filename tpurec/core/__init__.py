@@ -143,6 +143,7 @@ from tpurec.core.tensor import (  # noqa: E402
     is_plain,
     jax_to_host,
     replace_array,
+    with_storage_shape,
     wrap,
 )
 from tpurec.core.conversion import install as install_module_conversion  # noqa: E402
@@ -232,6 +233,7 @@ __all__ = [
     "is_plain",
     "jax_to_host",
     "replace_array",
+    "with_storage_shape",
     "wrap",
     # conversion
     "install_module_conversion",

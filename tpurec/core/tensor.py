@@ -28,6 +28,7 @@ __all__ = [
     "is_plain",
     "array_of",
     "replace_array",
+    "with_storage_shape",
     "is_global",
     "free_storage",
     "alloc_storage",
@@ -437,6 +438,9 @@ def replace_array(t: torch.Tensor, array: jax.Array) -> None:
         raise TypeError(f"replace_array needs a jax.Array, got {type(array).__name__}")
     old = t._storage.array
     shape, dtype = tuple(old.shape), np.dtype(old.dtype)
+    if tuple(array.shape) != shape and tuple(array.shape) == tuple(t.shape) and _covers_storage(t):
+        # The tensor's own values for a storage kept in another shape (with_storage_shape): same bytes.
+        array = jnp.reshape(array, shape)
     if tuple(array.shape) != shape or np.dtype(array.dtype) != dtype:
         raise ValueError(
             f"replace_array: the new array is {array.dtype}{list(array.shape)} but the tensor's storage is "
@@ -444,6 +448,54 @@ def replace_array(t: torch.Tensor, array: jax.Array) -> None:
             "tensor with wrap() to change them)"
         )
     t._storage.array = array
+
+
+def _covers_storage(t: TpuTensor) -> bool:
+    """``t`` is its whole storage, contiguous from offset 0 (its shape may differ from the storage's)."""
+    return (
+        t.storage_offset() == 0
+        and t.is_contiguous()
+        and t.numel() == int(np.prod(t._storage.array.shape))
+        and t.dtype == t.storage_dtype
+    )
+
+
+def with_storage_shape(t: torch.Tensor, shape: tuple[int, ...]) -> TpuTensor:
+    """A new tpu tensor with ``t``'s values and metadata whose storage array has ``shape``.
+
+    A storage is an array of its own shape that tensors view (:func:`tpurec.core.views.read_view`):
+    a contiguous ``[rows, 64]`` tensor may keep its bytes as ``[rows / 2, 128]``, the layout a
+    TPU's 128-lane vector memory reads without padding, and a program that reshapes it back
+    (a kernel that streams 128-lane lines) moves no data. Other ops read the tensor's values as
+    usual.
+
+    Args:
+        t: a contiguous tpu tensor covering its whole storage.
+        shape: the new storage shape, with ``t.numel()`` elements.
+
+    Raises:
+        ValueError: ``t`` is a view into a larger storage, not contiguous, or ``shape`` holds
+            another number of elements.
+
+    Example::
+
+        w = torch.randn(1000, 64).to("tpu")
+        w.data = with_storage_shape(w, (500, 128))   # same values, lane-dense storage
+    """
+    t = _require_tpu(t, "with_storage_shape")
+    if not _covers_storage(t):
+        raise ValueError(
+            "with_storage_shape: the tensor must be contiguous and cover its whole storage from offset 0 "
+            f"(got shape {list(t.shape)}, strides {list(t.stride())}, offset {t.storage_offset()}); "
+            "use it on a freshly made tensor, not a view"
+        )
+    shape = tuple(int(d) for d in shape)
+    if int(np.prod(shape)) != t.numel():
+        raise ValueError(
+            f"with_storage_shape: shape {list(shape)} holds {int(np.prod(shape))} elements, the tensor {t.numel()}"
+        )
+    array = t.to_jax().reshape(shape)
+    return TpuTensor(Storage(array, t._storage.index), tuple(t.shape), tuple(t.stride()), 0, t.dtype)
 
 
 def is_global(t: Any) -> bool:
