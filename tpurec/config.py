@@ -235,6 +235,17 @@ FLAGS: tuple[Flag, ...] = (
         programs=True,
     ),
     Flag(
+        "TPUREC_TENSORCORE_LANE_DENSE",
+        "bool",
+        True,
+        TRACE_TIME,
+        "float32 tables whose dim is below 128 and divides it are kept lane-dense on the tpu device (128 / dim "
+        "rows in each 128-lane line of the stored array, when the row count is a multiple of that) and the "
+        "TensorCore kernels stream those lines; 0: rows as they are (lanes padded to 128 in TPU memory). Also "
+        "read when a collection moves to the tpu device.",
+        programs=True,
+    ),
+    Flag(
         "TPUREC_NATIVE_MATMUL",
         "bool",
         True,

@@ -140,6 +140,68 @@ def test_one_pass_step_with_the_output_gradient_streamed_per_entry(name, row_sum
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)  # as the resident case (FMA contraction)
 
 
+# Lane-dense tables (several rows in each 128-lane line): rows 32 (48 in all) stream as one block of
+# all its lines; rows 3072 (4608 in all) fill the one-pass step's 2048-row blocks (the last one partial).
+LANE_DENSE = [(dim, rows) for dim in (8, 64) for rows in (32, 3072)]
+
+
+@pytest.mark.parametrize("dim,rows", LANE_DENSE)
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_lane_dense_forward_matches_reference(dim, rows, partitions):
+    csr, batch, rows, dim = _csr(dim + rows + partitions, partitions, rows, dim=dim)
+    table = np.random.default_rng(7).standard_normal((rows, dim)).astype(np.float32)
+    assert tensorcore.rows_per_line(rows, dim) == 128 // dim and tensorcore.streams(csr[1].shape[0], table)
+    got = _jit(tensorcore.sparse_dense_matmul)(*csr, table, batch_size=batch)
+    want = _jit(reference.sparse_dense_matmul)(*csr, table, batch_size=batch)
+    # Each row rotated to lane 0 and added in entry order, as the row layout does.
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("resident", [True, False], ids=["resident", "streamed_gradient"])
+@pytest.mark.parametrize("dim", [8, 64])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_lane_dense_one_pass_step_matches_reference(name, dim, resident):
+    csr, batch, rows, dim = _csr(dim + 5, 1, 3072, dim=dim)
+    assert tensorcore.rows_per_line(rows, dim) == 128 // dim
+    table, slots = _state(6, rows, dim, name)
+    grad = np.random.default_rng(8).standard_normal((batch, dim)).astype(np.float32)
+    hp = OPTIMIZERS[name][1]
+    op = f"sparse_dense_matmul_grad_with_{name}"
+
+    def step(*args):
+        keys, samples, gains, _ = tensorcore._sorted_entries(*args[:4])
+        return tensorcore.stream_update(op, args[5], args[6:], keys, samples, gains, args[4], hp, resident=resident)
+
+    got = _tuple(jax.jit(step)(*csr, grad, table, *slots))
+    want = _tuple(jax.jit(lambda *a: getattr(reference, op)(*a, **hp))(*csr, grad, table, *slots))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)  # as the row layout (FMA contraction)
+
+
+def test_lane_dense_xla_rows_gather_and_write_whole_lines():
+    # Keys sharing lines (every row of some lines, one row of others), keys past the table skipped.
+    rng = np.random.default_rng(2)
+    table = rng.standard_normal((64, 16)).astype(np.float32)  # 8 rows a line
+    keys = np.array([0, 1, 2, 3, 4, 5, 6, 7, 9, 23, 24, 63, 64, 70], np.int32)
+    new_rows = rng.standard_normal((keys.size, 16)).astype(np.float32)
+    assert tensorcore.rows_per_line(64, 16) == 8
+    got = jax.jit(tensorcore._xla_take_rows)(table, keys)
+    np.testing.assert_array_equal(np.asarray(got), table[np.minimum(keys, 63)])
+    put = jax.jit(tensorcore._xla_put_rows)(table, keys, new_rows)
+    want = table.copy()
+    want[keys[keys < 64]] = new_rows[keys < 64]
+    np.testing.assert_array_equal(np.asarray(put), want)
+
+
+def test_lane_dense_layout_rule():
+    assert tensorcore.rows_per_line(100_000, 64) == 2
+    assert tensorcore.rows_per_line(100_001, 64) == 1  # the rows do not fill whole lines
+    assert tensorcore.rows_per_line(100_000, 128) == 1 and tensorcore.rows_per_line(100_000, 48) == 1
+    assert tensorcore.rows_per_line(100_000, 64, jnp.bfloat16) == 1
+    with tpurec.config.override(tensorcore_lane_dense=False):
+        assert tensorcore.rows_per_line(100_000, 64) == 1
+
+
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 def test_half_tables_match_reference(dtype):
     csr, batch, rows, dim = _csr(11, 1, 23)
@@ -256,15 +318,39 @@ def _pallas_calls(jaxpr) -> list:
     return found
 
 
+def _wide_values(jaxpr) -> list[str]:
+    """The 64-bit vectors computed anywhere in a jaxpr (nested jaxprs included), as ``primitive:dtype``.
+
+    (Scalars, such as a loop's counter, live in the scalar core, which takes 64-bit values.)"""
+    found = []
+    for eqn in jaxpr.eqns:
+        found += [
+            f"{eqn.primitive.name}:{v.aval.dtype}"
+            for v in eqn.outvars
+            if getattr(v.aval, "shape", ()) != () and np.dtype(v.aval.dtype).itemsize == 8
+        ]
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    found += _wide_values(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    found += _wide_values(sub)
+    return found
+
+
+@pytest.mark.parametrize("layout", ["rows", "lane_dense"])
 @pytest.mark.parametrize(
     "one_pass,row_sum", [(False, "loop"), (True, "loop"), (True, "mxu")], ids=["two_pass", "one_pass", "mxu"]
 )
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_every_block_index_is_int32_as_mosaic_requires(name, one_pass, row_sum):
+def test_every_block_index_is_int32_as_mosaic_requires(name, one_pass, row_sum, layout):
     # tpurec runs JAX with x64 on, where a Python 0 in an index map (or a BlockSpec without one)
-    # traces as int64: Pallas' interpreter accepts it and Mosaic refuses to compile the kernel
-    # ("failed to legalize operation 'func.func' ... -> i64"), so only a TPU would show it.
-    csr, batch, rows, dim = _csr(3, 1, 3000)
+    # traces as int64 and a Python float in jnp.where as float64: Pallas' interpreter accepts them
+    # and Mosaic refuses the kernel ("failed to legalize operation 'func.func' ... -> i64", or a
+    # crash in its layout inference), so only a TPU would show it.
+    dim, rows = (8, 3000) if layout == "rows" else (64, 3072)
+    csr, batch, rows, dim = _csr(3, 1, rows, dim=dim)
+    assert (tensorcore.rows_per_line(rows, dim) > 1) == (layout == "lane_dense")
     table, slots = _state(3, rows, dim, name)
     grad = np.zeros((batch, dim), np.float32)
     op = f"sparse_dense_matmul_grad_with_{name}"
@@ -279,3 +365,21 @@ def test_every_block_index_is_int32_as_mosaic_requires(name, one_pass, row_sum):
         for mapping in eqn.params["grid_mapping"].block_mappings:
             dtypes = [str(a.dtype) for a in mapping.index_map_jaxpr.out_avals]
             assert set(dtypes) <= {"int32"}, (eqn.params.get("name"), mapping.block_shape, dtypes)
+        assert not _wide_values(eqn.params["jaxpr"]), (eqn.params.get("name"), _wide_values(eqn.params["jaxpr"]))
+
+
+def test_the_sharded_collection_streams_its_shards_as_rows():
+    # A sharded collection keeps each shard as a [rows, dim] array: its kernels must stream those
+    # rows, not repack them into lane-dense lines on every call.
+    from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
+
+    csr, batch, rows, dim = _csr(9, 1, 3072, dim=64)
+    table = np.zeros((rows, dim), np.float32)
+    assert tensorcore.rows_per_line(rows, dim) == 2
+    with tpurec.config.override(sparse_kernel="tensorcore"):
+        lookup = ShardedEmbeddingBagCollection._kernel(None, "sparse_dense_matmul")  # pyright: ignore[reportArgumentType]
+    jaxpr = jax.make_jaxpr(lambda *a: lookup(*a, batch_size=batch))(*csr, table)
+    widths = {
+        m.block_shape[-1] for eqn in _pallas_calls(jaxpr.jaxpr) for m in eqn.params["grid_mapping"].block_mappings
+    }
+    assert 128 not in widths and "Blocked(block_size=64)" in str(widths), widths

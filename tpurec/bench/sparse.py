@@ -41,23 +41,33 @@ def _jax_kernels(kernels, csr, batch_size: int, table: np.ndarray, iters: int) -
     import jax
     import jax.numpy as jnp
 
+    from tpurec.sparse.kernels import tensorcore
+
     csr = tuple(jnp.asarray(a) for a in csr)
+    # The table as tpurec's collections store it on the device: lane-dense lines for the
+    # TensorCore kernels (tensorcore.stored_shape), which the kernels read without a copy.
+    shape = tuple(table.shape)
+    stored = tensorcore.stored_shape(*shape) if kernels is tensorcore else shape
     # A new function each call: flags read while tracing (TPUREC_TENSORCORE_ONE_PASS) then apply.
     forward = jax.jit(
-        lambda *args, batch_size: kernels.sparse_dense_matmul(*args, batch_size=batch_size),
+        lambda *args, batch_size: kernels.sparse_dense_matmul(
+            *args[:-1], args[-1].reshape(shape), batch_size=batch_size
+        ),
         static_argnames="batch_size",
     )
 
-    def step(csr, table, acc):
+    def step(csr, kept, acc):
+        table = kept.reshape(shape)
         out = kernels.sparse_dense_matmul(*csr, table, batch_size=batch_size)
         grad = out * 1e-3  # d/d(out) of 0.5e-3 * |out|^2: depends on the forward, as in training
-        return kernels.sparse_dense_matmul_grad_with_rowwise_adagrad(
+        table, acc = kernels.sparse_dense_matmul_grad_with_rowwise_adagrad(
             *csr, grad, table, acc, learning_rate=LR, eps=EPS, weight_decay=0.0
         )
+        return table.reshape(stored), acc
 
     train = jax.jit(step, donate_argnums=(1, 2))
     # Owned copies (a numpy-backed array cannot be donated).
-    state = [jnp.asarray(table) * 1, jnp.zeros(table.shape[0], jnp.float32)]
+    state = [jnp.asarray(table).reshape(stored) * 1, jnp.zeros(table.shape[0], jnp.float32)]
 
     def run_train():
         state[:] = train(csr, *state)

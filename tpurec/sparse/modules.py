@@ -270,6 +270,28 @@ class EmbeddingBagCollection(CsrLookup, TrainableLookup, EmbeddingBagCollectionI
         if device is not None and not on_meta:
             self.to(device)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> "EmbeddingBagCollection":
+        super()._apply(fn, recurse)
+        self._store_tables_lane_dense()
+        return self
+
+    def _store_tables_lane_dense(self) -> None:
+        """Keeps each table on the tpu device (and its element slots) in the TensorCore kernels'
+        lane-dense layout (:func:`tpurec.sparse.kernels.tensorcore.rows_per_line`): the same
+        values, stored as the 128-lane lines the kernels stream, so no step changes layouts."""
+        from tpurec.core import array_of, with_storage_shape
+        from tpurec.sparse.kernels.tensorcore import stored_shape
+
+        element_slots = [slot for slot, shape in self._slot_names_and_shapes() if shape != "row"]
+        for i in range(len(self._stacks)):
+            for name in [f"stacked_weight_{i}", *(f"stacked_{slot}_{i}" for slot in element_slots)]:
+                t = getattr(self, name)
+                if t.device.type != "tpu" or t.dtype != torch.float32 or t.dim() != 2:
+                    continue
+                shape = stored_shape(t.shape[0], t.shape[1])
+                if tuple(getattr(array_of(t), "shape", shape)) != shape:
+                    t.data = with_storage_shape(t, shape)
+
     def _slot_names_and_shapes(self) -> list[tuple[str, str]]:
         return [] if self.optimizer is None else list(self.optimizer.slots.items())
 

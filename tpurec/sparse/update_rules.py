@@ -36,7 +36,18 @@ from typing import Callable, Literal
 
 import jax.numpy as jnp
 
-__all__ = ["Slot", "UpdateRule", "RULES", "rule_of", "register", "SGD", "ADAGRAD", "ROWWISE_ADAGRAD", "ADAM"]
+__all__ = [
+    "Slot",
+    "UpdateRule",
+    "RULES",
+    "rule_of",
+    "register",
+    "row_mean",
+    "SGD",
+    "ADAGRAD",
+    "ROWWISE_ADAGRAD",
+    "ADAM",
+]
 
 _PREFIX = "sparse_dense_matmul_grad_with_"
 
@@ -77,7 +88,12 @@ class UpdateRule:
             ``[n]`` (or ``[n, 1]``: write row reductions with ``keepdims`` and reshape to the
             slot's shape); all in the accumulator dtype. Returns the new weights in ``dtype``
             (the table's) and the new slots. Pure ``jax.numpy``: it runs inside XLA programs
-            and Pallas kernels.
+            and Pallas kernels. A rule that reduces over each row's elements takes the keyword
+            ``row_mean`` (default :func:`row_mean`) and reduces only with it, and reshapes
+            per-row values with ``reshape(g.shape[0], -1)``: kernels that keep several rows
+            in one 128-lane line (:func:`tpurec.sparse.kernels.tensorcore.rows_per_line`) call
+            it on ``[lines, 128]`` arrays, each row slot given per element, with a mean over
+            each row's lanes.
         half_tables: whether float16/bfloat16 tables may use it (FBGEMM has CPU kernels to follow).
     """
 
@@ -129,13 +145,18 @@ def _adagrad_rows(g, w, m, *, learning_rate, eps, dtype):
     return _round_update(learning_rate * g / (jnp.sqrt(m) + eps), w, dtype).astype(dtype), m
 
 
-def _rowwise_adagrad_rows(g, w, m, *, learning_rate, eps, weight_decay, dtype):
+def row_mean(x):
+    """The mean of each row of ``x`` (``[n, dim]`` -> ``[n, 1]``): the rules' default row reduction."""
+    return jnp.mean(x, axis=1, keepdims=True)
+
+
+def _rowwise_adagrad_rows(g, w, m, *, learning_rate, eps, weight_decay, dtype, row_mean=row_mean):
     # FBGEMM's form (L2 weight decay): the decay enters the accumulator through the
     # gradient and the weight through a correction factor, and the new weight is one
     # float32 expression rounded once to the table's dtype.
     decayed = g + weight_decay * w
-    m = m + jnp.mean(decayed * decayed, axis=1, keepdims=True).reshape(m.shape)
-    multiplier = (learning_rate / (jnp.sqrt(m) + eps)).reshape(-1, 1)
+    m = m + row_mean(decayed * decayed).reshape(m.shape)
+    multiplier = (learning_rate / (jnp.sqrt(m) + eps)).reshape(g.shape[0], -1)
     correction = 1.0 - multiplier * weight_decay
     return (correction * w - g * multiplier).astype(dtype), m
 

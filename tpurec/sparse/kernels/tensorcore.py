@@ -42,6 +42,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -56,11 +57,14 @@ from tpurec.sparse.update_rules import rule_of
 __all__ = [
     "BLOCK_ROWS",
     "CHUNK",
+    "LANES",
     "TRACE_COUNTS",
     "stream_gather",
     "stream_pool",
     "stream_scatter",
+    "rows_per_line",
     "stream_update",
+    "stored_shape",
     "streams",
     "sparse_dense_matmul",
 ]
@@ -112,6 +116,111 @@ def streams(num_ids: int, table: jax.Array | np.ndarray) -> bool:
         and num_ids > 0
         and num_ids * _STREAM_DENSITY >= rows
     )
+
+
+LANES = 128
+"""Lanes of a TPU vector register, and of a line of the lane-dense layout."""
+
+
+def rows_per_line(rows: int, dim: int, dtype=jnp.float32) -> int:
+    """Table rows kept in each 128-lane line of the lane-dense layout (1: rows as they are).
+
+    A TPU's vector memory is 128 lanes wide, so a ``[rows, 64]`` float32 table stored as it is
+    pads every row to 128 lanes: half of each block the kernels stream is padding, and its DMAs
+    moved a fifth of the bytes a second of a ``[rows / 2, 128]`` view (measured on a TPU v5e,
+    docs/throughput.md). A float32 table whose dim is below 128 and divides it, with a row count
+    that is a multiple of ``128 // dim``, is therefore kept as ``[rows * dim / 128, 128]``: row
+    ``r`` in lanes ``(r % k) * dim ...`` of line ``r // k`` (``k = 128 // dim``), the row-major
+    table's own bytes. The collections store such tables in that shape on the tpu device
+    (:func:`tpurec.core.tensor.with_storage_shape`) and the kernels stream its lines, so
+    neither side moves data to change layouts. ``TPUREC_TENSORCORE_LANE_DENSE=0`` keeps rows as
+    they are.
+
+    Args:
+        rows: the table's rows.
+        dim: its embedding dim.
+        dtype: its dtype (only float32 tables are packed).
+
+    Returns:
+        ``k``, the rows in a line; 1 when the table is not packed.
+
+    Example::
+
+        rows_per_line(100_000, 64)   # 2: stored as [50_000, 128]
+    """
+    from tpurec import config
+
+    if not config.get("TPUREC_TENSORCORE_LANE_DENSE") or jnp.dtype(dtype) != jnp.float32:
+        return 1
+    if dim <= 0 or dim >= LANES or LANES % dim or rows <= 0:
+        return 1
+    k = LANES // dim
+    return k if rows % k == 0 else 1
+
+
+def stored_shape(rows: int, dim: int, dtype=jnp.float32) -> tuple[int, int]:
+    """The shape a ``[rows, dim]`` table is stored in on a TPU: ``[rows / k, 128]`` lines when
+    :func:`rows_per_line` packs ``k > 1`` rows a line, else ``[rows, dim]``."""
+    k = rows_per_line(rows, dim, dtype)
+    return (rows // k, LANES) if k > 1 else (rows, dim)
+
+
+def _lane_group(dim: int):
+    """``[1, 128]`` int32: which row of a line each lane belongs to."""
+    return jax.lax.broadcasted_iota(jnp.int32, (1, LANES), 1) // dim
+
+
+def _segmented_row_mean(dim: int):
+    """The update rules' ``row_mean`` on ``[lines, 128]``: each row's mean over its lanes, on its lanes."""
+
+    def row_mean(x):
+        group = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1) // dim
+        out = jnp.zeros_like(x)
+        for g in range(LANES // dim):
+            mean = jnp.sum(jnp.where(group == g, x, 0.0), axis=1, keepdims=True) / dim
+            out = jnp.where(group == g, mean, out)
+        return out
+
+    return row_mean
+
+
+def _xla_take_rows(table, keys):
+    """``table[keys]`` (keys clamped to the table) by XLA, reading lines when the table is lane-dense."""
+    rows, dim = table.shape
+    keys = jnp.minimum(keys, rows - 1)
+    k = rows_per_line(rows, dim, table.dtype)
+    if k == 1:
+        return jnp.take(table, keys, axis=0, indices_are_sorted=True, unique_indices=False)
+    lines = jnp.take(table.reshape(rows // k, LANES), keys // k, axis=0, indices_are_sorted=True)
+    return jnp.take_along_axis(lines.reshape(-1, k, dim), (keys % k)[:, None, None], axis=1)[:, 0]
+
+
+def _xla_put_rows(table, keys, new_rows):
+    """``table.at[keys].set(new_rows)`` for ascending unique ``keys`` (``>= rows`` skipped) by XLA,
+    writing whole lines when the table is lane-dense."""
+    rows, dim = table.shape
+    new_rows = new_rows.astype(table.dtype)
+    k = rows_per_line(rows, dim, table.dtype)
+    if k == 1:
+        return table.at[keys].set(new_rows, mode="drop", indices_are_sorted=True, unique_indices=True)
+    n, num_lines = keys.shape[0], rows // k
+    valid = keys < rows
+    line = jnp.where(valid, keys // k, num_lines)
+    # The keys of one line are neighbours (ascending keys): each run of a line writes it once.
+    first = valid & jnp.concatenate([jnp.ones((1,), bool), line[1:] != line[:-1]])
+    run = jnp.where(valid, jnp.cumsum(first.astype(jnp.int32)) - 1, n)
+    mine = _lane_group(dim) == (keys % k)[:, None]  # [n, 128]: the lanes of each key's row
+    placed = jnp.where(mine, jnp.tile(new_rows, (1, k)), 0).astype(table.dtype)
+    written = jax.ops.segment_max(mine.astype(jnp.int32), run, num_segments=n + 1)[:n] > 0
+    values = jax.ops.segment_sum(placed, run, num_segments=n + 1)[:n]  # one key per lane: exact
+    run_line = jax.ops.segment_max(jnp.where(valid, line, -1), run, num_segments=n + 1)[:n]
+    run_line = jnp.where(run_line >= 0, run_line, num_lines)
+    lines = table.reshape(num_lines, LANES)
+    old = jnp.take(lines, jnp.minimum(run_line, num_lines - 1), axis=0, indices_are_sorted=True)
+    lines = lines.at[run_line].set(
+        jnp.where(written, values, old), mode="drop", indices_are_sorted=True, unique_indices=True
+    )
+    return lines.reshape(rows, dim)
 
 
 # --- sorted entries ----------------------------------------------------------------------
@@ -226,12 +335,26 @@ def _chunk_for(n: int) -> int:
     return CHUNK if n >= CHUNK else max(8, _cdiv(n, 8) * 8)
 
 
-def _walk(keys, num_rows: int, block_rows: int, chunk: int | None = None):
-    """``(padded keys, chunk, block rows, schedule)`` of a walk over sorted ``keys`` and a table."""
+def _walk(keys, num_rows: int, block_rows: int, chunk: int | None = None, rows_in_line: int = 1):
+    """``(padded keys, chunk, block rows, schedule)`` of a walk over sorted ``keys`` and a table.
+
+    A lane-dense table (``rows_in_line > 1``) smaller than a block is one block of all its lines.
+    """
     chunk = chunk or _chunk_for(keys.shape[0])
     keys = _pad_keys(keys, chunk)
-    block_rows = min(block_rows, _cdiv(num_rows, 8) * 8)
+    if rows_in_line > 1:
+        block_rows = min(block_rows, num_rows)
+    else:
+        block_rows = min(block_rows, _cdiv(num_rows, 8) * 8)
     return keys, chunk, block_rows, _schedule(keys, num_rows, chunk, block_rows)
+
+
+def _line_of(r, k: int):
+    """``(line, shift)`` of block row ``r`` (int32 scalar) in a layout of ``k`` rows a line: its line
+    and the lane rotation (``pltpu.roll``) that brings its lanes to lane 0."""
+    bits = k.bit_length() - 1  # k is a power of two (it divides 128)
+    group = jnp.bitwise_and(r, np.int32(k - 1))
+    return jax.lax.shift_right_logical(r, np.int32(bits)), jnp.bitwise_and(k - group, np.int32(k - 1))
 
 
 # Block specs of a walk's grid: index maps get the step and the 4 scheduled scalar arrays.
@@ -370,12 +493,14 @@ def stream_pool(
         ``[batch_size, dim]`` float32.
     """
     TRACE_COUNTS["stream_pool"] += 1
-    dim = table.shape[1]
-    keys, chunk, block_rows, schedule = _walk(keys, table.shape[0], block_rows)
+    rows, dim = table.shape
+    k = rows_per_line(rows, dim, table.dtype)
+    keys, chunk, block_rows, schedule = _walk(keys, rows, block_rows, rows_in_line=k)
     n = keys.shape[0]
     samples, gains = _pad_to(samples, n), _pad_to(gains.astype(table.dtype), n)
     sink = batch_size  # the rows of the last group's repeated calls land here
     out_rows = _cdiv(batch_size + 1, 8) * 8
+    width = LANES if k > 1 else dim  # a lane-dense table's rows are added rotated to lane 0
 
     def kernel(lo_ref, hi_ref, c_ref, b_ref, keys_ref, samples_ref, gains_ref, block_ref, out_ref):
         s = pl.program_id(0)
@@ -388,7 +513,13 @@ def stream_pool(
         def add(i, ok):
             j = i - base
             dst = jnp.where(ok, samples_ref[j], sink)
-            out_ref[pl.ds(dst, 1), :] += block_ref[pl.ds(keys_ref[j] - first_row, 1), :] * gains_ref[j]
+            if k == 1:
+                row = block_ref[pl.ds(keys_ref[j] - first_row, 1), :]
+            else:
+                line, shift = _line_of(keys_ref[j] - first_row, k)
+                rotated = pltpu.roll(block_ref[pl.ds(line, 1), :], shift * dim, 1)
+                row = jnp.where(_lane_group(dim) == 0, rotated, 0.0)
+            out_ref[pl.ds(dst, 1), :] += row * gains_ref[j]
 
         _masked_groups(lo_ref[s], hi_ref[s], add)
 
@@ -396,11 +527,11 @@ def stream_pool(
     out = _walk_call(
         kernel,
         schedule,
-        in_specs=[smem(), smem(), smem(), _block_spec(block_rows, dim)],
-        out_spec=pl.BlockSpec((out_rows, dim), lambda s, lo, hi, c, b: (_ZERO, _ZERO)),
-        out_shape=jax.ShapeDtypeStruct((out_rows, dim), table.dtype),
-    )(*schedule, keys, samples, gains, table)
-    return out[:batch_size]
+        in_specs=[smem(), smem(), smem(), _block_spec(block_rows // k, width)],
+        out_spec=pl.BlockSpec((out_rows, width), lambda s, lo, hi, c, b: (_ZERO, _ZERO)),
+        out_shape=jax.ShapeDtypeStruct((out_rows, width), table.dtype),
+    )(*schedule, keys, samples, gains, table.reshape(rows // k, width))
+    return out[:batch_size, :dim]
 
 
 def _one_hot_dot(onehot, x):
@@ -499,6 +630,11 @@ def stream_update(
             entries, ``onehot(ids)^T @ gradients`` (the gradients gathered per entry first, so
             ``resident`` does not apply), each product exact (:func:`_one_hot_dot`).
 
+    A lane-dense table (:func:`rows_per_line`; its element slots alike) streams as lines: each
+    entry's gradient is rotated into its row's lanes of the block's gradient lines, the row
+    math runs on whole lines (a row slot spread over its row's lanes, row reductions per row:
+    the rules' ``row_mean``), and the lanes of touched rows take the result. The loop sum only.
+
     Returns:
         ``(table, *slots)`` updated.
     """
@@ -508,6 +644,12 @@ def stream_update(
     assert block_rows % 1024 == 0 and rows >= block_rows, "stream_update streams whole 1024-row blocks"
     assert row_sum in ("loop", "mxu"), row_sum
     mxu = row_sum == "mxu"
+    rule = rule_of(op_name)
+    flat = [x.ndim == 1 for x in slots]
+    k = 1 if mxu else rows_per_line(rows, dim, table.dtype)
+    reduces = "row_mean" in inspect.signature(rule.rows).parameters
+    if k > 1 and any(flat) and not reduces:
+        k = 1  # a rule with row slots that cannot reduce per row inside a line: rows as they are
     keys, chunk, block_rows, schedule = _walk(keys, rows, block_rows, MXU_CHUNK if mxu else None)
     n = keys.shape[0]
     samples, gains = _pad_to(samples, n), _pad_to(gains.astype(table.dtype), n)
@@ -515,37 +657,45 @@ def stream_update(
     batch_size = grad_output.shape[0]
     # Python numbers stay constants of the row math (as in the reference); traced ones (the op
     # set passes hyperparameters traced, so a new learning rate does not recompile) go in SMEM.
-    constants = {k: v for k, v in hyperparameters.items() if isinstance(v, (int, float))}
+    constants: dict[str, object] = {name: v for name, v in hyperparameters.items() if isinstance(v, (int, float))}
     names = sorted(set(hyperparameters) - set(constants))
     hp = (
-        jnp.stack([jnp.asarray(hyperparameters[k], jnp.float32) for k in names])
+        jnp.stack([jnp.asarray(hyperparameters[name], jnp.float32) for name in names])
         if names
         else jnp.zeros((1,), jnp.float32)
     )
+    if k > 1 and reduces:
+        constants["row_mean"] = _segmented_row_mean(dim)
     lane_rows = block_rows // 128
-    flat = [x.ndim == 1 for x in slots]
+    block_lines, width = block_rows // k, (LANES if k > 1 else dim)
     padded_rows = _cdiv(rows, 128) * 128
-    slot_views = [_pad_to(x, padded_rows).reshape(padded_rows // 128, 128) if f else x for x, f in zip(slots, flat)]
-    row_fn = rule_of(op_name).rows
-    sink = block_rows
+    slot_views = [
+        _pad_to(x, padded_rows).reshape(padded_rows // 128, 128) if f else x.reshape(rows // k, width)
+        for x, f in zip(slots, flat)
+    ]
+    row_fn = rule.rows
+    sink = block_lines
     blocks_vmem, gradient_vmem = _update_vmem(batch_size, dim, slots)
     if resident is None:
         resident = blocks_vmem + gradient_vmem <= _VMEM_LIMIT - 8 * 2**20
     resident = resident and not mxu
     grad_output = grad_output.astype(jnp.float32)
     if resident:
-        gradient, gradient_spec = grad_output, pl.BlockSpec((batch_size, dim), lambda s, lo, hi, c, b: (_ZERO, _ZERO))
+        gradient = jnp.pad(grad_output, ((0, 0), (0, width - dim)))
+        gradient_spec = pl.BlockSpec((batch_size, width), lambda s, lo, hi, c, b: (_ZERO, _ZERO))
     else:  # each entry's gradient row, read chunk by chunk with its ids
         rows_of = jnp.take(grad_output, jnp.clip(samples, 0, max(batch_size - 1, 0)), axis=0)
-        gradient, gradient_spec = rows_of * gains[:, None], _rows_spec(chunk, dim)
+        gradient = jnp.pad(rows_of * gains[:, None], ((0, 0), (0, width - dim)))
+        gradient_spec = _rows_spec(chunk, width)
     # The MXU sum reads the chunk's ids as a lane vector too (the loop reads them from SMEM only).
-    lane_keys = [keys.reshape(n // chunk, chunk)] if mxu else []
-    lane_keys_specs = [pl.BlockSpec((1, chunk), lambda s, lo, hi, c, b: (c[s], _ZERO))] if mxu else []
+    # ([chunks, 1, chunk]: Mosaic takes a block of one row only as the whole of its last two dims)
+    lane_keys = [keys.reshape(n // chunk, 1, chunk)] if mxu else []
+    lane_keys_specs = [pl.BlockSpec((None, 1, chunk), lambda s, lo, hi, c, b: (c[s], _ZERO, _ZERO))] if mxu else []
 
     def kernel(lo_ref, hi_ref, c_ref, b_ref, hp_ref, keys_ref, samples_ref, gains_ref, gout_ref, *refs):
         keys_row_ref, refs = (refs[0], refs[1:]) if mxu else (None, refs)
-        k = 1 + len(slots)
-        ins, outs, (grad_ref, touched_ref) = refs[:k], refs[k : 2 * k], refs[2 * k :]
+        m = 1 + len(slots)
+        ins, outs, (grad_ref, touched_ref, *spread_ref) = refs[:m], refs[m : 2 * m], refs[2 * m :]
         s = pl.program_id(0)
         base, first_row = c_ref[s] * chunk, b_ref[s] * block_rows
         first_step = jnp.logical_or(s == 0, b_ref[jnp.maximum(s - 1, 0)] != b_ref[s])
@@ -558,12 +708,21 @@ def stream_update(
 
         def add(i, ok):
             j = i - base
-            dst = jnp.where(ok, keys_ref[j] - first_row, sink)
+            r = keys_ref[j] - first_row
             if resident:
-                grad_ref[pl.ds(dst, 1), :] += gout_ref[pl.ds(samples_ref[j], 1), :] * gains_ref[j]
+                g = gout_ref[pl.ds(samples_ref[j], 1), :] * gains_ref[j]
             else:
-                grad_ref[pl.ds(dst, 1), :] += gout_ref[pl.ds(j, 1), :]
-            touched_ref[pl.ds(dst, 1), :] = jnp.ones((1, 128), jnp.float32)
+                g = gout_ref[pl.ds(j, 1), :]
+            if k == 1:
+                dst, mine = jnp.where(ok, r, sink), 1.0
+            else:  # the gradient (lanes [0, dim)) rotated into the row's lanes of its line
+                line, back = _line_of(r, k)
+                forward = jnp.bitwise_and(k - back, np.int32(k - 1)) * dim
+                g = pltpu.roll(g, forward, 1)
+                mine = pltpu.roll((_lane_group(dim) == 0).astype(jnp.float32), forward, 1)
+                dst = jnp.where(ok, line, sink)
+            grad_ref[pl.ds(dst, 1), :] += g
+            touched_ref[pl.ds(dst, 1), :] = jnp.maximum(touched_ref[pl.ds(dst, 1), :], mine)
 
         if keys_row_ref is not None:  # the MXU row sum
             entry = jax.lax.broadcasted_iota(jnp.int32, (1, chunk), 1) + base
@@ -578,24 +737,31 @@ def stream_update(
         @pl.when(last_step)
         def _():
             lanes_iota = jax.lax.broadcasted_iota(jnp.int32, (128, 128), 1)
-            touched = touched_ref[:block_rows, 0:1] > 0.0
+            if k == 1:
+                touched = touched_ref[:block_rows, 0:1] > 0.0
+            else:
+                touched = touched_ref[:block_lines, :] > 0.0
             w = ins[0][...]
-            olds = [_lanes_to_column(r[...], lanes_iota) if f else r[...] for r, f in zip(ins[1:], flat)]
+            olds = [
+                _row_slot_in(r[...], k, dim, lanes_iota, spread_ref) if f else r[...] for r, f in zip(ins[1:], flat)
+            ]
             hps = {name: jnp.full((1, 1), hp_ref[i], jnp.float32) for i, name in enumerate(names)} | constants
-            new = row_fn(grad_ref[:block_rows, :], w, *olds, dtype=table.dtype, **hps)
+            new = row_fn(grad_ref[:block_lines, :], w, *olds, dtype=table.dtype, **hps)
             outs[0][...] = jnp.where(touched, new[0], w)
             for r, f, old, value in zip(outs[1:], flat, olds, new[1:]):
                 kept = jnp.where(touched, value.reshape(old.shape), old)
-                r[...] = _column_to_lanes(kept, lane_rows, lanes_iota) if f else kept
+                r[...] = _row_slot_out(kept, k, dim, lane_rows, lanes_iota, spread_ref) if f else kept
 
     def block(f):
         if f:
             return pl.BlockSpec((lane_rows, 128), lambda s, lo, hi, c, b: (b[s], _ZERO))
-        return _block_spec(block_rows, dim)
+        return _block_spec(block_lines, width)
 
     smem = lambda: pl.BlockSpec((chunk,), lambda s, lo, hi, c, b: (c[s],), memory_space=pltpu.SMEM)  # noqa: E731
     specs = [block(False)] + [block(f) for f in flat]
-    arrays = [table, *slot_views]
+    arrays = [table.reshape(rows // k, width), *slot_views]
+    # The row slots of a lane-dense table pass through a block of rows spread over all lanes.
+    spread = [pltpu.VMEM((block_rows, LANES), jnp.float32)] if k > 1 and any(flat) else []
     # After the scheduled scalars, hp, keys, samples, gains, the gradient and (MXU) the ids as lanes.
     first_aliased = len(schedule) + 5 + len(lane_keys)
     outs = pl.pallas_call(
@@ -614,8 +780,9 @@ def stream_update(
             ],
             out_specs=specs,
             scratch_shapes=[
-                pltpu.VMEM((block_rows + 8, dim), jnp.float32),
-                pltpu.VMEM((block_rows + 8, 128), jnp.float32),
+                pltpu.VMEM((block_lines + 8, width), jnp.float32),
+                pltpu.VMEM((block_lines + 8, 128), jnp.float32),
+                *spread,
             ],
         ),
         out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays],
@@ -623,8 +790,41 @@ def stream_update(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
         interpret=_interpret(),
     )(*schedule, hp, keys, samples, gains, gradient, *lane_keys, *arrays)
-    new_slots = [o.reshape(-1)[:rows] if f else o for o, f in zip(outs[1:], flat)]
-    return (outs[0], *new_slots)
+    new_slots = [o.reshape(-1)[:rows] if f else o.reshape(rows, dim) for o, f in zip(outs[1:], flat)]
+    return (outs[0].reshape(rows, dim), *new_slots)
+
+
+def _row_slot_in(x, k: int, dim: int, lanes_iota, spread_ref):
+    """A row slot's block as the row math takes it: ``[lane_rows, 128]`` (row ``r`` at
+    ``x[r // 128, r % 128]``) -> a column ``[block_rows, 1]``, or for a lane-dense table
+    ``[block_rows / k, 128]``, each row's value on its lanes of its line."""
+    column = _lanes_to_column(x, lanes_iota)
+    if k == 1:
+        return column
+    (spread,) = spread_ref
+    block_rows = column.shape[0]
+    spread[...] = jnp.broadcast_to(column, (block_rows, LANES))
+    group = jax.lax.broadcasted_iota(jnp.int32, (block_rows // k, LANES), 1) // dim
+    out = jnp.zeros((block_rows // k, LANES), jnp.float32)
+    for g in range(k):  # rows g, g + k, ... are the g-th rows of consecutive lines
+        out = jnp.where(group == g, spread[pl.ds(g, block_rows // k, stride=k), :], out)
+    return out
+
+
+def _row_slot_out(value, k: int, dim: int, lane_rows: int, lanes_iota, spread_ref):
+    """The inverse of :func:`_row_slot_in`."""
+    if k == 1:
+        return _column_to_lanes(value, lane_rows, lanes_iota)
+    (spread,) = spread_ref
+    block_lines = value.shape[0]
+    for g in range(k):
+        spread[pl.ds(g, block_lines, stride=k), :] = value
+    block_rows = block_lines * k
+    row = jax.lax.broadcasted_iota(jnp.int32, (block_rows, LANES), 0)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (block_rows, LANES), 1)
+    own = lane == jnp.bitwise_and(row, np.int32(k - 1)) * dim  # the first lane of the row's own lanes
+    column = jnp.sum(jnp.where(own, spread[...], 0.0), axis=1, keepdims=True)
+    return _column_to_lanes(column, lane_rows, lanes_iota)
 
 
 def _pool(rows, samples, gains, num_valid, batch_size: int):
@@ -687,12 +887,16 @@ def _pool_fits(batch_size: int, dim: int) -> bool:
 def _gather_rows(x, keys, stream: bool):
     if stream and x.ndim == 2:
         return stream_gather(x, keys)
+    if x.ndim == 2:
+        return _xla_take_rows(x, keys)
     return jnp.take(x, jnp.minimum(keys, x.shape[0] - 1), axis=0, indices_are_sorted=True, unique_indices=False)
 
 
 def _scatter_rows(x, keys, new_rows, stream: bool):
     if stream and x.ndim == 2:
         return stream_scatter(x, keys, new_rows)
+    if x.ndim == 2:
+        return _xla_put_rows(x, keys, new_rows)
     return x.at[keys].set(new_rows.astype(x.dtype), mode="drop", indices_are_sorted=True, unique_indices=True)
 
 

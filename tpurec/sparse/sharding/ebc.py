@@ -736,7 +736,17 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
     # --- programs -------------------------------------------------------------------
 
     def _kernel(self, name: str):
-        return kernel_for(name)
+        kernel = kernel_for(name)
+
+        def on_rows(*args: Any, **kwargs: Any) -> Any:
+            # This collection keeps its shards as [rows, dim] arrays, so the TensorCore kernels
+            # stream rows as they are here (lane-dense lines would be a repacking copy per call).
+            from tpurec import config
+
+            with config.override(tensorcore_lane_dense=False):
+                return kernel(*args, **kwargs)
+
+        return on_rows
 
     def _forward_fn(self, weights, dp_weights, groups, dp, b: int, with_rows: bool = False):
         """:func:`programs.forward` on this collection's layout, mesh and lookup kernel."""
