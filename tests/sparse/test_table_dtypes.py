@@ -22,7 +22,6 @@ the low-precision ones (it must not share their stack).
 
 from __future__ import annotations
 
-import copy
 
 import numpy as np
 import pytest
@@ -371,32 +370,6 @@ def test_quantized_tables_are_refused_naming_the_table(data_type):
     ]
     with pytest.raises(ValueError, match=f"table 'q0' has data_type={data_type.name}"):
         sp.EmbeddingBagCollection(tables, optimizer=sp.SGD(0.1))
-
-
-@pytest.mark.parametrize("data_type", [DataType.FP16, DataType.BF16], ids=["fp16", "bf16"])
-def test_from_torchrec_refuses_plain_torchrec_low_precision_tables(data_type):
-    # TorchRec's unsharded EmbeddingBagCollection stores FP16 *and* BF16 tables as float16,
-    # rounds each pooled output to float16, and its in-backward Adagrad turns untouched rows
-    # into NaN (eps=1e-10 is 0 in float16): tpurec does none of that, so it says so.
-    tables = _tables(data_type)
-    model = TorchrecEBC(tables)
-    assert model.embedding_bags["t0"].weight.dtype == torch.float16
-    before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match=rf"table 't0' has data_type={data_type.name}.*sp\.EmbeddingBagCollection"):
-        sp.from_torchrec(model, optimizer=sp.SGD(0.1), device="tpu")
-    for key, value in model.state_dict().items():
-        assert torch.equal(value, before[key]), key
-
-
-def test_from_torchrec_refuses_fused_collection_that_ignores_data_type():
-    from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
-
-    tables = _tables(DataType.FP16)
-    fused = FusedEmbeddingBagCollection(tables, optimizer_type=torch.optim.SGD, optimizer_kwargs={"lr": 0.1})
-    # TorchRec builds its FBGEMM module without weights_precision: the FP16 tables are float32.
-    assert fused.embedding_bags["t0"].weight.dtype == torch.float32
-    with pytest.raises(ValueError, match=r"table 't0' has data_type=FP16.*float32"):
-        sp.from_torchrec(fused, device="tpu")
 
 
 def test_sharding_low_precision_tables_raises_at_shard_time():

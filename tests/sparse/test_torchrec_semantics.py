@@ -15,7 +15,7 @@ import pytest
 import torch
 from torchrec import EmbeddingBagCollection as TorchrecEBC
 from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
-from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
+from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -131,18 +131,6 @@ def test_second_lookup_before_backward_is_exact_for_sgd():
     theirs = _tables_of(reference)
     for key, value in _tables_of(ours).items():
         torch.testing.assert_close(value, theirs[key], atol=1e-6, rtol=0, msg=key)
-
-
-@pytest.mark.parametrize("data_type", [DataType.FP16, DataType.BF16], ids=["fp16", "bf16"])
-def test_half_precision_torchrec_tables_are_refused_not_widened(data_type):
-    # tpurec's own FP16/BF16 tables train as FBGEMM does (tests/sparse/test_table_dtypes.py);
-    # TorchRec's unsharded module trains them differently (float16 nn.EmbeddingBag), so
-    # converting it raises instead of changing its numbers.
-    tables = [
-        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=10, feature_names=["f0"], data_type=data_type)
-    ]
-    with pytest.raises(ValueError, match=f"table 't0' has data_type={data_type.name}"):
-        sp.from_torchrec(TorchrecEBC(tables), device="tpu")
 
 
 def _position_weighted(tables):

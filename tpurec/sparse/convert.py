@@ -9,7 +9,8 @@ Example::
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypeGuard, cast
+import dataclasses
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Sequence, TypeGuard, cast
 
 import torch
 from torch import nn
@@ -17,6 +18,7 @@ from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.embedding_modules import EmbeddingBagCollection as TorchrecEBC
 from torchrec.modules.embedding_modules import EmbeddingCollection as TorchrecEC
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from tpurec.sparse.managed import check_convertible as check_managed
 from tpurec.sparse.managed import convert_managed
@@ -28,7 +30,7 @@ from tpurec.sparse.types import Capacity
 if TYPE_CHECKING:
     from torchrec.quant.embedding_modules import EmbeddingBagCollection as TorchrecQuantEBC
 
-__all__ = ["from_torchrec"]
+__all__ = ["TorchrecEmbeddingBagCollectionOnDevice", "TorchrecEmbeddingCollectionOnDevice", "from_torchrec"]
 
 _TorchrecModule = TorchrecEBC | FusedEmbeddingBagCollection | TorchrecEC
 
@@ -87,44 +89,204 @@ def _refuse_unsupported(model: nn.Module) -> None:
             raise NotImplementedError(
                 f"from_torchrec cannot convert {where} ({type(module).__module__}.{type(module).__qualname__}): "
                 "tpurec converts torchrec's EmbeddingBagCollection, FusedEmbeddingBagCollection and "
-                "EmbeddingCollection (float32 tables) only, and leaving this module on the host would fail or "
+                "EmbeddingCollection only, and leaving this module on the host would fail or "
                 "differ from TorchRec. Keep the model on CPU, or replace the module by an EmbeddingBagCollection "
                 "before converting."
             )
 
 
-def _refuse_low_precision(modules: Sequence[tuple[str, _TorchrecModule]]) -> None:
-    """Raises for a TorchRec module with a non-FP32 table, before anything is converted.
+def _configs(module: _TorchrecModule) -> Sequence[Any]:
+    """The table configs of a TorchRec float module."""
+    return module.embedding_configs() if isinstance(module, TorchrecEC) else module.embedding_bag_configs()
 
-    TorchRec's unsharded modules do not train such tables as FBGEMM does: the plain
-    EmbeddingBagCollection / EmbeddingCollection store FP16 *and* BF16 tables as float16
-    ``nn.EmbeddingBag`` / ``nn.Embedding`` (pooled output rounded to float16, float16 dense
-    gradients; in-backward Adagrad turns untouched rows into NaN, its eps underflowing),
-    and FusedEmbeddingBagCollection ignores ``data_type`` (float32 tables). tpurec's
-    FP16/BF16 tables follow FBGEMM (TorchRec's sharded modules), so a conversion would
-    change the source's numbers.
+
+def _has_low_precision(module: _TorchrecModule) -> bool:
+    """Whether a TorchRec float module has a table whose ``data_type`` is not FP32."""
+    return any(cfg.data_type != DataType.FP32 for cfg in _configs(module))
+
+
+def _refuse_low_precision(
+    model: nn.Module,
+    modules: Sequence[tuple[str, _TorchrecModule]],
+    optimizer: EmbeddingOptimizer | None,
+    device: torch.device | str | None,
+) -> None:
+    """Raises, before anything is converted, where FP16/BF16 tables of a TorchRec float module
+    cannot run as TorchRec runs them.
+
+    TorchRec's plain EmbeddingBagCollection / EmbeddingCollection keep such tables as float16
+    ``nn.EmbeddingBag`` / ``nn.Embedding`` trained by dense gradients (see
+    :class:`TorchrecEmbeddingBagCollectionOnDevice`): there is no tpurec fused optimizer
+    (``optimizer=``), no sharding (``device="meta"``) and no managed-collision remap in front
+    of that computation.
     """
+    from torchrec.modules.mc_embedding_modules import BaseManagedCollisionEmbeddingCollection
+
+    managed = {
+        id(m._embedding_module): name
+        for name, m in model.named_modules()
+        if isinstance(m, BaseManagedCollisionEmbeddingCollection)
+    }
     for name, module in modules:
-        configs = module.embedding_configs() if isinstance(module, TorchrecEC) else module.embedding_bag_configs()
-        for cfg in configs:
-            if cfg.data_type == DataType.FP32:
-                continue
-            where = f"model.{name}" if name else "the model"
-            if isinstance(module, FusedEmbeddingBagCollection):
-                what = "TorchRec's FusedEmbeddingBagCollection ignores data_type and trains it as float32"
-                fix = "set data_type=DataType.FP32 (what it trains)"
-            else:
-                what = (
-                    f"TorchRec's {type(module).__name__} keeps it as a float16 nn.Module (also for BF16), rounds "
-                    "each lookup to float16 and trains it with float16 dense gradients"
-                )
-                fix = "use DataType.FP32"
-            raise ValueError(
-                f"table {cfg.name!r} has data_type={cfg.data_type.name} in {where}: {what}, which tpurec's "
-                "FP16/BF16 tables (FBGEMM's arithmetic, as TorchRec's sharded modules train them) do not "
-                f"reproduce. To convert, {fix}; to train FP16/BF16 tables as FBGEMM does, build "
-                "sp.EmbeddingBagCollection(tables, optimizer=...) from the configs (tpurec.sparse as sp)."
+        if isinstance(module, FusedEmbeddingBagCollection) or not _has_low_precision(module):
+            continue  # (a fused collection's FP16/BF16 tables are float32: converted as such)
+        where = f"model.{name}" if name else "the model"
+        half = [c.name for c in _configs(module) if c.data_type != DataType.FP32]
+        what = (
+            f"{where} ({type(module).__name__}) has FP16/BF16 tables {half}, which TorchRec keeps as float16 "
+            "nn.Module tables trained by dense float16 gradients; tpurec converts such a module by moving "
+            "it to the device as it is,"
+        )
+        if id(module) in managed:
+            raise NotImplementedError(
+                f"{what} but not inside the managed-collision module model.{managed[id(module)]}. Use "
+                "data_type=DataType.FP32 for its tables."
             )
+        if device is not None and torch.device(device).type == "meta":
+            raise ValueError(
+                f"{what} so it cannot be converted to 'meta' for tpurec.shard. Convert it with device='tpu' "
+                "(unsharded), or use data_type=DataType.FP32 to shard it."
+            )
+        weights = [p for p in module.parameters() if p.device.type == "meta"]
+        if weights:
+            raise ValueError(
+                f"{what} but its tables are on 'meta' and have no values: build the TorchRec module on a "
+                "device (or initialise its tables) before converting."
+            )
+        untrained = [p for p in module.parameters() if not getattr(p, "_optimizer_classes", None)]
+        if optimizer is not None and untrained:
+            raise ValueError(
+                f"{what} and optimizer={type(optimizer).__name__} (tpurec's fused optimizer) has no such "
+                "tables to update. Train them as TorchRec does: apply_optimizer_in_backward on their "
+                "parameters before converting, or a dense torch optimizer over them after (they get a "
+                ".grad); then convert without optimizer=."
+            )
+
+
+def _kjt_on(features: KeyedJaggedTensor, device: torch.device) -> KeyedJaggedTensor:
+    """``features`` on ``device``, its per-feature split computed there.
+
+    ``KeyedJaggedTensor.to`` carries over the source's cached ``to_dict()`` result, whose
+    tensors stay where they were: the copy drops it, to split its own moved tensors.
+    """
+    moved = features.to(device)
+    moved._jt_dict = None
+    return moved
+
+
+class TorchrecEmbeddingBagCollectionOnDevice(TorchrecEBC):
+    """TorchRec's unsharded ``EmbeddingBagCollection`` with its tables on a device (e.g. ``tpu``).
+
+    What ``from_torchrec`` makes of one with FP16/BF16 tables: the module itself (same tables,
+    state dict and in-backward optimizers), its ``nn.EmbeddingBag`` tables moved to the
+    device, so it computes what TorchRec computes there: float16 tables (for BF16 too),
+    pooled and rounded to float16, a float32 output, float16 dense gradients, and the update
+    of the optimizer the user gives them. Its forward takes the KJT on the host (as tpurec's
+    collections do) or on the device.
+    """
+
+    def forward(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        """TorchRec's forward on ``features`` moved to the tables' device.
+
+        Args:
+            features: KJT with the tables' features (host or device).
+
+        Returns:
+            TorchRec's ``KeyedTensor`` (float32 values, on the device).
+
+        Raises:
+            RuntimeError: per-id weights of another dtype than a table (float32 weights of a
+                KJT with float16 tables), which PyTorch's ``nn.EmbeddingBag`` refuses on CPU.
+        """
+        weights = features.weights_or_none()
+        if self._is_weighted and weights is not None:
+            # The device's embedding_bag would widen them; TorchRec on CPU raises.
+            mismatched = {
+                n: bag.weight.dtype for n, bag in self.embedding_bags.items() if bag.weight.dtype != weights.dtype
+            }
+            if mismatched:
+                raise RuntimeError(
+                    f"the KJT's per-id weights are {weights.dtype} and tables {mismatched} are not: TorchRec's "
+                    "EmbeddingBagCollection passes both to nn.EmbeddingBag, which refuses two dtypes (as it does "
+                    "on CPU). Give the KJT weights of the tables' dtype (float16 for FP16/BF16 tables), or use "
+                    "FP32 tables."
+                )
+        return super().forward(_kjt_on(features, self.device))
+
+
+class TorchrecEmbeddingCollectionOnDevice(TorchrecEC):
+    """TorchRec's unsharded ``EmbeddingCollection`` with its tables on a device (e.g. ``tpu``):
+    as :class:`TorchrecEmbeddingBagCollectionOnDevice`, for ``nn.Embedding`` tables."""
+
+    def forward(self, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+        """TorchRec's forward on ``features`` moved to the tables' device.
+
+        Args:
+            features: KJT with the tables' features (host or device).
+
+        Returns:
+            TorchRec's ``JaggedTensor`` per feature (float32 values, on the device).
+        """
+        return super().forward(_kjt_on(features, self.device))
+
+
+def _moved_to_device(module: TorchrecEBC | TorchrecEC, device: torch.device | str | None) -> nn.Module:
+    """``module`` (checked by :func:`_refuse_low_precision`) as TorchRec's own module on ``device``.
+
+    The module keeps its parameters (``nn.Module.to`` moves their data in place, keeping their
+    in-backward optimizer hooks) and takes the class that moves its input there too.
+    """
+    cast(Any, module).__class__ = (
+        TorchrecEmbeddingCollectionOnDevice
+        if isinstance(module, TorchrecEC)
+        else TorchrecEmbeddingBagCollectionOnDevice
+    )
+    if device is not None:
+        module.to(device)
+        module._device = torch.device(device)
+        _rehook_in_backward_optimizers(module)
+    return module
+
+
+def _rehook_in_backward_optimizers(module: nn.Module) -> None:
+    """Moves the in-backward optimizers of ``module``'s parameters along with them.
+
+    ``apply_optimizer_in_backward`` hooks a parameter's gradient accumulator, and a parameter
+    moved to another device gets a new one: the hook goes to it (as torch's, an optimizer step
+    then ``grad = None``), and the optimizers' state tensors (not the host step counts) to the
+    parameter's device.
+    """
+    from torch.distributed.optim import apply_optimizer_in_backward as in_backward
+
+    for param in module.parameters():
+        optimizers = getattr(param, "_in_backward_optimizers", None)
+        handles = in_backward.param_to_optim_hook_handle_map.pop(param, [])
+        if not optimizers or not handles:
+            continue
+        for optimizer in optimizers:
+            for state in optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.dim() > 0:
+                        state[key] = value.to(param.device)
+        for handle in handles:
+            handle.remove()
+        view = param.view_as(param).grad_fn  # (a parameter requiring grad: its view has one)
+        assert view is not None
+        accumulator = view.next_functions[0][0]
+        assert accumulator is not None
+        in_backward.param_to_acc_grad_map[param] = accumulator
+        in_backward.param_to_optim_hook_handle_map[param] = [accumulator.register_hook(_optimizer_step_hook(param))]
+
+
+def _optimizer_step_hook(param: nn.Parameter) -> Callable[..., None]:
+    """The hook ``apply_optimizer_in_backward`` puts on ``param``'s gradient accumulator."""
+
+    def step(*_unused: object) -> None:
+        for optimizer in getattr(param, "_in_backward_optimizers"):
+            optimizer.step()
+        param.grad = None
+
+    return step
 
 
 # --- quantized collections (tpurec.sparse.quant) -----------------------------------------
@@ -201,9 +363,15 @@ def _convert(
     module: TorchrecEBC | FusedEmbeddingBagCollection, optimizer: EmbeddingOptimizer | None, kwargs: Mapping[str, Any]
 ) -> EmbeddingBagCollection:
     chosen, in_backward = _optimizer_of(module, optimizer)
-    new = EmbeddingBagCollection(
-        tables=module.embedding_bag_configs(), is_weighted=module.is_weighted(), optimizer=chosen, **kwargs
-    )
+    tables = module.embedding_bag_configs()
+    if isinstance(module, FusedEmbeddingBagCollection):
+        # TorchRec builds its FBGEMM module without weights_precision: whatever data_type says,
+        # the tables are float32, and so are the converted ones.
+        tables = [
+            cfg if cfg.data_type == DataType.FP32 else dataclasses.replace(cfg, data_type=DataType.FP32)
+            for cfg in tables
+        ]
+    new = EmbeddingBagCollection(tables=tables, is_weighted=module.is_weighted(), optimizer=chosen, **kwargs)
     if in_backward:
         new.optimizer_semantics = "torch"
     with torch.no_grad():
@@ -243,7 +411,12 @@ def from_torchrec(
     :class:`tpurec.sparse.QuantEmbeddingBagCollection` holding the same bytes
     (inference only: ``optimizer`` must then be None). TorchRec's managed-collision
     modules keep their remapping, on the host, in front of the converted collection
-    (see :mod:`tpurec.sparse.managed`). The model is changed in place and returned
+    (see :mod:`tpurec.sparse.managed`). A TorchRec ``EmbeddingBagCollection`` /
+    ``EmbeddingCollection`` with FP16/BF16 tables stays TorchRec's module, moved to ``device``
+    (:class:`TorchrecEmbeddingBagCollectionOnDevice`): it computes and trains as TorchRec's
+    unsharded module does (float16 tables, dense gradients, the parameters' in-backward or
+    dense torch optimizer); a ``FusedEmbeddingBagCollection``'s FP16/BF16 tables are the
+    float32 tables TorchRec trains. The model is changed in place and returned
     (a bare EBC is returned converted).
 
     Args:
@@ -260,6 +433,11 @@ def from_torchrec(
 
     Returns:
         The model with tpurec ``EmbeddingBagCollection`` / ``EmbeddingCollection`` modules.
+
+    Raises:
+        ValueError: FP16/BF16 tables of a TorchRec float module with ``optimizer=`` and no
+            in-backward optimizer, with ``device="meta"``, or on ``meta``.
+        NotImplementedError: a module it cannot convert (named in the message).
 
     Example::
 
@@ -282,6 +460,8 @@ def from_torchrec(
             from tpurec.sparse.quant import from_torchrec_quant
 
             return from_torchrec_quant(module, device=device, num_partitions=num_partitions, capacities=capacities)
+        if isinstance(module, (TorchrecEBC, TorchrecEC)) and _has_low_precision(module):
+            return _moved_to_device(module, device)
         if isinstance(module, TorchrecEC):
             return _convert_sequence(module, optimizer, max_seq_len, options(module))
         assert isinstance(module, (TorchrecEBC, FusedEmbeddingBagCollection))  # (convert is called on those)
@@ -289,8 +469,9 @@ def from_torchrec(
 
     _refuse_unsupported(model)
     _refuse_optimizer_for_quant(model, optimizer)
-    # FP16/BF16 tables of TorchRec's float modules: refused before anything changes.
-    _refuse_low_precision([(n, m) for n, m in model.named_modules() if isinstance(m, kinds)])
+    # FP16/BF16 tables of TorchRec's float modules: what cannot run as TorchRec runs them is
+    # refused before anything changes.
+    _refuse_low_precision(model, [(n, m) for n, m in model.named_modules() if isinstance(m, kinds)], optimizer, device)
     # Managed collisions: TorchRec's remap stays on the host, the collection behind it converts.
     model = convert_managed(model, convert)
     if isinstance(model, kinds) or _is_torchrec_quant_ebc(model):
