@@ -153,13 +153,13 @@ def _refuse_low_precision(
                 f"{what} but its tables are on 'meta' and have no values: build the TorchRec module on a "
                 "device (or initialise its tables) before converting."
             )
-        untrained = [p for p in module.parameters() if not getattr(p, "_optimizer_classes", None)]
+        untrained = [n for n, p in module.named_parameters() if not getattr(p, "_optimizer_classes", None)]
         if optimizer is not None and untrained:
             raise ValueError(
-                f"{what} and optimizer={type(optimizer).__name__} (tpurec's fused optimizer) has no such "
-                "tables to update. Train them as TorchRec does: apply_optimizer_in_backward on their "
-                "parameters before converting, or a dense torch optimizer over them after (they get a "
-                ".grad); then convert without optimizer=."
+                f"{what} where optimizer={type(optimizer).__name__} (tpurec's fused optimizer) does not apply, "
+                f"and {untrained} have no in-backward optimizer. Train them as TorchRec does: "
+                "apply_optimizer_in_backward on them before converting, or a dense torch optimizer over them "
+                "after (they get a .grad); then convert without optimizer=."
             )
 
 
@@ -233,8 +233,8 @@ class TorchrecEmbeddingCollectionOnDevice(TorchrecEC):
 def _moved_to_device(module: TorchrecEBC | TorchrecEC, device: torch.device | str | None) -> nn.Module:
     """``module`` (checked by :func:`_refuse_low_precision`) as TorchRec's own module on ``device``.
 
-    The module keeps its parameters (``nn.Module.to`` moves their data in place, keeping their
-    in-backward optimizer hooks) and takes the class that moves its input there too.
+    The module keeps its parameter objects (``nn.Module.to`` moves their data in place), their
+    in-backward optimizers follow them, and it takes the class that moves its input there too.
     """
     cast(Any, module).__class__ = (
         TorchrecEmbeddingCollectionOnDevice
