@@ -74,6 +74,22 @@ def _check_grad(name, csr, reference_csr, batch, table, slots, **tolerance):
         np.testing.assert_allclose(g, w, **tolerance)
 
 
+def _check_stream_update(name, csr, batch, table, slots, **options):
+    """``tensorcore.stream_update`` with ``options`` against the reference's gradient op."""
+    grad = np.random.default_rng(8).standard_normal((batch, table.shape[1])).astype(np.float32)
+    hp = OPTIMIZERS[name][1]
+    op = f"sparse_dense_matmul_grad_with_{name}"
+
+    def step(*args):
+        keys, samples, gains, _ = tensorcore._sorted_entries(*args[:4])
+        return tensorcore.stream_update(op, args[5], args[6:], keys, samples, gains, args[4], hp, **options)
+
+    got = _tuple(jax.jit(step)(*csr, grad, table, *slots))
+    want = _tuple(jax.jit(lambda *a: getattr(reference, op)(*a, **hp))(*csr, grad, table, *slots))
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)  # as the resident loop (FMA contraction)
+
+
 # rows 23: 3 * 16 * 6 id slots over 34 rows -> streaming; rows 3000 (4500 in all) -> the one-pass optimizer
 # step over 2048-row blocks (the last one partial); rows 100000 -> XLA gathers and scatters.
 CASES = [(1, 23), (3, 23), (1, 3000), (4, 100000)]
@@ -124,20 +140,7 @@ def test_one_pass_step_with_the_output_gradient_streamed_per_entry(name, row_sum
     # first and the kernel reads them chunk by chunk with the ids.
     csr, batch, rows, dim = _csr(31, 1, 3000)
     table, slots = _state(4, rows, dim, name)
-    grad = np.random.default_rng(8).standard_normal((batch, dim)).astype(np.float32)
-    hp = OPTIMIZERS[name][1]
-    op = f"sparse_dense_matmul_grad_with_{name}"
-
-    def streamed(*args):
-        keys, samples, gains, _ = tensorcore._sorted_entries(*args[:4])
-        return tensorcore.stream_update(
-            op, args[5], args[6:], keys, samples, gains, args[4], hp, resident=False, row_sum=row_sum
-        )
-
-    got = _tuple(jax.jit(streamed)(*csr, grad, table, *slots))
-    want = _tuple(jax.jit(lambda *a: getattr(reference, op)(*a, **hp))(*csr, grad, table, *slots))
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)  # as the resident case (FMA contraction)
+    _check_stream_update(name, csr, batch, table, slots, resident=False, row_sum=row_sum)
 
 
 # Lane-dense tables (several rows in each 128-lane line): rows 32 (48 in all) stream as one block of
@@ -164,18 +167,7 @@ def test_lane_dense_one_pass_step_matches_reference(name, dim, resident):
     csr, batch, rows, dim = _csr(dim + 5, 1, 3072, dim=dim)
     assert tensorcore.rows_per_line(rows, dim) == 128 // dim
     table, slots = _state(6, rows, dim, name)
-    grad = np.random.default_rng(8).standard_normal((batch, dim)).astype(np.float32)
-    hp = OPTIMIZERS[name][1]
-    op = f"sparse_dense_matmul_grad_with_{name}"
-
-    def step(*args):
-        keys, samples, gains, _ = tensorcore._sorted_entries(*args[:4])
-        return tensorcore.stream_update(op, args[5], args[6:], keys, samples, gains, args[4], hp, resident=resident)
-
-    got = _tuple(jax.jit(step)(*csr, grad, table, *slots))
-    want = _tuple(jax.jit(lambda *a: getattr(reference, op)(*a, **hp))(*csr, grad, table, *slots))
-    for g, w in zip(got, want):
-        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)  # as the row layout (FMA contraction)
+    _check_stream_update(name, csr, batch, table, slots, resident=resident)
 
 
 def test_lane_dense_xla_rows_gather_and_write_whole_lines():

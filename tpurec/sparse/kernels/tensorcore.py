@@ -350,11 +350,10 @@ def _walk(keys, num_rows: int, block_rows: int, chunk: int | None = None, rows_i
 
 
 def _line_of(r, k: int):
-    """``(line, shift)`` of block row ``r`` (int32 scalar) in a layout of ``k`` rows a line: its line
-    and the lane rotation (``pltpu.roll``) that brings its lanes to lane 0."""
+    """``(line, place)`` of block row ``r`` (int32 scalar) in a layout of ``k`` rows a line: its line
+    and which of the line's rows it is (its lanes start at ``place * dim``)."""
     bits = k.bit_length() - 1  # k is a power of two (it divides 128)
-    group = jnp.bitwise_and(r, np.int32(k - 1))
-    return jax.lax.shift_right_logical(r, np.int32(bits)), jnp.bitwise_and(k - group, np.int32(k - 1))
+    return jax.lax.shift_right_logical(r, np.int32(bits)), jnp.bitwise_and(r, np.int32(k - 1))
 
 
 # Block specs of a walk's grid: index maps get the step and the 4 scheduled scalar arrays.
@@ -516,8 +515,9 @@ def stream_pool(
             if k == 1:
                 row = block_ref[pl.ds(keys_ref[j] - first_row, 1), :]
             else:
-                line, shift = _line_of(keys_ref[j] - first_row, k)
-                rotated = pltpu.roll(block_ref[pl.ds(line, 1), :], shift * dim, 1)
+                line, place = _line_of(keys_ref[j] - first_row, k)
+                # pltpu.roll rotates toward higher lanes: by (k - place) rows brings the row to lane 0
+                rotated = pltpu.roll(block_ref[pl.ds(line, 1), :], jnp.bitwise_and(k - place, np.int32(k - 1)) * dim, 1)
                 row = jnp.where(_lane_group(dim) == 0, rotated, 0.0)
             out_ref[pl.ds(dst, 1), :] += row * gains_ref[j]
 
@@ -716,10 +716,9 @@ def stream_update(
             if k == 1:
                 dst, mine = jnp.where(ok, r, sink), 1.0
             else:  # the gradient (lanes [0, dim)) rotated into the row's lanes of its line
-                line, back = _line_of(r, k)
-                forward = jnp.bitwise_and(k - back, np.int32(k - 1)) * dim
-                g = pltpu.roll(g, forward, 1)
-                mine = pltpu.roll((_lane_group(dim) == 0).astype(jnp.float32), forward, 1)
+                line, place = _line_of(r, k)
+                g = pltpu.roll(g, place * dim, 1)
+                mine = pltpu.roll((_lane_group(dim) == 0).astype(jnp.float32), place * dim, 1)
                 dst = jnp.where(ok, line, sink)
             grad_ref[pl.ds(dst, 1), :] += g
             touched_ref[pl.ds(dst, 1), :] = jnp.maximum(touched_ref[pl.ds(dst, 1), :], mine)
