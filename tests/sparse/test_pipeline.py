@@ -219,6 +219,50 @@ def test_errors_of_the_iterator_surface_in_progress_and_bad_prefetch():
         sparse.TrainPipeline(model, optimizer, "tpu", prefetch=0)
 
 
+def test_workers_prepare_batches_side_by_side_and_steps_take_them_in_order():
+    batches = make_batches(5, seed=3)
+    model, optimizer = make_model()
+    expected = plain_losses(model, optimizer, batches, "tpu")
+    model, optimizer = make_model()
+    ebc = next(m for m in model.modules() if isinstance(m, sparse.EmbeddingBagCollection))
+    # The first two batches wait for each other inside prefetch: only two workers preparing
+    # them at the same time get past the barrier (one worker would time out on it).
+    both_preparing = threading.Barrier(2, timeout=30)
+    inner_prefetch = ebc.prefetch
+
+    def prefetch(features, batch=None):
+        if any(features is b.sparse_features for b in batches[:2]):
+            both_preparing.wait()
+        inner_prefetch(features, batch)
+
+    ebc.prefetch = prefetch
+    pipeline = sparse.TrainPipeline(model, optimizer, "tpu", workers=3)
+    assert pipeline_losses(pipeline, batches) == expected
+    assert not both_preparing.broken
+    pipeline.close()
+
+
+def test_a_batch_that_fails_to_prepare_fails_its_own_step():
+    batches = make_batches(3, seed=4)
+    bad = batches[1].sparse_features
+    batches[1] = Batch(
+        batches[1].dense_features,
+        KeyedJaggedTensor.from_lengths_sync(keys=bad.keys(), values=bad.values() + ROWS, lengths=bad.lengths()),
+        batches[1].labels,
+    )
+    model, optimizer = make_model()
+    pipeline = sparse.TrainPipeline(model, optimizer, "tpu", workers=2)
+    it = iter(batches)
+    pipeline.progress(it)  # step 0 runs; batch 1's ids are past its tables
+    with pytest.raises(ValueError, match="id") as raised:
+        pipeline.progress(it)
+    assert "step 1" in "\n".join(getattr(raised.value, "__notes__", []))
+    with pytest.raises(StopIteration):
+        pipeline.progress(it)
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        sparse.TrainPipeline(model, optimizer, "tpu", workers=0)
+
+
 def _run_bench(args: list[str], tmp_path) -> dict:
     import json
     import os

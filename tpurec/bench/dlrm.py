@@ -414,6 +414,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
     )
     parser.add_argument("--no-jax-peer", action="store_true", help="skip the plain-JAX peer (tpurec/bench/jax_peer.py)")
     parser.add_argument("--no-pipeline", action="store_true", help="plain loop instead of sparse.TrainPipeline")
+    parser.add_argument(
+        "--pipeline-workers",
+        type=positive_int,
+        default=2,
+        help="threads of sparse.TrainPipeline that preprocess and transfer batches (its workers=)",
+    )
     parser.add_argument("--breakdown", action="store_true", help="per-phase times of tpurec (eager) and torchrec")
     parser.add_argument("--plot", metavar="DIR", help="write PNG charts into DIR")
     args = parser.parse_args(argv)
@@ -494,7 +500,13 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
         k = STEPS_PER_CALL if mode == "graphed_k8" else 1
         # The program of k steps compiles in the warm-up's first call of k steps (not in the background).
         pipeline = sparse.TrainPipeline(
-            step_model, optimizer, torch.device("tpu"), graphed=graphed, steps_per_call=k, compile_in_background=False
+            step_model,
+            optimizer,
+            torch.device("tpu"),
+            graphed=graphed,
+            steps_per_call=k,
+            workers=args.pipeline_workers,
+            compile_in_background=False,
         )
         runners.append(
             _Runner(

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Generic, Literal, NamedTuple, TypeVar
@@ -86,6 +87,9 @@ def _power_of_two(n: int) -> int:
     return 2 ** math.ceil(math.log2(max(n, 1)))
 
 
+_growth_lock = threading.Lock()
+
+
 def preprocess_growing(
     features: KeyedJaggedTensor,
     stacks: Sequence[StackedTable],
@@ -113,12 +117,13 @@ def preprocess_growing(
         return preprocess_kjt(features, stacks, num_partitions, caps, is_weighted=is_weighted)
     except CapacityError:
         needed = preprocess_kjt(features, stacks, num_partitions, None, is_weighted=is_weighted)
-    for st in stacks:
-        csr, old = needed.stacks[st.name], caps[st.name]
-        ids = max(old.max_ids_per_partition, _power_of_two(int(csr.max_ids.max())))
-        unique = max(old.max_unique_ids_per_partition or 0, _power_of_two(int(csr.max_unique_ids.max())))
-        grown[st.name] = Capacity(ids, min(unique, ids))
-    caps = {st.name: grown[st.name] for st in stacks}
+    with _growth_lock:  # TrainPipeline's workers preprocess batches side by side: capacities only grow
+        for st in stacks:
+            csr, old = needed.stacks[st.name], grown.get(st.name, caps[st.name])
+            ids = max(old.max_ids_per_partition, _power_of_two(int(csr.max_ids.max())))
+            unique = max(old.max_unique_ids_per_partition or 0, _power_of_two(int(csr.max_unique_ids.max())))
+            grown[st.name] = Capacity(ids, min(unique, ids))
+        caps = {st.name: grown[st.name] for st in stacks}
     return preprocess_kjt(features, stacks, num_partitions, caps, is_weighted=is_weighted)
 
 

@@ -3,8 +3,8 @@
 :class:`TrainPipeline` is a TorchRec ``torchrec.distributed.train_pipeline.TrainPipeline``
 with ``progress(dataloader_iter)`` as in TorchRec's ``TrainPipelineBase``: each call runs one
 training step and returns the model's output. While the device runs step
-``i``, a background thread reads batch ``i + 1`` from the iterator,
-preprocesses its KeyedJaggedTensors into SparseCore CSR for every tpurec
+``i``, a background thread reads batch ``i + 1`` from the iterator and
+worker threads (``workers``) preprocess its KeyedJaggedTensors into SparseCore CSR for every tpurec
 :class:`~tpurec.sparse.EmbeddingBagCollection` of the model (any module with
 its ``prefetch(kjt)`` / ``clear_prefetched()`` / ``feature_names`` protocol,
 e.g. the sharded collections of ``tpurec.shard``, which route the ids to their
@@ -46,6 +46,7 @@ import dataclasses
 import math
 import queue
 import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Generic, Iterator, TypeVar
 
 import numpy as np
@@ -97,6 +98,12 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         optimizer: the dense optimizer (embedding tables update in the backward).
         device: where tensors of a batch go (``"tpu"``, ``"tpu:N"`` or ``"cpu"``).
         prefetch: batches prepared ahead of the running step (>= 1).
+        workers: threads that preprocess and transfer batches (>= 1). One thread reads the
+            iterator, in order; with several workers, batches ``i + 1``, ``i + 2``... are
+            prepared at the same time (the native preprocessing and the transfers run outside
+            Python's GIL) and handed to the steps in the iterator's order, so a batch's host work
+            may take up to ``workers`` steps' time without the device waiting. At least this
+            many batches are prepared ahead.
         graphed: capture the step with :func:`tpurec.graph` and replay it (device ``tpu``; fused
             mode is used for the steps whatever the current mode): the first two steps run as
             usual, the third is captured, and from then on a step copies the batch into static
@@ -126,7 +133,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             is not finite (nan or inf).
 
     Raises:
-        ValueError: ``prefetch`` or ``steps_per_call`` below 1; ``graphed`` with a device other
+        ValueError: ``prefetch``, ``workers`` or ``steps_per_call`` below 1; ``graphed`` with a device other
             than ``tpu`` or a collection that cannot stage its input (one without a ``stage``
             method); ``steps_per_call`` above 1 without ``graphed``, or for a model sharded over
             a mesh.
@@ -139,6 +146,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         device: torch.device | str,
         *,
         prefetch: int = 1,
+        workers: int = 2,
         graphed: bool = False,
         steps_per_call: int = 1,
         compile_in_background: bool = True,
@@ -146,6 +154,8 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
     ) -> None:
         if prefetch < 1:
             raise ValueError(f"prefetch must be >= 1 (batches prepared ahead), got {prefetch}")
+        if workers < 1:
+            raise ValueError(f"workers must be >= 1 (threads preparing batches), got {workers}")
         if steps_per_call < 1:
             raise ValueError(f"steps_per_call must be >= 1, got {steps_per_call}")
         if steps_per_call > 1 and not graphed:
@@ -156,7 +166,8 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         self._model = model
         self._optimizer = optimizer
         self._device = torch.device(device)
-        self._prefetch = max(prefetch, steps_per_call)
+        self._prefetch = max(prefetch, steps_per_call, workers)
+        self._workers = workers
         self._steps_per_call = steps_per_call
         self._compile_in_background = compile_in_background
         self._check_finite = check_finite
@@ -237,23 +248,40 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             ebc.prefetch(kjt)
         return kjt
 
+    def _prepare(self, batch: Any) -> Any:
+        """``batch`` with its tensors moving to the device and its KJTs prefetched (or a _Failure)."""
+        try:
+            return map_batch(batch, self._to_device, self._prefetch_kjt)
+        except BaseException as e:  # handed to the main thread, raised by progress()
+            return _Failure(e)
+
     def _work(self, iterator: Iterator[In], out: queue.Queue) -> None:
-        while not self._stop.is_set():
-            try:
-                batch = next(iterator)
-                item: Any = map_batch(batch, self._to_device, self._prefetch_kjt)
-            except StopIteration:
-                item = _END
-            except BaseException as e:  # handed to the main thread, raised by progress()
-                item = _Failure(e)
+        """Reads the iterator in order; prepares each batch here (one worker) or on the pool."""
+        pool = (
+            ThreadPoolExecutor(self._workers, thread_name_prefix="tpurec-train-pipeline-prepare")
+            if self._workers > 1
+            else None
+        )
+        try:
             while not self._stop.is_set():
                 try:
-                    out.put(item, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if item is _END or isinstance(item, _Failure):
-                return
+                    batch = next(iterator)
+                    item: Any = self._prepare(batch) if pool is None else pool.submit(self._prepare, batch)
+                except StopIteration:
+                    item = _END
+                except BaseException as e:  # handed to the main thread, raised by progress()
+                    item = _Failure(e)
+                while not self._stop.is_set():
+                    try:
+                        out.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if item is _END or isinstance(item, _Failure):
+                    return
+        finally:
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
 
     def _connect(self, dataloader_iter: Iterator[In]) -> None:
         self.close()
@@ -370,7 +398,8 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             item, self._held = self._held, None
             return item
         assert self._queue is not None
-        return self._queue.get()
+        item = self._queue.get()
+        return item.result() if isinstance(item, Future) else item
 
     # --- losses, read behind the device ------------------------------------------------
 
