@@ -230,8 +230,20 @@ FLAGS: tuple[Flag, ...] = (
         TRACE_TIME,
         "How the TensorCore kernel's one-pass optimizer step sums each table row's gradients: loop (one "
         "entry at a time) or mxu (a one-hot matrix product per 128 entries, each product exact); "
-        "experimental: mxu is checked in Pallas' interpret mode and not yet measured on a TPU.",
+        "experimental: mxu measured slower than loop on a TPU v5e.",
         choices=("loop", "mxu"),
+        programs=True,
+    ),
+    Flag(
+        "TPUREC_TENSORCORE_ROW_SLOTS",
+        "choice",
+        "xlu",
+        TRACE_TIME,
+        "How the TensorCore kernel's one-pass optimizer step moves a lane-dense table's row slots "
+        "(row-wise Adagrad's accumulator) between their lanes and each block's lines, and takes each "
+        "row's mean: xlu (lane reductions and strided copies) or mxu (exact matrix products); "
+        "experimental: mxu is checked in Pallas' interpret mode and not yet measured on a TPU.",
+        choices=("xlu", "mxu"),
         programs=True,
     ),
     Flag(

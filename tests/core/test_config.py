@@ -173,6 +173,7 @@ def test_program_settings_hold_the_flags_that_change_programs():
         "TPUREC_SPARSE_KERNEL",
         "TPUREC_TENSORCORE_ONE_PASS",
         "TPUREC_TENSORCORE_ROW_SUM",
+        "TPUREC_TENSORCORE_ROW_SLOTS",
         "TPUREC_TENSORCORE_LANE_DENSE",
         "TPUREC_NATIVE_MATMUL",
     ]

@@ -170,6 +170,26 @@ def test_lane_dense_one_pass_step_matches_reference(name, dim, resident):
     _check_stream_update(name, csr, batch, table, slots, resident=resident)
 
 
+@pytest.mark.parametrize("dim", [8, 64])
+def test_lane_dense_row_slots_on_the_mxu_match_reference(dim):
+    # TPUREC_TENSORCORE_ROW_SLOTS=mxu: row-wise Adagrad's accumulator moved between its lanes and the
+    # block's lines, and each row's mean, by exact products (only the float32 accumulation's order
+    # differs from the lane sums').
+    csr, batch, rows, dim = _csr(dim + 9, 1, 3072, dim=dim)
+    table, slots = _state(8, rows, dim, "rowwise_adagrad")
+    grad = np.zeros((batch, dim), np.float32)
+    op = tensorcore.sparse_dense_matmul_grad_with_rowwise_adagrad
+    products = {}
+    for choice in ("xlu", "mxu"):
+        with tpurec.config.override(tensorcore_row_slots=choice):
+            jaxpr = jax.make_jaxpr(lambda *a: op(*a, **OPTIMIZERS["rowwise_adagrad"][1]))(*csr, grad, table, *slots)
+        kernels = _pallas_calls(jaxpr.jaxpr)
+        products[choice] = sum(str(e.params["jaxpr"]).count("dot_general") for e in kernels)
+    assert products["xlu"] == 0 and products["mxu"] > 0, products  # the flag picks the product path
+    with tpurec.config.override(tensorcore_row_slots="mxu"):
+        _check_stream_update("rowwise_adagrad", csr, batch, table, slots, resident=True)
+
+
 def test_lane_dense_xla_rows_gather_and_write_whole_lines():
     # Keys sharing lines (every row of some lines, one row of others), keys past the table skipped.
     rng = np.random.default_rng(2)
@@ -330,7 +350,7 @@ def _wide_values(jaxpr) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("layout", ["rows", "lane_dense"])
+@pytest.mark.parametrize("layout", ["rows", "lane_dense", "lane_dense_mxu_row_slots"])
 @pytest.mark.parametrize(
     "one_pass,row_sum", [(False, "loop"), (True, "loop"), (True, "mxu")], ids=["two_pass", "one_pass", "mxu"]
 )
@@ -341,14 +361,17 @@ def test_every_block_index_is_int32_as_mosaic_requires(name, one_pass, row_sum, 
     # and Mosaic refuses the kernel ("failed to legalize operation 'func.func' ... -> i64", or a
     # crash in its layout inference), so only a TPU would show it.
     dim, rows = (8, 3000) if layout == "rows" else (64, 3072)
+    row_slots = "mxu" if layout == "lane_dense_mxu_row_slots" else "xlu"
     csr, batch, rows, dim = _csr(3, 1, rows, dim=dim)
-    assert (tensorcore.rows_per_line(rows, dim) > 1) == (layout == "lane_dense")
+    assert (tensorcore.rows_per_line(rows, dim) > 1) == layout.startswith("lane_dense")
     table, slots = _state(3, rows, dim, name)
     grad = np.zeros((batch, dim), np.float32)
     op = f"sparse_dense_matmul_grad_with_{name}"
     # Hyperparameters traced, as the op set passes them (they go to SMEM).
     hp = {k: jnp.float32(v) for k, v in OPTIMIZERS[name][1].items()}
-    with tpurec.config.override(tensorcore_one_pass=one_pass, tensorcore_row_sum=row_sum):
+    with tpurec.config.override(
+        tensorcore_one_pass=one_pass, tensorcore_row_sum=row_sum, tensorcore_row_slots=row_slots
+    ):
         forward = jax.make_jaxpr(lambda *a: tensorcore.sparse_dense_matmul(*a, batch_size=batch))(*csr, table)
         backward = jax.make_jaxpr(lambda *a: getattr(tensorcore, op)(*a, **hp))(*csr, grad, table, *slots)
     calls = _pallas_calls(forward.jaxpr) + _pallas_calls(backward.jaxpr)

@@ -664,8 +664,11 @@ def stream_update(
         if names
         else jnp.zeros((1,), jnp.float32)
     )
+    # How a lane-dense block's row slots and row means move between lanes and rows: XLU lane
+    # reductions and strided copies, or products on the MXU (TPUREC_TENSORCORE_ROW_SLOTS).
+    slots_on_mxu = k > 1 and _row_slots() == "mxu"
     if k > 1 and reduces:
-        constants["row_mean"] = _segmented_row_mean(dim)
+        constants["row_mean"] = _mxu_row_mean(dim) if slots_on_mxu else _segmented_row_mean(dim)
     lane_rows = block_rows // 128
     block_lines, width = block_rows // k, (LANES if k > 1 else dim)
     padded_rows = _cdiv(rows, 128) * 128
@@ -742,14 +745,26 @@ def stream_update(
                 touched = touched_ref[:block_lines, :] > 0.0
             w = ins[0][...]
             olds = [
-                _row_slot_in(r[...], k, dim, lanes_iota, spread_ref) if f else r[...] for r, f in zip(ins[1:], flat)
+                (
+                    _row_slot_in_mxu(r[...], k, dim)
+                    if slots_on_mxu
+                    else _row_slot_in(r[...], k, dim, lanes_iota, spread_ref)
+                )
+                if f
+                else r[...]
+                for r, f in zip(ins[1:], flat)
             ]
             hps = {name: jnp.full((1, 1), hp_ref[i], jnp.float32) for i, name in enumerate(names)} | constants
             new = row_fn(grad_ref[:block_lines, :], w, *olds, dtype=table.dtype, **hps)
             outs[0][...] = jnp.where(touched, new[0], w)
             for r, f, old, value in zip(outs[1:], flat, olds, new[1:]):
                 kept = jnp.where(touched, value.reshape(old.shape), old)
-                r[...] = _row_slot_out(kept, k, dim, lane_rows, lanes_iota, spread_ref) if f else kept
+                if not f:
+                    r[...] = kept
+                elif slots_on_mxu:
+                    r[...] = _row_slot_out_mxu(kept, k, dim, lane_rows)
+                else:
+                    r[...] = _row_slot_out(kept, k, dim, lane_rows, lanes_iota, spread_ref)
 
     def block(f):
         if f:
@@ -760,7 +775,7 @@ def stream_update(
     specs = [block(False)] + [block(f) for f in flat]
     arrays = [table.reshape(rows // k, width), *slot_views]
     # The row slots of a lane-dense table pass through a block of rows spread over all lanes.
-    spread = [pltpu.VMEM((block_rows, LANES), jnp.float32)] if k > 1 and any(flat) else []
+    spread = [pltpu.VMEM((block_rows, LANES), jnp.float32)] if k > 1 and any(flat) and not slots_on_mxu else []
     # After the scheduled scalars, hp, keys, samples, gains, the gradient and (MXU) the ids as lanes.
     first_aliased = len(schedule) + 5 + len(lane_keys)
     outs = pl.pallas_call(
@@ -824,6 +839,65 @@ def _row_slot_out(value, k: int, dim: int, lane_rows: int, lanes_iota, spread_re
     own = lane == jnp.bitwise_and(row, np.int32(k - 1)) * dim  # the first lane of the row's own lanes
     column = jnp.sum(jnp.where(own, spread[...], 0.0), axis=1, keepdims=True)
     return _column_to_lanes(column, lane_rows, lanes_iota)
+
+
+def _exact_dot(x, selector):
+    """``x @ selector`` in float32, ``selector`` holding only 0, 1 or powers of two: ``x`` splits
+    into three bfloat16 parts holding its 24 significand bits, so every product is exact and only
+    the MXU's float32 accumulation rounds."""
+    hi = x.astype(jnp.bfloat16)
+    rest = x - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    b = selector.astype(jnp.bfloat16)
+    return sum(jnp.dot(part, b, preferred_element_type=jnp.float32) for part in (hi, mid, lo))
+
+
+def _square_iotas():
+    return (
+        jax.lax.broadcasted_iota(jnp.int32, (LANES, LANES), 0),
+        jax.lax.broadcasted_iota(jnp.int32, (LANES, LANES), 1),
+    )
+
+
+def _mxu_row_mean(dim: int):
+    """:func:`_segmented_row_mean` as one product: each lane takes the mean of its row's lanes."""
+
+    def row_mean(x):
+        a, b = _square_iotas()
+        # 1/dim is a power of two; float32 constants (Python floats would trace as float64 under x64)
+        return _exact_dot(x, jnp.where(a // dim == b // dim, np.float32(1.0 / dim), np.float32(0.0)))
+
+    return row_mean
+
+
+def _row_slot_in_mxu(x, k: int, dim: int):
+    """:func:`_row_slot_in` for a lane-dense table (``k > 1``) as one product: ``[lane_rows, 128]`` ->
+    ``[lane_rows * 128 / k, 128]``, each row's value on its lanes of its line.
+
+    Slot row ``i`` holds the rows of lines ``i * 128 / k ...``; each line takes its slot row with
+    every lane but its own rows' masked, and the product moves lane ``j`` (row ``j % k`` of the line)
+    onto that row's lanes.
+    """
+    lane_rows, per = x.shape[0], LANES // k
+    lines = lane_rows * per
+    spread = jnp.broadcast_to(x[:, None, :], (lane_rows, per, LANES)).reshape(lines, LANES)
+    line = jax.lax.broadcasted_iota(jnp.int32, (lines, LANES), 0)
+    lane = jax.lax.broadcasted_iota(jnp.int32, (lines, LANES), 1)
+    own = jnp.where(lane // k == line % per, spread, 0.0)
+    j, out_lane = _square_iotas()
+    return _exact_dot(own, (j % k == out_lane // dim).astype(jnp.float32))
+
+
+def _row_slot_out_mxu(value, k: int, dim: int, lane_rows: int):
+    """The inverse of :func:`_row_slot_in_mxu`: each row's value read from its first lane."""
+    lines, per = value.shape[0], LANES // k
+    lane, j = _square_iotas()
+    picked = _exact_dot(value, (lane == (j % k) * dim).astype(jnp.float32))  # [line, j]: row j % k's value
+    line = jax.lax.broadcasted_iota(jnp.int32, (lines, LANES), 0)
+    out_lane = jax.lax.broadcasted_iota(jnp.int32, (lines, LANES), 1)
+    mine = jnp.where(line % per == out_lane // k, picked, 0.0)
+    return jnp.sum(mine.reshape(lane_rows, per, LANES), axis=1)
 
 
 def _pool(rows, samples, gains, num_valid, batch_size: int):
@@ -903,6 +977,12 @@ def _one_pass() -> bool:
     from tpurec import config
 
     return bool(config.get("TPUREC_TENSORCORE_ONE_PASS"))
+
+
+def _row_slots() -> str:
+    from tpurec import config
+
+    return str(config.get("TPUREC_TENSORCORE_ROW_SLOTS"))
 
 
 def _row_sum() -> str:
