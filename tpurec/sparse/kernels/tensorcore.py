@@ -850,7 +850,9 @@ def _exact_dot(x, selector):
     mid = rest.astype(jnp.bfloat16)
     lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
     b = selector.astype(jnp.bfloat16)
-    return sum(jnp.dot(part, b, preferred_element_type=jnp.float32) for part in (hi, mid, lo))
+    out = jnp.dot(hi, b, preferred_element_type=jnp.float32)
+    out = out + jnp.dot(mid, b, preferred_element_type=jnp.float32)
+    return out + jnp.dot(lo, b, preferred_element_type=jnp.float32)
 
 
 def _square_iotas():
