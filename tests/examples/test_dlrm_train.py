@@ -223,8 +223,8 @@ def test_two_devices_compiled_trains_like_fused():
                 pipeline.progress(stream)
             runs[mode] = [value for _, value in pipeline.losses(wait=True)]
             pipeline.close()
-        # The sharded ids were routed on the pipeline's worker, ahead of their steps.
-        assert threads[:6] == ["tpurec-train-pipeline"] * 6
+        # The sharded ids were routed on the pipeline's workers, ahead of their steps.
+        assert all(name.startswith("tpurec-train-pipeline") for name in threads[:6]), threads
     assert runs["fused"][-1] < runs["fused"][0]
     np.testing.assert_allclose(runs["compile"], runs["fused"], rtol=1e-5, atol=0)
 

@@ -160,6 +160,47 @@ def test_lane_dense_forward_matches_reference(dim, rows, partitions):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dim,rows", [(64, 3072), (8, 3000)], ids=["lane_dense", "rows"])
+@pytest.mark.parametrize("empty_window", [False, True])
+def test_pooled_output_larger_than_vmem_is_made_in_windows(dim, rows, empty_window):
+    # An output beyond what VMEM holds (batch 16384 of 26 tables: 426k rows) is made window by window:
+    # here windows of 16 of the 48 output rows, with entries in every window or none in the middle one.
+    csr, batch, rows, dim = _csr(dim + rows + empty_window, 1, rows, dim=dim)
+    table = np.random.default_rng(9).standard_normal((rows, dim)).astype(np.float32)
+    keys, samples, gains, valid = tensorcore._sorted_entries(*csr)
+    if empty_window:
+        gains = jnp.where((samples >= 16) & (samples < 32), 0.0, gains)
+        valid = valid & ((samples < 16) | (samples >= 32))
+        keys = jnp.where(valid, keys, sp.types.PAD_ID)
+    want = jax.ops.segment_sum(
+        jnp.where(valid[:, None], jnp.asarray(table)[jnp.minimum(keys, rows - 1)] * gains[:, None], 0.0),
+        jnp.where(valid, samples, batch),
+        num_segments=batch + 1,
+    )[:batch]
+    before = tensorcore.TRACE_COUNTS["stream_pool"]
+    got = jax.jit(lambda *a: tensorcore.stream_pool(*a, batch, window_rows=16))(table, keys, samples, gains)
+    assert tensorcore.TRACE_COUNTS["stream_pool"] == before + 1 and batch == 48
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    if empty_window:
+        assert not np.asarray(got)[16:32].any()
+    # Mosaic's rules (see test_every_block_index_is_int32_as_mosaic_requires) hold for the windows too.
+    jaxpr = jax.make_jaxpr(lambda *a: tensorcore.stream_pool(*a, batch, window_rows=16))(table, keys, samples, gains)
+    (call,) = _pallas_calls(jaxpr.jaxpr)
+    for mapping in call.params["grid_mapping"].block_mappings:
+        assert {str(a.dtype) for a in mapping.index_map_jaxpr.out_avals} <= {"int32"}
+    assert not _wide_values(call.params["jaxpr"])
+
+
+def test_the_op_pools_in_windows_when_the_output_does_not_fit(monkeypatch):
+    csr, batch, rows, dim = _csr(77, 2, 3072, dim=64)
+    table = np.random.default_rng(10).standard_normal((rows, dim)).astype(np.float32)
+    want = _jit(reference.sparse_dense_matmul)(*csr, table, batch_size=batch)
+    monkeypatch.setattr(tensorcore, "_POOL_VMEM", 20 * 128 * 4)  # 12 output rows a window
+    assert tensorcore._pool_window(batch, 128) == 8
+    got = _jit(tensorcore.sparse_dense_matmul)(*csr, table, batch_size=batch)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("resident", [True, False], ids=["resident", "streamed_gradient"])
 @pytest.mark.parametrize("dim", [8, 64])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

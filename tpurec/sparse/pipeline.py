@@ -281,7 +281,9 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
                     return
         finally:
             if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+                # Stopped: batches not started are dropped. Either way the ones being prepared finish
+                # first, so nothing is prefetched into a collection after this thread ends.
+                pool.shutdown(wait=True, cancel_futures=self._stop.is_set())
 
     def _connect(self, dataloader_iter: Iterator[In]) -> None:
         self.close()
@@ -376,6 +378,8 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             raise StopIteration
         if isinstance(item, _Failure):
             self._exhausted = True
+            # The batches read after it (prepared by other workers meanwhile) are dropped.
+            self._stop_worker()
             item.error.add_note(f"tpurec TrainPipeline: raised by the iterator for the batch of step {self._steps}")
             raise item.error
 
@@ -616,13 +620,16 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
 
     def close(self) -> None:
         """Stops the worker thread (batches it prepared are dropped)."""
+        self._stop_worker()
+        self._queue = None
+        self._iterator = None
+        self._held = None
+
+    def _stop_worker(self) -> None:
         self._stop.set()
         if self._worker is not None:
             self._worker.join(timeout=10)
         self._worker = None
-        self._queue = None
-        self._iterator = None
-        self._held = None
         for ebc in self._collections:
             ebc.clear_prefetched()
 

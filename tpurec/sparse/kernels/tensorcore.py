@@ -465,6 +465,12 @@ def _pad_to(x, n: int, value=0):
     return jnp.pad(x, (0, n - x.shape[0]), constant_values=value) if x.shape[0] != n else x
 
 
+def _pool_window(batch_size: int, width: int) -> int:
+    """Output rows :func:`stream_pool` keeps in VMEM at once: all of them when they fit :data:`_POOL_VMEM`."""
+    fits = _POOL_VMEM // (max(_cdiv(width, 128) * 128, 128) * 4) - 8
+    return batch_size if batch_size <= fits else max(8, fits // 8 * 8)
+
+
 def stream_pool(
     table: jax.Array,
     keys: jax.Array,
@@ -473,12 +479,16 @@ def stream_pool(
     batch_size: int,
     *,
     block_rows: int = BLOCK_ROWS,
+    window_rows: int | None = None,
 ) -> jax.Array:
     """The pooled lookup in one pass: ``out[samples[i]] += gains[i] * table[keys[i]]`` in entry order.
 
     The table's blocks stream through VMEM as in :func:`stream_gather`, and each entry's row
-    is added straight into the ``[batch_size, dim]`` output, which stays in VMEM for the
-    whole call: the looked-up rows never go back to HBM.
+    is added straight into the ``[batch_size, dim]`` output, which stays in VMEM: the looked-up
+    rows never go back to HBM. An output larger than :data:`_POOL_VMEM` is made in windows of
+    output rows: the entries are ordered by (window, id) once, the walk goes over the table's
+    blocks once per window that has entries (tables stacked in feature order touch one window or
+    two each), and each window's rows stay in VMEM while its entries are added.
 
     Args:
         table: ``[rows, dim]`` float32.
@@ -487,6 +497,7 @@ def stream_pool(
         gains: ``[n]`` float32, each entry's weight.
         batch_size: output rows.
         block_rows: rows per streamed block.
+        window_rows: output rows kept in VMEM at once (None: as many as fit).
 
     Returns:
         ``[batch_size, dim]`` float32.
@@ -494,18 +505,35 @@ def stream_pool(
     TRACE_COUNTS["stream_pool"] += 1
     rows, dim = table.shape
     k = rows_per_line(rows, dim, table.dtype)
-    keys, chunk, block_rows, schedule = _walk(keys, rows, block_rows, rows_in_line=k)
+    width = LANES if k > 1 else dim  # a lane-dense table's rows are added rotated to lane 0
+    window = min(window_rows or _pool_window(batch_size, width), batch_size)
+    windows = _cdiv(batch_size, window)
+    block_rows = min(block_rows, rows) if k > 1 else min(block_rows, _cdiv(rows, 8) * 8)  # as _walk takes it
+    blocks = _cdiv(rows, block_rows)  # a window's blocks: its entries' keys are window * span + key
+    span = blocks * block_rows
+    if windows > 1:
+        assert windows * span < PAD_ID, "stream_pool: too many output windows for int32 keys"
+        valid = keys < rows
+        window_of = jnp.where(valid, samples // window, windows)
+        keys = jnp.where(valid, window_of * span + keys, PAD_ID)
+        samples = jnp.where(valid, samples - window_of * window, 0)
+        # The keys ascend within each window: a stable sort by key orders the entries by (window, id).
+        keys, samples, gains = jax.lax.sort((keys, samples, gains), num_keys=1, is_stable=True)
+    keys, chunk, block_rows, schedule = _walk(keys, windows * span, block_rows, rows_in_line=k)
     n = keys.shape[0]
     samples, gains = _pad_to(samples, n), _pad_to(gains.astype(table.dtype), n)
-    sink = batch_size  # the rows of the last group's repeated calls land here
-    out_rows = _cdiv(batch_size + 1, 8) * 8
-    width = LANES if k > 1 else dim  # a lane-dense table's rows are added rotated to lane 0
+    sink = window  # the rows of the last group's repeated calls land here
+    out_rows = _cdiv(window + 1, 8) * 8
+    nb = np.int32(blocks)
 
-    def kernel(lo_ref, hi_ref, c_ref, b_ref, keys_ref, samples_ref, gains_ref, block_ref, out_ref):
+    def kernel(lo_ref, hi_ref, c_ref, b_ref, keys_ref, samples_ref, gains_ref, block_ref, *refs):
+        out_ref = refs[-1]
         s = pl.program_id(0)
         base, first_row = c_ref[s] * chunk, b_ref[s] * block_rows
+        window_of_step = jax.lax.div(b_ref[s], nb)
+        first_of_window = jnp.logical_or(s == 0, jax.lax.div(b_ref[jnp.maximum(s - 1, 0)], nb) != window_of_step)
 
-        @pl.when(s == 0)
+        @pl.when(first_of_window)
         def _():
             out_ref[...] = jnp.zeros_like(out_ref)
 
@@ -524,14 +552,21 @@ def stream_pool(
         _masked_groups(lo_ref[s], hi_ref[s], add)
 
     smem = lambda: pl.BlockSpec((chunk,), lambda s, lo, hi, c, b: (c[s],), memory_space=pltpu.SMEM)  # noqa: E731
-    out = _walk_call(
-        kernel,
-        schedule,
-        in_specs=[smem(), smem(), smem(), _block_spec(block_rows // k, width)],
-        out_spec=pl.BlockSpec((out_rows, width), lambda s, lo, hi, c, b: (_ZERO, _ZERO)),
-        out_shape=jax.ShapeDtypeStruct((out_rows, width), table.dtype),
-    )(*schedule, keys, samples, gains, table.reshape(rows // k, width))
-    return out[:batch_size, :dim]
+    table_spec = pl.BlockSpec((block_rows // k, width), lambda s, lo, hi, c, b: (jax.lax.rem(b[s], nb), _ZERO))
+    out_spec = pl.BlockSpec((out_rows, width), lambda s, lo, hi, c, b: (jax.lax.div(b[s], nb), _ZERO))
+    out_shape = jax.ShapeDtypeStruct((windows * out_rows, width), table.dtype)
+    operands = [*schedule, keys, samples, gains, table.reshape(rows // k, width)]
+    in_specs = [smem(), smem(), smem(), table_spec]
+    aliases = None
+    if windows > 1:
+        # A window without entries is never visited: its rows keep the zeros of this buffer.
+        operands.append(jnp.zeros(out_shape.shape, out_shape.dtype))
+        in_specs.append(pl.BlockSpec(index_map=lambda s, lo, hi, c, b: (_ZERO, _ZERO), memory_space=pl.ANY))
+        aliases = {len(operands) - 1: 0}
+    out = _walk_call(kernel, schedule, in_specs=in_specs, out_spec=out_spec, out_shape=out_shape, aliases=aliases)(
+        *operands
+    )
+    return out.reshape(windows, out_rows, width)[:, :window].reshape(windows * window, width)[:batch_size, :dim]
 
 
 def _one_hot_dot(onehot, x):
@@ -999,7 +1034,7 @@ def sparse_dense_matmul(row_pointers, embedding_ids, sample_ids, gains, table, *
     acc = reference.accumulator_dtype(table.dtype)
     keys, samples, g, valid = _sorted_entries(row_pointers, embedding_ids, sample_ids, gains)
     stream = streams(keys.shape[0], table)
-    if stream and _pool_fits(batch_size, table.shape[1]) and _one_pass():
+    if stream and batch_size > 0 and _one_pass():
         return stream_pool(table, keys, samples, g.astype(acc), batch_size)
     rows = jnp.where(valid[:, None], _gather_rows(table, keys, stream).astype(acc), 0)
     if stream and _pool_fits(batch_size, table.shape[1]):
