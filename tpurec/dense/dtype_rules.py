@@ -37,6 +37,9 @@ SAME_DTYPE: dict = {
     aten.convolution.default: (("input", "weight"), "convolution"),
     aten.lerp.Tensor: (("self", "end", "weight"), "lerp()"),
     aten.lerp.Scalar: (("self", "end"), "lerp()"),
+    # CPU refuses per-sample weights of another dtype than the table (checked before the mode).
+    aten._embedding_bag.default: (("weight", "per_sample_weights"), "embedding_bag"),
+    aten._embedding_bag_forward_only.default: (("weight", "per_sample_weights"), "embedding_bag"),
 }
 
 _POSITIONS: dict = {}
