@@ -168,6 +168,41 @@ def _refuse_managed_collisions(model: nn.Module) -> None:
         )
 
 
+def _refuse_unshardable(model: nn.Module) -> None:
+    """Raises for the embedding modules of ``model`` that tpurec.shard cannot shard as TorchRec would.
+
+    Left in the model they would be replicated as its dense part, which is not what TorchRec's
+    sharded modules compute: quantized inference collections (TorchRec shards their tables) and
+    TorchRec's own modules that ``from_torchrec`` keeps for FP16/BF16 tables (TorchRec's DMP trains
+    those with FBGEMM's fused kernels).
+    """
+    from tpurec.sparse.convert import TorchrecEmbeddingBagCollectionOnDevice, TorchrecEmbeddingCollectionOnDevice
+    from tpurec.sparse.quant import QuantEmbeddingBagCollection
+
+    for path, module in model.named_modules():
+        where = f"{type(module).__name__} at {path!r}"
+        if isinstance(module, QuantEmbeddingBagCollection):
+            tables = [c.name for c in module.embedding_bag_configs()]
+            raise NotImplementedError(
+                f"tpurec.shard cannot shard quantized inference collections ({where}, tables {tables}): tpurec "
+                "runs them unsharded only. Serve the quantized model on one device (model.to('tpu')) without "
+                "tpurec.shard, or shard the float model before quantizing it."
+            )
+        if isinstance(module, (TorchrecEmbeddingBagCollectionOnDevice, TorchrecEmbeddingCollectionOnDevice)):
+            configs = (
+                module.embedding_bag_configs()
+                if isinstance(module, TorchrecEmbeddingBagCollectionOnDevice)
+                else module.embedding_configs()
+            )
+            tables = ", ".join(f"{c.name} ({c.data_type.name})" for c in configs)
+            raise NotImplementedError(
+                f"tpurec.shard cannot shard TorchRec's module with FP16/BF16 tables that from_torchrec keeps as it "
+                f"is ({where}, tables {tables}): TorchRec's DistributedModelParallel trains such tables with "
+                "FBGEMM's fused kernels, and tpurec's sharded collections hold float32 tables. Use FP32 tables "
+                "(data_type=DataType.FP32) to shard the model, or train it unsharded (model.to('tpu'))."
+            )
+
+
 def _collections(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
     """Every tpurec ``EmbeddingBagCollection`` of ``model``: its path -> (its plan path, the module owning it).
 
@@ -287,6 +322,7 @@ def shard(
     """
     mesh = default_mesh() if mesh is None else mesh
     _check_mesh(mesh)
+    _refuse_unshardable(model)
     owners = _collections(model)
     ebcs = {path: model.get_submodule(path) for path in owners}
     if not ebcs:

@@ -1,0 +1,132 @@
+"""What ``tpurec.shard`` refuses, before it changes anything, where it cannot do what TorchRec does.
+
+* quantized inference collections (``from_torchrec`` of TorchRec's quantized EBC): TorchRec shards
+  them with its inference sharders; tpurec serves them unsharded only;
+* TorchRec's FP16/BF16 modules that ``from_torchrec`` keeps as TorchRec's own module on the device:
+  TorchRec's DMP trains those tables with FBGEMM's fused kernels, the unsharded module with dense
+  gradients; tpurec's sharded collection holds float32 tables;
+* managed-collision collections, pooled and sequence (TorchRec's sharded ones remap per shard).
+
+Each alone and next to a collection ``tpurec.shard`` does shard: the error names the module and the
+model's state stays as it was.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection as TorchrecEBC
+from torchrec import EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
+from torchrec.inference.modules import quantize_embeddings
+from torchrec.modules.embedding_configs import DataType
+from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection as TorchrecMCEC
+from torchrec.modules.mc_modules import LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+import tpurec
+import tpurec.sparse as sp
+from helpers import random_kjt
+
+
+def _bag_tables(data_type: DataType = DataType.FP32, prefix: str = "t") -> list[EmbeddingBagConfig]:
+    return [
+        EmbeddingBagConfig(
+            name=f"{prefix}{i}", embedding_dim=8, num_embeddings=20, feature_names=[f"f{i}"], data_type=data_type
+        )
+        for i in range(2)
+    ]
+
+
+class _Pair(nn.Module):
+    """Two collections over one batch, outputs added (``other`` is a plain FP32 one or None)."""
+
+    def __init__(self, first: nn.Module, other: nn.Module | None) -> None:
+        super().__init__()
+        self.first = first
+        self.other = other
+
+    def forward(self, kjt):
+        out = self.first(kjt).values()
+        return out if self.other is None else out + self.other(kjt).values()
+
+
+def _trainable_ebc(tables: list[EmbeddingBagConfig]) -> TorchrecEBC:
+    ebc = TorchrecEBC(tables=tables)
+    apply_optimizer_in_backward(torch.optim.SGD, ebc.parameters(), {"lr": 0.1})
+    return ebc
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+
+
+def _assert_refused(model: nn.Module, error: type[Exception], match: str) -> None:
+    before = _state(model)
+    modules = [type(m) for m in model.modules()]
+    with pytest.raises(error, match=match):
+        tpurec.shard(model)
+    assert [type(m) for m in model.modules()] == modules  # nothing sharded
+    after = _state(model)
+    assert list(after) == list(before)
+    for key, value in after.items():
+        assert torch.equal(value, before[key]), key
+
+
+def _quantized() -> nn.Module:
+    torch.manual_seed(0)
+    return quantize_embeddings(nn.Sequential(TorchrecEBC(tables=_bag_tables())), dtype=torch.qint8, inplace=False)[0]
+
+
+@pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside_a_float_collection"])
+def test_a_quantized_collection_is_refused(beside):
+    torch.manual_seed(1)
+    other = _trainable_ebc(_bag_tables(prefix="u")) if beside else None
+    model = sp.from_torchrec(_Pair(_quantized(), other), device="tpu")
+    assert isinstance(model.first, sp.QuantEmbeddingBagCollection)
+    _assert_refused(model, NotImplementedError, r"quantized .*QuantEmbeddingBagCollection at 'first'.*\['t0', 't1'\]")
+    # The refused model still serves unsharded, as TorchRec's quantized module on CPU.
+    kjt = random_kjt(_bag_tables(), 8, np.random.default_rng(0))
+    with torch.no_grad():
+        assert model.first(kjt).values().shape == (8, 16)
+
+
+@pytest.mark.parametrize("data_type", [DataType.FP16, DataType.BF16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside_a_float_collection"])
+def test_torchrec_half_precision_tables_kept_as_torchrec_modules_are_refused(data_type, beside):
+    torch.manual_seed(1)
+    other = _trainable_ebc(_bag_tables(prefix="u")) if beside else None
+    model = sp.from_torchrec(_Pair(_trainable_ebc(_bag_tables(data_type)), other), device="tpu")
+    assert type(model.first).__name__ == "TorchrecEmbeddingBagCollectionOnDevice"
+    _assert_refused(
+        model, NotImplementedError, rf"TorchrecEmbeddingBagCollectionOnDevice at 'first'.*t0 \({data_type.name}\)"
+    )
+
+
+def test_torchrec_half_precision_sequence_tables_are_refused():
+    torch.manual_seed(1)
+    tables = [
+        EmbeddingConfig(name="s0", embedding_dim=8, num_embeddings=20, feature_names=["f0"], data_type=DataType.FP16)
+    ]
+    ec = EmbeddingCollection(tables=tables)
+    apply_optimizer_in_backward(torch.optim.SGD, ec.parameters(), {"lr": 0.1})
+    model = sp.from_torchrec(nn.ModuleDict({"ec": ec}), device="tpu")
+    assert type(model.ec).__name__ == "TorchrecEmbeddingCollectionOnDevice"
+    _assert_refused(model, NotImplementedError, r"TorchrecEmbeddingCollectionOnDevice at 'ec'.*s0 \(FP16\)")
+
+
+def test_a_managed_collision_sequence_collection_is_refused():
+    torch.manual_seed(1)
+    tables = [EmbeddingConfig(name="s0", embedding_dim=8, num_embeddings=16, feature_names=["f0"])]
+    mcc = ManagedCollisionCollection(
+        {"s0": MCHManagedCollisionModule(zch_size=16, device=torch.device("cpu"), eviction_interval=2,
+                                         eviction_policy=LFU_EvictionPolicy(), input_hash_size=1000)},
+        tables,
+    )  # fmt: skip
+    ec = EmbeddingCollection(tables=tables)
+    apply_optimizer_in_backward(torch.optim.SGD, ec.parameters(), {"lr": 0.1})
+    model = sp.from_torchrec(nn.ModuleDict({"mc": TorchrecMCEC(ec, mcc, return_remapped_features=False)}))
+    model = model.to("tpu")
+    assert isinstance(model.mc._embedding_module, sp.EmbeddingCollection)
+    _assert_refused(model, NotImplementedError, r"features \['f0'\] go through a managed-collision remap")
