@@ -216,6 +216,11 @@ class EmbeddingCollection(EmbeddingCollectionInterface):
         # is read as TorchRec's EmbeddingCollection reads it: each feature with its own count.
         batch, per_feature = read_kjt(features, self.bags.stacks, is_weighted=False, variable_batch="unpooled")
         seq_len = self._seq_len({f: b.lengths for f, b in per_feature.items()})
+        # A sharded inner collection (tpurec.shard) splits the bags evenly over this process's
+        # devices, and TorchRec takes any number of sequences (per feature, with VBE): pad the
+        # batch with empty sequences, whose rows no output reads.
+        multiple = getattr(self.bags, "samples_multiple", 1)
+        batch = -(-batch // multiple) * multiple
         keys = list(features.keys())
         positions = np.arange(seq_len)
         bag_lengths, rows = [], {}

@@ -217,6 +217,11 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         self._load_host_tables(host_tables, host_slots, register=True)
         mesh_arrays_in_use()
 
+    @property
+    def samples_multiple(self) -> int:
+        """This process's batch must be a multiple of this (its devices, which split it evenly)."""
+        return self.router.local_devices
+
     # --- state ------------------------------------------------------------------
 
     def _load_host_tables(
