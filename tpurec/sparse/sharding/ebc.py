@@ -133,6 +133,8 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
             born from, on its own device (see :mod:`tpurec.sparse.table_init`;
             the same seed gives the same tables under any plan); optimizer
             slots start at zero. Unused for a source with values.
+        zero_slots: the optimizer slots start at zero instead of the source's (its optimizer was
+            replaced by one whose slots it does not hold).
 
     Example::
 
@@ -150,6 +152,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         capacity: int | None = None,
         overflow: Literal["error", "drop"] = "error",
         seed: int = 0,
+        zero_slots: bool = False,
     ) -> None:
         super().__init__()
         if overflow not in ("error", "drop"):
@@ -206,14 +209,25 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
             mesh_arrays_in_use()
             return
         host_tables = {c.name: source.table_weight(c.name).detach().cpu().numpy().astype(np.float32) for c in configs}
-        opt_state = source.optimizer_state_dict()["state"]
-        host_slots = {
-            c.name: {
-                s: opt_state[f"embedding_bags.{c.name}.weight"][s].detach().cpu().numpy().astype(np.float32)
-                for s in self.optimizer.slots
+        if zero_slots:
+            host_slots = {
+                c.name: {
+                    s: np.zeros(
+                        (c.num_embeddings,) if kind == "row" else (c.num_embeddings, c.embedding_dim), np.float32
+                    )
+                    for s, kind in self.optimizer.slots.items()
+                }
+                for c in configs
             }
-            for c in configs
-        }
+        else:
+            opt_state = source.optimizer_state_dict()["state"]
+            host_slots = {
+                c.name: {
+                    s: opt_state[f"embedding_bags.{c.name}.weight"][s].detach().cpu().numpy().astype(np.float32)
+                    for s in self.optimizer.slots
+                }
+                for c in configs
+            }
         self._load_host_tables(host_tables, host_slots, register=True)
         mesh_arrays_in_use()
 

@@ -290,7 +290,8 @@ def shard(
         mesh: a ``jax.sharding.Mesh``; plan rank ``r`` is ``mesh.devices.flat[r]``.
             Default: every device, ordered by process.
         optimizer: a fused embedding optimizer replacing the collections' own
-            (FBGEMM's semantics: one update per lookup, see docs/torchrec_semantics.md).
+            (FBGEMM's semantics: one update per lookup, see docs/torchrec_semantics.md). Its
+            slots start at zero, or at the module's where its optimizer has the same slots.
         optimizer_kwargs: its keyword arguments when ``optimizer`` is a torch class.
         capacity: entries a device may send one shard per step (None: grow on demand).
         overflow: ``"error"`` or ``"drop"`` when a batch exceeds ``capacity``.
@@ -408,10 +409,14 @@ def shard(
 
     sharded = {}
     for path, ebc in ebcs.items():
+        # The slots of an optimizer given here start at zero where the module holds other ones
+        # (an inference module holds none).
+        zero_slots = False
         if embedding_optimizer is not None:
+            zero_slots = ebc.optimizer is None or dict(ebc.optimizer.slots) != dict(embedding_optimizer.slots)
             ebc.optimizer = embedding_optimizer
         sharded[path] = ShardedEmbeddingBagCollection(
-            ebc, specs[path], mesh, capacity=capacity, overflow=overflow, seed=seed
+            ebc, specs[path], mesh, capacity=capacity, overflow=overflow, seed=seed, zero_slots=zero_slots
         )
         if embedding_optimizer is not None:
             # An explicit fused optimizer updates once per lookup, as FBGEMM's kernels do.

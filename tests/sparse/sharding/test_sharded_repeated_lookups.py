@@ -1,0 +1,135 @@
+"""A collection sharded by ``tpurec.shard`` (8 host devices) looked up twice before one backward, against TorchRec
+on CPU on the same batches, 5 steps.
+
+* FBGEMM's semantics (a TorchRec ``FusedEmbeddingBagCollection`` converted by ``from_torchrec``, or an explicit
+  ``optimizer=`` given to ``tpurec.shard``): FBGEMM's kernel updates once per lookup, in the order autograd runs
+  the lookups' backwards (the second lookup's first); the reference is the ``FusedEmbeddingBagCollection`` itself.
+* An in-backward SGD (``apply_optimizer_in_backward``): TorchRec's unsharded collection makes one update on the
+  step's summed gradient, which for SGD equals one update per lookup; the reference is TorchRec's
+  ``EmbeddingBagCollection``. (Other in-backward optimizers refuse the second lookup: see
+  test_sharded_training.py.)
+
+Compared: the loss and the dense layer's gradient of every step (float32 sums over a batch: 1e-5 relative,
+1e-6 absolute), the tables and the optimizer's state after the steps (float32 Adagrad updates of the same
+gradients: 1e-5 relative, 1e-6 absolute).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torchrec import EmbeddingBagCollection as TorchrecEBC
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
+from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+import tpurec
+import tpurec.sparse as sp
+from helpers import make_tables, random_kjt
+from tpurec.sparse.sharding import ShardedEmbeddingBagCollection
+
+STEPS = 5
+BATCH = 16
+TABLES = make_tables(dims=(8, 8, 4), rows=(40, 23, 17), features=(("f0", "f1"), ("f2",), ("f3",)))
+TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+PLAN = {"t0": row_wise(), "t1": column_wise(ranks=[2, 5]), "t2": data_parallel()}
+
+
+class TwoLookups(nn.Module):
+    """One collection looked up on two batches (e.g. a query and a candidate tower sharing tables)."""
+
+    def __init__(self, ebc: nn.Module) -> None:
+        super().__init__()
+        self.ebc = ebc
+        self.over = nn.Linear(28, 1)
+
+    def forward(self, first, second) -> torch.Tensor:
+        a = self.over(self.ebc(first).values())
+        b = self.over(self.ebc(second).values())
+        return (a * a).mean() + 2 * (a * b).mean() + (b * b * b).mean()
+
+
+def _sharded(model: TwoLookups, **kwargs) -> TwoLookups:
+    meta = TorchrecEBC(tables=TABLES, device=torch.device("meta"))
+    plan = construct_module_sharding_plan(meta, PLAN, local_size=8, world_size=8, device_type="cpu")
+    converted = sp.from_torchrec(model).to("tpu")
+    sharded = tpurec.shard(converted, {"ebc": plan}, **kwargs)
+    assert isinstance(sharded.ebc, ShardedEmbeddingBagCollection)
+    return sharded
+
+
+def _train_and_compare(reference: TwoLookups, sharded: TwoLookups) -> None:
+    rng = np.random.default_rng(0)
+    for step in range(STEPS):
+        first, second = random_kjt(TABLES, BATCH, rng), random_kjt(TABLES, BATCH, rng)
+        grads = []
+        for model in (reference, sharded):
+            model.over.zero_grad()
+            loss = model(first, second)
+            loss.backward()
+            grads.append((loss.detach().cpu(), model.over.weight.grad.cpu(), model.over.bias.grad.cpu()))
+        for what, ours, theirs in zip(("loss", "weight gradient", "bias gradient"), grads[1], grads[0]):
+            torch.testing.assert_close(ours, theirs, **TOLERANCE, msg=f"{what} of step {step}")
+        for model in (reference, sharded):
+            with torch.no_grad():
+                model.over.weight -= 0.1 * model.over.weight.grad
+    tables, slots = sharded.ebc.full_tables()
+    theirs = reference.ebc.state_dict()
+    for cfg in TABLES:
+        torch.testing.assert_close(
+            torch.from_numpy(tables[cfg.name]), theirs[f"embedding_bags.{cfg.name}.weight"], **TOLERANCE, msg=cfg.name
+        )
+    return slots
+
+
+def _fbgemm_slots(module: FusedEmbeddingBagCollection) -> dict[str, list[torch.Tensor]]:
+    """FBGEMM's optimizer states per table (its split_optimizer_states, in table order)."""
+    out: dict[str, list[torch.Tensor]] = {}
+    for emb, tables in zip(module._emb_modules, module._key_to_tables.values()):
+        for table, states in zip(tables, emb._emb_module.split_optimizer_states()):
+            out[table.name] = list(states)
+    return out
+
+
+@pytest.mark.parametrize("explicit", [False, True], ids=["fused_collection", "optimizer_given_to_shard"])
+@pytest.mark.parametrize("optimizer", ["adagrad", "sgd"])
+def test_two_lookups_before_backward_train_as_fbgemm_when_sharded(optimizer, explicit):
+    torch_class = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[optimizer]
+    torch.manual_seed(0)
+    reference = TwoLookups(
+        FusedEmbeddingBagCollection(TABLES, optimizer_type=torch_class, optimizer_kwargs={"lr": 0.1})
+    )
+    if explicit:
+        ours = TwoLookups(TorchrecEBC(TABLES))
+        ours.load_state_dict(reference.state_dict())
+        config = {"adagrad": sp.Adagrad(learning_rate=0.1), "sgd": sp.SGD(learning_rate=0.1)}[optimizer]
+        sharded = _sharded(ours, optimizer=config)
+    else:
+        sharded = _sharded(copy.deepcopy(reference))
+    assert sharded.ebc.optimizer_semantics == "fbgemm"
+    slots = _train_and_compare(reference, sharded)
+    for name, states in _fbgemm_slots(reference.ebc).items():
+        assert len(states) == len(slots[name])
+        for state, ours in zip(states, slots[name].values()):
+            torch.testing.assert_close(torch.from_numpy(ours).reshape(state.shape), state, **TOLERANCE, msg=name)
+
+
+def test_two_lookups_before_backward_with_an_in_backward_sgd_train_as_torchrec_when_sharded():
+    torch.manual_seed(0)
+    reference = TwoLookups(TorchrecEBC(TABLES))
+    ours = copy.deepcopy(reference)
+    for model in (reference, ours):
+        apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
+    sharded = _sharded(ours)
+    assert sharded.ebc.optimizer_semantics == "torch"
+    _train_and_compare(reference, sharded)
