@@ -53,5 +53,5 @@ def test_per_sample_weights_of_the_table_dtype_match_cpu(dtype):
         # Sums of two products of values up to 3.9: float32 rounding (XLA may fuse a multiply-add that
         # CPU rounds twice); float16: the device sums in float32 and rounds once, CPU rounds each
         # product (one float16 ulp, 1e-3 relative).
-        tolerance = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 1e-3, "atol": 1e-3}
-        torch.testing.assert_close(got.cpu(), want, **tolerance)
+        tolerance = 1e-6 if dtype == torch.float32 else 1e-3
+        torch.testing.assert_close(got.cpu(), want, rtol=tolerance, atol=tolerance)

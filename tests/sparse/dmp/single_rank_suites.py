@@ -43,7 +43,7 @@ from torch import nn
 import tpurec  # noqa: F401  (the tpu device and its process-group backend)
 
 CPU, TPU = torch.device("cpu"), torch.device("tpu")
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+TOLERANCE: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}
 BATCH = 20
 FLOAT_FEATURES = 10
 SHARDING_TYPES = ("table_wise", "column_wise", "row_wise", "table_row_wise", "table_column_wise")
@@ -139,7 +139,7 @@ def _dmps(
 
 def _pieces(value: Any) -> list[torch.Tensor]:
     """A state dict value as its local pieces on the host (a ShardedTensor's or DTensor's local shards)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, ShardedTensor):
@@ -153,7 +153,7 @@ def _pieces(value: Any) -> list[torch.Tensor]:
 
 def _piece_sizes(value: Any) -> list[tuple[int, ...]]:
     """The sizes of a state dict value's local pieces (also on ``meta``, which has no values to copy)."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, ShardedTensor):
@@ -308,7 +308,7 @@ def sparse_only_initialize_torch_state_error_names_the_table() -> None:
     """A failure building a table's ShardedTensor names the table (TorchRec's message, on tpu)."""
     from unittest import mock
 
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 
     with mock.patch.object(ShardedEmbeddingBagCollection, "_initialize_torch_state", lambda self, **kwargs: None):

@@ -14,6 +14,8 @@ model's state stays as it was.
 from __future__ import annotations
 
 import numpy as np
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
@@ -76,14 +78,17 @@ def _assert_refused(model: nn.Module, error: type[Exception], match: str) -> Non
 
 def _quantized() -> nn.Module:
     torch.manual_seed(0)
-    return quantize_embeddings(nn.Sequential(TorchrecEBC(tables=_bag_tables())), dtype=torch.qint8, inplace=False)[0]
+    quantized: Any = quantize_embeddings(
+        nn.Sequential(TorchrecEBC(tables=_bag_tables())), dtype=torch.qint8, inplace=False
+    )
+    return quantized[0]
 
 
 @pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside_a_float_collection"])
 def test_a_quantized_collection_is_refused(beside):
     torch.manual_seed(1)
     other = _trainable_ebc(_bag_tables(prefix="u")) if beside else None
-    model = sp.from_torchrec(_Pair(_quantized(), other), device="tpu")
+    model: Any = sp.from_torchrec(_Pair(_quantized(), other), device="tpu")
     assert isinstance(model.first, sp.QuantEmbeddingBagCollection)
     _assert_refused(model, NotImplementedError, r"quantized .*QuantEmbeddingBagCollection at 'first'.*\['t0', 't1'\]")
     # The refused model still serves unsharded, as TorchRec's quantized module on CPU.
@@ -126,7 +131,7 @@ def test_a_managed_collision_sequence_collection_is_refused():
     )  # fmt: skip
     ec = EmbeddingCollection(tables=tables)
     apply_optimizer_in_backward(torch.optim.SGD, ec.parameters(), {"lr": 0.1})
-    model = sp.from_torchrec(nn.ModuleDict({"mc": TorchrecMCEC(ec, mcc, return_remapped_features=False)}))
+    model: Any = sp.from_torchrec(nn.ModuleDict({"mc": TorchrecMCEC(ec, mcc, return_remapped_features=False)}))
     model = model.to("tpu")
     assert isinstance(model.mc._embedding_module, sp.EmbeddingCollection)
     _assert_refused(model, NotImplementedError, r"features \['f0'\] go through a managed-collision remap")

@@ -17,6 +17,7 @@ gradients: 1e-5 relative, 1e-6 absolute).
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import numpy as np
 import pytest
@@ -28,7 +29,6 @@ from torchrec.distributed.sharding_plan import (
     construct_module_sharding_plan,
     data_parallel,
     row_wise,
-    table_wise,
 )
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
@@ -41,7 +41,7 @@ from tpurec.sparse.sharding import ShardedEmbeddingBagCollection
 STEPS = 5
 BATCH = 16
 TABLES = make_tables(dims=(8, 8, 4), rows=(40, 23, 17), features=(("f0", "f1"), ("f2",), ("f3",)))
-TOLERANCE = {"rtol": 1e-5, "atol": 1e-6}
+TOLERANCE: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}
 PLAN = {"t0": row_wise(), "t1": column_wise(ranks=[2, 5]), "t2": data_parallel()}
 
 
@@ -59,7 +59,7 @@ class TwoLookups(nn.Module):
         return (a * a).mean() + 2 * (a * b).mean() + (b * b * b).mean()
 
 
-def _sharded(model: TwoLookups, **kwargs) -> TwoLookups:
+def _sharded(model: TwoLookups, **kwargs: Any) -> Any:
     meta = TorchrecEBC(tables=TABLES, device=torch.device("meta"))
     plan = construct_module_sharding_plan(meta, PLAN, local_size=8, world_size=8, device_type="cpu")
     converted = sp.from_torchrec(model).to("tpu")
@@ -68,7 +68,7 @@ def _sharded(model: TwoLookups, **kwargs) -> TwoLookups:
     return sharded
 
 
-def _train_and_compare(reference: TwoLookups, sharded: TwoLookups) -> None:
+def _train_and_compare(reference: Any, sharded: Any) -> dict[str, dict[str, np.ndarray]]:
     rng = np.random.default_rng(0)
     for step in range(STEPS):
         first, second = random_kjt(TABLES, BATCH, rng), random_kjt(TABLES, BATCH, rng)
@@ -92,7 +92,7 @@ def _train_and_compare(reference: TwoLookups, sharded: TwoLookups) -> None:
     return slots
 
 
-def _fbgemm_slots(module: FusedEmbeddingBagCollection) -> dict[str, list[torch.Tensor]]:
+def _fbgemm_slots(module: Any) -> dict[str, list[torch.Tensor]]:
     """FBGEMM's optimizer states per table (its split_optimizer_states, in table order)."""
     out: dict[str, list[torch.Tensor]] = {}
     for emb, tables in zip(module._emb_modules, module._key_to_tables.values()):
@@ -106,7 +106,7 @@ def _fbgemm_slots(module: FusedEmbeddingBagCollection) -> dict[str, list[torch.T
 def test_two_lookups_before_backward_train_as_fbgemm_when_sharded(optimizer, explicit):
     torch_class = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[optimizer]
     torch.manual_seed(0)
-    reference = TwoLookups(
+    reference: Any = TwoLookups(
         FusedEmbeddingBagCollection(TABLES, optimizer_type=torch_class, optimizer_kwargs={"lr": 0.1})
     )
     if explicit:
@@ -126,10 +126,28 @@ def test_two_lookups_before_backward_train_as_fbgemm_when_sharded(optimizer, exp
 
 def test_two_lookups_before_backward_with_an_in_backward_sgd_train_as_torchrec_when_sharded():
     torch.manual_seed(0)
-    reference = TwoLookups(TorchrecEBC(TABLES))
+    reference: Any = TwoLookups(TorchrecEBC(TABLES))
     ours = copy.deepcopy(reference)
     for model in (reference, ours):
         apply_optimizer_in_backward(torch.optim.SGD, model.ebc.parameters(), {"lr": 0.1})
     sharded = _sharded(ours)
     assert sharded.ebc.optimizer_semantics == "torch"
+    _train_and_compare(reference, sharded)
+
+
+def test_a_fused_collection_with_fp16_configs_shards_as_the_float32_tables_it_holds():
+    # TorchRec's FusedEmbeddingBagCollection ignores data_type (FBGEMM's module gets no weights_precision):
+    # its FP16 tables are float32, from_torchrec converts them as such, and tpurec.shard shards them.
+    import dataclasses
+
+    from torchrec.modules.embedding_configs import DataType
+
+    half = [dataclasses.replace(cfg, data_type=DataType.FP16) for cfg in TABLES]
+    torch.manual_seed(0)
+    reference: Any = TwoLookups(
+        FusedEmbeddingBagCollection(half, optimizer_type=torch.optim.Adagrad, optimizer_kwargs={"lr": 0.1})
+    )
+    assert {w.dtype for w in reference.ebc.state_dict().values()} == {torch.float32}
+    sharded = _sharded(copy.deepcopy(reference))
+    assert {cfg.data_type for cfg in sharded.ebc.embedding_bag_configs()} == {DataType.FP32}
     _train_and_compare(reference, sharded)

@@ -78,7 +78,7 @@ def _train_and_compare(reference, sharded, batches) -> None:
             torch.testing.assert_close(got.lengths().cpu(), want.lengths(), atol=0, rtol=0, msg=msg)
             torch.testing.assert_close(got.weights().cpu(), want.weights(), atol=0, rtol=0, msg=msg)
         for out in outs:
-            sum(jt.values().pow(2).sum() * (i + 1) for i, jt in enumerate(out.values())).backward()
+            torch.stack([jt.values().pow(2).sum() * (i + 1) for i, jt in enumerate(out.values())]).sum().backward()
     theirs = reference.state_dict()
     ours = sharded.state_dict()
     assert set(ours) == set(theirs)

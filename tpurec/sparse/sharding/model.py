@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import jax
 import numpy as np
@@ -413,7 +413,8 @@ def shard(
         # (an inference module holds none).
         zero_slots = False
         if embedding_optimizer is not None:
-            zero_slots = ebc.optimizer is None or dict(ebc.optimizer.slots) != dict(embedding_optimizer.slots)
+            held = cast(EmbeddingOptimizer | None, ebc.optimizer)
+            zero_slots = held is None or dict(held.slots) != dict(embedding_optimizer.slots)
             ebc.optimizer = embedding_optimizer
         sharded[path] = ShardedEmbeddingBagCollection(
             ebc, specs[path], mesh, capacity=capacity, overflow=overflow, seed=seed, zero_slots=zero_slots
