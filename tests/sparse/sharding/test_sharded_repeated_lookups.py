@@ -1,9 +1,13 @@
 """A collection sharded by ``tpurec.shard`` (8 host devices) looked up twice before one backward, against TorchRec
 on CPU on the same batches, 5 steps.
 
-* FBGEMM's semantics (a TorchRec ``FusedEmbeddingBagCollection`` converted by ``from_torchrec``, or an explicit
-  ``optimizer=`` given to ``tpurec.shard``): FBGEMM's kernel updates once per lookup, in the order autograd runs
-  the lookups' backwards (the second lookup's first); the reference is the ``FusedEmbeddingBagCollection`` itself.
+* FBGEMM's semantics (a TorchRec ``FusedEmbeddingBagCollection`` converted by ``from_torchrec``, an explicit
+  ``optimizer=`` given to ``tpurec.shard``, or an in-backward optimizer with ``optimizer_semantics = "fbgemm"``):
+  FBGEMM's kernel updates once per lookup, in the order autograd runs the lookups' backwards (the second lookup's
+  first); the reference is the ``FusedEmbeddingBagCollection`` itself. TorchRec's ``DistributedModelParallel``
+  also updates once per lookup with an in-backward optimizer (on CPU, gloo, one rank, in-backward Adagrad at
+  lr 0.5 and two lookups: its table equals the ``FusedEmbeddingBagCollection``'s exactly, FBGEMM's eps 1e-8
+  included, and differs from the unsharded collection's one update on the summed gradient).
 * An in-backward SGD (``apply_optimizer_in_backward``): TorchRec's unsharded collection makes one update on the
   step's summed gradient, which for SGD equals one update per lookup; the reference is TorchRec's
   ``EmbeddingBagCollection``. (Other in-backward optimizers refuse the second lookup: see
@@ -101,19 +105,33 @@ def _fbgemm_slots(module: Any) -> dict[str, list[torch.Tensor]]:
     return out
 
 
-@pytest.mark.parametrize("explicit", [False, True], ids=["fused_collection", "optimizer_given_to_shard"])
+@pytest.mark.parametrize("source", ["fused_collection", "optimizer_given_to_shard", "in_backward_opted_in"])
 @pytest.mark.parametrize("optimizer", ["adagrad", "sgd"])
-def test_two_lookups_before_backward_train_as_fbgemm_when_sharded(optimizer, explicit):
+def test_two_lookups_before_backward_train_as_fbgemm_when_sharded(optimizer, source):
     torch_class = {"adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}[optimizer]
+    # An in-backward Adagrad keeps torch's eps (1e-10, see docs/torchrec_semantics.md) where FBGEMM's default
+    # is 1e-8: the reference is given the same.
+    kwargs: dict[str, Any] = (
+        {"lr": 0.1, "eps": 1e-10} if (source, optimizer) == ("in_backward_opted_in", "adagrad") else {"lr": 0.1}
+    )
     torch.manual_seed(0)
     reference: Any = TwoLookups(
-        FusedEmbeddingBagCollection(TABLES, optimizer_type=torch_class, optimizer_kwargs={"lr": 0.1})
+        FusedEmbeddingBagCollection(TABLES, optimizer_type=torch_class, optimizer_kwargs=kwargs)
     )
-    if explicit:
+    if source == "optimizer_given_to_shard":
         ours = TwoLookups(TorchrecEBC(TABLES))
         ours.load_state_dict(reference.state_dict())
         config = {"adagrad": sp.Adagrad(learning_rate=0.1), "sgd": sp.SGD(learning_rate=0.1)}[optimizer]
         sharded = _sharded(ours, optimizer=config)
+    elif source == "in_backward_opted_in":
+        # An in-backward optimizer with FBGEMM's semantics chosen: what TorchRec's DMP makes of it (it fuses
+        # the optimizer into FBGEMM's kernel; on CPU its sharded module equals the FusedEmbeddingBagCollection).
+        ours = TwoLookups(TorchrecEBC(TABLES))
+        ours.load_state_dict(reference.state_dict())
+        apply_optimizer_in_backward(torch_class, ours.ebc.parameters(), kwargs)
+        sharded = _sharded(ours)
+        assert sharded.ebc.optimizer_semantics == "torch"
+        sharded.ebc.optimizer_semantics = "fbgemm"
     else:
         sharded = _sharded(copy.deepcopy(reference))
     assert sharded.ebc.optimizer_semantics == "fbgemm"
