@@ -310,9 +310,10 @@ def _schedule(keys, num_rows: int, chunk: int, block_rows: int):
     """
     n = keys.shape[0]
     num_chunks, num_blocks = n // chunk, _cdiv(num_rows, block_rows)
-    block_starts = jnp.searchsorted(keys, jnp.arange(num_blocks + 1, dtype=jnp.int32) * block_rows, side="left").astype(
-        jnp.int32
-    )
+    # Unrolled: the default's while loop of 18 steps took 0.3 ms of a DLRM step on a v5e beside its gathers.
+    block_starts = jnp.searchsorted(
+        keys, jnp.arange(num_blocks + 1, dtype=jnp.int32) * block_rows, side="left", method="scan_unrolled"
+    ).astype(jnp.int32)
     num_valid = block_starts[-1]
     cuts = jnp.sort(jnp.concatenate([jnp.arange(num_chunks + 1, dtype=jnp.int32) * chunk, block_starts]))
     lo = jnp.minimum(cuts[:-1], num_valid)
