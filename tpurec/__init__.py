@@ -52,7 +52,7 @@ from tpurec.dense.registry import defer as _defer  # noqa: E402
 
 # TorchRec's TPU lookup ops (its UNFUSED_TPU kernel under DistributedModelParallel) lower to the
 # sparse op set, a layer above the lowering table: their family loads on the first such op.
-_defer("torchrec", "tpurec.sparse.torchrec_ops")
+_defer("torchrec", "tpurec.dmp.lookup_ops")
 
 # The public API: what ``from tpurec import *`` and the docs promise. Everything else
 # here (``tpurec.core``, ``tpurec.compile``, ...) is an implementation module.

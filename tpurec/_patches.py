@@ -190,15 +190,15 @@ def _graph_api() -> None:
 
 
 def _torchrec_tpu_tables() -> None:
-    importlib.import_module("tpurec.distributed.torchrec_tables").install()
+    importlib.import_module("tpurec.dmp.unfused_tables").install()
 
 
 def _torchrec_tpu_fused() -> None:
-    importlib.import_module("tpurec.distributed.torchrec_fused").install()
+    importlib.import_module("tpurec.dmp.fused_lookups").install()
 
 
 def _torchrec_tpu_dense() -> None:
-    importlib.import_module("tpurec.distributed.torchrec_dp").install()
+    importlib.import_module("tpurec.dmp.dense_kernel").install()
 
 
 def _sharded_tensor_device() -> None:
@@ -463,7 +463,7 @@ PATCHES: tuple[Patch, ...] = (
         "placeholders as the tables' parameters: an optimizer over DistributedModelParallel.parameters() trains "
         "nothing and load_state_dict fails with a size mismatch; the sharded module keeps one parameter per table, "
         "a rank's column shards of it stacked, where the kernel keeps one per shard; the pooled kernel's forward "
-        "would drop a weighted collection's per-sample weights (see tpurec/distributed/torchrec_tables.py).",
+        "would drop a weighted collection's per-sample weights (see tpurec/dmp/unfused_tables.py).",
         _torchrec_tpu_tables,
         requires=(
             "torchrec.distributed.batched_embedding_kernel.BatchedTPUEmbeddingBag.named_parameters_by_table",
@@ -487,7 +487,7 @@ PATCHES: tuple[Patch, ...] = (
         "TorchRec's FUSED kernel (the planner's pick on tpu, and what apply_optimizer_in_backward trains through) builds "
         "FBGEMM's TBE, which fails on tpu, and its UNFUSED_TPU kernel ignores an in-backward optimizer, so the tables "
         "would not train: the FUSED group runs tpurec's sparse ops with the same optimizer, UNFUSED_TPU with an "
-        "in-backward optimizer raises (see tpurec/sparse/torchrec_fused.py, installed by tpurec/distributed/torchrec_fused.py).",
+        "in-backward optimizer raises (see tpurec/dmp/fused_kernel.py, installed by tpurec/dmp/fused_lookups.py).",
         _torchrec_tpu_fused,
         requires=(
             "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup._create_embedding_kernel",
@@ -513,7 +513,7 @@ PATCHES: tuple[Patch, ...] = (
         "tensors either; TorchRec's tpu kernel takes widths of multiples of 16 only and hands the sharded module "
         "tables that require grad where it declares a DENSE table's ShardedTensor without; a shard on another "
         "device would fail later with PyTorch's message on one rank while the others wait (see "
-        "tpurec/distributed/torchrec_dp.py).",
+        "tpurec/dmp/dense_kernel.py).",
         _torchrec_tpu_dense,
         requires=(
             "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup._create_embedding_kernel",

@@ -223,7 +223,7 @@ def shard(cfg: Config) -> tuple[nn.Module, Any]:
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import EmbeddingModuleShardingPlan, ModuleSharder, ShardingPlan
 
-    from tpurec.distributed.torchrec_plan import on_process_devices
+    from tpurec.dmp.placements import on_process_devices
 
     world = dist.get_world_size()
     torch.manual_seed(cfg.seed)

@@ -1018,31 +1018,31 @@ def test_a_module_path_in_a_constant_is_read():
     assert dynamic_imports("import importlib\ndef f(n):\n    importlib.import_module(n)\n") == [3]
 
 
-# tpurec.distributed sits below tpurec.sparse (sparse imports it). What it may import of tpurec,
-# and its one reach up, named here with its reason.
+# tpurec.distributed sits below tpurec.sparse (sparse imports it) and tpurec.dmp (TorchRec's
+# DistributedModelParallel on tpu, above both): what it may import of tpurec.
 DISTRIBUTED_FOUNDATION = ("tpurec.config", "tpurec.core", "tpurec.dense", "tpurec.native", "tpurec.distributed")
-DISTRIBUTED_REACHES_UP = {
-    # TorchRec's grouped lookups call the patch while they build a tpu table group; tpurec.sparse
-    # imports TorchRec's distributed modules, which are being imported when the patch is applied.
-    ("torchrec_fused.py", "tpurec.sparse.torchrec_fused"),
-}
 
 
-def test_distributed_imports_only_below_it_and_its_declared_reach():
+def test_distributed_imports_only_below_it():
     dist_dir = PACKAGE_ROOT / "distributed"
-    reaches: set[tuple[str, str]] = set()
     violations: list[str] = []
     for path in sorted(dist_dir.rglob("*.py")):
         where = str(path.relative_to(dist_dir))
-        found = imported_modules(path.read_text(), _package_of(path))
-        for line, name in found:
-            if name.split(".")[0] != "tpurec" or _within(name, DISTRIBUTED_FOUNDATION):
-                continue
-            if any(n.startswith(name + ".") for at, n in found if at == line):
-                continue  # ``from pkg import x`` also yields ``pkg``; ``pkg.x`` is judged on its own
-            if (where, name) in DISTRIBUTED_REACHES_UP:
-                reaches.add((where, name))
-            else:
+        for line, name in imported_modules(path.read_text(), _package_of(path)):
+            if name.split(".")[0] == "tpurec" and name != "tpurec" and not _within(name, DISTRIBUTED_FOUNDATION):
                 violations.append(f"{where}:{line}: imports {name}")
     assert violations == [], "\n".join(violations)
-    assert reaches == DISTRIBUTED_REACHES_UP  # each declared reach is still there (or drop it)
+
+
+def test_only_the_patches_import_dmp():
+    # tpurec.dmp adapts TorchRec's sharded modules and sits above the packages it builds on, which
+    # never import it: its modules load through the patches of tpurec/_patches.py (when TorchRec
+    # imports what they change) and the lowering table's deferred torchrec namespace.
+    found = [
+        f"{path.relative_to(PACKAGE_ROOT.parent)}:{line}: {name}"
+        for path in sorted(PACKAGE_ROOT.rglob("*.py"))
+        if path.relative_to(PACKAGE_ROOT).parts[0] not in ("dmp", "_patches.py")
+        for line, name in imported_modules(path.read_text(), _package_of(path))
+        if _within(name, ("tpurec.dmp",))
+    ]
+    assert found == [], found

@@ -215,7 +215,7 @@ def train_sharded(out_path: str, plan_name: str) -> None:
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.distributed.types import ModuleSharder
 
-    from tpurec.distributed.torchrec_plan import on_process_devices
+    from tpurec.dmp.placements import on_process_devices
 
     rank, n = dist.get_rank(), dist.get_world_size()
 

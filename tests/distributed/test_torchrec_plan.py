@@ -1,4 +1,4 @@
-"""tpurec.distributed.torchrec_plan.on_process_devices: a TorchRec plan's tpu placements on each rank's tpu:0."""
+"""tpurec.dmp.placements.on_process_devices: a TorchRec plan's tpu placements on each rank's tpu:0."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch.distributed._shard.sharding_spec.api import EnumerableShardingSpec  #
 from torch.distributed._shard.metadata import ShardMetadata  # noqa: E402
 from torchrec.distributed.types import EmbeddingModuleShardingPlan, ParameterSharding, ShardingPlan  # noqa: E402
 
-from tpurec.distributed.torchrec_plan import on_process_devices  # noqa: E402
+from tpurec.dmp.placements import on_process_devices  # noqa: E402
 
 
 def _sharding(sharding_type: str, placements: list[str]) -> ParameterSharding:

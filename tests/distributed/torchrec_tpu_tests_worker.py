@@ -17,7 +17,7 @@ The glue, and why each piece is needed (nothing else of the tests is changed):
   binds TorchRec's Pallas kernels to the tpu device through ``torch_tpu._internal.pallas``, and
   ``pallas.dispatcher``, which binds FBGEMM's index ops for the tpu device as round trips through
   FBGEMM's CPU kernels. tpurec lowers the same ``torch.ops.torchrec`` ops itself
-  (``tpurec.sparse.torchrec_ops``) and runs FBGEMM's index ops on tpu tensors itself, so in its
+  (``tpurec.dmp.lookup_ops``) and runs FBGEMM's index ops on tpu tensors itself, so in its
   place the glue imports tpurec's lowerings only: the tests check tpurec's own path.
 * ``SingleProcessContext(backend="tpu_dist")``: ``tpu_dist`` is torch_tpu's process-group backend;
   the context is TorchRec's own with tpurec's ``"cpu:gloo,tpu:tpu"`` in its place.
@@ -82,7 +82,7 @@ def _tpu_is_available() -> bool:
 
 
 def _register_tpu_kernels() -> None:
-    importlib.import_module("tpurec.sparse.torchrec_ops")
+    importlib.import_module("tpurec.dmp.lookup_ops")
 
 
 def _single_process_context(original: type) -> type:

@@ -67,9 +67,7 @@ LAYERS = (
     "kernels",  # the lookup kernels (reference, SparseCore, TensorCore, native)
     "preprocess",  # KeyedJaggedTensor -> SparseCore CSR
     "ops",  # torch.ops.tpurec.*
-    "torchrec_ops",  # TorchRec's TPU lookup ops (UNFUSED_TPU) as sparse_dense_matmul
     "optimizers",  # fused embedding optimizers
-    "torchrec_fused",  # TorchRec's FUSED kernel on tpu: its lookup and fused optimizer as tpurec's ops
     "table_init",  # initial table values independent of the sharding (tables born on meta)
     "lookup",  # what every embedding collection does around its lookup (batches ahead, optimizer state)
     "export",  # torch.export / tracing of the collections

@@ -15,7 +15,7 @@ be made over a tpu tensor either.
 sharding type on a tpu device with :class:`DenseTPUEmbeddingBag` / :class:`DenseTPUEmbedding`
 instead: TorchRec's tpu kernels (``BatchedTPUEmbeddingBag`` / ``BatchedTPUEmbedding``, one tpu
 parameter per table shard, looked up by ``torch.ops.torchrec``, tpurec's ``sparse_dense_matmul``
-in ``tpurec/sparse/torchrec_ops.py``) with what FBGEMM's dense kernel does that they do not:
+in ``tpurec/dmp/lookup_ops.py``) with what FBGEMM's dense kernel does that they do not:
 
 * tables of any width (TorchRec's pooled tpu table takes multiples of 16 only, a limit of its
   Pallas kernel that tpurec's lookup does not have);
@@ -36,7 +36,7 @@ FBGEMM pools). Variable batch sizes per feature, which the lookups would mis-sta
 ``NotImplementedError``.
 
 Before any kernel of a tpu group is built (``DENSE``, ``FUSED`` or ``UNFUSED_TPU``), the
-placements of its shards are checked (:func:`tpurec.distributed.torchrec_plan.check_placements`):
+placements of its shards are checked (:func:`tpurec.dmp.placements.check_placements`):
 a plan that places a rank's shards on another tpu device than the process's gets tpurec's error.
 """
 
@@ -49,7 +49,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from tpurec.distributed.torchrec_plan import check_placements
+from tpurec.dmp.placements import check_placements
 
 __all__ = ["install"]
 
@@ -74,7 +74,7 @@ def _classes() -> tuple[type, type]:
     tpu_modules = importlib.import_module(_TPU_MODULES)
     from torchrec.modules.embedding_configs import data_type_to_sparse_type
 
-    from tpurec.distributed.torchrec_tables import stack_column_shards
+    from tpurec.dmp.unfused_tables import stack_column_shards
 
     class PooledTable(tpu_modules.TPUEmbeddingBagUnfused):
         """TorchRec's pooled tpu table (its offset lookup) of any width."""
@@ -111,7 +111,7 @@ def _classes() -> tuple[type, type]:
             return pooled
 
     class DenseTPUEmbeddingBag(kernels.BatchedTPUEmbeddingBag):
-        """A DENSE pooled group on tpu (tpurec.distributed.torchrec_dp)."""
+        """A DENSE pooled group on tpu (tpurec.dmp.dense_kernel)."""
 
         def __init__(
             self, config: Any, pg: Any = None, device: torch.device | None = None, sharding_type: Any = None
@@ -147,7 +147,7 @@ def _classes() -> tuple[type, type]:
             return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)
 
     class DenseTPUEmbedding(kernels.BatchedTPUEmbedding):
-        """A DENSE sequence group on tpu (tpurec.distributed.torchrec_dp)."""
+        """A DENSE sequence group on tpu (tpurec.dmp.dense_kernel)."""
 
         def split_embedding_weights(self) -> list[torch.Tensor]:
             return [weight.detach() for weight in super().split_embedding_weights()]
@@ -204,7 +204,7 @@ def install() -> None:
         method.__name__ = "_create_embedding_kernel"
         method.__doc__ = (
             "TorchRec's kernel for the group; a DENSE group on a tpu device gets tpurec's dense tpu kernel, and "
-            "a tpu group's shard placements are checked first (tpurec.distributed.torchrec_dp)."
+            "a tpu group's shard placements are checked first (tpurec.dmp.dense_kernel)."
         )
         method._tpurec_data_parallel = True  # pyright: ignore[reportFunctionMemberAccess]
         cls._create_embedding_kernel = method

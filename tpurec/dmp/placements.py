@@ -90,6 +90,6 @@ def check_placements(config: Any, device: torch.device) -> None:
                 "(one process per tpu device, the same device index on every rank). A plan made for a host whose "
                 "processes share its devices (TorchRec's Topology(local_world_size=N), construct_module_sharding_plan("
                 "local_size=N), or DistributedModelParallel's own planner under torchrun) places rank r on "
-                "tpu:<r % N>. Pass the plan through tpurec.distributed.torchrec_plan.on_process_devices(plan), or "
+                "tpu:<r % N>. Pass the plan through tpurec.dmp.placements.on_process_devices(plan), or "
                 "plan with local_world_size=1 (local_size=1), and give it to DistributedModelParallel(plan=...)"
             )

@@ -3,7 +3,7 @@
 TorchRec's ``GroupedPooledEmbeddingsLookup`` and ``GroupedEmbeddingsLookup``
 (``torchrec.distributed.embedding_lookup``) build one compute kernel per table group in
 ``_create_embedding_kernel``. :func:`install` wraps both: for a tpu device the group goes to
-:func:`tpurec.sparse.torchrec_fused.create_kernel` (a ``FUSED`` group of an
+:func:`tpurec.dmp.fused_kernel.create_kernel` (a ``FUSED`` group of an
 EmbeddingBagCollection becomes tpurec's fused kernel; what tpurec cannot run as TorchRec would
 raises), any other group or device to TorchRec's own method. ``tpurec.sparse`` is imported on
 the first tpu group only: this patch is applied while TorchRec's distributed modules are still
@@ -24,6 +24,8 @@ import warnings
 from typing import Any
 
 import torch
+
+from tpurec.dmp import fused_kernel
 
 __all__ = ["install"]
 
@@ -56,8 +58,7 @@ def _warn_host_memory(config: Any) -> None:
 def _create(pooled: bool, config: Any, pg: Any, device: Any, sharding_type: Any = None) -> Any:
     if device is None or torch.device(device).type != "tpu":
         return None
-    fused = importlib.import_module("tpurec.sparse.torchrec_fused")
-    kernel = fused.create_kernel(pooled, config, pg, torch.device(device), sharding_type)
+    kernel = fused_kernel.create_kernel(pooled, config, pg, torch.device(device), sharding_type)
     if kernel is not None:
         _warn_host_memory(config)
     return kernel

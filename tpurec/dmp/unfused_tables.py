@@ -150,7 +150,7 @@ def install() -> None:
         method.__name__ = "named_parameters_by_table"
         method.__doc__ = (
             "Each table's parameter (the kernel's own parameter of its shard, or its shards stacked), registered "
-            "by the sharded module as <table>.weight (tpurec.distributed.torchrec_tables)."
+            "by the sharded module as <table>.weight (tpurec.dmp.unfused_tables)."
         )
         method._tpurec = True  # pyright: ignore[reportFunctionMemberAccess]
         cls.named_parameters_by_table = method
