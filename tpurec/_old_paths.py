@@ -63,6 +63,19 @@ MOVED: dict[str, str] = {
     "tpurec.distributed.torchrec_tables": "tpurec.dmp.unfused_tables",
     "tpurec.sparse.torchrec_fused": "tpurec.dmp.fused_kernel",
     "tpurec.sparse.torchrec_ops": "tpurec.dmp.lookup_ops",
+    # What a sharding plan says (the package named for it), and batches on a mesh.
+    "tpurec.sparse.spec": "tpurec.sparse.sharding_plan",
+    "tpurec.sparse.spec.layout": "tpurec.sparse.sharding_plan.layout",
+    "tpurec.sparse.spec.sharding_types": "tpurec.sparse.sharding_plan.sharding_types",
+    "tpurec.sparse.spec.shards": "tpurec.sparse.sharding_plan.shards",
+    "tpurec.sparse.spec.tables": "tpurec.sparse.sharding_plan.tables",
+    "tpurec.sparse.spec.traffic": "tpurec.sparse.sharding_plan.traffic",
+    "tpurec.sparse.spec.validate": "tpurec.sparse.sharding_plan.validate",
+    "tpurec.sparse.spec.batch": "tpurec.sparse.mesh_batches",
+    "tpurec.sparse.spec.mesh": "tpurec.sparse.mesh_batches",
+    "tpurec.sparse.sharding.layout": "tpurec.sparse.sharding_plan.layout",
+    "tpurec.sparse.sharding.specs": "tpurec.sparse.sharding_plan.shards",
+    "tpurec.sparse.planner.comms": "tpurec.sparse.sharding_plan.traffic",
 }
 
 
@@ -123,6 +136,12 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def install() -> None:
-    """Makes the old paths importable (once per process; appended, so real modules win)."""
+    """Makes the old paths importable (once per process).
+
+    The finder goes first: an old path's parent may be a moved package (``tpurec.sparse.spec``
+    is ``tpurec.sparse.sharding_plan``), whose folder the path finder would search for the child
+    and load its file a second time, as another module. It answers only the names of its
+    tables, and none of them is a file.
+    """
     if not any(isinstance(finder, _Finder) for finder in sys.meta_path):
-        sys.meta_path.append(_Finder())
+        sys.meta_path.insert(0, _Finder())

@@ -544,9 +544,11 @@ PATCHES: tuple[Patch, ...] = (
     ),
     Patch(
         "old_module_paths",
-        "a finder appended to sys.meta_path for the module paths of older releases (tpurec.tensor, ...)",
+        "a finder first on sys.meta_path for the module paths of older releases (tpurec.tensor, "
+        "tpurec.sparse.spec, ...)",
         "pickle resolves the names older checkpoints hold (tpurec.tensor._rebuild_tpu_tensor) by importing "
-        "them; only those paths are found, read-only, and only when imported (see tpurec/_old_paths.py).",
+        "them, and code of older releases imports modules that moved; only those paths are found, and only "
+        "when imported (see tpurec/_old_paths.py).",
         _old_module_paths,
         library="process",
     ),

@@ -576,7 +576,7 @@ def sparse_layering_violations(
     return list(violations.values())
 
 
-SPARSE_LAYERS_FOR_CHECKER = ("spec", "planner", "modules", "sharding")
+SPARSE_LAYERS_FOR_CHECKER = ("sharding_plan", "planner", "modules", "sharding")
 
 
 @pytest.mark.parametrize(
@@ -586,9 +586,9 @@ SPARSE_LAYERS_FOR_CHECKER = ("spec", "planner", "modules", "sharding")
         ("planner", "def f():\n    from tpurec.sparse.sharding.model import shard\n"),  # hidden in a function
         ("planner", "import tpurec\n"),  # the package: the device runtime
         ("planner", "from tpurec.core import dispatch\n"),  # device-free
-        ("spec", "from tpurec.dense.registry import lower\n"),
-        ("spec", "from tpurec.sparse import planner\n"),
-        ("spec", "from ..planner.types import TableSpec\n"),  # relative
+        ("sharding_plan", "from tpurec.dense.registry import lower\n"),
+        ("sharding_plan", "from tpurec.sparse import planner\n"),
+        ("sharding_plan", "from ..planner.types import TableSpec\n"),  # relative
         ("modules", "import importlib\nimportlib.import_module('tpurec.sparse.sharding')\n"),
         ("modules", "from tpurec.compile import backend\n"),  # outside sparse and not its foundation
         ("modules", "from tpurec.sparse.scheduler import run\n"),  # a part missing from LAYERS
@@ -598,7 +598,7 @@ SPARSE_LAYERS_FOR_CHECKER = ("spec", "planner", "modules", "sharding")
 def test_sparse_checker_reports_an_upward_import(part, source):
     package = f"tpurec.sparse.{part}"
     violations = sparse_layering_violations(
-        f"{part}/x.py", part, source, package, SPARSE_LAYERS_FOR_CHECKER, ("spec", "planner")
+        f"{part}/x.py", part, source, package, SPARSE_LAYERS_FOR_CHECKER, ("sharding_plan", "planner")
     )
     assert len(violations) == 1, violations
     assert violations[0].startswith(f"{part}/x.py:")
@@ -607,10 +607,10 @@ def test_sparse_checker_reports_an_upward_import(part, source):
 @pytest.mark.parametrize(
     "part, source",
     [
-        ("planner", "from tpurec.sparse.spec.layout import Layout\n"),
+        ("planner", "from tpurec.sparse.sharding_plan.layout import Layout\n"),
         ("planner", "from tpurec.sparse.planner.types import TableSpec\n"),  # its own part
         ("planner", "from tpurec.cli import error\n"),
-        ("spec", "from . import shards\n"),
+        ("sharding_plan", "from . import shards\n"),
         ("sharding", "def f():\n    from tpurec.sparse.planner import plan\n"),  # the executor calls the planner
         ("sharding", "from tpurec.core.tensor import wrap\nfrom tpurec.sparse.modules import EmbeddingBagCollection\n"),
         ("modules", "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from tpurec.sparse.sharding import x\n"),
@@ -621,7 +621,7 @@ def test_sparse_checker_accepts_downward_and_foundation_imports(part, source):
     package = f"tpurec.sparse.{part}"
     assert (
         sparse_layering_violations(
-            f"{part}/x.py", part, source, package, SPARSE_LAYERS_FOR_CHECKER, ("spec", "planner")
+            f"{part}/x.py", part, source, package, SPARSE_LAYERS_FOR_CHECKER, ("sharding_plan", "planner")
         )
         == []
     )

@@ -55,11 +55,13 @@ __all__ = [
 ]
 
 # The parts of tpurec.sparse, lowest first: each imports only parts below it (even inside
-# a function), checked by tests/core/test_layering.py. ``spec`` and ``planner`` are
-# device-free: they import nothing of the device runtime (tpurec.core, tpurec.dense).
+# a function), checked by tests/core/test_layering.py. ``sharding_plan``, ``planner`` and
+# ``mesh_batches`` are device-free: they import nothing of the device runtime (tpurec.core,
+# tpurec.dense).
 LAYERS = (
-    "spec",  # what a plan says: shard specs, layouts, validation, sharding types, traffic
+    "sharding_plan",  # what a sharding plan says: shard specs, layouts, validation, sharding types, traffic
     "planner",  # the TPU sharding planner (calls nothing of the executor)
+    "mesh_batches",  # a batch rebuilt piece by piece, and the mesh a model's batches go to
     "types",  # Capacity, stacked tables, SparseCore CSR input
     "batching",  # the batch sizes of a KeyedJaggedTensor
     "drops",  # entries dropped by overflow="drop", counted per module and in tpurec.stats()
@@ -80,4 +82,4 @@ LAYERS = (
     "pipeline",  # TrainPipeline
     "sharding",  # the executor: tpurec.shard (calls the planner)
 )
-DEVICE_FREE_LAYERS = ("spec", "planner")
+DEVICE_FREE_LAYERS = ("sharding_plan", "planner", "mesh_batches")

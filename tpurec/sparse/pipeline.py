@@ -57,9 +57,9 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec import core
 from tpurec.sparse.managed import remapped_features
-from tpurec.sparse.spec.batch import OnDevice as _OnDevice  # started by the worker thread, wrapped on the main one
-from tpurec.sparse.spec.batch import map_batch
-from tpurec.sparse.spec.mesh import Prefetching, batch_sharded_array, local_device_count, mesh_of
+from tpurec.sparse.mesh_batches import OnDevice as _OnDevice  # started by the worker thread, wrapped on the main one
+from tpurec.sparse.mesh_batches import map_batch
+from tpurec.sparse.mesh_batches import Prefetching, batch_sharded_array, local_device_count, mesh_of
 
 __all__ = ["TrainPipeline", "map_batch"]
 
@@ -173,7 +173,7 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
         self._check_finite = check_finite
         # Embedding modules that can take a batch's KJT ahead of time: tpurec's
         # EmbeddingBagCollection, or any module with the same prefetch /
-        # clear_prefetched / feature_names protocol (spec.mesh.Prefetching; e.g. a sharded collection).
+        # clear_prefetched / feature_names protocol (mesh_batches.Prefetching; e.g. a sharded collection).
         # A collection behind a managed-collision remap (tpurec.sparse.managed) looks up ids
         # remapped in the step itself, after the previous step's evictions: none ahead of time.
         remapped = remapped_features(model)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tpurec.sparse.planner import TableSpec, distribution_bytes, plan
-from tpurec.sparse.planner.comms import (
+from tpurec.sparse.sharding_plan.traffic import (
     DistributionBytes,
     TablePlacement,
     placement_distribution_bytes,

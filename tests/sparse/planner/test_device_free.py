@@ -1,4 +1,4 @@
-"""The planner and the leaf below it (tpurec.sparse.spec) run without the device runtime.
+"""The planner and the leaf below it (tpurec.sparse.sharding_plan) run without the device runtime.
 
 ``tpurec.sparse.DEVICE_FREE_LAYERS`` says so and tests/core/test_layering.py
 checks their imports as written; here a subprocess runs them: it sets the two
@@ -76,7 +76,7 @@ def test_the_planner_plans_and_counts_without_the_device_runtime():
         m
         for m in got["modules"]
         if m not in ("tpurec", "tpurec.sparse", "tpurec.cli")
-        and not m.startswith(("tpurec.sparse.planner", "tpurec.sparse.spec"))
+        and not m.startswith(("tpurec.sparse.planner", "tpurec.sparse.sharding_plan"))
     ]
     assert outside == []
     assert not got["jax"]

@@ -171,7 +171,7 @@ def test_the_pipeline_asks_the_sharded_collections_for_their_mesh_not_the_model(
     import jax
     from jax.sharding import Mesh
 
-    from tpurec.sparse.spec.mesh import mesh_of
+    from tpurec.sparse.mesh_batches import mesh_of
 
     model, optimizer, ebc = _model()
     assert model.mesh is ebc.mesh  # kept for users (distribute_batch(labels, model.mesh))

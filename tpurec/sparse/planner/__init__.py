@@ -18,7 +18,7 @@ a mesh; ``distribution_bytes(plan, tables, num_devices, batch)`` counts what
 each device sends per step to distribute inputs and outputs.
 """
 
-from tpurec.sparse.spec.traffic import (
+from tpurec.sparse.sharding_plan.traffic import (
     DistributionBytes,
     HloCollective,
     PlanDistributionBytes,
@@ -38,7 +38,7 @@ from tpurec.sparse.planner.plan_io import (
     plan_to_json,
     save_plan,
 )
-from tpurec.sparse.spec.validate import validate_plan
+from tpurec.sparse.sharding_plan.validate import validate_plan
 from tpurec.sparse.planner.planner import PlanResult, load_tables, plan, tables_to_module
 from tpurec.sparse.planner.report import (
     PlanReport,

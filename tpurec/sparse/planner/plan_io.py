@@ -29,7 +29,7 @@ from torchrec.distributed.types import (
 from torchrec.types import DataType
 
 # Checking a plan against a model belongs to the leaf the executor shares; the old names stay here.
-from tpurec.sparse.spec.validate import ROOT_KEY, TPU_RUNNABLE_SHARDING_TYPES, validate_plan
+from tpurec.sparse.sharding_plan.validate import ROOT_KEY, TPU_RUNNABLE_SHARDING_TYPES, validate_plan
 
 __all__ = [
     "TPU_RUNNABLE_SHARDING_TYPES",

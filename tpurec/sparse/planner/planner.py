@@ -48,7 +48,7 @@ from tpurec.sparse.planner.report import PlanReport, RecordedEmbeddingStats, bui
 from tpurec.sparse.planner.sharder import tpu_sharders
 from tpurec.sparse.planner.topology import TpuTopology
 from tpurec.sparse.planner.types import TpuPlannerConfig, TpuPlanningError
-from tpurec.sparse.spec.tables import DTYPES, TableSpec, as_table_spec
+from tpurec.sparse.sharding_plan.tables import DTYPES, TableSpec, as_table_spec
 
 __all__ = ["PlanResult", "plan", "load_tables", "tables_to_module"]
 

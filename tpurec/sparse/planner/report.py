@@ -25,7 +25,7 @@ from torchrec.distributed.planner.types import (
 )
 from torchrec.distributed.types import ShardingType
 
-from tpurec.sparse.spec.traffic import options_distribution_bytes
+from tpurec.sparse.sharding_plan.traffic import options_distribution_bytes
 from tpurec.sparse.planner.estimators import TpuCostModel, expected_unique
 from tpurec.sparse.planner.topology import TpuTopology
 from tpurec.sparse.planner.types import TpuPlannerConfig

@@ -25,7 +25,7 @@ from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.types import ShardingType
 
 from tpurec.sparse.planner.topology import TpuTopology
-from tpurec.sparse.spec.sharding_types import PLANNER_SHARDING_TYPES, SEQUENCE_SHARDING_TYPES
+from tpurec.sparse.sharding_plan.sharding_types import PLANNER_SHARDING_TYPES, SEQUENCE_SHARDING_TYPES
 
 __all__ = [
     "TPU_SHARDING_TYPES",

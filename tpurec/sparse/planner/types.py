@@ -8,7 +8,7 @@ from typing import Dict, List, Optional
 from torchrec.distributed.planner.types import PlannerError, PlannerErrorType
 
 # One table as planned lives in the leaf both the planner and the executor import.
-from tpurec.sparse.spec.tables import TableSpec, as_table_spec
+from tpurec.sparse.sharding_plan.tables import TableSpec, as_table_spec
 
 __all__ = [
     "OPTIMIZER_SLOTS",

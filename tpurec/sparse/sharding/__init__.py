@@ -7,8 +7,8 @@ data-parallel; see docs/sharding.md.
 
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection, host_values
 from tpurec.sparse.sharding.model import default_mesh, distribute_batch, replicate, shard
-from tpurec.sparse.spec.layout import Layout
-from tpurec.sparse.spec.shards import SHARDING_TYPES, ShardPiece, TableSharding, module_plans, table_shardings
+from tpurec.sparse.sharding_plan.layout import Layout
+from tpurec.sparse.sharding_plan.shards import SHARDING_TYPES, ShardPiece, TableSharding, module_plans, table_shardings
 
 __all__ = [
     "SHARDING_TYPES",

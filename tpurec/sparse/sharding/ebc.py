@@ -35,9 +35,9 @@ from tpurec.sparse.ops import kernel_for
 from tpurec.sparse.optimizers import EmbeddingOptimizer
 from tpurec.sparse.preprocess import stack_tables
 from tpurec.sparse.sharding import programs
-from tpurec.sparse.spec.layout import Layout
+from tpurec.sparse.sharding_plan.layout import Layout
 from tpurec.sparse.sharding.routing import InputRouter, MeshBatch, Prefetched, Routed
-from tpurec.sparse.spec.shards import TableSharding
+from tpurec.sparse.sharding_plan.shards import TableSharding
 from tpurec.sparse.table_init import check_rows_fit, local_stack_values, table_init, table_key
 
 __all__ = ["ShardedEmbeddingBagCollection", "host_values"]

@@ -26,9 +26,9 @@ from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.sequence import EmbeddingCollection
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
 from tpurec.sparse.sharding.fingerprint import agree_on_model, model_fingerprint
-from tpurec.sparse.spec.batch import map_batch
-from tpurec.sparse.spec.mesh import batch_sharded_array, local_device_count
-from tpurec.sparse.spec.shards import TableSharding, module_plans, table_shardings
+from tpurec.sparse.mesh_batches import map_batch
+from tpurec.sparse.mesh_batches import batch_sharded_array, local_device_count
+from tpurec.sparse.sharding_plan.shards import TableSharding, module_plans, table_shardings
 from tpurec.sparse.table_init import check_rows_fit, table_init, table_key
 from tpurec.core import TpuTensor, host_array, is_global, mesh_arrays_in_use, replace_array, wrap
 
@@ -444,6 +444,6 @@ def shard(
 
     model.register_forward_pre_hook(split_batch, with_kwargs=True)
     # For users (e.g. distribute_batch(labels, model.mesh)); tpurec itself asks the sharded
-    # collections (tpurec.sparse.spec.mesh.mesh_of).
+    # collections (tpurec.sparse.mesh_batches.mesh_of).
     model.mesh = mesh
     return model

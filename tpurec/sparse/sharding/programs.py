@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from tpurec.core import Program
-from tpurec.sparse.spec.layout import Layout
+from tpurec.sparse.sharding_plan.layout import Layout
 from tpurec.sparse.types import PAD_ID
 
 __all__ = ["backward", "forward", "id_weight_gradient", "make_programs"]

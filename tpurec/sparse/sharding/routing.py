@@ -27,7 +27,7 @@ from tpurec.sparse.batching import expand_bags, read_batching
 from tpurec.sparse.lookup import Prepared
 from tpurec.sparse.preprocess import read_kjt
 from tpurec.sparse.sharding.fingerprint import agree_on_step
-from tpurec.sparse.spec.layout import Layout
+from tpurec.sparse.sharding_plan.layout import Layout
 from tpurec.sparse.types import PAD_ID, CapacityError, StackedTable
 
 __all__ = ["ALIGN", "InputRouter", "MeshBatch", "Prefetched", "Routed"]

@@ -12,8 +12,6 @@ both build on it without importing each other's machinery.
 ``layout``          where every shard lives on each device and where its pooled rows go
 ``validate``        a whole plan checked against a model's tables and a mesh size
 ``traffic``         bytes each device sends per step to run a plan (payload and buffers)
-``batch``           rebuilding a batch (tensors, KeyedJaggedTensors, containers) piece by piece
-``mesh``            which mesh a module's batches go to (a protocol), and batch-sharded arrays
 ==================  ========================================================================
 
 The submodules are imported by name (this package imports none of them), so

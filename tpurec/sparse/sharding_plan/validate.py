@@ -5,7 +5,7 @@ module path) or to a list of tables (by name) and checks every table's entry:
 its sharding type is one tpurec runs, its ranks and shard placements lie in
 the mesh, and its shards lie inside the table and cover it exactly. The
 executor's own reading of one module's plan
-(:func:`tpurec.sparse.spec.shards.table_shardings`) runs last, so a plan that
+(:func:`tpurec.sparse.sharding_plan.shards.table_shardings`) runs last, so a plan that
 validates is one ``tpurec.shard`` accepts (its shards tile each table as a
 grid of row and column blocks).
 
@@ -22,9 +22,9 @@ from torch import nn
 from torchrec.distributed.types import ParameterSharding, ShardingPlan
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig
 
-from tpurec.sparse.spec.sharding_types import DATA_PARALLEL, SHARDING_TYPES
-from tpurec.sparse.spec.shards import table_shardings
-from tpurec.sparse.spec.tables import TableSpec, as_table_spec
+from tpurec.sparse.sharding_plan.sharding_types import DATA_PARALLEL, SHARDING_TYPES
+from tpurec.sparse.sharding_plan.shards import table_shardings
+from tpurec.sparse.sharding_plan.tables import TableSpec, as_table_spec
 
 __all__ = ["ROOT_KEY", "TPU_RUNNABLE_SHARDING_TYPES", "TableShapes", "validate_plan"]
 

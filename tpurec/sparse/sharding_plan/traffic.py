@@ -38,7 +38,7 @@ Two counts answer two questions, so both exist:
   reads from the compiled program.
 
 Both read tables and sharding types the same way (``_specs_by_name`` and
-:mod:`tpurec.sparse.spec.sharding_types`); only the arithmetic, payload
+:mod:`tpurec.sparse.sharding_plan.sharding_types`); only the arithmetic, payload
 versus padded buffers, differs.
 """
 
@@ -53,10 +53,10 @@ from torchrec.distributed.planner.types import ShardingOption
 from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import BaseEmbeddingConfig, EmbeddingBagConfig
 
-from tpurec.sparse.spec.layout import Layout
-from tpurec.sparse.spec.sharding_types import DATA_PARALLEL, OWNER_SHARDED, ROW_SHARDED, SHARDING_TYPES
-from tpurec.sparse.spec.shards import table_shardings
-from tpurec.sparse.spec.tables import TableSpec, as_table_spec
+from tpurec.sparse.sharding_plan.layout import Layout
+from tpurec.sparse.sharding_plan.sharding_types import DATA_PARALLEL, OWNER_SHARDED, ROW_SHARDED, SHARDING_TYPES
+from tpurec.sparse.sharding_plan.shards import table_shardings
+from tpurec.sparse.sharding_plan.tables import TableSpec, as_table_spec
 
 __all__ = [
     "DistributionBytes",

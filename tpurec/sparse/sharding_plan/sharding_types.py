@@ -6,7 +6,7 @@ traffic model treats each kind) is derived from the names here.
 
 Example::
 
-    from tpurec.sparse.spec.sharding_types import SHARDING_TYPES
+    from tpurec.sparse.sharding_plan.sharding_types import SHARDING_TYPES
     "row_wise" in SHARDING_TYPES  # True
 """
 

@@ -24,8 +24,8 @@ from typing import Sequence
 import numpy as np
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from tpurec.sparse.spec.sharding_types import DATA_PARALLEL
-from tpurec.sparse.spec.shards import ShardPiece, TableSharding
+from tpurec.sparse.sharding_plan.sharding_types import DATA_PARALLEL
+from tpurec.sparse.sharding_plan.shards import ShardPiece, TableSharding
 
 __all__ = ["Group", "DataParallelGroup", "TableRouting", "Layout"]
 

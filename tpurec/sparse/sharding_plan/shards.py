@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
 
-from tpurec.sparse.spec.sharding_types import DATA_PARALLEL, SHARDING_TYPES
+from tpurec.sparse.sharding_plan.sharding_types import DATA_PARALLEL, SHARDING_TYPES
 
 __all__ = ["SHARDING_TYPES", "ShardPiece", "TableSharding", "table_shardings", "module_plans"]
 
