@@ -76,6 +76,8 @@ MOVED: dict[str, str] = {
     "tpurec.sparse.sharding.layout": "tpurec.sparse.sharding_plan.layout",
     "tpurec.sparse.sharding.specs": "tpurec.sparse.sharding_plan.shards",
     "tpurec.sparse.planner.comms": "tpurec.sparse.sharding_plan.traffic",
+    # Checkpoints, unsharded and sharded, in one package.
+    "tpurec.sparse.sharding.checkpoint": "tpurec.sparse.checkpoint.sharded",
 }
 
 

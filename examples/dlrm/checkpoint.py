@@ -9,7 +9,7 @@ its final name and then renamed, so a crash mid-write leaves the previous checkp
 it is checked whole before anything is loaded.
 
 A model sharded by ``tpurec.shard`` (``--num_devices > 1``) is saved in
-tpurec's sharded format instead (:mod:`tpurec.sparse.sharding.checkpoint`,
+tpurec's sharded format instead (:mod:`tpurec.sparse.checkpoint.sharded`,
 Orbax: tables, optimizer slots, step counts and the dense parameters, each
 device's shards written by its process) plus a small ``state.pt`` with the
 dense optimizer, the position, the history and numpy's generator state. Both
@@ -123,7 +123,7 @@ def sharded_path(directory: str) -> str | None:
 def _save_sharded(
     directory: str, model: nn.Module, dense_optimizer: torch.optim.Optimizer, progress: dict[str, Any], numpy_state: Any
 ) -> str:
-    from tpurec.sparse.sharding import checkpoint as sharded
+    from tpurec.sparse.checkpoint import sharded
 
     # A unique name: a crashed save's leftovers never collide with this one.
     tmp = os.path.join(directory, f".{SHARDED_PREFIX}tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
@@ -154,7 +154,7 @@ def _save_sharded(
 
 
 def _load_sharded(directory: str, model: nn.Module, dense_optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    from tpurec.sparse.sharding import checkpoint as sharded
+    from tpurec.sparse.checkpoint import sharded
     from tpurec.sparse.sharding import replicate
 
     path = sharded_path(directory)

@@ -88,7 +88,8 @@ def main() -> None:
     import torch
 
     from tpurec.sparse.checkpoint import list_checkpoints
-    from tpurec.sparse.sharding import checkpoint, distribute_batch
+    from tpurec.sparse.checkpoint import sharded as checkpoint
+    from tpurec.sparse.sharding import distribute_batch
 
     rank = jax.process_index()
     tables, model = build(int(setting("ROWS", "40")), setting("PLAN", "mixed"))

@@ -373,7 +373,7 @@ def test_resume_into_another_model_names_the_first_difference(tmp_path):
 
 def test_sharded_checkpoint_is_written_atomically(tmp_path, monkeypatch):
     """A save that crashes inside the sharded write leaves the previous checkpoint the one --resume reads."""
-    from tpurec.sparse.sharding import checkpoint as sharded
+    from tpurec.sparse.checkpoint import sharded
 
     cfg = flags.parse_args([*SMALL, "--adagrad", "--num_devices", "2", "--batch_size", "16"])
     model = loop.place_model(model_lib.build_model(cfg, "tpu"), cfg)

@@ -78,8 +78,8 @@ LAYERS = (
     "quant",  # QuantEmbeddingBagCollection
     "managed",  # managed-collision remaps
     "convert",  # from_torchrec
-    "checkpoint",  # unsharded checkpoints
     "pipeline",  # TrainPipeline
     "sharding",  # the executor: tpurec.shard (calls the planner)
+    "checkpoint",  # checkpoints of unsharded and sharded models
 )
 DEVICE_FREE_LAYERS = ("sharding_plan", "planner", "mesh_batches")

@@ -116,7 +116,7 @@ def address_space() -> dict[str, int]:
 def main(out: str, mode: str, rows: int, slack_mb: int | None, lift: bool = False) -> None:
     import jax
 
-    from tpurec.sparse.sharding import checkpoint
+    from tpurec.sparse.checkpoint import sharded as checkpoint
 
     rank, count = jax.process_index(), jax.process_count()
     lo, hi = rank * BATCH // count, (rank + 1) * BATCH // count

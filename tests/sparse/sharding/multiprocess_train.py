@@ -159,7 +159,8 @@ def main(out: str, checkpoint_dir: str | None = None) -> None:
     import jax
     import torch
 
-    from tpurec.sparse.sharding import checkpoint, distribute_batch
+    from tpurec.sparse.checkpoint import sharded as checkpoint
+    from tpurec.sparse.sharding import distribute_batch
 
     tables, model = build()
     optimizer = torch.optim.Adagrad(model.parameters(), lr=0.05)

@@ -21,7 +21,7 @@ from torchrec.models.dlrm import DLRM
 import tpurec
 import tpurec.sparse as sp
 from helpers import make_tables, random_kjt
-from tpurec.sparse.sharding import checkpoint
+from tpurec.sparse.checkpoint import sharded as checkpoint
 
 EBC_PATH = "sparse_arch.embedding_bag_collection"
 TABLES = make_tables(dims=(8, 8, 8), rows=(40, 23, 17), features=(("f0", "f1"), ("f2",), ("f3",)))

@@ -45,7 +45,7 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
 
     # The checkpoint both processes wrote (each its own shards) loads in this one
     # process under another plan (every table row-wise over 8 devices), bit-identical.
-    from tpurec.sparse.sharding import checkpoint
+    from tpurec.sparse.checkpoint import sharded as checkpoint
 
     _tables, loaded = multiprocess_train.build("row_wise")
     checkpoint.load(loaded, tmp_path / "ckpt")

@@ -29,7 +29,7 @@ from torchrec.models.dlrm import DLRM
 
 import tpurec
 import tpurec.sparse as sp
-from tpurec.sparse.sharding import checkpoint
+from tpurec.sparse.checkpoint import sharded as checkpoint
 
 EBC_PATH = "sparse_arch.embedding_bag_collection"
 ROWS = (40, 23, 17)

@@ -194,7 +194,7 @@ def test_plan_naming_the_collection_twice_or_not_at_all_changes_nothing():
 
 
 def test_sharded_checkpoint_reshards_and_training_continues(tmp_path):
-    from tpurec.sparse.sharding import checkpoint
+    from tpurec.sparse.checkpoint import sharded as checkpoint
 
     reference, ours = _models()
     saved = tpurec.shard(ours, _plan(GENERATORS["table_wise"]))

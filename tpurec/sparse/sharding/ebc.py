@@ -425,7 +425,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         # The unsharded collection's keys and shapes, so state dicts move between
-        # sharded and unsharded models (sharded checkpoints: see checkpoint.py).
+        # sharded and unsharded models (sharded checkpoints: see tpurec/sparse/checkpoint/sharded.py).
         tables, _ = self.full_tables()
         for name, value in tables.items():
             destination[prefix + f"embedding_bags.{name}.weight"] = torch.from_numpy(value)

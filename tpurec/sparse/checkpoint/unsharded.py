@@ -482,7 +482,7 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     """The committed checkpoints in ``directory``, oldest first (newest last).
 
     Lists the files written by :func:`save` and the folders written by
-    :func:`tpurec.sparse.sharding.checkpoint.save`; leaves out the temporary files
+    :func:`tpurec.sparse.checkpoint.sharded.save`; leaves out the temporary files
     and folders of saves that did not finish. A listed checkpoint is still checked
     when it is loaded.
 

@@ -52,7 +52,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from torch import nn
 
-from tpurec.sparse.checkpoint import CheckpointError, list_checkpoints
+from tpurec.sparse.checkpoint.unsharded import CheckpointError, list_checkpoints
 from tpurec.core import array_of, replace_array
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
 
@@ -580,7 +580,7 @@ def _warn_unchecked(path: str) -> None:
     _warned_unchecked.add(path)
     warnings.warn(
         f"{path} was written without checksums (by an older tpurec) and is loaded checked by names and dims only; "
-        "save it again with tpurec.sparse.sharding.checkpoint.save to add them",
+        "save it again with tpurec.sparse.checkpoint.sharded.save to add them",
         UserWarning,
         stacklevel=3,
     )
