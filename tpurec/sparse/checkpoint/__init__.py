@@ -7,6 +7,7 @@
                package's: ``tpurec.sparse.checkpoint.save(path, model, optimizer)``, ``load``
 ``sharded``    a model sharded by ``tpurec.shard``: an Orbax folder of sharded arrays, each
                process writing its shards, loaded under any plan or device count
+``integrity``  what both check before anything is written, and their errors' words
 =============  ===========================================================================
 
 A damaged, incomplete or partly written checkpoint is a :class:`CheckpointError` naming the file
@@ -23,9 +24,9 @@ Example::
     sharded.save(sharded_model, "/ckpt/step_100")
 """
 
+from tpurec.sparse.checkpoint.integrity import CheckpointError
 from tpurec.sparse.checkpoint.unsharded import (
     FORMAT,
-    CheckpointError,
     list_checkpoints,
     load,
     load_state_dict,

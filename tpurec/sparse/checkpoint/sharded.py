@@ -17,7 +17,7 @@ so every process agrees without gathering), and describes the model it came
 from (collections, tables with rows, dims and dtypes, optimizer and slot names,
 dense shapes) in Orbax's ``_CHECKPOINT_METADATA``. :func:`load` refuses, before
 anything is written, a checkpoint that does not fit the model (with the messages
-of :mod:`tpurec.sparse.checkpoint`), a damaged or incomplete one (a
+of the one-device format, :mod:`tpurec.sparse.checkpoint.integrity`), a damaged or incomplete one (a
 :class:`~tpurec.sparse.checkpoint.CheckpointError` naming the file or entry),
 and an interrupted save. Checkpoints written before checksums existed load
 with one warning, checked by names and dims only; save them again to add the
@@ -35,12 +35,10 @@ Example::
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 import shutil
 import tempfile
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +50,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from torch import nn
 
-from tpurec.sparse.checkpoint.unsharded import CheckpointError, list_checkpoints
 from tpurec.core import array_of, replace_array
+from tpurec.sparse.checkpoint import integrity
+from tpurec.sparse.checkpoint.integrity import MANIFEST, CheckpointError
+from tpurec.sparse.checkpoint.unsharded import list_checkpoints
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
 
 __all__ = ["FORMAT", "CheckpointError", "list_checkpoints", "load", "save"]
 
 FORMAT = "tpurec.sparse.sharding.checkpoint/1"
-_TEMPORARY = ".orbax-checkpoint-tmp"  # what Orbax appends to a checkpoint's name while writing it
-_MANIFEST = "tpurec_manifest.json"  # every file's size and sha256, written once Orbax has committed
 
 
 def _padded_rows(rows: int, devices: int) -> int:
@@ -369,24 +367,11 @@ def load(model: nn.Module, directory: str | os.PathLike) -> None:
     with ocp.StandardCheckpointer() as checkpointer:
         stored_tree, description = _read_metadata(checkpointer, path)
         if description is not None and not has_manifest:
-            raise CheckpointError(
-                f"{path}/{_MANIFEST}: missing, the save did not finish or the file was removed; use another checkpoint"
-            )
-        _check_fits(path, modules, dense, stored_tree, description)
-        saved_paths = set(stored_tree["embeddings"])
-        mine = {_key(path_) for path_ in modules}
-        if saved_paths != mine:
-            raise ValueError(
-                f"the checkpoint holds sharded collections {sorted(saved_paths)}, the model {sorted(mine)}"
-            )
+            raise integrity.unusable(f"{path}/{MANIFEST}", "missing, the save did not finish or the file was removed")
+        _check_fits(path, modules, dense, stored_tree, description)  # collections, tables, slots, shapes
         target: dict[str, Any] = {"embeddings": {}, "dense": {}}
         for mpath, module in modules.items():
             saved_tables = stored_tree["embeddings"][_key(mpath)]["tables"]
-            names = {c.name for c in module.embedding_bag_configs()}
-            if set(saved_tables) != names:
-                raise ValueError(
-                    f"collection '{mpath}': the checkpoint has tables {sorted(saved_tables)}, the model {sorted(names)}"
-                )
             tables = {}
             D = module.layout.num_devices
             for cfg in module.embedding_bag_configs():
@@ -526,17 +511,13 @@ def _description(model: nn.Module) -> dict[str, Any]:
 def _check_committed(path: str) -> None:
     """Raises CheckpointError unless ``path`` is a checkpoint folder whose save finished."""
     folder = Path(path)
-    if _TEMPORARY in folder.name:
-        raise CheckpointError(
-            f"{path}: the temporary folder of a save that did not finish, not a checkpoint; use another checkpoint"
-        )
+    if integrity.ORBAX_TEMPORARY in folder.name:
+        raise integrity.unusable(path, "the temporary folder of a save that did not finish, not a checkpoint")
     if not folder.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
     for name in ("_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt"):
         if not (folder / name).is_file():
-            raise CheckpointError(
-                f"{folder / name}: missing, the checkpoint is incomplete or damaged; use another checkpoint"
-            )
+            raise integrity.unusable(folder / name, "missing, the checkpoint is incomplete or damaged")
 
 
 def _read_metadata(checkpointer: Any, path: str) -> tuple[dict[str, Any], dict[str, Any] | None]:
@@ -554,7 +535,7 @@ def _read_metadata(checkpointer: Any, path: str) -> tuple[dict[str, Any], dict[s
         or not isinstance(stored_tree.get("embeddings"), dict)
         or not isinstance(stored_tree.get("dense"), dict)
     ):
-        raise CheckpointError(f"{path}/_METADATA: damaged or not a tpurec sharded checkpoint; use another checkpoint")
+        raise integrity.unusable(f"{path}/_METADATA", "damaged or not a tpurec sharded checkpoint")
     custom = getattr(stored, "custom_metadata", None) or {}
     description = custom.get("tpurec") if isinstance(custom, dict) else None
     if description is None:
@@ -562,28 +543,11 @@ def _read_metadata(checkpointer: Any, path: str) -> tuple[dict[str, Any], dict[s
             raise CheckpointError(
                 f"{path}/_CHECKPOINT_METADATA: the model description is missing, the checkpoint is damaged"
             )
-        _warn_unchecked(path)
+        integrity.warn_unchecked(path, "checked by names and dims only", "tpurec.sparse.checkpoint.sharded.save")
         return stored_tree, None
     if not isinstance(description, dict) or description.get("format") != FORMAT or "checksums" not in stored_tree:
-        raise CheckpointError(
-            f"{path}/_CHECKPOINT_METADATA: damaged (not a {FORMAT} description); use another checkpoint"
-        )
+        raise integrity.unusable(f"{path}/_CHECKPOINT_METADATA", f"damaged (not a {FORMAT} description)")
     return stored_tree, description
-
-
-_warned_unchecked: set[str] = set()
-
-
-def _warn_unchecked(path: str) -> None:
-    if path in _warned_unchecked:
-        return
-    _warned_unchecked.add(path)
-    warnings.warn(
-        f"{path} was written without checksums (by an older tpurec) and is loaded checked by names and dims only; "
-        "save it again with tpurec.sparse.checkpoint.sharded.save to add them",
-        UserWarning,
-        stacklevel=3,
-    )
 
 
 def _check_fits(
@@ -595,7 +559,7 @@ def _check_fits(
 ) -> None:
     """Raises ValueError unless the checkpoint holds exactly the model's tables, slots and dense tensors.
 
-    The messages are those of the single-device format (:mod:`tpurec.sparse.checkpoint`).
+    The messages are those of the one-device format (:mod:`tpurec.sparse.checkpoint.integrity`).
     """
     from tpurec.core import value_of
 
@@ -612,43 +576,33 @@ def _check_fits(
         saved = None if description is None else description["collections"].get(key)
         mine_name = _optimizer_name(module)
         if saved is not None and saved.get("optimizer") != mine_name:
-            raise ValueError(
-                f"embedding optimizer state of module '{mpath or '<model>'}': the optimizer state is of {saved.get('optimizer')}, "
-                f"but this EmbeddingBagCollection uses {mine_name}; build the module with the optimizer the checkpoint was trained with"
+            raise integrity.optimizer_state_error(
+                mpath,
+                f"the optimizer state is of {saved.get('optimizer')}, but this EmbeddingBagCollection uses "
+                f"{mine_name}; build the module with the optimizer the checkpoint was trained with",
             )
         slots = sorted(module.optimizer.slots)
         for cfg in module.embedding_bag_configs():
             state_key = f"{mpath}.embedding_bags.{cfg.name}.weight" if mpath else f"embedding_bags.{cfg.name}.weight"
             got_slots = sorted(k for k in saved_tables[cfg.name] if k != "weight")
             if "weight" not in saved_tables[cfg.name] or got_slots != slots:
-                raise ValueError(
-                    f"embedding optimizer state of module '{mpath or '<model>'}': the optimizer state of {state_key} has slots "
-                    f"{got_slots}, but {mine_name} needs {slots}"
+                raise integrity.optimizer_state_error(
+                    mpath, f"the optimizer state of {state_key} has slots {got_slots}, but {mine_name} needs {slots}"
                 )
             meta = saved_tables[cfg.name]["weight"]
             rows = cfg.num_embeddings
             if saved is not None:
                 table = saved["tables"][cfg.name]
-                rows, dtype = table["rows"], table["dtype"]
-                if dtype != "float32" or str(meta.dtype) != "float32":
-                    raise ValueError(f"checkpoint entry {state_key} has dtype {dtype}, the model's is float32")
-            got = (rows, *tuple(meta.shape)[1:])
-            if got != (cfg.num_embeddings, cfg.embedding_dim):
-                raise ValueError(
-                    f"checkpoint entry {state_key} has shape {got}, the model's is {(cfg.num_embeddings, cfg.embedding_dim)}"
-                )
-    saved_dense = set(stored_tree["dense"])
-    missing = sorted(name for name in dense if _key(name) not in saved_dense)
-    unexpected = sorted(k.replace("~", ".") for k in saved_dense - {_key(n) for n in dense})
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit the model: missing keys {missing}, unexpected keys {unexpected}")
+                rows = table["rows"]
+                integrity.check_dtype(state_key, table["dtype"], "float32")
+                integrity.check_dtype(state_key, meta.dtype, "float32")
+            integrity.check_shape(state_key, (rows, *tuple(meta.shape)[1:]), (cfg.num_embeddings, cfg.embedding_dim))
+    # Keys as the state dict names them (the tree's keys stand "~" for ".").
+    integrity.check_keys(dense, (k.replace("~", ".") for k in stored_tree["dense"]))
     for name, t in dense.items():
         meta = stored_tree["dense"][_key(name)]
-        if tuple(meta.shape) != tuple(t.shape):
-            raise ValueError(f"checkpoint entry {name} has shape {tuple(meta.shape)}, the model's is {tuple(t.shape)}")
-        want = value_of(t, "checkpoint").dtype
-        if np.dtype(meta.dtype) != np.dtype(want):
-            raise ValueError(f"checkpoint entry {name} has dtype {meta.dtype}, the model's is {want}")
+        integrity.check_shape(name, meta.shape, t.shape)
+        integrity.check_dtype(name, np.dtype(meta.dtype), np.dtype(value_of(t, "checkpoint").dtype))
 
 
 def _restore(checkpointer: Any, path: str, target: dict[str, Any]) -> dict[str, Any]:
@@ -673,15 +627,10 @@ def _verify_checksums(
         for table, slots in found["embeddings"][key].items():
             for slot, digest in slots.items():
                 if not np.array_equal(np.asarray(saved["embeddings"][key][table][slot]), digest):
-                    raise CheckpointError(
-                        f"{path}: entry '{mpath}' table '{table}' {slot} is damaged (its checksum does not match the one saved); "
-                        "use another checkpoint"
-                    )
+                    raise integrity.damaged_entry(path, f"entry '{mpath}' table '{table}' {slot}")
     for name in dense:
         if not np.array_equal(np.asarray(saved["dense"][_key(name)]), found["dense"][_key(name)]):
-            raise CheckpointError(
-                f"{path}: entry '{name}' is damaged (its checksum does not match the one saved); use another checkpoint"
-            )
+            raise integrity.damaged_entry(path, f"entry '{name}'")
 
 
 def _remove_leftovers(folder: Path) -> None:
@@ -689,32 +638,29 @@ def _remove_leftovers(folder: Path) -> None:
     if not folder.is_dir():
         return
     for entry in folder.iterdir():
-        if _TEMPORARY in entry.name and entry.is_dir():
+        if integrity.ORBAX_TEMPORARY in entry.name and entry.is_dir():
             shutil.rmtree(entry, ignore_errors=True)
 
 
 def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return integrity.file_sha256(f)
 
 
 def _write_manifest(folder: Path) -> None:
-    """Records every file of a committed checkpoint (size, sha256), atomically, in :data:`_MANIFEST`."""
+    """Records every file of a committed checkpoint (size, sha256), atomically, in :data:`MANIFEST`."""
     files = {}
     for file in sorted(folder.rglob("*")):
-        if file.is_file() and file.name != _MANIFEST:
+        if file.is_file() and file.name != MANIFEST:
             files[file.relative_to(folder).as_posix()] = {"size": file.stat().st_size, "sha256": _file_sha256(file)}
     data = json.dumps({"format": FORMAT, "files": files}, indent=1).encode()
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{_MANIFEST}.", suffix=".tmp")
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{MANIFEST}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, folder / _MANIFEST)
+        os.replace(tmp, folder / MANIFEST)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -726,7 +672,7 @@ def _check_manifest(folder: Path) -> bool:
     Raises:
         CheckpointError: the manifest is damaged, or a file is missing, cut or changed (named).
     """
-    manifest = folder / _MANIFEST
+    manifest = folder / MANIFEST
     if not manifest.exists():
         return False
     try:
@@ -736,15 +682,13 @@ def _check_manifest(folder: Path) -> bool:
             raise ValueError("not a tpurec manifest")
         entries = [(name, int(entry["size"]), str(entry["sha256"])) for name, entry in files.items()]
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{manifest}: damaged ({type(e).__name__}: {e}); use another checkpoint") from e
+        raise integrity.unusable(manifest, f"damaged ({type(e).__name__}: {e})") from e
     for name, size, sha256 in entries:
         file = folder / name
         if not file.is_file():
-            raise CheckpointError(f"{file}: missing, the checkpoint is incomplete; use another checkpoint")
+            raise integrity.unusable(file, "missing, the checkpoint is incomplete")
         if file.stat().st_size != size:
-            raise CheckpointError(
-                f"{file}: {file.stat().st_size} bytes, {size} were saved (a cut or damaged file); use another checkpoint"
-            )
+            raise integrity.unusable(file, f"{file.stat().st_size} bytes, {size} were saved (a cut or damaged file)")
         if _file_sha256(file) != sha256:
-            raise CheckpointError(f"{file}: damaged (its sha256 does not match the one saved); use another checkpoint")
+            raise integrity.unusable(file, "damaged (its sha256 does not match the one saved)")
     return True

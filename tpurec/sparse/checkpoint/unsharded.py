@@ -51,7 +51,6 @@ import json
 import os
 import re
 import tempfile
-import warnings
 import zipfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -60,6 +59,18 @@ from typing import Any
 import torch
 from torch import nn
 
+from tpurec.sparse.checkpoint.integrity import (
+    MANIFEST,
+    ORBAX_TEMPORARY,
+    CheckpointError,
+    check_keys,
+    check_shape,
+    damaged_entry,
+    file_sha256,
+    optimizer_state_error,
+    unusable,
+    warn_unchecked,
+)
 from tpurec.sparse.modules import EmbeddingBagCollection
 
 __all__ = ["FORMAT", "CheckpointError", "list_checkpoints", "load", "load_state_dict", "save", "state_dict"]
@@ -72,10 +83,6 @@ _SEAL_LENGTH = len(_SEAL) + 64
 _EOCD = b"PK\x05\x06"  # the zip's end-of-central-directory record: 22 bytes, then the comment
 # mkstemp's names for the temporary files of save(): ".<name>.<8 random characters>.tmp"
 _TEMPORARY = re.compile(r"^\..+\.[A-Za-z0-9_]{8}\.tmp$")
-
-
-class CheckpointError(ValueError):
-    """A checkpoint is damaged, incomplete or does not fit the model (the message names the file or entry)."""
 
 
 def _digest(value: Any) -> str:
@@ -116,36 +123,15 @@ def _verify_checksums(checkpoint: Mapping[str, Any], source: str) -> None:
     """Raises CheckpointError naming the first entry whose checksum differs (or that is missing or extra)."""
     saved = checkpoint["checksums"]
     if not isinstance(saved, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in saved.items()):
-        raise CheckpointError(f"{source}: the checksums entry is damaged; use another checkpoint")
+        raise unusable(source, "the checksums entry is damaged")
     found = _checksums(checkpoint)
     for path in sorted(set(saved) | set(found)):
         if path not in found:
-            raise CheckpointError(
-                f"{source}: entry '{path}' is missing (the checkpoint is damaged); use another checkpoint"
-            )
+            raise unusable(source, f"entry '{path}' is missing (the checkpoint is damaged)")
         if path not in saved:
-            raise CheckpointError(
-                f"{source}: entry '{path}' has no checksum (the checkpoint is damaged); use another checkpoint"
-            )
+            raise unusable(source, f"entry '{path}' has no checksum (the checkpoint is damaged)")
         if saved[path] != found[path]:
-            raise CheckpointError(
-                f"{source}: entry '{path}' is damaged (its checksum does not match the one saved); use another checkpoint"
-            )
-
-
-_warned_unchecked: set[str] = set()
-
-
-def _warn_unchecked(source: str) -> None:
-    if source in _warned_unchecked:
-        return
-    _warned_unchecked.add(source)
-    warnings.warn(
-        f"{source} was written without checksums (by an older tpurec) and is loaded unchecked; save it again "
-        "with tpurec.sparse.checkpoint.save to add them",
-        UserWarning,
-        stacklevel=3,
-    )
+            raise damaged_entry(source, f"entry '{path}'")
 
 
 def _to_cpu(value: Any) -> Any:
@@ -219,17 +205,11 @@ def _optimizer_state_follows(modules: Mapping[str, EmbeddingBagCollection]) -> I
 def _check_model_state(model: nn.Module, state: Mapping[str, Any]) -> None:
     """Raises ValueError unless ``state`` has exactly the model's keys and shapes."""
     mine = model.state_dict()
-    missing = sorted(set(mine) - set(state))
-    unexpected = sorted(set(state) - set(mine))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit the model: missing keys {missing}, unexpected keys {unexpected}")
+    check_keys(mine, state)
     for key, target in mine.items():
         value = state[key]
-        if isinstance(target, torch.Tensor) and (
-            not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(target.shape)
-        ):
-            got = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ValueError(f"checkpoint entry {key} has shape {got}, the model's is {tuple(target.shape)}")
+        if isinstance(target, torch.Tensor):
+            check_shape(key, value.shape if isinstance(value, torch.Tensor) else type(value).__name__, target.shape)
 
 
 def load_state_dict(
@@ -269,12 +249,10 @@ def _check_integrity(checkpoint: Any, source: str) -> None:
     if "checksums" in checkpoint:
         _verify_checksums(checkpoint, source)
     else:
-        _warn_unchecked(source)
+        warn_unchecked(source, "unchecked", "tpurec.sparse.checkpoint.save")
     for key in ("model", "embedding_optimizers", "optimizer"):
         if key not in checkpoint:
-            raise CheckpointError(
-                f"{source}: entry '/{key}' is missing (the checkpoint is damaged); use another checkpoint"
-            )
+            raise unusable(source, f"entry '/{key}' is missing (the checkpoint is damaged)")
 
 
 def _load_checked(
@@ -304,7 +282,7 @@ def _load_checked(
         try:
             module.check_optimizer_state_dict(saved[name])
         except ValueError as e:
-            raise ValueError(f"embedding optimizer state of module '{name or '<model>'}': {e}") from e
+            raise optimizer_state_error(name, e) from e
     if optimizer is not None:
         _validate_dense_optimizer(optimizer, checkpoint["optimizer"])
     with _optimizer_state_follows(modules):
@@ -384,21 +362,9 @@ def _seal(f: Any) -> None:
     f.write(_SEAL_LENGTH.to_bytes(2, "little"))
     f.flush()
     f.seek(0)
-    digest = _file_sha256(f, os.fstat(f.fileno()).st_size)
+    digest = file_sha256(f, os.fstat(f.fileno()).st_size)
     f.seek(0, os.SEEK_END)
     f.write(_SEAL + digest.encode())
-
-
-def _file_sha256(f: Any, length: int) -> str:
-    h = hashlib.sha256()
-    left = length
-    while left > 0:
-        block = f.read(min(left, 1 << 20))
-        if not block:
-            break
-        h.update(block)
-        left -= len(block)
-    return h.hexdigest()
 
 
 def _check_seal(path: Path) -> bool:
@@ -416,11 +382,8 @@ def _check_seal(path: Path) -> bool:
         if end[:4] != _EOCD or end[22 : 22 + len(_SEAL)] != _SEAL:
             return False
         f.seek(0)
-        if _file_sha256(f, size - _SEAL_LENGTH) != end[22 + len(_SEAL) :].decode("ascii", "replace"):
-            raise CheckpointError(
-                f"{path}: the file is damaged (its sha256 does not match the one recorded when it was saved); "
-                "use another checkpoint"
-            )
+        if file_sha256(f, size - _SEAL_LENGTH) != end[22 + len(_SEAL) :].decode("ascii", "replace"):
+            raise unusable(path, "the file is damaged (its sha256 does not match the one recorded when it was saved)")
     return True
 
 
@@ -472,9 +435,7 @@ def load(
             f"{path}: not a readable checkpoint, the file is damaged ({type(e).__name__}: {e})"
         ) from e
     if isinstance(checkpoint, Mapping) and "checksums" in checkpoint and not sealed:
-        raise CheckpointError(
-            f"{path}: the file hash written by save is missing (a truncated or damaged file); use another checkpoint"
-        )
+        raise unusable(path, "the file hash written by save is missing (a truncated or damaged file)")
     return _load_checked(model, checkpoint, optimizer, restore_rng=restore_rng, source=str(path))
 
 
@@ -494,7 +455,7 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
     """
     found = []
     for entry in Path(directory).iterdir():
-        if entry.name.startswith(".") or entry.name.endswith(".tmp") or "orbax-checkpoint-tmp" in entry.name:
+        if entry.name.startswith(".") or entry.name.endswith(".tmp") or ORBAX_TEMPORARY in entry.name:
             continue
         if (entry.is_file() and zipfile.is_zipfile(entry)) or (entry.is_dir() and _committed_sharded(entry)):
             found.append(entry)
@@ -503,7 +464,7 @@ def list_checkpoints(directory: str | os.PathLike) -> list[Path]:
 
 def _committed_sharded(folder: Path) -> bool:
     """A sharded checkpoint whose save finished: with its manifest (or an older one, committed by Orbax)."""
-    if (folder / "tpurec_manifest.json").is_file():
+    if (folder / MANIFEST).is_file():
         return True
     try:
         custom = json.loads((folder / "_CHECKPOINT_METADATA").read_text()).get("custom_metadata") or {}
