@@ -32,7 +32,6 @@ import numpy as np
 import torch
 from torch import nn
 
-import tpurec.sparse as sparse
 from tpurec.sparse import checkpoint as sparse_checkpoint
 from dlrm.flags import ConfigError
 
@@ -69,11 +68,6 @@ def _to_host(value: Any) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_to_host(v) for v in value)
     return value
-
-
-def embedding_collections(model: nn.Module) -> dict[str, sparse.EmbeddingBagCollection]:
-    """tpurec embedding collections of ``model`` by module path."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, sparse.EmbeddingBagCollection)}
 
 
 def is_sharded(model: nn.Module) -> bool:
