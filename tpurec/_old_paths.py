@@ -58,7 +58,7 @@ MOVED: dict[str, str] = {
     "tpurec._dynamo": "tpurec.compile.dynamo",
     # TorchRec's DistributedModelParallel on tpu: one package.
     "tpurec.distributed.torchrec_dp": "tpurec.dmp.dense_kernel",
-    "tpurec.distributed.torchrec_fused": "tpurec.dmp.fused_lookups",
+    "tpurec.distributed.torchrec_fused": "tpurec.dmp.grouped_lookups",
     "tpurec.distributed.torchrec_plan": "tpurec.dmp.placements",
     "tpurec.distributed.torchrec_tables": "tpurec.dmp.unfused_tables",
     "tpurec.sparse.torchrec_fused": "tpurec.dmp.fused_kernel",

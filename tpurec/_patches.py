@@ -193,12 +193,8 @@ def _torchrec_tpu_tables() -> None:
     importlib.import_module("tpurec.dmp.unfused_tables").install()
 
 
-def _torchrec_tpu_fused() -> None:
-    importlib.import_module("tpurec.dmp.fused_lookups").install()
-
-
-def _torchrec_tpu_dense() -> None:
-    importlib.import_module("tpurec.dmp.dense_kernel").install()
+def _torchrec_tpu_kernels() -> None:
+    importlib.import_module("tpurec.dmp.grouped_lookups").install()
 
 
 def _sharded_tensor_device() -> None:
@@ -480,41 +476,23 @@ PATCHES: tuple[Patch, ...] = (
         after_import="torchrec.distributed.batched_embedding_kernel",
     ),
     Patch(
-        "torchrec_tpu_fused",
+        "torchrec_tpu_kernels",
         "_create_embedding_kernel of TorchRec's grouped lookups (GroupedPooledEmbeddingsLookup, GroupedEmbeddingsLookup "
-        "in torchrec.distributed.embedding_lookup) builds tpurec's fused kernel for a FUSED table group on tpu (when "
-        "that module is imported)",
+        "in torchrec.distributed.embedding_lookup) refuses a tpu group whose shards are placed on another tpu device "
+        "than the process's, builds a DENSE-kernel group (data-parallel, or sharded with no kernel named) on tpu with "
+        "tpurec's dense tpu kernel (TorchRec's BatchedTPUEmbeddingBag / BatchedTPUEmbedding taking tables of any "
+        "width) instead of FBGEMM's dense kernel, and a FUSED group with tpurec's fused kernel (when that module is "
+        "imported)",
         "TorchRec's FUSED kernel (the planner's pick on tpu, and what apply_optimizer_in_backward trains through) builds "
         "FBGEMM's TBE, which fails on tpu, and its UNFUSED_TPU kernel ignores an in-backward optimizer, so the tables "
         "would not train: the FUSED group runs tpurec's sparse ops with the same optimizer, UNFUSED_TPU with an "
-        "in-backward optimizer raises (see tpurec/dmp/fused_kernel.py, installed by tpurec/dmp/fused_lookups.py).",
-        _torchrec_tpu_fused,
-        requires=(
-            "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup._create_embedding_kernel",
-            "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup._create_embedding_kernel",
-        ),
-        private=True,
-        targets=(
-            "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup._create_embedding_kernel",
-            "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup._create_embedding_kernel",
-        ),
-        after_import="torchrec.distributed.embedding_lookup",
-    ),
-    Patch(
-        "torchrec_tpu_dense",
-        "_create_embedding_kernel of TorchRec's GroupedPooledEmbeddingsLookup and GroupedEmbeddingsLookup (in "
-        "torchrec.distributed.embedding_lookup) builds a DENSE-kernel group (data-parallel, or sharded with no "
-        "kernel named) on a tpu device with tpurec's dense tpu kernel (TorchRec's BatchedTPUEmbeddingBag / "
-        "BatchedTPUEmbedding taking tables of any width) instead of FBGEMM's dense kernel, and refuses a tpu group "
-        "whose shards are placed on another tpu device than the process's (when that module is imported; it wraps "
-        "torchrec_tpu_fused's wrapper)",
-        "Without CUDA TorchRec builds FBGEMM's dense kernel on the CPU, and its DistributedDataParallel wrapper then "
-        "refuses a CPU module for a tpu device; the kernel's TableBatchedEmbeddingSlice tables cannot be tpu "
-        "tensors either; TorchRec's tpu kernel takes widths of multiples of 16 only and hands the sharded module "
-        "tables that require grad where it declares a DENSE table's ShardedTensor without; a shard on another "
-        "device would fail later with PyTorch's message on one rank while the others wait (see "
-        "tpurec/dmp/dense_kernel.py).",
-        _torchrec_tpu_dense,
+        "in-backward optimizer raises. Without CUDA TorchRec builds FBGEMM's dense kernel on the CPU, and its "
+        "DistributedDataParallel wrapper then refuses a CPU module for a tpu device; the kernel's "
+        "TableBatchedEmbeddingSlice tables cannot be tpu tensors either; TorchRec's tpu kernel takes widths of "
+        "multiples of 16 only and hands the sharded module tables that require grad where it declares a DENSE table's "
+        "ShardedTensor without. A shard on another device would fail later with PyTorch's message on one rank while "
+        "the others wait (see tpurec/dmp/grouped_lookups.py, fused_kernel.py, dense_kernel.py).",
+        _torchrec_tpu_kernels,
         requires=(
             "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup._create_embedding_kernel",
             "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup._create_embedding_kernel",

@@ -9,13 +9,14 @@ optimizer. Without CUDA TorchRec builds FBGEMM's kernel on the CPU: a data-paral
 tables are ``TableBatchedEmbeddingSlice`` views of one flat weight, a tensor subclass that cannot
 be made over a tpu tensor either.
 
-:func:`install` (a patch of ``tpurec/_patches.py``, applied when
+:mod:`tpurec.dmp.grouped_lookups` (a patch of ``tpurec/_patches.py``, applied when
 ``torchrec.distributed.embedding_lookup`` is imported) makes TorchRec's grouped lookups
 (``GroupedPooledEmbeddingsLookup``, ``GroupedEmbeddingsLookup``) build a ``DENSE`` group of any
 sharding type on a tpu device with :class:`DenseTPUEmbeddingBag` / :class:`DenseTPUEmbedding`
-instead: TorchRec's tpu kernels (``BatchedTPUEmbeddingBag`` / ``BatchedTPUEmbedding``, one tpu
-parameter per table shard, looked up by ``torch.ops.torchrec``, tpurec's ``sparse_dense_matmul``
-in ``tpurec/dmp/lookup_ops.py``) with what FBGEMM's dense kernel does that they do not:
+(:func:`kernel_classes`) instead: TorchRec's tpu kernels (``BatchedTPUEmbeddingBag`` /
+``BatchedTPUEmbedding``, one tpu parameter per table shard, looked up by ``torch.ops.torchrec``,
+tpurec's ``sparse_dense_matmul`` in ``tpurec/dmp/lookup_ops.py``) with what FBGEMM's dense kernel
+does that they do not:
 
 * tables of any width (TorchRec's pooled tpu table takes multiples of 16 only, a limit of its
   Pallas kernel that tpurec's lookup does not have);
@@ -34,26 +35,19 @@ lookups would drop: a weighted batch is pooled with ``torch.nn.functional.embedd
 ``per_sample_weights`` on tpu instead (the weighted sum, divided by the bag's length for MEAN, as
 FBGEMM pools). Variable batch sizes per feature, which the lookups would mis-stack, raise
 ``NotImplementedError``.
-
-Before any kernel of a tpu group is built (``DENSE``, ``FUSED`` or ``UNFUSED_TPU``), the
-placements of its shards are checked (:func:`tpurec.dmp.placements.check_placements`):
-a plan that places a rank's shards on another tpu device than the process's gets tpurec's error.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
 
-from tpurec.dmp.placements import check_placements
+__all__ = ["is_dense", "kernel_classes"]
 
-__all__ = ["install"]
-
-_LOOKUPS = "torchrec.distributed.embedding_lookup"
 _KERNELS = "torchrec.distributed.batched_embedding_kernel"
 _TPU_MODULES = "torchrec.experimental.torch_tpu.modules.embedding_modules"
 
@@ -68,7 +62,7 @@ def _check_input(kernel: str, features: Any) -> None:
 
 
 @functools.cache
-def _classes() -> tuple[type, type]:
+def kernel_classes() -> tuple[type, type]:
     """The DENSE tpu kernels: TorchRec's TPU kernels, any table width, detached state_dict values."""
     kernels = importlib.import_module(_KERNELS)
     tpu_modules = importlib.import_module(_TPU_MODULES)
@@ -159,52 +153,8 @@ def _classes() -> tuple[type, type]:
     return DenseTPUEmbeddingBag, DenseTPUEmbedding
 
 
-def _on_tpu(device: torch.device | None) -> bool:
-    return device is not None and device.type == "tpu"
-
-
-def _is_dense(config: Any) -> bool:
+def is_dense(config: Any) -> bool:
+    """Whether TorchRec planned the table group ``config`` (a ``GroupedEmbeddingConfig``) with its DENSE kernel."""
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel
 
     return config.compute_kernel == EmbeddingComputeKernel.DENSE
-
-
-def install() -> None:
-    """Makes TorchRec's grouped lookups build DENSE groups on tpu with tpurec's dense tpu kernels (idempotent)."""
-    lookups = importlib.import_module(_LOOKUPS)
-    pooled = lookups.GroupedPooledEmbeddingsLookup
-    sequence = lookups.GroupedEmbeddingsLookup
-    # Its own mark: torchrec_tpu_fused wraps the same methods (marked _tpurec), and this wraps that.
-    if getattr(pooled._create_embedding_kernel, "_tpurec_data_parallel", False):
-        return
-    pooled_original = pooled._create_embedding_kernel
-    sequence_original = sequence._create_embedding_kernel
-
-    def create_pooled(
-        self: Any, config: Any, device: torch.device | None, pg: Any, sharding_type: Any, env: Any
-    ) -> torch.nn.Module:
-        if not _on_tpu(device):
-            return pooled_original(self, config, device, pg, sharding_type, env)
-        check_placements(config, cast(torch.device, device))
-        if not _is_dense(config):
-            return pooled_original(self, config, device, pg, sharding_type, env)
-        return _classes()[0](config=config, pg=pg, device=device, sharding_type=sharding_type)
-
-    def create_sequence(
-        self: Any, config: Any, pg: Any, device: torch.device | None, env: Any = None
-    ) -> torch.nn.Module:
-        if not _on_tpu(device):
-            return sequence_original(self, config, pg, device, env)
-        check_placements(config, cast(torch.device, device))
-        if not _is_dense(config):
-            return sequence_original(self, config, pg, device, env)
-        return _classes()[1](config=config, pg=pg, device=device)
-
-    for cls, method in ((pooled, create_pooled), (sequence, create_sequence)):
-        method.__name__ = "_create_embedding_kernel"
-        method.__doc__ = (
-            "TorchRec's kernel for the group; a DENSE group on a tpu device gets tpurec's dense tpu kernel, and "
-            "a tpu group's shard placements are checked first (tpurec.dmp.dense_kernel)."
-        )
-        method._tpurec_data_parallel = True  # pyright: ignore[reportFunctionMemberAccess]
-        cls._create_embedding_kernel = method

@@ -10,7 +10,7 @@ FBGEMM ops with CPU/CUDA kernels only), and the ``UNFUSED_TPU`` kernel ignores t
 ``fused_params`` (the tables would silently stay as they are).
 
 :func:`create_kernel` is what TorchRec's grouped lookups call for a tpu device (the patch
-``torchrec_tpu_fused``, :mod:`tpurec.dmp.fused_lookups`): it builds,
+``torchrec_tpu_kernels``, :mod:`tpurec.dmp.grouped_lookups`): it builds,
 for a pooled table group with the ``FUSED`` kernel on tpu, a :class:`TpuFusedEmbeddingBag`: the
 same tables and the same fused optimizer as FBGEMM's TBE, run as tpurec's sparse op set (the
 lookup ``torch.ops.tpurec.sparse_dense_matmul``, the update its

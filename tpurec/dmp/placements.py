@@ -12,7 +12,7 @@ groups): :func:`on_process_devices` keeps the plan's ranks, shards and sharding 
 names each rank's own ``tpu:0`` in its placements.
 
 :func:`check_placements` is what TorchRec's grouped lookups call (the patch
-``torchrec_tpu_dense``) before they build a tpu table group's kernel: a shard placed on
+``torchrec_tpu_kernels``) before they build a tpu table group's kernel: a shard placed on
 another tpu device than the process's raises tpurec's ``ValueError`` saying how to plan, on every
 rank at the same point (the check reads every rank's placements), instead of PyTorch's
 ``Local shard tensor device does not match`` on some ranks while the others wait in a collective.

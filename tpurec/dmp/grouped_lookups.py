@@ -1,13 +1,22 @@
-"""The patch ``torchrec_tpu_fused``: TorchRec's grouped lookups build tpurec's kernels on tpu.
+"""The patch ``torchrec_tpu_kernels``: TorchRec's grouped lookups build tpurec's kernels on tpu.
 
 TorchRec's ``GroupedPooledEmbeddingsLookup`` and ``GroupedEmbeddingsLookup``
 (``torchrec.distributed.embedding_lookup``) build one compute kernel per table group in
-``_create_embedding_kernel``. :func:`install` wraps both: for a tpu device the group goes to
-:func:`tpurec.dmp.fused_kernel.create_kernel` (a ``FUSED`` group of an
-EmbeddingBagCollection becomes tpurec's fused kernel; what tpurec cannot run as TorchRec would
-raises), any other group or device to TorchRec's own method. ``tpurec.sparse`` is imported on
-the first tpu group only: this patch is applied while TorchRec's distributed modules are still
-being imported, and importing ``tpurec.sparse`` then would import them again, half initialized.
+``_create_embedding_kernel``. :func:`install` wraps both. For a group on a tpu device it first
+checks the placements of the group's shards (:func:`tpurec.dmp.placements.check_placements`: a
+plan that places a rank's shards on another tpu device than the process's gets tpurec's error,
+on every rank), then builds
+
+* a ``DENSE`` group with :mod:`tpurec.dmp.dense_kernel`'s kernels (TorchRec's tpu kernels,
+  any table width, in place of FBGEMM's dense kernel, which cannot hold tpu tables);
+* a ``FUSED`` group of an EmbeddingBagCollection with :mod:`tpurec.dmp.fused_kernel`'s kernel
+  (the lookup and its in-backward optimizer as tpurec's sparse ops); what tpurec cannot run as
+  TorchRec would raises;
+* any other group with TorchRec's own method, as it does for every other device.
+
+``tpurec.sparse`` is imported by the first tpu group's kernel only: this patch is applied while
+TorchRec's distributed modules are still being imported, and importing ``tpurec.sparse`` then
+would import them again, half initialized.
 
 Tables planned with TorchRec's ``FUSED_UVM`` or ``FUSED_UVM_CACHING`` kernel (a table in host
 memory, or in host memory behind a device cache, on CUDA) are grouped by TorchRec with the
@@ -25,7 +34,8 @@ from typing import Any
 
 import torch
 
-from tpurec.dmp import fused_kernel
+from tpurec.dmp import dense_kernel, fused_kernel
+from tpurec.dmp.placements import check_placements
 
 __all__ = ["install"]
 
@@ -55,10 +65,18 @@ def _warn_host_memory(config: Any) -> None:
     )
 
 
-def _create(pooled: bool, config: Any, pg: Any, device: Any, sharding_type: Any = None) -> Any:
+def _tpu_kernel(pooled: bool, config: Any, pg: Any, device: Any, sharding_type: Any = None) -> Any:
+    """tpurec's kernel for a group on a tpu device, or None (another device, or TorchRec's own kernel)."""
     if device is None or torch.device(device).type != "tpu":
         return None
-    kernel = fused_kernel.create_kernel(pooled, config, pg, torch.device(device), sharding_type)
+    device = torch.device(device)
+    check_placements(config, device)
+    if dense_kernel.is_dense(config):
+        pooled_class, sequence_class = dense_kernel.kernel_classes()
+        if pooled:
+            return pooled_class(config=config, pg=pg, device=device, sharding_type=sharding_type)
+        return sequence_class(config=config, pg=pg, device=device)
+    kernel = fused_kernel.create_kernel(pooled, config, pg, device, sharding_type)
     if kernel is not None:
         _warn_host_memory(config)
     return kernel
@@ -73,7 +91,7 @@ def install() -> None:
         original_pooled = pooled._create_embedding_kernel
 
         def create_pooled(self: Any, config: Any, device: Any, pg: Any, sharding_type: Any, env: Any) -> Any:
-            kernel = _create(True, config, pg, device, sharding_type)
+            kernel = _tpu_kernel(True, config, pg, device, sharding_type)
             return kernel if kernel is not None else original_pooled(self, config, device, pg, sharding_type, env)
 
         create_pooled._tpurec = True  # pyright: ignore[reportFunctionMemberAccess]
@@ -84,7 +102,7 @@ def install() -> None:
         original_sequence = sequence._create_embedding_kernel
 
         def create_sequence(self: Any, config: Any, pg: Any, device: Any, env: Any = None) -> Any:
-            kernel = _create(False, config, pg, device)
+            kernel = _tpu_kernel(False, config, pg, device)
             return kernel if kernel is not None else original_sequence(self, config, pg, device, env)
 
         create_sequence._tpurec = True  # pyright: ignore[reportFunctionMemberAccess]
