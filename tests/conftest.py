@@ -20,9 +20,9 @@ from tpurec import config  # noqa: E402
 from tpurec.core import headroom, modes, runtime  # noqa: E402
 
 try:
-    from xdist.scheduler import LoadScopeScheduling
+    from scheduling import FileScheduling
 except ImportError:  # pytest-xdist is pinned in requirements-test.lock; without it the suite runs in one process
-    LoadScopeScheduling = None
+    FileScheduling = None
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -224,38 +224,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[:] = _xdist_order(items)
 
 
-if LoadScopeScheduling is not None:
-
-    class FileScheduling(LoadScopeScheduling):
-        """``--dist loadfile`` for this suite: a file per unit (SPLIT_FILES: smaller units), in
-        collection order, a unit handed to a worker only when it is about to run out of work."""
-
-        def _split_scope(self, nodeid: str) -> str:
-            return unit(nodeid)
-
-        def _reschedule(self, node) -> None:  # noqa: ANN001 (xdist's WorkerController)
-            # xdist holds back a worker's last test until it knows the next one (or is told to stop), so a
-            # unit is handed over when one test is left, not earlier: no unit waits behind a long one.
-            if not node.shutting_down and self.workqueue and self._pending_of(self.assigned_work[node]) > 1:
-                return
-            if node not in self.registered_collections:
-                # A worker started in place of one that died: it gets work once its collection is in (xdist
-                # reschedules every node when any one finishes collecting, and would index this one's
-                # missing collection: an INTERNALERROR that ends the whole run).
-                return
-            super()._reschedule(node)
-
-        def schedule(self) -> None:
-            # Collection order (LONGEST_FIRST), not xdist's default of the units with the most tests first.
-            reorder = self.config.option.loadscopereorder
-            self.config.option.loadscopereorder = False
-            try:
-                super().schedule()
-            finally:
-                self.config.option.loadscopereorder = reorder
-
-    @pytest.hookimpl(optionalhook=True)
-    def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201
-        if config.getvalue("dist") == "loadfile":
-            return FileScheduling(config, log)
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN001, ANN201
+    """``--dist loadfile`` for this suite: the units of :func:`unit`, in collection order (tests/scheduling.py)."""
+    if FileScheduling is None or config.getvalue("dist") != "loadfile":
         return None
+    scheduler = FileScheduling(config, log)
+    scheduler.unit_of = unit
+    return scheduler
