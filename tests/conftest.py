@@ -154,8 +154,8 @@ def default_mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
 # files below, whose multi-process launches are independent: there, each test is a unit of its own (or, where
 # prefixes are given, the tests whose names start alike, such as tests sharing a launch through a module fixture).
 SPLIT_FILES: dict[str, tuple[str, ...]] = {
-    "tests/distributed/test_dmp.py": (),
-    "tests/distributed/test_dmp_dlrm.py": (),
+    "tests/distributed/test_dmp.py": ("test_two_processes",),
+    "tests/distributed/test_dmp_dlrm.py": ("test_two_processes", "test_four_processes"),
     "tests/distributed/test_dmp_fused.py": (),
     "tests/distributed/test_faults.py": (),
     "tests/examples/test_dlrm_dmp.py": (),

@@ -4,7 +4,10 @@ one plan) by TorchRec's planner, on 2 and 4 processes (table-row-wise and grid a
 nodes), several column shards of one table on a rank, and an EmbeddingCollection sharded row- and
 table-wise, give the forward values and table gradients of the same TorchRec collection on CPU in
 one process, train like it with a plain optimizer over ``model.parameters()``, and their
-``state_dict`` loads into a freshly sharded model (see dmp_worker.py)."""
+``state_dict`` loads into a freshly sharded model (see dmp_worker.py).
+
+One launch per torchrun layout (2 processes on one node, 4 on two) runs every plan of that layout (a launch's start,
+imports and first programs cost far more than one more plan); each test checks its plans' results."""
 
 from __future__ import annotations
 
@@ -16,13 +19,26 @@ import pytest
 from launcher import run
 
 HERE = Path(__file__).resolve().parent
-LAUNCH_SECONDS = 600  # a bound on a hang; a launch takes 2-6 min on 2 busy cores
+LAUNCH_SECONDS = 900  # a bound on a hang; a launch takes 2-6 min on 2 busy cores
+ONE_HOST_PLANS = (
+    "table_wise", "row_wise", "column_wise", "mixed", "stacked", "ec_row_wise", "ec_table_wise", "table_row_wise",
+    "grid_shard",
+)  # fmt: skip
+TWO_HOST_PLANS = ("mixed", "table_row_wise", "grid_shard")
 
 
 def _launch(processes: int, out: Path, plans: tuple[str, ...], hosts: int = 1) -> None:
     """Runs dmp_worker.py under torchrun, ``hosts`` torchrun nodes (one agent each) of equal size;
     fails with their output unless every rank ended well."""
     run(HERE / "dmp_worker.py", processes, str(out), ",".join(plans), nodes=hosts, seconds=LAUNCH_SECONDS)
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every plan of two processes on one node, trained in one launch; the results' path prefix."""
+    out = tmp_path_factory.mktemp("dmp") / "two"
+    _launch(2, out, ONE_HOST_PLANS)
+    return out
 
 
 def _assemble(ranks: list, tables: dict[str, np.ndarray], suffix: str) -> tuple[dict[str, np.ndarray], dict]:
@@ -69,40 +85,34 @@ def _check(out: Path, plan: str, processes: int, hosts: int = 1) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_each_sharding_type_and_a_mixed_plan(tmp_path):
+def test_two_processes_each_sharding_type_and_a_mixed_plan(two_processes: Path) -> None:
     """Table-, row- and column-wise, a mix, and four column shards of one table on 2 ranks (each
     rank holds two: the sharded module's table parameter is them stacked)."""
-    plans = ("table_wise", "row_wise", "column_wise", "mixed", "stacked")
-    _launch(2, tmp_path / "two", plans)
-    for plan in plans:
-        _check(tmp_path / "two", plan, 2)
+    for plan in ("table_wise", "row_wise", "column_wise", "mixed", "stacked"):
+        _check(two_processes, plan, 2)
 
 
 @pytest.mark.slow
-def test_two_processes_embedding_collection_row_and_table_wise(tmp_path):
+def test_two_processes_embedding_collection_row_and_table_wise(two_processes: Path) -> None:
     """An EmbeddingCollection (unpooled lookups) on the UNFUSED_TPU kernel matches its CPU twin:
     forward values, table gradients, trained tables."""
-    plans = ("ec_row_wise", "ec_table_wise")
-    _launch(2, tmp_path / "ec", plans)
-    for plan in plans:
-        _check(tmp_path / "ec", plan, 2)
+    for plan in ("ec_row_wise", "ec_table_wise"):
+        _check(two_processes, plan, 2)
 
 
 @pytest.mark.slow
-def test_two_processes_table_row_wise_and_grid_on_one_host(tmp_path):
+def test_two_processes_table_row_wise_and_grid_on_one_host(two_processes: Path) -> None:
     """One host of two ranks: each table row-wise over the host; grid puts both column shards of
     t3 on every rank (stacked)."""
-    plans = ("table_row_wise", "grid_shard")
-    _launch(2, tmp_path / "twrw", plans)
-    for plan in plans:
-        _check(tmp_path / "twrw", plan, 2)
+    for plan in ("table_row_wise", "grid_shard"):
+        _check(two_processes, plan, 2)
 
 
 @pytest.mark.slow
 def test_four_processes_on_two_hosts_mixed_table_row_wise_and_grid(tmp_path):
     """Two torchrun nodes of two ranks: a table's shards on the ranks of one host (grid: a host per
     column shard), and the mixed plan."""
-    plans = ("mixed", "table_row_wise", "grid_shard")
+    plans = TWO_HOST_PLANS
     _launch(4, tmp_path / "four", plans, hosts=2)
     for plan in plans:
         _check(tmp_path / "four", plan, 4, hosts=2)

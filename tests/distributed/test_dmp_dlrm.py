@@ -4,7 +4,10 @@ mixing all four), its dense and over arch wrapped by DMP in DistributedDataParal
 ``"tpu"`` group, trained 10 steps of ``torch.optim.SGD(model.parameters())`` on 2 and 4 processes,
 equal the same DLRM trained by TorchRec on CPU in one process on the whole batch (see
 dmp_dlrm_worker.py). An EmbeddingCollection's data-parallel tables train like on CPU too; a
-weighted collection's data-parallel table pools with its per-sample weights as on CPU."""
+weighted collection's data-parallel table pools with its per-sample weights as on CPU.
+
+One launch per number of processes runs every plan (a launch's start, imports and first programs cost far more
+than one more plan); each test checks its plans' results."""
 
 from __future__ import annotations
 
@@ -17,7 +20,25 @@ from launcher import run
 
 HERE = Path(__file__).resolve().parent
 
-SECONDS = 540
+SECONDS = 900  # a bound on a hang: the two-process launch of every plan takes 2-5 min on 2 busy cores
+TWO_PROCESS_PLANS = ("mixed", "sequence", "weighted", "data_parallel", "table_wise", "row_wise", "column_wise")
+FOUR_PROCESS_PLANS = ("mixed", "data_parallel", "table_wise", "row_wise", "column_wise")
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every two-process plan trained in one launch; the results' path prefix."""
+    out = tmp_path_factory.mktemp("dmp_dlrm") / "two"
+    run(HERE / "dmp_dlrm_worker.py", 2, str(out), ",".join(TWO_PROCESS_PLANS), seconds=SECONDS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def four_processes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Every four-process plan trained in one launch; the results' path prefix."""
+    out = tmp_path_factory.mktemp("dmp_dlrm") / "four"
+    run(HERE / "dmp_dlrm_worker.py", 4, str(out), ",".join(FOUR_PROCESS_PLANS), seconds=SECONDS)
+    return out
 
 
 def _check(out: Path, plan: str, processes: int) -> None:
@@ -60,14 +81,13 @@ def _check(out: Path, plan: str, processes: int) -> None:
 
 
 @pytest.mark.slow
-def test_two_processes_mixed_plan_sequence_tables_and_weighted_tables(tmp_path):
+def test_two_processes_mixed_plan_sequence_tables_and_weighted_tables(two_processes: Path) -> None:
     """One plan with a data-parallel, a table-wise, a row-wise and a column-wise table; an
     EmbeddingCollection's data-parallel tables (TorchRec's BatchedTPUEmbedding) trained like on
     CPU; a weighted collection's data-parallel lookup on tpu pooling with the per-sample weights
     as on CPU, and its UNFUSED_TPU row-wise lookup raising (TorchRec's tpu kernel would drop
     them)."""
-    out = tmp_path / "two"
-    run(HERE / "dmp_dlrm_worker.py", 2, str(out), "mixed,sequence,weighted", seconds=SECONDS)
+    out = two_processes
     _check(out, "mixed", 2)
     losses, tables = worker.sequence_reference()
     start = worker._sequence_start()
@@ -87,20 +107,16 @@ def test_two_processes_mixed_plan_sequence_tables_and_weighted_tables(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("plans", [("data_parallel", "table_wise"), ("row_wise", "column_wise")], ids="-".join)
-def test_two_processes_each_sharding_type_alone(tmp_path, plans):
-    """Every table of one sharding type (two plans a launch, so that each launch stays short)."""
-    out = tmp_path / "each"
-    run(HERE / "dmp_dlrm_worker.py", 2, str(out), ",".join(plans), seconds=SECONDS)
+def test_two_processes_each_sharding_type_alone(two_processes: Path, plans: tuple[str, ...]) -> None:
+    """Every table of one sharding type."""
     for plan in plans:
-        _check(out, plan, 2)
+        _check(two_processes, plan, 2)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "plans", [("mixed",), ("data_parallel", "table_wise"), ("row_wise", "column_wise")], ids="-".join
 )
-def test_four_processes_mixed_plan_and_each_sharding_type_alone(tmp_path, plans):
-    out = tmp_path / "four"
-    run(HERE / "dmp_dlrm_worker.py", 4, str(out), ",".join(plans), seconds=SECONDS)
+def test_four_processes_mixed_plan_and_each_sharding_type_alone(four_processes: Path, plans: tuple[str, ...]) -> None:
     for plan in plans:
-        _check(out, plan, 4)
+        _check(four_processes, plan, 4)
