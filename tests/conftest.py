@@ -157,7 +157,7 @@ SPLIT_FILES: dict[str, tuple[str, ...]] = {
     "tests/distributed/test_dmp.py": ("test_two_processes",),
     "tests/distributed/test_dmp_dlrm.py": ("test_two_processes", "test_four_processes"),
     "tests/distributed/test_dmp_fused.py": (),
-    "tests/distributed/test_faults.py": (),
+    "tests/distributed/test_faults.py": ("test_processes_that_disagree", "test_a_lost_process"),
     "tests/examples/test_dlrm_dmp.py": (),
 }
 # Units are handed out in collection order; the longest go first (the multi-process launches, longest first

@@ -5,14 +5,21 @@ processes that disagree (table rows, plan, local batch size, step count) all fai
 message; a SIGKILLed or SIGSTOPped process (process 0, which starts JAX's coordination service, too)
 ends the other with an error naming it and its step; a taken coordinator port is an error naming the port; torchrun's elastic restart plus a resume from
 the last committed checkpoint ends where an uninterrupted run does.
+
+The jobs of a family (disagreements, lost processes) mostly wait on the 20 s peer timeout: a module fixture runs
+them side by side, SIDE_BY_SIDE at a time, and each test checks its job's outcome.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +31,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 WORKER = HERE / "fault_worker.py"
 LIMIT = 60  # seconds: every failure must end the job within this (issue 21)
+# Jobs of a family at once: each is two processes that mostly wait; more would crowd 2 cores past LIMIT.
+SIDE_BY_SIDE = 3
 
 pytestmark = pytest.mark.slow
 
@@ -32,11 +41,25 @@ def _env(**settings: str) -> dict[str, str]:
     return launcher.environment(devices=4, FAULT_HANG_SECONDS="240", TPUREC_PEER_TIMEOUT="20", **settings)
 
 
+_ports_lock = threading.Lock()
+_ports_taken: set[int] = set()
+
+
+def _job_port() -> int:
+    """A free port pair no other job of this process was given (jobs start side by side, from threads)."""
+    with _ports_lock:
+        port = free_port_pair()
+        while port in _ports_taken or port + 1 in _ports_taken or port - 1 in _ports_taken:
+            port = free_port_pair()
+        _ports_taken.add(port)
+        return port
+
+
 class Job:
     """Two worker processes started as torchrun would (its environment), each with a log file."""
 
     def __init__(self, tmp_path: Path, **settings: str) -> None:
-        port = free_port_pair()
+        port = _job_port()
         self.logs = [tmp_path / f"rank{r}.log" for r in range(2)]
         self.procs = []
         for r in range(2):
@@ -80,20 +103,37 @@ def _last_error(text: str) -> str:
     return lines[-1]
 
 
-@pytest.mark.parametrize(
-    "settings, message",
-    [
-        (
-            {"FAULT_ROWS_1": "50"},
-            "collection sparse_arch.embedding_bag_collection.tables.t0.rows is 40 on process 0 but 50 on process 1",
-        ),
-        ({"FAULT_PLAN_1": "row_wise"}, "tables.t0.sharding is table_wise on process 0 but row_wise on process 1"),
-        ({"FAULT_BATCH_1": "4"}, "the batch of step 1: local batch size is 8 on process 0 but 4 on process 1"),
-        ({"FAULT_STEPS_1": "2"}, "process 1 finished its program after step 2 while process 0 is at step 3"),
-    ],
-    ids=["rows", "plan", "batch", "steps"],
-)
-def test_processes_that_disagree_all_fail_with_the_same_error(tmp_path, settings, message):
+DISAGREEMENTS = {
+    "rows": (
+        {"FAULT_ROWS_1": "50"},
+        "collection sparse_arch.embedding_bag_collection.tables.t0.rows is 40 on process 0 but 50 on process 1",
+    ),
+    "plan": ({"FAULT_PLAN_1": "row_wise"}, "tables.t0.sharding is table_wise on process 0 but row_wise on process 1"),
+    "batch": ({"FAULT_BATCH_1": "4"}, "the batch of step 1: local batch size is 8 on process 0 but 4 on process 1"),
+    "steps": ({"FAULT_STEPS_1": "2"}, "process 1 finished its program after step 2 while process 0 is at step 3"),
+}
+
+
+@dataclasses.dataclass
+class Ended:
+    """How a job ended: each process's exit status and log, and the seconds from the event the test times."""
+
+    codes: list[int]
+    logs: list[str]
+    elapsed: float
+    service_ran_on: bool = False  # lost-process jobs: JAX's coordination service outlived the job
+
+
+def _side_by_side(
+    tmp_path_factory: pytest.TempPathFactory, jobs: dict[str, Callable[[Path], Ended]]
+) -> Iterator[dict[str, Future[Ended]]]:
+    """Runs ``jobs`` SIDE_BY_SIDE at a time, each in a folder of its own; their outcomes by name (the last wait ends
+    at teardown)."""
+    with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
+        yield {name: pool.submit(job, tmp_path_factory.mktemp(name)) for name, job in jobs.items()}
+
+
+def _disagreement(tmp_path: Path, settings: dict[str, str]) -> Ended:
     job = Job(tmp_path, FAULT_STEPS="3", **settings)
     try:
         # From the moment both processes joined the job.
@@ -102,11 +142,29 @@ def test_processes_that_disagree_all_fail_with_the_same_error(tmp_path, settings
         elapsed = time.monotonic() - started
     finally:
         job.kill()
-    assert codes == [1, 1], [job.log(r)[-3000:] for r in range(2)]
-    for r in range(2):
-        assert message in _last_error(job.log(r)), job.log(r)[-3000:]
-        assert "Aborted" not in job.log(r) and "SIGABRT" not in job.log(r)
-    assert elapsed < LIMIT, elapsed
+    return Ended(codes, [job.log(r) for r in range(2)], elapsed)
+
+
+@pytest.fixture(scope="module")
+def disagreements(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Ended]]]:
+    yield from _side_by_side(
+        tmp_path_factory,
+        {
+            name: (lambda path, settings=settings: _disagreement(path, settings))
+            for name, (settings, _) in DISAGREEMENTS.items()
+        },
+    )
+
+
+@pytest.mark.parametrize("case", list(DISAGREEMENTS))
+def test_processes_that_disagree_all_fail_with_the_same_error(disagreements, case):
+    message = DISAGREEMENTS[case][1]
+    ended = disagreements[case].result()
+    assert ended.codes == [1, 1], [log[-3000:] for log in ended.logs]
+    for log in ended.logs:
+        assert message in _last_error(log), log[-3000:]
+        assert "Aborted" not in log and "SIGABRT" not in log
+    assert ended.elapsed < LIMIT, ended.elapsed
 
 
 def _children(pid: int) -> list[int]:
@@ -131,16 +189,18 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize(
-    "lost, sig, where, seen",
-    [(1, "KILL", "before", 2), (1, "STOP", "before", 2), (1, "STOP", "mid", 3), (0, "KILL", "before", 2),
-     (0, "STOP", "before", 2)],
-    ids=["kill-between-steps", "stop-between-steps", "stop-inside-a-step", "kill-process-0", "stop-process-0"],
-)  # fmt: skip
-def test_a_lost_process_ends_the_other_with_an_error_naming_it(tmp_path, lost, sig, where, seen):
-    """``mid``: process 1 stops after its forward; process 0 goes on into the backward's collectives,
-    where no Python error reaches it (its watching thread ends it). Process 0 runs JAX's coordination
-    service in a child process, which outlives it until the other process has ended, then ends too."""
+# Which process is lost, how (SIGKILL or SIGSTOP), where (between steps or after its forward), the step it was last
+# seen at.
+LOSSES = {
+    "kill-between-steps": (1, "KILL", "before", 2),
+    "stop-between-steps": (1, "STOP", "before", 2),
+    "stop-inside-a-step": (1, "STOP", "mid", 3),
+    "kill-process-0": (0, "KILL", "before", 2),
+    "stop-process-0": (0, "STOP", "before", 2),
+}
+
+
+def _loss(tmp_path: Path, lost: int, sig: str, where: str) -> Ended:
     other = 1 - lost
     job = Job(tmp_path, FAULT_STEPS="5", **{f"FAULT_SIGNAL_AT_{lost}": f"3:{sig}:{where}"})
     try:
@@ -152,17 +212,38 @@ def test_a_lost_process_ends_the_other_with_an_error_naming_it(tmp_path, lost, s
         elapsed = time.monotonic() - signalled
     finally:
         job.kill()
-    assert code == 1, job.log(other)[-3000:]
-    error = _last_error(job.log(other))
-    assert f"process {lost} is lost: no heartbeat for 20 s (it died, was stopped or hangs)" in error, error
-    assert f"last seen at its step {seen}; this process {other} is at step 3" in error, error
-    assert elapsed < LIMIT, elapsed
-    assert "Aborted" not in job.log(other) and "SIGABRT" not in job.log(other)
     # Once process 0 is gone, its service lingers TPUREC_PEER_TIMEOUT + 15 s at most, then ends.
     deadline = time.monotonic() + 20 + 15 + 20
     while _running(service[0]) and time.monotonic() < deadline:
         time.sleep(0.5)
-    assert not _running(service[0]), f"JAX's coordination service (pid {service[0]}) outlived the job"
+    codes = [code if r == other else -1 for r in range(2)]
+    return Ended(codes, [job.log(r) for r in range(2)], elapsed, service_ran_on=_running(service[0]))
+
+
+@pytest.fixture(scope="module")
+def losses(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Ended]]]:
+    yield from _side_by_side(
+        tmp_path_factory,
+        {name: (lambda path, how=how: _loss(path, *how[:3])) for name, how in LOSSES.items()},
+    )
+
+
+@pytest.mark.parametrize("case", list(LOSSES))
+def test_a_lost_process_ends_the_other_with_an_error_naming_it(losses, case):
+    """``mid``: process 1 stops after its forward; process 0 goes on into the backward's collectives,
+    where no Python error reaches it (its watching thread ends it). Process 0 runs JAX's coordination
+    service in a child process, which outlives it until the other process has ended, then ends too."""
+    lost, _sig, _where, seen = LOSSES[case]
+    other = 1 - lost
+    ended = losses[case].result()
+    log = ended.logs[other]
+    assert ended.codes[other] == 1, log[-3000:]
+    error = _last_error(log)
+    assert f"process {lost} is lost: no heartbeat for 20 s (it died, was stopped or hangs)" in error, error
+    assert f"last seen at its step {seen}; this process {other} is at step 3" in error, error
+    assert ended.elapsed < LIMIT, ended.elapsed
+    assert "Aborted" not in log and "SIGABRT" not in log
+    assert not ended.service_ran_on, "JAX's coordination service outlived the job"
 
 
 def _torchrun(tmp_path: Path, port: int, *extra: str, timeout: float = 400, **settings: str) -> launcher.Launch:
@@ -171,7 +252,7 @@ def _torchrun(tmp_path: Path, port: int, *extra: str, timeout: float = 400, **se
 
 
 def test_a_taken_coordinator_port_is_an_error_naming_it(tmp_path):
-    port = free_port_pair()
+    port = _job_port()
     with socket.socket() as squatter:  # another program on JAX's coordinator port (MASTER_PORT + 1)
         squatter.bind(("127.0.0.1", port + 1))
         squatter.listen()
@@ -189,14 +270,14 @@ def test_a_taken_coordinator_port_is_an_error_naming_it(tmp_path):
 
 def test_an_elastic_restart_from_the_last_checkpoint_equals_an_uninterrupted_run(tmp_path):
     whole = tmp_path / "whole.npz"
-    run = _torchrun(tmp_path, free_port_pair(), FAULT_STEPS="6", FAULT_OUT=str(whole))
+    run = _torchrun(tmp_path, _job_port(), FAULT_STEPS="6", FAULT_OUT=str(whole))
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
     # Process 1 dies (SIGKILL) before step 5 of the first attempt; torchrun starts both again and they
     # resume from step-4, the last committed checkpoint.
     resumed = tmp_path / "resumed.npz"
     run = _torchrun(
-        tmp_path, free_port_pair(), "--max-restarts", "1", "--monitor-interval", "0.5", FAULT_STEPS="6",
+        tmp_path, _job_port(), "--max-restarts", "1", "--monitor-interval", "0.5", FAULT_STEPS="6",
         FAULT_OUT=str(resumed), FAULT_CKPT=str(tmp_path / "ckpt"), FAULT_SIGNAL_AT_1="5:KILL", timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
