@@ -81,8 +81,9 @@ def test_a_lost_worker_fails_its_test_and_the_run_goes_on_to_the_end(tmp_path: P
     summary = run.stdout.rpartition("short test summary info")[2]  # -rA: one line a test, after the workers' output
     for test in ["test_3_crash.py::test_before_the_crash", "test_3_crash.py::test_after_the_crash"]:
         assert f"\nPASSED {test}\n" in summary, run.stdout[-4000:]
-    # Run once: the lost test does not take the next worker down too.
-    assert run.stdout.count("Fatal Python error: Aborted") == 1, run.stdout[-4000:]
+    # Run once: the lost test does not take the next worker down too ("1 failed" above; the workers' stack dumps
+    # interleave with the report's lines, so the controller's own line is counted).
+    assert run.stdout.count("replacing crashed worker") == 1, run.stdout[-4000:]
 
 
 def test_a_hung_test_ends_its_worker_with_every_thread_s_stack(tmp_path: Path) -> None:
