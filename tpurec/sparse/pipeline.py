@@ -58,8 +58,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from tpurec import core
 from tpurec.sparse.managed import remapped_features
 from tpurec.sparse.mesh_batches import OnDevice as _OnDevice  # started by the worker thread, wrapped on the main one
-from tpurec.sparse.mesh_batches import map_batch
-from tpurec.sparse.mesh_batches import Prefetching, batch_sharded_array, local_device_count, mesh_of
+from tpurec.sparse.mesh_batches import Prefetching, batch_sharded_array, local_device_count, map_batch, mesh_of
 
 __all__ = ["TrainPipeline", "map_batch"]
 

@@ -570,19 +570,25 @@ def stream_pool(
     return out.reshape(windows, out_rows, width)[:, :window].reshape(windows * window, width)[:batch_size, :dim]
 
 
-def _one_hot_dot(onehot, x):
-    """``onehot @ x`` in float32 with every product exact, in three one-pass bfloat16 products.
-
-    ``x`` splits into bfloat16 parts ``hi + mid + lo`` that hold its 24 significand bits
-    (exact for normal floats), and a 0/1 matrix is exact in bfloat16, so each product is an
-    exact copy of a part; the float32 accumulation sums in the MXU's order, not entry order.
-    """
-    ones = onehot.astype(jnp.bfloat16)
+def _bfloat16_parts(x):
+    """``x`` (float32) as three bfloat16 parts ``hi + mid + lo`` that hold its 24 significand bits
+    (exact for normal floats): a product of each part with a 0/1 or power-of-two matrix is exact."""
     hi = x.astype(jnp.bfloat16)
     rest = x - hi.astype(jnp.float32)
     mid = rest.astype(jnp.bfloat16)
     lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
-    return sum(jnp.dot(ones, part, preferred_element_type=jnp.float32) for part in (hi, mid, lo))
+    return hi, mid, lo
+
+
+def _one_hot_dot(onehot, x):
+    """``onehot @ x`` in float32 with every product exact, in three one-pass bfloat16 products.
+
+    A 0/1 matrix is exact in bfloat16, so each product of it with a part of ``x``
+    (:func:`_bfloat16_parts`) is an exact copy of that part; the float32 accumulation sums in the
+    MXU's order, not entry order.
+    """
+    ones = onehot.astype(jnp.bfloat16)
+    return sum(jnp.dot(ones, part, preferred_element_type=jnp.float32) for part in _bfloat16_parts(x))
 
 
 def _lanes_to_column(x, lanes_iota):
@@ -878,13 +884,10 @@ def _row_slot_out(value, k: int, dim: int, lane_rows: int, lanes_iota, spread_re
 
 
 def _exact_dot(x, selector):
-    """``x @ selector`` in float32, ``selector`` holding only 0, 1 or powers of two: ``x`` splits
-    into three bfloat16 parts holding its 24 significand bits, so every product is exact and only
-    the MXU's float32 accumulation rounds."""
-    hi = x.astype(jnp.bfloat16)
-    rest = x - hi.astype(jnp.float32)
-    mid = rest.astype(jnp.bfloat16)
-    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    """``x @ selector`` in float32, ``selector`` holding only 0, 1 or powers of two: each product
+    with a part of ``x`` (:func:`_bfloat16_parts`) is exact and only the MXU's float32
+    accumulation rounds."""
+    hi, mid, lo = _bfloat16_parts(x)
     b = selector.astype(jnp.bfloat16)
     out = jnp.dot(hi, b, preferred_element_type=jnp.float32)
     out = out + jnp.dot(mid, b, preferred_element_type=jnp.float32)
