@@ -391,37 +391,70 @@ def _wide_values(jaxpr) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("layout", ["rows", "lane_dense", "lane_dense_mxu_row_slots"])
-@pytest.mark.parametrize(
+_KERNEL_LAYOUTS = pytest.mark.parametrize("layout", ["rows", "lane_dense", "lane_dense_mxu_row_slots"])
+_KERNEL_PASSES = pytest.mark.parametrize(
     "one_pass,row_sum", [(False, "loop"), (True, "loop"), (True, "mxu")], ids=["two_pass", "one_pass", "mxu"]
 )
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_every_block_index_is_int32_as_mosaic_requires(name, one_pass, row_sum, layout):
-    # tpurec runs JAX with x64 on, where a Python 0 in an index map (or a BlockSpec without one)
-    # traces as int64 and a Python float in jnp.where as float64: Pallas' interpreter accepts them
-    # and Mosaic refuses the kernel ("failed to legalize operation 'func.func' ... -> i64", or a
-    # crash in its layout inference), so only a TPU would show it.
+
+
+def _streaming_calls(name: str, one_pass: bool, row_sum: str, layout: str):
+    """The forward and the optimizer step of one kernel configuration, as (function, arguments) pairs,
+    and the config overrides that select it (to apply while tracing them)."""
     dim, rows = (8, 3000) if layout == "rows" else (64, 3072)
     row_slots = "mxu" if layout == "lane_dense_mxu_row_slots" else "xlu"
     csr, batch, rows, dim = _csr(3, 1, rows, dim=dim)
     assert (tensorcore.rows_per_line(rows, dim) > 1) == layout.startswith("lane_dense")
     table, slots = _state(3, rows, dim, name)
     grad = np.zeros((batch, dim), np.float32)
-    op = f"sparse_dense_matmul_grad_with_{name}"
+    op = getattr(tensorcore, f"sparse_dense_matmul_grad_with_{name}")
     # Hyperparameters traced, as the op set passes them (they go to SMEM).
     hp = {k: jnp.float32(v) for k, v in OPTIMIZERS[name][1].items()}
-    with tpurec.config.override(
-        tensorcore_one_pass=one_pass, tensorcore_row_sum=row_sum, tensorcore_row_slots=row_slots
-    ):
-        forward = jax.make_jaxpr(lambda *a: tensorcore.sparse_dense_matmul(*a, batch_size=batch))(*csr, table)
-        backward = jax.make_jaxpr(lambda *a: getattr(tensorcore, op)(*a, **hp))(*csr, grad, table, *slots)
-    calls = _pallas_calls(forward.jaxpr) + _pallas_calls(backward.jaxpr)
+    calls = [
+        (lambda *a: tensorcore.sparse_dense_matmul(*a, batch_size=batch), (*csr, table)),
+        (lambda *a: op(*a, **hp), (*csr, grad, table, *slots)),
+    ]
+    overrides = dict(tensorcore_one_pass=one_pass, tensorcore_row_sum=row_sum, tensorcore_row_slots=row_slots)
+    return calls, overrides
+
+
+@_KERNEL_LAYOUTS
+@_KERNEL_PASSES
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_block_index_is_int32_as_mosaic_requires(name, one_pass, row_sum, layout):
+    # tpurec runs JAX with x64 on, where a Python 0 in an index map (or a BlockSpec without one)
+    # traces as int64 and a Python float in jnp.where as float64: Pallas' interpreter accepts them
+    # and Mosaic refuses the kernel ("failed to legalize operation 'func.func' ... -> i64", or a
+    # crash in its layout inference), so only a TPU would show it.
+    functions, overrides = _streaming_calls(name, one_pass, row_sum, layout)
+    with tpurec.config.override(**overrides):
+        jaxprs = [jax.make_jaxpr(f)(*args) for f, args in functions]
+    calls = [eqn for j in jaxprs for eqn in _pallas_calls(j.jaxpr)]
     assert len(calls) >= 2  # the forward's and the backward's streaming kernels
     for eqn in calls:
         for mapping in eqn.params["grid_mapping"].block_mappings:
             dtypes = [str(a.dtype) for a in mapping.index_map_jaxpr.out_avals]
             assert set(dtypes) <= {"int32"}, (eqn.params.get("name"), mapping.block_shape, dtypes)
         assert not _wide_values(eqn.params["jaxpr"]), (eqn.params.get("name"), _wide_values(eqn.params["jaxpr"]))
+
+
+@_KERNEL_LAYOUTS
+@_KERNEL_PASSES
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_every_kernel_lowers_for_a_tpu(name, one_pass, row_sum, layout, monkeypatch):
+    # Lowering for a TPU runs Pallas' Mosaic lowering and the MLIR verifier here on the CPU, which
+    # catch what the interpreter lets through (a loop counted in int64 under x64 multiplied by an
+    # int32 fails verification: "'arith.muli' op requires the same type for all operands"). The
+    # chip-specific figures Mosaic asks for are a v5e's.
+    from jax._src.pallas.mosaic import tpu_info
+
+    v5e = tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
+    monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind, lambda: v5e)
+    monkeypatch.setattr(tensorcore, "_interpret", lambda: False)
+    functions, overrides = _streaming_calls(name, one_pass, row_sum, layout)
+    with tpurec.config.override(**overrides):
+        for f, args in functions:
+            exported = jax.export.export(jax.jit(f), platforms=("tpu",))(*args)
+            assert "tpu_custom_call" in exported.mlir_module()  # the Mosaic kernels, not the interpreter
 
 
 def test_the_sharded_collection_streams_its_shards_as_rows():
