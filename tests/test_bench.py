@@ -124,6 +124,7 @@ def test_modes_reports_host_time_per_step():
     assert k8["programs_per_step"] == pytest.approx(1 / 8) and k8["compilations_after_warmup"] == 0, k8
     match = k8["losses_match_single_steps"]
     assert match["reference"] == "graphed" and match["steps_compared"] >= 3 and match["equal"], match
+    assert match["max_abs_difference"] == 0.0 and match["first_differing_step"] is None, match
     assert run["graphed_k8"]["compile"]["by_program"]["captured step x8"]["programs"] == 1
     floor = result["pytorch_cpu_host_floor"]
     assert floor["batch"] == 1 and floor["host_ms_per_step"] > 0, floor

@@ -319,7 +319,13 @@ def test_bench_dlrm_cli_pipeline_breakdown_and_plots(tmp_path):
     # as graphed's single steps bit for bit.
     k8 = out["tpurec_graphed_k8"]
     assert k8["steps_per_call"] == 8 and k8["timed_steps"] == 8
-    assert k8["losses_match_single_steps"] == {"reference": "tpurec_graphed", "steps_compared": 4, "equal": True}
+    assert k8["losses_match_single_steps"] == {
+        "reference": "tpurec_graphed",
+        "steps_compared": 4,
+        "equal": True,
+        "max_abs_difference": 0.0,
+        "first_differing_step": None,
+    }
     # The plain-JAX peer of the same step (tpurec/bench/jax_peer.py) ran in the same run.
     assert out["plain_jax"]["step_ms"] > 0
     lookups = 64 * 3 * 4

@@ -595,6 +595,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench dlrm
             "reference": "tpurec_graphed",
             "steps_compared": n,
             "equal": k8[:n] == single[:n],
+            "max_abs_difference": max((abs(a - b) for a, b in zip(k8[:n], single[:n])), default=0.0),
+            "first_differing_step": next((i for i, (a, b) in enumerate(zip(k8[:n], single[:n])) if a != b), None),
         }
 
     if args.breakdown:

@@ -298,10 +298,13 @@ def _summary(config: _Config) -> dict:
 def _samevalues(config: _Config, reference: _Config) -> dict:
     """Whether ``config``'s losses equal ``reference``'s step for step (bit for bit), over the steps both ran."""
     n = min(len(config.all_losses), len(reference.all_losses))
+    pairs = list(zip(config.all_losses[:n], reference.all_losses[:n]))
     return {
         "reference": reference.name,
         "steps_compared": n,
-        "equal": config.all_losses[:n] == reference.all_losses[:n],
+        "equal": all(a == b for a, b in pairs),
+        "max_abs_difference": max((abs(a - b) for a, b in pairs), default=0.0),
+        "first_differing_step": next((i for i, (a, b) in enumerate(pairs) if a != b), None),
     }
 
 
