@@ -211,6 +211,56 @@ def test_lane_dense_one_pass_step_matches_reference(name, dim, resident):
     _check_stream_update(name, csr, batch, table, slots, resident=resident)
 
 
+def _lowers_for_a_tpu(monkeypatch, fn, *args) -> None:
+    """``fn(*args)`` lowers for a TPU here on the CPU (see test_every_kernel_lowers_for_a_tpu)."""
+    from jax._src.pallas.mosaic import tpu_info
+
+    v5e = tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
+    with monkeypatch.context() as patch:
+        patch.setitem(tpu_info.registry, jax.devices()[0].device_kind, lambda: v5e)
+        patch.setattr(tensorcore, "_interpret", lambda: False)
+        # a new function: jax.jit would reuse a trace made with the interpreter
+        exported = jax.export.export(jax.jit(lambda *a: fn(*a)), platforms=("tpu",))(*args)
+    assert "tpu_custom_call" in exported.mlir_module()
+
+
+@pytest.mark.parametrize("partial_sums,rotate", [(2, True), (4, True), (1, False), (4, False)])
+@pytest.mark.parametrize("dim,rows", [(64, 3072), (8, 3000)], ids=["lane_dense", "rows"])
+def test_pool_with_partial_sums_or_rows_in_their_own_lanes(dim, rows, partial_sums, rotate, monkeypatch):
+    # Entries added into partial sums in turn (summed per window), or a lane-dense row added in its
+    # own lanes (lane groups summed at the end): the same pooled values within float32 rounding, in
+    # windows (16 of 48 output rows) too.
+    csr, batch, rows, dim = _csr(dim + partial_sums, 1, rows, dim=dim)
+    table = np.random.default_rng(11).standard_normal((rows, dim)).astype(np.float32)
+    want = _jit(reference.sparse_dense_matmul)(*csr, table, batch_size=batch)
+    keys, samples, gains, _ = tensorcore._sorted_entries(*csr)
+    for window in (None, 16):
+        pool = lambda *a: tensorcore.stream_pool(  # noqa: E731
+            *a, batch, window_rows=window, partial_sums=partial_sums, rotate=rotate
+        )
+        got = jax.jit(pool)(table, keys, samples, gains)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
+    _lowers_for_a_tpu(monkeypatch, pool, table, keys, samples, gains)
+
+
+@pytest.mark.parametrize("partial_sums,touched_rows", [(2, False), (4, True), (1, True)])
+@pytest.mark.parametrize("dim", [8, 64])
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
+def test_step_with_partial_sums_or_touched_rows_marked_by_row(name, dim, partial_sums, touched_rows, monkeypatch):
+    csr, batch, rows, dim = _csr(dim + 13, 1, 3072, dim=dim)
+    table, slots = _state(12, rows, dim, name)
+    options = dict(partial_sums=partial_sums, touched_rows=touched_rows)
+    _check_stream_update(name, csr, batch, table, slots, **options)
+    grad = np.zeros((batch, dim), np.float32)
+    op, hp = f"sparse_dense_matmul_grad_with_{name}", OPTIMIZERS[name][1]
+
+    def step(*args):
+        keys, samples, gains, _ = tensorcore._sorted_entries(*args[:4])
+        return tensorcore.stream_update(op, args[5], args[6:], keys, samples, gains, args[4], hp, **options)
+
+    _lowers_for_a_tpu(monkeypatch, step, *csr, grad, table, *slots)
+
+
 @pytest.mark.parametrize("dim", [8, 64])
 def test_lane_dense_row_slots_on_the_mxu_match_reference(dim):
     # TPUREC_TENSORCORE_ROW_SLOTS=mxu: row-wise Adagrad's accumulator moved between its lanes and the
