@@ -471,9 +471,10 @@ def _pad_to(x, n: int, value=0):
     return jnp.pad(x, (0, n - x.shape[0]), constant_values=value) if x.shape[0] != n else x
 
 
-def _pool_window(batch_size: int, width: int) -> int:
-    """Output rows :func:`stream_pool` keeps in VMEM at once: all of them when they fit :data:`_POOL_VMEM`."""
-    fits = _POOL_VMEM // (max(_cdiv(width, 128) * 128, 128) * 4) - 8
+def _pool_window(batch_size: int, width: int, partial_sums: int = 1) -> int:
+    """Output rows :func:`stream_pool` keeps in VMEM at once (in each of its ``partial_sums``
+    buffers): all of them when they fit :data:`_POOL_VMEM`."""
+    fits = _POOL_VMEM // (max(_cdiv(width, 128) * 128, 128) * 4 * partial_sums) - 8
     return batch_size if batch_size <= fits else max(8, fits // 8 * 8)
 
 
@@ -522,7 +523,7 @@ def stream_pool(
     rows, dim = table.shape
     k = rows_per_line(rows, dim, table.dtype)
     width = LANES if k > 1 else dim  # a lane-dense table's rows are added rotated to lane 0
-    window = min(window_rows or _pool_window(batch_size, width), batch_size)
+    window = min(window_rows or _pool_window(batch_size, width, partial_sums), batch_size)
     windows = _cdiv(batch_size, window)
     block_rows = min(block_rows, rows) if k > 1 else min(block_rows, _cdiv(rows, 8) * 8)  # as _walk takes it
     blocks = _cdiv(rows, block_rows)  # a window's blocks: its entries' keys are window * span + key
