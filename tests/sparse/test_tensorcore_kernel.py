@@ -243,13 +243,27 @@ def test_pool_with_partial_sums_or_rows_in_their_own_lanes(dim, rows, partial_su
     _lowers_for_a_tpu(monkeypatch, pool, table, keys, samples, gains)
 
 
-@pytest.mark.parametrize("partial_sums,touched_rows", [(2, False), (4, True), (1, True)])
+@pytest.mark.parametrize(
+    "partial_sums,touched_rows,rotate,resident",
+    [
+        (2, False, True, True),
+        (4, True, True, True),
+        (1, True, True, True),
+        (1, False, False, True),
+        (4, True, False, False),
+    ],
+)
 @pytest.mark.parametrize("dim", [8, 64])
 @pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
-def test_step_with_partial_sums_or_touched_rows_marked_by_row(name, dim, partial_sums, touched_rows, monkeypatch):
+def test_step_with_partial_sums_or_touched_rows_marked_by_row(
+    name, dim, partial_sums, touched_rows, rotate, resident, monkeypatch
+):
+    # Entries' gradients into partial sums in turn, touched rows marked in a buffer of rows, the
+    # output gradient laid out in every row's lanes (no rotation), with the output gradient resident
+    # or streamed per entry: the reference's step.
     csr, batch, rows, dim = _csr(dim + 13, 1, 3072, dim=dim)
     table, slots = _state(12, rows, dim, name)
-    options = dict(partial_sums=partial_sums, touched_rows=touched_rows)
+    options = dict(partial_sums=partial_sums, touched_rows=touched_rows, rotate=rotate, resident=resident)
     _check_stream_update(name, csr, batch, table, slots, **options)
     grad = np.zeros((batch, dim), np.float32)
     op, hp = f"sparse_dense_matmul_grad_with_{name}", OPTIMIZERS[name][1]

@@ -686,6 +686,7 @@ def stream_update(
     row_sum: str = "loop",
     partial_sums: int = 1,
     touched_rows: bool = False,
+    rotate: bool = True,
 ):
     """A fused optimizer step in one pass over the touched blocks of a table and its slots.
 
@@ -772,12 +773,15 @@ def stream_update(
         resident = blocks_vmem + gradient_vmem <= _VMEM_LIMIT - 8 * 2**20
     resident = resident and not mxu
     grad_output = grad_output.astype(jnp.float32)
+    tiled = k > 1 and not rotate
+    # Gradient rows in lanes [0, dim), or (tiled) once in each row's lanes of a line.
+    widen = (lambda x: jnp.tile(x, (1, k))) if tiled else (lambda x: jnp.pad(x, ((0, 0), (0, width - dim))))  # noqa: E731
     if resident:
-        gradient = jnp.pad(grad_output, ((0, 0), (0, width - dim)))
+        gradient = widen(grad_output)
         gradient_spec = pl.BlockSpec((batch_size, width), lambda s, lo, hi, c, b: (_ZERO, _ZERO))
     else:  # each entry's gradient row, read chunk by chunk with its ids
         rows_of = jnp.take(grad_output, jnp.clip(samples, 0, max(batch_size - 1, 0)), axis=0)
-        gradient = jnp.pad(rows_of * gains[:, None], ((0, 0), (0, width - dim)))
+        gradient = widen(rows_of * gains[:, None])
         gradient_spec = _rows_spec(chunk, width)
     # The MXU sum reads the chunk's ids as a lane vector too (the loop reads them from SMEM only).
     # ([chunks, 1, chunk]: Mosaic takes a block of one row only as the whole of its last two dims)
@@ -812,14 +816,18 @@ def stream_update(
             if k == 1:
                 dst = jnp.where(ok, r, sink)
                 touched_ref[pl.ds(dst, 1), :] = marked
-            else:  # the gradient (lanes [0, dim)) rotated into the row's lanes of its line
+            else:  # the gradient (lanes [0, dim)) rotated into the row's lanes of its line, or selected there
                 line, place = _line_of(r, k)
-                g = pltpu.roll(g, place * dim, 1)
+                if tiled:
+                    mine = (_lane_group(dim) == place).astype(jnp.float32)
+                    g = g * mine
+                else:
+                    g = pltpu.roll(g, place * dim, 1)
+                    mine = pltpu.roll((_lane_group(dim) == 0).astype(jnp.float32), place * dim, 1)
                 dst = jnp.where(ok, line, sink)
                 if touched_rows:
                     touched_ref[pl.ds(jnp.where(ok, r, block_rows), 1), :] = marked
                 else:
-                    mine = pltpu.roll((_lane_group(dim) == 0).astype(jnp.float32), place * dim, 1)
                     touched_ref[pl.ds(dst, 1), :] = jnp.maximum(touched_ref[pl.ds(dst, 1), :], mine)
             target = grad_sums[u % partial_sums]
             target[pl.ds(dst, 1), :] += g
