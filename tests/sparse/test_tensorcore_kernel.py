@@ -27,7 +27,9 @@ OPTIMIZERS = {
 }
 
 
-def _csr(seed: int, partitions: int, rows: int, *, pooling=PoolingType.SUM, weighted=True, batch=16, dim=8):
+def _csr(
+    seed: int, partitions: int, rows: int, *, pooling=PoolingType.SUM, weighted=True, batch=16, dim=8, capacity=256
+):
     # Few rows per id slot make the streaming path run (and bags repeat ids); many rows the XLA path.
     tables = [
         EmbeddingBagConfig(
@@ -38,7 +40,7 @@ def _csr(seed: int, partitions: int, rows: int, *, pooling=PoolingType.SUM, weig
         ),
     ]
     kjt = random_kjt(tables, batch, np.random.default_rng(seed), max_len=6, weighted=weighted)
-    (stack,) = sp.preprocess_kjt(kjt, tables, partitions, sp.Capacity(256)).stacks.values()
+    (stack,) = sp.preprocess_kjt(kjt, tables, partitions, sp.Capacity(capacity)).stacks.values()
     return stack.arrays(), 3 * batch, rows + rows // 2, dim
 
 
@@ -273,6 +275,32 @@ def test_step_with_partial_sums_or_touched_rows_marked_by_row(
         return tensorcore.stream_update(op, args[5], args[6:], keys, samples, gains, args[4], hp, **options)
 
     _lowers_for_a_tpu(monkeypatch, step, *csr, grad, table, *slots)
+
+
+@pytest.mark.parametrize("window,served", [(384, True), (128, False)])
+def test_step_reads_an_output_gradient_too_large_for_vmem_through_a_moving_window(window, served, monkeypatch):
+    # Batch 256 of 3 features: 768 output gradient rows, features 0-1 on table a, feature 2 on table b.
+    # Windows of 2 x 384 rows hold each chunk's samples (the window moves from row 0 to row 384 when
+    # the walk reaches table b); windows of 2 x 128 cannot hold table a's 512 rows, so every entry's
+    # gradient row is gathered first. Both give the reference's step.
+    csr, batch, rows, dim = _csr(21, 1, 3072, dim=64, batch=256, capacity=4096)
+    table, slots = _state(13, rows, dim, "rowwise_adagrad")
+    keys, samples, gains, valid = tensorcore._sorted_entries(*csr)
+    keys, chunk, _, _ = tensorcore._walk(keys, rows, tensorcore.BLOCK_ROWS)
+    samples = tensorcore._pad_to(samples, keys.shape[0])
+    window_of, fits = tensorcore._gradient_windows(keys < rows, samples, chunk, window)
+    assert bool(fits) == served and batch == 768
+    if served:
+        assert set(np.asarray(window_of).tolist()) == {0, 1}
+    options = dict(resident=False, gradient_window=window)
+    _check_stream_update("rowwise_adagrad", csr, batch, table, slots, **options)
+    op, hp = "sparse_dense_matmul_grad_with_rowwise_adagrad", OPTIMIZERS["rowwise_adagrad"][1]
+
+    def step(*args):
+        keys, samples, gains, _ = tensorcore._sorted_entries(*args[:4])
+        return tensorcore.stream_update(op, args[5], args[6:], keys, samples, gains, args[4], hp, **options)
+
+    _lowers_for_a_tpu(monkeypatch, step, *csr, np.zeros((batch, dim), np.float32), table, *slots)
 
 
 @pytest.mark.parametrize("dim", [8, 64])

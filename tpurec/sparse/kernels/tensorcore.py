@@ -42,6 +42,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 
 import jax
@@ -364,11 +365,11 @@ def _keys_spec(chunk: int):
 
 
 def _rows_spec(chunk: int, dim: int):
-    return pl.BlockSpec((chunk, dim), lambda s, lo, hi, c, b: (c[s], _ZERO))
+    return pl.BlockSpec((chunk, dim), lambda s, lo, hi, c, b, *_: (c[s], _ZERO))
 
 
 def _block_spec(block_rows: int, dim: int):
-    return pl.BlockSpec((block_rows, dim), lambda s, lo, hi, c, b: (b[s], _ZERO))
+    return pl.BlockSpec((block_rows, dim), lambda s, lo, hi, c, b, *_: (b[s], _ZERO))
 
 
 def _walk_call(kernel, schedule, *, in_specs, out_spec, out_shape, aliases=None, scratch=()):
@@ -465,6 +466,10 @@ def stream_scatter(table: jax.Array, keys: jax.Array, rows_in: jax.Array, *, blo
         # Operand 6 (after the 4 scheduled scalars, the keys and the rows) is the table.
         aliases={6: 0},
     )(*schedule, keys, rows_in, table)
+
+
+def _pad_to_rows(x, n: int):
+    return jnp.pad(x, ((0, n - x.shape[0]), (0, 0))) if x.shape[0] != n else x
 
 
 def _pad_to(x, n: int, value=0):
@@ -649,6 +654,17 @@ def _column_to_lanes(col, k: int, lanes_iota):
     return square.T[:k]
 
 
+def _gradient_windows(valid, samples, chunk: int, window: int):
+    """``(window_of, served)`` of :func:`stream_update`'s moving gradient window: for each chunk of
+    entries the window multiple below its smallest valid sample (int32), and whether each chunk's
+    samples all lie in the ``2 * window`` rows from there."""
+    valid, samples = valid.reshape(-1, chunk), samples.reshape(-1, chunk)
+    low = jnp.min(jnp.where(valid, samples, jnp.iinfo(jnp.int32).max), axis=1)
+    high = jnp.max(jnp.where(valid, samples, -1), axis=1)
+    window_of = jnp.where(high >= 0, low // window, 0).astype(jnp.int32)
+    return window_of, jnp.all(high < (window_of + 2) * window)
+
+
 def _update_vmem(batch_size: int, dim: int, slots) -> tuple[int, int]:
     """VMEM bytes of :func:`stream_update`: ``(blocks, resident output gradient)``.
 
@@ -687,6 +703,7 @@ def stream_update(
     partial_sums: int = 1,
     touched_rows: bool = False,
     rotate: bool = True,
+    gradient_window: int | None = None,
 ):
     """A fused optimizer step in one pass over the touched blocks of a table and its slots.
 
@@ -776,19 +793,41 @@ def stream_update(
     tiled = k > 1 and not rotate
     # Gradient rows in lanes [0, dim), or (tiled) once in each row's lanes of a line.
     widen = (lambda x: jnp.tile(x, (1, k))) if tiled else (lambda x: jnp.pad(x, ((0, 0), (0, width - dim))))  # noqa: E731
-    if resident:
-        gradient = widen(grad_output)
-        gradient_spec = pl.BlockSpec((batch_size, width), lambda s, lo, hi, c, b: (_ZERO, _ZERO))
-    else:  # each entry's gradient row, read chunk by chunk with its ids
-        rows_of = jnp.take(grad_output, jnp.clip(samples, 0, max(batch_size - 1, 0)), axis=0)
-        gradient = widen(rows_of * gains[:, None])
-        gradient_spec = _rows_spec(chunk, width)
+    window = 0
+    if not resident and not mxu:
+        lanes = max(_cdiv(width, 128) * 128, 128)
+        fits = (_VMEM_LIMIT - 8 * 2**20 - blocks_vmem) // (4 * lanes * 4) // 8 * 8  # 2 buffers of 2 windows
+        window = fits if gradient_window is None else gradient_window
+        window = window // 8 * 8 if window >= 8 else 0
     # The MXU sum reads the chunk's ids as a lane vector too (the loop reads them from SMEM only).
     # ([chunks, 1, chunk]: Mosaic takes a block of one row only as the whole of its last two dims)
     lane_keys = [keys.reshape(n // chunk, 1, chunk)] if mxu else []
-    lane_keys_specs = [pl.BlockSpec((None, 1, chunk), lambda s, lo, hi, c, b: (c[s], _ZERO, _ZERO))] if mxu else []
+    lane_keys_specs = [pl.BlockSpec((None, 1, chunk), lambda s, lo, hi, c, b, *_: (c[s], _ZERO, _ZERO))] if mxu else []
+    mode = "resident" if resident else "window" if window else "streamed"
 
-    def kernel(lo_ref, hi_ref, c_ref, b_ref, hp_ref, keys_ref, samples_ref, gains_ref, gout_ref, *refs):
+    def run(mode: str):
+        windowed = mode == "window"
+        if mode == "resident":
+            gradient = widen(grad_output)
+            gradient_spec = pl.BlockSpec((batch_size, width), lambda s, lo, hi, c, b, *_: (_ZERO, _ZERO))
+            scheduled = schedule
+        elif windowed:  # rows [h * window, (h + 2) * window) of the output gradient, h per chunk
+            gradient = widen(_pad_to_rows(grad_output, (_cdiv(batch_size, window) + 1) * window))
+            span = np.int32(window)
+            gradient_spec = pl.BlockSpec(
+                (pl.Element(2 * window), pl.Element(width)), lambda s, lo, hi, c, b, h: (h[s] * span, _ZERO)
+            )
+            scheduled = (*schedule, window_of[schedule[2]])
+        else:  # each entry's gradient row, read chunk by chunk with its ids
+            rows_of = jnp.take(grad_output, jnp.clip(samples, 0, max(batch_size - 1, 0)), axis=0)
+            gradient = widen(rows_of * gains[:, None])
+            gradient_spec = _rows_spec(chunk, width)
+            scheduled = schedule
+        return update_call(mode, scheduled, gradient, gradient_spec)
+
+    def kernel(mode, lo_ref, hi_ref, c_ref, b_ref, *refs):
+        h_ref, refs = (refs[0], refs[1:]) if mode == "window" else (None, refs)
+        hp_ref, keys_ref, samples_ref, gains_ref, gout_ref, *refs = refs
         keys_row_ref, refs = (refs[0], refs[1:]) if mxu else (None, refs)
         m = 1 + len(slots)
         ins, outs, (grad_ref, touched_ref, *rest) = refs[:m], refs[m : 2 * m], refs[2 * m :]
@@ -809,8 +848,10 @@ def stream_update(
         def add(i, ok, u):
             j = i - base
             r = keys_ref[j] - first_row
-            if resident:
+            if mode == "resident":
                 g = gout_ref[pl.ds(samples_ref[j], 1), :] * gains_ref[j]
+            elif mode == "window":
+                g = gout_ref[pl.ds(samples_ref[j] - h_ref[s] * np.int32(window), 1), :] * gains_ref[j]
             else:
                 g = gout_ref[pl.ds(j, 1), :]
             if k == 1:
@@ -883,43 +924,51 @@ def stream_update(
 
     def block(f):
         if f:
-            return pl.BlockSpec((lane_rows, 128), lambda s, lo, hi, c, b: (b[s], _ZERO))
+            return pl.BlockSpec((lane_rows, 128), lambda s, lo, hi, c, b, *_: (b[s], _ZERO))
         return _block_spec(block_lines, width)
 
-    smem = lambda: pl.BlockSpec((chunk,), lambda s, lo, hi, c, b: (c[s],), memory_space=pltpu.SMEM)  # noqa: E731
+    smem = lambda: pl.BlockSpec((chunk,), lambda s, lo, hi, c, b, *_: (c[s],), memory_space=pltpu.SMEM)  # noqa: E731
     specs = [block(False)] + [block(f) for f in flat]
     arrays = [table.reshape(rows // k, width), *slot_views]
     # The row slots of a lane-dense table pass through a block of rows spread over all lanes.
     spread = [pltpu.VMEM((block_rows, LANES), jnp.float32)] if k > 1 and any(flat) and not slots_on_mxu else []
-    # After the scheduled scalars, hp, keys, samples, gains, the gradient and (MXU) the ids as lanes.
-    first_aliased = len(schedule) + 5 + len(lane_keys)
-    outs = pl.pallas_call(
-        kernel,
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(schedule),
-            grid=(num_steps,),
-            in_specs=[
-                pl.BlockSpec(hp.shape, lambda s, lo, hi, c, b: (_ZERO,), memory_space=pltpu.SMEM),
-                smem(),
-                smem(),
-                smem(),
-                gradient_spec,
-                *lane_keys_specs,
-                *specs,
-            ],
-            out_specs=specs,
-            scratch_shapes=[
-                pltpu.VMEM((block_lines + 8, width), jnp.float32),
-                pltpu.VMEM(((block_rows if k > 1 and touched_rows else block_lines) + 8, 128), jnp.float32),
-                *[pltpu.VMEM((block_lines + 8, width), jnp.float32) for _ in range(partial_sums - 1)],
-                *spread,
-            ],
-        ),
-        out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays],
-        input_output_aliases={first_aliased + i: i for i in range(len(arrays))},
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
-        interpret=_interpret(),
-    )(*schedule, hp, keys, samples, gains, gradient, *lane_keys, *arrays)
+
+    def update_call(mode, scheduled, gradient, gradient_spec):
+        # After the scheduled scalars, hp, keys, samples, gains, the gradient and (MXU) the ids as lanes.
+        first_aliased = len(scheduled) + 5 + len(lane_keys)
+        return pl.pallas_call(
+            functools.partial(kernel, mode),
+            grid_spec=pltpu.PrefetchScalarGridSpec(
+                num_scalar_prefetch=len(scheduled),
+                grid=(num_steps,),
+                in_specs=[
+                    pl.BlockSpec(hp.shape, lambda s, lo, hi, c, b, *_: (_ZERO,), memory_space=pltpu.SMEM),
+                    smem(),
+                    smem(),
+                    smem(),
+                    gradient_spec,
+                    *lane_keys_specs,
+                    *specs,
+                ],
+                out_specs=specs,
+                scratch_shapes=[
+                    pltpu.VMEM((block_lines + 8, width), jnp.float32),
+                    pltpu.VMEM(((block_rows if k > 1 and touched_rows else block_lines) + 8, 128), jnp.float32),
+                    *[pltpu.VMEM((block_lines + 8, width), jnp.float32) for _ in range(partial_sums - 1)],
+                    *spread,
+                ],
+            ),
+            out_shape=[jax.ShapeDtypeStruct(x.shape, x.dtype) for x in arrays],
+            input_output_aliases={first_aliased + i: i for i in range(len(arrays))},
+            compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",), vmem_limit_bytes=_VMEM_LIMIT),
+            interpret=_interpret(),
+        )(*scheduled, hp, keys, samples, gains, gradient, *lane_keys, *arrays)
+
+    if mode == "window":
+        window_of, served = _gradient_windows(keys < rows, samples, chunk, window)
+        outs = jax.lax.cond(served, lambda: run("window"), lambda: run("streamed"))
+    else:
+        outs = run(mode)
     new_slots = [o.reshape(-1)[:rows] if f else o.reshape(rows, dim) for o, f in zip(outs[1:], flat)]
     return (outs[0].reshape(rows, dim), *new_slots)
 
