@@ -850,7 +850,7 @@ def stream_update(
             r = keys_ref[j] - first_row
             if mode == "resident":
                 g = gout_ref[pl.ds(samples_ref[j], 1), :] * gains_ref[j]
-            elif mode == "window":
+            elif h_ref is not None:  # the moving window
                 g = gout_ref[pl.ds(samples_ref[j] - h_ref[s] * np.int32(window), 1), :] * gains_ref[j]
             else:
                 g = gout_ref[pl.ds(j, 1), :]
