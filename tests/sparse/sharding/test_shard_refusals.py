@@ -1,7 +1,5 @@
 """What ``tpurec.shard`` refuses, before it changes anything, where it cannot do what TorchRec does.
 
-* quantized inference collections (``from_torchrec`` of TorchRec's quantized EBC): TorchRec shards
-  them with its inference sharders; tpurec serves them unsharded only;
 * TorchRec's FP16/BF16 modules that ``from_torchrec`` keeps as TorchRec's own module on the device:
   TorchRec's DMP trains those tables with FBGEMM's fused kernels, the unsharded module with dense
   gradients; tpurec's sharded collection holds float32 tables;
@@ -13,7 +11,6 @@ model's state stays as it was.
 
 from __future__ import annotations
 
-import numpy as np
 from typing import Any
 
 import pytest
@@ -21,7 +18,6 @@ import torch
 from torch import nn
 from torchrec import EmbeddingBagCollection as TorchrecEBC
 from torchrec import EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
-from torchrec.inference.modules import quantize_embeddings
 from torchrec.modules.embedding_configs import DataType
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection as TorchrecMCEC
 from torchrec.modules.mc_modules import LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
@@ -29,7 +25,6 @@ from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backwa
 
 import tpurec
 import tpurec.sparse as sp
-from helpers import random_kjt
 
 
 def _bag_tables(data_type: DataType = DataType.FP32, prefix: str = "t") -> list[EmbeddingBagConfig]:
@@ -74,27 +69,6 @@ def _assert_refused(model: nn.Module, error: type[Exception], match: str) -> Non
     assert list(after) == list(before)
     for key, value in after.items():
         assert torch.equal(value, before[key]), key
-
-
-def _quantized() -> nn.Module:
-    torch.manual_seed(0)
-    quantized: Any = quantize_embeddings(
-        nn.Sequential(TorchrecEBC(tables=_bag_tables())), dtype=torch.qint8, inplace=False
-    )
-    return quantized[0]
-
-
-@pytest.mark.parametrize("beside", [False, True], ids=["alone", "beside_a_float_collection"])
-def test_a_quantized_collection_is_refused(beside):
-    torch.manual_seed(1)
-    other = _trainable_ebc(_bag_tables(prefix="u")) if beside else None
-    model: Any = sp.from_torchrec(_Pair(_quantized(), other), device="tpu")
-    assert isinstance(model.first, sp.QuantEmbeddingBagCollection)
-    _assert_refused(model, NotImplementedError, r"quantized .*QuantEmbeddingBagCollection at 'first'.*\['t0', 't1'\]")
-    # The refused model still serves unsharded, as TorchRec's quantized module on CPU.
-    kjt = random_kjt(_bag_tables(), 8, np.random.default_rng(0))
-    with torch.no_grad():
-        assert model.first(kjt).values().shape == (8, 16)
 
 
 @pytest.mark.parametrize("data_type", [DataType.FP16, DataType.BF16], ids=["fp16", "bf16"])

@@ -66,7 +66,7 @@ def model_fingerprint(
         fp[f"collection {path or '(the model)'}"] = {
             "tables": tables,
             "weighted": bool(ebc.is_weighted()),
-            "optimizer": _optimizer(ebc.optimizer) if ebc.optimizer is not None else None,
+            "optimizer": _optimizer(ebc.optimizer) if getattr(ebc, "optimizer", None) is not None else None,
         }
     fp["dense"] = {name: f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}" for name, t in dense}
     return fp

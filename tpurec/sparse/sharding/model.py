@@ -22,9 +22,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from torch import nn
 
 from tpurec.sparse.modules import EmbeddingBagCollection
+from tpurec.sparse.quant import QuantEmbeddingBagCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.sequence import EmbeddingCollection
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
+from tpurec.sparse.sharding.quant import ShardedQuantEmbeddingBagCollection, check_quant_shardings, mean_row_wise_tables
 from tpurec.sparse.sharding.fingerprint import agree_on_model, model_fingerprint
 from tpurec.sparse.mesh_batches import map_batch
 from tpurec.sparse.mesh_batches import batch_sharded_array, local_device_count
@@ -172,22 +174,13 @@ def _refuse_unshardable(model: nn.Module) -> None:
     """Raises for the embedding modules of ``model`` that tpurec.shard cannot shard as TorchRec would.
 
     Left in the model they would be replicated as its dense part, which is not what TorchRec's
-    sharded modules compute: quantized inference collections (TorchRec shards their tables) and
-    TorchRec's own modules that ``from_torchrec`` keeps for FP16/BF16 tables (TorchRec's DMP trains
-    those with FBGEMM's fused kernels).
+    sharded modules compute: TorchRec's own modules that ``from_torchrec`` keeps for FP16/BF16
+    tables (TorchRec's DMP trains those with FBGEMM's fused kernels).
     """
     from tpurec.sparse.convert import TorchrecEmbeddingBagCollectionOnDevice, TorchrecEmbeddingCollectionOnDevice
-    from tpurec.sparse.quant import QuantEmbeddingBagCollection
 
     for path, module in model.named_modules():
         where = f"{type(module).__name__} at {path!r}"
-        if isinstance(module, QuantEmbeddingBagCollection):
-            tables = [c.name for c in module.embedding_bag_configs()]
-            raise NotImplementedError(
-                f"tpurec.shard cannot shard quantized inference collections ({where}, tables {tables}): tpurec "
-                "runs them unsharded only. Serve the quantized model on one device (model.to('tpu')) without "
-                "tpurec.shard, or shard the float model before quantizing it."
-            )
         if isinstance(module, (TorchrecEmbeddingBagCollectionOnDevice, TorchrecEmbeddingCollectionOnDevice)):
             configs = (
                 module.embedding_bag_configs()
@@ -201,6 +194,26 @@ def _refuse_unshardable(model: nn.Module) -> None:
                 "FBGEMM's fused kernels, and tpurec's sharded collections hold float32 tables. Use FP32 tables "
                 "(data_type=DataType.FP32) to shard the model, or train it unsharded (model.to('tpu'))."
             )
+
+
+def _quantized_collections(model: nn.Module) -> dict[str, QuantEmbeddingBagCollection]:
+    """Every quantized inference collection of ``model`` (path -> module), sharded for inference."""
+    return {path: m for path, m in model.named_modules() if isinstance(m, QuantEmbeddingBagCollection)}
+
+
+def _planned_table_wise(qebc: QuantEmbeddingBagCollection, mesh: Mesh, batch_size: int) -> Any:
+    """A table-wise plan of a quantized collection from the TPU planner (TorchRec's
+    ``shard_quant_model`` default: table-wise constraints on every table)."""
+    from torchrec.distributed.planner.types import ParameterConstraints
+    from torchrec.distributed.types import ShardingType
+
+    from tpurec.sparse.planner import plan as tpu_plan
+
+    name = planning_topology(mesh.devices.size, mesh.devices.flat[0])
+    configs = qebc.embedding_bag_configs()
+    constraints = {c.name: ParameterConstraints(sharding_types=[ShardingType.TABLE_WISE.value]) for c in configs}
+    result, _report = tpu_plan(configs, name, batch_size=batch_size, constraints=constraints)
+    return module_plans(result)[""]
 
 
 def _collections(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
@@ -259,7 +272,7 @@ def shard(
     planner_batch_size: int = 4096,
     seed: int = 0,
 ) -> nn.Module:
-    """Shards every tpurec ``EmbeddingBagCollection`` of ``model`` and makes the rest data-parallel.
+    """Shards every tpurec embedding collection of ``model`` and makes the rest data-parallel.
 
     Embedding tables and their optimizer slots become sharded global arrays laid
     out as the plan says; the ids of each step travel to their shards and the
@@ -280,18 +293,24 @@ def shard(
             the rest of the model, on ``tpu`` or the host, is moved to ``tpu``
             (as TorchRec's ``DistributedModelParallel`` moves the dense part). A sequence collection keeps its module (its output is
             unstacked from the sharded lookup of its one-id bags); its inner
-            ``_bags`` collection becomes the sharded one.
+            ``_bags`` collection becomes the sharded one. A quantized inference
+            collection (:class:`~tpurec.sparse.QuantEmbeddingBagCollection`) becomes a
+            :class:`~tpurec.sparse.sharding.quant.ShardedQuantEmbeddingBagCollection`
+            (table-wise, row-wise or column-wise, as TorchRec's quantized sharder; its
+            lookups compute what TorchRec's sharded inference computes).
         plan: a torchrec ``ShardingPlan`` (module path -> table plans, e.g. from
             ``EmbeddingShardingPlanner``, ``construct_module_sharding_plan`` or
             ``tpurec.sparse.planner.load_plan``), or one module's table plan.
             An ``EmbeddingCollection`` or ``FeatureProcessedEmbeddingBagCollection``
             is named by its own path, as TorchRec plans it. None asks the TPU
-            planner.
+            planner (table-wise for quantized collections, as TorchRec's
+            ``shard_quant_model`` does by default).
         mesh: a ``jax.sharding.Mesh``; plan rank ``r`` is ``mesh.devices.flat[r]``.
             Default: every device, ordered by process.
         optimizer: a fused embedding optimizer replacing the collections' own
             (FBGEMM's semantics: one update per lookup, see docs/torchrec_semantics.md). Its
             slots start at zero, or at the module's where its optimizer has the same slots.
+            Quantized collections keep none (a model with only those refuses one).
         optimizer_kwargs: its keyword arguments when ``optimizer`` is a torch class.
         capacity: entries a device may send one shard per step (None: grow on demand).
         overflow: ``"error"`` or ``"drop"`` when a batch exceeds ``capacity``.
@@ -305,7 +324,8 @@ def shard(
 
     Returns:
         ``model`` with its collections replaced by :class:`ShardedEmbeddingBagCollection`
-        (the sharded collection itself when ``model`` is one).
+        (or ``ShardedQuantEmbeddingBagCollection``; the sharded collection itself when
+        ``model`` is one).
 
     Raises:
         ValueError, TypeError: a bad plan, mesh or seed; raised before anything changes.
@@ -326,10 +346,11 @@ def shard(
     _refuse_unshardable(model)
     owners = _collections(model)
     ebcs = {path: model.get_submodule(path) for path in owners}
-    if not ebcs:
+    quants = _quantized_collections(model)
+    if not ebcs and not quants:
         raise ValueError(
-            "the model has no tpurec EmbeddingBagCollection or EmbeddingCollection to shard (convert it with "
-            "tpurec.sparse.from_torchrec)"
+            "the model has no tpurec EmbeddingBagCollection, EmbeddingCollection or QuantEmbeddingBagCollection to "
+            "shard (convert it with tpurec.sparse.from_torchrec)"
         )
     _refuse_managed_collisions(model)
     for path, ebc in ebcs.items():
@@ -338,6 +359,18 @@ def shard(
                 f"EmbeddingBagCollection '{path}' is on {ebc.device}; move the model to 'tpu' first (or build its "
                 "tables on 'meta' for tpurec.shard to create each shard on its device)"
             )
+    for path, qebc in quants.items():
+        if qebc.device.type != "tpu":
+            raise ValueError(
+                f"QuantEmbeddingBagCollection '{path}' is on {qebc.device}; move the model to 'tpu' first (its "
+                "quantized rows are copied onto their shards)"
+            )
+    if quants and not ebcs and optimizer is not None:
+        raise ValueError(
+            f"optimizer= trains embedding tables, but the model's collections {sorted(quants)} are quantized "
+            "inference collections, which nothing trains (TorchRec's quantized modules have no optimizer either). "
+            "Leave optimizer out."
+        )
     born = [path for path, ebc in ebcs.items() if ebc.device.type == "meta"]
     for path in born:
         # Every table born on meta must be creatable shard by shard: refuse before anything changes.
@@ -352,18 +385,24 @@ def shard(
     # Every check first: a bad plan must leave the model untouched.
     if plan is None:
         per_module = {path: _planned(owners[path][1], ebc, mesh, planner_batch_size) for path, ebc in ebcs.items()}
+        per_quant = {path: _planned_table_wise(qebc, mesh, planner_batch_size) for path, qebc in quants.items()}
     else:
         given = module_plans(plan)
         # A plan names a collection by its owner's path (TorchRec's) or, for a
         # wrapped one, by the inner collection's path: one entry each.
         by_plan_path = {owners[path][0]: path for path in ebcs}
-        known = set(by_plan_path) | set(ebcs)
+        known = set(by_plan_path) | set(ebcs) | set(quants)
         strangers = [path for path in given if path not in known]
         if strangers:
             raise ValueError(
-                f"the plan names modules {strangers} that are not tpurec EmbeddingBagCollections or "
-                f"EmbeddingCollections of the model (they are: {sorted(by_plan_path)})"
+                f"the plan names modules {strangers} that are not tpurec EmbeddingBagCollections, "
+                f"EmbeddingCollections or QuantEmbeddingBagCollections of the model (they are: "
+                f"{sorted(set(by_plan_path) | set(quants))})"
             )
+        missing = [path for path in quants if path not in given]
+        if missing:
+            raise ValueError(f"the plan has no entry for the quantized collections {missing} of the model")
+        per_quant = {path: given[path] for path in quants}
         twice = [path for path in ebcs if owners[path][0] != path and path in given and owners[path][0] in given]
         if twice:
             raise ValueError(
@@ -381,9 +420,13 @@ def shard(
     specs: dict[str, dict[str, TableSharding]] = {
         path: table_shardings(ebcs[path].embedding_bag_configs(), per_module[path], mesh.devices.size) for path in ebcs
     }
-    inside = {id(p) for ebc in ebcs.values() for p in ebc.parameters()} | {
-        id(b) for ebc in ebcs.values() for b in ebc.buffers()
-    }
+    quant_specs: dict[str, dict[str, TableSharding]] = {}
+    for path, qebc in quants.items():
+        configs = qebc.embedding_bag_configs()
+        quant_specs[path] = table_shardings(configs, per_quant[path], mesh.devices.size)
+        check_quant_shardings(f"QuantEmbeddingBagCollection at {path!r}", configs, quant_specs[path])
+    collections = [*ebcs.values(), *quants.values()]
+    inside = {id(p) for c in collections for p in c.parameters()} | {id(b) for c in collections for b in c.buffers()}
     dense = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in inside]
     # With tables on meta the rest of the model may still be on the host: it moves to tpu
     # below, as TorchRec's DMP moves a model's dense part to its device.
@@ -402,12 +445,24 @@ def shard(
         named = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers()) if id(t) not in inside]
         agree_on_model(
             model_fingerprint(
-                ebcs, specs, named, mesh_shape=tuple(mesh.devices.shape), capacity=capacity, overflow=overflow,
-                optimizer=embedding_optimizer, seed=seed if born else None,
+                {**ebcs, **quants}, {**specs, **quant_specs}, named, mesh_shape=tuple(mesh.devices.shape),
+                capacity=capacity, overflow=overflow, optimizer=embedding_optimizer, seed=seed if born else None,
             )
         )  # fmt: skip
 
-    sharded = {}
+    sharded: dict[str, nn.Module] = {}
+    for path, qebc in quants.items():
+        averaged = mean_row_wise_tables(qebc.embedding_bag_configs(), quant_specs[path])
+        if averaged:
+            warnings.warn(
+                f"tpurec.shard: the row-wise MEAN tables {averaged} of the quantized collection at {path!r} average "
+                "the ids each row shard holds and sum the shards' means, as TorchRec's sharded inference does; the "
+                "unsharded module averages each whole bag. Plan them table-wise or column-wise to keep the bag's mean.",
+                stacklevel=2,
+            )
+        sharded[path] = ShardedQuantEmbeddingBagCollection(
+            qebc, quant_specs[path], mesh, capacity=capacity, overflow=overflow
+        )
     for path, ebc in ebcs.items():
         # The slots of an optimizer given here start at zero where the module holds other ones
         # (an inference module holds none).
@@ -416,12 +471,13 @@ def shard(
             held = cast(EmbeddingOptimizer | None, ebc.optimizer)
             zero_slots = held is None or dict(held.slots) != dict(embedding_optimizer.slots)
             ebc.optimizer = embedding_optimizer
-        sharded[path] = ShardedEmbeddingBagCollection(
+        new_ebc = ShardedEmbeddingBagCollection(
             ebc, specs[path], mesh, capacity=capacity, overflow=overflow, seed=seed, zero_slots=zero_slots
         )
         if embedding_optimizer is not None:
             # An explicit fused optimizer updates once per lookup, as FBGEMM's kernels do.
-            sharded[path].optimizer_semantics = "fbgemm"
+            new_ebc.optimizer_semantics = "fbgemm"
+        sharded[path] = new_ebc
     if "" in sharded:
         return sharded[""]
     for path, new in sharded.items():

@@ -35,26 +35,32 @@ __all__ = ["backward", "forward", "id_weight_gradient", "make_programs"]
 def forward(
     layout: Layout,
     mesh: Mesh,
-    lookup: Callable[..., jax.Array],
+    lookup: Callable[..., jax.Array] | Sequence[Callable[..., jax.Array]],
     weights: list[jax.Array],
     dp_weights: list[jax.Array],
     groups: list[tuple[jax.Array, jax.Array, jax.Array]],
     dp: list[tuple[jax.Array, jax.Array, jax.Array]],
     b: int,
     with_rows: bool = False,
+    rank_ordered_sums: bool = False,
 ) -> tuple[jax.Array, list[tuple[jax.Array, ...]], list[jax.Array]]:
     """The forward program: ids to owners, lookups, pooled rows back to batch owners.
 
     Args:
         layout: where every table piece lives.
         mesh: the device mesh (its axes together are the one device axis).
-        lookup: the lookup kernel (``kernel_for("sparse_dense_matmul")`` or a stand-in).
+        lookup: the lookup kernel (``kernel_for("sparse_dense_matmul")`` or a stand-in), or one
+            kernel per group (sharded groups, then data-parallel ones).
         weights: per sharded group, the ``[devices * rows per device, width]`` stack.
         dp_weights: per data-parallel group, the replicated table stack.
         groups, dp: the packed entries (``InputRouter.pack``'s ``groups`` and ``dp``).
         b: samples per device.
         with_rows: also return, per group, every received entry's table row as it
             is now (kept on its shard for the backward's per-id weight gradients).
+        rank_ordered_sums: row-wise partial sums reach their batch owner by ``all_to_all`` and are
+            added there one device after another, in mesh order, each sum rounded to the output
+            dtype (FBGEMM's ``sum_reduce_to_one``, which TorchRec's sharded inference uses), instead
+            of one ``psum_scatter`` in XLA's order.
 
     Returns:
         ``(out, received, kept)``: the batch-sharded ``[batch, total dim]`` pooled
@@ -62,13 +68,17 @@ def forward(
     """
     L, D, axis = layout, layout.num_devices, tuple(mesh.axis_names)
     dest = jnp.asarray(L.dest_columns, jnp.int32)
+    n_groups = len(L.groups) + len(L.dp_groups)
+    lookups = list(lookup) if isinstance(lookup, Sequence) else [lookup] * n_groups
+    if len(lookups) != n_groups:
+        raise ValueError(f"forward: {len(lookups)} lookup kernels for {n_groups} groups")
 
     def entry_rows(table, rows):
         return table[jnp.where(rows == PAD_ID, 0, rows)]
 
     def body(weights, dp_weights, groups, dp):
         received, flats, kept = [], [], []
-        for grp, table, (rows, samples, gains) in zip(L.groups, weights, groups):
+        for grp, lookup, table, (rows, samples, gains) in zip(L.groups, lookups, weights, groups):
             K, K2 = grp.num_slots, grp.num_a2a
             # [1, dest, C] -> [source, 1, C]: every device gets the entries of its shards.
             rows, samples, gains = (
@@ -82,11 +92,18 @@ def forward(
             if K2:
                 back = jax.lax.all_to_all(pooled[:, :K2], axis, 0, 0, tiled=True)
                 flats.append(back.transpose(2, 0, 1, 3).reshape(b, -1))
-            if K > K2:
+            if K > K2 and rank_ordered_sums:
+                # [destination, ...] -> [source, ...]: every device's partial sums, in mesh order.
+                parts = jax.lax.all_to_all(pooled[:, K2:], axis, 0, 0, tiled=True)
+                summed = parts[0]
+                for part in parts[1:]:
+                    summed = summed + part
+                flats.append(summed.transpose(1, 0, 2).reshape(b, -1))
+            elif K > K2:
                 summed = jax.lax.psum_scatter(pooled[:, K2:], axis, scatter_dimension=0, tiled=True)
                 flats.append(summed[0].transpose(1, 0, 2).reshape(b, -1))
         me = jax.lax.axis_index(axis)
-        for dg, table, (rows, samples, gains) in zip(L.dp_groups, dp_weights, dp):
+        for dg, lookup, table, (rows, samples, gains) in zip(L.dp_groups, lookups[len(L.groups) :], dp_weights, dp):
             K = len(dg.slots)
             rows, samples, gains = rows.reshape(-1), samples.reshape(-1), gains.reshape(-1)
             local = jnp.where(rows == PAD_ID, PAD_ID, samples - me * K * b)

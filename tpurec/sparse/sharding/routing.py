@@ -122,6 +122,9 @@ class InputRouter:
             group and step (rounded up to :data:`ALIGN`); None grows it on
             demand to powers of two.
         overflow: ``"error"`` or ``"drop"`` when a batch exceeds ``capacity``.
+        mean_per_row_block: a MEAN table's bag is averaged per row block (the ids of the bag that
+            one row shard holds, divided by their count; the shards' means are then summed), as
+            TorchRec's sharded inference pools row-wise MEAN tables. False: by the bag's length.
 
     Raises:
         ValueError: this process's devices are not a contiguous run of the mesh.
@@ -140,8 +143,10 @@ class InputRouter:
         is_weighted: bool,
         capacity: int | None,
         overflow: Literal["error", "drop"],
+        mean_per_row_block: bool = False,
     ) -> None:
         self.configs = list(configs)
+        self.mean_per_row_block = mean_per_row_block
         self.stacks = list(stacks)
         self.layout = layout
         self.is_weighted = is_weighted
@@ -226,7 +231,12 @@ class InputRouter:
                 fb = feats[f]
                 samples = np.repeat(np.arange(local_batch, dtype=np.int64), fb.lengths)
                 gains = np.ones(fb.ids.shape[0], np.float64) if fb.weights is None else fb.weights.astype(np.float64)
-                if cfg.pooling == PoolingType.MEAN:
+                if cfg.pooling == PoolingType.MEAN and self.mean_per_row_block and cfg.name in L.placements:
+                    # Each row block's ids of a bag averaged on their own (see __init__).
+                    row_starts = L.placements[cfg.name].row_starts
+                    cell = samples * row_starts.shape[0] + np.searchsorted(row_starts, fb.ids, side="right") - 1
+                    gains = gains / np.bincount(cell)[cell]
+                elif cfg.pooling == PoolingType.MEAN:
                     gains = gains / np.repeat(fb.lengths, fb.lengths)
                 src, within = samples // b + first, samples % b
                 origin = starts[f] + np.arange(fb.ids.shape[0], dtype=np.int64)

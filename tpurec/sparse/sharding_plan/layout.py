@@ -4,6 +4,8 @@ Shards of equal width share one local stack per device: a global
 ``[devices * rows_per_device, width]`` array sharded on its first axis, so
 one lookup kernel and one pair of collectives serve every table of that width
 (a "group"). Data-parallel tables of equal dim share one replicated stack.
+Tables of different *kinds* (``Layout(kinds=...)``: the quantized collection's bits per value,
+whose stored rows differ for one width) never share a stack.
 
 Each device's lookup writes its pooled rows into output *slots*: slot ``k``
 of a group holds one (shard, feature) pair's ``[batch_per_device, width]``
@@ -19,7 +21,7 @@ one adds zeros) with ``psum_scatter``. The batch owner then adds the received bl
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Hashable, Mapping, Sequence
 
 import numpy as np
 from torchrec.modules.embedding_configs import EmbeddingBagConfig
@@ -38,7 +40,7 @@ def _round_up(n: int, to: int = _ROW_ALIGNMENT) -> int:
 
 @dataclasses.dataclass
 class Group:
-    """Sharded (non data-parallel) shards of one width.
+    """Sharded (non data-parallel) shards of one width and kind.
 
     Attributes:
         width: columns of every shard in the group.
@@ -46,6 +48,7 @@ class Group:
         offsets: shard -> first row in its device's local stack.
         a2a_slots: per device, its (shard, feature) output slots returned by all_to_all.
         rs_slots: (table, feature) slots returned by psum_scatter (same on every device).
+        kind: the kind of its tables (``Layout``'s ``kinds``; None by default).
     """
 
     width: int
@@ -53,6 +56,7 @@ class Group:
     offsets: dict[ShardPiece, int] = dataclasses.field(default_factory=dict)
     a2a_slots: list[list[tuple[ShardPiece, str]]] = dataclasses.field(default_factory=list)
     rs_slots: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    kind: Hashable = None
 
     @property
     def num_a2a(self) -> int:
@@ -65,19 +69,21 @@ class Group:
 
 @dataclasses.dataclass
 class DataParallelGroup:
-    """Data-parallel tables of one dim, stacked and replicated on every device.
+    """Data-parallel tables of one dim and kind, stacked and replicated on every device.
 
     Attributes:
         width: the tables' dim.
         offsets: table -> first row in the stack.
         num_rows: rows of the stack (padded).
         slots: (table, feature) output slots.
+        kind: the kind of its tables (``Layout``'s ``kinds``; None by default).
     """
 
     width: int
     offsets: dict[str, int] = dataclasses.field(default_factory=dict)
     num_rows: int = 0
     slots: list[tuple[str, str]] = dataclasses.field(default_factory=list)
+    kind: Hashable = None
 
 
 @dataclasses.dataclass
@@ -103,12 +109,19 @@ class Layout:
         configs: the tables, in the module's order.
         shardings: table name -> :class:`TableSharding` (see ``table_shardings``).
         num_devices: devices in the mesh.
+        kinds: table name -> its kind (default: one kind); only shards of one kind and width
+            share a stack.
     """
 
     def __init__(
-        self, configs: Sequence[EmbeddingBagConfig], shardings: dict[str, TableSharding], num_devices: int
+        self,
+        configs: Sequence[EmbeddingBagConfig],
+        shardings: dict[str, TableSharding],
+        num_devices: int,
+        kinds: Mapping[str, Hashable] | None = None,
     ) -> None:
         self.num_devices = D = num_devices
+        kind_of = {cfg.name: None if kinds is None else kinds[cfg.name] for cfg in configs}
         self.configs = list(configs)
         self.shardings = shardings
         # torchrec's output order: tables in order, their features in order, dim columns each.
@@ -123,16 +136,16 @@ class Layout:
 
         self.groups: list[Group] = []
         self.dp_groups: list[DataParallelGroup] = []
-        group_by_width: dict[int, int] = {}
-        dp_by_width: dict[int, int] = {}
+        group_by_width: dict[tuple[Hashable, int], int] = {}
+        dp_by_width: dict[tuple[Hashable, int], int] = {}
         self.dp_group_of: dict[str, int] = {}
         self.reduce_scattered: set[str] = set()
         for cfg in self.configs:
             ts = shardings[cfg.name]
             if ts.sharding_type == DATA_PARALLEL:
-                g = dp_by_width.setdefault(cfg.embedding_dim, len(self.dp_groups))
+                g = dp_by_width.setdefault((kind_of[cfg.name], cfg.embedding_dim), len(self.dp_groups))
                 if g == len(self.dp_groups):
-                    self.dp_groups.append(DataParallelGroup(cfg.embedding_dim))
+                    self.dp_groups.append(DataParallelGroup(cfg.embedding_dim, kind=kind_of[cfg.name]))
                 dg = self.dp_groups[g]
                 dg.offsets[cfg.name] = dg.num_rows
                 dg.num_rows += cfg.num_embeddings
@@ -149,21 +162,21 @@ class Layout:
             ):
                 self.reduce_scattered.add(cfg.name)
             for p in ts.pieces:
-                g = group_by_width.setdefault(p.cols, len(self.groups))
+                g = group_by_width.setdefault((kind_of[cfg.name], p.cols), len(self.groups))
                 if g == len(self.groups):
-                    self.groups.append(Group(p.cols, a2a_slots=[[] for _ in range(D)]))
+                    self.groups.append(Group(p.cols, a2a_slots=[[] for _ in range(D)], kind=kind_of[cfg.name]))
         used = [[0] * D for _ in self.groups]
         for cfg in self.configs:
             ts = shardings[cfg.name]
             for p in ts.pieces:
-                g = group_by_width[p.cols]
+                g = group_by_width[(kind_of[cfg.name], p.cols)]
                 grp = self.groups[g]
                 grp.offsets[p] = used[g][p.device]
                 used[g][p.device] += p.rows
                 if cfg.name not in self.reduce_scattered:
                     grp.a2a_slots[p.device].extend((p, f) for f in cfg.feature_names)
             if cfg.name in self.reduce_scattered:
-                grp = self.groups[group_by_width[cfg.embedding_dim]]
+                grp = self.groups[group_by_width[(kind_of[cfg.name], cfg.embedding_dim)]]
                 grp.rs_slots.extend((cfg.name, f) for f in cfg.feature_names)
         for g, grp in enumerate(self.groups):
             grp.rows_per_device = _round_up(max(used[g]))
@@ -181,7 +194,7 @@ class Layout:
             place = TableRouting([], row_starts, [], [], [])
             for c0 in col_starts:
                 cells = [by_cell[(int(r0), c0)] for r0 in row_starts]
-                g = group_by_width[cells[0].cols]
+                g = group_by_width[(kind_of[cfg.name], cells[0].cols)]
                 grp = self.groups[g]
                 place.group_of_block.append(g)
                 place.device.append(np.array([p.device for p in cells], np.int64))
