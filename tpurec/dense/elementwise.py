@@ -62,7 +62,7 @@ for _ops, _fn in [
     ((aten.asinh.default,), transcendental.asinh),
     ((aten.acosh.default,), transcendental.acosh),
     ((aten.atanh.default,), transcendental.atanh),
-    ((aten.erf.default,), jax.scipy.special.erf),
+    ((aten.erf.default,), error_functions.erf),
     ((aten.erfc.default,), error_functions.erfc),
     ((aten.erfinv.default,), transcendental.erfinv),
     ((aten.lgamma.default,), transcendental.lgamma),

@@ -10,11 +10,15 @@ x = 9 there and ``log(ndtr(x))`` past x = -13. Here they follow PyTorch's CPU ke
 
 * :func:`erfcx` is Steven G. Johnson's (the Faddeeva package, MIT license, as PyTorch): for
   0 <= x <= 50 a degree-6 polynomial on one of 100 intervals of ``y = 400 / (4 + x)``, above 50
-  a continued fraction (``1 / (sqrt(pi) x)`` past 5e7), for x < 0 ``2 exp(x^2) - erfcx(-x)``.
+  a continued fraction in powers of ``1 / x^2``, for x < 0 ``2 exp(x^2) - erfcx(-x)``.
   No exponential of a large argument: float32 accurate to a few units in the last place.
 * :func:`erfc` is ``1 - erf(x)`` for |x| < 0.5 and ``exp(-x^2) erfcx(x)`` above, where
   ``x^2`` is split into an exact high part and a small low part so that the exponential of
   the rounded square does not lose ``x^2`` ulps (``2 - erfc(-x)`` below -0.5).
+* :func:`erf` is XLA's rational function below 0.5 in magnitude and ``1 - erfc(|x|)`` (signed)
+  above, rounded once near +-1: XLA's own float32 ``erf`` erred by 2 units in the last place
+  there on a TPU v5e, which ``torch.special.ndtr``'s ``(1 + erf(x / sqrt(2))) / 2`` turns into a
+  relative error of 3.4 at x = -5.49.
 * :func:`log_ndtr` is PyTorch's: ``log(erfcx(-t) / 2) - t^2`` with ``t = x / sqrt(2)`` for
   x < -1, else ``log1p(-erfc(t) / 2)``.
 
@@ -35,7 +39,7 @@ from jax import lax
 
 from tpurec.dense import transcendental
 
-__all__ = ["erfc", "erfcx", "log_ndtr"]
+__all__ = ["erf", "erfc", "erfcx", "log_ndtr"]
 
 _INV_SQRT_PI = 0.56418958354775628694807945156  # 1 / sqrt(pi)
 _SQRT1_2 = 0.70710678118654752440084436210  # 1 / sqrt(2)
@@ -199,11 +203,13 @@ def erfcx(x: jax.Array) -> jax.Array:
     # 0 <= |x| <= 50: the table (for x < 0, erfcx(-x) = 2 exp(x^2) - erfcx(|x|)).
     table = _erfcx_y100(400 / (4 + jnp.where(a <= 50, a, one)))
     # |x| > 50: the continued fraction 1 / (sqrt(pi) (x + 0.5 / (x + 1 / (x + 1.5 / (x + 2 / x))))),
-    # simplified; past 5e7 its first term, where x^4 would overflow float32.
+    # simplified to (1 + u (4.5 + 2u)) / (sqrt(pi) x (1 + u (5 + 3.75u))) with u = 1 / x^2: PyTorch's
+    # form (x^4 + 4.5 x^2 + 2) / (x^5 + 5 x^3 + 3.75 x) divided through by x^4, so that no
+    # intermediate leaves float32's normal range (x^5 passes 2^126 at 3.3e7, and a TPU divides by
+    # multiplying with a reciprocal that flushes to zero there; u underflows to its limit 0).
     big = jnp.where(a > 50, a, 50 * one)
-    big_sq = big * big
-    fraction = _INV_SQRT_PI * (big_sq * (big_sq + 4.5) + 2) / (big * (big_sq * (big_sq + 5) + 3.75))
-    fraction = jnp.where(big > 5e7, _INV_SQRT_PI / big, fraction)
+    u = 1 / (big * big)
+    fraction = _INV_SQRT_PI * (1 + u * (4.5 + 2 * u)) / (big * (1 + u * (5 + 3.75 * u)))
     scaled_tail = jnp.where(a > 50, fraction, table)
     # x < 0: exp(x^2) overflows float32 below -9.4 and float64 below -26.6; the table term is
     # below 2 exp(x^2)'s last place from -6.1 on (PyTorch's switch).
@@ -256,3 +262,22 @@ def log_ndtr(x: jax.Array) -> jax.Array:
     low = transcendental.log(erfcx(-t_low) / 2) - t_low * t_low
     high = transcendental.log1p(-erfc(jnp.where(lower, 0.0, t)) / 2)
     return jnp.where(lower, low, high)
+
+
+def erf(x: jax.Array) -> jax.Array:
+    """The error function, within an ulp of the rounded answer near +-1 (see the module docstring).
+
+    Args:
+        x: a floating-point array (float32 as described; others keep XLA's ``erf``).
+
+    Returns:
+        erf(x), of ``x``'s dtype.
+    """
+    x = jnp.asarray(x)
+    if x.dtype != jnp.float32:
+        return lax.erf(x)
+    a = jnp.abs(x)
+    near = a < 0.5
+    center = lax.erf(jnp.where(near, x, 0.0))
+    far = jnp.copysign(1 - erfc(jnp.where(near, 1.0, a)), x)
+    return jnp.where(near, center, jnp.where(jnp.isnan(x), x, far))

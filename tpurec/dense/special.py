@@ -22,7 +22,7 @@ from jax import lax
 
 from tpurec.dense._util import Kind, promote
 from tpurec.dense.registry import lower
-from tpurec.dense import error_functions, transcendental
+from tpurec.dense import bessel, error_functions, transcendental
 
 aten = torch.ops.aten
 
@@ -47,6 +47,16 @@ def _binary(fn):
         return fn(jnp.asarray(x).astype(wide), jnp.asarray(y).astype(wide)).astype(res)
 
     return lowering
+
+
+def _float32_by(float32_fn, other_fn):
+    """``float32_fn`` for float32 arrays (tpurec.dense.bessel: no float64, which a TPU emulates with
+    float32's exponent range), ``other_fn`` (float64 here) for the rest."""
+
+    def fn(x):
+        return float32_fn(x) if x.dtype == jnp.float32 else other_fn(x)
+
+    return fn
 
 
 def _spherical_j0(x):
@@ -94,8 +104,8 @@ _UNARY = {
     aten.special_log_ndtr.default: error_functions.log_ndtr,
     aten.special_entr.default: transcendental.entr,
     aten.special_spherical_bessel_j0.default: _spherical_j0,
-    aten.special_bessel_j0.default: _bessel_j(0),
-    aten.special_bessel_j1.default: _bessel_j(1),
+    aten.special_bessel_j0.default: _float32_by(bessel.bessel_j0, _bessel_j(0)),
+    aten.special_bessel_j1.default: _float32_by(bessel.bessel_j1, _bessel_j(1)),
 }
 
 # Modified Bessel functions of the second kind, K_0 and K_1 (and e^x K_n), which
@@ -266,13 +276,17 @@ def _airy_ai(x):
 
 _UNARY.update(
     {
-        aten.special_airy_ai.default: _airy_ai,
-        aten.special_bessel_y0.default: _bessel_y(0),
-        aten.special_bessel_y1.default: _bessel_y(1),
-        aten.special_modified_bessel_k0.default: _bessel_k(0, scaled=False),
-        aten.special_modified_bessel_k1.default: _bessel_k(1, scaled=False),
-        aten.special_scaled_modified_bessel_k0.default: _bessel_k(0, scaled=True),
-        aten.special_scaled_modified_bessel_k1.default: _bessel_k(1, scaled=True),
+        aten.special_airy_ai.default: _float32_by(bessel.airy_ai, _airy_ai),
+        aten.special_bessel_y0.default: _float32_by(bessel.bessel_y0, _bessel_y(0)),
+        aten.special_bessel_y1.default: _float32_by(bessel.bessel_y1, _bessel_y(1)),
+        aten.special_modified_bessel_k0.default: _float32_by(bessel.modified_bessel_k0, _bessel_k(0, scaled=False)),
+        aten.special_modified_bessel_k1.default: _float32_by(bessel.modified_bessel_k1, _bessel_k(1, scaled=False)),
+        aten.special_scaled_modified_bessel_k0.default: _float32_by(
+            bessel.scaled_modified_bessel_k0, _bessel_k(0, scaled=True)
+        ),
+        aten.special_scaled_modified_bessel_k1.default: _float32_by(
+            bessel.scaled_modified_bessel_k1, _bessel_k(1, scaled=True)
+        ),
     }
 )
 

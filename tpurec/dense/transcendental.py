@@ -127,13 +127,90 @@ def through_float64(fn: Callable) -> Callable:
 lgamma = through_float64(lax.lgamma)
 # XLA's float32 expansion erred by 2.5e-5 on a v5e (5.7e-6 on XLA:CPU; PyTorch CPU about 1e-7).
 erfinv = through_float64(lax.erf_inv)
-_digamma = through_float64(lax.digamma)
+# psi(x) on [10, inf): the asymptotic series log x - 1/(2x) - sum B_2k / (2k x^2k), Cephes' psi.
+_DIGAMMA_ASYMPTOTIC = tuple(
+    np.float32(c)
+    for c in (
+        8.33333333333333333333e-2,
+        -2.10927960927960927961e-2,
+        7.57575757575757575758e-3,
+        -4.16666666666666666667e-3,
+        3.96825396825396825397e-3,
+        -8.33333333333333333333e-3,
+        8.33333333333333333333e-2,
+    )
+)
+_PSI_10 = np.float32(2.25175258906672110764)  # psi(10)
+_DIGAMMA_ROOT = 1.4616321449683623  # the positive zero of psi
+# psi(x0 + h) = sum_k psi^(k)(x0) h^k / k! around _DIGAMMA_ROOT: the coefficients psi^(k)(x0) / k!
+# for k = 1..14 (k = 0 is 0), by scipy.special.polygamma in float64.
+_DIGAMMA_AT_ROOT = (
+    0.9676722454476214,
+    -0.44276316898359214,
+    0.2584997609556512,
+    -0.16394270544240658,
+    0.10782405069126239,
+    -0.07219956125645476,
+    0.048804288164143145,
+    -0.033161126474847376,
+    0.022597648232218125,
+    -0.015424765904948968,
+    0.010538791616612182,
+    -0.007204534386356875,
+    0.004926781395729858,
+    -0.0033698016554393312,
+)
+
+
+_digamma_float64 = through_float64(lax.digamma)
+
+
+def _digamma_float32(x):
+    """psi(x) for float32 x >= 0, as PyTorch's ``calc_digamma(float)`` (Cephes' psi): the recurrence
+    psi(x) = psi(x + 1) - 1/x up to 10, the asymptotic series above; and the Taylor series around
+    its positive zero for |x - 1.4616| < 0.25, where the recurrence's sum cancels."""
+    y = x
+    total = jnp.zeros_like(y)
+    for _ in range(10):  # at most 10 steps take 0 < y < 10 to [10, 11)
+        below = y < 10
+        total = total - jnp.where(below, 1 / jnp.where(below, y, 1.0), 0.0)
+        y = jnp.where(below, y + 1, y)
+    big = jnp.where(y < 1e17, y, 1e17)
+    z = 1 / (big * big)
+    series = jnp.zeros_like(z)
+    for c in _DIGAMMA_ASYMPTOTIC:
+        series = series * z + c
+    series = jnp.where(y < 1e17, z * series, 0.0)
+    out = total + log(y) - 0.5 / y - series
+    out = jnp.where(y == 10, total + _PSI_10, out)
+    # (the root's float32 rounding error, 1.5e-8, added back: psi' there is about 1; the barrier
+    # keeps XLA from folding the two constants into one, which drops it)
+    h = lax.optimization_barrier(x - np.float32(_DIGAMMA_ROOT))
+    h = h - np.float32(_DIGAMMA_ROOT - float(np.float32(_DIGAMMA_ROOT)))
+    near_root = jnp.abs(h) < 0.25
+    taylor = jnp.zeros_like(h)
+    for c in reversed(_DIGAMMA_AT_ROOT):
+        taylor = (taylor + np.float32(c)) * h
+    out = jnp.where(near_root, taylor, out)
+    return jnp.where(x == jnp.inf, x, out)
 
 
 def digamma(x):
-    """``d/dx log gamma(x)`` (``lgamma``'s derivative), float32 through float64 as :func:`lgamma`."""
+    """``d/dx log gamma(x)`` (``lgamma``'s derivative); other dtypes than float32 by XLA.
+
+    Float32 x >= 0 in float32 (float64 gave NaN from 1.8e19 on a TPU, which emulates it with
+    float32's exponent range). Negative non-integers are below 2^23 in magnitude, where every
+    intermediate of XLA's float64 expansion stays inside float32's exponent range too, so float64
+    is as exact on a TPU as elsewhere; there psi(1 - x) and pi / tan(pi x) cancel near psi's zeros,
+    by more digits than float32 keeps (PyTorch's own float32 kernel takes the second in float64).
+    """
     x = jnp.asarray(x)
-    out = _digamma(x)
+    if x.dtype == jnp.float32:
+        reflected = jnp.where((x < 0) & (x > -(2.0**23)), x, -0.5)
+        out = jnp.where(x < 0, _digamma_float64(reflected), _digamma_float32(x))
+        out = jnp.where((x < 0) & (x == jnp.floor(x)), jnp.nan, out)  # the poles (all of x <= -2^23)
+    else:
+        out = lax.digamma(x)
     # At zero, the limit from the zero's side (XLA gives NaN): -inf at +0, inf at -0, as PyTorch.
     return jnp.where(x == 0, jnp.where(jnp.signbit(x), jnp.inf, -jnp.inf).astype(out.dtype), out)
 
