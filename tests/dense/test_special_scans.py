@@ -3,7 +3,7 @@
 The functions whose float32 lowerings have tails far outside float32's range (``erf``, ``erfc``,
 ``erfcx``, ``ndtr``, ``log_ndtr``; tpurec/dense/error_functions.py), the ones computed through
 float64 (``ndtri``, ``erfinv``, ``lgamma``, negative ``digamma``; tpurec/dense/transcendental.py)
-and the Bessel functions J, Y, K of orders 0 and 1 (tpurec/dense/bessel.py),
+and the Bessel functions J, Y, K of orders 0 and 1 and Airy's Ai (tpurec/dense/bessel.py),
 through the tpu device on XLA:CPU, at every 8192nd float32 bit pattern (1024 values in each
 binade, both signs, about 520,000 inputs). Where float64's answer is a normal float32 number,
 each value's relative error from it is at most twice PyTorch CPU's float32 error at that input
@@ -104,6 +104,29 @@ def test_erfcx_and_log_ndtr_where_float64_underflows_or_loses_digits() -> None:
     x = torch.cat([torch.linspace(26.5, 26.7, 4001), torch.linspace(5.0, 9.0, 4001)])
     assert_as_accurate_as_cpu(torch.special.erfcx, x)
     assert_as_accurate_as_cpu(torch.special.log_ndtr, x)
+
+
+def test_airy_ai_over_the_float32_range_its_phase_fits() -> None:
+    # Below -2.09 Ai oscillates with phase (2/3) |x|^(3/2) + pi / 4, which tpurec carries in twice
+    # float32's precision (PyTorch rounds it to float32, off by radians from x = -1e5 on): its error
+    # grows with |x|^(3/2), to a median of 0.6% of Ai at x = -2^28, where the scan stops. Below, no
+    # float32 algorithm without a many-word argument reduction gets the phase right, and PyTorch's
+    # float32 result is no better (NaN below -4.9e25). On [-2.6, -2.09) PyTorch's float64 errs by up
+    # to 1.7e-5 (its asymptotic form's corrections): the next test judges there by mpmath.
+    x = _every_float32()
+    keep = (x >= -(2.0**28)) & ~((x >= -2.6) & (x < -2.09))
+    assert_as_accurate_as_cpu(torch.special.airy_ai, x[keep | x.isnan()])
+
+
+def test_airy_ai_near_its_first_zero_against_mpmath() -> None:
+    # Within 8 float32 epsilons of mpmath (PyTorch's float32 errs by up to 0.12 there, its float64 by
+    # 4e-3 relative at the zero -2.3381).
+    mpmath = pytest.importorskip("mpmath")
+    x = torch.linspace(-2.7, -2.0, 1001)
+    ours = torch.special.airy_ai(x.to("tpu")).cpu().double()
+    exact = torch.tensor([float(mpmath.airyai(float(v))) for v in x], dtype=torch.float64)
+    error = (ours - exact).abs() / exact.abs()
+    assert error.max().item() <= 8 * _EPS, (x[error.argmax()].item(), error.max().item())
 
 
 def _grid(first: np.ndarray, second: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:

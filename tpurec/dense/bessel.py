@@ -632,27 +632,157 @@ def _airy_series(x: jax.Array) -> jax.Array:
     return _AIRY_C1 * f - _AIRY_C2 * g
 
 
+# Ai(c + h) = sum_k a_k h^k around c = 1.25 and 1.75 (a_0 = Ai(c), a_1 = Ai'(c) by scipy.special.airy,
+# then (k + 2)(k + 1) a_{k+2} = c a_k + a_{k-1} from Ai'' = x Ai), used for 1 <= x < 2.09, where the
+# Maclaurin series' c1 f - c2 g cancels by a factor of 15.
+# fmt: off
+_AIRY_TAYLOR = {
+    1.25: (
+        0.09964454475691659, -0.1264866206853894, 0.06227784047307287, -0.009743955183303362,
+        -0.004053276674504027, 0.0025048948246971835, -0.0004936850342144465, -2.1956146276965426e-05,
+        3.371050949873438e-05, -7.237919681397962e-06, 2.242443399605839e-07, 2.2421008997260844e-07,
+        -5.270919891247903e-08, 3.2340189258099e-09,
+    ),
+    1.75: (
+        0.05056988080579483, -0.07285371376202854, 0.04424864570507048, -0.012820686379625851,
+        0.0003817846851537331, 0.001090622227036262, -0.0004050854393535606, 5.4532704344456944e-05,
+        6.816476931563054e-06, -4.300738982649458e-06, 7.384615441632478e-07, -6.4528753461227025e-09,
+        -2.2791146063361925e-08, 4.661339822484186e-09,
+    ),
+}
+# Ai(zero + h) = sum_k a_k h^k around Ai's first zero (mpmath's airyaizero(1); a_1 = Ai'(zero), the
+# same recurrence), for -2.6 <= x < -2.09: near the zero the phase's last rounding is most of the
+# value, and near -2.09 the asymptotic form's rational corrections (PyTorch's, in float64 too) err by
+# up to 3e-6 (1.7e-5 of Ai).
+_AIRY_FIRST_ZERO = -2.338107410459767
+_AIRY_AT_FIRST_ZERO = (
+    0.0, 0.7012108227206914, 0.0, -0.2732510368163064, 0.05843423522672428, 0.03194451370480103,
+    -0.013662551840815322, -0.0003870349759524905, 0.0011408754894571796, -0.00017718920132546787,
+    -3.3939160136269284e-05, 1.4137844310270033e-05, -7.411802992884541e-07, -4.294548633720391e-07,
+    8.720221681606129e-08,
+)
+# fmt: on
+# 2 pi as 6.28125 + 0.0019350051879882812 + 3.019813448190689e-07 (12 significant bits each, so that
+# their products with a float32 integer split the same way are exact) + a last float32 part, 60 bits;
+# pi / 4 and 2 / 3 as a float32 and its rounding error (by mpmath).
+_TWO_PI_PARTS = _float32(6.28125, 0.0019350051879882812, 3.019813448190689e-07, 1.0253376273028358e-11)
+_AIRY_PHASE_LIMIT = 2.0**46
+_QUARTER_PI = _float32(0.7853981852531433, -2.1855694143368964e-08)
+_TWO_THIRDS = _float32(0.6666666865348816, -1.9868215517249155e-08)
+
+
+def _top_half(x: jax.Array) -> jax.Array:
+    """``x`` with the low 12 bits of its float32 significand cleared: products of two such are exact."""
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0xFFFFF000), jnp.float32)
+
+
+def _two_product(a: jax.Array | np.float32, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a * b`` as its rounded value and the exact rounding error (Dekker).
+
+    The barriers (here and in :func:`_two_sum`) keep XLA from fusing the rounded value into a
+    fused multiply-add with the next operation (XLA:CPU does), which would change the value the
+    error belongs to.
+    """
+    product = lax.optimization_barrier(a * b)
+    a_high, b_high = _top_half(a), _top_half(b)
+    a_low, b_low = a - a_high, b - b_high
+    error = ((a_high * b_high - product) + a_high * b_low + a_low * b_high) + a_low * b_low
+    return product, error
+
+
+def _two_sum(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``a + b`` as its rounded value and the exact rounding error (Knuth)."""
+    total = lax.optimization_barrier(a + b)
+    b_virtual = total - a
+    return total, (a - (total - b_virtual)) + (b - b_virtual)
+
+
+def _airy_zeta(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``zeta = (2/3) a^(3/2)`` for a > 0 in twice float32's precision, as a float32 pair (high, low).
+
+    PyTorch rounds zeta to float32 (an error of up to 6e-8 of it), which Ai's exponential and
+    oscillating forms scale by zeta: a value near one of Ai's zeros gets a large relative error.
+    """
+    root = jnp.sqrt(a)
+    square, square_error = _two_product(root, root)
+    root_low = ((a - square) - square_error) / (2 * root)
+    power, power_error = _two_product(a, root)
+    power_low = power_error + a * root_low
+    zeta, zeta_error = _two_product(_TWO_THIRDS[0], power)
+    return _two_sum(zeta, zeta_error + (_TWO_THIRDS[0] * power_low + _TWO_THIRDS[1] * power))
+
+
+def _airy_phase(a: jax.Array, shift: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``zeta + pi / 4 - shift`` reduced modulo 2 pi, as a float32 pair (high, low): about 2^-46 of
+    zeta from the phase's exact value, for zeta below _AIRY_PHASE_LIMIT (three reductions: one
+    takes up to 2^24 turns off)."""
+    high, low = _airy_zeta(a)
+    for _ in range(3):
+        turns = jnp.round(high / (2 * np.pi))
+        turns_high = _top_half(turns)
+        turns_low = turns - turns_high
+        for term in (
+            turns_high * _TWO_PI_PARTS[0],
+            turns_low * _TWO_PI_PARTS[0],
+            turns_high * _TWO_PI_PARTS[1],
+            turns_low * _TWO_PI_PARTS[1],
+            turns_high * _TWO_PI_PARTS[2],
+            turns_low * _TWO_PI_PARTS[2],
+            turns * _TWO_PI_PARTS[3],
+        ):
+            high, error = _two_sum(high, -term)
+            low = low + error
+        high, low = _two_sum(high, low)
+    high, error = _two_sum(high, _QUARTER_PI[0] - shift)
+    return high, low + error + _QUARTER_PI[1]
+
+
 def airy_ai(x: jax.Array) -> jax.Array:
     """Airy's Ai(x) of a float32 array (NaN at +-inf, as PyTorch's CPU kernel)."""
     left = x < -2.09
     right = x >= 2.09
-    # x < -2.09: the oscillating form
-    xl = jnp.where(left, x, -3.0)
-    root = jnp.sqrt(-xl)
-    zeta = -2.0 * xl * root / 3.0
-    zl = 1 / zeta
+    # x < -2.09: amplitude R and phase shift phi of A sin(t) - B cos(t) = R sin(t - phi), with
+    # t = zeta + pi / 4 and A, B PyTorch's rational corrections in 1 / zeta.
+    a = jnp.where(left, -x, 3.0)
+    root = jnp.sqrt(a)
+    zeta_rounded = 2.0 * a * root / 3.0
+    zl = 1 / zeta_rounded
     zz = zl * zl
     amplitude = 1 + zz * _horner(zz, _AI_AFN) / _horner(zz, _AI_AFD)
-    phase_correction = zl * _horner(zz, _AI_AGN) / _horner(zz, _AI_AGD)
-    t = zeta + np.float32(0.25) * np.float32(math.pi)
-    oscillating = _INV_SQRT_PI / jnp.sqrt(root) * (jnp.sin(t) * amplitude - jnp.cos(t) * phase_correction)
+    correction = zl * _horner(zz, _AI_AGN) / _horner(zz, _AI_AGD)
+    shift = jnp.arctan2(correction, amplitude)
+    high, low = _airy_phase(jnp.where(zeta_rounded < _AIRY_PHASE_LIMIT, a, 3.0), shift)
+    sine = jnp.sin(high) + low * jnp.cos(high)
+    # Past the limit (x below -2.3e9) even that phase is off by a radian: PyTorch's form.
+    t = zeta_rounded + np.float32(0.25) * np.float32(math.pi)
+    sine = jnp.where(
+        zeta_rounded < _AIRY_PHASE_LIMIT,
+        jnp.hypot(amplitude, correction) * sine,
+        jnp.sin(t) * amplitude - jnp.cos(t) * correction,
+    )
+    oscillating = _INV_SQRT_PI / jnp.sqrt(root) * sine
     # x >= 2.09: e^-zeta times a rational function of 1 / zeta
     xr = jnp.where(right, x, 3.0)
-    zeta_r = 2.0 * xr * jnp.sqrt(xr) / 3.0
+    zeta_r, zeta_r_low = _airy_zeta(xr)
     w = 1 / zeta_r
     decaying = _INV_SQRT_PI * (_horner(w, _AI_AN) / _horner(w, _AI_AD))
-    decaying = decaying / (2.0 * jnp.sqrt(jnp.sqrt(xr)) * transcendental.exp(zeta_r))
+    exponential = transcendental.exp(zeta_r) * (1 + zeta_r_low)
+    decaying = decaying / (2.0 * jnp.sqrt(jnp.sqrt(xr)) * exponential)
     middle = _airy_series(jnp.where(left | right, 0.0, x))
+    for center, coefficients in _AIRY_TAYLOR.items():
+        h = x - np.float32(center)
+        taylor = jnp.zeros_like(h)
+        for c in reversed(coefficients):
+            taylor = taylor * h + np.float32(c)
+        inside = (x >= center - 0.25) & (x < center + 0.25) if center < 1.5 else (x >= 1.5) & ~right
+        middle = jnp.where(inside, taylor, middle)
+    # (the barrier keeps XLA from folding the zero's two float32 parts into one)
+    h = lax.optimization_barrier(x - np.float32(_AIRY_FIRST_ZERO))
+    h = h - np.float32(_AIRY_FIRST_ZERO - float(np.float32(_AIRY_FIRST_ZERO)))
+    taylor = jnp.zeros_like(h)
+    for c in reversed(_AIRY_AT_FIRST_ZERO):
+        taylor = taylor * h + np.float32(c)
+    oscillating = jnp.where(x >= -2.6, taylor, oscillating)
     out = jnp.where(left, oscillating, jnp.where(right, decaying, middle))
     out = jnp.where(x > 103.892, 0.0, out)
     return jnp.where(jnp.isinf(x), jnp.nan, jnp.where(jnp.isnan(x), x, out))
