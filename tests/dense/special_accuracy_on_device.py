@@ -81,7 +81,7 @@ def _measure(function: Callable[..., torch.Tensor], inputs: tuple[np.ndarray, ..
     }
 
 
-def _functions() -> dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tuple[np.ndarray, ...]]]]:
+def _functions() -> dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tuple]]]:
     """Each function by name, with a maker of its inputs (built only for the functions asked for)."""
     unary: dict[str, Callable[..., torch.Tensor]] = {
         "erfc": torch.erfc,
@@ -105,7 +105,9 @@ def _functions() -> dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tu
         "scaled_modified_bessel_k1": torch.special.scaled_modified_bessel_k1,
         "airy_ai": torch.special.airy_ai,
     }
-    table = {name: (function, lambda: (_every_float32(),)) for name, function in unary.items()}
+    table: dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tuple]]] = {
+        name: (function, lambda: (_every_float32(),)) for name, function in unary.items()
+    }
     shapes = lambda: _log_spaced(-30, 7, 300)  # noqa: E731
     table["zeta"] = (
         torch.special.zeta,
@@ -120,7 +122,7 @@ def _functions() -> dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tu
 
 def main(argv: list[str] | None = None) -> None:
     table = _functions()
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--functions", default="", help=f"comma-separated names (default: all): {', '.join(table)}")
     args = parser.parse_args(argv)
     names = [name for name in args.functions.split(",") if name] or list(table)

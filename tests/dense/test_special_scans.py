@@ -200,5 +200,6 @@ def test_float32_lowering_has_no_float64_op(name: str) -> None:
     # The optimized program XLA runs (Python scalars enter the traced program as float64 constants
     # that XLA folds into float32 ones; a float64 computation stays).
     text = jax.jit(lowering.fn).lower(jnp.ones((8,), jnp.float32)).compile().as_text()
+    assert text is not None, name
     lines = [line.strip() for line in text.splitlines() if "f64" in line]
     assert not lines, f"{name}: {len(lines)} float64 lines in its float32 program, e.g. {lines[:3]}"

@@ -676,7 +676,7 @@ def _top_half(x: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0xFFFFF000), jnp.float32)
 
 
-def _two_product(a: jax.Array | np.float32, b: jax.Array) -> tuple[jax.Array, jax.Array]:
+def _two_product(a: jax.Array, b: jax.Array) -> tuple[jax.Array, jax.Array]:
     """``a * b`` as its rounded value and the exact rounding error (Dekker).
 
     The barriers (here and in :func:`_two_sum`) keep XLA from fusing the rounded value into a
@@ -708,7 +708,7 @@ def _airy_zeta(a: jax.Array) -> tuple[jax.Array, jax.Array]:
     root_low = ((a - square) - square_error) / (2 * root)
     power, power_error = _two_product(a, root)
     power_low = power_error + a * root_low
-    zeta, zeta_error = _two_product(_TWO_THIRDS[0], power)
+    zeta, zeta_error = _two_product(jnp.full_like(power, _TWO_THIRDS[0]), power)
     return _two_sum(zeta, zeta_error + (_TWO_THIRDS[0] * power_low + _TWO_THIRDS[1] * power))
 
 
