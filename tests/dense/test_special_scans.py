@@ -138,6 +138,22 @@ def _log_spaced(low: float, high: float, n: int) -> np.ndarray:
     return np.concatenate([10 ** np.linspace(low, high, n), [0.0, np.inf, np.nan]])
 
 
+def test_pow_over_its_domain() -> None:
+    # float32 bases and exponents (2 ** (y log2 x) in twice float32's precision), results up to
+    # float32's largest (float64 on a TPU gave inf for 1.6e-29 ** -1.33 = 2.48e38), every edge; and
+    # Python number exponents, which stay in double precision as on CPU.
+    base = np.concatenate(
+        [10 ** np.linspace(-30, 30, 300), -(10 ** np.linspace(-30, 30, 41)), [0.0, -0.0, 1.0, -1.0, 0.5, 2.0]]
+    )
+    base = np.concatenate([base, [np.inf, -np.inf, np.nan, 1.0000001, 0.9999999]])
+    exponent = np.concatenate([np.linspace(-20, 20, 301), np.arange(-5, 6), [0.5, -0.5, 1e-8, -1e-8, 2.0**24 + 2]])
+    exponent = np.concatenate([exponent, [2.0**23 + 1, 1e10, -1e10, np.inf, -np.inf, np.nan, 150.5, -150.5]])
+    assert_as_accurate_as_cpu(torch.pow, *_grid(base, exponent))
+    x = torch.from_numpy((10 ** np.linspace(-30, 30, 3001)).astype(np.float32))
+    for p in (0.3, 2.5, -1.3333333333, 1 / 3, 7.0, 1e-7):
+        assert_as_accurate_as_cpu(lambda t: t**p, x)
+
+
 def test_zeta_over_its_domain_negative_q_included() -> None:
     # For q < 0 and an integer x, PyTorch sums (q + k)^-x: zeta(2, -10.005) is 40001.36 (tpurec gave
     # inf); a non-positive integer q is a pole (inf), a non-integer x there NaN; x = 1 is inf.
@@ -173,7 +189,7 @@ def test_upper_incomplete_gamma_of_a_small_shape_against_mpmath() -> None:
 
 # Float32 lowerings computed in float32 alone: a TPU emulates float64 with float32's exponent range
 # (and XLA flushes its subnormals), so a float32 function computed "through float64" can fail
-# there where XLA:CPU is right (tpurec/dense/bessel.py). ``torch.special.ndtr`` reaches the device
+# there where XLA:CPU is right (tpurec/dense/bessel.py; ``pow``: tpurec/dense/transcendental.py). ``torch.special.ndtr`` reaches the device
 # as ``erf`` (PyTorch decomposes it). ``digamma`` keeps float64 for negative arguments only, where
 # its values stay inside float32's range (tpurec/dense/transcendental.py), so it is not listed.
 FLOAT32_ONLY = {
@@ -193,13 +209,15 @@ FLOAT32_ONLY = {
 }
 
 
-@pytest.mark.parametrize("name", list(FLOAT32_ONLY))
+@pytest.mark.parametrize("name", [*FLOAT32_ONLY, "pow"])
 def test_float32_lowering_has_no_float64_op(name: str) -> None:
-    lowering = get_lowering(FLOAT32_ONLY[name])
+    op = FLOAT32_ONLY.get(name, aten.pow.Tensor_Tensor)
+    lowering = get_lowering(op)
     assert lowering is not None, name
+    arguments = [jnp.ones((8,), jnp.float32)] * (2 if name == "pow" else 1)
     # The optimized program XLA runs (Python scalars enter the traced program as float64 constants
     # that XLA folds into float32 ones; a float64 computation stays).
-    text = jax.jit(lowering.fn).lower(jnp.ones((8,), jnp.float32)).compile().as_text()
+    text = jax.jit(lowering.fn).lower(*arguments).compile().as_text()
     assert text is not None, name
     lines = [line.strip() for line in text.splitlines() if "f64" in line]
     assert not lines, f"{name}: {len(lines)} float64 lines in its float32 program, e.g. {lines[:3]}"

@@ -292,21 +292,128 @@ def atanh(x):
     return jnp.copysign(0.5 * log1p(2 * a / (1 - a)), x)
 
 
+def _top_half(x):
+    """Float32 ``x`` with the low 12 bits of its significand cleared: products of two such are exact."""
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(x, jnp.uint32) & np.uint32(0xFFFFF000), jnp.float32)
+
+
+def _two_product(a, b):
+    """Float32 ``a * b`` as its rounded value and the exact rounding error (Dekker). The barrier keeps
+    XLA from fusing the rounded product into a multiply-add with what follows (XLA:CPU does)."""
+    product = lax.optimization_barrier(a * b)
+    a_high, b_high = _top_half(a), _top_half(b)
+    a_low, b_low = a - a_high, b - b_high
+    return product, ((a_high * b_high - product) + a_high * b_low + a_low * b_high) + a_low * b_low
+
+
+def _two_sum(a, b):
+    """Float32 ``a + b`` as its rounded value and the exact rounding error (Knuth)."""
+    total = lax.optimization_barrier(a + b)
+    b_virtual = total - a
+    return total, (a - (total - b_virtual)) + (b - b_virtual)
+
+
+_INV_LN2 = (np.float32(1 / math.log(2)), np.float32(1 / math.log(2) - float(np.float32(1 / math.log(2)))))
+
+
+def _log2_pair(a):
+    """``log2(a)`` for finite a > 0 (float32) as ``(exponent, high, low)``: ``a = m 2^exponent`` with m in
+    [sqrt(1/2), sqrt(2)), and log2(m) = high + low to about 2^-40 (ln m = 2 atanh(s), s = (m - 1) / (m + 1)
+    in two parts; the series' tail s^3 (2/3 + 2/5 s^2 + ...) is 1% of it, so float32 suffices there)."""
+    bits = lax.bitcast_convert_type(a, jnp.int32)
+    exponent = (bits >> 23) - 127
+    m = lax.bitcast_convert_type((bits & 0x007FFFFF) | 0x3F800000, jnp.float32)  # [1, 2)
+    big = m > np.float32(math.sqrt(2))
+    m = jnp.where(big, m * 0.5, m)  # exact
+    exponent = (exponent + big.astype(jnp.int32)).astype(jnp.float32)
+    numerator = m - 1  # exact (Sterbenz)
+    denominator, denominator_low = _two_sum(m, jnp.ones_like(m))
+    s = numerator / denominator
+    product, product_error = _two_product(s, denominator)
+    s_low = ((numerator - product) - product_error - s * denominator_low) / denominator
+    s2 = s * s
+    tail = jnp.zeros_like(s2)
+    for k in (15, 13, 11, 9, 7, 5, 3):  # atanh(s) - s = s^3 / 3 + s^5 / 5 + ...: |s| <= 0.1716
+        tail = tail * s2 + np.float32(2 / k)
+    tail = tail * s2 * s
+    ln_high, ln_low = _two_sum(2 * s, 2 * s_low + tail)
+    high, error = _two_product(ln_high, jnp.full_like(ln_high, _INV_LN2[0]))
+    return exponent, high, error + ln_high * _INV_LN2[1] + ln_low * _INV_LN2[0]
+
+
+def _power_float32(x, y, y_low):
+    """``|x| ** (y + y_low)`` for finite nonzero x and finite y (float32; y_low is the rest of a float64
+    exponent, else 0): ``2 ** t`` with ``t = y log2|x|`` in twice float32's precision, so that the
+    result keeps float32's accuracy up to t = +-150 (float32's whole range)."""
+    exponent, log_high, log_low = _log2_pair(jnp.abs(x))
+    p1, e1 = _two_product(y, exponent)
+    p2, e2 = _two_product(y, log_high)
+    t_high, t_low = _two_sum(p1, p2)
+    t_low = t_low + e1 + e2 + y * log_low + y_low * (exponent + log_high)
+    clipped = jnp.clip(t_high, -200.0, 200.0)
+    n = jnp.round(clipped)
+    f = (clipped - n) + jnp.where(clipped == t_high, t_low, 0.0)  # (clipped - n: exact)
+    scale = exp(f * np.float32(math.log(2)))
+    half = jnp.floor(n / 2)  # 2^n as two exact factors inside float32's range
+    return scale * _power_of_two(half) * _power_of_two(n - half)
+
+
+def _power_of_two(k):
+    """``2 ** k`` for integer-valued float32 k in [-126, 127], exactly (from its bits)."""
+    return lax.bitcast_convert_type((k.astype(jnp.int32) + 127) << 23, jnp.float32)
+
+
+def _power_edges(x, y, odd):
+    """IEEE ``pow`` (C's, PyTorch's) where x is 0, 1, infinite or NaN or y is 0, infinite or NaN;
+    ``odd``: y is an odd integer."""
+    one, zero, inf = jnp.ones_like(x), jnp.zeros_like(x), jnp.full_like(x, jnp.inf)
+    # x = +-0: 0 for y > 0, inf for y < 0, signed as x for odd y
+    at_zero = jnp.where(y > 0, zero, inf)
+    at_zero = jnp.where(odd & jnp.signbit(x), -at_zero, at_zero)
+    # x = +-inf: inf for y > 0, 0 for y < 0, signed for odd y
+    at_inf = jnp.where(y > 0, inf, zero)
+    at_inf = jnp.where(odd & (x < 0), -at_inf, at_inf)
+    # y = +-inf (x finite, nonzero): 1 at |x| = 1, else 0 or inf by which side of 1 |x| is
+    grows = (jnp.abs(x) > 1) == (y > 0)
+    at_infinite_y = jnp.where(jnp.abs(x) == 1, one, jnp.where(grows, inf, zero))
+    out = jnp.where(jnp.isinf(y), at_infinite_y, jnp.full_like(x, jnp.nan))
+    out = jnp.where(jnp.isinf(x), at_inf, out)
+    out = jnp.where(x == 0, at_zero, out)
+    out = jnp.where(jnp.isnan(x) | jnp.isnan(y), jnp.nan, out)
+    return jnp.where((y == 0) | (x == 1), one, out)
+
+
 def power(x, y):
     """``x ** y``; float32 exponents 1, 2, 3, -1, -2, 0.5 and -0.5 as products, reciprocals and roots,
-    others through float64.
+    others as ``2 ** (y log2 x)`` with the logarithm and the product in twice float32's precision.
 
     PyTorch's CPU kernel special-cases the same exponents, and they are the common ones (squares,
     inverse square roots). XLA's TPU ``power`` goes through approximate logarithms: ``x ** 2.5`` erred
     by 2.6e-6 relative on a TPU v5e (35 times CPU's error), and ``1 - x ** 2`` in ``atanh``'s backward
-    by 0.18 near 1. The exponent is usually a runtime value, so the choice is a select, not a branch.
+    by 0.18 near 1; float64 (a TPU emulates it with float32's exponent range) gave inf for
+    ``1.6e-29 ** -1.33``, 2.48e38. The exponent is usually a runtime value, so the choice is a select,
+    not a branch. A float64 exponent (a Python number, kept in double precision as on CPU) is split
+    into two float32 parts (a scalar's conversion: exact on every platform). Zeros, infinities, NaN
+    and the sign of a negative base as IEEE ``pow`` (C's and PyTorch's), without XLA's ``power``.
     """
     x, y = jnp.asarray(x), jnp.asarray(y)
     if x.dtype != jnp.float32:
         return jnp.power(x, y)
-    # Other exponents in float64, rounded once (within half an ulp of CPU's float32 result);
-    # XLA's float32 power has no accuracy request.
-    general = jnp.power(x.astype(jnp.float64), y.astype(jnp.float64)).astype(jnp.float32)
+    if y.dtype == jnp.float64:
+        y_high = y.astype(jnp.float32)
+        y_low = (y - y_high.astype(jnp.float64)).astype(jnp.float32)
+    else:
+        y_high, y_low = y.astype(jnp.float32), jnp.zeros((), jnp.float32)
+    x, y_high, y_low = jnp.broadcast_arrays(x, y_high, y_low)
+    regular = jnp.isfinite(x) & (x != 0) & jnp.isfinite(y_high) & (y_high != 0) & (x != 1)
+    safe_x = jnp.where(regular, x, 2.0)
+    safe_y = jnp.where(regular, y_high, 1.0)
+    magnitude = _power_float32(safe_x, safe_y, jnp.where(regular, y_low, 0.0))
+    # x < 0: defined for integer exponents, negative for odd ones (every float32 above 2^24 is even).
+    integer = y_high == jnp.floor(y_high)
+    odd = integer & (jnp.abs(y_high) < 2.0**24) & (jnp.fmod(y_high, 2.0) != 0)
+    signed = jnp.where(x < 0, jnp.where(integer, jnp.where(odd, -magnitude, magnitude), jnp.nan), magnitude)
+    general = jnp.where(regular, signed, _power_edges(x, y_high, odd))
     square = x * x
     out = general
     for exponent, value in (
@@ -314,11 +421,12 @@ def power(x, y):
         (2.0, square),
         (3.0, square * x),
         (-1.0, 1 / x),
-        (-2.0, 1 / square),
-        (0.5, jnp.sqrt(x)),
-        (-0.5, lax.rsqrt(x)),
+        (-2.0, (1 / x) * (1 / x)),  # (1 / x^2 would leave float32's range for x below 1.1e-19)
+        # (pow(-inf, 0.5) is inf where sqrt gives NaN, pow(-0, -0.5) inf where rsqrt gives -inf)
+        (0.5, jnp.where(x == -jnp.inf, general, jnp.sqrt(x))),
+        (-0.5, jnp.where((x == -jnp.inf) | (x == 0), general, lax.rsqrt(x))),
     ):
-        out = jnp.where(y == exponent, value, out)
+        out = jnp.where((y_high == exponent) & (y_low == 0), value, out)
     return out
 
 
