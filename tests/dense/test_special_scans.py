@@ -11,9 +11,10 @@ plus 8 float32 epsilons (2^-23, so about 1e-6: PyTorch's own float32 erfcx, the 
 tpurec follows, errs by up to 4.4 epsilons in this scan, where glibc's erfc, which CPU's
 ``erfc`` calls, is nearly exact); elsewhere NaN and infinities fall where CPU's do. Inputs and
 results below float32's smallest normal number are left out: the device flushes them to zero
-(docs/device-semantics.md). The two-argument functions computed through float64 (``zeta``,
-``igamma``, ``igammac``) are checked the same way on grids over their domains, edges included, and
-``igammac`` of a small shape, where PyTorch's own float64 errs, against mpmath.
+(docs/device-semantics.md). The two-argument functions ``zeta`` (in float32), ``igamma`` and
+``igammac`` (through float64) are checked the same way on grids over their domains, edges included, and
+``igammac`` of a small shape, where PyTorch's own float64 errs, against mpmath; ``pow`` on a grid
+with every edge.
 """
 
 from __future__ import annotations
@@ -189,7 +190,8 @@ def test_upper_incomplete_gamma_of_a_small_shape_against_mpmath() -> None:
 
 # Float32 lowerings computed in float32 alone: a TPU emulates float64 with float32's exponent range
 # (and XLA flushes its subnormals), so a float32 function computed "through float64" can fail
-# there where XLA:CPU is right (tpurec/dense/bessel.py; ``pow``: tpurec/dense/transcendental.py). ``torch.special.ndtr`` reaches the device
+# there where XLA:CPU is right (tpurec/dense/bessel.py; ``pow``: tpurec/dense/transcendental.py;
+# ``zeta``: tpurec/dense/hurwitz_zeta.py). ``torch.special.ndtr`` reaches the device
 # as ``erf`` (PyTorch decomposes it). ``digamma`` keeps float64 for negative arguments only, where
 # its values stay inside float32's range (tpurec/dense/transcendental.py), so it is not listed.
 FLOAT32_ONLY = {
@@ -209,12 +211,14 @@ FLOAT32_ONLY = {
 }
 
 
-@pytest.mark.parametrize("name", [*FLOAT32_ONLY, "pow"])
+BINARY_FLOAT32_ONLY = {"pow": aten.pow.Tensor_Tensor, "zeta": aten.special_zeta.default}
+
+
+@pytest.mark.parametrize("name", [*FLOAT32_ONLY, *BINARY_FLOAT32_ONLY])
 def test_float32_lowering_has_no_float64_op(name: str) -> None:
-    op = FLOAT32_ONLY.get(name, aten.pow.Tensor_Tensor)
-    lowering = get_lowering(op)
+    lowering = get_lowering(FLOAT32_ONLY.get(name) or BINARY_FLOAT32_ONLY[name])
     assert lowering is not None, name
-    arguments = [jnp.ones((8,), jnp.float32)] * (2 if name == "pow" else 1)
+    arguments = [jnp.ones((8,), jnp.float32)] * (2 if name in BINARY_FLOAT32_ONLY else 1)
     # The optimized program XLA runs (Python scalars enter the traced program as float64 constants
     # that XLA folds into float32 ones; a float64 computation stays).
     text = jax.jit(lowering.fn).lower(*arguments).compile().as_text()

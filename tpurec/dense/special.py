@@ -22,7 +22,7 @@ from jax import lax
 
 from tpurec.dense._util import Kind, promote
 from tpurec.dense.registry import lower
-from tpurec.dense import bessel, error_functions, transcendental
+from tpurec.dense import bessel, error_functions, hurwitz_zeta, transcendental
 
 aten = torch.ops.aten
 
@@ -309,21 +309,41 @@ def _zeta_any_q(x, q):
     shift = jnp.where(negative & ~pole & integer_x, jnp.ceil(-q), 0.0)
     top = jnp.max(shift, initial=0.0)
 
+    float32 = q.dtype == jnp.float32
+
     def body(carry):
         k, total = carry
-        term = jnp.where(k < shift, jnp.power(jnp.where(k < shift, q + k, 1.0), -x), 0.0)
-        return k + 1, total + term
+        inside = k < shift
+        if float32:  # q + k as a pair of float32 numbers (see tpurec.dense.hurwitz_zeta)
+            high, low = transcendental.two_sum(jnp.where(inside, q, 1.0), jnp.where(inside, k, 0.0))
+            term = hurwitz_zeta.power_of_pair(high, low, -x)
+        else:
+            term = jnp.power(jnp.where(inside, q + k, 1.0), -x)
+        return k + 1, total + jnp.where(inside, term, 0.0)
 
     _, total = lax.while_loop(lambda c: c[0] < top, body, (jnp.zeros((), q.dtype), jnp.zeros_like(q + x)))
-    out = jss.zeta(x, q + shift) + total
+    if float32:
+        valid = (x > 1) & (x < jnp.inf)
+        high, low = transcendental.two_sum(q, shift)
+        positive = valid & (high > 0)
+        rest = hurwitz_zeta.zeta(
+            jnp.where(valid, x, 2.0), jnp.where(positive, high, 1.0), jnp.where(positive, low, 0.0)
+        )
+        # (q = inf: CPU's sum reaches 0 * inf, NaN; x = inf: set below)
+        out = jnp.where(jnp.isnan(x) | jnp.isnan(q) | (q == jnp.inf) | (x == jnp.inf), jnp.nan, rest + total)
+    else:
+        out = jss.zeta(x, q + shift) + total
     out = jnp.where(negative & ~pole & ~integer_x, jnp.nan, jnp.where(pole, jnp.inf, out))
     # x = inf: the first term below 1 in magnitude is inf (q < 1), or q^-x = 1 (q = 1); CPU's NaN above.
     out = jnp.where(x == jnp.inf, jnp.where(q < 1, jnp.inf, jnp.where(q == 1, 1.0, out)), out)
     return jnp.where(x == 1, jnp.inf, jnp.where(x < 1, jnp.nan, out))
 
 
-# float32 in float64: XLA's float32 expansion erred by 6.6e-6 on a v5e (PyTorch CPU 1.1e-7)
-_zeta = transcendental.through_float64(_zeta_any_q)
+def _zeta(x, q):
+    """float32 in float32 (tpurec.dense.hurwitz_zeta: XLA's float32 expansion erred by 6.6e-6 on a
+    v5e, PyTorch CPU 1.1e-7, and float64 there has float32's exponent range); others by jax.scipy."""
+    x, q = jnp.asarray(x), jnp.asarray(q)
+    return _zeta_any_q(x, q)
 
 
 _IGAMC_SERIES_TERMS = 40  # x <= 1.1: the 40th term is below 1.1^40 / 40! ~ 1e-46 of the first

@@ -61,6 +61,9 @@ __all__ = [
     "lgamma",
     "digamma",
     "through_float64",
+    "two_sum",
+    "power_pair_exponent",
+    "power_of_two",
 ]
 
 _HIGHEST = lax.AccuracyMode.HIGHEST
@@ -306,7 +309,7 @@ def _two_product(a, b):
     return product, ((a_high * b_high - product) + a_high * b_low + a_low * b_high) + a_low * b_low
 
 
-def _two_sum(a, b):
+def two_sum(a, b):
     """Float32 ``a + b`` as its rounded value and the exact rounding error (Knuth)."""
     total = lax.optimization_barrier(a + b)
     b_virtual = total - a
@@ -327,7 +330,7 @@ def _log2_pair(a):
     m = jnp.where(big, m * 0.5, m)  # exact
     exponent = (exponent + big.astype(jnp.int32)).astype(jnp.float32)
     numerator = m - 1  # exact (Sterbenz)
-    denominator, denominator_low = _two_sum(m, jnp.ones_like(m))
+    denominator, denominator_low = two_sum(m, jnp.ones_like(m))
     s = numerator / denominator
     product, product_error = _two_product(s, denominator)
     s_low = ((numerator - product) - product_error - s * denominator_low) / denominator
@@ -336,29 +339,38 @@ def _log2_pair(a):
     for k in (15, 13, 11, 9, 7, 5, 3):  # atanh(s) - s = s^3 / 3 + s^5 / 5 + ...: |s| <= 0.1716
         tail = tail * s2 + np.float32(2 / k)
     tail = tail * s2 * s
-    ln_high, ln_low = _two_sum(2 * s, 2 * s_low + tail)
+    ln_high, ln_low = two_sum(2 * s, 2 * s_low + tail)
     high, error = _two_product(ln_high, jnp.full_like(ln_high, _INV_LN2[0]))
     return exponent, high, error + ln_high * _INV_LN2[1] + ln_low * _INV_LN2[0]
 
 
-def _power_float32(x, y, y_low):
+def _power_float32(x, y, y_low, scale: float | jax.Array = 0.0):
     """``|x| ** (y + y_low)`` for finite nonzero x and finite y (float32; y_low is the rest of a float64
     exponent, else 0): ``2 ** t`` with ``t = y log2|x|`` in twice float32's precision, so that the
     result keeps float32's accuracy up to t = +-150 (float32's whole range)."""
     exponent, log_high, log_low = _log2_pair(jnp.abs(x))
     p1, e1 = _two_product(y, exponent)
     p2, e2 = _two_product(y, log_high)
-    t_high, t_low = _two_sum(p1, p2)
+    t_high, t_low = two_sum(p1, p2)
     t_low = t_low + e1 + e2 + y * log_low + y_low * (exponent + log_high)
+    if not isinstance(scale, float) or scale != 0.0:  # times 2 ** scale (an integer)
+        t_high, error = two_sum(t_high, scale)
+        t_low = t_low + error
     clipped = jnp.clip(t_high, -200.0, 200.0)
     n = jnp.round(clipped)
     f = (clipped - n) + jnp.where(clipped == t_high, t_low, 0.0)  # (clipped - n: exact)
     scale = exp(f * np.float32(math.log(2)))
     half = jnp.floor(n / 2)  # 2^n as two exact factors inside float32's range
-    return scale * _power_of_two(half) * _power_of_two(n - half)
+    return scale * power_of_two(half) * power_of_two(n - half)
 
 
-def _power_of_two(k):
+def power_pair_exponent(x, y, y_low, scale: float | jax.Array = 0.0):
+    """``x ** (y + y_low) * 2 ** scale`` for finite float32 x > 0, finite y (y_low: the exponent's low
+    part) and integer-valued ``scale``, as :func:`power` computes its general case."""
+    return _power_float32(x, y, y_low, scale)
+
+
+def power_of_two(k):
     """``2 ** k`` for integer-valued float32 k in [-126, 127], exactly (from its bits)."""
     return lax.bitcast_convert_type((k.astype(jnp.int32) + 127) << 23, jnp.float32)
 
