@@ -400,7 +400,7 @@ def test_bench_embeddings_times_the_tensorcore_kernel_and_its_variants(tmp_path,
         "tensorcore",
         "tensorcore_two_pass",
         "tensorcore_mxu_row_sum",
-        "tensorcore_mxu_row_slots",
+        "tensorcore_xlu_row_slots",
         "plain_jax",
     ):
         assert run[impl]["forward_ms"] > 0 and run[impl]["train_step_ms"] > 0

@@ -139,10 +139,11 @@ def test_grad_matches_reference(name, partitions, rows, one_pass, row_sum):
 @pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
 def test_one_pass_step_with_the_output_gradient_streamed_per_entry(name, row_sum):
     # A batch whose output gradient does not fit VMEM: XLA gathers each entry's gradient row
-    # first and the kernel reads them chunk by chunk with the ids.
+    # first and the kernel reads them chunk by chunk with the ids (the MXU sum always, the loop
+    # where no gradient window serves).
     csr, batch, rows, dim = _csr(31, 1, 3000)
     table, slots = _state(4, rows, dim, name)
-    _check_stream_update(name, csr, batch, table, slots, resident=False, row_sum=row_sum)
+    _check_stream_update(name, csr, batch, table, slots, resident=False, row_sum=row_sum, gradient_window=0)
 
 
 # Lane-dense tables (several rows in each 128-lane line): rows 32 (48 in all) stream as one block of
@@ -203,14 +204,18 @@ def test_the_op_pools_in_windows_when_the_output_does_not_fit(monkeypatch):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("resident", [True, False], ids=["resident", "streamed_gradient"])
+@pytest.mark.parametrize(
+    "gradient",
+    [dict(resident=True), dict(resident=False), dict(resident=False, gradient_window=0)],
+    ids=["resident", "gradient_window", "gathered_gradient"],
+)
 @pytest.mark.parametrize("dim", [8, 64])
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_lane_dense_one_pass_step_matches_reference(name, dim, resident):
+def test_lane_dense_one_pass_step_matches_reference(name, dim, gradient):
     csr, batch, rows, dim = _csr(dim + 5, 1, 3072, dim=dim)
     assert tensorcore.rows_per_line(rows, dim) == 128 // dim
     table, slots = _state(6, rows, dim, name)
-    _check_stream_update(name, csr, batch, table, slots, resident=resident)
+    _check_stream_update(name, csr, batch, table, slots, **gradient)
 
 
 def _lowers_for_a_tpu(monkeypatch, fn, *args) -> None:
@@ -224,57 +229,6 @@ def _lowers_for_a_tpu(monkeypatch, fn, *args) -> None:
         # a new function: jax.jit would reuse a trace made with the interpreter
         exported = jax.export.export(jax.jit(lambda *a: fn(*a)), platforms=("tpu",))(*args)
     assert "tpu_custom_call" in exported.mlir_module()
-
-
-@pytest.mark.parametrize("partial_sums,rotate", [(2, True), (4, True), (1, False), (4, False)])
-@pytest.mark.parametrize("dim,rows", [(64, 3072), (8, 3000)], ids=["lane_dense", "rows"])
-def test_pool_with_partial_sums_or_rows_in_their_own_lanes(dim, rows, partial_sums, rotate, monkeypatch):
-    # Entries added into partial sums in turn (summed per window), or a lane-dense row added in its
-    # own lanes (lane groups summed at the end): the same pooled values within float32 rounding, in
-    # windows (16 of 48 output rows) too.
-    csr, batch, rows, dim = _csr(dim + partial_sums, 1, rows, dim=dim)
-    table = np.random.default_rng(11).standard_normal((rows, dim)).astype(np.float32)
-    want = _jit(reference.sparse_dense_matmul)(*csr, table, batch_size=batch)
-    keys, samples, gains, _ = tensorcore._sorted_entries(*csr)
-    for window in (None, 16):
-        pool = lambda *a: tensorcore.stream_pool(  # noqa: E731
-            *a, batch, window_rows=window, partial_sums=partial_sums, rotate=rotate
-        )
-        got = jax.jit(pool)(table, keys, samples, gains)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6)
-    _lowers_for_a_tpu(monkeypatch, pool, table, keys, samples, gains)
-
-
-@pytest.mark.parametrize(
-    "partial_sums,touched_rows,rotate,resident",
-    [
-        (2, False, True, True),
-        (4, True, True, True),
-        (1, True, True, True),
-        (1, False, False, True),
-        (4, True, False, False),
-    ],
-)
-@pytest.mark.parametrize("dim", [8, 64])
-@pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
-def test_step_with_partial_sums_or_touched_rows_marked_by_row(
-    name, dim, partial_sums, touched_rows, rotate, resident, monkeypatch
-):
-    # Entries' gradients into partial sums in turn, touched rows marked in a buffer of rows, the
-    # output gradient laid out in every row's lanes (no rotation), with the output gradient resident
-    # or streamed per entry: the reference's step.
-    csr, batch, rows, dim = _csr(dim + 13, 1, 3072, dim=dim)
-    table, slots = _state(12, rows, dim, name)
-    options = dict(partial_sums=partial_sums, touched_rows=touched_rows, rotate=rotate, resident=resident)
-    _check_stream_update(name, csr, batch, table, slots, **options)
-    grad = np.zeros((batch, dim), np.float32)
-    op, hp = f"sparse_dense_matmul_grad_with_{name}", OPTIMIZERS[name][1]
-
-    def step(*args):
-        keys, samples, gains, _ = tensorcore._sorted_entries(*args[:4])
-        return tensorcore.stream_update(op, args[5], args[6:], keys, samples, gains, args[4], hp, **options)
-
-    _lowers_for_a_tpu(monkeypatch, step, *csr, grad, table, *slots)
 
 
 @pytest.mark.parametrize("window,served", [(384, True), (128, False)])

@@ -7,8 +7,8 @@ forward and one training step (forward + backward + row-wise Adagrad on the
 touched rows) of the platform's kernel (``kernel``: the native FFI kernel on
 XLA:CPU, the SparseCore or TensorCore kernel on a TPU, by chip; with the TensorCore
 kernel also its two-pass variant, ``tensorcore_two_pass``, its optimizer step summing
-rows on the MXU, ``tensorcore_mxu_row_sum``, and moving row slots on the MXU,
-``tensorcore_mxu_row_slots``), the plain-JAX
+rows on the MXU, ``tensorcore_mxu_row_sum``, and moving row slots by lane reductions,
+``tensorcore_xlu_row_slots``), the plain-JAX
 peer (``plain_jax``: gather + sum, sorted dedup, the update on the touched rows;
 :mod:`tpurec.bench.jax_peer`), the JAX reference kernel, FBGEMM's TBE and
 torchrec's ``FusedEmbeddingBagCollection`` (FBGEMM underneath, through
@@ -140,9 +140,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench embe
                 # The experimental MXU row sum of the optimizer step (TPUREC_TENSORCORE_ROW_SUM=mxu).
                 with config.override(tensorcore_row_sum="mxu"):
                     times["tensorcore_mxu_row_sum"] = _jax_kernels(platform_kernels, csr, outputs, table, args.iters)
-                # The experimental MXU row slots of a lane-dense step (TPUREC_TENSORCORE_ROW_SLOTS=mxu).
-                with config.override(tensorcore_row_slots="mxu"):
-                    times["tensorcore_mxu_row_slots"] = _jax_kernels(platform_kernels, csr, outputs, table, args.iters)
+                # Row slots of a lane-dense step moved by lane reductions (TPUREC_TENSORCORE_ROW_SLOTS=xlu).
+                with config.override(tensorcore_row_slots="xlu"):
+                    times["tensorcore_xlu_row_slots"] = _jax_kernels(platform_kernels, csr, outputs, table, args.iters)
             ids = (
                 kjt.values().numpy().reshape(args.tables, args.batch, bag)
                 + (np.arange(args.tables) * args.rows)[:, None, None]
