@@ -175,6 +175,12 @@ def _disk_cache() -> None:
     enable_disk_cache()
 
 
+def _disk_cache_every_process() -> None:
+    from tpurec.cache import every_process_writes_its_programs
+
+    every_process_writes_its_programs()
+
+
 def _memory_api() -> None:
     from tpurec.core import TpuModule, install_memory_api
 
@@ -427,6 +433,23 @@ PATCHES: tuple[Patch, ...] = (
             "jax.config.jax_persistent_cache_min_entry_size_bytes",
             "jax.config.jax_persistent_cache_enable_xla_caches",
         ),
+    ),
+    Patch(
+        "xla_disk_cache_every_process",
+        "every process of a multi-process job writes the programs of its own devices to JAX's persistent cache",
+        "JAX writes cache entries from process 0 only; a program on one process's devices is keyed by them, so "
+        "every other process compiled all its programs again in every run. Programs spanning processes keep "
+        "JAX's rule (one writer).",
+        _disk_cache_every_process,
+        requires=(
+            "jax._src.compiler._compile_and_write_cache",
+            "jax._src.compiler.backend_compile_and_load",
+            "jax._src.compilation_cache.put_executable_and_time",
+            "jax._src.distributed.global_state",
+        ),
+        library="jax",
+        private=True,
+        targets=("jax._src.compiler._compile_and_write_cache",),
     ),
     Patch(
         "torch_tpu_memory",

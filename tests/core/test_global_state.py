@@ -34,7 +34,7 @@ patch_list = sys.modules["patch_list"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(patch_list)
 assert "tpurec" not in sys.modules
 
-import jax, jax._src.monitoring as monitoring, torch, torch._dynamo, torch._dynamo.trace_rules
+import jax, jax._src.compiler as jax_compiler, jax._src.monitoring as monitoring, torch, torch._dynamo, torch._dynamo.trace_rules
 import torch._subclasses.fake_impls, torch._subclasses.fake_tensor, torch.autograd.variable, torch.optim.optimizer
 import torch._dynamo.variables.builder as builder
 fsdp_param = importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_param")
@@ -46,7 +46,7 @@ optimizer = importlib.import_module("torch.optim.optimizer")
 variable = importlib.import_module("torch.autograd.variable")
 
 NAMESPACES = {
-    "torch": torch, "torch.Tensor": torch.Tensor, "torch.nn.Module": torch.nn.Module, "torch._utils": torch._utils,
+    "jax._src.compiler": jax_compiler, "torch": torch, "torch.Tensor": torch.Tensor, "torch.nn.Module": torch.nn.Module, "torch._utils": torch._utils,
     "torch.serialization": torch.serialization, "torch.optim.optimizer": optimizer,
     "torch.autograd.variable.Variable": variable.Variable, "torch.library": torch.library,
     "torch._dynamo.variables.builder": builder, "torch._dynamo.variables.builder.VariableBuilder": builder.VariableBuilder,
