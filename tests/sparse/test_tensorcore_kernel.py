@@ -491,16 +491,10 @@ def test_every_kernel_lowers_for_a_tpu(name, one_pass, row_sum, layout, monkeypa
     # catch what the interpreter lets through (a loop counted in int64 under x64 multiplied by an
     # int32 fails verification: "'arith.muli' op requires the same type for all operands"). The
     # chip-specific figures Mosaic asks for are a v5e's.
-    from jax._src.pallas.mosaic import tpu_info
-
-    v5e = tpu_info.get_tpu_info_for_chip(tpu_info.ChipVersion.TPU_V5E, 1)
-    monkeypatch.setitem(tpu_info.registry, jax.devices()[0].device_kind, lambda: v5e)
-    monkeypatch.setattr(tensorcore, "_interpret", lambda: False)
     functions, overrides = _streaming_calls(name, one_pass, row_sum, layout)
     with tpurec.config.override(**overrides):
         for f, args in functions:
-            exported = jax.export.export(jax.jit(f), platforms=("tpu",))(*args)
-            assert "tpu_custom_call" in exported.mlir_module()  # the Mosaic kernels, not the interpreter
+            _lowers_for_a_tpu(monkeypatch, f, *args)
 
 
 def test_the_sharded_collection_streams_its_shards_as_rows():
