@@ -435,15 +435,3 @@ def test_train_pipeline_trains_as_torchrec():
         torch.testing.assert_close(mine, theirs, atol=1e-5, rtol=1e-5, msg=f"loss of step {step}")
     _assert_same_state(ours, reference, "after the pipeline")
     assert not ours.sparse._embedding_module._prefetched
-
-
-def test_sharding_a_model_with_managed_collisions_is_refused():
-    model = _fresh_converted()
-    before = _state(model)
-    with pytest.raises(
-        NotImplementedError, match=r"features \['f0', 'f1', 'f2'\] go through a managed-collision remap"
-    ):
-        tpurec.shard(model)
-    assert isinstance(model.sparse._embedding_module, sp.EmbeddingBagCollection)  # unchanged
-    for key, value in _state(model).items():
-        assert torch.equal(value, before[key]), key

@@ -51,6 +51,7 @@ __all__ = [
     "ManagedCollisionEmbeddingBagCollection",
     "ManagedCollisionEmbeddingCollection",
     "check_convertible",
+    "check_host_features",
     "convert_managed",
     "remapped_features",
 ]
@@ -190,11 +191,12 @@ class HostManagedCollisionCollection(TorchrecMCC):
         Raises:
             ValueError: ``features`` is not on the CPU.
         """
-        _check_host(features)
+        check_host_features(features)
         return super().forward(features, mutate_miss_lengths=mutate_miss_lengths)
 
 
-def _check_host(features: KeyedJaggedTensor) -> None:
+def check_host_features(features: KeyedJaggedTensor) -> None:
+    """Raises ``ValueError`` unless the KJT of raw ids is on the CPU, where the remap runs."""
     device = features.values().device
     if device.type != "cpu":
         raise ValueError(
@@ -269,7 +271,7 @@ class ManagedCollisionEmbeddingBagCollection(TorchrecMCEBC):
         Raises:
             ValueError: ``features`` is not on the CPU.
         """
-        _check_host(features)
+        check_host_features(features)
         pooled, remapped = super().forward(features, mutate_miss_lengths=mutate_miss_lengths)
         return cast(KeyedTensor, pooled), remapped
 
@@ -311,7 +313,7 @@ class ManagedCollisionEmbeddingCollection(TorchrecMCEC):
         Raises:
             ValueError: ``features`` is not on the CPU.
         """
-        _check_host(features)
+        check_host_features(features)
         looked_up, remapped = super().forward(features, mutate_miss_lengths=mutate_miss_lengths)
         return cast(dict[str, JaggedTensor], looked_up), remapped
 
@@ -328,7 +330,10 @@ def remapped_features(model: nn.Module) -> set[str]:
     Returns:
         Feature names (KJT keys).
     """
-    return {f for m in model.modules() if isinstance(m, TorchrecMCC) for f in m._feature_names}
+    from tpurec.sparse.sharding.managed import ShardedManagedCollisionCollection
+
+    remaps = (TorchrecMCC, ShardedManagedCollisionCollection)
+    return {f for m in model.modules() if isinstance(m, remaps) for f in m._feature_names}
 
 
 def convert_managed(model: nn.Module, convert: Callable[[nn.Module], nn.Module]) -> nn.Module:

@@ -3,7 +3,7 @@
 * TorchRec's FP16/BF16 modules that ``from_torchrec`` keeps as TorchRec's own module on the device:
   TorchRec's DMP trains those tables with FBGEMM's fused kernels, the unsharded module with dense
   gradients; tpurec's sharded collection holds float32 tables;
-* managed-collision collections, pooled and sequence (TorchRec's sharded ones remap per shard).
+* a managed-collision sequence collection (the pooled one is sharded: test_sharded_managed_collisions.py).
 
 Each alone and next to a collection ``tpurec.shard`` does shard: the error names the module and the
 model's state stays as it was.
@@ -108,4 +108,4 @@ def test_a_managed_collision_sequence_collection_is_refused():
     model: Any = sp.from_torchrec(nn.ModuleDict({"mc": TorchrecMCEC(ec, mcc, return_remapped_features=False)}))
     model = model.to("tpu")
     assert isinstance(model.mc._embedding_module, sp.EmbeddingCollection)
-    _assert_refused(model, NotImplementedError, r"features \['f0'\] go through a managed-collision remap")
+    _assert_refused(model, NotImplementedError, r"managed-collision EmbeddingCollection at 'mc'")

@@ -59,6 +59,33 @@ def host_values(array: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(array, tiled=True))
 
 
+def _padded(positions: np.ndarray, fill: int) -> np.ndarray:
+    """``positions`` padded with ``fill`` to a power of two (programs are made per length)."""
+    size = 1 << max(0, int(positions.size - 1).bit_length())
+    return np.concatenate([positions, np.full(size - positions.size, fill, np.int64)]).astype(np.int32)
+
+
+@jax.jit
+def _take_rows(stack: jax.Array, positions: jax.Array) -> jax.Array:
+    return stack[positions]
+
+
+@functools.lru_cache(maxsize=None)
+def _row_setter(sharding: Any) -> Any:
+    """A program setting rows of a stack laid out as ``sharding`` (its output keeps that layout)."""
+
+    def set_rows(stack: jax.Array, positions: jax.Array, values: jax.Array, columns: jax.Array) -> jax.Array:
+        # Rows ``positions`` become ``values`` in the columns ``columns`` marks; positions past
+        # the end (padding) are dropped.
+        if stack.ndim == 1:
+            new = values
+        else:
+            new = jnp.where(columns[None, :], values, stack[jnp.clip(positions, 0, stack.shape[0] - 1)])
+        return stack.at[positions].set(new, mode="drop")
+
+    return jax.jit(set_rows, out_shardings=sharding)
+
+
 _MAX_PREFETCHED = 8
 """Batches :meth:`ShardedEmbeddingBagCollection.prefetch` keeps for forward (a pipeline needs 1-2)."""
 
@@ -373,6 +400,75 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
     def table_weight(self, name: str) -> np.ndarray:
         """Table ``name``'s full ``[rows, dim]`` values on the host (a copy)."""
         return self.full_tables()[0][name]
+
+    def _row_places(self, name: str, rows: np.ndarray) -> list[tuple[str, int, np.ndarray, np.ndarray, slice, slice]]:
+        """Where rows ``rows`` of table ``name`` live: per stack holding some of them,
+        ``(prefix, group, positions in the stack, which of rows, table columns, stack columns)``."""
+        L = self.layout
+        places = []
+        for g, grp in enumerate(L.groups):
+            for p, offset in grp.offsets.items():
+                inside = np.flatnonzero((p.table == name) & (rows >= p.row_offset) & (rows < p.row_offset + p.rows))
+                if inside.size:
+                    positions = p.device * grp.rows_per_device + offset + rows[inside] - p.row_offset
+                    places.append(
+                        ("shard", g, positions, inside, slice(p.col_offset, p.col_offset + p.cols), slice(0, p.cols))
+                    )
+        for g, dg in enumerate(L.dp_groups):
+            if name in dg.offsets:
+                dim = next(c.embedding_dim for c in self._embedding_bag_configs if c.name == name)
+                everything = np.arange(rows.size)
+                places.append(("dp", g, dg.offsets[name] + rows, everything, slice(0, dim), slice(0, dim)))
+        return places
+
+    def rows_of(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` of table ``name``, ``[len(rows), dim]`` on the host (a copy; only those rows move).
+
+        Args:
+            name: a table of this collection.
+            rows: row numbers in ``[0, num_embeddings)``.
+        """
+        from tpurec.core import value_of
+
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        dim = next(c.embedding_dim for c in self._embedding_bag_configs if c.name == name)
+        out = np.zeros((rows.size, dim), np.float32)
+        for prefix, g, positions, inside, columns, stack_columns in self._row_places(name, rows):
+            stack = value_of(getattr(self, f"{prefix}_weight_{g}"))
+            taken = np.asarray(_take_rows(stack, jnp.asarray(_padded(positions, 0))))
+            out[inside, columns] = taken[: positions.size, stack_columns]
+        return out
+
+    def write_rows(self, name: str, rows: np.ndarray, values: np.ndarray, zero_slots: bool = False) -> None:
+        """Writes ``values`` into rows ``rows`` of table ``name`` on their shards.
+
+        Args:
+            name: a table of this collection.
+            rows: distinct row numbers in ``[0, num_embeddings)``.
+            values: ``[len(rows), dim]`` new rows.
+            zero_slots: also set the optimizer slots of those rows to zero.
+        """
+        from tpurec.core import value_of
+
+        rows = np.asarray(rows, np.int64).reshape(-1)
+        values = np.asarray(values, np.float32).reshape(rows.size, -1)
+        for prefix, g, positions, inside, columns, stack_columns in self._row_places(name, rows):
+            weight = getattr(self, f"{prefix}_weight_{g}")
+            stack = value_of(weight)
+            # Padded to a power of two (out-of-range positions are dropped): few distinct programs.
+            at = jnp.asarray(_padded(positions, stack.shape[0]))
+            block = np.zeros((at.shape[0], stack.shape[1]), np.float32)
+            block[: positions.size, stack_columns] = values[inside, columns]
+            keep = np.zeros(stack.shape[1], bool)
+            keep[stack_columns] = True
+            replace_array(weight, _row_setter(stack.sharding)(stack, at, jnp.asarray(block), jnp.asarray(keep)))
+            if zero_slots:
+                for s in self.optimizer.slots:
+                    slot = getattr(self, f"{prefix}_{s}_{g}")
+                    current = value_of(slot)
+                    zeros = jnp.zeros((at.shape[0], *current.shape[1:]), current.dtype)
+                    every = jnp.ones(current.shape[1:] or (1,), bool)
+                    replace_array(slot, _row_setter(current.sharding)(current, at, zeros, every))
 
     def full_tables(self) -> tuple[dict[str, np.ndarray], dict[str, dict[str, np.ndarray]]]:
         """Every table and optimizer slot, assembled from the shards on the host.

@@ -21,11 +21,16 @@ import torch
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from torch import nn
 
+from torchrec.modules.mc_modules import ManagedCollisionCollection as TorchrecMCC
+
+from tpurec.sparse.managed import ManagedCollisionEmbeddingBagCollection
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.quant import QuantEmbeddingBagCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.sequence import EmbeddingCollection
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
+from tpurec.sparse.sharding.managed import ShardedManagedCollisionEmbeddingBagCollection
+from tpurec.sparse.sharding.managed import check_shardable as check_managed
 from tpurec.sparse.sharding.quant import ShardedQuantEmbeddingBagCollection, check_quant_shardings, mean_row_wise_tables
 from tpurec.sparse.sharding.fingerprint import agree_on_model, model_fingerprint
 from tpurec.sparse.mesh_batches import map_batch
@@ -140,7 +145,7 @@ def _planned(owner: nn.Module, ebc: EmbeddingBagCollection, mesh: Mesh, batch_si
 
     A sequence collection is planned as TorchRec's ``EmbeddingCollection`` (the
     planner's ``TpuEmbeddingCollectionSharder``: DP, TW, CW, RW), a pooled one as
-    an ``EmbeddingBagCollection``.
+    an ``EmbeddingBagCollection``, row-wise only behind a managed-collision remap.
     """
     from torchrec.modules.embedding_modules import EmbeddingCollection as TorchrecEC
 
@@ -148,26 +153,55 @@ def _planned(owner: nn.Module, ebc: EmbeddingBagCollection, mesh: Mesh, batch_si
 
     devices = mesh.devices.size
     name = planning_topology(devices, mesh.devices.flat[0])
+    constraints = None
     if isinstance(owner, EmbeddingCollection):
         tables: Any = TorchrecEC(owner.embedding_configs(), device=torch.device("meta"))
     else:
         tables = ebc.embedding_bag_configs()
-    result, _report = tpu_plan(tables, name, batch_size=batch_size)
+    if isinstance(owner, ManagedCollisionEmbeddingBagCollection):
+        # TorchRec shards managed-collision tables row-wise only.
+        from torchrec.distributed.planner.types import ParameterConstraints
+        from torchrec.distributed.types import ShardingType
+
+        row_wise = [ShardingType.ROW_WISE.value]
+        constraints = {c.name: ParameterConstraints(sharding_types=row_wise) for c in ebc.embedding_bag_configs()}
+    result, _report = tpu_plan(tables, name, batch_size=batch_size, constraints=constraints)
     return module_plans(result)[""]
 
 
-def _refuse_managed_collisions(model: nn.Module) -> None:
-    """Raises for a managed-collision remap (tpurec.sparse.managed) in ``model``."""
-    from tpurec.sparse.managed import remapped_features
+def _managed_owners(model: nn.Module) -> dict[str, ManagedCollisionEmbeddingBagCollection]:
+    """Every tpurec managed-collision EBC of ``model`` (path -> module), sharded with its collection.
 
-    features = remapped_features(model)
-    if features:
+    Raises:
+        NotImplementedError: a managed-collision remap tpurec.shard does not shard (a
+            managed-collision EC, a collection on its own) or a model spread over processes.
+    """
+    from tpurec.sparse.managed import ManagedCollisionEmbeddingCollection, remapped_features
+
+    owners = {p: m for p, m in model.named_modules() if isinstance(m, ManagedCollisionEmbeddingBagCollection)}
+    if not remapped_features(model):
+        return owners
+    for path, module in model.named_modules():
+        if isinstance(module, ManagedCollisionEmbeddingCollection):
+            raise NotImplementedError(
+                f"tpurec.shard cannot shard the managed-collision EmbeddingCollection at {path!r} yet: tpurec shards "
+                "TorchRec's ManagedCollisionEmbeddingBagCollection (row-wise, remapped per shard as TorchRec does). "
+                "Train the model unsharded (tpurec.sparse.from_torchrec(...).to('tpu'))."
+            )
+    inner = {id(m._managed_collision_collection) for m in owners.values()}
+    alone = [p for p, m in model.named_modules() if isinstance(m, TorchrecMCC) and id(m) not in inner]
+    if alone:
         raise NotImplementedError(
-            f"tpurec.shard cannot shard a model whose features {sorted(features)} go through a managed-collision "
-            "remap: TorchRec's sharded managed-collision collections remap per shard (each row-wise shard owns a "
-            "slice of zch_size) and reset evicted rows, which the host remap in front of a sharded table would not "
-            "do. Train such a model unsharded (tpurec.sparse.from_torchrec(...).to('tpu'))."
+            f"tpurec.shard cannot shard the managed-collision collections {alone} on their own (not inside a "
+            "ManagedCollisionEmbeddingBagCollection): TorchRec's ManagedCollisionCollectionSharder has no "
+            "standalone sharding either. Wrap the collection and its tables in a ManagedCollisionEmbeddingBagCollection."
         )
+    if owners and jax.process_count() > 1:
+        raise NotImplementedError(
+            f"tpurec.shard cannot shard the managed-collision collections {sorted(owners)} over several processes "
+            "yet: their remap runs on one host, which would need every process's ids. Shard it in one process."
+        )
+    return owners
 
 
 def _refuse_unshardable(model: nn.Module) -> None:
@@ -235,8 +269,10 @@ def _collections(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
             continue
         parent_path, _, name = path.rpartition(".")
         parent = modules[parent_path]
-        wrapped = (isinstance(parent, EmbeddingCollection) and name == "_bags") or (
-            isinstance(parent, FeatureProcessedEmbeddingBagCollection) and name == "_embedding_bag_collection"
+        wrapped = (
+            (isinstance(parent, EmbeddingCollection) and name == "_bags")
+            or (isinstance(parent, FeatureProcessedEmbeddingBagCollection) and name == "_embedding_bag_collection")
+            or (isinstance(parent, ManagedCollisionEmbeddingBagCollection) and name == "_embedding_module")
         )
         found[path] = (parent_path, parent) if wrapped else (path, module)
     return found
@@ -297,7 +333,11 @@ def shard(
             collection (:class:`~tpurec.sparse.QuantEmbeddingBagCollection`) becomes a
             :class:`~tpurec.sparse.sharding.quant.ShardedQuantEmbeddingBagCollection`
             (table-wise, row-wise or column-wise, as TorchRec's quantized sharder; its
-            lookups compute what TorchRec's sharded inference computes).
+            lookups compute what TorchRec's sharded inference computes). A
+            managed-collision EBC (:mod:`tpurec.sparse.managed`, planned at its own path,
+            row-wise) becomes a
+            :class:`~tpurec.sparse.sharding.managed.ShardedManagedCollisionEmbeddingBagCollection`
+            (one remap per row-wise shard, evicted rows reset, as TorchRec's sharded module).
         plan: a torchrec ``ShardingPlan`` (module path -> table plans, e.g. from
             ``EmbeddingShardingPlanner``, ``construct_module_sharding_plan`` or
             ``tpurec.sparse.planner.load_plan``), or one module's table plan.
@@ -330,7 +370,8 @@ def shard(
     Raises:
         ValueError, TypeError: a bad plan, mesh or seed; raised before anything changes.
         NotImplementedError: a table on ``meta`` whose ``init_fn`` cannot be applied
-            shard by shard (see :func:`tpurec.sparse.table_init.table_init`);
+            shard by shard (see :func:`tpurec.sparse.table_init.table_init`), or a
+            managed-collision remap it does not shard (see docs/sharding.md);
             raised before anything changes.
         tpurec.distributed.PeerMismatch: (several processes) the processes' models, plans or
             arguments differ; every process raises it, naming the first difference.
@@ -352,7 +393,7 @@ def shard(
             "the model has no tpurec EmbeddingBagCollection, EmbeddingCollection or QuantEmbeddingBagCollection to "
             "shard (convert it with tpurec.sparse.from_torchrec)"
         )
-    _refuse_managed_collisions(model)
+    managed = _managed_owners(model)
     for path, ebc in ebcs.items():
         if ebc.device.type not in ("tpu", "meta"):
             raise ValueError(
@@ -425,8 +466,15 @@ def shard(
         configs = qebc.embedding_bag_configs()
         quant_specs[path] = table_shardings(configs, per_quant[path], mesh.devices.size)
         check_quant_shardings(f"QuantEmbeddingBagCollection at {path!r}", configs, quant_specs[path])
+    managed_inner = {path: f"{path}._embedding_module" if path else "_embedding_module" for path in managed}
+    for path, module in managed.items():
+        inner = managed_inner[path]
+        held = cast(EmbeddingOptimizer | None, ebcs[inner].optimizer)
+        check_managed(repr(path), module, specs[inner], mesh.devices.size, embedding_optimizer or held)
     collections = [*ebcs.values(), *quants.values()]
     inside = {id(p) for c in collections for p in c.parameters()} | {id(b) for c in collections for b in c.buffers()}
+    # The remapping state stays on the host (tpurec.sparse.managed): not part of the dense model.
+    inside |= {id(b) for m in managed.values() for b in m._managed_collision_collection.buffers()}
     dense = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in inside]
     # With tables on meta the rest of the model may still be on the host: it moves to tpu
     # below, as TorchRec's DMP moves a model's dense part to its device.
@@ -483,6 +531,16 @@ def shard(
     for path, new in sharded.items():
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path), name, new)
+    for path, module in managed.items():
+        sharded_ebc = cast(ShardedEmbeddingBagCollection, sharded[managed_inner[path]])
+        sharded_mc = ShardedManagedCollisionEmbeddingBagCollection(
+            module, sharded_ebc, specs[managed_inner[path]], mesh.devices.size
+        )
+        if not path:
+            mesh_arrays_in_use()
+            return sharded_mc
+        parent_path, _, name = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), name, sharded_mc)
     mesh_arrays_in_use()
     if born:
         _move_to_tpu(model, {id(t) for t in dense if t.device.type == "cpu"})

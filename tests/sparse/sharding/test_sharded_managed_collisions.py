@@ -1,0 +1,431 @@
+"""A managed-collision EBC sharded by ``tpurec.shard`` (8 host devices) trains as TorchRec's sharded one.
+
+Reference: TorchRec's own ``ShardedManagedCollisionEmbeddingBagCollection`` (its
+``ManagedCollisionEmbeddingBagCollectionSharder``, row-wise plan, in-backward Adagrad, FBGEMM's
+CPU kernels) on 8 ranks run as threads of the test process (``threaded_torchrec.py``); each rank
+gets its 2 of the 16 samples of a step. Not TorchRec's unsharded module: sharded, each row-wise
+shard remaps its own block of the id space into its own rows and evicted rows are reset to
+``init_fn``, so the remapped ids, the evictions and the tables differ from the unsharded module's.
+
+The batches force what can differ: the first one is small (each shard's history buffer is
+sized from it, so later steps overflow it and the order ids reach a shard matters), the ids
+drift so the LFU policy admits and evicts every 2 steps, and ``init_fn`` is a constant (TorchRec's
+ranks draw a random ``init_fn`` from their own generators: a deterministic one compares exactly).
+
+Compared after each of 5 steps: the remapped ids and the evicted rows (exactly), the pooled
+output (float32 sums: 1e-5 relative, 1e-6 absolute), the tables and Adagrad accumulators
+(float32 Adagrad updates of the same gradients: 1e-5 relative, 1e-6 absolute); at the end every
+MCH buffer of every shard, through the state dict (exactly).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, cast
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torchrec import EmbeddingBagCollection as TorchrecEBC
+from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
+from torchrec.distributed.types import LazyAwaitable, ShardingEnv, ShardingPlan
+from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection as TorchrecMCEBC
+from torchrec.modules.mc_modules import LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
+from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
+
+import tpurec
+import tpurec.sparse as sp
+from threaded_torchrec import run_ranks
+from tpurec.sparse.sharding import ShardedEmbeddingBagCollection
+from tpurec.sparse.sharding.managed import ShardedManagedCollisionEmbeddingBagCollection
+
+WORLD = 8
+BATCH = 16
+STEPS = 5
+INPUT_HASH_SIZE = 1000
+TOLERANCE: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}
+MC = "sparse._managed_collision_collection._managed_collision_modules."
+RESET_VALUE = 0.5
+# The fused kernel: the managed-collision sharder's kernels (FBGEMM's dense kernel cannot reset rows).
+ROW_WISE = {"t0": row_wise(compute_kernel="fused"), "t1": row_wise(compute_kernel="fused")}
+
+
+def _tables() -> list[EmbeddingBagConfig]:
+    # t1's 23 rows split unevenly (3 per device, 2 on the last), as TorchRec's row_wise() splits them.
+    init = functools.partial(torch.nn.init.constant_, val=RESET_VALUE)
+    return [
+        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=32, feature_names=["f0", "f1"], init_fn=init),
+        EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=23, feature_names=["f2"], init_fn=init),
+    ]
+
+
+class _Sparse(nn.Module):
+    """A model holding a managed-collision EBC."""
+
+    sparse: Any
+
+    def __init__(self, sparse: nn.Module) -> None:
+        super().__init__()
+        self.sparse = sparse
+
+    def forward(self, kjt: KeyedJaggedTensor):
+        return self.sparse(kjt)
+
+
+def _model() -> _Sparse:
+    torch.manual_seed(0)
+    tables = _tables()
+    mcc = ManagedCollisionCollection(
+        {
+            t.name: MCHManagedCollisionModule(
+                zch_size=t.num_embeddings,
+                device=torch.device("cpu"),
+                eviction_policy=LFU_EvictionPolicy(),
+                eviction_interval=2,
+                input_hash_size=INPUT_HASH_SIZE,
+            )
+            for t in tables
+        },
+        tables,
+    )
+    model = _Sparse(TorchrecMCEBC(TorchrecEBC(tables), mcc, return_remapped_features=True))
+    with torch.no_grad():  # random rows (the config's init_fn is the constant used for resets)
+        for p in model.parameters():
+            p.uniform_(-0.3, 0.3)
+    return model
+
+
+def _plan(model: _Sparse, generators: dict) -> ShardingPlan:
+    module_plan = construct_module_sharding_plan(
+        model.sparse,
+        generators,
+        local_size=WORLD,
+        world_size=WORLD,
+        device_type="cpu",
+        sharder=cast(Any, ManagedCollisionEmbeddingBagCollectionSharder()),
+    )
+    return ShardingPlan({"sparse": module_plan})
+
+
+def _batches() -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
+    """One id per bag in the first step (small history buffers), then up to 5 from a drifting skewed pool."""
+    rng = np.random.default_rng(3)
+    out = []
+    for step in range(STEPS):
+        lengths = np.ones(3 * BATCH, np.int64) if step == 0 else rng.integers(0, 6, 3 * BATCH)
+        if step == 0:
+            ids = rng.integers(0, INPUT_HASH_SIZE, int(lengths.sum()))
+        else:
+            ids = (rng.geometric(0.15, int(lengths.sum())) + 5 * step) * 37 % INPUT_HASH_SIZE
+        kjt = KeyedJaggedTensor.from_lengths_sync(
+            keys=["f0", "f1", "f2"], values=torch.from_numpy(ids).long(), lengths=torch.from_numpy(lengths).long()
+        )
+        target = torch.from_numpy(rng.normal(size=(BATCH, 16)).astype(np.float32))
+        out.append((kjt, target))
+    return out
+
+
+def _samples(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedTensor:
+    """Samples ``[start, stop)`` of ``kjt`` (a rank's part of the global batch)."""
+    jts = kjt.to_dict()
+    keys = list(kjt.keys())
+    values, lengths = [], []
+    for key in keys:
+        offsets = jts[key].offsets()
+        values.append(jts[key].values()[offsets[start] : offsets[stop]])
+        lengths.append(jts[key].lengths()[start:stop])
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+
+
+def _local_state(module: nn.Module) -> dict[str, Any]:
+    """A rank's state dict: each sharded tensor as (its rows' offset, a copy of its local rows)."""
+    out: dict[str, Any] = {}
+    for key, value in module.state_dict().items():
+        if hasattr(value, "local_shards"):
+            (shard,) = value.local_shards()
+            out[key] = (shard.metadata.shard_offsets[0], shard.tensor.detach().clone(), tuple(value.size()))
+        else:
+            out[key] = value.detach().clone()
+    return out
+
+
+def _torchrec_sharded(model: _Sparse, plan: ShardingPlan, batches) -> list[list[dict[str, Any]]]:
+    """TorchRec's sharded MC-EBC on 8 thread ranks: per rank, per step what it computed."""
+    copies = [copy.deepcopy(model) for _ in range(WORLD)]  # (before the threads: no random op in a rank)
+    per_rank = BATCH // WORLD
+
+    def rank_fn(rank: int) -> list[dict[str, Any]]:
+        unsharded = copies[rank].sparse
+        apply_optimizer_in_backward(torch.optim.Adagrad, unsharded._embedding_module.parameters(), {"lr": 0.1})
+        env = ShardingEnv.from_process_group(cast(Any, dist.group.WORLD))
+        sharded: Any = ManagedCollisionEmbeddingBagCollectionSharder().shard(
+            unsharded, cast(Any, plan.plan["sparse"]), env, torch.device("cpu")
+        )
+        # TorchRec's sharded tables start from its own init: give them the unsharded rows.
+        state = sharded.state_dict()
+        with torch.no_grad():
+            for t in ("t0", "t1"):
+                (shard,) = state[f"_embedding_module.embedding_bags.{t}.weight"].local_shards()
+                offset, rows = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
+                shard.tensor.copy_(unsharded._embedding_module.embedding_bags[t].weight[offset : offset + rows])
+        evicted: list[dict[str, Any]] = []
+        evict = sharded._evict
+
+        def recording_evict(evictions):
+            evicted.append({t: None if v is None else v.clone() for t, v in evictions.items()})
+            return evict(evictions)
+
+        sharded._evict = recording_evict
+        steps = []
+        for kjt, target in batches:
+            local = _samples(kjt, rank * per_rank, (rank + 1) * per_rank)
+            pooled, remapped = sharded(local)
+            pooled = pooled.wait() if isinstance(pooled, LazyAwaitable) else pooled
+            remapped = remapped.wait() if isinstance(remapped, LazyAwaitable) else remapped
+            loss = (pooled.values() * target[rank * per_rank : (rank + 1) * per_rank]).sum()
+            loss.backward()
+            optimizer_state = {
+                t: v[f"{t.split('.')[1]}.momentum1"]
+                for t, v in sharded._embedding_module.fused_optimizer.state_dict()["state"].items()
+            }
+            steps.append(
+                {
+                    "pooled": pooled.values().detach().clone(),
+                    "remapped": {f: remapped[f] for f in remapped.keys()},
+                    "state": _local_state(sharded),
+                    "momentum": {
+                        k.split(".")[1]: (
+                            v.local_shards()[0].metadata.shard_offsets[0],
+                            v.local_shards()[0].tensor.clone(),
+                        )
+                        for k, v in optimizer_state.items()
+                    },
+                }
+            )
+        for step, record in zip(steps, evicted):
+            step["evicted"] = record
+        return steps
+
+    return run_ranks(WORLD, rank_fn)
+
+
+def _gathered(per_rank: list[tuple[int, torch.Tensor, tuple[int, ...]]]) -> torch.Tensor:
+    """The whole tensor of a sharded state-dict entry from each rank's (offset, rows, size)."""
+    whole = torch.zeros(per_rank[0][2], dtype=per_rank[0][1].dtype)
+    for offset, rows, _ in per_rank:
+        whole[offset : offset + rows.shape[0]] = rows
+    return whole
+
+
+def _loss(pooled, target: torch.Tensor) -> torch.Tensor:
+    """The mean of the ranks' losses: TorchRec divides the embedding gradients by the world size
+    (its comm ops' gradient division, matching DDP's averaged dense gradients)."""
+    return (pooled.values() * target.to("tpu")).sum() / WORLD
+
+
+def _tpurec_sharded(model: _Sparse, plan: ShardingPlan) -> Any:
+    ours = copy.deepcopy(model)
+    apply_optimizer_in_backward(torch.optim.Adagrad, ours.sparse._embedding_module.parameters(), {"lr": 0.1})
+    ours = sp.from_torchrec(ours).to("tpu")
+    return tpurec.shard(ours, plan, capacity=64)
+
+
+def test_sharded_mc_ebc_trains_as_torchrec_sharded_with_evictions():
+    model = _model()
+    plan = _plan(model, ROW_WISE)
+    batches = _batches()
+    theirs = _torchrec_sharded(model, plan, batches)
+    ours = _tpurec_sharded(model, plan)
+    sharded_mc = ours.sparse
+    assert isinstance(sharded_mc, ShardedManagedCollisionEmbeddingBagCollection)
+    ebc = sharded_mc._embedding_module
+    assert isinstance(ebc, ShardedEmbeddingBagCollection)
+    our_evictions: list[dict[str, Any]] = []
+    evict = sharded_mc._managed_collision_collection.evict
+
+    def recording_evict():
+        our_evictions.append(evict())
+        return our_evictions[-1]
+
+    sharded_mc._managed_collision_collection.evict = recording_evict
+    evicted_rows = 0
+    for step, (kjt, target) in enumerate(batches):
+        pooled, remapped = ours(kjt)
+        _loss(pooled, target).backward()
+        ranks = [rank_steps[step] for rank_steps in theirs]
+        when = f"step {step}"
+        # The remapped ids: each feature's global rows, the ranks' samples in rank order.
+        assert remapped.keys() == ["f0", "f1", "f2"], when
+        for f in remapped.keys():
+            want = torch.cat([r["remapped"][f].values() for r in ranks])
+            want_lengths = torch.cat([r["remapped"][f].lengths() for r in ranks])
+            assert torch.equal(remapped[f].values(), want), f"{when}, {f}: {remapped[f].values()} != {want}"
+            assert torch.equal(remapped[f].lengths(), want_lengths), when
+        # The evicted rows (TorchRec's are each rank's local rows: made global by its shard's offset).
+        for table in ("t0", "t1"):
+            want_rows = []
+            for r in ranks:
+                local = r["evicted"][table]
+                if local is not None:
+                    offset = r["state"][f"_embedding_module.embedding_bags.{table}.weight"][0]
+                    want_rows.append(local + offset)
+            got_rows = our_evictions[step][table]
+            want_set = sorted(torch.cat(want_rows).tolist()) if want_rows else []
+            assert sorted([] if got_rows is None else got_rows.tolist()) == want_set, f"{when}: evictions of {table}"
+            evicted_rows += len(want_set)
+        torch.testing.assert_close(
+            pooled.values().cpu(),
+            torch.cat([r["pooled"] for r in ranks]),
+            **TOLERANCE,
+            msg=lambda m: f"{when}: pooled: {m}",
+        )
+        tables, slots = ebc.full_tables()
+        for table in ("t0", "t1"):
+            key = f"_embedding_module.embedding_bags.{table}.weight"
+            torch.testing.assert_close(
+                torch.from_numpy(tables[table]),
+                _gathered([r["state"][key] for r in ranks]),
+                **TOLERANCE,
+                msg=lambda m: f"{when}: {m}",
+            )
+            momentum = [(*r["momentum"][table], tables[table].shape) for r in ranks]
+            torch.testing.assert_close(
+                torch.from_numpy(slots[table]["momentum1"]),
+                _gathered(momentum),
+                **TOLERANCE,
+                msg=lambda m: f"{when}: {table}: {m}",
+            )
+    # Every MCH buffer of every shard: the state dict has TorchRec's keys, whole (shards in rank order).
+    state = ours.state_dict()
+    final = [rank_steps[-1]["state"] for rank_steps in theirs]
+    mc_keys = [k for k in final[0] if k.startswith("_managed_collision_collection.")]
+    assert {f"sparse.{k}" for k in mc_keys} == {k for k in state if k.startswith(MC)}
+    for key in mc_keys:
+        want = final[0][key] if isinstance(final[0][key], torch.Tensor) else _gathered([s[key] for s in final])
+        assert torch.equal(state[f"sparse.{key}"], want), key
+    # The test means something: rows were evicted and reset, and history buffers overflowed.
+    assert evicted_rows > 0
+    overflowed = 0
+    for table in ("t0", "t1"):
+        for module in sharded_mc._managed_collision_collection.shard_modules(table):
+            overflowed += module._input_history_buffer_size < 2 * int(state[f"{MC}{table}._current_iter_tensor"])
+    assert overflowed > 0
+
+
+def test_sharded_mc_ebc_state_dict_round_trip_and_eval():
+    model = _model()
+    plan = _plan(model, ROW_WISE)
+    ours = _tpurec_sharded(model, plan)
+    for kjt, target in _batches()[:3]:
+        pooled, _ = ours(kjt)
+        _loss(pooled, target).backward()
+    saved = {k: v.clone() for k, v in ours.state_dict().items()}
+    other = _tpurec_sharded(model, plan)
+    other.load_state_dict(saved)
+    for key, value in other.state_dict().items():
+        assert torch.equal(value, saved[key]), key
+    # Loaded, the remap is the same: in eval mode (no profiling, no eviction) both give the same rows.
+    ours.eval()
+    other.eval()
+    kjt = _batches()[4][0]
+    (a, remapped_a), (b, remapped_b) = ours(kjt), other(kjt)
+    assert torch.equal(remapped_a.values(), remapped_b.values())
+    torch.testing.assert_close(a.values().cpu(), b.values().cpu(), rtol=0, atol=0)
+    assert int(saved[f"{MC}t0._current_iter_tensor"]) == 3
+    assert torch.equal(ours.state_dict()[f"{MC}t0._current_iter_tensor"], saved[f"{MC}t0._current_iter_tensor"])
+
+
+def test_without_a_plan_the_tpu_planner_shards_the_tables_row_wise():
+    model = _model()
+    ours = _converted(model)
+    sharded = tpurec.shard(ours)
+    assert isinstance(sharded.sparse, ShardedManagedCollisionEmbeddingBagCollection)
+    shardings = sharded.sparse._embedding_module.layout.shardings
+    assert {t: s.sharding_type for t, s in shardings.items()} == {"t0": "row_wise", "t1": "row_wise"}
+    kjt, target = _batches()[1]
+    pooled, remapped = sharded(kjt)
+    _loss(pooled, target).backward()
+    assert remapped.values().shape == kjt.values().shape
+
+
+# --- what stays refused -----------------------------------------------------------------------------
+
+
+def _converted(model: _Sparse, optimizer: type = torch.optim.Adagrad) -> Any:
+    ours = copy.deepcopy(model)
+    apply_optimizer_in_backward(optimizer, ours.sparse._embedding_module.parameters(), {"lr": 0.1})
+    return sp.from_torchrec(ours).to("tpu")
+
+
+def test_a_plan_other_than_row_wise_is_refused_as_torchrec_refuses_it():
+    model = _model()
+    meta = TorchrecEBC(_tables(), device=torch.device("meta"))
+    module_plan = construct_module_sharding_plan(
+        meta, {"t0": row_wise(), "t1": table_wise(rank=3)}, local_size=WORLD, world_size=WORLD, device_type="cpu"
+    )
+    ours = _converted(model)
+    with pytest.raises(
+        ValueError, match=r"row-wise only.*\{'t1': 'table_wise'\}|\{'t1': 'table_wise'\}.*row-wise only"
+    ):
+        tpurec.shard(ours, ShardingPlan({"sparse": module_plan}))
+    assert isinstance(ours.sparse._embedding_module, sp.EmbeddingBagCollection)  # left as it was
+
+
+def test_a_table_with_an_empty_row_wise_shard_is_refused():
+    tables = [EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=5, feature_names=["f0"])]
+    mcc = ManagedCollisionCollection(
+        {"t0": MCHManagedCollisionModule(5, torch.device("cpu"), LFU_EvictionPolicy(), 2, INPUT_HASH_SIZE)}, tables
+    )
+    model = _Sparse(TorchrecMCEBC(TorchrecEBC(tables), mcc))
+    plan = _plan(model, {"t0": row_wise(compute_kernel="fused")})
+    with pytest.raises(ValueError, match="one shard of at least one row on each of the 8 devices"):
+        tpurec.shard(_converted(model), plan)
+
+
+def test_row_wise_adagrad_is_refused():
+    from torchrec.optim import RowWiseAdagrad
+
+    model = _model()
+    plan = _plan(model, ROW_WISE)
+    with pytest.raises(NotImplementedError, match="row-wise Adagrad"):
+        tpurec.shard(_converted(model, RowWiseAdagrad), plan)
+    with pytest.raises(NotImplementedError, match="row-wise Adagrad"):
+        tpurec.shard(_converted(model), plan, optimizer=sp.RowWiseAdagrad(learning_rate=0.1))
+
+
+def test_a_standalone_collection_and_vbe_batches_are_refused():
+    model = _model()
+    standalone = nn.ModuleDict(
+        {
+            "mcc": cast(nn.Module, copy.deepcopy(model.sparse._managed_collision_collection)),
+            "ebc": TorchrecEBC(_tables()),
+        }
+    )
+    converted = sp.from_torchrec(standalone).to("tpu")
+    plan = ShardingPlan(
+        {
+            "ebc": construct_module_sharding_plan(
+                TorchrecEBC(_tables(), device=torch.device("meta")),
+                ROW_WISE,
+                local_size=WORLD,
+                world_size=WORLD,
+                device_type="cpu",
+            )
+        }
+    )
+    with pytest.raises(NotImplementedError, match="on their own"):
+        tpurec.shard(converted, plan)
+    ours = _tpurec_sharded(model, _plan(model, ROW_WISE))
+    vbe = KeyedJaggedTensor(
+        keys=["f0", "f1", "f2"],
+        values=torch.arange(6),
+        lengths=torch.tensor([1, 1, 1, 1, 1, 1]),
+        stride_per_key_per_rank=[[2], [1], [3]],
+    )
+    with pytest.raises(NotImplementedError, match="one batch size"):
+        ours(vbe)
