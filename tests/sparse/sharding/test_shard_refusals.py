@@ -2,8 +2,8 @@
 
 * TorchRec's FP16/BF16 modules that ``from_torchrec`` keeps as TorchRec's own module on the device:
   TorchRec's DMP trains those tables with FBGEMM's fused kernels, the unsharded module with dense
-  gradients; tpurec's sharded collection holds float32 tables;
-* a managed-collision sequence collection (the pooled one is sharded: test_sharded_managed_collisions.py).
+  gradients; tpurec's sharded collection holds float32 tables.
+(What stays refused for managed-collision collections: test_sharded_managed_collisions.py.)
 
 Each alone and next to a collection ``tpurec.shard`` does shard: the error names the module and the
 model's state stays as it was.
@@ -11,7 +11,6 @@ model's state stays as it was.
 
 from __future__ import annotations
 
-from typing import Any
 
 import pytest
 import torch
@@ -19,8 +18,6 @@ from torch import nn
 from torchrec import EmbeddingBagCollection as TorchrecEBC
 from torchrec import EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig
 from torchrec.modules.embedding_configs import DataType
-from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection as TorchrecMCEC
-from torchrec.modules.mc_modules import LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 import tpurec
@@ -93,19 +90,3 @@ def test_torchrec_half_precision_sequence_tables_are_refused():
     model = sp.from_torchrec(nn.ModuleDict({"ec": ec}), device="tpu")
     assert type(model.ec).__name__ == "TorchrecEmbeddingCollectionOnDevice"
     _assert_refused(model, NotImplementedError, r"TorchrecEmbeddingCollectionOnDevice at 'ec'.*s0 \(FP16\)")
-
-
-def test_a_managed_collision_sequence_collection_is_refused():
-    torch.manual_seed(1)
-    tables = [EmbeddingConfig(name="s0", embedding_dim=8, num_embeddings=16, feature_names=["f0"])]
-    mcc = ManagedCollisionCollection(
-        {"s0": MCHManagedCollisionModule(zch_size=16, device=torch.device("cpu"), eviction_interval=2,
-                                         eviction_policy=LFU_EvictionPolicy(), input_hash_size=1000)},
-        tables,
-    )  # fmt: skip
-    ec = EmbeddingCollection(tables=tables)
-    apply_optimizer_in_backward(torch.optim.SGD, ec.parameters(), {"lr": 0.1})
-    model: Any = sp.from_torchrec(nn.ModuleDict({"mc": TorchrecMCEC(ec, mcc, return_remapped_features=False)}))
-    model = model.to("tpu")
-    assert isinstance(model.mc._embedding_module, sp.EmbeddingCollection)
-    _assert_refused(model, NotImplementedError, r"managed-collision EmbeddingCollection at 'mc'")

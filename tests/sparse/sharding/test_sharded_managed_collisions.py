@@ -1,9 +1,9 @@
-"""A managed-collision EBC sharded by ``tpurec.shard`` (8 host devices) trains as TorchRec's sharded one.
+"""Managed-collision collections sharded by ``tpurec.shard`` (8 host devices) train as TorchRec's sharded ones.
 
-Reference: TorchRec's own ``ShardedManagedCollisionEmbeddingBagCollection`` (its
-``ManagedCollisionEmbeddingBagCollectionSharder``, row-wise plan, in-backward Adagrad, FBGEMM's
-CPU kernels) on 8 ranks run as threads of the test process (``threaded_torchrec.py``); each rank
-gets its 2 of the 16 samples of a step. Not TorchRec's unsharded module: sharded, each row-wise
+Reference: TorchRec's own ``ShardedManagedCollisionEmbeddingBagCollection`` and
+``ShardedManagedCollisionEmbeddingCollection`` (its managed-collision sharders, row-wise plan,
+in-backward Adagrad, FBGEMM's CPU kernels) on 8 ranks run as threads of the test process
+(``threaded_torchrec.py``); each rank gets its 2 of the 16 samples of a step. Not TorchRec's unsharded module: sharded, each row-wise
 shard remaps its own block of the id space into its own rows and evicted rows are reset to
 ``init_fn``, so the remapped ids, the evictions and the tables differ from the unsharded module's.
 
@@ -13,7 +13,7 @@ drift so the LFU policy admits and evicts every 2 steps, and ``init_fn`` is a co
 ranks draw a random ``init_fn`` from their own generators: a deterministic one compares exactly).
 
 Compared after each of 5 steps: the remapped ids and the evicted rows (exactly), the pooled
-output (float32 sums: 1e-5 relative, 1e-6 absolute), the tables and Adagrad accumulators
+output or the sequence embeddings (float32 sums: 1e-5 relative, 1e-6 absolute), the tables and Adagrad accumulators
 (float32 Adagrad updates of the same gradients: 1e-5 relative, 1e-6 absolute); at the end every
 MCH buffer of every shard, through the state dict (exactly).
 """
@@ -30,11 +30,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torchrec import EmbeddingBagCollection as TorchrecEBC
-from torchrec import EmbeddingBagConfig, KeyedJaggedTensor
+from torchrec import EmbeddingBagConfig, EmbeddingCollection as TorchrecEC, KeyedJaggedTensor
+from torchrec.distributed.mc_embedding import ManagedCollisionEmbeddingCollectionSharder
 from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
 from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.types import LazyAwaitable, ShardingEnv, ShardingPlan
+from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection as TorchrecMCEBC
+from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection as TorchrecMCEC
 from torchrec.modules.mc_modules import LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
@@ -42,7 +45,10 @@ import tpurec
 import tpurec.sparse as sp
 from threaded_torchrec import run_ranks
 from tpurec.sparse.sharding import ShardedEmbeddingBagCollection
-from tpurec.sparse.sharding.managed import ShardedManagedCollisionEmbeddingBagCollection
+from tpurec.sparse.sharding.managed import (
+    ShardedManagedCollisionEmbeddingBagCollection,
+    ShardedManagedCollisionEmbeddingCollection,
+)
 
 WORLD = 8
 BATCH = 16
@@ -51,21 +57,26 @@ INPUT_HASH_SIZE = 1000
 TOLERANCE: dict[str, Any] = {"rtol": 1e-5, "atol": 1e-6}
 MC = "sparse._managed_collision_collection._managed_collision_modules."
 RESET_VALUE = 0.5
+# eps given: TorchRec's sharded module hands FBGEMM only the given settings (FBGEMM's eps 1e-8), while
+# tpurec's sharded collection, like TorchRec's unsharded module, takes torch's (1e-10) for the rest.
+ADAGRAD = {"lr": 0.1, "eps": 1e-8}
+KINDS = ("bags", "sequence")  # a ManagedCollisionEmbeddingBagCollection, a ManagedCollisionEmbeddingCollection
 # The fused kernel: the managed-collision sharder's kernels (FBGEMM's dense kernel cannot reset rows).
 ROW_WISE = {"t0": row_wise(compute_kernel="fused"), "t1": row_wise(compute_kernel="fused")}
 
 
-def _tables() -> list[EmbeddingBagConfig]:
+def _tables(kind: str = "bags") -> list[Any]:
     # t1's 23 rows split unevenly (3 per device, 2 on the last), as TorchRec's row_wise() splits them.
     init = functools.partial(torch.nn.init.constant_, val=RESET_VALUE)
+    config, dims = (EmbeddingBagConfig, (4, 8)) if kind == "bags" else (EmbeddingConfig, (4, 4))
     return [
-        EmbeddingBagConfig(name="t0", embedding_dim=4, num_embeddings=32, feature_names=["f0", "f1"], init_fn=init),
-        EmbeddingBagConfig(name="t1", embedding_dim=8, num_embeddings=23, feature_names=["f2"], init_fn=init),
+        config(name="t0", embedding_dim=dims[0], num_embeddings=32, feature_names=["f0", "f1"], init_fn=init),
+        config(name="t1", embedding_dim=dims[1], num_embeddings=23, feature_names=["f2"], init_fn=init),
     ]
 
 
 class _Sparse(nn.Module):
-    """A model holding a managed-collision EBC."""
+    """A model holding a managed-collision collection."""
 
     sparse: Any
 
@@ -77,9 +88,9 @@ class _Sparse(nn.Module):
         return self.sparse(kjt)
 
 
-def _model() -> _Sparse:
+def _model(kind: str = "bags") -> _Sparse:
     torch.manual_seed(0)
-    tables = _tables()
+    tables = _tables(kind)
     mcc = ManagedCollisionCollection(
         {
             t.name: MCHManagedCollisionModule(
@@ -93,27 +104,34 @@ def _model() -> _Sparse:
         },
         tables,
     )
-    model = _Sparse(TorchrecMCEBC(TorchrecEBC(tables), mcc, return_remapped_features=True))
+    if kind == "bags":
+        model = _Sparse(TorchrecMCEBC(TorchrecEBC(tables), mcc, return_remapped_features=True))
+    else:
+        model = _Sparse(TorchrecMCEC(TorchrecEC(tables), mcc, return_remapped_features=True))
     with torch.no_grad():  # random rows (the config's init_fn is the constant used for resets)
         for p in model.parameters():
             p.uniform_(-0.3, 0.3)
     return model
 
 
-def _plan(model: _Sparse, generators: dict) -> ShardingPlan:
+def _sharder(kind: str) -> Any:
+    return (
+        ManagedCollisionEmbeddingBagCollectionSharder()
+        if kind == "bags"
+        else ManagedCollisionEmbeddingCollectionSharder()
+    )
+
+
+def _plan(model: _Sparse, generators: dict, kind: str = "bags") -> ShardingPlan:
     module_plan = construct_module_sharding_plan(
-        model.sparse,
-        generators,
-        local_size=WORLD,
-        world_size=WORLD,
-        device_type="cpu",
-        sharder=cast(Any, ManagedCollisionEmbeddingBagCollectionSharder()),
+        model.sparse, generators, local_size=WORLD, world_size=WORLD, device_type="cpu", sharder=_sharder(kind)
     )
     return ShardingPlan({"sparse": module_plan})
 
 
-def _batches() -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
-    """One id per bag in the first step (small history buffers), then up to 5 from a drifting skewed pool."""
+def _batches(kind: str = "bags") -> list[tuple[KeyedJaggedTensor, dict[str, torch.Tensor]]]:
+    """One id per bag in the first step (small history buffers), then up to 5 from a drifting skewed pool;
+    the loss's weights: per sample (pooled) or per id (sequence)."""
     rng = np.random.default_rng(3)
     out = []
     for step in range(STEPS):
@@ -125,21 +143,51 @@ def _batches() -> list[tuple[KeyedJaggedTensor, torch.Tensor]]:
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=["f0", "f1", "f2"], values=torch.from_numpy(ids).long(), lengths=torch.from_numpy(lengths).long()
         )
-        target = torch.from_numpy(rng.normal(size=(BATCH, 16)).astype(np.float32))
+        if kind == "bags":
+            target = {"pooled": torch.from_numpy(rng.normal(size=(BATCH, 16)).astype(np.float32))}
+        else:
+            sizes = {f: int(kjt[f].lengths().sum()) for f in kjt.keys()}
+            target = {f: torch.from_numpy(rng.normal(size=(n, 4)).astype(np.float32)) for f, n in sizes.items()}
         out.append((kjt, target))
     return out
 
 
 def _samples(kjt: KeyedJaggedTensor, start: int, stop: int) -> KeyedJaggedTensor:
     """Samples ``[start, stop)`` of ``kjt`` (a rank's part of the global batch)."""
-    jts = kjt.to_dict()
-    keys = list(kjt.keys())
-    values, lengths = [], []
-    for key in keys:
-        offsets = jts[key].offsets()
-        values.append(jts[key].values()[offsets[start] : offsets[stop]])
-        lengths.append(jts[key].lengths()[start:stop])
-    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values), lengths=torch.cat(lengths))
+    values = [kjt[k].values()[_ids_of(kjt, k, start, stop)] for k in kjt.keys()]
+    lengths = [kjt[k].lengths()[start:stop] for k in kjt.keys()]
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=list(kjt.keys()), values=torch.cat(values), lengths=torch.cat(lengths)
+    )
+
+
+def _ids_of(kjt: KeyedJaggedTensor, feature: str, start: int, stop: int) -> slice:
+    """Where samples ``[start, stop)`` of ``feature`` are among its ids."""
+    offsets = kjt[feature].offsets()
+    return slice(int(offsets[start]), int(offsets[stop]))
+
+
+def _rank_target(kjt: KeyedJaggedTensor, target: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+    per_rank = BATCH // WORLD
+    start, stop = rank * per_rank, (rank + 1) * per_rank
+    if "pooled" in target:
+        return {"pooled": target["pooled"][start:stop]}
+    return {f: w[_ids_of(kjt, f, start, stop)] for f, w in target.items()}
+
+
+def _outputs(out: Any) -> dict[str, torch.Tensor]:
+    """The pooled rows (``{"pooled": ...}``) or each feature's embeddings."""
+    if hasattr(out, "to_dict") and not isinstance(out, dict):
+        return {"pooled": out.values()}
+    return {f: jt.values() for f, jt in out.items()}
+
+
+def _loss(out: Any, target: dict[str, torch.Tensor], device: str = "tpu", ranks: int = WORLD) -> torch.Tensor:
+    """Weighted sum of the outputs, over ``ranks``: TorchRec divides the embedding gradients by the world
+    size (its comm ops' gradient division, matching DDP's averaged dense gradients), so the loss here is
+    the mean of the ranks' losses."""
+    values = _outputs(out)
+    return sum((values[k] * w.to(device)).sum() for k, w in target.items()) / ranks
 
 
 def _local_state(module: nn.Module) -> dict[str, Any]:
@@ -154,25 +202,28 @@ def _local_state(module: nn.Module) -> dict[str, Any]:
     return out
 
 
-def _torchrec_sharded(model: _Sparse, plan: ShardingPlan, batches) -> list[list[dict[str, Any]]]:
-    """TorchRec's sharded MC-EBC on 8 thread ranks: per rank, per step what it computed."""
+def _table_key(kind: str, table: str) -> str:
+    return f"_embedding_module.{'embedding_bags' if kind == 'bags' else 'embeddings'}.{table}.weight"
+
+
+def _torchrec_sharded(model: _Sparse, plan: ShardingPlan, batches, kind: str) -> list[list[dict[str, Any]]]:
+    """TorchRec's sharded managed-collision module on 8 thread ranks: per rank, per step what it computed."""
     copies = [copy.deepcopy(model) for _ in range(WORLD)]  # (before the threads: no random op in a rank)
     per_rank = BATCH // WORLD
 
     def rank_fn(rank: int) -> list[dict[str, Any]]:
         unsharded = copies[rank].sparse
-        apply_optimizer_in_backward(torch.optim.Adagrad, unsharded._embedding_module.parameters(), {"lr": 0.1})
+        apply_optimizer_in_backward(torch.optim.Adagrad, unsharded._embedding_module.parameters(), dict(ADAGRAD))
         env = ShardingEnv.from_process_group(cast(Any, dist.group.WORLD))
-        sharded: Any = ManagedCollisionEmbeddingBagCollectionSharder().shard(
-            unsharded, cast(Any, plan.plan["sparse"]), env, torch.device("cpu")
-        )
+        sharded: Any = _sharder(kind).shard(unsharded, cast(Any, plan.plan["sparse"]), env, torch.device("cpu"))
         # TorchRec's sharded tables start from its own init: give them the unsharded rows.
         state = sharded.state_dict()
+        unsharded_state = unsharded.state_dict()
         with torch.no_grad():
             for t in ("t0", "t1"):
-                (shard,) = state[f"_embedding_module.embedding_bags.{t}.weight"].local_shards()
+                (shard,) = state[_table_key(kind, t)].local_shards()
                 offset, rows = shard.metadata.shard_offsets[0], shard.metadata.shard_sizes[0]
-                shard.tensor.copy_(unsharded._embedding_module.embedding_bags[t].weight[offset : offset + rows])
+                shard.tensor.copy_(unsharded_state[_table_key(kind, t)][offset : offset + rows])
         evicted: list[dict[str, Any]] = []
         evict = sharded._evict
 
@@ -183,28 +234,22 @@ def _torchrec_sharded(model: _Sparse, plan: ShardingPlan, batches) -> list[list[
         sharded._evict = recording_evict
         steps = []
         for kjt, target in batches:
-            local = _samples(kjt, rank * per_rank, (rank + 1) * per_rank)
-            pooled, remapped = sharded(local)
-            pooled = pooled.wait() if isinstance(pooled, LazyAwaitable) else pooled
+            out, remapped = sharded(_samples(kjt, rank * per_rank, (rank + 1) * per_rank))
+            out = out.wait() if isinstance(out, LazyAwaitable) else out
             remapped = remapped.wait() if isinstance(remapped, LazyAwaitable) else remapped
-            loss = (pooled.values() * target[rank * per_rank : (rank + 1) * per_rank]).sum()
-            loss.backward()
-            optimizer_state = {
-                t: v[f"{t.split('.')[1]}.momentum1"]
-                for t, v in sharded._embedding_module.fused_optimizer.state_dict()["state"].items()
-            }
+            _loss(out, _rank_target(kjt, target, rank), "cpu", ranks=1).backward()
+            optimizer_state = sharded._embedding_module.fused_optimizer.state_dict()["state"]
+            momentum = {}
+            for key, slots in optimizer_state.items():
+                table = key.split(".")[1]
+                (shard,) = slots[f"{table}.momentum1"].local_shards()
+                momentum[table] = (shard.metadata.shard_offsets[0], shard.tensor.clone())
             steps.append(
                 {
-                    "pooled": pooled.values().detach().clone(),
+                    "out": {k: v.detach().clone() for k, v in _outputs(out).items()},
                     "remapped": {f: remapped[f] for f in remapped.keys()},
                     "state": _local_state(sharded),
-                    "momentum": {
-                        k.split(".")[1]: (
-                            v.local_shards()[0].metadata.shard_offsets[0],
-                            v.local_shards()[0].tensor.clone(),
-                        )
-                        for k, v in optimizer_state.items()
-                    },
+                    "momentum": momentum,
                 }
             )
         for step, record in zip(steps, evicted):
@@ -222,29 +267,42 @@ def _gathered(per_rank: list[tuple[int, torch.Tensor, tuple[int, ...]]]) -> torc
     return whole
 
 
-def _loss(pooled, target: torch.Tensor) -> torch.Tensor:
-    """The mean of the ranks' losses: TorchRec divides the embedding gradients by the world size
-    (its comm ops' gradient division, matching DDP's averaged dense gradients)."""
-    return (pooled.values() * target.to("tpu")).sum() / WORLD
-
-
 def _tpurec_sharded(model: _Sparse, plan: ShardingPlan) -> Any:
     ours = copy.deepcopy(model)
-    apply_optimizer_in_backward(torch.optim.Adagrad, ours.sparse._embedding_module.parameters(), {"lr": 0.1})
+    apply_optimizer_in_backward(torch.optim.Adagrad, ours.sparse._embedding_module.parameters(), dict(ADAGRAD))
     ours = sp.from_torchrec(ours).to("tpu")
     return tpurec.shard(ours, plan, capacity=64)
 
 
-def test_sharded_mc_ebc_trains_as_torchrec_sharded_with_evictions():
-    model = _model()
-    plan = _plan(model, ROW_WISE)
-    batches = _batches()
-    theirs = _torchrec_sharded(model, plan, batches)
+def _history_overflows(batches) -> int:
+    """Shards (table, device) whose ids of one eviction window exceed their history buffer, which
+    TorchRec sizes from the first batch (ids x eviction_interval x 1.25): then the order matters."""
+    block = -(-INPUT_HASH_SIZE // WORLD)
+    overflows = 0
+    for features in (["f0", "f1"], ["f2"]):
+        counts = np.array(
+            [np.bincount(torch.cat([kjt[f].values() for f in features]).numpy() // block, minlength=WORLD)
+             for kjt, _ in batches]
+        )  # fmt: skip
+        buffer = (counts[0] * 2 * 1.25).astype(int)
+        overflows += int(((counts[0] + counts[1] > buffer) | (counts[2] + counts[3] > buffer)).sum())
+    return overflows
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_sharded_mc_collection_trains_as_torchrec_sharded_with_evictions(kind):
+    model = _model(kind)
+    plan = _plan(model, ROW_WISE, kind)
+    batches = _batches(kind)
+    theirs = _torchrec_sharded(model, plan, batches, kind)
     ours = _tpurec_sharded(model, plan)
     sharded_mc = ours.sparse
-    assert isinstance(sharded_mc, ShardedManagedCollisionEmbeddingBagCollection)
-    ebc = sharded_mc._embedding_module
-    assert isinstance(ebc, ShardedEmbeddingBagCollection)
+    expected = (
+        ShardedManagedCollisionEmbeddingBagCollection if kind == "bags" else ShardedManagedCollisionEmbeddingCollection
+    )
+    assert isinstance(sharded_mc, expected)
+    bags = sharded_mc._bags[0]
+    assert isinstance(bags, ShardedEmbeddingBagCollection)
     our_evictions: list[dict[str, Any]] = []
     evict = sharded_mc._managed_collision_collection.evict
 
@@ -255,8 +313,8 @@ def test_sharded_mc_ebc_trains_as_torchrec_sharded_with_evictions():
     sharded_mc._managed_collision_collection.evict = recording_evict
     evicted_rows = 0
     for step, (kjt, target) in enumerate(batches):
-        pooled, remapped = ours(kjt)
-        _loss(pooled, target).backward()
+        out, remapped = ours(kjt)
+        _loss(out, target).backward()
         ranks = [rank_steps[step] for rank_steps in theirs]
         when = f"step {step}"
         # The remapped ids: each feature's global rows, the ranks' samples in rank order.
@@ -272,33 +330,32 @@ def test_sharded_mc_ebc_trains_as_torchrec_sharded_with_evictions():
             for r in ranks:
                 local = r["evicted"][table]
                 if local is not None:
-                    offset = r["state"][f"_embedding_module.embedding_bags.{table}.weight"][0]
-                    want_rows.append(local + offset)
+                    want_rows.append(local + r["state"][_table_key(kind, table)][0])
             got_rows = our_evictions[step][table]
             want_set = sorted(torch.cat(want_rows).tolist()) if want_rows else []
             assert sorted([] if got_rows is None else got_rows.tolist()) == want_set, f"{when}: evictions of {table}"
             evicted_rows += len(want_set)
-        torch.testing.assert_close(
-            pooled.values().cpu(),
-            torch.cat([r["pooled"] for r in ranks]),
-            **TOLERANCE,
-            msg=lambda m: f"{when}: pooled: {m}",
-        )
-        tables, slots = ebc.full_tables()
+        for key, value in _outputs(out).items():
+            torch.testing.assert_close(
+                value.cpu(),
+                torch.cat([r["out"][key] for r in ranks]),
+                **TOLERANCE,
+                msg=lambda m: f"{when}: {key}: {m}",
+            )
+        tables, slots = bags.full_tables()
         for table in ("t0", "t1"):
-            key = f"_embedding_module.embedding_bags.{table}.weight"
             torch.testing.assert_close(
                 torch.from_numpy(tables[table]),
-                _gathered([r["state"][key] for r in ranks]),
+                _gathered([r["state"][_table_key(kind, table)] for r in ranks]),
                 **TOLERANCE,
-                msg=lambda m: f"{when}: {m}",
+                msg=lambda m: f"{when}: {table}: {m}",
             )
             momentum = [(*r["momentum"][table], tables[table].shape) for r in ranks]
             torch.testing.assert_close(
                 torch.from_numpy(slots[table]["momentum1"]),
                 _gathered(momentum),
                 **TOLERANCE,
-                msg=lambda m: f"{when}: {table}: {m}",
+                msg=lambda m: f"{when}: {table} accumulators: {m}",
             )
     # Every MCH buffer of every shard: the state dict has TorchRec's keys, whole (shards in rank order).
     state = ours.state_dict()
@@ -310,11 +367,7 @@ def test_sharded_mc_ebc_trains_as_torchrec_sharded_with_evictions():
         assert torch.equal(state[f"sparse.{key}"], want), key
     # The test means something: rows were evicted and reset, and history buffers overflowed.
     assert evicted_rows > 0
-    overflowed = 0
-    for table in ("t0", "t1"):
-        for module in sharded_mc._managed_collision_collection.shard_modules(table):
-            overflowed += module._input_history_buffer_size < 2 * int(state[f"{MC}{table}._current_iter_tensor"])
-    assert overflowed > 0
+    assert _history_overflows(batches) > 0
 
 
 def test_sharded_mc_ebc_state_dict_round_trip_and_eval():
@@ -322,8 +375,8 @@ def test_sharded_mc_ebc_state_dict_round_trip_and_eval():
     plan = _plan(model, ROW_WISE)
     ours = _tpurec_sharded(model, plan)
     for kjt, target in _batches()[:3]:
-        pooled, _ = ours(kjt)
-        _loss(pooled, target).backward()
+        out, _ = ours(kjt)
+        _loss(out, target).backward()
     saved = {k: v.clone() for k, v in ours.state_dict().items()}
     other = _tpurec_sharded(model, plan)
     other.load_state_dict(saved)
@@ -385,6 +438,13 @@ def test_a_table_with_an_empty_row_wise_shard_is_refused():
     plan = _plan(model, {"t0": row_wise(compute_kernel="fused")})
     with pytest.raises(ValueError, match="one shard of at least one row on each of the 8 devices"):
         tpurec.shard(_converted(model), plan)
+
+
+def test_a_weighted_collection_is_refused():
+    mcc = _model().sparse._managed_collision_collection
+    model = _Sparse(TorchrecMCEBC(TorchrecEBC(list(mcc.embedding_configs()), is_weighted=True), mcc))
+    with pytest.raises(NotImplementedError, match="weighted managed-collision collection 'sparse'"):
+        tpurec.shard(_converted(model), _plan(model, ROW_WISE))
 
 
 def test_row_wise_adagrad_is_refused():

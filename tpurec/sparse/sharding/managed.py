@@ -1,6 +1,7 @@
 """Managed collisions under ``tpurec.shard``: TorchRec's row-wise sharded MCH remap, on the host.
 
-TorchRec shards a ``ManagedCollisionEmbeddingBagCollection`` row-wise only
+TorchRec shards a ``ManagedCollisionEmbeddingBagCollection`` and a
+``ManagedCollisionEmbeddingCollection`` row-wise only
 (``ManagedCollisionCollectionSharder.sharding_types``) and gives each rank its own
 ``MCHManagedCollisionModule`` for its rows of the table (``rebuild_with_output_id_range``:
 a fresh module whose ``zch_size`` is the shard's rows). One step of its sharded module:
@@ -25,7 +26,7 @@ routes to the device holding them (the device of their block).
 Example::
 
     model = tpurec.sparse.from_torchrec(model_with_mc_ebc).to("tpu")
-    model = tpurec.shard(model, plan)     # row-wise plan of the MC-EBC's tables
+    model = tpurec.shard(model, plan)     # row-wise plan of the MC-EBC's tables, at its path
     pooled, remapped = model.sparse_arch(kjt)
 """
 
@@ -49,6 +50,7 @@ from tpurec.sparse.sharding_plan.shards import TableSharding
 __all__ = [
     "ShardedManagedCollisionCollection",
     "ShardedManagedCollisionEmbeddingBagCollection",
+    "ShardedManagedCollisionEmbeddingCollection",
     "check_shardable",
 ]
 
@@ -66,16 +68,17 @@ def _shard_of_device(sharding: TableSharding, num_devices: int) -> list[Any]:
 
 def check_shardable(
     where: str,
-    module: ManagedCollisionEmbeddingBagCollection,
+    bags: Any,
     shardings: Mapping[str, TableSharding],
     num_devices: int,
     optimizer: EmbeddingOptimizer | None,
 ) -> None:
-    """Raises unless ``module`` can be sharded as TorchRec shards it, exactly, with ``shardings``.
+    """Raises unless a managed-collision module can be sharded as TorchRec shards it, exactly, with ``shardings``.
 
     Args:
         where: the module's path, for messages.
-        module: a tpurec managed-collision EBC (its inner collection not sharded yet).
+        bags: the tpurec ``EmbeddingBagCollection`` behind its remap (the EBC itself, or an
+            ``EmbeddingCollection``'s inner one), not sharded yet.
         shardings: its tables' shardings on the mesh.
         num_devices: the mesh's devices.
         optimizer: the embedding optimizer the sharded collection will train with.
@@ -89,12 +92,11 @@ def check_shardable(
     if not_row_wise:
         raise ValueError(
             f"the managed-collision collection {where} has tables planned {not_row_wise}: TorchRec shards "
-            "managed-collision tables row-wise only (its ManagedCollisionEmbeddingBagCollectionSharder offers "
+            "managed-collision tables row-wise only (its managed-collision sharders offer "
             "no other sharding type), each row-wise shard remapping its own slice of zch_size. Plan every table "
             "of it with row_wise()."
         )
-    inner = cast(Any, module._embedding_module)  # tpurec's EmbeddingBagCollection
-    configs = {c.name: c for c in inner.embedding_bag_configs()}
+    configs = {c.name: c for c in bags.embedding_bag_configs()}
     for table, sharding in shardings.items():
         devices = sorted(p.device for p in sharding.pieces)
         full_width = all(p.cols == configs[table].embedding_dim for p in sharding.pieces)
@@ -105,7 +107,7 @@ def check_shardable(
                 f"shard of at least one row on each of the {num_devices} devices (each remaps one block of the id "
                 "space into its rows). Use a table of at least as many rows as devices, planned with row_wise()."
             )
-    if inner.is_weighted():
+    if bags.is_weighted():
         raise NotImplementedError(
             f"tpurec.shard cannot shard the weighted managed-collision collection {where}: TorchRec's sharded "
             "managed-collision module drops the per-id weights when it remaps (its input dist builds the remapped "
@@ -350,7 +352,58 @@ class ShardedManagedCollisionCollection(nn.Module):
             )
 
 
-class ShardedManagedCollisionEmbeddingBagCollection(nn.Module):
+class _ShardedManagedCollisionModule(nn.Module):
+    """What both sharded managed-collision modules do: remap per shard, reset evicted rows, look up.
+
+    Args:
+        source: the unsharded tpurec module (its remap settings; its state is not carried over).
+        embedding_module: its embedding collection, whose lookups are sharded.
+        bags: the sharded pooled collection holding the tables (``embedding_module`` itself, or
+            a sequence collection's inner one).
+        shardings: the tables' row-wise shardings.
+        num_devices: the mesh's devices.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        embedding_module: nn.Module,
+        bags: ShardedEmbeddingBagCollection,
+        shardings: Mapping[str, TableSharding],
+        num_devices: int,
+    ) -> None:
+        super().__init__()
+        self._managed_collision_collection = ShardedManagedCollisionCollection(
+            source._managed_collision_collection, shardings, num_devices
+        )
+        self._embedding_module = embedding_module
+        self._return_remapped_features = bool(source._return_remapped_features)
+        self._allow_in_place_embed_weight_update = bool(source._allow_in_place_embed_weight_update)
+        self._bags = [bags]  # (a list: not registered a second time)
+        self._init_fns = {c.name: c.init_fn for c in bags.embedding_bag_configs()}
+        self.train(source.training)
+
+    def _remap_and_look_up(self, features: KeyedJaggedTensor) -> tuple[Any, KeyedJaggedTensor | None]:
+        remapped = self._managed_collision_collection(features)
+        self._reset_evicted(self._managed_collision_collection.evict())
+        looked_up = self._embedding_module(remapped)
+        return looked_up, (remapped if self._return_remapped_features else None)
+
+    @torch.no_grad()
+    def _reset_evicted(self, evictions: Mapping[str, np.ndarray | None]) -> None:
+        """The evicted rows get ``init_fn`` of their current values (TorchRec's sharded ``_evict``)."""
+        bags = self._bags[0]
+        for table, rows in evictions.items():
+            if rows is None or rows.size == 0:
+                continue
+            init_fn = self._init_fns[table]
+            current = torch.from_numpy(bags.rows_of(table, rows))
+            new = init_fn(current) if init_fn is not None else None
+            new = current if new is None else new
+            bags.write_rows(table, rows, new.detach().cpu().numpy())
+
+
+class ShardedManagedCollisionEmbeddingBagCollection(_ShardedManagedCollisionModule):
     """TorchRec's sharded ``ManagedCollisionEmbeddingBagCollection``: per-shard remap, resets, sharded lookup.
 
     Built by :func:`tpurec.shard` from a tpurec
@@ -376,20 +429,12 @@ class ShardedManagedCollisionEmbeddingBagCollection(nn.Module):
         shardings: Mapping[str, TableSharding],
         num_devices: int,
     ) -> None:
-        super().__init__()
-        self._managed_collision_collection = ShardedManagedCollisionCollection(
-            source._managed_collision_collection, shardings, num_devices
-        )
-        self._embedding_module = embedding_bag_collection
-        self._return_remapped_features = bool(source._return_remapped_features)
-        self._allow_in_place_embed_weight_update = bool(source._allow_in_place_embed_weight_update)
-        self._init_fns = {c.name: c.init_fn for c in embedding_bag_collection.embedding_bag_configs()}
-        self.train(source.training)
+        super().__init__(source, embedding_bag_collection, embedding_bag_collection, shardings, num_devices)
 
     @property
     def _embedding_bag_collection(self) -> ShardedEmbeddingBagCollection:
         """The sharded collection (TorchRec's name for it)."""
-        return self._embedding_module
+        return self._bags[0]
 
     @torch.compiler.disable
     def forward(
@@ -405,19 +450,46 @@ class ShardedManagedCollisionEmbeddingBagCollection(nn.Module):
             ``(pooled KeyedTensor, remapped KJT or None)``: the remapped KJT (global rows) when
             the module was built with ``return_remapped_features``.
         """
-        remapped = self._managed_collision_collection(features)
-        self._reset_evicted(self._managed_collision_collection.evict())
-        pooled = self._embedding_module(remapped)
-        return pooled, (remapped if self._return_remapped_features else None)
+        return self._remap_and_look_up(features)
 
-    @torch.no_grad()
-    def _reset_evicted(self, evictions: Mapping[str, np.ndarray | None]) -> None:
-        """The evicted rows get ``init_fn`` of their current values (TorchRec's sharded ``_evict``)."""
-        for table, rows in evictions.items():
-            if rows is None or rows.size == 0:
-                continue
-            init_fn = self._init_fns[table]
-            current = torch.from_numpy(self._embedding_module.rows_of(table, rows))
-            new = init_fn(current) if init_fn is not None else None
-            new = current if new is None else new
-            self._embedding_module.write_rows(table, rows, new.detach().cpu().numpy())
+
+class ShardedManagedCollisionEmbeddingCollection(_ShardedManagedCollisionModule):
+    """TorchRec's sharded ``ManagedCollisionEmbeddingCollection``: per-shard remap, resets, sharded lookup.
+
+    As :class:`ShardedManagedCollisionEmbeddingBagCollection`, over a sequence
+    ``EmbeddingCollection`` whose inner collection is sharded; ``Dict[str, JaggedTensor]`` out.
+    TorchRec's ``EmbeddingCollectionSharder`` without index dedup (its default): each shard's
+    module sees every id, repeats included.
+
+    Args:
+        source: the unsharded tpurec module (its remap settings; its state is not carried over).
+        embedding_collection: its sequence collection, whose inner collection is sharded.
+        shardings: the tables' row-wise shardings.
+        num_devices: the mesh's devices.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        embedding_collection: nn.Module,
+        shardings: Mapping[str, TableSharding],
+        num_devices: int,
+    ) -> None:
+        bags = cast(ShardedEmbeddingBagCollection, embedding_collection.get_submodule("_bags"))
+        super().__init__(source, embedding_collection, bags, shardings, num_devices)
+
+    @property
+    def _embedding_collection(self) -> nn.Module:
+        """The sequence collection (TorchRec's name for it)."""
+        return self._embedding_module
+
+    @torch.compiler.disable
+    def forward(
+        self, features: KeyedJaggedTensor, mutate_miss_lengths: bool = True
+    ) -> tuple[dict[str, JaggedTensor], KeyedJaggedTensor | None]:
+        """Remaps ``features`` (CPU, raw ids, this process's batch), resets evicted rows, looks up.
+
+        Returns:
+            ``(feature -> JaggedTensor of embeddings, remapped KJT or None)``.
+        """
+        return self._remap_and_look_up(features)

@@ -23,13 +23,16 @@ from torch import nn
 
 from torchrec.modules.mc_modules import ManagedCollisionCollection as TorchrecMCC
 
-from tpurec.sparse.managed import ManagedCollisionEmbeddingBagCollection
+from tpurec.sparse.managed import ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection
 from tpurec.sparse.modules import EmbeddingBagCollection
 from tpurec.sparse.quant import QuantEmbeddingBagCollection
 from tpurec.sparse.optimizers import EmbeddingOptimizer, optimizer_from_torch
 from tpurec.sparse.sequence import EmbeddingCollection
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
-from tpurec.sparse.sharding.managed import ShardedManagedCollisionEmbeddingBagCollection
+from tpurec.sparse.sharding.managed import (
+    ShardedManagedCollisionEmbeddingBagCollection,
+    ShardedManagedCollisionEmbeddingCollection,
+)
 from tpurec.sparse.sharding.managed import check_shardable as check_managed
 from tpurec.sparse.sharding.quant import ShardedQuantEmbeddingBagCollection, check_quant_shardings, mean_row_wise_tables
 from tpurec.sparse.sharding.fingerprint import agree_on_model, model_fingerprint
@@ -154,11 +157,12 @@ def _planned(owner: nn.Module, ebc: EmbeddingBagCollection, mesh: Mesh, batch_si
     devices = mesh.devices.size
     name = planning_topology(devices, mesh.devices.flat[0])
     constraints = None
-    if isinstance(owner, EmbeddingCollection):
-        tables: Any = TorchrecEC(owner.embedding_configs(), device=torch.device("meta"))
+    sequence = owner._embedding_module if isinstance(owner, ManagedCollisionEmbeddingCollection) else owner
+    if isinstance(sequence, EmbeddingCollection):
+        tables: Any = TorchrecEC(sequence.embedding_configs(), device=torch.device("meta"))
     else:
         tables = ebc.embedding_bag_configs()
-    if isinstance(owner, ManagedCollisionEmbeddingBagCollection):
+    if isinstance(owner, (ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection)):
         # TorchRec shards managed-collision tables row-wise only.
         from torchrec.distributed.planner.types import ParameterConstraints
         from torchrec.distributed.types import ShardingType
@@ -169,32 +173,27 @@ def _planned(owner: nn.Module, ebc: EmbeddingBagCollection, mesh: Mesh, batch_si
     return module_plans(result)[""]
 
 
-def _managed_owners(model: nn.Module) -> dict[str, ManagedCollisionEmbeddingBagCollection]:
-    """Every tpurec managed-collision EBC of ``model`` (path -> module), sharded with its collection.
+def _managed_owners(model: nn.Module) -> dict[str, nn.Module]:
+    """Every tpurec managed-collision EBC / EC of ``model`` (path -> module), sharded with its collection.
 
     Raises:
-        NotImplementedError: a managed-collision remap tpurec.shard does not shard (a
-            managed-collision EC, a collection on its own) or a model spread over processes.
+        NotImplementedError: a managed-collision collection on its own (not in an EBC / EC) or a
+            model spread over processes.
     """
-    from tpurec.sparse.managed import ManagedCollisionEmbeddingCollection, remapped_features
+    from tpurec.sparse.managed import remapped_features
 
-    owners = {p: m for p, m in model.named_modules() if isinstance(m, ManagedCollisionEmbeddingBagCollection)}
+    kinds = (ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection)
+    owners: dict[str, nn.Module] = {p: m for p, m in model.named_modules() if isinstance(m, kinds)}
     if not remapped_features(model):
         return owners
-    for path, module in model.named_modules():
-        if isinstance(module, ManagedCollisionEmbeddingCollection):
-            raise NotImplementedError(
-                f"tpurec.shard cannot shard the managed-collision EmbeddingCollection at {path!r} yet: tpurec shards "
-                "TorchRec's ManagedCollisionEmbeddingBagCollection (row-wise, remapped per shard as TorchRec does). "
-                "Train the model unsharded (tpurec.sparse.from_torchrec(...).to('tpu'))."
-            )
     inner = {id(m._managed_collision_collection) for m in owners.values()}
     alone = [p for p, m in model.named_modules() if isinstance(m, TorchrecMCC) and id(m) not in inner]
     if alone:
         raise NotImplementedError(
             f"tpurec.shard cannot shard the managed-collision collections {alone} on their own (not inside a "
-            "ManagedCollisionEmbeddingBagCollection): TorchRec's ManagedCollisionCollectionSharder has no "
-            "standalone sharding either. Wrap the collection and its tables in a ManagedCollisionEmbeddingBagCollection."
+            "ManagedCollisionEmbeddingBagCollection or ManagedCollisionEmbeddingCollection): TorchRec's "
+            "ManagedCollisionCollectionSharder has no standalone sharding either. Wrap the collection and its "
+            "tables in a managed-collision embedding collection."
         )
     if owners and jax.process_count() > 1:
         raise NotImplementedError(
@@ -202,6 +201,14 @@ def _managed_owners(model: nn.Module) -> dict[str, ManagedCollisionEmbeddingBagC
             "yet: their remap runs on one host, which would need every process's ids. Shard it in one process."
         )
     return owners
+
+
+def _managed_bags_path(path: str, module: nn.Module) -> str:
+    """The path of the pooled collection behind managed-collision module ``module`` at ``path``."""
+    inner = (
+        "_embedding_module._bags" if isinstance(module, ManagedCollisionEmbeddingCollection) else "_embedding_module"
+    )
+    return f"{path}.{inner}" if path else inner
 
 
 def _refuse_unshardable(model: nn.Module) -> None:
@@ -258,7 +265,8 @@ def _collections(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
     both hold an inner ``EmbeddingBagCollection`` (``<path>._bags``,
     ``<path>._embedding_bag_collection``) that runs the lookups, and that inner
     collection is what gets sharded. Its plan path is the owner's (TorchRec's);
-    a plain collection is its own owner.
+    a plain collection is its own owner. A managed-collision module owns the
+    collection behind its remap (``<path>._embedding_module``).
     """
     from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
@@ -269,12 +277,17 @@ def _collections(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
             continue
         parent_path, _, name = path.rpartition(".")
         parent = modules[parent_path]
-        wrapped = (
-            (isinstance(parent, EmbeddingCollection) and name == "_bags")
-            or (isinstance(parent, FeatureProcessedEmbeddingBagCollection) and name == "_embedding_bag_collection")
-            or (isinstance(parent, ManagedCollisionEmbeddingBagCollection) and name == "_embedding_module")
+        wrapped = (isinstance(parent, EmbeddingCollection) and name == "_bags") or (
+            isinstance(parent, FeatureProcessedEmbeddingBagCollection) and name == "_embedding_bag_collection"
         )
-        found[path] = (parent_path, parent) if wrapped else (path, module)
+        owner_path, owner = (parent_path, parent) if wrapped else (path, module)
+        # Behind a managed-collision remap the plan names the managed-collision module (TorchRec's sharder's).
+        managed_path, _, attr = owner_path.rpartition(".")
+        managed = modules.get(managed_path) if owner_path else None
+        kinds = (ManagedCollisionEmbeddingBagCollection, ManagedCollisionEmbeddingCollection)
+        if attr == "_embedding_module" and isinstance(managed, kinds):
+            owner_path, owner = managed_path, managed
+        found[path] = (owner_path, owner)
     return found
 
 
@@ -334,10 +347,10 @@ def shard(
             :class:`~tpurec.sparse.sharding.quant.ShardedQuantEmbeddingBagCollection`
             (table-wise, row-wise or column-wise, as TorchRec's quantized sharder; its
             lookups compute what TorchRec's sharded inference computes). A
-            managed-collision EBC (:mod:`tpurec.sparse.managed`, planned at its own path,
-            row-wise) becomes a
-            :class:`~tpurec.sparse.sharding.managed.ShardedManagedCollisionEmbeddingBagCollection`
-            (one remap per row-wise shard, evicted rows reset, as TorchRec's sharded module).
+            managed-collision EBC / EC (:mod:`tpurec.sparse.managed`, planned at its own
+            path, row-wise) becomes a sharded one
+            (:mod:`tpurec.sparse.sharding.managed`: one remap per row-wise shard, evicted
+            rows reset, as TorchRec's sharded modules).
         plan: a torchrec ``ShardingPlan`` (module path -> table plans, e.g. from
             ``EmbeddingShardingPlanner``, ``construct_module_sharding_plan`` or
             ``tpurec.sparse.planner.load_plan``), or one module's table plan.
@@ -466,15 +479,14 @@ def shard(
         configs = qebc.embedding_bag_configs()
         quant_specs[path] = table_shardings(configs, per_quant[path], mesh.devices.size)
         check_quant_shardings(f"QuantEmbeddingBagCollection at {path!r}", configs, quant_specs[path])
-    managed_inner = {path: f"{path}._embedding_module" if path else "_embedding_module" for path in managed}
-    for path, module in managed.items():
-        inner = managed_inner[path]
+    managed_inner = {path: _managed_bags_path(path, module) for path, module in managed.items()}
+    for path, inner in managed_inner.items():
         held = cast(EmbeddingOptimizer | None, ebcs[inner].optimizer)
-        check_managed(repr(path), module, specs[inner], mesh.devices.size, embedding_optimizer or held)
+        check_managed(repr(path), ebcs[inner], specs[inner], mesh.devices.size, embedding_optimizer or held)
     collections = [*ebcs.values(), *quants.values()]
     inside = {id(p) for c in collections for p in c.parameters()} | {id(b) for c in collections for b in c.buffers()}
     # The remapping state stays on the host (tpurec.sparse.managed): not part of the dense model.
-    inside |= {id(b) for m in managed.values() for b in m._managed_collision_collection.buffers()}
+    inside |= {id(b) for m in managed.values() for b in m.get_submodule("_managed_collision_collection").buffers()}
     dense = [t for t in list(model.parameters()) + list(model.buffers()) if id(t) not in inside]
     # With tables on meta the rest of the model may still be on the host: it moves to tpu
     # below, as TorchRec's DMP moves a model's dense part to its device.
@@ -532,10 +544,16 @@ def shard(
         parent_path, _, name = path.rpartition(".")
         setattr(model.get_submodule(parent_path), name, new)
     for path, module in managed.items():
-        sharded_ebc = cast(ShardedEmbeddingBagCollection, sharded[managed_inner[path]])
-        sharded_mc = ShardedManagedCollisionEmbeddingBagCollection(
-            module, sharded_ebc, specs[managed_inner[path]], mesh.devices.size
-        )
+        table_specs = specs[managed_inner[path]]
+        sharded_mc: nn.Module
+        if isinstance(module, ManagedCollisionEmbeddingCollection):
+            sequence = module.get_submodule("_embedding_module")  # its _bags now sharded
+            sharded_mc = ShardedManagedCollisionEmbeddingCollection(module, sequence, table_specs, mesh.devices.size)
+        else:
+            sharded_ebc = cast(ShardedEmbeddingBagCollection, sharded[managed_inner[path]])
+            sharded_mc = ShardedManagedCollisionEmbeddingBagCollection(
+                cast(ManagedCollisionEmbeddingBagCollection, module), sharded_ebc, table_specs, mesh.devices.size
+            )
         if not path:
             mesh_arrays_in_use()
             return sharded_mc
