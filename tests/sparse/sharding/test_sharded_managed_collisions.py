@@ -406,6 +406,58 @@ def test_without_a_plan_the_tpu_planner_shards_the_tables_row_wise():
     assert remapped.values().shape == kjt.values().shape
 
 
+class _WithHead(nn.Module):
+    """A managed-collision EBC and a dense head; TrainPipeline's convention: ``(loss, output)``."""
+
+    sparse: Any
+
+    def __init__(self, sparse: nn.Module) -> None:
+        super().__init__()
+        self.sparse = sparse
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, batch: tuple[KeyedJaggedTensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        kjt, labels = batch
+        pooled, _ = self.sparse(kjt)
+        loss = (self.head(pooled.values()).squeeze(1) - labels.to(pooled.values().device)).pow(2).mean()
+        return loss, loss.detach()
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+def test_train_pipeline_remaps_in_the_step_as_direct_steps_do(mode):
+    # TrainPipeline prepares no batch of remapped features ahead (the remap, and its evictions,
+    # belong to the step): its steps equal direct steps, in eager and in fused mode.
+    torch.manual_seed(0)
+    base = _WithHead(_model().sparse)
+    plan = _plan(_Sparse(base.sparse), ROW_WISE)
+    models, optimizers = [], []
+    for _ in range(2):
+        model = copy.deepcopy(base)
+        apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse._embedding_module.parameters(), dict(ADAGRAD))
+        model = tpurec.shard(sp.from_torchrec(model).to("tpu"), plan, capacity=64)
+        models.append(model)
+        optimizers.append(torch.optim.SGD(model.head.parameters(), lr=0.05))
+    labels = torch.linspace(-1.0, 1.0, BATCH)
+    batches = [(kjt, labels) for kjt, _ in _batches()[:4]]
+    direct = []
+    with tpurec.mode(mode):
+        for batch in batches:
+            optimizers[0].zero_grad()
+            loss, _ = models[0](batch)
+            loss.backward()
+            optimizers[0].step()
+            direct.append(float(loss))
+        pipeline = sp.TrainPipeline(models[1], optimizers[1], "tpu")
+        it = iter(batches)
+        piped = [float(pipeline.progress(it)) for _ in batches]
+        pipeline.close()
+    np.testing.assert_allclose(piped, direct, rtol=1e-6, atol=1e-7)
+    mine, theirs = models[1].state_dict(), models[0].state_dict()
+    for key, value in theirs.items():
+        torch.testing.assert_close(mine[key].cpu(), value.cpu(), rtol=1e-6, atol=1e-7, msg=key)
+    assert int(theirs[f"{MC}t0._current_iter_tensor"]) == 4
+
+
 # --- what stays refused -----------------------------------------------------------------------------
 
 
