@@ -492,6 +492,18 @@ def test_a_table_with_an_empty_row_wise_shard_is_refused():
         tpurec.shard(_converted(model), plan)
 
 
+def test_sharded_checkpoints_refuse_the_remap_state_they_do_not_hold(tmp_path):
+    from tpurec.sparse.checkpoint import sharded as sharded_checkpoint
+
+    model = _model()
+    ours = _tpurec_sharded(model, _plan(model, ROW_WISE))
+    with pytest.raises(NotImplementedError, match="model.state_dict"):
+        sharded_checkpoint.save(ours, tmp_path / "ckpt")
+    with pytest.raises(NotImplementedError, match="model.state_dict"):
+        sharded_checkpoint.load(ours, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_a_weighted_collection_is_refused():
     mcc = _model().sparse._managed_collision_collection
     model = _Sparse(TorchrecMCEBC(TorchrecEBC(list(mcc.embedding_configs()), is_weighted=True), mcc))

@@ -287,6 +287,19 @@ def _key(name: str) -> str:
     return name.replace(".", "~") or "~root"
 
 
+def _refuse_managed(model: nn.Module) -> None:
+    """Raises for a sharded managed-collision remap, whose host state this format does not hold."""
+    from tpurec.sparse.sharding.managed import ShardedManagedCollisionCollection
+
+    remaps = [path for path, m in model.named_modules() if isinstance(m, ShardedManagedCollisionCollection)]
+    if remaps:
+        raise NotImplementedError(
+            f"sharded checkpoints do not hold the state of the managed-collision remaps {remaps} (their MCH "
+            "buffers live on the host, one module per shard). Save and load model.state_dict() instead: it has "
+            "the remaps' buffers and the whole tables."
+        )
+
+
 def _modules(model: nn.Module) -> dict[str, ShardedEmbeddingBagCollection]:
     found = {path: m for path, m in model.named_modules() if isinstance(m, ShardedEmbeddingBagCollection)}
     if not found:
@@ -329,6 +342,7 @@ def save(model: nn.Module, directory: str | os.PathLike) -> None:
     """
     import orbax.checkpoint as ocp
 
+    _refuse_managed(model)
     directory = os.path.abspath(directory)
     if jax.process_index() == 0:
         _remove_leftovers(Path(directory).parent)
@@ -356,9 +370,12 @@ def load(model: nn.Module, directory: str | os.PathLike) -> None:
             file or entry); nothing was changed.
         ValueError: the checkpoint's collections, tables, shapes, dtypes, optimizer or slots
             do not match the model's; nothing was changed.
+        NotImplementedError: the model has a sharded managed-collision remap (its state is not
+            in this format: use the model's state dict).
     """
     import orbax.checkpoint as ocp
 
+    _refuse_managed(model)
     modules = _modules(model)
     dense = _dense(model)
     path = os.path.abspath(directory)
