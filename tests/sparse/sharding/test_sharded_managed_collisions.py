@@ -88,7 +88,12 @@ class _Sparse(nn.Module):
         return self.sparse(kjt)
 
 
-def _model(kind: str = "bags") -> _Sparse:
+def _hash(ids: torch.Tensor, size: int) -> torch.Tensor:
+    """An ``input_hash_func``: ids are hashed before the shards' blocks are cut (TorchRec's input dist)."""
+    return (ids * 7919 + 13) % size
+
+
+def _model(kind: str = "bags", hashed: bool = False) -> _Sparse:
     torch.manual_seed(0)
     tables = _tables(kind)
     mcc = ManagedCollisionCollection(
@@ -99,6 +104,7 @@ def _model(kind: str = "bags") -> _Sparse:
                 eviction_policy=LFU_EvictionPolicy(),
                 eviction_interval=2,
                 input_hash_size=INPUT_HASH_SIZE,
+                input_hash_func=_hash if hashed else None,
             )
             for t in tables
         },
@@ -187,7 +193,7 @@ def _loss(out: Any, target: dict[str, torch.Tensor], device: str = "tpu", ranks:
     size (its comm ops' gradient division, matching DDP's averaged dense gradients), so the loss here is
     the mean of the ranks' losses."""
     values = _outputs(out)
-    return sum((values[k] * w.to(device)).sum() for k, w in target.items()) / ranks
+    return torch.stack([(values[k] * w.to(device)).sum() for k, w in target.items()]).sum() / ranks
 
 
 def _local_state(module: nn.Module) -> dict[str, Any]:
@@ -274,14 +280,14 @@ def _tpurec_sharded(model: _Sparse, plan: ShardingPlan) -> Any:
     return tpurec.shard(ours, plan, capacity=64)
 
 
-def _history_overflows(batches) -> int:
+def _history_overflows(batches, hashed: bool) -> int:
     """Shards (table, device) whose ids of one eviction window exceed their history buffer, which
     TorchRec sizes from the first batch (ids x eviction_interval x 1.25): then the order matters."""
     block = -(-INPUT_HASH_SIZE // WORLD)
     overflows = 0
     for features in (["f0", "f1"], ["f2"]):
         counts = np.array(
-            [np.bincount(torch.cat([kjt[f].values() for f in features]).numpy() // block, minlength=WORLD)
+            [np.bincount(_ids(kjt, features, hashed).numpy() // block, minlength=WORLD)
              for kjt, _ in batches]
         )  # fmt: skip
         buffer = (counts[0] * 2 * 1.25).astype(int)
@@ -289,9 +295,14 @@ def _history_overflows(batches) -> int:
     return overflows
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_sharded_mc_collection_trains_as_torchrec_sharded_with_evictions(kind):
-    model = _model(kind)
+def _ids(kjt: KeyedJaggedTensor, features: list[str], hashed: bool) -> torch.Tensor:
+    ids = torch.cat([kjt[f].values() for f in features])
+    return _hash(ids, INPUT_HASH_SIZE) if hashed else ids
+
+
+@pytest.mark.parametrize("kind, hashed", [(kind, False) for kind in KINDS] + [("bags", True)])
+def test_sharded_mc_collection_trains_as_torchrec_sharded_with_evictions(kind, hashed):
+    model = _model(kind, hashed)
     plan = _plan(model, ROW_WISE, kind)
     batches = _batches(kind)
     theirs = _torchrec_sharded(model, plan, batches, kind)
@@ -367,7 +378,7 @@ def test_sharded_mc_collection_trains_as_torchrec_sharded_with_evictions(kind):
         assert torch.equal(state[f"sparse.{key}"], want), key
     # The test means something: rows were evicted and reset, and history buffers overflowed.
     assert evicted_rows > 0
-    assert _history_overflows(batches) > 0
+    assert _history_overflows(batches, hashed) > 0
 
 
 def test_sharded_mc_ebc_state_dict_round_trip_and_eval():
@@ -396,9 +407,9 @@ def test_sharded_mc_ebc_state_dict_round_trip_and_eval():
 def test_without_a_plan_the_tpu_planner_shards_the_tables_row_wise():
     model = _model()
     ours = _converted(model)
-    sharded = tpurec.shard(ours)
+    sharded: Any = tpurec.shard(ours)
     assert isinstance(sharded.sparse, ShardedManagedCollisionEmbeddingBagCollection)
-    shardings = sharded.sparse._embedding_module.layout.shardings
+    shardings = sharded.sparse._embedding_bag_collection.layout.shardings
     assert {t: s.sharding_type for t, s in shardings.items()} == {"t0": "row_wise", "t1": "row_wise"}
     kjt, target = _batches()[1]
     pooled, remapped = sharded(kjt)
@@ -434,7 +445,7 @@ def test_train_pipeline_remaps_in_the_step_as_direct_steps_do(mode):
     for _ in range(2):
         model = copy.deepcopy(base)
         apply_optimizer_in_backward(torch.optim.Adagrad, model.sparse._embedding_module.parameters(), dict(ADAGRAD))
-        model = tpurec.shard(sp.from_torchrec(model).to("tpu"), plan, capacity=64)
+        model: Any = tpurec.shard(sp.from_torchrec(model).to("tpu"), plan, capacity=64)
         models.append(model)
         optimizers.append(torch.optim.SGD(model.head.parameters(), lr=0.05))
     labels = torch.linspace(-1.0, 1.0, BATCH)
@@ -456,6 +467,22 @@ def test_train_pipeline_remaps_in_the_step_as_direct_steps_do(mode):
     for key, value in theirs.items():
         torch.testing.assert_close(mine[key].cpu(), value.cpu(), rtol=1e-6, atol=1e-7, msg=key)
     assert int(theirs[f"{MC}t0._current_iter_tensor"]) == 4
+
+
+def test_sharding_starts_each_shard_remap_empty_and_says_so_when_ids_were_admitted():
+    # As TorchRec's sharded module: each shard's MCH module is built fresh (the unsharded remap
+    # does not split by shard), with a warning when the unsharded one had admitted ids.
+    model = _model()
+    ours = _converted(model)
+    for kjt, target in _batches()[:2]:
+        out, _ = ours(kjt)
+        _loss(out, target).backward()
+    assert (ours.sparse._managed_collision_collection._managed_collision_modules["t0"]._mch_sorted_raw_ids < 1000).any()
+    with pytest.warns(UserWarning, match=r"tables \['t0', 't1'\] had admitted ids"):
+        sharded = tpurec.shard(ours, _plan(model, ROW_WISE))
+    state = sharded.state_dict()
+    assert (state[f"{MC}t0._mch_sorted_raw_ids"] == torch.iinfo(torch.int64).max).all()
+    assert int(state[f"{MC}t0._current_iter_tensor"]) == 0
 
 
 # --- what stays refused -----------------------------------------------------------------------------
