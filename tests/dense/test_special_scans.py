@@ -1,9 +1,9 @@
 """Float32 special functions scanned over their whole float32 range, against float64 on CPU.
 
 The functions whose float32 lowerings have tails far outside float32's range (``erf``, ``erfc``,
-``erfcx``, ``ndtr``, ``log_ndtr``; tpurec/dense/error_functions.py), the ones computed through
-float64 (``ndtri``, ``erfinv``, ``lgamma``, negative ``digamma``; tpurec/dense/transcendental.py)
-and the Bessel functions J, Y, K of orders 0 and 1 and Airy's Ai (tpurec/dense/bessel.py),
+``erfcx``, ``ndtr``, ``log_ndtr``; tpurec/dense/error_functions.py), the inverse ones (``ndtri``,
+``erfinv``; tpurec/dense/inverse_error_functions.py), ``lgamma`` and ``digamma`` with their zeros on the
+negative axis (tpurec/dense/gamma_functions.py) and the Bessel functions J, Y, K of orders 0 and 1 and Airy's Ai (tpurec/dense/bessel.py),
 through the tpu device on XLA:CPU, at every 8192nd float32 bit pattern (1024 values in each
 binade, both signs, about 520,000 inputs). Where float64's answer is a normal float32 number,
 each value's relative error from it is at most twice PyTorch CPU's float32 error at that input
@@ -191,14 +191,18 @@ def test_upper_incomplete_gamma_of_a_small_shape_against_mpmath() -> None:
 # Float32 lowerings computed in float32 alone: a TPU emulates float64 with float32's exponent range
 # (and XLA flushes its subnormals), so a float32 function computed "through float64" can fail
 # there where XLA:CPU is right (tpurec/dense/bessel.py; ``pow``: tpurec/dense/transcendental.py;
-# ``zeta``: tpurec/dense/hurwitz_zeta.py). ``torch.special.ndtr`` reaches the device
-# as ``erf`` (PyTorch decomposes it). ``digamma`` keeps float64 for negative arguments only, where
-# its values stay inside float32's range (tpurec/dense/transcendental.py), so it is not listed.
+# ``zeta``: tpurec/dense/hurwitz_zeta.py; ``ndtri``, ``erfinv``, ``lgamma``, ``digamma``:
+# tpurec/dense/inverse_error_functions.py and gamma_functions.py). ``torch.special.ndtr`` reaches
+# the device as ``erf`` (PyTorch decomposes it).
 FLOAT32_ONLY = {
     "erf": aten.erf.default,
     "erfc": aten.erfc.default,
     "erfcx": aten.special_erfcx.default,
     "log_ndtr": aten.special_log_ndtr.default,
+    "ndtri": aten.special_ndtri.default,
+    "erfinv": aten.erfinv.default,
+    "lgamma": aten.lgamma.default,
+    "digamma": aten.digamma.default,
     "bessel_j0": aten.special_bessel_j0.default,
     "bessel_j1": aten.special_bessel_j1.default,
     "bessel_y0": aten.special_bessel_y0.default,

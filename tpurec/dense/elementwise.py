@@ -18,7 +18,7 @@ from jax import lax
 
 from tpurec.dense._util import ALWAYS_BOOL, DEFAULT, INT_TO_FLOAT, Kind, cast, is_float, is_weak_scalar, promote
 from tpurec.dense.registry import lower, to_jax_dtype
-from tpurec.dense import error_functions, transcendental
+from tpurec.dense import error_functions, gamma_functions, inverse_error_functions, transcendental
 
 aten = torch.ops.aten
 
@@ -64,9 +64,9 @@ for _ops, _fn in [
     ((aten.atanh.default,), transcendental.atanh),
     ((aten.erf.default,), error_functions.erf),
     ((aten.erfc.default,), error_functions.erfc),
-    ((aten.erfinv.default,), transcendental.erfinv),
-    ((aten.lgamma.default,), transcendental.lgamma),
-    ((aten.digamma.default,), transcendental.digamma),
+    ((aten.erfinv.default,), inverse_error_functions.erfinv),
+    ((aten.lgamma.default,), gamma_functions.lgamma),
+    ((aten.digamma.default,), gamma_functions.digamma),
     ((aten.sigmoid.default,), transcendental.sigmoid),
     ((aten.reciprocal.default,), lambda x: 1 / x),
 ]:

@@ -22,7 +22,7 @@ from jax import lax
 
 from tpurec.dense._util import Kind, promote
 from tpurec.dense.registry import lower
-from tpurec.dense import bessel, error_functions, hurwitz_zeta, transcendental
+from tpurec.dense import bessel, error_functions, gamma_functions, hurwitz_zeta, inverse_error_functions, transcendental
 
 aten = torch.ops.aten
 
@@ -99,7 +99,7 @@ _UNARY = {
     aten.special_modified_bessel_i0.default: _i0,
     aten.special_modified_bessel_i1.default: _i1,
     aten.special_erfcx.default: error_functions.erfcx,
-    aten.special_ndtri.default: transcendental.through_float64(jss.ndtri),
+    aten.special_ndtri.default: inverse_error_functions.ndtri,
     aten.special_ndtr.default: jss.ndtr,
     aten.special_log_ndtr.default: error_functions.log_ndtr,
     aten.special_entr.default: transcendental.entr,
@@ -436,7 +436,7 @@ def polygamma(n: int, x):
     if n < 0:
         raise ValueError(f"polygamma: the order n must be non-negative, got {n}")
     if n == 0:
-        return _unary(transcendental.digamma)(x)
+        return _unary(gamma_functions.digamma)(x)
     # Near the poles (negative x) the shifted sum cancels badly in float32: evaluate
     # in float64 and round once (polygamma is rare enough for the cost not to matter).
     comp, res = promote(x, kind=Kind.INT_TO_FLOAT)
@@ -470,9 +470,9 @@ def mvlgamma(x, p: int):
     wide = jnp.promote_types(comp, jnp.float32)
     x = x.astype(wide)
     # log of the multivariate gamma: p (p - 1) / 4 log(pi) + sum_j lgamma(x - j / 2)
-    total = transcendental.lgamma(x)
+    total = gamma_functions.lgamma(x)
     for j in range(1, p):
-        total = total + transcendental.lgamma(x - j / 2)
+        total = total + gamma_functions.lgamma(x - j / 2)
     return (total + p * (p - 1) / 4 * math.log(math.pi)).astype(res)
 
 

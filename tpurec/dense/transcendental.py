@@ -11,11 +11,12 @@ float32 values takes it from here. ``lax.logistic`` lowers to an ``exp`` without
 :func:`sigmoid` is written out around an accurate ``exp``; XLA expands ``asinh`` and ``atanh``
 with an approximate ``log`` (errors of 9e-5 on the TPU), so :func:`asinh` and :func:`atanh` are
 written out around ``log1p``, and :func:`sinh`, :func:`cosh`, :func:`acosh` (up to 2.6e-4) around
-``exp`` and ``log1p``; :func:`erfinv` is computed in float64 (``erfc`` and its relatives are
-:mod:`tpurec.dense.error_functions`, in float32); :func:`xlogy`,
-:func:`xlog1py` and :func:`entr` are written around ``log``; :func:`power` computes the common
-exponents without XLA's ``power``, which has no accuracy request, and the others in float64, as
-:func:`lgamma` (XLA's float32 expansion erred by 2.8e-4 on the TPU).
+``exp`` and ``log1p``; :func:`xlogy`, :func:`xlog1py` and :func:`entr` are written around ``log``;
+:func:`power` computes the common exponents without XLA's ``power``, which has no accuracy request,
+and the others as ``2 ** (y log2 x)`` in twice float32's precision (:func:`log_pair` gives a
+logarithm in that precision too). The error function and its inverse, ``lgamma`` and ``digamma``
+are :mod:`tpurec.dense.error_functions`, :mod:`tpurec.dense.inverse_error_functions` and
+:mod:`tpurec.dense.gamma_functions`, in float32.
 
 Other dtypes keep XLA's defaults (not measured on a TPU).
 
@@ -57,11 +58,10 @@ __all__ = [
     "xlog1py",
     "xlogy",
     "entr",
-    "erfinv",
-    "lgamma",
-    "digamma",
     "through_float64",
     "two_sum",
+    "two_product",
+    "log_pair",
     "power_pair_exponent",
     "power_of_two",
 ]
@@ -114,7 +114,7 @@ def entr(x):
 def through_float64(fn: Callable) -> Callable:
     """``fn`` computed in float64 and rounded once when its arguments are float32 (other dtypes as they
     are): for functions whose float32 expansion takes logarithms or exponentials that cannot carry
-    the accuracy request (``lgamma``, ``digamma``, jax.scipy's special functions, ``zeta``)."""
+    the accuracy request (jax.scipy's incomplete gamma functions)."""
 
     def wide(*args) -> jax.Array:
         args = [jnp.asarray(x) for x in args]
@@ -124,98 +124,6 @@ def through_float64(fn: Callable) -> Callable:
 
     wide.__name__ = getattr(fn, "__name__", "through_float64")
     return wide
-
-
-# log |gamma(x)|: XLA's float32 expansion erred by 2.8e-4 from float64 on a v5e (CPU 3.1e-7).
-lgamma = through_float64(lax.lgamma)
-# XLA's float32 expansion erred by 2.5e-5 on a v5e (5.7e-6 on XLA:CPU; PyTorch CPU about 1e-7).
-erfinv = through_float64(lax.erf_inv)
-# psi(x) on [10, inf): the asymptotic series log x - 1/(2x) - sum B_2k / (2k x^2k), Cephes' psi.
-_DIGAMMA_ASYMPTOTIC = tuple(
-    np.float32(c)
-    for c in (
-        8.33333333333333333333e-2,
-        -2.10927960927960927961e-2,
-        7.57575757575757575758e-3,
-        -4.16666666666666666667e-3,
-        3.96825396825396825397e-3,
-        -8.33333333333333333333e-3,
-        8.33333333333333333333e-2,
-    )
-)
-_PSI_10 = np.float32(2.25175258906672110764)  # psi(10)
-_DIGAMMA_ROOT = 1.4616321449683623  # the positive zero of psi
-# psi(x0 + h) = sum_k psi^(k)(x0) h^k / k! around _DIGAMMA_ROOT: the coefficients psi^(k)(x0) / k!
-# for k = 1..14 (k = 0 is 0), by scipy.special.polygamma in float64.
-_DIGAMMA_AT_ROOT = (
-    0.9676722454476214,
-    -0.44276316898359214,
-    0.2584997609556512,
-    -0.16394270544240658,
-    0.10782405069126239,
-    -0.07219956125645476,
-    0.048804288164143145,
-    -0.033161126474847376,
-    0.022597648232218125,
-    -0.015424765904948968,
-    0.010538791616612182,
-    -0.007204534386356875,
-    0.004926781395729858,
-    -0.0033698016554393312,
-)
-
-
-_digamma_float64 = through_float64(lax.digamma)
-
-
-def _digamma_float32(x):
-    """psi(x) for float32 x >= 0, as PyTorch's ``calc_digamma(float)`` (Cephes' psi): the recurrence
-    psi(x) = psi(x + 1) - 1/x up to 10, the asymptotic series above; and the Taylor series around
-    its positive zero for |x - 1.4616| < 0.25, where the recurrence's sum cancels."""
-    y = x
-    total = jnp.zeros_like(y)
-    for _ in range(10):  # at most 10 steps take 0 < y < 10 to [10, 11)
-        below = y < 10
-        total = total - jnp.where(below, 1 / jnp.where(below, y, 1.0), 0.0)
-        y = jnp.where(below, y + 1, y)
-    big = jnp.where(y < 1e17, y, 1e17)
-    z = 1 / (big * big)
-    series = jnp.zeros_like(z)
-    for c in _DIGAMMA_ASYMPTOTIC:
-        series = series * z + c
-    series = jnp.where(y < 1e17, z * series, 0.0)
-    out = total + log(y) - 0.5 / y - series
-    out = jnp.where(y == 10, total + _PSI_10, out)
-    # (the root's float32 rounding error, 1.5e-8, added back: psi' there is about 1; the barrier
-    # keeps XLA from folding the two constants into one, which drops it)
-    h = lax.optimization_barrier(x - np.float32(_DIGAMMA_ROOT))
-    h = h - np.float32(_DIGAMMA_ROOT - float(np.float32(_DIGAMMA_ROOT)))
-    near_root = jnp.abs(h) < 0.25
-    taylor = jnp.zeros_like(h)
-    for c in reversed(_DIGAMMA_AT_ROOT):
-        taylor = (taylor + np.float32(c)) * h
-    out = jnp.where(near_root, taylor, out)
-    return jnp.where(x == jnp.inf, x, out)
-
-
-def digamma(x):
-    """``d/dx log gamma(x)`` (``lgamma``'s derivative); other dtypes than float32 by XLA.
-
-    Float32 x >= 0 in float32 (float64 gave NaN from 1.8e19 on a TPU, which emulates it with
-    float32's exponent range). Negative non-integers are below 2^23 in magnitude, where every
-    intermediate of XLA's float64 expansion stays inside float32's exponent range too, so float64
-    is as exact on a TPU as elsewhere; there psi(1 - x) and pi / tan(pi x) cancel near psi's zeros,
-    by more digits than float32 keeps (PyTorch's own float32 kernel takes the second in float64).
-    """
-    x = jnp.asarray(x)
-    if x.dtype == jnp.float32:
-        reflected = jnp.where((x < 0) & (x > -(2.0**23)), x, -0.5)
-        out = jnp.where(x < 0, _digamma_float64(reflected), _digamma_float32(x))
-        out = jnp.where((x < 0) & (x == jnp.floor(x)), jnp.nan, out)  # the poles (all of x <= -2^23)
-    else:
-        out = lax.digamma(x)
-    # At zero, the limit from the zero's side (XLA gives NaN): -inf at +0, inf at -0, as PyTorch.
-    return jnp.where(x == 0, jnp.where(jnp.signbit(x), jnp.inf, -jnp.inf).astype(out.dtype), out)
 
 
 def log2(x):
@@ -309,6 +217,11 @@ def _two_product(a, b):
     return product, ((a_high * b_high - product) + a_high * b_low + a_low * b_high) + a_low * b_low
 
 
+def two_product(a, b):
+    """Float32 ``a * b`` as its rounded value and the exact rounding error (for a product inside float32's normal range)."""
+    return _two_product(a, b)
+
+
 def two_sum(a, b):
     """Float32 ``a + b`` as its rounded value and the exact rounding error (Knuth)."""
     total = lax.optimization_barrier(a + b)
@@ -342,6 +255,43 @@ def _log2_pair(a):
     ln_high, ln_low = two_sum(2 * s, 2 * s_low + tail)
     high, error = _two_product(ln_high, jnp.full_like(ln_high, _INV_LN2[0]))
     return exponent, high, error + ln_high * _INV_LN2[1] + ln_low * _INV_LN2[0]
+
+
+_LN2 = (np.float32(math.log(2)), np.float32(math.log(2) - float(np.float32(math.log(2)))))
+_TWO_THIRDS = (np.float32(2 / 3), np.float32(2 / 3 - float(np.float32(2 / 3))))
+
+
+def log_pair(a):
+    """``ln(a)`` for finite float32 a > 0 as a pair ``(high, low)`` of float32 numbers, to about 2e-11
+    relative: ``a = m 2^e`` as in :func:`_log2_pair` and ``ln m = 2 atanh(s)``, with ``2s + (2/3) s^3``
+    in pairs (:func:`_log2_pair` keeps the cubic term in float32, about 2^-32 of ``ln m``)."""
+    bits = lax.bitcast_convert_type(a, jnp.int32)
+    exponent = (bits >> 23) - 127
+    m = lax.bitcast_convert_type((bits & 0x007FFFFF) | 0x3F800000, jnp.float32)  # [1, 2)
+    big = m > np.float32(math.sqrt(2))
+    m = jnp.where(big, m * 0.5, m)  # exact
+    exponent = (exponent + big.astype(jnp.int32)).astype(jnp.float32)
+    numerator = m - 1  # exact (Sterbenz)
+    denominator, denominator_low = two_sum(m, jnp.ones_like(m))
+    s = numerator / denominator
+    product, product_error = _two_product(s, denominator)
+    s_low = ((numerator - product) - product_error - s * denominator_low) / denominator
+    s2 = s * s
+    rest = jnp.zeros_like(s2)
+    for k in (17, 15, 13, 11, 9, 7, 5):  # (atanh(s) - s - s^3 / 3) / s^5 = 1/5 + s^2 / 7 + ...: |s| <= 0.1716
+        rest = rest * s2 + np.float32(2 / k)
+    q_high, q_low = two_sum(jnp.full_like(s, _TWO_THIRDS[0]), s2 * rest)  # 2/3 + (2/5) s^2 + ...
+    q_low = q_low + _TWO_THIRDS[1]
+    square, square_error = _two_product(s, s)
+    cube, cube_error = _two_product(square, s)
+    cube_error = cube_error + square_error * s
+    tail, tail_error = _two_product(cube, q_high)
+    tail_error = tail_error + cube * q_low + cube_error * q_high
+    ln_high, ln_low = two_sum(2 * s, tail)
+    ln_low = ln_low + 2 * s_low / (1 - s2) + tail_error  # (d/ds 2 atanh(s) = 2 / (1 - s^2))
+    scaled, scaled_error = _two_product(exponent, jnp.full_like(exponent, _LN2[0]))
+    high, low = two_sum(scaled, ln_high)
+    return two_sum(high, low + ln_low + scaled_error + exponent * _LN2[1])
 
 
 def _power_float32(x, y, y_low, scale: float | jax.Array = 0.0):
