@@ -6,8 +6,9 @@ prints each function's line as it is measured: for each function, the largest re
 error of the device's float32 result and of PyTorch CPU's float32 result against PyTorch CPU's
 float64 one (over inputs whose float64 answer is a normal float32 number), where the device's is
 largest, how many inputs exceed twice CPU's error plus 8 float32 epsilons, and how many NaN or
-infinities differ from CPU's. Unary functions are scanned at every 8192nd float32 bit pattern,
-binary ones on a log-spaced grid. ``reference_seconds`` is the host's float64 and float32 runs,
+infinities differ from CPU's. Unary functions are scanned at every 8192nd float32 bit pattern
+(``lgamma_negative``, ``digamma_negative`` and ``digamma_reflected``: 2^20 evenly spaced inputs where
+the zeros on the negative axis make their terms cancel), binary ones on a log-spaced grid. ``reference_seconds`` is the host's float64 and float32 runs,
 ``device_seconds`` the device's first run (compiling its program) and ``device_rerun_seconds`` a second
 run of the same program.
 """
@@ -117,6 +118,11 @@ def _functions() -> dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tu
     table["igammac"] = (torch.special.gammaincc, lambda: _grid(shapes(), shapes()))
     table["pow"] = (torch.pow, lambda: _grid(_log_spaced(-30, 30, 300), np.linspace(-20, 20, 301)))
     table["polygamma_2"] = (lambda t: torch.polygamma(2, t), lambda: (_every_float32()[::8],))
+    # Densely where the negative zeros of lgamma and digamma make their terms cancel.
+    near_zeros = lambda: (np.linspace(-20, 3, 2**20, dtype=np.float32),)  # noqa: E731
+    table["lgamma_negative"] = (torch.lgamma, near_zeros)
+    table["digamma_negative"] = (torch.digamma, near_zeros)
+    table["digamma_reflected"] = (torch.digamma, lambda: (np.linspace(-1000, -16, 2**20, dtype=np.float32),))
     return table
 
 

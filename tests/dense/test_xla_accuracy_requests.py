@@ -160,8 +160,8 @@ WITHOUT_REQUEST = {
 def test_float32_power_lgamma_and_special_functions_are_not_left_to_xla(name: str, tmp_path: Path) -> None:
     # Power and lgamma cannot ask for accuracy. On a TPU v5e float32 power erred by 2.6e-6 (x ** 2.5,
     # 35 times CPU's error) and lgamma by 2.8e-4 (CPU 3.1e-7): tpurec computes the common exponents
-    # exactly, other powers and lgamma in float64. The other cases must not carry an unrequested
-    # float32 exp or log either.
+    # exactly, other powers and lgamma in float32 without XLA's expansions. The other cases must not
+    # carry an unrequested float32 exp or log either.
     torch.manual_seed(0)
     x = (torch.rand(3, 29) + 0.1).to("tpu").requires_grad_()
     texts = _dumped_modules(WITHOUT_REQUEST[name], x, tmp_path)
