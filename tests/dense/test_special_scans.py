@@ -2,9 +2,9 @@
 
 The functions whose float32 lowerings have tails far outside float32's range (``erf``, ``erfc``,
 ``erfcx``, ``ndtr``, ``log_ndtr``; tpurec/dense/error_functions.py), the inverse ones (``ndtri``,
-``erfinv``; tpurec/dense/inverse_error_functions.py), ``lgamma`` and ``digamma`` with their zeros on the
-negative axis (tpurec/dense/gamma_functions.py) and the Bessel functions J, Y, K of orders 0 and 1 and Airy's Ai (tpurec/dense/bessel.py),
-through the tpu device on XLA:CPU, at every 8192nd float32 bit pattern (1024 values in each
+``erfinv``; tpurec/dense/inverse_error_functions.py), ``lgamma`` and ``digamma`` with their zeros
+on the negative axis (tpurec/dense/gamma_functions.py) and the Bessel functions J, Y, K of orders 0
+and 1 and Airy's Ai (tpurec/dense/bessel.py), through the tpu device on XLA:CPU, at every 8192nd float32 bit pattern (1024 values in each
 binade, both signs, about 520,000 inputs). Where float64's answer is a normal float32 number,
 each value's relative error from it is at most twice PyTorch CPU's float32 error at that input
 plus 8 float32 epsilons (2^-23, so about 1e-6: PyTorch's own float32 erfcx, the algorithm
@@ -12,9 +12,9 @@ tpurec follows, errs by up to 4.4 epsilons in this scan, where glibc's erfc, whi
 ``erfc`` calls, is nearly exact); elsewhere NaN and infinities fall where CPU's do. Inputs and
 results below float32's smallest normal number are left out: the device flushes them to zero
 (docs/device-semantics.md). The two-argument functions ``zeta`` (in float32), ``igamma`` and
-``igammac`` (through float64) are checked the same way on grids over their domains, edges included, and
-``igammac`` of a small shape, where PyTorch's own float64 errs, against mpmath; ``pow`` on a grid
-with every edge.
+``igammac`` (in float32, tpurec/dense/incomplete_gamma.py) are checked the same way on grids over
+their domains, edges included, and ``igammac`` of a small shape, where PyTorch's own float64 errs,
+against mpmath; ``pow`` on a grid with every edge.
 """
 
 from __future__ import annotations
@@ -204,9 +204,9 @@ def test_upper_incomplete_gamma_of_a_small_shape_against_mpmath() -> None:
 # Float32 lowerings computed in float32 alone: a TPU emulates float64 with float32's exponent range
 # (and XLA flushes its subnormals), so a float32 function computed "through float64" can fail
 # there where XLA:CPU is right (tpurec/dense/bessel.py; ``pow``: tpurec/dense/transcendental.py;
-# ``zeta``: tpurec/dense/hurwitz_zeta.py; ``ndtri``, ``erfinv``, ``lgamma``, ``digamma``:
-# tpurec/dense/inverse_error_functions.py and gamma_functions.py). ``torch.special.ndtr`` reaches
-# the device as ``erf`` (PyTorch decomposes it).
+# ``zeta``: tpurec/dense/hurwitz_zeta.py; ``ndtri``, ``erfinv``, ``lgamma``, ``digamma``, ``igamma``,
+# ``igammac``: tpurec/dense/inverse_error_functions.py, gamma_functions.py, incomplete_gamma.py).
+# ``torch.special.ndtr`` reaches the device as ``erf`` (PyTorch decomposes it).
 FLOAT32_ONLY = {
     "erf": aten.erf.default,
     "erfc": aten.erfc.default,
@@ -228,7 +228,12 @@ FLOAT32_ONLY = {
 }
 
 
-BINARY_FLOAT32_ONLY = {"pow": aten.pow.Tensor_Tensor, "zeta": aten.special_zeta.default}
+BINARY_FLOAT32_ONLY = {
+    "pow": aten.pow.Tensor_Tensor,
+    "zeta": aten.special_zeta.default,
+    "igamma": aten.igamma.default,
+    "igammac": aten.igammac.default,
+}
 
 
 @pytest.mark.parametrize("name", [*FLOAT32_ONLY, *BINARY_FLOAT32_ONLY])

@@ -31,7 +31,7 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +41,7 @@ from jax import lax
 from tpurec.dense import transcendental
 from tpurec.dense.transcendental import two_product, two_sum
 
-__all__ = ["lgamma", "digamma"]
+__all__ = ["lgamma", "digamma", "lgamma_pair", "lgamma1p_pair", "Pair", "pair_add", "pair_mul", "pair_reciprocal"]
 
 Pair = tuple[jax.Array, jax.Array]
 
@@ -142,18 +142,26 @@ def _series(t: jax.Array | Pair, coefficients: Sequence[float], pair_terms: int 
     return total
 
 
-def _factors(x: jax.Array):
-    """``t = x - round(x)`` (exact) and, for each j in [_LOWEST, _HIGHEST], ``t + j`` as a pair and
-    whether it is a factor between x and 2 + t: ``x ... 1 + t`` (j from round(x) to 1) where x < 1.5,
-    ``2 + t ... x - 1`` (j from 2 to round(x) - 1) above. Yields (t, sign, [(factor, active)])."""
+def _shift(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``t = x - round(x)`` (exact), ``round(x)`` and the recurrence's sign: -1 where x < 1.5 (the
+    factors ``x ... 1 + t`` lie below 2 + t), else 1 (``2 + t ... x - 1`` above)."""
     r = jnp.floor(x + 0.5)
-    t = x - r
-    terms = []
-    for j in range(_LOWEST, _HIGHEST + 1):
+    return x - r, r, jnp.where(r <= 1, -jnp.ones_like(x), jnp.ones_like(x))
+
+
+def _over_factors(t: jax.Array, r: jax.Array, update: Callable[[Pair, Pair], Pair], start: Pair) -> Pair:
+    """``start`` updated by each factor ``t + j`` (a pair) between x and 2 + t, for j in
+    [_LOWEST, _HIGHEST]: j from round(x) to 1 where x < 1.5, from 2 to round(x) - 1 above (a loop, not
+    unrolled: a smaller program)."""
+
+    def body(j, total):
+        j = j.astype(t.dtype)
         active = ((r <= j) & (j <= 1)) | ((j >= 2) & (j < r))
-        high, low = two_sum(t, jnp.full_like(t, np.float32(j)))
-        terms.append(((jnp.where(active, high, 1.0), jnp.where(active, low, 0.0)), active))
-    return t, jnp.where(r <= 1, -jnp.ones_like(t), jnp.ones_like(t)), terms
+        high, low = two_sum(t, jnp.broadcast_to(j, t.shape))
+        updated = update(total, (jnp.where(active, high, 1.0), jnp.where(active, low, 0.0)))
+        return jnp.where(active, updated[0], total[0]), jnp.where(active, updated[1], total[1])
+
+    return lax.fori_loop(_LOWEST, _HIGHEST + 1, body, start)
 
 
 def _stirling(z: jax.Array) -> jax.Array:
@@ -173,20 +181,57 @@ def _sin_pi(x: jax.Array) -> jax.Array:
     return jnp.sin(_PI * jnp.minimum(f, 1 - f))
 
 
-def _lgamma_float32(x: jax.Array) -> jax.Array:
-    finite = jnp.isfinite(x)
-    middle = finite & (x >= _LOWEST - 0.5) & (x < _STIRLING_FROM)
-    near = jnp.where(middle, x, 2.0)
-    t, sign, terms = _factors(near)
-    product: Pair = (jnp.ones_like(t), jnp.zeros_like(t))
-    for factor, _ in terms:
-        product = _mul(product, factor)
+def _lgamma_middle(x: jax.Array) -> Pair:
+    """``lgamma(x)`` for float32 x in [-16.5, 8.5), not a pole, as a pair (see the module docstring)."""
+    t, r, sign = _shift(x)
+    product = _over_factors(t, r, _mul, (jnp.ones_like(t), jnp.zeros_like(t)))
     flip = product[0] < 0
     magnitude = jnp.where(flip, -product[0], product[0]), jnp.where(flip, -product[1], product[1])
     log_high, log_low = transcendental.log_pair(jnp.where(magnitude[0] > 0, magnitude[0], 1.0))
     log_product = (log_high, log_low + magnitude[1] / magnitude[0])
-    series = _series(t, _LGAMMA_AT_2)
-    total = _add(series, (sign * log_product[0], sign * log_product[1]))
+    return _add(_series(t, _LGAMMA_AT_2), (sign * log_product[0], sign * log_product[1]))
+
+
+def _stirling_pair(z: jax.Array) -> Pair:
+    """``lgamma(z)`` for float32 z >= 8.5 (below 1e36) as a pair: :func:`_stirling` with ``z - 1/2``,
+    ``log z - 1`` and their product in pairs."""
+    u = 1 / z
+    u2 = u * u
+    series = jnp.zeros_like(z)
+    for c in _STIRLING:
+        series = series * u2 + c
+    log_high, log_low = transcendental.log_pair(z)
+    product = _mul(
+        two_sum(z, jnp.full_like(z, -0.5)), _add((log_high, log_low), (-jnp.ones_like(z), jnp.zeros_like(z)))
+    )
+    high, low = _split(0.5 * math.log(2 * math.pi) - 0.5)
+    return _add(product, (jnp.full_like(z, high), low + series * u))
+
+
+def lgamma_pair(x: jax.Array) -> Pair:
+    """``lgamma(x)`` for finite float32 x in [-16.5, 1e36), not a pole, as a pair of float32 numbers
+    (to about 1e-11 of the terms that make it up)."""
+    middle = x < _STIRLING_FROM
+    low = _lgamma_middle(jnp.where(middle, x, 2.0))
+    high = _stirling_pair(jnp.where(middle, _STIRLING_FROM, x))
+    return jnp.where(middle, low[0], high[0]), jnp.where(middle, low[1], high[1])
+
+
+def lgamma1p_pair(a: jax.Array) -> Pair:
+    """``lgamma(1 + a)`` for float32 a in [0, 1.5] without rounding ``1 + a``, as a pair: the series at 2
+    in ``a - 1`` (exact) from 1/2 on, below it ``lgamma(2 + a) - log(1 + a)`` with ``1 + a`` as a pair."""
+    upper = a >= 0.5
+    shifted = _series(jnp.where(upper, a - 1, 0.0), _LGAMMA_AT_2)
+    one_plus = two_sum(jnp.ones_like(a), jnp.where(upper, 0.0, a))
+    log_high, log_low = transcendental.log_pair(one_plus[0])
+    below = _add(_series(jnp.where(upper, 0.0, a), _LGAMMA_AT_2), (-log_high, -(log_low + one_plus[1] / one_plus[0])))
+    return jnp.where(upper, shifted[0], below[0]), jnp.where(upper, shifted[1], below[1])
+
+
+def _lgamma_float32(x: jax.Array) -> jax.Array:
+    finite = jnp.isfinite(x)
+    middle = finite & (x >= _LOWEST - 0.5) & (x < _STIRLING_FROM)
+    total = _lgamma_middle(jnp.where(middle, x, 2.0))
     middle_value = total[0] + total[1]
     # x >= 8.5: Stirling; x < -16.5: the reflection, with Stirling for lgamma(-x).
     high = _stirling(jnp.where(finite & (x >= _STIRLING_FROM), x, _STIRLING_FROM))
@@ -259,11 +304,13 @@ def _digamma_large_pair(z: jax.Array) -> Pair:
 def _digamma_pairs(x: jax.Array) -> jax.Array:
     """psi(x) for float32 x in [-16.5, 8.5), not a pole: ``psi(2 + t)`` and the recurrence's
     ``1 / (t + j)``, in pairs."""
-    t, sign, terms = _factors(x)
-    total = _series(t, _DIGAMMA_AT_2)
-    for factor, active in terms:
+    t, r, sign = _shift(x)
+
+    def add_reciprocal(total: Pair, factor: Pair) -> Pair:
         high, low = _reciprocal(factor)
-        total = _add(total, (jnp.where(active, sign * high, 0.0), jnp.where(active, sign * low, 0.0)))
+        return _add(total, (sign * high, sign * low))
+
+    total = _over_factors(t, r, add_reciprocal, _series(t, _DIGAMMA_AT_2))
     return total[0] + total[1]
 
 
@@ -273,6 +320,9 @@ def _digamma_reflected(x: jax.Array) -> jax.Array:
     cotangent = _pi_cot_pi(jnp.where(f == 0, 0.5, f))
     reflected = _add(_digamma_large_pair(-x), (-cotangent[0], -cotangent[1]))
     return reflected[0] + reflected[1]
+
+
+pair_add, pair_mul, pair_reciprocal = _add, _mul, _reciprocal
 
 
 def digamma(x):

@@ -1,7 +1,7 @@
 """Special functions through ``jax.scipy.special``: polygamma, erfcx (``error_functions``), Bessel
 functions of order 0/1 (K_0/K_1 by quadrature, J_0/J_1 and Y_0/Y_1 by series and asymptotic expansion), Airy Ai,
-ndtr/ndtri/log_ndtr, zeta, entr, xlog1py, igamma(c),
-and the orthogonal polynomial families.
+ndtr/ndtri (``inverse_error_functions``)/log_ndtr, zeta, entr, xlog1py, igamma(c) (``incomplete_gamma``
+for float32), and the orthogonal polynomial families.
 
 Integer inputs compute in the default float dtype (torch's INT_TO_FLOAT
 promotion); bfloat16/float16 compute in float32 and round once. Their
@@ -22,7 +22,15 @@ from jax import lax
 
 from tpurec.dense._util import Kind, promote
 from tpurec.dense.registry import lower
-from tpurec.dense import bessel, error_functions, gamma_functions, hurwitz_zeta, inverse_error_functions, transcendental
+from tpurec.dense import (
+    bessel,
+    error_functions,
+    gamma_functions,
+    hurwitz_zeta,
+    incomplete_gamma,
+    inverse_error_functions,
+    transcendental,
+)
 
 aten = torch.ops.aten
 
@@ -394,6 +402,18 @@ def _igammac_small_x(a, x):
     return jnp.where(series_region, series, jss.gammaincc(a, x))
 
 
+def _float32_pair_by(float32_fn, other_fn):
+    """``float32_fn`` where both arguments are float32 arrays (no float64, which a TPU emulates with
+    float32's exponent range), ``other_fn`` for the rest."""
+
+    def fn(a, x):
+        if a.dtype == jnp.float32 and x.dtype == jnp.float32:
+            return float32_fn(a, x)
+        return other_fn(a, x)
+
+    return fn
+
+
 def _incomplete_gamma_edges(fn, lower: bool):
     """``fn`` (regularized incomplete gamma) with PyTorch's values at the edges of its domain.
 
@@ -404,11 +424,14 @@ def _incomplete_gamma_edges(fn, lower: bool):
 
     def edged(a, x):
         out = fn(a, x)
-        low, high = (1.0, 0.0) if lower else (0.0, 1.0)  # the limits at x -> inf and at x = 0
+        # the limits at x -> inf and at x = 0, and NaN, in the result's dtype (Python numbers in both
+        # branches of a select would make it float64)
+        low, high = (jnp.asarray(v, out.dtype) for v in ((1.0, 0.0) if lower else (0.0, 1.0)))
+        nan = jnp.asarray(jnp.nan, out.dtype)
         out = jnp.where(jnp.isinf(x), low, out)
-        out = jnp.where(jnp.isinf(a), jnp.where(jnp.isinf(x), jnp.nan, high), out)
+        out = jnp.where(jnp.isinf(a), jnp.where(jnp.isinf(x), nan, high), out)
         out = jnp.where(x == 0, high, out)
-        out = jnp.where(a == 0, jnp.where(x > 0, low, jnp.nan), out)
+        out = jnp.where(a == 0, jnp.where(x > 0, low, nan), out)
         # (CPU's checks in its order: a NaN argument falls through to the ones after it.)
         return jnp.where((a < 0) | (x < 0), jnp.nan, out).astype(out.dtype)
 
@@ -422,9 +445,12 @@ def _xlog1py(x, y):
 for _packet, _fn in (
     (aten.special_zeta, _zeta),
     (aten.special_xlog1py, _xlog1py),
-    # float32 in float64: XLA's expansions take logarithms and exponentials without accuracy requests
-    (aten.igamma, _incomplete_gamma_edges(transcendental.through_float64(jss.gammainc), lower=True)),
-    (aten.igammac, _incomplete_gamma_edges(transcendental.through_float64(_igammac_small_x), lower=False)),
+    # float32 in float32 (tpurec.dense.incomplete_gamma), others by jax.scipy with PyTorch's small-x series
+    (aten.igamma, _incomplete_gamma_edges(_float32_pair_by(incomplete_gamma.gammainc, jss.gammainc), lower=True)),
+    (
+        aten.igammac,
+        _incomplete_gamma_edges(_float32_pair_by(incomplete_gamma.gammaincc, _igammac_small_x), lower=False),
+    ),
 ):
     for _name in ("default", "self_scalar", "other_scalar"):
         if _name in _packet.overloads():

@@ -58,7 +58,6 @@ __all__ = [
     "xlog1py",
     "xlogy",
     "entr",
-    "through_float64",
     "two_sum",
     "two_product",
     "log_pair",
@@ -109,21 +108,6 @@ def entr(x):
     inside = -x * log(jnp.where(positive, x, jnp.ones_like(x)))
     outside = jnp.where(x == 0, jnp.zeros_like(x), jnp.where(jnp.isnan(x), x, -jnp.inf))
     return jnp.where(positive, inside, outside)
-
-
-def through_float64(fn: Callable) -> Callable:
-    """``fn`` computed in float64 and rounded once when its arguments are float32 (other dtypes as they
-    are): for functions whose float32 expansion takes logarithms or exponentials that cannot carry
-    the accuracy request (jax.scipy's incomplete gamma functions)."""
-
-    def wide(*args) -> jax.Array:
-        args = [jnp.asarray(x) for x in args]
-        if all(x.dtype == jnp.float32 for x in args):
-            return fn(*(x.astype(jnp.float64) for x in args)).astype(jnp.float32)
-        return fn(*args)
-
-    wide.__name__ = getattr(fn, "__name__", "through_float64")
-    return wide
 
 
 def log2(x):
