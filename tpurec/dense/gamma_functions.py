@@ -149,19 +149,19 @@ def _shift(x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     return x - r, r, jnp.where(r <= 1, -jnp.ones_like(x), jnp.ones_like(x))
 
 
-def _over_factors(t: jax.Array, r: jax.Array, update: Callable[[Pair, Pair], Pair], start: Pair) -> Pair:
+def _over_factors(
+    t: jax.Array, r: jax.Array, update: Callable[[Pair, Pair], Pair], start: Pair, lowest: int = _LOWEST
+) -> Pair:
     """``start`` updated by each factor ``t + j`` (a pair) between x and 2 + t, for j in
-    [_LOWEST, _HIGHEST]: j from round(x) to 1 where x < 1.5, from 2 to round(x) - 1 above (a loop, not
-    unrolled: a smaller program)."""
-
-    def body(j, total):
-        j = j.astype(t.dtype)
+    [lowest, _HIGHEST]: j from round(x) to 1 where x < 1.5, from 2 to round(x) - 1 above. (Unrolled:
+    one elementwise program, which a TPU runs in one pass over the data.)"""
+    total = start
+    for j in range(lowest, _HIGHEST + 1):
         active = ((r <= j) & (j <= 1)) | ((j >= 2) & (j < r))
-        high, low = two_sum(t, jnp.broadcast_to(j, t.shape))
+        high, low = two_sum(t, jnp.full_like(t, np.float32(j)))
         updated = update(total, (jnp.where(active, high, 1.0), jnp.where(active, low, 0.0)))
-        return jnp.where(active, updated[0], total[0]), jnp.where(active, updated[1], total[1])
-
-    return lax.fori_loop(_LOWEST, _HIGHEST + 1, body, start)
+        total = jnp.where(active, updated[0], total[0]), jnp.where(active, updated[1], total[1])
+    return total
 
 
 def _stirling(z: jax.Array) -> jax.Array:
@@ -181,10 +181,10 @@ def _sin_pi(x: jax.Array) -> jax.Array:
     return jnp.sin(_PI * jnp.minimum(f, 1 - f))
 
 
-def _lgamma_middle(x: jax.Array) -> Pair:
-    """``lgamma(x)`` for float32 x in [-16.5, 8.5), not a pole, as a pair (see the module docstring)."""
+def _lgamma_middle(x: jax.Array, lowest: int = _LOWEST) -> Pair:
+    """``lgamma(x)`` for float32 x in [lowest - 0.5, 8.5), not a pole, as a pair (see the module docstring)."""
     t, r, sign = _shift(x)
-    product = _over_factors(t, r, _mul, (jnp.ones_like(t), jnp.zeros_like(t)))
+    product = _over_factors(t, r, _mul, (jnp.ones_like(t), jnp.zeros_like(t)), lowest)
     flip = product[0] < 0
     magnitude = jnp.where(flip, -product[0], product[0]), jnp.where(flip, -product[1], product[1])
     log_high, log_low = transcendental.log_pair(jnp.where(magnitude[0] > 0, magnitude[0], 1.0))
@@ -209,10 +209,10 @@ def _stirling_pair(z: jax.Array) -> Pair:
 
 
 def lgamma_pair(x: jax.Array) -> Pair:
-    """``lgamma(x)`` for finite float32 x in [-16.5, 1e36), not a pole, as a pair of float32 numbers
-    (to about 1e-11 of the terms that make it up)."""
+    """``lgamma(x)`` for finite float32 x in (0, 1e36) as a pair of float32 numbers (to about 1e-11 of
+    the terms that make it up)."""
     middle = x < _STIRLING_FROM
-    low = _lgamma_middle(jnp.where(middle, x, 2.0))
+    low = _lgamma_middle(jnp.where(middle, x, 2.0), lowest=0)
     high = _stirling_pair(jnp.where(middle, _STIRLING_FROM, x))
     return jnp.where(middle, low[0], high[0]), jnp.where(middle, low[1], high[1])
 
