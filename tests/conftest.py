@@ -26,6 +26,9 @@ except ImportError:  # pytest-xdist is pinned in requirements-test.lock; without
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# A crashed xdist worker's test report carries its fault handler output and the machine's memory.
+pytest_plugins = ("crash_evidence",)
+
 # The whole suite runs in one process and builds tens of thousands of programs, each holding
 # memory mappings; tpurec's own guard (headroom.keep_mapping_headroom) would drop them in the
 # middle of some test, under tests that count compilations. Dropping them between test files,
