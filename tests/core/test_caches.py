@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+from fresh_cache import fresh_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -69,7 +70,7 @@ def _counts(cache) -> tuple[int, int, int]:
 def test_a_warm_cache_moved_or_copied_elsewhere_is_still_hit(tmp_path, how):
     import shutil
 
-    first = tmp_path / "first"
+    first = fresh_cache(tmp_path / "first")
     requests, hits, compilations = _counts(first)
     assert requests > 0 and compilations == requests and hits == 0  # a cold cache compiles everything
     second = tmp_path / "second"
@@ -126,7 +127,7 @@ def _step_stats(cache) -> dict:
 def test_a_second_process_reads_every_program_of_the_steps_from_the_shared_cache(tmp_path):
     """Two processes, one cache folder: the first compiles the fused steps, the captured step and the
     program of 4 captured steps (compiled on a background thread); the second reads each from disk."""
-    first = _step_stats(tmp_path / "cache")
+    first = _step_stats(fresh_cache(tmp_path / "cache"))
     assert first["requests"] > 0 and first["hits"] == 0 and first["compilations"] == first["requests"], first
     assert "captured step x4" in first["programs"], first["programs"]
     second = _step_stats(tmp_path / "cache")

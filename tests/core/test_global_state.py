@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+from fresh_cache import fresh_cache
 
 
 def test_import_leaves_torch_decomposition_table_alone():
@@ -120,7 +121,7 @@ def test_the_patch_list_is_what_import_changes(tmp_path):
 
     env = {
         **os.environ,
-        "TPUREC_CACHE_DIR": str(tmp_path / "cache"),
+        "TPUREC_CACHE_DIR": str(fresh_cache(tmp_path / "cache")),
         "PYTHONPATH": str(pathlib.Path(tpurec.__file__).parent.parent),
     }
     env.pop("TPUREC_TUNE_MALLOC", None)
@@ -180,7 +181,7 @@ def test_dynamos_patches_wait_for_its_import(tmp_path):
 
     env = {
         **os.environ,
-        "TPUREC_CACHE_DIR": str(tmp_path / "cache"),
+        "TPUREC_CACHE_DIR": str(fresh_cache(tmp_path / "cache")),
         "PYTHONPATH": str(pathlib.Path(tpurec.__file__).parent.parent),
     }
     out = subprocess.run(

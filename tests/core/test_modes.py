@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+from fresh_cache import fresh_cache
 import torch
 
 import tpurec
@@ -143,7 +144,7 @@ def _run_user_script(env_extra, compile=False):
 
 
 def test_unchanged_user_script_runs_fused_and_second_process_compiles_nothing(tmp_path):
-    env = {"TPUREC_MODE": "fused", "TPUREC_CACHE_DIR": str(tmp_path / "cache")}
+    env = {"TPUREC_MODE": "fused", "TPUREC_CACHE_DIR": str(fresh_cache(tmp_path / "cache"))}
     first = _run_user_script(env)
     assert first["mode"] == "fused" and first["fused_graphs"] >= 6 and first["compilations"] > 0
     second = _run_user_script(env)
@@ -151,7 +152,7 @@ def test_unchanged_user_script_runs_fused_and_second_process_compiles_nothing(tm
 
 
 def test_second_process_reuses_compiled_mode_programs_from_disk(tmp_path):
-    env = {"TPUREC_CACHE_DIR": str(tmp_path / "cache")}
+    env = {"TPUREC_CACHE_DIR": str(fresh_cache(tmp_path / "cache"))}
     first = _run_user_script(env, compile=True)
     assert first["compilations"] > 0
     second = _run_user_script(env, compile=True)

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from fresh_cache import fresh_cache
 from launcher import environment, run
 
 HERE = Path(__file__).resolve().parent
@@ -14,7 +15,7 @@ HERE = Path(__file__).resolve().parent
 
 @pytest.mark.slow
 def test_every_process_finds_its_own_programs_in_the_cache(tmp_path):
-    env = environment(hang_seconds=90, OMP_NUM_THREADS="1", TPUREC_CACHE_DIR=str(tmp_path / "cache"))
+    env = environment(hang_seconds=90, OMP_NUM_THREADS="1", TPUREC_CACHE_DIR=str(fresh_cache(tmp_path / "cache")))
     run(HERE / "disk_cache_worker.py", 2, str(tmp_path / "out"), env=env, seconds=120)
     for rank in range(2):
         first, second = json.loads((tmp_path / f"out.{rank}").read_text())

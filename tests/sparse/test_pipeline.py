@@ -269,7 +269,10 @@ def _run_bench(args: list[str], tmp_path) -> dict:
     import subprocess
     import sys
 
-    env = {**os.environ, "TPUREC_CACHE_DIR": os.environ.get("TPUREC_CACHE_DIR", str(tmp_path / "cache"))}
+    from fresh_cache import fresh_cache
+
+    cache = os.environ.get("TPUREC_CACHE_DIR") or str(fresh_cache(tmp_path / "cache"))
+    env = {**os.environ, "TPUREC_CACHE_DIR": cache}
     done = subprocess.run(
         [sys.executable, "-m", "tpurec.bench", *args], capture_output=True, text=True, timeout=900, env=env
     )
