@@ -93,7 +93,8 @@ def _process_state_per_file(request: pytest.FixtureRequest) -> Iterator[None]:
 
 # --- Fused mode as a parameter -------------------------------------------------------------------------
 # The device tests run twice: in the mode the process started in (eager unless TPUREC_MODE says otherwise),
-# and with fused mode as the default (the mode set, and TPUREC_MODE=fused for the processes a test starts).
+# and with fused mode as the default (the mode set, and TPUREC_MODE=fused for the processes a test starts),
+# except those marked mode_set_by_test (each process they start is given its TPUREC_MODE).
 FUSED_TOO = (
     "tests/core/",
     "tests/sparse/test_tpu_device.py",
@@ -110,6 +111,8 @@ def _relative(path: Path) -> str:
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if metafunc.definition.get_closest_marker("mode_set_by_test") is not None:
+        return  # fused mode as the default would change nothing it runs: the same test twice
     if "default_mode" in metafunc.fixturenames and _relative(metafunc.definition.path).startswith(FUSED_TOO):
         metafunc.parametrize("default_mode", ["eager", "fused"], indirect=True, ids=["eager-default", "fused-default"])
 

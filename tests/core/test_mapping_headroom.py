@@ -35,6 +35,7 @@ print(json.dumps({"budget": budget, "peak": peak, "wrong": wrong, "built": headr
 """
 
 
+@pytest.mark.mode_set_by_test
 @pytest.mark.parametrize("mode", ["eager", "fused"])
 def test_a_process_compiling_hundreds_of_shapes_stays_within_its_mapping_budget(mode):
     env = {**os.environ, "TPUREC_MODE": mode}

@@ -143,6 +143,7 @@ def _run_user_script(env_extra, compile=False):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.mode_set_by_test
 def test_unchanged_user_script_runs_fused_and_second_process_compiles_nothing(tmp_path):
     env = {"TPUREC_MODE": "fused", "TPUREC_CACHE_DIR": str(fresh_cache(tmp_path / "cache"))}
     first = _run_user_script(env)

@@ -235,6 +235,7 @@ STEP = """
 """
 
 
+@pytest.mark.mode_set_by_test
 def test_environment_switch_checks_each_step():
     result = _run(STEP, TPUREC_MODE="debug", TPUREC_SHADOW="cpu")
     assert result.returncode == 1 and result.stdout == "step 0 ok\n", (result.stdout, result.stderr[-3000:])
@@ -244,6 +245,7 @@ def test_environment_switch_checks_each_step():
     assert 'backward called at: File "<string>", line 10' in result.stderr  # loss.backward()
 
 
+@pytest.mark.mode_set_by_test
 def test_environment_switch_needs_debug_mode():
     result = _run("import tpurec", TPUREC_MODE="eager", TPUREC_SHADOW="cpu")
     assert (
