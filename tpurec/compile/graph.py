@@ -168,6 +168,7 @@ class _Step:
     kinds: tuple = ((), {})  # the travel kinds of the arguments (lowerings only), see tpurec.dense.calling
     random: bool = False
     dtypes: Any = None  # the meta dtypes to cast outputs to
+    special: frozenset = frozenset()  # the lowering's special_scalars (static numbers)
 
 
 def _meta_dtypes(node: torch.fx.Node):
@@ -206,7 +207,9 @@ def _plan_node(node: torch.fx.Node) -> _Step:
     lowering = get_lowering(target)
     if lowering is not None:
         kinds = argument_kinds(target, lowering.static_scalars)
-        return _Step(node, lowering.fn, "lowering", kinds, lowering.random, _meta_dtypes(node))
+        return _Step(
+            node, lowering.fn, "lowering", kinds, lowering.random, _meta_dtypes(node), lowering.special_scalars
+        )
     view = entry(target, Kind.VIEW)
     if view is not None:
         return _Step(node, view.fn, "view")
@@ -253,9 +256,9 @@ class GraphProgram:
                 continue
             node = step.node
             for i, a in enumerate(node.args):
-                constants.extend(_dynamic_values(calling.kind_of(step.kinds, i), a))
+                constants.extend(_dynamic_values(calling.kind_of(step.kinds, i), a, step.special))
             for k, a in node.kwargs.items():
-                constants.extend(_dynamic_values(calling.kind_of(step.kinds, k), a))
+                constants.extend(_dynamic_values(calling.kind_of(step.kinds, k), a, step.special))
         return constants
 
     def ops(self) -> list[str]:
@@ -295,8 +298,9 @@ class GraphProgram:
                     out = _cast(out, step.dtypes)
                 return out
             kinds = step.kinds
-            args = [_bind(calling.kind_of(kinds, i), a, scalar_it, load) for i, a in enumerate(node.args)]
-            kwargs = {k: _bind(calling.kind_of(kinds, k), a, scalar_it, load) for k, a in node.kwargs.items()}
+            special = step.special
+            args = [_bind(calling.kind_of(kinds, i), a, scalar_it, load, special) for i, a in enumerate(node.args)]
+            kwargs = {k: _bind(calling.kind_of(kinds, k), a, scalar_it, load, special) for k, a in node.kwargs.items()}
             if step.random:
                 kwargs["key"] = rng_key_from(*next(seed_it))
             return _cast(step.fn(*args, **kwargs), step.dtypes)
@@ -306,22 +310,22 @@ class GraphProgram:
             raise CompileError(f"tpurec: lowering failed: {type(e).__name__}: {e}\n  in {describe_node(node)}") from e
 
 
-def _dynamic_values(kind: str, value) -> list:
+def _dynamic_values(kind: str, value, special: frozenset = frozenset()) -> list:
     """The graph constants of one argument that travel as runtime scalars, as in eager
     execution (:func:`tpurec.dense.calling.runtime_scalars`); a node's value is never one."""
     if isinstance(value, torch.fx.Node) or value is None:
         return []
-    return calling.runtime_scalars(kind, value) or []
+    return calling.runtime_scalars(kind, value, special) or []
 
 
-def _bind(kind: str, value, scalar_it, load: Callable):
+def _bind(kind: str, value, scalar_it, load: Callable, special: frozenset = frozenset()):
     """One argument's value: graph constants that travel as runtime scalars are
     replaced by their traced values (in planning order); the rest is loaded.
 
     Decided on the graph's own argument, before loading, exactly as in
     ``_dynamic_values``: a size computed by another node is static, not a constant.
     """
-    n = len(_dynamic_values(kind, value))
+    n = len(_dynamic_values(kind, value, special))
     if n == 0:
         return load(value)
     if isinstance(value, (list, tuple)):

@@ -152,13 +152,13 @@ class _Fast:
         self.random = random
 
 
-def _gather(func, kinds: tuple, args: tuple, kwargs: dict, targets: list | None):
+def _gather(func, kinds: tuple, args: tuple, kwargs: dict, targets: list | None, special: frozenset):
     """The signature, runtime inputs, device and pending flag of a call, or None when it needs the full path.
 
     The inputs are gathered in :func:`tpurec.dense.calling.split`'s order (arguments, keyword
     arguments, targets); only calls whose arguments are tpu tensors, Python numbers, ``None``
     (also in lists) and simple static values take this path (CPU scalar tensors take the
-    full one).
+    full one). ``special``: the lowering's ``special_scalars``, numbers that are static values.
     """
     positional, by_name = kinds
     if len(args) > len(positional):
@@ -195,7 +195,9 @@ def _gather(func, kinds: tuple, args: tuple, kwargs: dict, targets: list | None)
         else:
             kind_of_value = type(value)
             if kind_of_value is int or kind_of_value is float:
-                if kind == _TENSOR or kind == _DYNAMIC:
+                if kind == _DYNAMIC and special and value in special:
+                    add((kind_of_value, value))  # a special value: static, as calling.split makes it
+                elif kind == _TENSOR or kind == _DYNAMIC:
                     add(kind_of_value)  # a runtime scalar: its value is an input, not part of the key
                     put(value)
                 elif kind == _STATIC:
@@ -268,7 +270,7 @@ def execute(func, lowering: Lowering, args: tuple, kwargs: dict, targets: list |
         return _execute(func, lowering, args, kwargs, targets, device)
     if kinds is None:
         kinds = argument_kinds(func, lowering.static_scalars)
-    gathered = _gather(func, kinds, args, kwargs, targets)
+    gathered = _gather(func, kinds, args, kwargs, targets, lowering.special_scalars)
     if gathered is None:
         return _execute(func, lowering, args, kwargs, targets, device)
     signature, inputs, index, pending = gathered
@@ -338,8 +340,11 @@ def _execute(
     kinds = argument_kinds(func, lowering.static_scalars)
     call = _Call()
     inputs, record = call.inputs, call.tensor
-    arg_specs = tuple(calling.split(calling.kind_of(kinds, i), a, inputs, record) for i, a in enumerate(args))
-    kw_specs = tuple((k, calling.split(calling.kind_of(kinds, k), v, inputs, record)) for k, v in kwargs.items())
+    special = lowering.special_scalars
+    arg_specs = tuple(calling.split(calling.kind_of(kinds, i), a, inputs, record, special) for i, a in enumerate(args))
+    kw_specs = tuple(
+        (k, calling.split(calling.kind_of(kinds, k), v, inputs, record, special)) for k, v in kwargs.items()
+    )
     target_specs = ()
     # For each target, the first target over the same storage: views of one storage (the
     # destinations of _foreach_copy_ into split views of one buffer, as FSDP2's copy-in) are

@@ -94,14 +94,16 @@ def kind_of(kinds: tuple[tuple[str, ...], dict[str, str]], where: int | str) -> 
     return by_name.get(where, STATIC)
 
 
-def runtime_scalars(kind: str, value: Any) -> list | None:
+def runtime_scalars(kind: str, value: Any, special: frozenset = frozenset()) -> list | None:
     """The Python numbers of one argument that travel as runtime scalars, or None if none do.
 
     A single number (``[x]``) in a ``Scalar``/``float`` or ``Tensor`` position, or a
-    list of numbers in a ``Scalar[]``/``float[]`` position. ``bool`` is a static value.
+    list of numbers in a ``Scalar[]``/``float[]`` position. ``bool`` is a static value, and
+    so is a number in a ``Scalar``/``float`` position that equals one of the lowering's
+    ``special`` values (``Lowering.special_scalars``).
     """
     if kind in (DYNAMIC, TENSOR) and type(value) in (int, float):
-        return [value]
+        return None if kind == DYNAMIC and value in special else [value]
     if kind == DYNAMIC_LIST and isinstance(value, (list, tuple)) and all(type(v) in (int, float) for v in value):
         return list(value)
     return None
@@ -118,7 +120,13 @@ def static_value(value: Any) -> Any:
     return value
 
 
-def split(kind: str, value: Any, inputs: list, tensor: Callable[[torch.Tensor], tuple]) -> tuple:
+def split(
+    kind: str,
+    value: Any,
+    inputs: list,
+    tensor: Callable[[torch.Tensor], tuple],
+    special: frozenset = frozenset(),
+) -> tuple:
     """Records one argument: appends its runtime values to ``inputs``, returns its spec.
 
     Args:
@@ -127,6 +135,7 @@ def split(kind: str, value: Any, inputs: list, tensor: Callable[[torch.Tensor], 
         inputs: the program's runtime inputs so far (appended to).
         tensor: records a tensor (appending what it needs to ``inputs``) and returns
             its spec, a tuple whose first item is a tag other than the ones used here.
+        special: the lowering's ``special_scalars`` (see :func:`runtime_scalars`).
 
     Returns:
         A hashable spec: ``("none",)``, a tensor's spec, ``("list", specs)``,
@@ -140,7 +149,7 @@ def split(kind: str, value: Any, inputs: list, tensor: Callable[[torch.Tensor], 
         return tensor(value)
     if kind == TENSOR_LIST:
         return ("list", tuple(("none",) if v is None else tensor(v) for v in value))
-    scalars = runtime_scalars(kind, value)
+    scalars = runtime_scalars(kind, value, special)
     if scalars is not None:
         inputs.extend(scalars)
         return ("d", type(value)) if kind != DYNAMIC_LIST else ("dl", tuple(type(v) for v in value))

@@ -13,8 +13,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 from jax import lax
+from jax._src.lax.lax import _convert_element_type
 
 from tpurec.dense._util import ALWAYS_BOOL, DEFAULT, INT_TO_FLOAT, Kind, cast, is_float, is_weak_scalar, promote
 from tpurec.dense.registry import lower, to_jax_dtype
@@ -216,7 +218,22 @@ def fmod(x, y):
     return _apply(jnp.fmod, (x, y), DEFAULT)
 
 
-@lower(aten.pow.Tensor_Tensor, aten.pow.Tensor_Scalar, aten.pow.Scalar)
+@lower(aten.pow.Tensor_Scalar, special_scalars=transcendental.SPECIAL_EXPONENTS)
+def pow_tensor_scalar(x, exponent):
+    """``x ** exponent``; an exponent of ``SPECIAL_EXPONENTS`` arrives as a Python number (static) and a
+    float32 ``x`` gets only its case, others take :func:`pow`'s path with the number traced as before."""
+    if type(exponent) in (int, float):
+        comp, res = promote(x, exponent, kind=DEFAULT)
+        if comp == jnp.float32:
+            return transcendental.special_power(cast(x, comp), float(exponent)).astype(res)
+        # As a runtime scalar would arrive: weakly typed, of its Python type's default dtype.
+        exponent = _convert_element_type(
+            exponent, jax.dtypes.canonicalize_dtype(np.dtype(type(exponent))), weak_type=True
+        )
+    return pow(x, exponent)
+
+
+@lower(aten.pow.Tensor_Tensor, aten.pow.Scalar)
 def pow(x, y):
     comp, res = promote(x, y, kind=DEFAULT)
     if comp == jnp.float32 and is_weak_scalar(y) and not isinstance(y, (bool, int)):

@@ -108,6 +108,9 @@ class Lowering:
         static_scalars: treat ``Scalar``/``float`` arguments as static values
             (for ops whose output shape depends on them, like ``arange``).
         kind: what the entry is.
+        special_scalars: Python numbers that a ``Scalar``/``float`` argument passes as a static
+            value instead of a runtime one (``pow``'s exponents 2, 0.5, ...: the lowering gives each
+            its own small program; other values share one program computing the general case).
     """
 
     op: torch._ops.OpOverload
@@ -115,6 +118,7 @@ class Lowering:
     random: bool = False
     static_scalars: bool = False
     kind: Kind = Kind.JAX
+    special_scalars: frozenset = frozenset()
 
     def __call__(self, *args, **kwargs):
         """Calls ``fn`` (so a kind's part of the table reads as a mapping of op -> function)."""
@@ -137,17 +141,25 @@ def _overloads(op) -> Iterable[torch._ops.OpOverload]:
     return [op]
 
 
-def _add(ops: tuple, fn: Callable, kind: Kind, random: bool, static_scalars: bool) -> None:
+def _add(
+    ops: tuple, fn: Callable, kind: Kind, random: bool, static_scalars: bool, special_scalars: frozenset = frozenset()
+) -> None:
     entries = TABLE[kind]
     overloads = [overload for op in ops for overload in _overloads(op)]
     for overload in overloads:
         if overload in entries:
             raise ValueError(f"{overload} has two {kind.value} entries")
     for overload in overloads:
-        entries[overload] = Lowering(overload, fn, random, static_scalars, kind)
+        entries[overload] = Lowering(overload, fn, random, static_scalars, kind, special_scalars)
 
 
-def lower(*ops, kind: Kind = Kind.JAX, random: bool = False, static_scalars: bool = False) -> Callable[[_F], _F]:
+def lower(
+    *ops,
+    kind: Kind = Kind.JAX,
+    random: bool = False,
+    static_scalars: bool = False,
+    special_scalars: Iterable[float] = (),
+) -> Callable[[_F], _F]:
     """Registers the decorated function as the ``kind`` entry of ``ops``.
 
     Args:
@@ -155,6 +167,7 @@ def lower(*ops, kind: Kind = Kind.JAX, random: bool = False, static_scalars: boo
         kind: what the function is (:class:`Kind`); a JAX lowering by default.
         random: see :class:`Lowering`.
         static_scalars: see :class:`Lowering`.
+        special_scalars: see :class:`Lowering`.
 
     Raises:
         ValueError: an op already has an entry of this kind (then none is added), or
@@ -164,7 +177,7 @@ def lower(*ops, kind: Kind = Kind.JAX, random: bool = False, static_scalars: boo
         raise ValueError(f"a {kind.value} entry holds no function: use mark(*ops, kind=...)")
 
     def register(fn: _F) -> _F:
-        _add(ops, fn, kind, random, static_scalars)
+        _add(ops, fn, kind, random, static_scalars, frozenset(special_scalars))
         return fn
 
     return register
@@ -339,8 +352,11 @@ def call_lowering(op: torch._ops.OpOverload, args: tuple, kwargs: dict | None = 
             inputs.append(jnp.asarray(x.resolve_conj().resolve_neg().numpy()))
         return ("t",)
 
-    arg_specs = [calling.split(calling.kind_of(kinds, i), a, inputs, record) for i, a in enumerate(args)]
-    kw_specs = [(k, calling.split(calling.kind_of(kinds, k), v, inputs, record)) for k, v in (kwargs or {}).items()]
+    special = lowering.special_scalars
+    arg_specs = [calling.split(calling.kind_of(kinds, i), a, inputs, record, special) for i, a in enumerate(args)]
+    kw_specs = [
+        (k, calling.split(calling.kind_of(kinds, k), v, inputs, record, special)) for k, v in (kwargs or {}).items()
+    ]
 
     def program(dyn, rng):
         it = iter(dyn)

@@ -36,6 +36,7 @@ import numpy as np
 from jax import lax
 
 __all__ = [
+    "SPECIAL_EXPONENTS",
     "acosh",
     "asinh",
     "atanh",
@@ -329,6 +330,35 @@ def _power_edges(x, y, odd):
     return jnp.where((y == 0) | (x == 1), one, out)
 
 
+# The exponents :func:`power` computes as products, reciprocals and roots (PyTorch's CPU kernel
+# special-cases the same ones). An op whose exponent is a Python number equal to one of them gets it
+# as a static value (``tpurec.dense.registry.lower(special_scalars=...)``), and its program holds only
+# that case: the general case costs a float32 program about 400 operations per ``pow``, which an
+# RMSNorm's ``x.pow(2)`` and its backward's ``x.pow(1)`` would pay in every layer.
+SPECIAL_EXPONENTS = (1.0, 2.0, 3.0, -1.0, -2.0, 0.5, -0.5)
+
+
+def special_power(x, exponent: float):
+    """``x ** exponent`` for float32 ``x`` and an ``exponent`` of :data:`SPECIAL_EXPONENTS`, as :func:`power`
+    computes it (IEEE ``pow`` at zeros and infinities)."""
+    if exponent == 1.0:
+        return x
+    if exponent == 2.0:
+        return x * x
+    if exponent == 3.0:
+        return x * x * x
+    if exponent == -1.0:
+        return 1 / x
+    if exponent == -2.0:
+        return (1 / x) * (1 / x)  # (1 / x^2 would leave float32's range for x below 1.1e-19)
+    inf = jnp.full_like(x, jnp.inf)
+    if exponent == 0.5:  # pow(-inf, 0.5) is inf where sqrt gives NaN
+        return jnp.where(x == -jnp.inf, inf, jnp.sqrt(x))
+    if exponent == -0.5:  # pow(-inf, -0.5) is 0, pow(-0, -0.5) inf where rsqrt gives -inf
+        return jnp.where(x == -jnp.inf, jnp.zeros_like(x), jnp.where(x == 0, inf, lax.rsqrt(x)))
+    raise ValueError(f"special_power: {exponent} is not one of {SPECIAL_EXPONENTS}")
+
+
 def power(x, y):
     """``x ** y``; float32 exponents 1, 2, 3, -1, -2, 0.5 and -0.5 as products, reciprocals and roots,
     others as ``2 ** (y log2 x)`` with the logarithm and the product in twice float32's precision.
@@ -360,19 +390,9 @@ def power(x, y):
     odd = integer & (jnp.abs(y_high) < 2.0**24) & (jnp.fmod(y_high, 2.0) != 0)
     signed = jnp.where(x < 0, jnp.where(integer, jnp.where(odd, -magnitude, magnitude), jnp.nan), magnitude)
     general = jnp.where(regular, signed, _power_edges(x, y_high, odd))
-    square = x * x
     out = general
-    for exponent, value in (
-        (1.0, x),
-        (2.0, square),
-        (3.0, square * x),
-        (-1.0, 1 / x),
-        (-2.0, (1 / x) * (1 / x)),  # (1 / x^2 would leave float32's range for x below 1.1e-19)
-        # (pow(-inf, 0.5) is inf where sqrt gives NaN, pow(-0, -0.5) inf where rsqrt gives -inf)
-        (0.5, jnp.where(x == -jnp.inf, general, jnp.sqrt(x))),
-        (-0.5, jnp.where((x == -jnp.inf) | (x == 0), general, lax.rsqrt(x))),
-    ):
-        out = jnp.where((y_high == exponent) & (y_low == 0), value, out)
+    for exponent in SPECIAL_EXPONENTS:
+        out = jnp.where((y_high == exponent) & (y_low == 0), special_power(x, exponent), out)
     return out
 
 
