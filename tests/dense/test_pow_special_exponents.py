@@ -58,6 +58,7 @@ def test_a_fused_rmsnorm_step_holds_no_general_power(monkeypatch) -> None:
     on_tpu = x.to("tpu").requires_grad_()
     with tpurec.mode("fused"):
         (on_tpu * torch.rsqrt(on_tpu.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.to("tpu")).sum().backward()
+    assert on_tpu.grad is not None and leaf.grad is not None
     torch.testing.assert_close(on_tpu.grad.cpu(), leaf.grad, rtol=1e-4, atol=1e-5)
     (window,) = [t for t in texts if "jit_fused" in t]
     assert _operations(window) < 200, f"{_operations(window)} StableHLO operations in the RMSNorm step's program"

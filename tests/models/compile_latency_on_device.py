@@ -195,7 +195,7 @@ def _summary(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--families", default="llama,gpt2,gemma2,resnet", help="zoo families (or mlp), comma-separated")
     parser.add_argument("--modes", default="fused", help="fused, compiled, eager; comma-separated")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per process")

@@ -367,10 +367,10 @@ def power(x, y):
     inverse square roots). XLA's TPU ``power`` goes through approximate logarithms: ``x ** 2.5`` erred
     by 2.6e-6 relative on a TPU v5e (35 times CPU's error), and ``1 - x ** 2`` in ``atanh``'s backward
     by 0.18 near 1; float64 (a TPU emulates it with float32's exponent range) gave inf for
-    ``1.6e-29 ** -1.33``, 2.48e38. The exponent is usually a runtime value, so the choice is a select,
-    not a branch. A float64 exponent (a Python number, kept in double precision as on CPU) is split
-    into two float32 parts (a scalar's conversion: exact on every platform). Zeros, infinities, NaN
-    and the sign of a negative base as IEEE ``pow`` (C's and PyTorch's), without XLA's ``power``.
+    ``1.6e-29 ** -1.33``, 2.48e38. A traced exponent is a runtime value, so the choice is a select,
+    not a branch (a Python number exponent of ``SPECIAL_EXPONENTS`` takes :func:`special_power` alone).
+    A float64 exponent (a Python number, kept in double precision as on CPU) is split into two float32
+    parts (a scalar's conversion: exact on every platform). Zeros, infinities, NaN and the sign of a negative base as IEEE ``pow`` (C's and PyTorch's), without XLA's ``power``.
     """
     x, y = jnp.asarray(x), jnp.asarray(y)
     if x.dtype != jnp.float32:
