@@ -50,6 +50,7 @@ __all__ = [
     "HostManagedCollisionCollection",
     "ManagedCollisionEmbeddingBagCollection",
     "ManagedCollisionEmbeddingCollection",
+    "REMAP_TYPES",
     "check_convertible",
     "check_host_features",
     "convert_managed",
@@ -318,6 +319,12 @@ class ManagedCollisionEmbeddingCollection(TorchrecMCEC):
         return cast(dict[str, JaggedTensor], looked_up), remapped
 
 
+# The module types that remap their features' ids in their forward, each with ``_feature_names``:
+# TorchRec's managed-collision collection, and the sharded one (tpurec.sparse.sharding.managed adds it
+# when imported: it sits above this module, which must not import it).
+REMAP_TYPES: list[type[nn.Module]] = [TorchrecMCC]
+
+
 def remapped_features(model: nn.Module) -> set[str]:
     """The features whose ids a managed-collision collection of ``model`` remaps in its forward.
 
@@ -330,9 +337,7 @@ def remapped_features(model: nn.Module) -> set[str]:
     Returns:
         Feature names (KJT keys).
     """
-    from tpurec.sparse.sharding.managed import ShardedManagedCollisionCollection
-
-    remaps = (TorchrecMCC, ShardedManagedCollisionCollection)
+    remaps = tuple(REMAP_TYPES)
     return {f for m in model.modules() if isinstance(m, remaps) for f in m._feature_names}
 
 

@@ -42,7 +42,7 @@ from torchrec.modules.mc_modules import ManagedCollisionCollection as TorchrecMC
 from torchrec.modules.mc_modules import MCHManagedCollisionModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
-from tpurec.sparse.managed import ManagedCollisionEmbeddingBagCollection, check_host_features
+from tpurec.sparse.managed import REMAP_TYPES, ManagedCollisionEmbeddingBagCollection, check_host_features
 from tpurec.sparse.optimizers import EmbeddingOptimizer, RowWiseAdagrad
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
 from tpurec.sparse.sharding_plan.shards import TableSharding
@@ -350,6 +350,9 @@ class ShardedManagedCollisionCollection(nn.Module):
             unexpected_keys.extend(
                 k for k in state_dict if k.startswith(prefix + "_managed_collision_modules.") and k not in expected
             )
+
+
+REMAP_TYPES.append(ShardedManagedCollisionCollection)  # its features are remapped in its forward too
 
 
 class _ShardedManagedCollisionModule(nn.Module):
