@@ -242,8 +242,11 @@ FLAGS: tuple[Flag, ...] = (
         "How the TensorCore kernel's one-pass optimizer step moves a lane-dense table's row slots "
         "(row-wise Adagrad's accumulator) between their lanes and each block's lines, and takes each "
         "row's mean: mxu (exact matrix products; 0.85 ms faster than xlu in a DLRM-sized step on a "
-        "TPU v5e) or xlu (lane reductions and strided copies).",
-        choices=("xlu", "mxu"),
+        "TPU v5e), xlu (lane reductions and strided copies) or transpose (experimental, 2 rows a line: "
+        "the row math runs once a row on the accumulator as it is stored, and per-row values move "
+        "between rows and lines by square transposes; rules without a spread keyword and other "
+        "layouts take mxu).",
+        choices=("xlu", "mxu", "transpose"),
         programs=True,
     ),
     Flag(

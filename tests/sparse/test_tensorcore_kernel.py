@@ -277,6 +277,27 @@ def test_lane_dense_row_slots_on_the_mxu_match_reference(dim):
         _check_stream_update("rowwise_adagrad", csr, batch, table, slots, resident=True)
 
 
+@pytest.mark.parametrize(
+    "block_rows,gradient",
+    [(2048, dict(resident=True)), (2048, dict(resident=False, gradient_window=0)), (4096, dict(resident=True))],
+    ids=["resident", "gathered_gradient", "blocks_of_4096"],
+)
+def test_lane_dense_row_math_once_a_row_matches_reference(block_rows, gradient):
+    # TPUREC_TENSORCORE_ROW_SLOTS=transpose: row-wise Adagrad's accumulator stays one value a row (in
+    # the kernel's pair order), each row's mean is a transposed sum and the per-row multiplier goes
+    # back to the row's lanes by a transpose: no product, and only the sums' order differs.
+    csr, batch, rows, dim = _csr(17, 1, 6144, dim=64, capacity=1024)
+    table, slots = _state(9, rows, dim, "rowwise_adagrad")
+    grad = np.zeros((batch, dim), np.float32)
+    op = tensorcore.sparse_dense_matmul_grad_with_rowwise_adagrad
+    with tpurec.config.override(tensorcore_row_slots="transpose"):
+        jaxpr = jax.make_jaxpr(lambda *a: op(*a, **OPTIMIZERS["rowwise_adagrad"][1]))(*csr, grad, table, *slots)
+        kernels = _pallas_calls(jaxpr.jaxpr)
+        assert not any("dot_general" in str(e.params["jaxpr"]) for e in kernels)
+        assert any("transpose" in str(e.params["jaxpr"]) for e in kernels)
+        _check_stream_update("rowwise_adagrad", csr, batch, table, slots, block_rows=block_rows, **gradient)
+
+
 def test_lane_dense_xla_rows_gather_and_write_whole_lines():
     # Keys sharing lines (every row of some lines, one row of others), keys past the table skipped.
     rng = np.random.default_rng(2)
@@ -437,7 +458,9 @@ def _wide_values(jaxpr) -> list[str]:
     return found
 
 
-_KERNEL_LAYOUTS = pytest.mark.parametrize("layout", ["rows", "lane_dense", "lane_dense_mxu_row_slots"])
+_KERNEL_LAYOUTS = pytest.mark.parametrize(
+    "layout", ["rows", "lane_dense", "lane_dense_mxu_row_slots", "lane_dense_transpose_row_slots"]
+)
 _KERNEL_PASSES = pytest.mark.parametrize(
     "one_pass,row_sum", [(False, "loop"), (True, "loop"), (True, "mxu")], ids=["two_pass", "one_pass", "mxu"]
 )
@@ -447,7 +470,7 @@ def _streaming_calls(name: str, one_pass: bool, row_sum: str, layout: str):
     """The forward and the optimizer step of one kernel configuration, as (function, arguments) pairs,
     and the config overrides that select it (to apply while tracing them)."""
     dim, rows = (8, 3000) if layout == "rows" else (64, 3072)
-    row_slots = "mxu" if layout == "lane_dense_mxu_row_slots" else "xlu"
+    row_slots = {"lane_dense_mxu_row_slots": "mxu", "lane_dense_transpose_row_slots": "transpose"}.get(layout, "xlu")
     csr, batch, rows, dim = _csr(3, 1, rows, dim=dim)
     assert (tensorcore.rows_per_line(rows, dim) > 1) == layout.startswith("lane_dense")
     table, slots = _state(3, rows, dim, name)

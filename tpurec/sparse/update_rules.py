@@ -93,7 +93,12 @@ class UpdateRule:
             per-row values with ``reshape(g.shape[0], -1)``: kernels that keep several rows
             in one 128-lane line (:func:`tpurec.sparse.kernels.tensorcore.rows_per_line`) call
             it on ``[lines, 128]`` arrays, each row slot given per element, with a mean over
-            each row's lanes.
+            each row's lanes. A rule may also take the keyword ``spread`` (default None: reshape
+            per-row values with ``reshape(g.shape[0], -1)``): when given, a row slot arrives as
+            one value a row in a kernel's own order, ``row_mean`` returns its values in that
+            shape and order, and ``spread(x)`` turns such per-row values into values broadcastable
+            against ``g`` (each row's value on its elements); the row math on per-row values then
+            runs once a row instead of once an element.
         half_tables: whether float16/bfloat16 tables may use it (FBGEMM has CPU kernels to follow).
     """
 
@@ -150,13 +155,14 @@ def row_mean(x):
     return jnp.mean(x, axis=1, keepdims=True)
 
 
-def _rowwise_adagrad_rows(g, w, m, *, learning_rate, eps, weight_decay, dtype, row_mean=row_mean):
+def _rowwise_adagrad_rows(g, w, m, *, learning_rate, eps, weight_decay, dtype, row_mean=row_mean, spread=None):
     # FBGEMM's form (L2 weight decay): the decay enters the accumulator through the
     # gradient and the weight through a correction factor, and the new weight is one
     # float32 expression rounded once to the table's dtype.
     decayed = g + weight_decay * w
     m = m + row_mean(decayed * decayed).reshape(m.shape)
-    multiplier = (learning_rate / (jnp.sqrt(m) + eps)).reshape(g.shape[0], -1)
+    multiplier = learning_rate / (jnp.sqrt(m) + eps)
+    multiplier = multiplier.reshape(g.shape[0], -1) if spread is None else spread(multiplier)
     correction = 1.0 - multiplier * weight_decay
     return (correction * w - g * multiplier).astype(dtype), m
 

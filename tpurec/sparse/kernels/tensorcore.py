@@ -44,6 +44,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -634,7 +635,7 @@ def _gradient_windows(valid, samples, chunk: int, window: int):
     return window_of, jnp.all(high < (window_of + 2) * window)
 
 
-def _update_vmem(batch_size: int, dim: int, slots) -> tuple[int, int]:
+def _update_vmem(batch_size: int, dim: int, slots, block_rows: int = BLOCK_ROWS) -> tuple[int, int]:
     """VMEM bytes of :func:`stream_update`: ``(blocks, resident output gradient)``.
 
     Blocks: each 2-D array's block in and out (two buffers each), the gradient and
@@ -642,7 +643,7 @@ def _update_vmem(batch_size: int, dim: int, slots) -> tuple[int, int]:
     VMEM takes two buffers too.
     """
     lanes = max(_cdiv(dim, 128) * 128, 128)
-    block = BLOCK_ROWS * lanes * 4
+    block = block_rows * lanes * 4
     return 4 * block * (1 + sum(x.ndim == 2 for x in slots)) + 2 * block, 2 * batch_size * lanes * 4
 
 
@@ -690,7 +691,8 @@ def stream_update(
         gains: ``[n]`` float32.
         grad_output: ``[batch_size, dim]`` float32.
         hyperparameters: the optimizer's scalars (float or 0-d arrays).
-        block_rows: rows per streamed block, a multiple of 1024.
+        block_rows: rows per streamed block, a multiple of 1024 up to 16384 (larger blocks than
+            :data:`BLOCK_ROWS` make fewer blocks, each with its fixed work, and take more VMEM).
         resident: keep ``grad_output`` in VMEM (None: when it fits).
         row_sum: how a step's entries are summed into the block's gradient: ``"loop"``, one
             entry at a time; ``"mxu"``, one matrix product per step of :data:`MXU_CHUNK`
@@ -718,8 +720,8 @@ def stream_update(
     """
     TRACE_COUNTS["stream_update"] += 1
     rows, dim = table.shape
-    block_rows = min(block_rows, BLOCK_ROWS)
-    assert block_rows % 1024 == 0 and rows >= block_rows, "stream_update streams whole 1024-row blocks"
+    assert block_rows % 1024 == 0 and block_rows <= 16384, "stream_update streams whole 1024-row blocks"
+    assert rows >= block_rows, "stream_update streams whole blocks: the table has fewer rows than one"
     assert row_sum in ("loop", "mxu"), row_sum
     mxu = row_sum == "mxu"
     rule = rule_of(op_name)
@@ -743,9 +745,15 @@ def stream_update(
         else jnp.zeros((1,), jnp.float32)
     )
     # How a lane-dense block's row slots and row means move between lanes and rows: XLU lane
-    # reductions and strided copies, or products on the MXU (TPUREC_TENSORCORE_ROW_SLOTS).
-    slots_on_mxu = k > 1 and _row_slots() == "mxu"
-    if k > 1 and reduces:
+    # reductions and strided copies, products on the MXU, or the row math once a row with per-row
+    # values moved by square transposes (TPUREC_TENSORCORE_ROW_SLOTS; the last for 2 rows a line and
+    # rules that take ``spread``, else products).
+    row_slots = _row_slots() if k > 1 else "xlu"
+    if row_slots == "transpose" and not (k == 2 and reduces and "spread" in inspect.signature(rule.rows).parameters):
+        row_slots = "mxu"
+    by_rows = row_slots == "transpose" and any(flat)
+    slots_on_mxu = row_slots == "mxu"
+    if k > 1 and reduces and not by_rows:
         constants["row_mean"] = _mxu_row_mean(dim) if slots_on_mxu else _segmented_row_mean(dim)
     lane_rows = block_rows // 128
     block_lines, width = block_rows // k, (LANES if k > 1 else dim)
@@ -756,7 +764,7 @@ def stream_update(
     ]
     row_fn = rule.rows
     sink = block_lines
-    blocks_vmem, gradient_vmem = _update_vmem(batch_size, dim, slots)
+    blocks_vmem, gradient_vmem = _update_vmem(batch_size, dim, slots, block_rows)
     if resident is None:
         resident = blocks_vmem + gradient_vmem <= _VMEM_LIMIT - 8 * 2**20
     resident = resident and not mxu
@@ -845,6 +853,7 @@ def stream_update(
         @pl.when(last_step)
         def _():
             lanes_iota = jax.lax.broadcasted_iota(jnp.int32, (128, 128), 1)
+            marks = None
             if k == 1:
                 touched = touched_ref[:block_rows, 0:1] > 0.0
             else:  # line l's lanes of place p take row l * k + p's mark
@@ -855,6 +864,10 @@ def stream_update(
                 touched = marks > 0.0
             gradient = grad_ref[:block_lines, :]
             w = ins[0][...]
+            if by_rows:
+                args = (ins, outs, flat, gradient, w, marks, dim, hp_ref, names, constants, table.dtype, spread_ref)
+                _rows_step(row_fn, *args)
+                return
             olds = [
                 (
                     _row_slot_in_mxu(r[...], k, dim)
@@ -886,7 +899,9 @@ def stream_update(
     specs = [block(False)] + [block(f) for f in flat]
     arrays = [table.reshape(rows // k, width), *slot_views]
     # The row slots of a lane-dense table pass through a block of rows spread over all lanes.
-    spread = [pltpu.VMEM((block_rows, LANES), jnp.float32)] if k > 1 and any(flat) and not slots_on_mxu else []
+    spread = [pltpu.VMEM((block_rows, LANES), jnp.float32)] if k > 1 and any(flat) and row_slots == "xlu" else []
+    if by_rows:  # a square for transposes and a block of row values in the kernel's pair order
+        spread = [pltpu.VMEM((LANES, LANES), jnp.float32), pltpu.VMEM((lane_rows, LANES), jnp.float32)]
 
     def update_call(mode, scheduled, gradient, gradient_spec):
         # After the scheduled scalars, hp, keys, samples, gains, the gradient and (MXU) the ids as lanes.
@@ -925,6 +940,106 @@ def stream_update(
         outs = run(mode)
     new_slots = [o.reshape(-1)[:rows] if f else o.reshape(rows, dim) for o, f in zip(outs[1:], flat)]
     return (outs[0].reshape(rows, dim), *new_slots)
+
+
+# --- the row math once a row (TPUREC_TENSORCORE_ROW_SLOTS=transpose, 2 rows a line) -------------
+#
+# A block's row slot is stored in row order, ``[lane_rows, 128]`` (row ``r`` at ``[r // 128, r % 128]``),
+# and its rows' lanes are the block's lines (row ``r`` on lanes ``(r % 2) * 64 ...`` of line ``r // 2``).
+# Between the two the kernel keeps per-row values in *pair order*: rows ``256 a + 2 b + p`` at
+# ``[2 a + p, b]``. Pair order is what a square transpose of 128 lines gives: the transposed lines'
+# sublanes ``64 p ... 64 p + 63`` are place ``p``'s lanes, so a row's sum is a sum over sublanes and
+# 128 lines give pair rows ``2 a`` and ``2 a + 1``; the way back is a transpose of those two rows, each
+# broadcast over 64 sublanes. Row order and pair order differ by a transpose, strided copies and a swap
+# of half rows, on the ``lane_rows`` rows only. Transposes run on the XLU; no product, no split into
+# bfloat16 parts, and the rule's per-row math (the accumulator's square root and quotient) runs on
+# ``lane_rows`` rows instead of the block's lines.
+
+
+def _swap_halves(x, pm_ref):
+    """Pair rows ``2 a``, ``2 a + 1`` exchange halves: ``[x0, x1], [y0, y1] -> [x0, y0], [x1, y1]``
+    (its own inverse: row order's transposed copy <-> pair order)."""
+    pm_ref[...] = x
+    h = x.shape[0] // 2
+    even, odd = pm_ref[pl.ds(0, h, stride=2), :], pm_ref[pl.ds(1, h, stride=2), :]
+    low = jax.lax.broadcasted_iota(jnp.int32, (h, LANES), 1) < LANES // 2
+    # an int32 shift (a Python int traces as int64 under x64, which Mosaic refuses)
+    half: Any = np.int32(LANES // 2)
+    pm_ref[pl.ds(0, h, stride=2), :] = jnp.where(low, even, pltpu.roll(odd, half, 1))
+    pm_ref[pl.ds(1, h, stride=2), :] = jnp.where(low, pltpu.roll(even, half, 1), odd)
+    return pm_ref[...]
+
+
+def _square(x):
+    """``x`` (``[n <= 128, 128]``) padded with zero rows to ``[128, 128]``."""
+    n = x.shape[0]
+    return x if n == LANES else jnp.concatenate([x, jnp.zeros((LANES - n, LANES), x.dtype)], axis=0)
+
+
+def _rows_to_pairs(x, sq_ref, pm_ref):
+    """A row slot's block ``[lane_rows, 128]`` in row order -> pair order."""
+    sq_ref[...] = _square(x).T  # [j, i]: row 128 i + j
+    half = LANES // 2
+    split = jnp.concatenate([sq_ref[pl.ds(0, half, stride=2), :], sq_ref[pl.ds(1, half, stride=2), :]], axis=0)
+    return _swap_halves(split.T[: x.shape[0]], pm_ref)  # [i, 64 p + b]: row 128 i + 2 b + p, then pairs
+
+
+def _pairs_to_rows(x, sq_ref, pm_ref):
+    """The inverse of :func:`_rows_to_pairs`."""
+    split = _square(_swap_halves(x, pm_ref)).T  # [64 p + b, i]: row 128 i + 2 b + p
+    half = LANES // 2
+    sq_ref[pl.ds(0, half, stride=2), :] = split[:half]
+    sq_ref[pl.ds(1, half, stride=2), :] = split[half:]
+    return sq_ref[...].T[: x.shape[0]]
+
+
+def _lines_to_pairs(x, pick):
+    """``[lines, 128]`` -> ``[lines / 64, 128]`` in pair order, each row's value from its 64 lanes:
+    ``pick(t)`` reduces a transposed place's ``[64, 128]`` sublanes to ``[1, 128]``."""
+    lane_rows = x.shape[0] // 64
+    pair_row = jax.lax.broadcasted_iota(jnp.int32, (lane_rows, LANES), 0)
+    out = jnp.zeros((lane_rows, LANES), x.dtype)
+    half = LANES // 2
+    for a in range(x.shape[0] // LANES):
+        t = x[a * LANES : (a + 1) * LANES].T  # [lane, b]: line 128 a + b
+        for p in range(2):
+            out = jnp.where(pair_row == 2 * a + p, pick(t[p * half : (p + 1) * half]), out)
+    return out
+
+
+def _pairs_to_lines(x, pm_ref):
+    """Per-row values in pair order ``[lane_rows, 128]`` -> ``[lane_rows * 64, 128]``, each row's value
+    on its lanes of its line."""
+    pm_ref[...] = x
+    half = jax.lax.broadcasted_iota(jnp.int32, (LANES, LANES), 0) < LANES // 2
+    tiles = []
+    for a in range(x.shape[0] // 2):
+        square = jnp.where(half, pm_ref[2 * a : 2 * a + 1, :], pm_ref[2 * a + 1 : 2 * a + 2, :])
+        tiles.append(square.T)  # [b, s]: row 256 a + 2 b + s // 64
+    return jnp.concatenate(tiles, axis=0)
+
+
+def _rows_step(row_fn, ins, outs, flat, gradient, w, marks, dim: int, hp_ref, names, constants, dtype, scratch):
+    """A lane-dense block's update (2 rows a line) with the rule's per-row math once a row: row
+    slots in pair order, ``row_mean`` a transpose and sublane sums, ``spread`` a transpose back."""
+    sq_ref, pm_ref = scratch
+    touched = marks > 0.0
+    # every lane of a row holds its mark: the first sublane of each transposed place
+    touched_rows = _lines_to_pairs(marks, lambda t: t[0:1]) > 0.0
+    olds = [_rows_to_pairs(r[...], sq_ref, pm_ref) if f else r[...] for r, f in zip(ins[1:], flat)]
+    scale = np.float32(1.0 / dim)  # a power of two: the mean is the sum's exact multiple
+
+    def row_mean(x):
+        return _lines_to_pairs(x, lambda t: jnp.sum(t, axis=0, keepdims=True)) * scale
+
+    hps = {name: jnp.full((1, 1), hp_ref[i], jnp.float32) for i, name in enumerate(names)} | constants
+    new = row_fn(gradient, w, *olds, dtype=dtype, row_mean=row_mean, spread=lambda v: _pairs_to_lines(v, pm_ref), **hps)
+    outs[0][...] = jnp.where(touched, new[0], w)
+    for r, f, old, value in zip(outs[1:], flat, olds, new[1:]):
+        if f:
+            r[...] = _pairs_to_rows(jnp.where(touched_rows, value, old), sq_ref, pm_ref)
+        else:
+            r[...] = jnp.where(touched, value.reshape(old.shape), old)
 
 
 def _row_slot_in(x, k: int, dim: int, lanes_iota, spread_ref):
