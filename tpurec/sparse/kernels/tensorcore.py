@@ -1011,11 +1011,12 @@ def _pairs_to_lines(x, pm_ref):
     """Per-row values in pair order ``[lane_rows, 128]`` -> ``[lane_rows * 64, 128]``, each row's value
     on its lanes of its line."""
     pm_ref[...] = x
-    half = jax.lax.broadcasted_iota(jnp.int32, (LANES, LANES), 0) < LANES // 2
+    half = (LANES // 2, LANES)
     tiles = []
     for a in range(x.shape[0] // 2):
-        square = jnp.where(half, pm_ref[2 * a : 2 * a + 1, :], pm_ref[2 * a + 1 : 2 * a + 2, :])
-        tiles.append(square.T)  # [b, s]: row 256 a + 2 b + s // 64
+        # pair row 2 a on sublanes 0-63, 2 a + 1 on 64-127: broadcasts (one vector register each)
+        rows = [jnp.broadcast_to(pm_ref[2 * a + p : 2 * a + p + 1, :], half) for p in range(2)]
+        tiles.append(jnp.concatenate(rows, axis=0).T)  # [b, s]: row 256 a + 2 b + s // 64
     return jnp.concatenate(tiles, axis=0)
 
 
