@@ -298,6 +298,25 @@ def test_lane_dense_row_math_once_a_row_matches_reference(block_rows, gradient):
         _check_stream_update("rowwise_adagrad", csr, batch, table, slots, block_rows=block_rows, **gradient)
 
 
+@pytest.mark.parametrize("dim,row_slots", [(8, "mxu"), (64, "mxu"), (64, "transpose")])
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad"])
+def test_rows_marked_with_their_block_number_match_reference(name, dim, row_slots, monkeypatch):
+    # block_marks: the touched-row buffer is cleared once and each block marks its rows with its own
+    # number, so rows an earlier block marked at the same offsets must not count as touched (4 blocks).
+    csr, batch, rows, dim = _csr(23, 1, 6144, dim=dim, capacity=512)
+    table, slots = _state(4, rows, dim, name)
+    with tpurec.config.override(tensorcore_row_slots=row_slots, tensorcore_lane_dense=dim == 64):
+        assert tensorcore.rows_per_line(rows, dim) == (2 if dim == 64 else 1)  # rows as they are, or lines
+        _check_stream_update(name, csr, batch, table, slots, resident=True, block_marks=True)
+        op, hp = f"sparse_dense_matmul_grad_with_{name}", OPTIMIZERS[name][1]
+
+        def step(*args):
+            keys, samples, gains, _ = tensorcore._sorted_entries(*args[:4])
+            return tensorcore.stream_update(op, args[5], args[6:], keys, samples, gains, args[4], hp, block_marks=True)
+
+        _lowers_for_a_tpu(monkeypatch, step, *csr, np.zeros((batch, dim), np.float32), table, *slots)
+
+
 def test_lane_dense_xla_rows_gather_and_write_whole_lines():
     # Keys sharing lines (every row of some lines, one row of others), keys past the table skipped.
     rng = np.random.default_rng(2)

@@ -671,6 +671,7 @@ def stream_update(
     resident: bool | None = None,
     row_sum: str = "loop",
     gradient_window: int | None = None,
+    block_marks: bool = False,
 ):
     """A fused optimizer step in one pass over the touched blocks of a table and its slots.
 
@@ -705,6 +706,9 @@ def stream_update(
             apart, e.g. many features on one table), every entry's gradient row is gathered by XLA
             first instead (at batch 16384 of DLRM on a v5e: 45 ms for the step, 63 ms gathered).
             None: as many rows as fit; 0: always gather.
+        block_marks: (experimental, the loop sum) mark a block's touched rows with the block's number
+            + 1 in a buffer cleared once, instead of ones in a buffer cleared at every block (which
+            stores a vector register per 8 rows of the block).
 
     A lane-dense table (:func:`rows_per_line`; its element slots alike) streams as lines: the
     output gradient is laid out once in each of a line's row lanes beforehand, an entry adds its
@@ -724,6 +728,7 @@ def stream_update(
     assert rows >= block_rows, "stream_update streams whole blocks: the table has fewer rows than one"
     assert row_sum in ("loop", "mxu"), row_sum
     mxu = row_sum == "mxu"
+    block_marks = block_marks and not mxu  # the MXU sum counts a row's entries into its marks
     rule = rule_of(op_name)
     flat = [x.ndim == 1 for x in slots]
     k = 1 if mxu else rows_per_line(rows, dim, table.dtype)
@@ -814,12 +819,29 @@ def stream_update(
         first_step = jnp.logical_or(s == 0, b_ref[jnp.maximum(s - 1, 0)] != b_ref[s])
         last_step = jnp.logical_or(s == num_steps - 1, b_ref[jnp.minimum(s + 1, num_steps - 1)] != b_ref[s])
 
+        if block_marks:  # a row is marked with its block's number + 1: no block clears the buffer
+            generation = jnp.full((1, 128), b_ref[s] + np.int32(1), jnp.int32).astype(jnp.float32)
+
+            @pl.when(s == 0)
+            def _():
+                touched_ref[...] = jnp.zeros_like(touched_ref)
+
+            def is_marked(x):
+                return x == generation[:, :1]
+
+        else:
+            generation = jnp.ones((1, 128), jnp.float32)
+
+            def is_marked(x):
+                return x > 0.0
+
         @pl.when(first_step)
         def _():
             grad_ref[...] = jnp.zeros_like(grad_ref)
-            touched_ref[...] = jnp.zeros_like(touched_ref)
+            if not block_marks:
+                touched_ref[...] = jnp.zeros_like(touched_ref)
 
-        marked = jnp.ones((1, 128), jnp.float32)
+        marked = generation
 
         def add(i, ok):
             j = i - base
@@ -855,17 +877,18 @@ def stream_update(
             lanes_iota = jax.lax.broadcasted_iota(jnp.int32, (128, 128), 1)
             marks = None
             if k == 1:
-                touched = touched_ref[:block_rows, 0:1] > 0.0
+                touched = is_marked(touched_ref[:block_rows, 0:1])
             else:  # line l's lanes of place p take row l * k + p's mark
                 group = _lane_group(dim)
                 marks = touched_ref[pl.ds(0, block_lines, stride=k), :]
                 for place in range(1, k):
                     marks = jnp.where(group == place, touched_ref[pl.ds(place, block_lines, stride=k), :], marks)
-                touched = marks > 0.0
+                touched = is_marked(marks)
             gradient = grad_ref[:block_lines, :]
             w = ins[0][...]
             if by_rows:
-                args = (ins, outs, flat, gradient, w, marks, dim, hp_ref, names, constants, table.dtype, spread_ref)
+                args = (ins, outs, flat, gradient, w, touched, marks, is_marked, dim, hp_ref, names, constants)
+                args = (*args, table.dtype, spread_ref)
                 _rows_step(row_fn, *args)
                 return
             olds = [
@@ -1020,13 +1043,14 @@ def _pairs_to_lines(x, pm_ref):
     return jnp.concatenate(tiles, axis=0)
 
 
-def _rows_step(row_fn, ins, outs, flat, gradient, w, marks, dim: int, hp_ref, names, constants, dtype, scratch):
+def _rows_step(
+    row_fn, ins, outs, flat, gradient, w, touched, marks, is_marked, dim: int, hp_ref, names, constants, dtype, scratch
+):
     """A lane-dense block's update (2 rows a line) with the rule's per-row math once a row: row
     slots in pair order, ``row_mean`` a transpose and sublane sums, ``spread`` a transpose back."""
     sq_ref, pm_ref = scratch
-    touched = marks > 0.0
     # every lane of a row holds its mark: the first sublane of each transposed place
-    touched_rows = _lines_to_pairs(marks, lambda t: t[0:1]) > 0.0
+    touched_rows = is_marked(_lines_to_pairs(marks, lambda t: t[0:1]))
     olds = [_rows_to_pairs(r[...], sq_ref, pm_ref) if f else r[...] for r, f in zip(ins[1:], flat)]
     scale = np.float32(1.0 / dim)  # a power of two: the mean is the sum's exact multiple
 
