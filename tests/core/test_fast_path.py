@@ -151,7 +151,10 @@ def test_the_fast_path_gathers_what_the_full_path_gathers():
     assert tpurec.stats()["cache_hits"] == hits + 1
     torch.testing.assert_close(out.cpu(), torch.clamp(a, min=-0.25, max=0.75))
     assert any(signature[0] == id(aten.clamp.default) for signature in table)
-    assert calls._gather(aten.clamp.default, calls.argument_kinds(aten.clamp.default), (ta, [1.0]), {}, None, frozenset()) is None
+    assert (
+        calls._gather(aten.clamp.default, calls.argument_kinds(aten.clamp.default), (ta, [1.0]), {}, None, frozenset())
+        is None
+    )
 
 
 def _step(model, optimizer, x, y):

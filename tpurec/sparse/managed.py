@@ -338,7 +338,8 @@ def remapped_features(model: nn.Module) -> set[str]:
         Feature names (KJT keys).
     """
     remaps = tuple(REMAP_TYPES)
-    return {f for m in model.modules() if isinstance(m, remaps) for f in m._feature_names}
+    names: list[list[str]] = [m._feature_names for m in model.modules() if isinstance(m, remaps)]  # type: ignore[misc]
+    return {f for features in names for f in features}
 
 
 def convert_managed(model: nn.Module, convert: Callable[[nn.Module], nn.Module]) -> nn.Module:
