@@ -13,12 +13,14 @@ tpurec follows, errs by up to 4.4 epsilons in this scan, where glibc's erfc, whi
 results below float32's smallest normal number are left out: the device flushes them to zero
 (docs/device-semantics.md). The two-argument functions ``zeta`` (in float32), ``igamma`` and
 ``igammac`` (in float32, tpurec/dense/incomplete_gamma.py) are checked the same way on grids over
-their domains, edges included, and ``igammac`` of a small shape, where PyTorch's own float64 errs,
+their domains, edges included, ``polygamma`` (n >= 1, in float32) over the positive range and
+against mpmath below 0, and ``igammac`` of a small shape, where PyTorch's own float64 errs,
 against mpmath; ``pow`` on a grid with every edge.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -176,6 +178,31 @@ def test_zeta_over_its_domain_negative_q_included() -> None:
     assert_as_accurate_as_cpu(torch.special.zeta, *_grid(x, q))
 
 
+@pytest.mark.parametrize("n", [1, 2, 3, 7])
+def test_polygamma_over_the_positive_float32_range(n: int) -> None:
+    # psi^(n)(x) = (-1)^(n+1) n! zeta(n + 1, x) in float32 (it went through float64, which a TPU
+    # emulates with float32's exponent range); n! joins the sum before it is unscaled.
+    x = _every_float32()
+    assert_as_accurate_as_cpu(lambda t: torch.polygamma(n, t), x[(x >= 0) | x.isnan()])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_polygamma_of_negative_arguments_against_mpmath(n: int) -> None:
+    # Below 0 the recurrence's terms on both sides of 0 cancel (exactly at the half-integers for odd
+    # n + 1); tpurec sums them in pairs of float32 numbers. PyTorch's float64 is not exact enough to
+    # judge (its float32 trigamma errs by 3.9e-4 here): mpmath, within 8 float32 epsilons.
+    mpmath = pytest.importorskip("mpmath")
+    x = torch.linspace(-30.0, 0.0, 1201)
+    x = x[x != x.floor()]
+    ours = torch.polygamma(n, x.to("tpu")).cpu().double()
+    with mpmath.workdps(30):
+        exact = torch.tensor([float(mpmath.polygamma(n, float(v))) for v in x], dtype=torch.float64)
+    keep = exact.abs() <= _MAX  # (within 2^(-128 / (n + 1)) of a pole: inf, as on CPU)
+    error = ((ours - exact).abs() / exact.abs())[keep]
+    assert error.max().item() <= 8 * _EPS, (x[keep][error.argmax()].item(), error.max().item())
+    assert (ours[~keep].isinf() & (ours[~keep].sign() == exact[~keep].sign())).all()
+
+
 @pytest.mark.parametrize("function", [torch.special.gammainc, torch.special.gammaincc])
 def test_incomplete_gamma_over_its_domain(function: Callable[..., torch.Tensor]) -> None:
     # Where PyTorch's own float64 is exact enough to judge: a >= 1e-6 (its upper function rounds
@@ -236,14 +263,20 @@ BINARY_FLOAT32_ONLY = {
 }
 
 
-@pytest.mark.parametrize("name", [*FLOAT32_ONLY, *BINARY_FLOAT32_ONLY])
+@pytest.mark.parametrize("name", [*FLOAT32_ONLY, *BINARY_FLOAT32_ONLY, "polygamma_1", "polygamma_3"])
 def test_float32_lowering_has_no_float64_op(name: str) -> None:
-    lowering = get_lowering(FLOAT32_ONLY.get(name) or BINARY_FLOAT32_ONLY[name])
-    assert lowering is not None, name
+    if name.startswith("polygamma"):
+        lowering = get_lowering(aten.polygamma.default)
+        assert lowering is not None
+        fn = functools.partial(lowering.fn, int(name.rsplit("_", 1)[1]))
+    else:
+        lowering = get_lowering(FLOAT32_ONLY.get(name) or BINARY_FLOAT32_ONLY[name])
+        assert lowering is not None, name
+        fn = lowering.fn
     arguments = [jnp.ones((8,), jnp.float32)] * (2 if name in BINARY_FLOAT32_ONLY else 1)
     # The optimized program XLA runs (Python scalars enter the traced program as float64 constants
     # that XLA folds into float32 ones; a float64 computation stays).
-    text = jax.jit(lowering.fn).lower(*arguments).compile().as_text()
+    text = jax.jit(fn).lower(*arguments).compile().as_text()
     assert text is not None, name
     lines = [line.strip() for line in text.splitlines() if "f64" in line]
     assert not lines, f"{name}: {len(lines)} float64 lines in its float32 program, e.g. {lines[:3]}"

@@ -463,9 +463,11 @@ def polygamma(n: int, x):
         raise ValueError(f"polygamma: the order n must be non-negative, got {n}")
     if n == 0:
         return _unary(gamma_functions.digamma)(x)
-    # Near the poles (negative x) the shifted sum cancels badly in float32: evaluate
-    # in float64 and round once (polygamma is rare enough for the cost not to matter).
     comp, res = promote(x, kind=Kind.INT_TO_FLOAT)
+    if comp == jnp.float32:  # in float32 (a TPU emulates float64 with float32's exponent range)
+        return hurwitz_zeta.polygamma(n, x.astype(jnp.float32)).astype(res)
+    # Near the poles (negative x) the shifted sum cancels badly in float32: other dtypes
+    # evaluate in float64 and round once.
     return _polygamma_any_sign(n, x.astype(jnp.float64)).astype(res)
 
 
