@@ -9,8 +9,14 @@ shard remaps its own block of the id space into its own rows and evicted rows ar
 
 The batches force what can differ: the first one is small (each shard's history buffer is
 sized from it, so later steps overflow it and the order ids reach a shard matters), the ids
-drift so the LFU policy admits and evicts every 2 steps, and ``init_fn`` is a constant (TorchRec's
+drift so the LFU policy admits and evicts every 2 steps (rows trained in earlier steps among them,
+their accumulators not zero), and ``init_fn`` is a constant (TorchRec's
 ranks draw a random ``init_fn`` from their own generators: a deterministic one compares exactly).
+
+Trained with Adagrad and with row-wise Adagrad. With row-wise Adagrad TorchRec's eviction also
+calls FBGEMM's ``reset_weight_momentum``, which zeroes the evicted rows' weights and row-wise
+accumulators; the op has a CUDA kernel only, so the reference gets a CPU implementation of it here
+(the ``fbgemm_reset_weight_momentum_on_cpu`` fixture).
 
 Compared after each of 5 steps: the remapped ids and the evicted rows (exactly), the pooled
 output or the sequence embeddings (float32 sums: 1e-5 relative, 1e-6 absolute), the tables and Adagrad accumulators
@@ -26,6 +32,9 @@ from typing import Any, cast
 
 import numpy as np
 import pytest
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -39,6 +48,7 @@ from torchrec.modules.embedding_configs import EmbeddingConfig
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection as TorchrecMCEBC
 from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection as TorchrecMCEC
 from torchrec.modules.mc_modules import LFU_EvictionPolicy, ManagedCollisionCollection, MCHManagedCollisionModule
+from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
 import tpurec
@@ -60,18 +70,30 @@ RESET_VALUE = 0.5
 # eps given: TorchRec's sharded module hands FBGEMM only the given settings (FBGEMM's eps 1e-8), while
 # tpurec's sharded collection, like TorchRec's unsharded module, takes torch's (1e-10) for the rest.
 ADAGRAD = {"lr": 0.1, "eps": 1e-8}
+OPTIMIZERS: dict[str, type] = {"adagrad": torch.optim.Adagrad, "rowwise_adagrad": TorchrecRowWiseAdagrad}
+# Each table's features. TorchRec's sharded module hands FBGEMM's reset_weight_momentum a table's
+# position among its TBE's tables where the op reads the position of the table's first feature
+# (weights_offsets, D_offsets and momentum1_offsets are per feature); they agree when no table with
+# several features comes before another one in the TBE, as in ROWWISE_FEATURES (the row-wise Adagrad
+# runs: see test_torchrec_resets_the_rows_of_another_table_after_a_table_of_several_features).
+FEATURES = (("f0", "f1"), ("f2",))
+ROWWISE_FEATURES = (("f0",), ("f1", "f2"))
 KINDS = ("bags", "sequence")  # a ManagedCollisionEmbeddingBagCollection, a ManagedCollisionEmbeddingCollection
 # The fused kernel: the managed-collision sharder's kernels (FBGEMM's dense kernel cannot reset rows).
 ROW_WISE = {"t0": row_wise(compute_kernel="fused"), "t1": row_wise(compute_kernel="fused")}
 
 
-def _tables(kind: str = "bags") -> list[Any]:
+def _dims(kind: str) -> tuple[int, int]:
+    return (4, 8) if kind == "bags" else (4, 4)
+
+
+def _tables(kind: str = "bags", features: tuple[tuple[str, ...], ...] = FEATURES) -> list[Any]:
     # t1's 23 rows split unevenly (3 per device, 2 on the last), as TorchRec's row_wise() splits them.
     init = functools.partial(torch.nn.init.constant_, val=RESET_VALUE)
-    config, dims = (EmbeddingBagConfig, (4, 8)) if kind == "bags" else (EmbeddingConfig, (4, 4))
+    config, dims = (EmbeddingBagConfig if kind == "bags" else EmbeddingConfig), _dims(kind)
     return [
-        config(name="t0", embedding_dim=dims[0], num_embeddings=32, feature_names=["f0", "f1"], init_fn=init),
-        config(name="t1", embedding_dim=dims[1], num_embeddings=23, feature_names=["f2"], init_fn=init),
+        config(name="t0", embedding_dim=dims[0], num_embeddings=32, feature_names=list(features[0]), init_fn=init),
+        config(name="t1", embedding_dim=dims[1], num_embeddings=23, feature_names=list(features[1]), init_fn=init),
     ]
 
 
@@ -93,9 +115,9 @@ def _hash(ids: torch.Tensor, size: int) -> torch.Tensor:
     return (ids * 7919 + 13) % size
 
 
-def _model(kind: str = "bags", hashed: bool = False) -> _Sparse:
+def _model(kind: str = "bags", hashed: bool = False, features: tuple[tuple[str, ...], ...] = FEATURES) -> _Sparse:
     torch.manual_seed(0)
-    tables = _tables(kind)
+    tables = _tables(kind, features)
     mcc = ManagedCollisionCollection(
         {
             t.name: MCHManagedCollisionModule(
@@ -135,22 +157,25 @@ def _plan(model: _Sparse, generators: dict, kind: str = "bags") -> ShardingPlan:
     return ShardingPlan({"sparse": module_plan})
 
 
-def _batches(kind: str = "bags") -> list[tuple[KeyedJaggedTensor, dict[str, torch.Tensor]]]:
+def _batches(
+    kind: str = "bags", features: tuple[tuple[str, ...], ...] = FEATURES
+) -> list[tuple[KeyedJaggedTensor, dict[str, torch.Tensor]]]:
     """One id per bag in the first step (small history buffers), then up to 5 from a drifting skewed pool;
     the loss's weights: per sample (pooled) or per id (sequence)."""
     rng = np.random.default_rng(3)
+    pooled_width = sum(len(names) * dim for names, dim in zip(features, _dims(kind)))
     out = []
     for step in range(STEPS):
         lengths = np.ones(3 * BATCH, np.int64) if step == 0 else rng.integers(0, 6, 3 * BATCH)
         if step == 0:
             ids = rng.integers(0, INPUT_HASH_SIZE, int(lengths.sum()))
         else:
-            ids = (rng.geometric(0.15, int(lengths.sum())) + 5 * step) * 37 % INPUT_HASH_SIZE
+            ids = (rng.geometric(0.15, int(lengths.sum())) + 30 * step) * 37 % INPUT_HASH_SIZE
         kjt = KeyedJaggedTensor.from_lengths_sync(
             keys=["f0", "f1", "f2"], values=torch.from_numpy(ids).long(), lengths=torch.from_numpy(lengths).long()
         )
         if kind == "bags":
-            target = {"pooled": torch.from_numpy(rng.normal(size=(BATCH, 16)).astype(np.float32))}
+            target = {"pooled": torch.from_numpy(rng.normal(size=(BATCH, pooled_width)).astype(np.float32))}
         else:
             sizes = {f: int(kjt[f].lengths().sum()) for f in kjt.keys()}
             target = {f: torch.from_numpy(rng.normal(size=(n, 4)).astype(np.float32)) for f, n in sizes.items()}
@@ -212,14 +237,108 @@ def _table_key(kind: str, table: str) -> str:
     return f"_embedding_module.{'embedding_bags' if kind == 'bags' else 'embeddings'}.{table}.weight"
 
 
-def _torchrec_sharded(model: _Sparse, plan: ShardingPlan, batches, kind: str) -> list[list[dict[str, Any]]]:
+def _reset_weight_momentum_cpu(
+    dev_weights: torch.Tensor,
+    other_weights: torch.Tensor,
+    weights_placements: torch.Tensor,
+    weights_offsets: torch.Tensor,
+    momentum1_dev: torch.Tensor,
+    momentum1_other: torch.Tensor,
+    momentum1_placements: torch.Tensor,
+    momentum1_offsets: torch.Tensor,
+    D_offsets: torch.Tensor,
+    pruned_indices: torch.Tensor,
+    pruned_indices_offsets: torch.Tensor,
+    logical_table_ids: torch.Tensor,
+    buffer_ids: torch.Tensor,
+) -> None:
+    """FBGEMM's ``reset_weight_momentum`` (fbgemm_gpu/src/split_embeddings_cache/reset_weight_momentum.cu,
+    a CUDA kernel only) on CPU tensors, with the kernel's indexing and without its cache (a CPU TBE has none).
+
+    For each ``(logical_id, buffer_id)`` of ``logical_table_ids`` and ``buffer_ids``: the rows
+    ``pruned_indices[pruned_indices_offsets[buffer_id]:pruned_indices_offsets[buffer_id + 1]]`` of the
+    table at ``weights_offsets[logical_id]`` (``D_offsets[logical_id + 1] - D_offsets[logical_id]``
+    wide; placement ``DEVICE`` in the device buffer, any other in the other one) get weights 0 (their
+    first ``D // 4 * 4`` columns: the kernel writes 4-wide chunks) and their row-wise momentum
+    (``momentum1_offsets[logical_id] + row``, placed alike) 0.
+    """
+    device = EmbeddingLocation.DEVICE.value
+    for logical_id, buffer_id in zip(logical_table_ids.tolist(), buffer_ids.tolist()):
+        start, stop = pruned_indices_offsets[buffer_id : buffer_id + 2].tolist()
+        rows = pruned_indices[start:stop].long()
+        if rows.numel() == 0:
+            continue
+        D = int(D_offsets[logical_id + 1] - D_offsets[logical_id])
+        weights = dev_weights if int(weights_placements[logical_id]) == device else other_weights
+        momentum1 = momentum1_dev if int(momentum1_placements[logical_id]) == device else momentum1_other
+        momentum1[int(momentum1_offsets[logical_id]) + rows] = 0
+        columns = torch.arange(D // 4 * 4)
+        weights[int(weights_offsets[logical_id]) + rows[:, None] * D + columns] = 0
+
+
+@pytest.fixture
+def fbgemm_reset_weight_momentum_on_cpu(monkeypatch) -> list[dict[str, Any]]:
+    """TorchRec's reference on CPU resets rows on an eviction with row-wise Adagrad, as on GPU.
+
+    TorchRec's sharded managed-collision module calls its TBE's ``reset_embedding_weight_momentum``
+    for each table's evicted rows; for EXACT_ROWWISE_ADAGRAD that calls ``fbgemm::reset_weight_momentum``,
+    which has a CUDA kernel only (on CPU the call fails), and passes it the TBE's device and UVM
+    buffers, while a CPU TBE keeps its tables and state in its host buffers (placement HOST). For the
+    test only (monkeypatch restores the method after it), the method runs
+    :func:`_reset_weight_momentum_cpu` on the host buffers, otherwise as FBGEMM's method does (an error
+    without an optimizer, nothing for optimizers other than row-wise Adagrad).
+
+    Returns:
+        The calls that reset rows: per call, how many rows (filled as the test runs).
+    """
+    calls: list[dict[str, Any]] = []
+
+    def reset_embedding_weight_momentum(
+        self: Any,
+        pruned_indices: torch.Tensor,
+        pruned_indices_offsets: torch.Tensor,
+        logical_table_ids: torch.Tensor,
+        buffer_ids: torch.Tensor,
+    ) -> None:
+        if self.optimizer == EmbOptimType.NONE:
+            raise NotImplementedError(f"Resetting embedding weight momentum is not supported for {self.optimizer}")
+        if self.optimizer != EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+            return
+        assert self.use_cpu and int(self.total_cache_hash_size) == 0  # (no cache to look the rows up in)
+        calls.append({"rows": int(pruned_indices_offsets[-1] - pruned_indices_offsets[0])})
+        with torch.no_grad():
+            _reset_weight_momentum_cpu(
+                self.weights_dev,
+                self.weights_host,
+                self.weights_placements,
+                self.weights_offsets,
+                self.momentum1_dev,
+                self.momentum1_host,
+                self.momentum1_placements,
+                self.momentum1_offsets,
+                self.D_offsets,
+                pruned_indices,
+                pruned_indices_offsets,
+                logical_table_ids,
+                buffer_ids,
+            )
+
+    monkeypatch.setattr(
+        SplitTableBatchedEmbeddingBagsCodegen, "reset_embedding_weight_momentum", reset_embedding_weight_momentum
+    )
+    return calls
+
+
+def _torchrec_sharded(
+    model: _Sparse, plan: ShardingPlan, batches, kind: str, optimizer: str = "adagrad"
+) -> list[list[dict[str, Any]]]:
     """TorchRec's sharded managed-collision module on 8 thread ranks: per rank, per step what it computed."""
     copies = [copy.deepcopy(model) for _ in range(WORLD)]  # (before the threads: no random op in a rank)
     per_rank = BATCH // WORLD
 
     def rank_fn(rank: int) -> list[dict[str, Any]]:
         unsharded = copies[rank].sparse
-        apply_optimizer_in_backward(torch.optim.Adagrad, unsharded._embedding_module.parameters(), dict(ADAGRAD))
+        apply_optimizer_in_backward(OPTIMIZERS[optimizer], unsharded._embedding_module.parameters(), dict(ADAGRAD))
         env = ShardingEnv.from_process_group(cast(Any, dist.group.WORLD))
         sharded: Any = _sharder(kind).shard(unsharded, cast(Any, plan.plan["sparse"]), env, torch.device("cpu"))
         # TorchRec's sharded tables start from its own init: give them the unsharded rows.
@@ -273,21 +392,21 @@ def _gathered(per_rank: list[tuple[int, torch.Tensor, tuple[int, ...]]]) -> torc
     return whole
 
 
-def _tpurec_sharded(model: _Sparse, plan: ShardingPlan) -> Any:
+def _tpurec_sharded(model: _Sparse, plan: ShardingPlan, optimizer: str = "adagrad") -> Any:
     ours = copy.deepcopy(model)
-    apply_optimizer_in_backward(torch.optim.Adagrad, ours.sparse._embedding_module.parameters(), dict(ADAGRAD))
+    apply_optimizer_in_backward(OPTIMIZERS[optimizer], ours.sparse._embedding_module.parameters(), dict(ADAGRAD))
     ours = sp.from_torchrec(ours).to("tpu")
     return tpurec.shard(ours, plan, capacity=64)
 
 
-def _history_overflows(batches, hashed: bool) -> int:
+def _history_overflows(batches, hashed: bool, table_features: tuple[tuple[str, ...], ...] = FEATURES) -> int:
     """Shards (table, device) whose ids of one eviction window exceed their history buffer, which
     TorchRec sizes from the first batch (ids x eviction_interval x 1.25): then the order matters."""
     block = -(-INPUT_HASH_SIZE // WORLD)
     overflows = 0
-    for features in (["f0", "f1"], ["f2"]):
+    for features in table_features:
         counts = np.array(
-            [np.bincount(_ids(kjt, features, hashed).numpy() // block, minlength=WORLD)
+            [np.bincount(_ids(kjt, list(features), hashed).numpy() // block, minlength=WORLD)
              for kjt, _ in batches]
         )  # fmt: skip
         buffer = (counts[0] * 2 * 1.25).astype(int)
@@ -300,13 +419,17 @@ def _ids(kjt: KeyedJaggedTensor, features: list[str], hashed: bool) -> torch.Ten
     return _hash(ids, INPUT_HASH_SIZE) if hashed else ids
 
 
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 @pytest.mark.parametrize("kind, hashed", [(kind, False) for kind in KINDS] + [("bags", True)])
-def test_sharded_mc_collection_trains_as_torchrec_sharded_with_evictions(kind, hashed):
-    model = _model(kind, hashed)
+def test_sharded_mc_collection_trains_as_torchrec_sharded_with_evictions(
+    kind, hashed, optimizer, fbgemm_reset_weight_momentum_on_cpu
+):
+    features = ROWWISE_FEATURES if optimizer == "rowwise_adagrad" else FEATURES
+    model = _model(kind, hashed, features)
     plan = _plan(model, ROW_WISE, kind)
-    batches = _batches(kind)
-    theirs = _torchrec_sharded(model, plan, batches, kind)
-    ours = _tpurec_sharded(model, plan)
+    batches = _batches(kind, features)
+    theirs = _torchrec_sharded(model, plan, batches, kind, optimizer)
+    ours = _tpurec_sharded(model, plan, optimizer)
     sharded_mc = ours.sparse
     expected = (
         ShardedManagedCollisionEmbeddingBagCollection if kind == "bags" else ShardedManagedCollisionEmbeddingCollection
@@ -322,7 +445,8 @@ def test_sharded_mc_collection_trains_as_torchrec_sharded_with_evictions(kind, h
         return our_evictions[-1]
 
     sharded_mc._managed_collision_collection.evict = recording_evict
-    evicted_rows = 0
+    evicted_rows = trained_evicted_rows = 0
+    accumulators: dict[str, torch.Tensor] = {}  # TorchRec's after the previous step
     for step, (kjt, target) in enumerate(batches):
         out, remapped = ours(kjt)
         _loss(out, target).backward()
@@ -346,6 +470,9 @@ def test_sharded_mc_collection_trains_as_torchrec_sharded_with_evictions(kind, h
             want_set = sorted(torch.cat(want_rows).tolist()) if want_rows else []
             assert sorted([] if got_rows is None else got_rows.tolist()) == want_set, f"{when}: evictions of {table}"
             evicted_rows += len(want_set)
+            if table in accumulators:  # (rows reset with state a step had given them)
+                trained = accumulators[table][want_set] != 0
+                trained_evicted_rows += int((trained if trained.dim() == 1 else trained.any(dim=1)).sum())
         for key, value in _outputs(out).items():
             torch.testing.assert_close(
                 value.cpu(),
@@ -361,10 +488,11 @@ def test_sharded_mc_collection_trains_as_torchrec_sharded_with_evictions(kind, h
                 **TOLERANCE,
                 msg=lambda m: f"{when}: {table}: {m}",
             )
-            momentum = [(*r["momentum"][table], tables[table].shape) for r in ranks]
+            momentum = [(*r["momentum"][table], slots[table]["momentum1"].shape) for r in ranks]
+            accumulators[table] = _gathered(momentum)
             torch.testing.assert_close(
                 torch.from_numpy(slots[table]["momentum1"]),
-                _gathered(momentum),
+                accumulators[table],
                 **TOLERANCE,
                 msg=lambda m: f"{when}: {table} accumulators: {m}",
             )
@@ -376,9 +504,14 @@ def test_sharded_mc_collection_trains_as_torchrec_sharded_with_evictions(kind, h
     for key in mc_keys:
         want = final[0][key] if isinstance(final[0][key], torch.Tensor) else _gathered([s[key] for s in final])
         assert torch.equal(state[f"sparse.{key}"], want), key
-    # The test means something: rows were evicted and reset, and history buffers overflowed.
+    # The test means something: rows were evicted and reset (some with non-zero accumulators), and
+    # history buffers overflowed.
     assert evicted_rows > 0
-    assert _history_overflows(batches, hashed) > 0
+    assert trained_evicted_rows > 0
+    assert _history_overflows(batches, hashed, features) > 0
+    if optimizer == "rowwise_adagrad":  # TorchRec reset rows through FBGEMM's op on every rank that evicted
+        assert len(fbgemm_reset_weight_momentum_on_cpu) > 0
+        assert sum(int(call["rows"]) for call in fbgemm_reset_weight_momentum_on_cpu) == evicted_rows
 
 
 def test_sharded_mc_ebc_state_dict_round_trip_and_eval():
@@ -485,6 +618,66 @@ def test_sharding_starts_each_shard_remap_empty_and_says_so_when_ids_were_admitt
     assert int(state[f"{MC}t0._current_iter_tensor"]) == 0
 
 
+def test_torchrec_resets_the_rows_of_another_table_after_a_table_of_several_features(
+    fbgemm_reset_weight_momentum_on_cpu,
+):
+    # TorchRec's sharded module passes reset_weight_momentum each table's position among its TBE's
+    # tables (t1: 1) where the op reads per-feature offsets (feature 1 is t0's second feature): with
+    # FEATURES, t1's evicted rows zero the same local rows of t0 and leave t1's accumulators. tpurec
+    # resets the evicted table's own rows (what the op does for the position of the table's first
+    # feature, as TorchRec's ITEP module passes it), so the row-wise Adagrad runs use ROWWISE_FEATURES.
+    model = _model("bags", features=FEATURES)
+    plan = _plan(model, ROW_WISE)
+    copies = [copy.deepcopy(model) for _ in range(WORLD)]
+
+    def rank_fn(rank: int) -> dict[str, Any]:
+        unsharded = copies[rank].sparse
+        apply_optimizer_in_backward(TorchrecRowWiseAdagrad, unsharded._embedding_module.parameters(), dict(ADAGRAD))
+        env = ShardingEnv.from_process_group(cast(Any, dist.group.WORLD))
+        sharded: Any = _sharder("bags").shard(unsharded, cast(Any, plan.plan["sparse"]), env, torch.device("cpu"))
+        tbe, _ = sharded._table_to_tbe_and_index["t1"]
+        assert tbe is sharded._table_to_tbe_and_index["t0"][0] and tbe.feature_table_map == [0, 0, 1]
+        with torch.no_grad():
+            tbe.momentum1_host.fill_(1.0)
+        before = _local_state(sharded)
+        sharded._evict({"t0": None, "t1": torch.tensor([0])})  # local row 0 of t1
+        after = _local_state(sharded)
+        momentum = sharded._embedding_module.fused_optimizer.state_dict()["state"]
+        return {
+            "before": {t: before[_table_key("bags", t)][1] for t in ("t0", "t1")},
+            "after": {t: after[_table_key("bags", t)][1] for t in ("t0", "t1")},
+            "momentum": {
+                t: momentum[f"embedding_bags.{t}.weight"][f"{t}.momentum1"].local_shards()[0].tensor
+                for t in ("t0", "t1")
+            },
+        }
+
+    for rank in run_ranks(WORLD, rank_fn):
+        before, after, momentum = rank["before"], rank["after"], rank["momentum"]
+        assert (after["t0"][0] == 0).all() and momentum["t0"][0] == 0  # t0's row 0: zeroed
+        assert torch.equal(after["t0"][1:], before["t0"][1:]) and (momentum["t0"][1:] == 1).all()
+        assert (after["t1"][0] == RESET_VALUE).all() and (momentum["t1"] == 1).all()  # t1's kept
+        assert (before["t0"][0] != 0).all()
+    assert len(fbgemm_reset_weight_momentum_on_cpu) == WORLD
+
+    # tpurec (the optimizer given to tpurec.shard): t1's row reset, its accumulator zeroed, t0 untouched.
+    ours: Any = tpurec.shard(_converted(model), plan, capacity=64, optimizer=sp.RowWiseAdagrad(learning_rate=0.1))
+    for kjt, target in _batches()[:2]:
+        out, _ = ours(kjt)
+        _loss(out, target).backward()
+    bags = ours.sparse._bags[0]
+    tables, slots = bags.full_tables()
+    row = int(np.flatnonzero(slots["t1"]["momentum1"])[0])
+    ours.sparse._reset_evicted({"t0": None, "t1": np.array([row])})
+    after_tables, after_slots = bags.full_tables()
+    assert (after_tables["t1"][row] == RESET_VALUE).all() and after_slots["t1"]["momentum1"][row] == 0
+    others = np.arange(23) != row
+    np.testing.assert_array_equal(after_tables["t1"][others], tables["t1"][others])
+    np.testing.assert_array_equal(after_slots["t1"]["momentum1"][others], slots["t1"]["momentum1"][others])
+    np.testing.assert_array_equal(after_tables["t0"], tables["t0"])
+    np.testing.assert_array_equal(after_slots["t0"]["momentum1"], slots["t0"]["momentum1"])
+
+
 # --- what stays refused -----------------------------------------------------------------------------
 
 
@@ -536,17 +729,6 @@ def test_a_weighted_collection_is_refused():
     model = _Sparse(TorchrecMCEBC(TorchrecEBC(list(mcc.embedding_configs()), is_weighted=True), mcc))
     with pytest.raises(NotImplementedError, match="weighted managed-collision collection 'sparse'"):
         tpurec.shard(_converted(model), _plan(model, ROW_WISE))
-
-
-def test_row_wise_adagrad_is_refused():
-    from torchrec.optim import RowWiseAdagrad
-
-    model = _model()
-    plan = _plan(model, ROW_WISE)
-    with pytest.raises(NotImplementedError, match="row-wise Adagrad"):
-        tpurec.shard(_converted(model, RowWiseAdagrad), plan)
-    with pytest.raises(NotImplementedError, match="row-wise Adagrad"):
-        tpurec.shard(_converted(model), plan, optimizer=sp.RowWiseAdagrad(learning_rate=0.1))
 
 
 def test_a_standalone_collection_and_vbe_batches_are_refused():

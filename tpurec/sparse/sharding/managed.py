@@ -12,9 +12,10 @@ a fresh module whose ``zch_size`` is the shard's rows). One step of its sharded 
 2. each rank's module profiles the ids it received (in training: history, and every
    ``eviction_interval`` steps the eviction policy admits new ids) and remaps them to rows of
    its own shard (an id it does not hold goes to the shard's last row);
-3. rows whose ids were evicted are reset: the table's ``init_fn`` applied to them (FBGEMM's
-   ``reset_embedding_weight_momentum`` leaves the optimizer state of every optimizer but
-   row-wise Adagrad as it is); then the shard looks the remapped ids up.
+3. rows whose ids were evicted are reset: FBGEMM's ``reset_embedding_weight_momentum`` first
+   (with row-wise Adagrad, its ``reset_weight_momentum`` zeroes the rows' weights and row-wise
+   accumulators; with any other optimizer it leaves the rows and their state as they are), then
+   the table's ``init_fn`` applied to the rows; then the shard looks the remapped ids up.
 
 Here the same happens in one process on the host: per table one TorchRec MCH module per
 mesh device, built by TorchRec's ``rebuild_with_output_id_range``; the whole batch is
@@ -43,7 +44,7 @@ from torchrec.modules.mc_modules import MCHManagedCollisionModule
 from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 from tpurec.sparse.managed import REMAP_TYPES, ManagedCollisionEmbeddingBagCollection, check_host_features
-from tpurec.sparse.optimizers import EmbeddingOptimizer, RowWiseAdagrad
+from tpurec.sparse.optimizers import RowWiseAdagrad
 from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
 from tpurec.sparse.sharding_plan.shards import TableSharding
 
@@ -71,7 +72,6 @@ def check_shardable(
     bags: Any,
     shardings: Mapping[str, TableSharding],
     num_devices: int,
-    optimizer: EmbeddingOptimizer | None,
 ) -> None:
     """Raises unless a managed-collision module can be sharded as TorchRec shards it, exactly, with ``shardings``.
 
@@ -81,12 +81,11 @@ def check_shardable(
             ``EmbeddingCollection``'s inner one), not sharded yet.
         shardings: its tables' shardings on the mesh.
         num_devices: the mesh's devices.
-        optimizer: the embedding optimizer the sharded collection will train with.
 
     Raises:
         ValueError: a table not sharded row-wise into one non-empty, full-width shard per device
             (TorchRec's sharder refuses the same plans).
-        NotImplementedError: a weighted collection or row-wise Adagrad (see the messages).
+        NotImplementedError: a weighted collection (see the message).
     """
     not_row_wise = {t: s.sharding_type for t, s in shardings.items() if s.sharding_type != _ROW_WISE}
     if not_row_wise:
@@ -112,13 +111,6 @@ def check_shardable(
             f"tpurec.shard cannot shard the weighted managed-collision collection {where}: TorchRec's sharded "
             "managed-collision module drops the per-id weights when it remaps (its input dist builds the remapped "
             "batch without them), so its lookups are not those of the unsharded module. Train it unsharded."
-        )
-    if isinstance(optimizer, RowWiseAdagrad):
-        raise NotImplementedError(
-            f"tpurec.shard cannot shard the managed-collision collection {where} with row-wise Adagrad: on an "
-            "eviction TorchRec resets the evicted rows' row-wise accumulators with FBGEMM's reset_weight_momentum, "
-            "a GPU-only op with no CPU reference to match. Use SGD, Adagrad or Adam (TorchRec keeps their state "
-            "on an eviction), or train the collection unsharded."
         )
 
 
@@ -384,6 +376,7 @@ class _ShardedManagedCollisionModule(nn.Module):
         self._allow_in_place_embed_weight_update = bool(source._allow_in_place_embed_weight_update)
         self._bags = [bags]  # (a list: not registered a second time)
         self._init_fns = {c.name: c.init_fn for c in bags.embedding_bag_configs()}
+        self._dims = {c.name: c.embedding_dim for c in bags.embedding_bag_configs()}
         self.train(source.training)
 
     def _remap_and_look_up(self, features: KeyedJaggedTensor) -> tuple[Any, KeyedJaggedTensor | None]:
@@ -394,16 +387,36 @@ class _ShardedManagedCollisionModule(nn.Module):
 
     @torch.no_grad()
     def _reset_evicted(self, evictions: Mapping[str, np.ndarray | None]) -> None:
-        """The evicted rows get ``init_fn`` of their current values (TorchRec's sharded ``_evict``)."""
+        """Resets the evicted rows as TorchRec's sharded ``_evict`` does.
+
+        TorchRec first calls its TBE's ``reset_embedding_weight_momentum`` on the rows: with
+        row-wise Adagrad (FBGEMM's ``EXACT_ROWWISE_ADAGRAD``) its ``reset_weight_momentum`` sets
+        their weights and row-wise accumulators to zero; with any other optimizer it changes
+        nothing. Then each row gets the table's ``init_fn`` of its values (of the zeros with
+        row-wise Adagrad). Here the same on the rows' shards: with row-wise Adagrad the
+        accumulators are zeroed and ``init_fn`` is applied to zero rows; otherwise the state is
+        kept and ``init_fn`` gets the current rows. A table without an ``init_fn`` keeps the
+        rows ``reset_weight_momentum`` left. These are the evicted table's own rows: TorchRec
+        passes the op the table's position among its TBE's tables where the op reads the
+        position of the table's first feature, so after a table of several features in the
+        same TBE it resets rows of another table (docs/sharding.md).
+
+        Args:
+            evictions: table -> its evicted rows (global rows), or None.
+        """
         bags = self._bags[0]
+        reset_state = isinstance(bags.optimizer, RowWiseAdagrad)
         for table, rows in evictions.items():
             if rows is None or rows.size == 0:
                 continue
             init_fn = self._init_fns[table]
-            current = torch.from_numpy(bags.rows_of(table, rows))
+            if reset_state:  # (reset_weight_momentum: the rows' weights are zero before init_fn)
+                current = torch.zeros(rows.size, self._dims[table], dtype=torch.float32)
+            else:
+                current = torch.from_numpy(bags.rows_of(table, rows))
             new = init_fn(current) if init_fn is not None else None
             new = current if new is None else new
-            bags.write_rows(table, rows, new.detach().cpu().numpy())
+            bags.write_rows(table, rows, new.detach().cpu().numpy(), zero_slots=reset_state)
 
 
 class ShardedManagedCollisionEmbeddingBagCollection(_ShardedManagedCollisionModule):
@@ -413,8 +426,9 @@ class ShardedManagedCollisionEmbeddingBagCollection(_ShardedManagedCollisionModu
     :class:`~tpurec.sparse.managed.ManagedCollisionEmbeddingBagCollection` whose tables are planned
     row-wise. Each forward remaps the batch (:class:`ShardedManagedCollisionCollection`), resets
     the rows evicted in that remap (the table's ``init_fn`` applied to the evicted rows on the
-    host, in table order and then device order; optimizer state kept, as FBGEMM's reset keeps it
-    for these optimizers), then looks the remapped ids up in the sharded collection. A random
+    host, in table order and then device order; with row-wise Adagrad their accumulators zeroed
+    and ``init_fn`` applied to zero rows, as FBGEMM's ``reset_weight_momentum`` does, with other
+    optimizers their state kept), then looks the remapped ids up in the sharded collection. A random
     ``init_fn`` draws from this process's torch generator, where TorchRec's ranks draw from their
     own; a deterministic one gives TorchRec's rows.
 

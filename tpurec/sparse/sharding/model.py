@@ -481,8 +481,7 @@ def shard(
         check_quant_shardings(f"QuantEmbeddingBagCollection at {path!r}", configs, quant_specs[path])
     managed_inner = {path: _managed_bags_path(path, module) for path, module in managed.items()}
     for path, inner in managed_inner.items():
-        held = cast(EmbeddingOptimizer | None, ebcs[inner].optimizer)
-        check_managed(repr(path), ebcs[inner], specs[inner], mesh.devices.size, embedding_optimizer or held)
+        check_managed(repr(path), ebcs[inner], specs[inner], mesh.devices.size)
     collections = [*ebcs.values(), *quants.values()]
     inside = {id(p) for c in collections for p in c.parameters()} | {id(b) for c in collections for b in c.buffers()}
     # The remapping state stays on the host (tpurec.sparse.managed): not part of the dense model.
