@@ -102,7 +102,9 @@ class TrainPipeline(TorchRecTrainPipeline[Any, Out], Generic[In, Out]):
             prepared at the same time (the native preprocessing and the transfers run outside
             Python's GIL) and handed to the steps in the iterator's order, so a batch's host work
             may take up to ``workers`` steps' time without the device waiting. At least this
-            many batches are prepared ahead.
+            many batches are prepared ahead. (With automatic capacities, a batch that grows them
+            may do so while the batch before it is still being prepared, which then takes the
+            grown capacities too: the step that compiles for them can be one earlier.)
         graphed: capture the step with :func:`tpurec.graph` and replay it (device ``tpu``; fused
             mode is used for the steps whatever the current mode): the first two steps run as
             usual, the third is captured, and from then on a step copies the batch into static
