@@ -16,6 +16,7 @@ run of the same program.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -119,7 +120,16 @@ def _functions() -> dict[str, tuple[Callable[..., torch.Tensor], Callable[[], tu
     table["igamma"] = (torch.special.gammainc, lambda: _grid(_log_spaced(-6, 7, 300), shapes()))
     table["igammac"] = (torch.special.gammaincc, lambda: _grid(_log_spaced(-6, 7, 300), shapes()))
     table["pow"] = (torch.pow, lambda: _grid(_log_spaced(-30, 30, 300), np.linspace(-20, 20, 301)))
-    table["polygamma_2"] = (lambda t: torch.polygamma(2, t), lambda: (_every_float32()[::8],))
+
+    # polygamma: the positive range and [-30, 0) but its poles (PyTorch's trigamma is finite there, by
+    # rounding); below 0 its loop runs as many steps as |x|, as CPU's
+    def polygamma_inputs() -> tuple:
+        x = _every_float32()
+        negative = np.linspace(-30, 0, 2**16, dtype=np.float32)
+        return (np.concatenate([x[(x >= 0) | np.isnan(x)], negative[negative != np.floor(negative)]]),)
+
+    for n in (1, 2, 3):
+        table[f"polygamma_{n}"] = (functools.partial(torch.polygamma, n), polygamma_inputs)
     # Densely where the negative zeros of lgamma and digamma make their terms cancel.
     near_zeros = lambda: (np.linspace(-20, 3, 2**20, dtype=np.float32),)  # noqa: E731
     table["lgamma_negative"] = (torch.lgamma, near_zeros)
