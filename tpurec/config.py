@@ -304,7 +304,7 @@ FLAGS: tuple[Flag, ...] = (
         "bool",
         True,
         FIRST_USE,
-        "Multi-process XLA:CPU jobs run one mesh program at a time (read at the first mesh program).",
+        "XLA:CPU runs one mesh program at a time (read at the first mesh program): queued ones can deadlock.",
     ),
     Flag(
         "TPUREC_TRACE_PROGRAMS",
