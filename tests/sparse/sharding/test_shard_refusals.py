@@ -2,7 +2,7 @@
 
 * TorchRec's FP16/BF16 modules that ``from_torchrec`` keeps as TorchRec's own module on the device:
   TorchRec's DMP trains those tables with FBGEMM's fused kernels, the unsharded module with dense
-  gradients; tpurec's sharded collection holds float32 tables.
+  gradients (tpurec's own collections of FP16/BF16 tables shard: test_sharded_half_tables.py).
 (What stays refused for managed-collision collections: test_sharded_managed_collisions.py.)
 
 Each alone and next to a collection ``tpurec.shard`` does shard: the error names the module and the

@@ -38,6 +38,7 @@ from tpurec.sparse.sharding import programs
 from tpurec.sparse.sharding_plan.layout import Layout
 from tpurec.sparse.sharding.routing import InputRouter, MeshBatch, Prefetched, Routed
 from tpurec.sparse.sharding_plan.shards import TableSharding
+from tpurec.sparse.update_rules import rule_of
 from tpurec.sparse.table_init import check_rows_fit, local_stack_values, table_init, table_key
 
 __all__ = ["ShardedEmbeddingBagCollection", "host_values"]
@@ -84,6 +85,25 @@ def _row_setter(sharding: Any) -> Any:
         return stack.at[positions].set(new, mode="drop")
 
     return jax.jit(set_rows, out_shardings=sharding)
+
+
+STACK_DTYPES = {
+    DataType.FP32: np.dtype(np.float32),
+    DataType.FP16: np.dtype(np.float16),
+    DataType.BF16: jnp.dtype(jnp.bfloat16),
+}
+"""Table ``data_type`` -> the dtype of its stack's rows (the unsharded collection's ``TABLE_DTYPES``)."""
+
+
+def _torch_of(values: np.ndarray, dtype: np.dtype) -> torch.Tensor:
+    """Float32 host ``values`` as a CPU tensor of the table dtype ``dtype`` (rounded to nearest even)."""
+    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[np.dtype(dtype).name]
+    return torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(torch_dtype)
+
+
+def _host_float32(tensor: torch.Tensor) -> np.ndarray:
+    """``tensor``'s values as a float32 host array (exact for float16/bfloat16/float32 tensors)."""
+    return tensor.detach().cpu().to(torch.float32).numpy()
 
 
 _MAX_PREFETCHED = 8
@@ -187,14 +207,6 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         if capacity is not None and capacity <= 0:
             raise ValueError(f"capacity must be a positive number of entries, got {capacity}")
         configs: list[EmbeddingBagConfig] = list(source.embedding_bag_configs())
-        low = [f"{c.name} ({c.data_type.name})" for c in configs if c.data_type != DataType.FP32]
-        if low:
-            # The sharded tables and slots are float32 global arrays: FP16/BF16 tables would be
-            # widened and then train differently from the unsharded module and FBGEMM.
-            raise NotImplementedError(
-                f"sharding FP16/BF16 tables is not supported yet (tables {low}): tpurec.shard keeps float32 "
-                "tables. Train them unsharded (tpurec.sparse.EmbeddingBagCollection), or use FP32 tables."
-            )
         if getattr(source, "output_dtype", torch.float32) != torch.float32:
             raise NotImplementedError(
                 f"sharding an EmbeddingBagCollection with output_dtype={source.output_dtype} is not supported yet: "
@@ -207,13 +219,22 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
                 "sharding an EmbeddingBagCollection without an embedding optimizer is not supported: pass "
                 "optimizer= to tpurec.shard (or build the module with one)"
             )
+        half = [f"{c.name} ({c.data_type.name})" for c in configs if c.data_type != DataType.FP32]
+        if half and not rule_of(source.optimizer.op_name).half_tables:
+            raise ValueError(
+                f"tables {half} are FP16/BF16 and the optimizer is {type(source.optimizer).__name__}: FBGEMM has no "
+                "CPU kernel of it to follow for such tables (as the unsharded collection refuses). Use FP32 tables "
+                "with it, or SGD, Adagrad or RowWiseAdagrad with FP16/BF16 tables."
+            )
         self.optimizer = source.optimizer
         # As the unsharded collection's (docs/torchrec_semantics.md): "torch" (the optimizer came
         # from apply_optimizer_in_backward) refuses a second lookup before the first one's backward.
         self.optimizer_semantics = getattr(source, "optimizer_semantics", "fbgemm")
         self.mesh = mesh
         self.axis = tuple(mesh.axis_names)
-        self.layout = Layout(configs, dict(shardings), mesh.devices.size)
+        # Tables of one dtype share a stack: the stacks are global arrays of the tables' dtype
+        # (float16/bfloat16 rows, float32 optimizer slots, as the unsharded collection keeps them).
+        self.layout = Layout(configs, dict(shardings), mesh.devices.size, kinds={c.name: c.data_type for c in configs})
         self.dropped = 0  # entries overflow="drop" left out, in all (dropped_entries(): per feature)
         # One step count: the sharded collection steps all its tables together.
         self._steps = [max(getattr(source, "_steps", [0]) or [0])]
@@ -235,7 +256,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
             self._init_on_mesh(seed)
             mesh_arrays_in_use()
             return
-        host_tables = {c.name: source.table_weight(c.name).detach().cpu().numpy().astype(np.float32) for c in configs}
+        host_tables = {c.name: _host_float32(source.table_weight(c.name)) for c in configs}
         if zero_slots:
             host_slots = {
                 c.name: {
@@ -250,8 +271,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
             opt_state = source.optimizer_state_dict()["state"]
             host_slots = {
                 c.name: {
-                    s: opt_state[f"embedding_bags.{c.name}.weight"][s].detach().cpu().numpy().astype(np.float32)
-                    for s in self.optimizer.slots
+                    s: _host_float32(opt_state[f"embedding_bags.{c.name}.weight"][s]) for s in self.optimizer.slots
                 }
                 for c in configs
             }
@@ -265,10 +285,18 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
 
     # --- state ------------------------------------------------------------------
 
+    def _stack_dtype(self, group: Any) -> np.dtype:
+        """The dtype of a (data-parallel) group's table stack: its tables' (their ``kind``)."""
+        return STACK_DTYPES[group.kind]
+
     def _load_host_tables(
         self, tables: Mapping[str, np.ndarray], slots: Mapping[str, Mapping[str, np.ndarray]], register: bool = False
     ) -> None:
-        """Lays full host tables (and optimizer slots) out on the mesh."""
+        """Lays full host tables (and optimizer slots) out on the mesh.
+
+        The tables' values are rounded to their dtype (to nearest even, as the unsharded
+        collection's ``load_state_dict`` does); the slots stay float32.
+        """
         L, D = self.layout, self.layout.num_devices
         kinds = self.optimizer.slots
 
@@ -288,7 +316,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
                     stacks[s][start : start + p.rows] = (
                         value[rows] if k == "row" else value[rows, p.col_offset : p.col_offset + p.cols]
                     )
-            arrays[f"shard_weight_{g}"] = _global_from_host(stacks[None], self._sharded)
+            arrays[f"shard_weight_{g}"] = _global_from_host(stacks[None].astype(self._stack_dtype(grp)), self._sharded)
             for s in kinds:
                 arrays[f"shard_{s}_{g}"] = _global_from_host(stacks[s], self._sharded)
         for g, dg in enumerate(L.dp_groups):
@@ -301,7 +329,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
                 stacks[None][offset : offset + n] = tables[name]
                 for s in kinds:
                     stacks[s][offset : offset + n] = slots[name][s]
-            arrays[f"dp_weight_{g}"] = _global_from_host(stacks[None], self._replicated)
+            arrays[f"dp_weight_{g}"] = _global_from_host(stacks[None].astype(self._stack_dtype(dg)), self._replicated)
             for s in kinds:
                 arrays[f"dp_{s}_{g}"] = _global_from_host(stacks[s], self._replicated)
         for name, array in arrays.items():
@@ -369,7 +397,10 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
                 )
 
             born = jax.shard_map(local, mesh=self.mesh, in_specs=(spec,) * 5, out_specs=spec, check_vma=False)
-            arrays[f"shard_weight_{g}"] = jax.jit(born, out_shardings=self._sharded)(*pieces)
+            dtype = self._stack_dtype(grp)
+            arrays[f"shard_weight_{g}"] = jax.jit(
+                lambda *p, born=born, dtype=dtype: born(*p).astype(dtype), out_shardings=self._sharded
+            )(*pieces)
             for s, k in kinds.items():
                 arrays[f"shard_{s}_{g}"] = zeros((D * R,) if k == "row" else (D * R, w), self._sharded)
         for g, dg in enumerate(L.dp_groups):
@@ -378,7 +409,10 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
             ]
             host = [a[0] for a in piece_arrays([entries])]
             stack = functools.partial(local_stack_values, params=params, k1=k1, num_rows=dg.num_rows, width=dg.width)
-            arrays[f"dp_weight_{g}"] = jax.jit(stack, out_shardings=self._replicated)(*host)
+            dtype = self._stack_dtype(dg)
+            arrays[f"dp_weight_{g}"] = jax.jit(
+                lambda *h, stack=stack, dtype=dtype: stack(*h).astype(dtype), out_shardings=self._replicated
+            )(*host)
             for s, k in kinds.items():
                 arrays[f"dp_{s}_{g}"] = zeros(
                     (dg.num_rows,) if k == "row" else (dg.num_rows, dg.width), self._replicated
@@ -422,7 +456,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         return places
 
     def rows_of(self, name: str, rows: np.ndarray) -> np.ndarray:
-        """Rows ``rows`` of table ``name``, ``[len(rows), dim]`` on the host (a copy; only those rows move).
+        """Rows ``rows`` of table ``name``, ``[len(rows), dim]`` float32 on the host (a copy; only those rows move).
 
         Args:
             name: a table of this collection.
@@ -445,7 +479,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         Args:
             name: a table of this collection.
             rows: distinct row numbers in ``[0, num_embeddings)``.
-            values: ``[len(rows), dim]`` new rows.
+            values: ``[len(rows), dim]`` new rows (rounded to the table's dtype).
             zero_slots: also set the optimizer slots of those rows to zero.
         """
         from tpurec.core import value_of
@@ -459,6 +493,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
             at = jnp.asarray(_padded(positions, stack.shape[0]))
             block = np.zeros((at.shape[0], stack.shape[1]), np.float32)
             block[: positions.size, stack_columns] = values[inside, columns]
+            block = block.astype(stack.dtype)  # rounded to the table's dtype
             keep = np.zeros(stack.shape[1], bool)
             keep[stack_columns] = True
             replace_array(weight, _row_setter(stack.sharding)(stack, at, jnp.asarray(block), jnp.asarray(keep)))
@@ -474,7 +509,8 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         """Every table and optimizer slot, assembled from the shards on the host.
 
         Returns:
-            ``(tables, slots)``: table name -> ``[rows, dim]``; table name ->
+            ``(tables, slots)``: table name -> ``[rows, dim]`` (float32: FP16/BF16 tables widened,
+            exactly); table name ->
             slot name -> ``[rows]`` (row-wise slots) or ``[rows, dim]``. For a
             column-wise table a row-wise slot comes from its first column shard.
         """
@@ -523,8 +559,10 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         # The unsharded collection's keys and shapes, so state dicts move between
         # sharded and unsharded models (sharded checkpoints: see tpurec/sparse/checkpoint/sharded.py).
         tables, _ = self.full_tables()
+        dtypes = {c.name: STACK_DTYPES[c.data_type] for c in self._embedding_bag_configs}
         for name, value in tables.items():
-            destination[prefix + f"embedding_bags.{name}.weight"] = torch.from_numpy(value)
+            # In the table's dtype, as the unsharded collection's state dict (float32 values: exact).
+            destination[prefix + f"embedding_bags.{name}.weight"] = _torch_of(value, dtypes[name])
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
@@ -543,7 +581,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
                     f"size mismatch for {key}: checkpoint {tuple(value.shape)}, model {tables[cfg.name].shape}"
                 )
                 continue
-            tables[cfg.name] = value.detach().cpu().numpy().astype(np.float32)
+            tables[cfg.name] = _host_float32(value)
         if strict:
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
         if not error_msgs:
@@ -585,14 +623,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
             "shard a module built with the optimizer the checkpoint was trained with",
         )
         new_slots = {
-            name: {
-                slot: state_dict["state"][f"embedding_bags.{name}.weight"][slot]
-                .detach()
-                .cpu()
-                .numpy()
-                .astype(np.float32)
-                for slot in kinds
-            }
+            name: {slot: _host_float32(state_dict["state"][f"embedding_bags.{name}.weight"][slot]) for slot in kinds}
             for name, kinds in slots.items()
         }
         self._load_host_tables(tables, new_slots)
@@ -851,13 +882,15 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
     # --- programs -------------------------------------------------------------------
 
     def _kernel(self, name: str):
-        kernel = kernel_for(name)
-
         def on_rows(*args: Any, **kwargs: Any) -> Any:
             # This collection keeps its shards as [rows, dim] arrays, so the TensorCore kernels
             # stream rows as they are here (lane-dense lines would be a repacking copy per call).
             from tpurec import config
 
+            # Chosen per stack at trace time by its dtype, as the op's lowering chooses
+            # (float16/bfloat16 stacks take the kernels that follow FBGEMM's rounding).
+            table = args[4] if name == "sparse_dense_matmul" else args[5]
+            kernel = kernel_for(name, table_dtype=table.dtype)
             with config.override(tensorcore_lane_dense=False):
                 return kernel(*args, **kwargs)
 

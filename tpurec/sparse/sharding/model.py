@@ -232,8 +232,9 @@ def _refuse_unshardable(model: nn.Module) -> None:
             raise NotImplementedError(
                 f"tpurec.shard cannot shard TorchRec's module with FP16/BF16 tables that from_torchrec keeps as it "
                 f"is ({where}, tables {tables}): TorchRec's DistributedModelParallel trains such tables with "
-                "FBGEMM's fused kernels, and tpurec's sharded collections hold float32 tables. Use FP32 tables "
-                "(data_type=DataType.FP32) to shard the model, or train it unsharded (model.to('tpu'))."
+                "FBGEMM's fused kernels, which this module's float16 lookups and dense updates are not. Use FP32 "
+                "tables (data_type=DataType.FP32), build tpurec's EmbeddingBagCollection with the FP16/BF16 tables "
+                "(it shards and trains as FBGEMM's TBE), or train the model unsharded (model.to('tpu'))."
             )
 
 
