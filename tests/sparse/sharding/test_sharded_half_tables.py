@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 import pytest
 import torch
+from jax.sharding import Mesh
 from torchrec import EmbeddingBagCollection as TorchrecEBC
 from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
 from torchrec.distributed.types import ShardingPlan
@@ -123,3 +125,49 @@ def test_adam_is_refused_for_half_tables():
     ebc = sp.EmbeddingBagCollection(tables, optimizer=sp.SGD(learning_rate=0.1), device="tpu")
     with pytest.raises(ValueError, match="FP16/BF16 and the optimizer is Adam"):
         tpurec.shard(ebc, _plan(tables, "row_wise"), optimizer=sp.Adam(learning_rate=0.1))
+
+
+# --- sharded checkpoints keep the tables' dtype ------------------------------------------------------
+
+
+def _sharded(tables, plan: dict, devices: int, seed: int):
+    torch.manual_seed(seed)
+    ebc = sp.EmbeddingBagCollection(tables, optimizer=sp.Adagrad(learning_rate=0.1), device="tpu")
+    meta = TorchrecEBC(tables=tables, device=torch.device("meta"))
+    module_plan = construct_module_sharding_plan(meta, plan, local_size=devices, world_size=devices, device_type="cpu")
+    mesh = Mesh(np.array(jax.devices()[:devices]), ("devices",))
+    sharded = tpurec.shard(ebc, ShardingPlan({"": module_plan}), mesh)
+    assert isinstance(sharded, ShardedEmbeddingBagCollection)
+    return sharded
+
+
+@pytest.mark.parametrize("dtype", ["FP16", "BF16"])
+def test_sharded_checkpoint_of_half_tables_loads_on_another_plan_bit_identical(tmp_path, dtype):
+    from tpurec.sparse.checkpoint import sharded as checkpoint
+
+    tables = _tables(DataType[dtype])
+    saved = _sharded(
+        tables, {"t0": table_wise(rank=5), "t1": row_wise(), "t2": table_wise(rank=2), "t3": row_wise()}, 8, 0
+    )
+    rng = np.random.default_rng(3)
+    for _ in range(2):
+        out = saved(random_kjt(tables, 16, rng)).values()
+        (out * out).sum().backward()
+    checkpoint.save(saved, tmp_path / "ckpt")
+    loaded = _sharded(
+        tables, {"t0": row_wise(), "t1": column_wise(ranks=[0, 3]), "t2": row_wise(), "t3": table_wise(rank=1)}, 4, 1
+    )
+    checkpoint.load(loaded, tmp_path / "ckpt")
+    want_tables, want_slots = saved.full_tables()
+    got_tables, got_slots = loaded.full_tables()
+    for name in want_tables:
+        np.testing.assert_array_equal(got_tables[name], want_tables[name])
+        np.testing.assert_array_equal(got_slots[name]["momentum1"], want_slots[name]["momentum1"])
+    torch_dtype = {"FP16": torch.float16, "BF16": torch.bfloat16}[dtype]
+    assert {p.dtype for p in loaded.parameters()} == {torch_dtype, torch.float32}
+    # A model whose tables are of another dtype refuses the checkpoint.
+    other = _sharded(
+        _tables(DataType.FP16 if dtype == "BF16" else DataType.BF16), {t.name: row_wise() for t in tables}, 8, 0
+    )
+    with pytest.raises(ValueError, match="has dtype"):
+        checkpoint.load(other, tmp_path / "ckpt")

@@ -54,7 +54,7 @@ from tpurec.core import array_of, replace_array
 from tpurec.sparse.checkpoint import integrity
 from tpurec.sparse.checkpoint.integrity import MANIFEST, CheckpointError
 from tpurec.sparse.checkpoint.unsharded import list_checkpoints
-from tpurec.sparse.sharding.ebc import ShardedEmbeddingBagCollection
+from tpurec.sparse.sharding.ebc import STACK_DTYPES, ShardedEmbeddingBagCollection
 
 __all__ = ["FORMAT", "CheckpointError", "list_checkpoints", "load", "save"]
 
@@ -216,10 +216,10 @@ def _stacked_fn(module: ShardedEmbeddingBagCollection):
                     inverse[b.gather] = np.arange(b.gather.size)
                     arrays = [jax.lax.with_sharding_constraint(jnp.take(a, inverse, axis=0), sharded) for a in arrays]
                 sources.append(arrays)
-            R, w = grp.rows_per_device, grp.width
+            R, w, dtype = grp.rows_per_device, grp.width, module._stack_dtype(grp)
 
-            def place(sources, indices, R=R, w=w):
-                stacks = [jnp.zeros((R, w), jnp.float32)] + [
+            def place(sources, indices, R=R, w=w, dtype=dtype):
+                stacks = [jnp.zeros((R, w), dtype)] + [
                     jnp.zeros((R,) if k == "row" else (R, w), jnp.float32) for k in kinds.values()
                 ]
                 for arrays, index in zip(sources, indices):
@@ -241,7 +241,7 @@ def _stacked_fn(module: ShardedEmbeddingBagCollection):
             slots.append(list(stacks[1:]))
         dp_weights, dp_slots = [], []
         for dg in L.dp_groups:
-            w = jnp.zeros((dg.num_rows, dg.width), jnp.float32)
+            w = jnp.zeros((dg.num_rows, dg.width), module._stack_dtype(dg))
             ss = {
                 s: jnp.zeros((dg.num_rows,) if k == "row" else (dg.num_rows, dg.width), jnp.float32)
                 for s, k in kinds.items()
@@ -500,6 +500,11 @@ def _checksums(model: nn.Module, tree: dict[str, Any]) -> dict[str, Any]:
     return _digests(modules, dense, embeddings, tree["dense"])
 
 
+def _table_dtype(config: Any) -> str:
+    """The dtype of a table's stored values (its ``data_type``'s: float32, float16 or bfloat16)."""
+    return np.dtype(STACK_DTYPES[config.data_type]).name
+
+
 def _optimizer_name(module: ShardedEmbeddingBagCollection) -> str:
     return type(module.optimizer).__name__
 
@@ -515,7 +520,7 @@ def _description(model: nn.Module) -> dict[str, Any]:
             "optimizer": _optimizer_name(m),
             "slots": list(m.optimizer.slots),
             "tables": {
-                c.name: {"rows": c.num_embeddings, "dim": c.embedding_dim, "dtype": "float32"}
+                c.name: {"rows": c.num_embeddings, "dim": c.embedding_dim, "dtype": _table_dtype(c)}
                 for c in m.embedding_bag_configs()
             },
         }
@@ -611,8 +616,8 @@ def _check_fits(
             if saved is not None:
                 table = saved["tables"][cfg.name]
                 rows = table["rows"]
-                integrity.check_dtype(state_key, table["dtype"], "float32")
-                integrity.check_dtype(state_key, meta.dtype, "float32")
+                integrity.check_dtype(state_key, table["dtype"], _table_dtype(cfg))
+                integrity.check_dtype(state_key, meta.dtype, _table_dtype(cfg))
             integrity.check_shape(state_key, (rows, *tuple(meta.shape)[1:]), (cfg.num_embeddings, cfg.embedding_dim))
     # Keys as the state dict names them (the tree's keys stand "~" for ".").
     integrity.check_keys(dense, (k.replace("~", ".") for k in stored_tree["dense"]))
