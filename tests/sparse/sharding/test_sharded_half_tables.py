@@ -16,7 +16,13 @@ import pytest
 import torch
 from jax.sharding import Mesh
 from torchrec import EmbeddingBagCollection as TorchrecEBC
-from torchrec.distributed.sharding_plan import column_wise, construct_module_sharding_plan, row_wise, table_wise
+from torchrec.distributed.sharding_plan import (
+    column_wise,
+    construct_module_sharding_plan,
+    data_parallel,
+    row_wise,
+    table_wise,
+)
 from torchrec.distributed.types import ShardingPlan
 from torchrec.modules.embedding_configs import DataType
 
@@ -33,6 +39,7 @@ GENERATORS = {
     "table_wise": lambda i: table_wise(rank=(3 * i + 1) % 8),
     "row_wise": lambda i: row_wise(),
     "column_wise": lambda i: column_wise(ranks=[i % 8, (i + 5) % 8]),
+    "data_parallel": lambda i: data_parallel(),
 }
 
 OPTIMIZERS = {
