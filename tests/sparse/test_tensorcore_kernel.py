@@ -547,9 +547,9 @@ def test_the_sharded_collection_streams_its_shards_as_rows():
     csr, batch, rows, dim = _csr(9, 1, 3072, dim=64)
     table = np.zeros((rows, dim), np.float32)
     assert tensorcore.rows_per_line(rows, dim) == 2
-    with tpurec.config.override(sparse_kernel="tensorcore"):
+    with tpurec.config.override(sparse_kernel="tensorcore"):  # (the kernel is chosen when traced, by the stack's dtype)
         lookup = ShardedEmbeddingBagCollection._kernel(None, "sparse_dense_matmul")  # pyright: ignore[reportArgumentType]
-    jaxpr = jax.make_jaxpr(lambda *a: lookup(*a, batch_size=batch))(*csr, table)
+        jaxpr = jax.make_jaxpr(lambda *a: lookup(*a, batch_size=batch))(*csr, table)
     widths = {
         m.block_shape[-1] for eqn in _pallas_calls(jaxpr.jaxpr) for m in eqn.params["grid_mapping"].block_mappings
     }
