@@ -31,6 +31,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor, KeyedTensor
 
 from tpurec.core import Program, mesh_arrays_in_use, replace_array, wrap
 from tpurec.sparse.lookup import Staged, TrainableLookup, check_optimizer_state, restage
+from tpurec.sparse.modules import TABLE_DTYPES
 from tpurec.sparse.ops import kernel_for
 from tpurec.sparse.optimizers import EmbeddingOptimizer
 from tpurec.sparse.preprocess import stack_tables
@@ -87,18 +88,8 @@ def _row_setter(sharding: Any) -> Any:
     return jax.jit(set_rows, out_shardings=sharding)
 
 
-STACK_DTYPES = {
-    DataType.FP32: np.dtype(np.float32),
-    DataType.FP16: np.dtype(np.float16),
-    DataType.BF16: jnp.dtype(jnp.bfloat16),
-}
+STACK_DTYPES = {kind: jnp.dtype(str(dtype).removeprefix("torch.")) for kind, dtype in TABLE_DTYPES.items()}
 """Table ``data_type`` -> the dtype of its stack's rows (the unsharded collection's ``TABLE_DTYPES``)."""
-
-
-def _torch_of(values: np.ndarray, dtype: np.dtype) -> torch.Tensor:
-    """Float32 host ``values`` as a CPU tensor of the table dtype ``dtype`` (rounded to nearest even)."""
-    torch_dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[np.dtype(dtype).name]
-    return torch.from_numpy(np.ascontiguousarray(values, np.float32)).to(torch_dtype)
 
 
 def _host_float32(tensor: torch.Tensor) -> np.ndarray:
@@ -559,10 +550,10 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         # The unsharded collection's keys and shapes, so state dicts move between
         # sharded and unsharded models (sharded checkpoints: see tpurec/sparse/checkpoint/sharded.py).
         tables, _ = self.full_tables()
-        dtypes = {c.name: STACK_DTYPES[c.data_type] for c in self._embedding_bag_configs}
+        dtypes = {c.name: TABLE_DTYPES[c.data_type] for c in self._embedding_bag_configs}
         for name, value in tables.items():
             # In the table's dtype, as the unsharded collection's state dict (float32 values: exact).
-            destination[prefix + f"embedding_bags.{name}.weight"] = _torch_of(value, dtypes[name])
+            destination[prefix + f"embedding_bags.{name}.weight"] = torch.from_numpy(value).to(dtypes[name])
 
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
