@@ -18,6 +18,7 @@ from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "dlrm", "train.py")
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 import tpurec  # noqa: E402,F401
 from dlrm import checkpoint, data, flags, loop  # noqa: E402  (examples/ is on sys.path: pyproject.toml)
@@ -551,35 +552,62 @@ BAD_INPUTS = {
 }
 
 
+BAD_INPUT_BASE = [
+    "--embedding_dim",
+    "8",
+    "--dense_arch_layer_sizes",
+    "16,8",
+    "--over_arch_layer_sizes",
+    "8,1",
+    "--batch_size",
+    "8",
+    "--num_embeddings",
+    "50",
+    "--limit_train_batches",
+    "2",
+    "--limit_val_batches",
+    "1",
+    "--limit_test_batches",
+    "1",
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Every BAD_INPUTS command line run through train.py's main() in a process of its own, forked from one
+    that imported the script once (tests/examples/forked_runs.py)."""
+    command_lines = {}
+    for case, (make_args, _) in BAD_INPUTS.items():
+        tmp_path = tmp_path_factory.mktemp(case)
+        args = make_args(str(tmp_path))
+        if args[-1] == "@tsv":
+            for day in range(2):
+                (tmp_path / f"day_{day}").write_text(_tsv_line(1, [1] * 13, ["ab"] * 26) + "1\t2\t3\n")
+            args[-1] = str(tmp_path)
+        elif args[-1].startswith("@"):
+            args[-1] = _bad_npy_dir(tmp_path, args[-1][1:])
+        command_lines[case] = [*BAD_INPUT_BASE, *args]
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(
+        [sys.executable, os.path.join(HERE, "forked_runs.py"), SCRIPT, "300"],
+        input=json.dumps(list(command_lines.values())).encode(),
+        capture_output=True,
+        timeout=600,
+        cwd=ROOT,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr.decode()[-3000:]
+    results = json.loads(out.stdout)
+    return {
+        case: subprocess.CompletedProcess([SCRIPT, *argv], r["returncode"], r["stdout"], r["stderr"])
+        for (case, argv), r in zip(command_lines.items(), results)
+    }
+
+
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
-def test_bad_input_exits_2_with_one_line(case, tmp_path):
-    make_args, expected = BAD_INPUTS[case]
-    args = make_args(str(tmp_path))
-    if args[-1] == "@tsv":
-        for day in range(2):
-            (tmp_path / f"day_{day}").write_text(_tsv_line(1, [1] * 13, ["ab"] * 26) + "1\t2\t3\n")
-        args[-1] = str(tmp_path)
-    elif args[-1].startswith("@"):
-        args[-1] = _bad_npy_dir(tmp_path, args[-1][1:])
-    base = [
-        "--embedding_dim",
-        "8",
-        "--dense_arch_layer_sizes",
-        "16,8",
-        "--over_arch_layer_sizes",
-        "8,1",
-        "--batch_size",
-        "8",
-        "--num_embeddings",
-        "50",
-        "--limit_train_batches",
-        "2",
-        "--limit_val_batches",
-        "1",
-        "--limit_test_batches",
-        "1",
-    ]
-    out = run_script(*base, *args)
+def test_bad_input_exits_2_with_one_line(case, bad_input_runs):
+    _, expected = BAD_INPUTS[case]
+    out = bad_input_runs[case]
     # What a terminal shows: a progress bar rewrites its line with "\r" and is cleared on error.
     shown = [line.rsplit("\r", 1)[-1].strip() for line in out.stderr.split("\n")]
     lines = [line for line in shown if line]

@@ -1,0 +1,92 @@
+"""Runs a script's ``main()`` once per command line, each in a process forked from one that imported the script.
+
+A test that checks many command lines which end early (bad input, exit status 2) pays the imports of torch,
+TorchRec and tpurec once instead of once per command line, and each run still gets a process of its own:
+its own exit status, stdout and stderr at the file-descriptor level (warnings and native logs included), and no
+state left behind for the next. The parent never starts JAX's runtime or a thread, so forking it is safe.
+
+Usage (the command lines as JSON on stdin, the results as JSON on stdout)::
+
+    python forked_runs.py SCRIPT TIMEOUT < [[arg, ...], ...]
+    -> [{"returncode": int, "stdout": str, "stderr": str}, ...]
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+
+def _load(script: str):
+    spec = importlib.util.spec_from_file_location("_forked_script", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _child(module, script: str, argv: list[str], out: int, err: int) -> None:
+    os.dup2(out, 1)
+    os.dup2(err, 2)
+    sys.argv = [script, *argv]
+    code = 0
+    try:
+        module.main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, int) and e.code is not None:
+            print(e.code, file=sys.stderr)
+    except BaseException:  # noqa: BLE001 (reported as an uncaught exception would be)
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    os._exit(code)
+
+
+def _run(module, script: str, argv: list[str], timeout: float) -> dict:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        pid = os.fork()
+        if pid == 0:
+            _child(module, script, argv, out.fileno(), err.fileno())
+        deadline = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > deadline:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                status = -signal.SIGKILL << 8
+                break
+            time.sleep(0.02)
+        code = os.waitstatus_to_exitcode(status) if status >= 0 else -signal.SIGKILL
+        out.seek(0)
+        err.seek(0)
+        return {"returncode": code, "stdout": out.read().decode(), "stderr": err.read().decode()}
+
+
+def main() -> None:
+    script, timeout = sys.argv[1], float(sys.argv[2])
+    command_lines = json.load(sys.stdin)
+    module = _load(script)
+    assert threading.active_count() == 1, "the script started a thread on import: forking it is not safe"
+    from jax._src import xla_bridge
+
+    assert not xla_bridge._backends, "the script started JAX's runtime on import: forking it is not safe"
+    sys.stdout.flush()
+    results = [_run(module, script, argv, timeout) for argv in command_lines]
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
