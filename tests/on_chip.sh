@@ -22,6 +22,13 @@ shift
 mkdir -p "$out"
 groups=("$@")
 [ ${#groups[@]} -eq 0 ] && groups=(dlrm kernels train)
+known=" dlrm kernels train embeddings special compile parity "
+for group in "${groups[@]}"; do
+  if [[ $known != *" $group "* ]]; then
+    echo "unknown group $group (${known# })" >&2
+    exit 2
+  fi
+done
 train_flags=(--batch_size 512 --num_embeddings 10000 --embedding_dim 16 --dense_arch_layer_sizes 64,16
   --over_arch_layer_sizes 64,32,1 --adagrad --learning_rate 0.05 --limit_train_batches 300
   --limit_val_batches 8 --limit_test_batches 8 --validation_freq_within_epoch 100)
@@ -64,10 +71,6 @@ for group in "${groups[@]}"; do
     parity)
       JAX_PLATFORMS=tpu,cpu XLA_FLAGS= step parity 300 parity.txt python -m pytest -q -p no:cacheprovider \
         tests/sparse/test_tpu_device.py tests/sparse/test_dlrm.py
-      ;;
-    *)
-      echo "unknown group $group (dlrm kernels train embeddings special compile parity)" >&2
-      exit 2
       ;;
   esac
 done
