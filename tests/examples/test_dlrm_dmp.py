@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import pytest
+from forked_runs import run_forked
 from launcher import environment, run
 from ports import free_port_pair
 
@@ -101,44 +102,48 @@ def test_the_documented_dmp_command_learns_without_torchrec_warnings():
     assert "the job will fail" not in output and "FutureWarning" not in output, output[-6000:]
 
 
-def test_a_plan_for_another_process_count_is_refused(tmp_path):
-    """A plan made for 2 devices, given to a run of 1 process: one line naming the file, status 2."""
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """The command lines --dist dmp refuses, each through train.py's main() in a process of its own, forked from
+    one that imported the script once (tests/forked_runs.py), with the environment torchrun would give it."""
+    tmp_path = tmp_path_factory.mktemp("refusals")
     plan = _write_plan(tmp_path, devices=2)
-    env = {**_env(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(free_port_pair())}  # fmt: skip
-    out = subprocess.run(
-        [sys.executable, SCRIPT, "--dist", "dmp", "--plan", plan, *SMALL],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+    one_process = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}
+    runs = {
+        # A plan made for 2 devices, given to a run of 1 process.
+        "plan_for_two": {"argv": ["--dist", "dmp", "--plan", plan, *SMALL],
+                         "env": {**one_process, "MASTER_PORT": str(free_port_pair())}},
+        "plan_without_dmp": {"argv": ["--plan", str(tmp_path / "plan.json"), *SMALL]},
+        "without_torchrun": {"argv": ["--dist", "dmp", *SMALL], "env": {"RANK": None, "WORLD_SIZE": None}},
+        # As torchrun sets them: the flag checks come first.
+        "fused_mode": {"argv": ["--dist", "dmp", "--mode", "fused", *SMALL], "env": {"RANK": "0", "WORLD_SIZE": "1"}},
+    }  # fmt: skip
+    return dict(zip(runs, run_forked(SCRIPT, list(runs.values()), _env())))
+
+
+def test_a_plan_for_another_process_count_is_refused(refusals):
+    """A plan made for 2 devices, given to a run of 1 process: one line naming the file, status 2."""
+    out = refusals["plan_for_two"]
+    plan = out.args[out.args.index("--plan") + 1]
     assert out.returncode == 2, out.stderr[-3000:]
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("train.py: error:")]
     assert len(lines) == 1 and f"--plan {plan}:" in lines[0] and "1 devices" in lines[0], out.stderr[-3000:]
 
 
-def test_plan_is_refused_without_dist_dmp(tmp_path):
-    out = subprocess.run(
-        [sys.executable, SCRIPT, "--plan", str(tmp_path / "plan.json"), *SMALL],
-        env=_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+def test_plan_is_refused_without_dist_dmp(refusals):
+    out = refusals["plan_without_dmp"]
     assert out.returncode == 2, out.stderr[-3000:]
     assert "train.py: error: --plan FILE shards the tables of --dist dmp" in out.stderr, out.stderr[-3000:]
 
 
-def test_dist_dmp_without_torchrun_says_how_to_launch():
-    env = {k: v for k, v in _env().items() if k not in ("RANK", "WORLD_SIZE")}
-    out = subprocess.run(
-        [sys.executable, SCRIPT, "--dist", "dmp", *SMALL], env=env, capture_output=True, text=True, timeout=300
-    )
+def test_dist_dmp_without_torchrun_says_how_to_launch(refusals):
+    out = refusals["without_torchrun"]
     assert out.returncode == 2, out.stderr[-3000:]
     lines = [ln for ln in out.stderr.splitlines() if ln.startswith("train.py: error:")]
     assert len(lines) == 1 and "torchrun --nproc-per-node N examples/dlrm/train.py --dist dmp" in lines[0], out.stderr
 
 
-def test_dist_dmp_refuses_what_it_does_not_run():
-    env = {**_env(), "RANK": "0", "WORLD_SIZE": "1"}  # as torchrun sets them: the flag checks come first
-    out = subprocess.run(
-        [sys.executable, SCRIPT, "--dist", "dmp", "--mode", "fused", *SMALL],
-        env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+def test_dist_dmp_refuses_what_it_does_not_run(refusals):
+    out = refusals["fused_mode"]
     assert out.returncode == 2, out.stderr[-3000:]
     assert "train.py: error: --dist dmp does not take --mode fused/compile" in out.stderr, out.stderr[-3000:]

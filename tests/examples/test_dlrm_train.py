@@ -15,10 +15,10 @@ import pytest
 import torch
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from torchrec.optim import RowWiseAdagrad as TorchrecRowWiseAdagrad
+from forked_runs import run_forked
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(ROOT, "examples", "dlrm", "train.py")
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 import tpurec  # noqa: E402,F401
 from dlrm import checkpoint, data, flags, loop  # noqa: E402  (examples/ is on sys.path: pyproject.toml)
@@ -575,7 +575,7 @@ BAD_INPUT_BASE = [
 @pytest.fixture(scope="module")
 def bad_input_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     """Every BAD_INPUTS command line run through train.py's main() in a process of its own, forked from one
-    that imported the script once (tests/examples/forked_runs.py)."""
+    that imported the script once (tests/forked_runs.py)."""
     command_lines = {}
     for case, (make_args, _) in BAD_INPUTS.items():
         tmp_path = tmp_path_factory.mktemp(case)
@@ -588,20 +588,7 @@ def bad_input_runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             args[-1] = _bad_npy_dir(tmp_path, args[-1][1:])
         command_lines[case] = [*BAD_INPUT_BASE, *args]
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = subprocess.run(
-        [sys.executable, os.path.join(HERE, "forked_runs.py"), SCRIPT, "300"],
-        input=json.dumps(list(command_lines.values())).encode(),
-        capture_output=True,
-        timeout=600,
-        cwd=ROOT,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr.decode()[-3000:]
-    results = json.loads(out.stdout)
-    return {
-        case: subprocess.CompletedProcess([SCRIPT, *argv], r["returncode"], r["stdout"], r["stderr"])
-        for (case, argv), r in zip(command_lines.items(), results)
-    }
+    return dict(zip(command_lines, run_forked(SCRIPT, list(command_lines.values()), env)))
 
 
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
