@@ -5,8 +5,9 @@ TorchRec and tpurec once instead of once per command line, and each run still ge
 its own exit status, stdout and stderr at the file-descriptor level (warnings and native logs included), and no
 state left behind for the next. The parent never starts JAX's runtime or a thread, so forking it is safe.
 
-From a test, :func:`run_forked`. As a program (the runs as JSON on stdin: each a command line, or a command line with the environment variables to set, or
-to remove where the value is null, in its process only; the results as JSON on stdout)::
+From a test: :func:`run_forked`. As a program: the runs as JSON on stdin (each a command line, or a command line
+with environment variables to set, or to remove where the value is null, in its process only), the results as
+JSON on stdout::
 
     python forked_runs.py SCRIPT TIMEOUT < [[arg, ...] | {"argv": [arg, ...], "env": {name: value | null}}, ...]
     -> [{"returncode": int, "stdout": str, "stderr": str}, ...]
@@ -96,17 +97,17 @@ def _run(module, script: str, run: list[str] | dict, timeout: float) -> dict:
         while True:
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
+                code, killed = os.waitstatus_to_exitcode(status), ""
                 break
             if time.monotonic() > deadline:
                 os.kill(pid, signal.SIGKILL)
                 os.waitpid(pid, 0)
-                status = -signal.SIGKILL << 8
+                code, killed = -signal.SIGKILL, f"\nforked_runs: killed after {timeout:g} s"
                 break
             time.sleep(0.02)
-        code = os.waitstatus_to_exitcode(status) if status >= 0 else -signal.SIGKILL
         out.seek(0)
         err.seek(0)
-        return {"returncode": code, "stdout": out.read().decode(), "stderr": err.read().decode()}
+        return {"returncode": code, "stdout": out.read().decode(), "stderr": err.read().decode() + killed}
 
 
 def main() -> None:
