@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import torch
 from torchrec import EmbeddingBagConfig
 from torchrec.modules.embedding_configs import PoolingType
 
@@ -339,6 +340,26 @@ def test_lane_dense_layout_rule():
     assert tensorcore.rows_per_line(100_000, 64, jnp.bfloat16) == 1
     with tpurec.config.override(tensorcore_lane_dense=False):
         assert tensorcore.rows_per_line(100_000, 64) == 1
+
+
+@pytest.mark.parametrize("family", ["native", "reference", "tensorcore"])
+def test_tables_are_stored_lane_dense_only_where_the_tensorcore_kernel_runs(family):
+    # The lines are the TensorCore kernels' layout; the native XLA:CPU kernel's step copied a table stored
+    # so (a DLRM step twice as long), and the SparseCore primitives take rows.
+    from tpurec.core import array_of
+
+    configs = [EmbeddingBagConfig(name="t", embedding_dim=64, num_embeddings=1024, feature_names=["f"])]
+    with tpurec.config.override(sparse_kernel=family):
+        ebc = sp.EmbeddingBagCollection(configs, optimizer=sp.Adagrad(learning_rate=0.1), device="tpu")
+        kjt = random_kjt(configs, 8, np.random.default_rng(0))
+        before = ebc.stacked_weight(0).detach().cpu().clone()
+        out = ebc(kjt)
+        out.values().sum().backward()
+    stored = (512, 128) if family == "tensorcore" else (1024, 64)
+    assert tuple(array_of(ebc.stacked_weight(0)).shape) == stored
+    assert tuple(array_of(ebc.stacked_momentum1_0).shape) == stored  # Adagrad's element slot too
+    assert tuple(ebc.stacked_weight(0).shape) == (1024, 64)  # the tensor keeps its rows either way
+    assert not torch.equal(ebc.stacked_weight(0).detach().cpu(), before)  # it trained
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
