@@ -3,6 +3,8 @@ the reference kernels, and the op set picks its kernel from the chip."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import warnings
 
 import jax
@@ -360,6 +362,20 @@ def test_tables_are_stored_lane_dense_only_where_the_tensorcore_kernel_runs(fami
     assert tuple(array_of(ebc.stacked_momentum1_0).shape) == stored  # Adagrad's element slot too
     assert tuple(ebc.stacked_weight(0).shape) == (1024, 64)  # the tensor keeps its rows either way
     assert not torch.equal(ebc.stacked_weight(0).detach().cpu(), before)  # it trained
+
+
+def test_a_collection_on_the_cpu_does_not_start_jax():
+    # Which kernel runs (and so the tables' layout) is asked only for tables on the tpu device: asking starts
+    # JAX's runtime, which a process must be able to defer (jax.distributed.initialize comes first).
+    code = (
+        "import tpurec.sparse as sp\n"
+        "from torchrec import EmbeddingBagConfig\n"
+        "from jax._src import xla_bridge\n"
+        "c = EmbeddingBagConfig(name='t', embedding_dim=64, num_embeddings=1024, feature_names=['f'])\n"
+        "sp.EmbeddingBagCollection([c], optimizer=sp.Adagrad(learning_rate=0.1)).float()\n"
+        "assert not xla_bridge._backends, list(xla_bridge._backends)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])

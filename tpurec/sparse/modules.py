@@ -285,20 +285,25 @@ class EmbeddingBagCollection(CsrLookup, TrainableLookup, EmbeddingBagCollectionI
         from tpurec.sparse.kernels.tensorcore import stored_shape
         from tpurec.sparse.ops import kernel_family
 
+        element_slots = [slot for slot, shape in self._slot_names_and_shapes() if shape != "row"]
+        names = [
+            n
+            for i in range(len(self._stacks))
+            for n in (f"stacked_weight_{i}", *(f"stacked_{s}_{i}" for s in element_slots))
+        ]
+        tables = [getattr(self, n) for n in names]
+        tables = [t for t in tables if t.device.type == "tpu" and t.dtype == torch.float32 and t.dim() == 2]
+        if not tables:
+            return  # (asked before the kernel family, which starts JAX's runtime: a module on the CPU must not)
         try:
             if kernel_family() != "tensorcore":
                 return
         except ValueError:
             return  # a TPUREC_SPARSE_KERNEL this platform cannot run: the first lookup says so
-        element_slots = [slot for slot, shape in self._slot_names_and_shapes() if shape != "row"]
-        for i in range(len(self._stacks)):
-            for name in [f"stacked_weight_{i}", *(f"stacked_{slot}_{i}" for slot in element_slots)]:
-                t = getattr(self, name)
-                if t.device.type != "tpu" or t.dtype != torch.float32 or t.dim() != 2:
-                    continue
-                shape = stored_shape(t.shape[0], t.shape[1])
-                if tuple(getattr(array_of(t), "shape", shape)) != shape:
-                    t.data = with_storage_shape(t, shape)
+        for t in tables:
+            shape = stored_shape(t.shape[0], t.shape[1])
+            if tuple(getattr(array_of(t), "shape", shape)) != shape:
+                t.data = with_storage_shape(t, shape)
 
     def _slot_names_and_shapes(self) -> list[tuple[str, str]]:
         return [] if self.optimizer is None else list(self.optimizer.slots.items())
