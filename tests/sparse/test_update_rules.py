@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -142,3 +143,32 @@ def test_a_new_optimizer_trains_on_every_kernel_as_numpy(device, kernel):
     for name in want:
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
     assert any(not np.allclose(got[n], start[n]) for n in want)  # it trained
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 0.9, 0.99, 0.999, 0.9999, 0.99999])
+def test_bias_correction_is_within_a_few_ulps_of_float64_over_every_step(beta):
+    steps = np.arange(1, 300_001, dtype=np.float32)
+    got = np.asarray(update_rules.bias_correction(np.float32(beta), steps), np.float64)
+    want = 1.0 - np.float64(np.float32(beta)) ** steps.astype(np.float64)
+    ulps = np.abs(got - want) / want / np.finfo(np.float32).eps
+    assert ulps.max() <= 4, (int(np.argmax(ulps)) + 1, ulps.max())
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 5, 10, 100, 1000, 10_000, 100_000])
+def test_adam_rows_match_float64_at_every_step(step):
+    # 1 - beta2**step in float32 cancels to a few digits where beta2**step is near 1 (827 ulps at
+    # beta2 = 0.9999, step 2); the update's error must stay at float32's rounding. Fresh slots, so
+    # that the moments' own sums do not cancel.
+    g = np.random.default_rng(step).standard_normal((6, 8)).astype(np.float32)
+    w, m1, m2 = (np.zeros((6, 8), np.float32) for _ in range(3))
+    # The hyperparameters as the kernels get them: float32 scalars.
+    hp = {
+        k: jnp.float32(v) for k, v in dict(learning_rate=1, beta1=0.9, beta2=0.9999, eps=1e-8, weight_decay=0).items()
+    }
+    new_w, _, _ = update_rules.ADAM.rows(g, w, m1, m2, **hp, step=jnp.float32(step), dtype=jnp.float32)
+    b1, b2 = np.float64(hp["beta1"]), np.float64(hp["beta2"])
+    g64 = g.astype(np.float64)
+    m1_64 = b1 * m1 + (1 - b1) * g64
+    m2_64 = b2 * m2 + (1 - b2) * g64 * g64
+    want = -(m1_64 / (1 - b1**step)) / (np.sqrt(m2_64 / (1 - b2**step)) + np.float64(hp["eps"]))
+    np.testing.assert_allclose(np.asarray(new_w, np.float64), want, rtol=16 * np.finfo(np.float32).eps, atol=0)

@@ -43,6 +43,7 @@ __all__ = [
     "rule_of",
     "register",
     "row_mean",
+    "bias_correction",
     "SGD",
     "ADAGRAD",
     "ROWWISE_ADAGRAD",
@@ -167,11 +168,36 @@ def _rowwise_adagrad_rows(g, w, m, *, learning_rate, eps, weight_decay, dtype, r
     return (correction * w - g * multiplier).astype(dtype), m
 
 
+def bias_correction(beta, step):
+    """``1 - beta**step`` within a few float32 ulps, for Adam's bias corrections.
+
+    Written as ``-expm1(step * log1p(beta - 1))`` (``beta - 1`` is exact for ``beta`` in [0.5, 1]):
+    ``1 - beta**step`` in float32 loses digits to cancellation, 56 ulps at ``beta = 0.999`` where
+    pow is correctly rounded and more where it is not (on a TPU v5e, Adam's table after one step
+    differed from the CPU's by 2e-6).
+
+    Args:
+        beta: the decay rate, a Python float or a float32 scalar array.
+        step: the step, counted from 1 (a Python number or a float32 scalar array).
+
+    Example::
+
+        bias_correction(0.999, jnp.float32(1))  # 0.001 (to float32's precision)
+    """
+    # A Python float beta stays a double until the log, as the rules' own (1 - beta) does.
+    y = jnp.asarray(step, jnp.float32) * jnp.log1p(beta - 1.0)  # <= 0
+    # expm1(y) by Kahan's (u - 1) * y / log(u), u = exp(y): Pallas on a TPU lowers no expm1, and
+    # the quotient cancels u's own rounding error.
+    u = jnp.exp(y)
+    expm1 = jnp.where(u == 1.0, y, jnp.where(u - 1.0 == -1.0, -1.0, (u - 1.0) * y / jnp.log(u)))
+    return -expm1
+
+
 def _adam_rows(g, w, m1, m2, *, learning_rate, beta1, beta2, eps, weight_decay, step, dtype):
     m1 = beta1 * m1 + (1.0 - beta1) * g
     m2 = beta2 * m2 + (1.0 - beta2) * g * g
-    m1_hat = m1 / (1.0 - beta1**step)
-    m2_hat = m2 / (1.0 - beta2**step)
+    m1_hat = m1 / bias_correction(beta1, step)
+    m2_hat = m2 / bias_correction(beta2, step)
     return (w - learning_rate * (m1_hat / (jnp.sqrt(m2_hat) + eps) + weight_decay * w)).astype(dtype), m1, m2
 
 

@@ -73,7 +73,7 @@ from jax_tpu_embedding.sparsecore.lib.core.primitives import sparse_dense_matmul
 from jax_tpu_embedding.sparsecore.lib.core.primitives import sparse_dense_matmul_optimizer_grad as _opt
 from jax_tpu_embedding.sparsecore.utils import utils as _jte_utils
 
-from tpurec.sparse.update_rules import RULES, rule_of
+from tpurec.sparse.update_rules import RULES, bias_correction, rule_of
 
 from tpurec.sparse.types import PAD_ID, PARTITION_ALIGNMENT
 
@@ -297,7 +297,7 @@ def _rowwise_adagrad_row(dim: int) -> Callable:
 
 
 def _adam_row(g, w, m1, m2, lr, b1, b2, eps, wd, c1, c2):
-    # c1, c2 = 1 / (1 - beta**step), computed on the TensorCore (no pow here).
+    # c1, c2 = 1 / (1 - beta**step) (update_rules.bias_correction), computed on the TensorCore (no pow here).
     m1 = b1 * m1 + (1.0 - b1) * g
     m2 = b2 * m2 + (1.0 - b2) * g * g
     return w - lr * (m1 * c1 / (jnp.sqrt(m2 * c2) + eps) + wd * w), m1, m2
@@ -366,7 +366,7 @@ def _grad_with_optimizer(
 def _adam_hyperparameters(hp: dict) -> list:
     # Bias corrections on the TensorCore: the row update then uses only elementwise ops.
     beta1, beta2, step = (jnp.asarray(hp[k], jnp.float32) for k in ("beta1", "beta2", "step"))
-    c1, c2 = 1.0 / (1.0 - beta1**step), 1.0 / (1.0 - beta2**step)
+    c1, c2 = 1.0 / bias_correction(beta1, step), 1.0 / bias_correction(beta2, step)
     return [hp["learning_rate"], beta1, beta2, hp["eps"], hp["weight_decay"], c1, c2]
 
 

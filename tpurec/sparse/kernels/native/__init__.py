@@ -30,7 +30,7 @@ import jax.numpy as jnp
 
 from tpurec.native import FFI_TARGETS, NativeBuildError, ensure_registered, library_path, load_library
 from tpurec.sparse.kernels import reference
-from tpurec.sparse.update_rules import RULES
+from tpurec.sparse.update_rules import RULES, bias_correction
 
 __all__ = [
     "NativeBuildError",
@@ -187,8 +187,8 @@ def sparse_dense_matmul_grad_with_adam(
         1.0 - beta2,
         eps,
         weight_decay,
-        1.0 - beta1**step,
-        1.0 - beta2**step,  # bias corrections, as the reference writes them
+        bias_correction(beta1, step),
+        bias_correction(beta2, step),  # as the reference computes them
     ]
     return _grad(
         "TpurecGradAdam",
