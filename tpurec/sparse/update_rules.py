@@ -171,26 +171,32 @@ def _rowwise_adagrad_rows(g, w, m, *, learning_rate, eps, weight_decay, dtype, r
 def bias_correction(beta, step):
     """``1 - beta**step`` within a few float32 ulps, for Adam's bias corrections.
 
-    Written as ``-expm1(step * log1p(beta - 1))`` (``beta - 1`` is exact for ``beta`` in [0.5, 1]):
-    ``1 - beta**step`` in float32 loses digits to cancellation, 56 ulps at ``beta = 0.999`` where
-    pow is correctly rounded and more where it is not (on a TPU v5e, Adam's table after one step
-    differed from the CPU's by 2e-6).
+    ``1 - beta**step`` in float32 loses digits to cancellation (827 ulps at ``beta = 0.9999``,
+    ``step = 2`` where pow is correctly rounded), and a TPU's float32 ``pow``, ``exp`` and ``log``
+    are approximations: on a TPU v5e, Adam's table after a few steps differed from the CPU's by
+    2e-6, and ``-expm1(step * log1p(beta - 1))`` was thousands of ulps off there. So the correction
+    is built from its own recurrences, with float32 products and sums only (correctly rounded on
+    every platform, in XLA and in Pallas kernels): with ``A(a) = 1 - beta**a``,
+    ``A(2a) = A(a) (2 - A(a))`` and ``A(a + b) = A(a) + A(b) (1 - A(a))``, each a sum of positive
+    terms, over the bits of ``step`` (below 2**24).
 
     Args:
-        beta: the decay rate, a Python float or a float32 scalar array.
-        step: the step, counted from 1 (a Python number or a float32 scalar array).
+        beta: the decay rate in [0, 1], a Python float or a float32 scalar array.
+        step: the step, a whole number from 1 (a Python number or a float32 scalar array).
 
     Example::
 
         bias_correction(0.999, jnp.float32(1))  # 0.001 (to float32's precision)
     """
-    # A Python float beta stays a double until the log, as the rules' own (1 - beta) does.
-    y = jnp.asarray(step, jnp.float32) * jnp.log1p(beta - 1.0)  # <= 0
-    # expm1(y) by Kahan's (u - 1) * y / log(u), u = exp(y): Pallas on a TPU lowers no expm1, and
-    # the quotient cancels u's own rounding error.
-    u = jnp.exp(y)
-    expm1 = jnp.where(u == 1.0, y, jnp.where(u - 1.0 == -1.0, -1.0, (u - 1.0) * y / jnp.log(u)))
-    return -expm1
+    # A Python float beta stays a double until 1 - beta, as the rules' own (1 - beta) does.
+    power_bit = jnp.asarray(1.0 - beta, jnp.float32)  # 1 - beta**(2**k)
+    whole = jnp.asarray(step, jnp.float32).astype(jnp.int32)
+    correction = jnp.zeros_like(power_bit)  # 1 - beta**(step's bits below k)
+    for k in range(24):
+        take = ((whole >> k) & 1) == 1
+        correction = jnp.where(take, correction + power_bit * (1.0 - correction), correction)
+        power_bit = power_bit * (2.0 - power_bit)
+    return correction
 
 
 def _adam_rows(g, w, m1, m2, *, learning_rate, beta1, beta2, eps, weight_decay, step, dtype):
