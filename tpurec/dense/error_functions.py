@@ -209,7 +209,12 @@ def erfcx(x: jax.Array) -> jax.Array:
     # multiplying with a reciprocal that flushes to zero there; u underflows to its limit 0).
     big = jnp.where(a > 50, a, 50 * one)
     u = 1 / (big * big)
-    fraction = _INV_SQRT_PI * (1 + u * (4.5 + 2 * u)) / (big * (1 + u * (5 + 3.75 * u)))
+    # Past 2^32, u is below the last place: the fraction is 1 / (sqrt(pi) x), with x scaled by
+    # 2^-64 (exact) so that the quotient stays far from float32's smallest numbers, where a TPU's
+    # reciprocal loses digits (1.6e-5 relative at x = 2.5e33 on a v5e); the result is scaled back.
+    huge = big > 2.0**32
+    scale = jnp.where(huge, jnp.asarray(2.0**-64, dtype), one)
+    fraction = (_INV_SQRT_PI * (1 + u * (4.5 + 2 * u)) / ((big * scale) * (1 + u * (5 + 3.75 * u)))) * scale
     scaled_tail = jnp.where(a > 50, fraction, table)
     # x < 0: exp(x^2) overflows float32 below -9.4 and float64 below -26.6; the table term is
     # below 2 exp(x^2)'s last place from -6.1 on (PyTorch's switch).
