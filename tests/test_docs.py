@@ -280,6 +280,7 @@ DEV_LOG_PATTERNS = [
     r"\bthis round\b",
     r"\bprevious main\b",
     r"\b(?:this|next|the) session\b",
+    r"\btoday\b",  # "as it runs today": true on one date
 ]
 
 
