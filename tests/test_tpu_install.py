@@ -122,6 +122,9 @@ def test_the_wheel_folder_commands_are_the_scripts() -> None:
     section = _section()
     options = set(re.findall(r"`(--[\w-]+)", section)) - {"--no-index", "--no-deps"}
     assert options == {"--skip", "--from-vm", "--test", "--dry-run"}, options
+    shown = _prepare("--help")
+    assert shown.returncode == 0, shown.stderr
+    assert set(re.findall(r"^  (--[\w-]+)", shown.stdout, re.MULTILINE)) == options, shown.stdout
     examples = re.findall(r"`(--(?:skip|from-vm) [a-z][\w,-]*)`", section)
     assert len(examples) == 2, examples
     for example in examples:
