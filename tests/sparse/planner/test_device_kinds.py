@@ -48,6 +48,13 @@ def test_automatic_plans_are_for_the_kinds_generation_and_the_runs_device_count(
         assert (topology.generation, topology.world_size) == (generation, devices), (kind, devices, name)
 
 
+@pytest.mark.parametrize("devices", [1, 3])
+def test_devices_that_are_not_whole_chips_are_refused_naming_the_kind(devices):
+    # A v7x chip shows two JAX devices: no v7x topology has an odd number of them.
+    with pytest.raises(ValueError, match=rf"^{devices} device\(s\) of 'TPU7x' are not whole chips: a v7x chip shows 2"):
+        planning_topology(devices, _device("TPU7x"))
+
+
 def test_an_unknown_kind_plans_a_v5p_topology_of_the_runs_devices_with_a_warning():
     with pytest.warns(UserWarning, match="'TPU v99'"):
         name = planning_topology(8, _device("TPU v99"))
