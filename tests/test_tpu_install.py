@@ -277,3 +277,15 @@ def _env_with_python() -> dict[str, str]:
     import os
 
     return {**os.environ, "PYTHON": sys.executable}
+
+
+def test_setup_sourced_by_another_shell_says_to_use_bash() -> None:
+    # It finds its folder through bash's BASH_SOURCE; another shell gets a message and status 2, nothing else.
+    dash = shutil.which("dash")
+    if dash is None:
+        pytest.skip("no dash on this machine")
+    out = subprocess.run(
+        [dash, "-c", f'. {shlex.quote(str(SETUP))}; echo "rc=$? PYTHONPATH=${{PYTHONPATH-}}"'],
+        cwd=ROOT, env={"PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert out.stdout == "rc=2 PYTHONPATH=\n" and out.stderr == "source .tpu/setup.sh from bash\n", out
