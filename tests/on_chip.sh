@@ -59,7 +59,7 @@ for group in "${groups[@]}"; do
       step train_dcn 200 train_dcn.txt python examples/dlrm/train.py "${train_flags[@]}" --interaction_type dcn
       ;;
     embeddings)
-      step embeddings 300 embeddings.json python -m tpurec.bench embeddings --dims 64 --pooling 4 --tables 26 \
+      step embeddings 300 embeddings.json python -m tpurec.bench embeddings --dims 64 --ids-per-bag 4 --tables 26 \
         --rows 100000 --skip-reference
       ;;
     special)

@@ -10,6 +10,7 @@ alone for the checks after argparse's) and exit status 2, never a traceback.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from importlib import metadata
@@ -111,7 +112,7 @@ def test_tpurec_version(capsys):
     [
         (["bench"], "usage: tpurec bench ", ["dlrm", "embeddings", "modes", "sparse"]),
         (["bench", "dlrm"], "usage: tpurec bench dlrm ", ["--breakdown", "--no-pipeline"]),
-        (["bench", "embeddings"], "usage: tpurec bench embeddings ", ["--pooling", "--dims"]),
+        (["bench", "embeddings"], "usage: tpurec bench embeddings ", ["--ids-per-bag", "--dims"]),
         (["bench", "modes"], "usage: tpurec bench modes ", ["--round-steps", "cpu_pytorch"]),
         (["bench", "sparse"], "usage: tpurec bench sparse ", ["--small", "--partitions"]),
         (["plan"], "usage: tpurec plan ", ["--topology", "--sharding-types"]),
@@ -223,6 +224,49 @@ def test_benchmarks_spell_batch_size_as_the_planner_and_show_defaults(bench, cap
     assert "--batch-size" in out and "--batch " not in out and "--batch\n" not in out, out
     text = " ".join(out.split())  # help lines wrap at the terminal width
     assert f"(default: {BENCH_BATCH_DEFAULTS[bench]})" in text, text
+
+
+# A concept several of tpurec's commands take: its one spelling, and the earlier spellings they still read.
+SPELLINGS = {"--batch-size": ("--batch",), "--ids-per-bag": ("--pooling",)}
+
+
+def _bench_names() -> list[str]:
+    from tpurec.bench.__main__ import BENCHMARKS
+
+    return sorted(BENCHMARKS)
+
+
+@pytest.mark.parametrize("bench", _bench_names())
+def test_benchmarks_show_one_spelling_per_concept(bench, capsys):
+    from tpurec.bench.__main__ import main
+
+    status, out, err = call(main, [bench, "--help"], capsys)
+    assert status == 0, err
+    shown = set(re.findall(r"(?<![\w-])(--[a-z][\w-]*)", out))
+    for flag, old in SPELLINGS.items():
+        assert not shown & set(old), (bench, flag, shown & set(old))
+
+
+def test_ids_per_bag_is_one_spelling_in_dlrm_and_embeddings(capsys):
+    from tpurec.bench.__main__ import main
+
+    for bench in ("dlrm", "embeddings"):
+        status, out, err = call(main, [bench, "--help"], capsys)
+        assert status == 0 and "--ids-per-bag" in out, (bench, err)
+
+
+def test_an_earlier_spelling_reads_into_the_same_value():
+    import argparse
+
+    from tpurec.cli import HelpFormatter, add_flag, positive_int
+
+    parser = argparse.ArgumentParser(formatter_class=HelpFormatter)
+    add_flag(parser, "--ids-per-bag", "--pooling", dest="ids_per_bag", help="ids per bag", type=positive_int,
+             nargs="+", default=[1, 4])  # fmt: skip
+    assert parser.parse_args([]).ids_per_bag == [1, 4]
+    assert parser.parse_args(["--ids-per-bag", "2", "3"]).ids_per_bag == [2, 3]
+    assert parser.parse_args(["--pooling", "2", "3"]).ids_per_bag == [2, 3]
+    assert "--pooling" not in parser.format_help() and "(default: [1, 4])" in parser.format_help()
 
 
 def test_plan_help_shows_defaults(capsys):

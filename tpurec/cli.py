@@ -72,9 +72,27 @@ def add_batch_size(parser: argparse.ArgumentParser, help: str, **kwargs: Any) ->
         help: what the batch size is (per step, per device...).
         kwargs: ``type``, ``nargs``, ``default`` as for ``add_argument``.
     """
-    parser.add_argument("--batch-size", dest="batch", help=help, **kwargs)
+    add_flag(parser, "--batch-size", "--batch", dest="batch", help=help, **kwargs)
+
+
+def add_flag(parser: argparse.ArgumentParser, flag: str, *old: str, dest: str, help: str, **kwargs: Any) -> None:
+    """Adds ``flag``, and earlier spellings of it that stay accepted without showing in ``--help``.
+
+    One concept has one spelling across tpurec's commands (``--batch-size``, ``--ids-per-bag``); a
+    command that spelled it otherwise keeps taking its old spelling into the same ``dest``.
+
+    Args:
+        parser: the command's parser.
+        flag: the spelling ``--help`` shows.
+        old: earlier spellings, read into ``dest`` too.
+        dest: the attribute of the parsed arguments.
+        help: the flag's help text.
+        kwargs: ``type``, ``nargs``, ``default``, ``metavar`` as for ``add_argument``.
+    """
+    parser.add_argument(flag, dest=dest, help=help, **kwargs)
     alias = {k: v for k, v in kwargs.items() if k in ("type", "nargs", "metavar")}
-    parser.add_argument("--batch", dest="batch", default=argparse.SUPPRESS, help=argparse.SUPPRESS, **alias)
+    for spelling in old:
+        parser.add_argument(spelling, dest=dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **alias)
 
 
 def error(prog: str, message: str) -> int:

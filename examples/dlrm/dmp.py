@@ -150,7 +150,10 @@ def _world_topology(cfg: Config, world: int) -> str:
     from tpurec.sparse.planner import TpuTopology
     from tpurec.sparse.sharding.model import planning_topology
 
-    name = cfg.topology or planning_topology(world)
+    try:
+        name = cfg.topology or planning_topology(world)
+    except ValueError as e:
+        raise ConfigError(f"--dist dmp: {str(e).splitlines()[0]}") from None
     try:
         devices = TpuTopology.from_name(name).world_size
     except ValueError as e:

@@ -46,10 +46,10 @@ def print_sharding_plan(cfg: flags.Config) -> None:
 
     from tpurec.sparse.sharding.model import planning_topology
 
-    # By default the chip this run is on (v5p for a run on the host), with --num_devices of them.
-    topology = cfg.topology or planning_topology(cfg.num_devices)
     config = TpuPlannerConfig(estimator=TpuEstimatorConfig(optimizer=cfg.embedding_optimizer))
     try:
+        # By default the chip this run is on (v5p for a run on the host), with --num_devices of them.
+        topology = cfg.topology or planning_topology(cfg.num_devices)
         _, report = plan(
             model_lib.table_configs(cfg), topology, batch_size=cfg.batch_size * cfg.num_devices, config=config
         )

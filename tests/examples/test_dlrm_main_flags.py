@@ -8,7 +8,6 @@ fused optimizer the way dlrm_main does.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import re
@@ -19,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from dlrm_main_lr_scheduler import LRPolicyScheduler
+from forked_runs import run_forked
 from test_dlrm_train import ROOT, SCRIPT, SMALL, write_criteo_npy
 from torchrec.modules.fused_embedding_modules import FusedEmbeddingBagCollection
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
@@ -237,43 +237,44 @@ def test_drop_last_and_shuffle_training_set_reach_the_readers(tmp_path):
     torch.testing.assert_close(a[a[:, 0].argsort()], b[b[:, 0].argsort()], rtol=0, atol=0)
 
 
-def _main_exit(args: list[str], capsys) -> tuple[int, str]:
-    spec = importlib.util.spec_from_file_location("dlrm_train_script", SCRIPT)
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    old = sys.argv
-    sys.argv = [SCRIPT, *args]
-    try:
-        with pytest.raises(SystemExit) as exit_info:
-            script.main()
-    finally:
-        sys.argv = old
-    return exit_info.value.code, capsys.readouterr().err
+# Command lines train.py refuses before training: dlrm_main's refused flags, and LR schedules and stats that
+# TorchRec's own script cannot run either (what each exit-2 line says).
+SCHEDULE_REFUSALS = {
+    "warmup_after_decay": (["--lr_warmup_steps", "5", "--lr_decay_start", "2"],
+                           "warmup must finish before the decay starts"),
+    "decay_without_rate": (["--lr_decay_start", "5", "--lr_decay_steps", "3"], "without a learning rate"),
+    "negative_warmup": (["--lr_warmup_steps", "-1"], "--lr_warmup_steps must be 0 or more"),
+    "graphed_schedule": (["--lr_warmup_steps", "4", "--lr_decay_start", "4", "--mode", "graphed",
+                          "--lr_decay_steps", "2"], "--mode graphed replays the captured step"),
+    "stats_without_multi_hot": (["--collect_multi_hot_freqs_stats"], "give --multi_hot_sizes"),
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
+    """Each refused command line through train.py's main() in a process of its own, forked from one that
+    imported the script once (tests/forked_runs.py): exit status and the stderr a terminal shows."""
+    npy = tmp_path_factory.mktemp("npy")
+    write_criteo_npy(str(npy), days=2, rows=8, table_rows=[50] * 26)
+    runs = {flag: [str(npy) if a == "@npy" else a for a in args] for flag, (args, _) in REFUSED.items()}
+    runs.update({case: args for case, (args, _) in SCHEDULE_REFUSALS.items()})
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return dict(zip(runs, run_forked(SCRIPT, list(runs.values()), env)))
+
+
+def _one_error_line(out: subprocess.CompletedProcess) -> str:
+    assert out.returncode == 2, (out.returncode, out.stderr[-3000:])
+    (line,) = out.stderr.strip().splitlines()
+    return line
 
 
 @pytest.mark.parametrize("flag", sorted(REFUSED))
-def test_refused_dlrm_main_flag_exits_2_naming_it(flag, tmp_path, capsys):
-    write_criteo_npy(str(tmp_path), days=2, rows=8, table_rows=[50] * 26)
-    args, expected = REFUSED[flag]
-    code, err = _main_exit([str(tmp_path) if a == "@npy" else a for a in args], capsys)
-    assert code == 2
-    (line,) = err.strip().splitlines()
-    assert line.startswith("train.py: error:") and flag in line and expected in line, line
+def test_refused_dlrm_main_flag_exits_2_naming_it(flag, refusals):
+    line = _one_error_line(refusals[flag])
+    assert line.startswith("train.py: error:") and flag in line and REFUSED[flag][1] in line, line
 
 
-@pytest.mark.parametrize(
-    "args,expected",
-    [
-        (["--lr_warmup_steps", "5", "--lr_decay_start", "2"], "warmup must finish before the decay starts"),
-        (["--lr_decay_start", "5", "--lr_decay_steps", "3"], "without a learning rate"),
-        (["--lr_warmup_steps", "-1"], "--lr_warmup_steps must be 0 or more"),
-        (["--lr_warmup_steps", "4", "--lr_decay_start", "4", "--mode", "graphed", "--lr_decay_steps", "2"],
-         "--mode graphed replays the captured step"),
-        (["--collect_multi_hot_freqs_stats"], "give --multi_hot_sizes"),
-    ],
-)  # fmt: skip
-def test_schedules_and_stats_torchrec_cannot_run_exit_2(args, expected, capsys):
-    code, err = _main_exit(args, capsys)
-    assert code == 2
-    (line,) = err.strip().splitlines()
-    assert expected in line, line
+@pytest.mark.parametrize("case", sorted(SCHEDULE_REFUSALS))
+def test_schedules_and_stats_torchrec_cannot_run_exit_2(case, refusals):
+    line = _one_error_line(refusals[case])
+    assert line.startswith("train.py: error:") and SCHEDULE_REFUSALS[case][1] in line, line

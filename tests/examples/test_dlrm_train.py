@@ -370,6 +370,11 @@ def test_resume_into_another_model_names_the_first_difference(tmp_path):
     assert message.startswith(f"--resume: checkpoint {tmp_path / checkpoint.FILE_NAME} does not fit"), message
     assert "embedding_bags.t_cat_3.weight has shape (20, 8), the model's is (21, 8)" in message, message
     assert "\n" not in message
+    # As a user meets it: train.py --resume with the other tables exits 2 with that one line.
+    out = run_script(*[a if a != "50,40,30,20" else "50,40,30,21" for a in SMALL], "--adagrad",
+                     "--checkpoint_dir", str(tmp_path), "--resume")  # fmt: skip
+    shown = [line.rsplit("\r", 1)[-1].strip() for line in out.stderr.split("\n")]
+    assert out.returncode == 2 and [line for line in shown if line] == [f"train.py: error: {message}"], out.stderr
 
 
 def test_sharded_checkpoint_is_written_atomically(tmp_path, monkeypatch):

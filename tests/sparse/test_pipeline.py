@@ -359,7 +359,7 @@ def test_bench_embeddings_cli_sweep(tmp_path):
             "--dims",
             "8",
             "16",
-            "--pooling",
+            "--ids-per-bag",
             "1",
             "3",
             "--tables",
@@ -393,7 +393,7 @@ def test_bench_embeddings_times_the_tensorcore_kernel_and_its_variants(tmp_path,
     # interpret mode), on a stacked table of 2 x 1100 rows: whole 2048-row blocks to stream.
     monkeypatch.setenv("TPUREC_SPARSE_KERNEL", "tensorcore")
     out = _run_bench(
-        ["embeddings", "--dims", "8", "--pooling", "1", "--tables", "2", "--rows", "1100", "--batch", "64"]
+        ["embeddings", "--dims", "8", "--ids-per-bag", "1", "--tables", "2", "--rows", "1100", "--batch-size", "64"]
         + ["--iters", "1", "--skip-reference"],
         tmp_path,
     )

@@ -1,6 +1,6 @@
 """Embedding lookups swept over dim and pooling, against the memory-bandwidth bound.
 
-``python -m tpurec.bench embeddings [--dims 32 64 128] [--pooling 1 4 20] [--plot DIR]``
+``python -m tpurec.bench embeddings [--dims 32 64 128] [--ids-per-bag 1 4 20] [--plot DIR]``
 
 For every (dim, ids per bag) pair, on one batch of the same KJT: the pooled
 forward and one training step (forward + backward + row-wise Adagrad on the
@@ -35,7 +35,7 @@ import numpy as np
 
 from tpurec import config
 from tpurec.bench.sparse import _fbgemm, _jax_kernels, _median_ms, _plain_jax
-from tpurec.cli import HelpFormatter, add_batch_size, positive_int
+from tpurec.cli import HelpFormatter, add_batch_size, add_flag, positive_int
 
 LR, EPS = 0.01, 1e-8
 
@@ -75,7 +75,16 @@ def _torchrec(kjt, num_tables: int, rows: int, dim: int, table: np.ndarray, iter
 def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench embeddings") -> dict:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
     parser.add_argument("--dims", type=positive_int, nargs="+", default=[32, 64, 128], help="embedding dimensions")
-    parser.add_argument("--pooling", type=positive_int, nargs="+", default=[1, 4, 20], help="ids per bag")
+    add_flag(
+        parser,
+        "--ids-per-bag",
+        "--pooling",
+        dest="ids_per_bag",
+        type=positive_int,
+        nargs="+",
+        default=[1, 4, 20],
+        help="ids per bag (one run each)",
+    )
     parser.add_argument("--tables", type=positive_int, default=8, help="embedding tables")
     parser.add_argument("--rows", type=positive_int, default=100_000, help="rows of each table")
     add_batch_size(parser, "samples per lookup", type=positive_int, default=2048)
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m tpurec.bench embe
     runs = []
     for dim in args.dims:
         table = rng.uniform(-0.01, 0.01, (args.tables * args.rows, dim)).astype(np.float32)
-        for bag in args.pooling:
+        for bag in args.ids_per_bag:
             tables = [
                 EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=args.rows, feature_names=[f"f{i}"])
                 for i in range(args.tables)

@@ -1,7 +1,7 @@
 """A small text model trained over random sequence lengths: compilations with and without buckets.
 
 A tiny BERT masked-LM (``transformers``, built from a config: no download) trains
-``--steps`` steps of batch ``--batch``, each of a random length in 1..``--max-length``,
+``--steps`` steps of batch ``--batch-size``, each of a random length in 1..``--max-length``,
 on the tpu device in fused mode or under ``torch.compile(backend="tpu", dynamic=False)``.
 With ``--buckets`` (the default: powers of two from 16 up to ``--max-length``) every
 batch is padded with :class:`tpurec.buckets.SequenceBuckets` (attention mask 0, labels

@@ -2,7 +2,7 @@
 
 A BERT masked-LM from a tiny ``transformers`` config (2 layers, hidden 64, 2 heads,
 intermediate 128, vocabulary 128: no download) trains on one fixed batch of
-``--batch`` sequences of ``--length`` tokens with SGD. Configurations:
+``--batch-size`` sequences of ``--length`` tokens with SGD. Configurations:
 
 * ``cpu_pytorch``: the model on PyTorch's CPU device with one intra-op thread (the peer);
 * ``compiled``: ``torch.compile(model, backend="tpu", dynamic=False)`` and

@@ -8,8 +8,8 @@ import warnings
 
 import pytest
 
-from tpurec.sparse.planner.topology import DEVICE_KINDS, TPU_GENERATIONS, generation_of_device_kind
-from tpurec.sparse.sharding.model import planning_generation
+from tpurec.sparse.planner.topology import DEVICE_KINDS, TPU_GENERATIONS, TpuTopology, generation_of_device_kind
+from tpurec.sparse.sharding.model import planning_generation, planning_topology
 
 # Kinds as JAX reports them on Cloud TPU VMs (and "TPU v5p" under pathways).
 EXPECTED = {
@@ -33,6 +33,33 @@ def test_known_kinds_map_to_their_generation(kind, generation):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert planning_generation(_device(kind)) == generation
+
+
+@pytest.mark.parametrize("kind,generation", sorted(EXPECTED.items()))
+def test_automatic_plans_are_for_the_kinds_generation_and_the_runs_device_count(kind, generation):
+    # What tpurec.shard without a plan and train.py --print_sharding_plan plan for: a topology of the
+    # run's chip with as many JAX devices as the run has (whole chips: v7x shows two devices a chip).
+    per_chip = TPU_GENERATIONS[generation].devices_per_chip
+    for devices in (per_chip, 4, 8, 64):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            name = planning_topology(devices, _device(kind))
+        topology = TpuTopology.from_name(name)
+        assert (topology.generation, topology.world_size) == (generation, devices), (kind, devices, name)
+
+
+@pytest.mark.parametrize("devices", [1, 3])
+def test_devices_that_are_not_whole_chips_are_refused_naming_the_kind(devices):
+    # A v7x chip shows two JAX devices: no v7x topology has an odd number of them.
+    with pytest.raises(ValueError, match=rf"^{devices} device\(s\) of 'TPU7x' are not whole chips: a v7x chip shows 2"):
+        planning_topology(devices, _device("TPU7x"))
+
+
+def test_an_unknown_kind_plans_a_v5p_topology_of_the_runs_devices_with_a_warning():
+    with pytest.warns(UserWarning, match="'TPU v99'"):
+        name = planning_topology(8, _device("TPU v99"))
+    topology = TpuTopology.from_name(name)
+    assert (topology.generation, topology.world_size) == ("v5p", 8), name
 
 
 def test_every_table_kind_names_a_generation():

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import time
 
 import pytest
@@ -18,6 +19,7 @@ from tpurec.sparse.planner import (
     tables_to_module,
 )
 from tpurec.sparse.planner.__main__ import main as cli_main
+from tpurec.sparse.planner.report import collapse_rank_rows
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 MLPERF = os.path.join(ROOT, "examples", "planner", "mlperf_dlrm_dcnv2.json")
@@ -237,6 +239,48 @@ def test_report_prints_torchrec_stats_and_distribution_bytes():
     assert report.estimate.comms_ms >= report.collective_latency_ms
     doc = json.loads(report.to_json())
     assert doc["torchrec_stats"] == report.torchrec_stats
+
+
+def _printed_rank_rows(text: str) -> list[tuple[int, int, str]]:
+    """(first rank, last rank, figures) of each row of the printed per-rank table."""
+    rows = []
+    for m in re.finditer(r"^#\s+(\d+)(?:-(\d+))?(\s{3}.*)$", text, re.MULTILINE):
+        rows.append((int(m.group(1)), int(m.group(2) or m.group(1)), m.group(3)))
+    return rows
+
+
+def test_printed_torchrec_stats_show_alike_consecutive_ranks_once():
+    # 256 ranks, most with the same figures: the printed table names each run of ranks once, and
+    # every rank's figures are the ones TorchRec logged for it (the JSON keeps TorchRec's rows).
+    tpu = TpuTopology.from_name("v5e-256")
+    _, report = plan(SMALL, tpu, batch_size=32768)
+    logged = {int(m.group(1)): m.group(2) for m in map(re.compile(r"^#\s+(\d+)(\s{3}.*)$").match,
+              report.torchrec_stats) if m}  # fmt: skip
+    assert sorted(logged) == list(range(256))
+    printed = _printed_rank_rows(str(report).split("TorchRec's planner stats", 1)[1])
+    assert len(printed) < len(set(logged.values())) + 8 and len(printed) < 64, len(printed)
+    assert [r for first, last, _ in printed for r in range(first, last + 1)] == list(range(256))
+    for first, last, figures in printed:
+        assert all(logged[r] == figures for r in range(first, last + 1)), (first, last)
+    assert json.loads(report.to_json())["torchrec_stats"] == report.torchrec_stats
+
+
+def test_collapse_rank_rows_merges_only_consecutive_alike_ranks():
+    header = ["# ---- #", "#      Rank     HBM (GB)  #", "#    ------   ----------  #"]
+    rows = ["#         0   0.5 (0%)  #", "#         1   0.5 (0%)  #", "#         2   0.7 (0%)  #",
+            "#         3   0.5 (0%)  #", "#         4   0.5 (0%)  #"]  # fmt: skip
+    after = ["#                         #", "#         7   a note     #"]
+    assert collapse_rank_rows(header + rows + after) == [
+        *header,
+        "#       0-1   0.5 (0%)  #",
+        rows[2],
+        "#       3-4   0.5 (0%)  #",
+        *after,
+    ]
+    # A rank column too narrow for the range keeps TorchRec's rows.
+    narrow = ["# Rank HBM #", "#  98   0.5 #", "#  99   0.5 #"]
+    assert collapse_rank_rows(narrow) == narrow
+    assert collapse_rank_rows(rows) == rows  # no table header: not a rank table
 
 
 def test_v5e_plan_says_there_is_no_sparsecore():

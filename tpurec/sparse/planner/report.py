@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -206,9 +207,69 @@ class PlanReport:
             lines.append(f"  note: {n}")
         if self.torchrec_stats:
             lines.append("")
-            lines.append("TorchRec's planner stats (EmbeddingStats), same plan, tpurec's estimates:")
-            lines.extend(self.torchrec_stats)
+            lines.append(
+                "TorchRec's planner stats (EmbeddingStats), same plan, tpurec's estimates "
+                "(consecutive ranks with the same figures on one row):"
+            )
+            lines.extend(collapse_rank_rows(self.torchrec_stats))
         return "\n".join(lines)
+
+
+# A row of EmbeddingStats' per-rank table: "#", the rank right-aligned, then that rank's figures.
+_RANK_ROW = re.compile(r"^#(\s+)(\d+)(\s.*)$")
+
+
+def collapse_rank_rows(lines: List[str]) -> List[str]:
+    """TorchRec's stats table with each run of consecutive ranks whose figures are equal on one row.
+
+    TorchRec prints one row per rank: 256 rows on a v5e-256 plan, most of them alike. A run of
+    ranks ``a`` to ``b`` with the same figures becomes one row whose rank column reads ``a-b``
+    (right-aligned where the rank stood; the figures keep their columns). Rows of other tables,
+    and rank rows whose figures differ from their neighbours', are kept as TorchRec prints them.
+
+    Args:
+        lines: the lines :class:`RecordedEmbeddingStats` recorded.
+
+    Returns:
+        The lines with the runs collapsed.
+
+    Example::
+
+        collapse_rank_rows(["#      Rank   HBM #", "#         0   0.5 #", "#         1   0.5 #"])
+        # ["#      Rank   HBM #", "#       0-1   0.5 #"]
+    """
+    out: List[str] = []
+    in_rank_table = False
+    run: List[re.Match[str]] = []
+
+    def flush() -> None:
+        first, last = run[0] if run else None, run[-1] if run else None
+        if first is not None and last is not None and len(run) > 1:
+            ranks = f"{first.group(2)}-{last.group(2)}"
+            width = len(first.group(1)) + len(first.group(2))
+            if len(ranks) < width:  # room for the range where the rank stood
+                out.append(f"#{ranks:>{width}}{first.group(3)}")
+                run.clear()
+        out.extend(m.string for m in run)
+        run.clear()
+
+    for line in lines:
+        if "Rank" in line and "HBM" in line:
+            in_rank_table = True
+            out.append(line)
+            continue
+        row = _RANK_ROW.match(line) if in_rank_table else None
+        if row is None:
+            flush()
+            if in_rank_table and not line.strip("# -"):
+                in_rank_table = bool(out) and "Rank" in out[-1]  # the dashes under the header keep it open
+            out.append(line)
+            continue
+        if run and (row.group(3) != run[-1].group(3) or int(row.group(2)) != int(run[-1].group(2)) + 1):
+            flush()
+        run.append(row)
+    flush()
+    return out
 
 
 def _gib(b: Optional[float]) -> str:

@@ -112,10 +112,22 @@ def planning_topology(num_devices: int, device: Any = None) -> str:
         num_devices: the devices the plan spreads over.
         device: a JAX device of the run (default: the first one); its kind picks the generation
             (:func:`planning_generation`).
+
+    Raises:
+        ValueError: ``num_devices`` is not a whole number of chips of a generation that shows
+            several JAX devices a chip (v7x: 2), which no topology of that generation has.
     """
     from tpurec.sparse.planner.topology import TPU_GENERATIONS
 
-    generation = TPU_GENERATIONS[planning_generation(jax.devices()[0] if device is None else device)]
+    device = jax.devices()[0] if device is None else device
+    generation = TPU_GENERATIONS[planning_generation(device)]
+    if num_devices % generation.devices_per_chip:
+        raise ValueError(
+            f"{num_devices} device(s) of {getattr(device, 'device_kind', generation.name)!r} are not whole chips: "
+            f"a {generation.name} chip shows {generation.devices_per_chip} JAX devices, and a plan is made for "
+            f"whole chips; use a multiple of {generation.devices_per_chip} devices, or make a plan with "
+            f"`tpurec plan --topology` and pass it"
+        )
     # Accelerator names count TensorCores on v4/v5p/v7x (two per chip), chips elsewhere.
     chips = -(-num_devices // generation.devices_per_chip)
     return f"{generation.name}-{chips * 2 if generation.name_counts_cores else chips}"
