@@ -15,6 +15,9 @@
 #   special     tests/dense/special_accuracy_on_device.py: float32 special functions against float64    300
 #   compile     tests/models/compile_latency_on_device.py: cold and warm time to a first step          450
 #   parity      tpurec.sparse's modules and DLRM on the chip against TorchRec/FBGEMM on the host         300
+#   breadth     the rest of tpurec.sparse's tests that put modules on the tpu device (TorchRec semantics,
+#               EC, FP16/BF16 tables, VBE and input forms, captured steps, pipeline, export, quantized
+#               inference, managed collisions, checkpoints, update rules), in one process            560
 # OUT/summary.txt gets one line per group: its name, exit status (124: killed at its limit) and seconds.
 set -u
 out=${1:?usage: bash tests/on_chip.sh OUT [group ...]}
@@ -22,7 +25,7 @@ shift
 mkdir -p "$out"
 groups=("$@")
 [ ${#groups[@]} -eq 0 ] && groups=(dlrm kernels train)
-known=" dlrm kernels train embeddings special compile parity "
+known=" dlrm kernels train embeddings special compile parity breadth "
 for group in "${groups[@]}"; do
   if [[ $known != *" $group "* ]]; then
     echo "unknown group $group (${known# })" >&2
@@ -71,6 +74,14 @@ for group in "${groups[@]}"; do
     parity)
       JAX_PLATFORMS=tpu,cpu XLA_FLAGS= step parity 300 parity.txt python -m pytest -q -p no:cacheprovider \
         tests/sparse/test_tpu_device.py tests/sparse/test_dlrm.py
+      ;;
+    breadth)
+      JAX_PLATFORMS=tpu,cpu XLA_FLAGS= step breadth 560 breadth.txt python -m pytest -q -p no:cacheprovider \
+        tests/sparse/test_torchrec_semantics.py tests/sparse/test_sequence.py tests/sparse/test_table_dtypes.py \
+        tests/sparse/test_torchrec_half_tables.py tests/sparse/test_input_forms.py \
+        tests/sparse/test_captured_sparse_steps.py tests/sparse/test_pipeline_steps.py tests/sparse/test_export.py \
+        tests/sparse/test_quant.py tests/sparse/test_managed_collisions.py tests/sparse/test_checkpoint_integrity.py \
+        tests/sparse/test_update_rules.py tests/sparse/test_modules.py
       ;;
   esac
 done

@@ -1,5 +1,5 @@
 """tests/on_chip.sh, which CI cannot run (it needs a TPU): it parses, every group its header lists is one it runs,
-and an unknown group is refused before anything starts."""
+and an unknown group is refused before anything starts; every file it names exists."""
 
 from __future__ import annotations
 
@@ -25,3 +25,9 @@ def test_an_unknown_group_is_refused_before_anything_runs(tmp_path: Path) -> Non
     )
     assert out.returncode == 2 and "unknown group dlrm_typo" in out.stderr, out.stderr
     assert not (tmp_path / "summary.txt").exists()
+
+
+def test_every_file_the_script_names_exists() -> None:
+    root = SCRIPT.parent.parent
+    named = set(re.findall(r"\b((?:tests|examples)/[\w/]+\.py)\b", SCRIPT.read_text()))
+    assert named and not [path for path in named if not (root / path).is_file()], named
