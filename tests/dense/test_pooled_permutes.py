@@ -1,17 +1,19 @@
 """``KeyedTensor.regroup`` on the tpu device: FBGEMM's pooled-embedding permutations, forward and backward.
 
 Through TorchRec's public API (``KeyedTensor.regroup``, ``regroup_as_dict``, the ``KTRegroupAsDict`` module
-and FBGEMM's ``permute_multi_embedding`` it calls), against the same
-calls on CPU, which run FBGEMM's CPU kernels. A permutation moves values without arithmetic, so
-outputs and gradients must match exactly.
+and FBGEMM's ``permute_multi_embedding`` it calls, TorchRec's ``regroup_kts`` and ``permute_multi_embedding``),
+against the same calls on CPU, which run FBGEMM's CPU kernels. A permutation moves values without
+arithmetic, so outputs and gradients must match exactly.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 from torchrec.modules.regroup import KTRegroupAsDict
-from torchrec.sparse.jagged_tensor import KeyedTensor
+from torchrec.sparse.jagged_tensor import KeyedTensor, permute_multi_embedding, regroup_kts
 
 import tpurec
 
@@ -156,3 +158,23 @@ def test_kt_regroup_as_dict_in_inference_mode() -> None:
     assert list(got) == list(want)
     for key in want:
         torch.testing.assert_close(got[key].cpu(), want[key], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("mode", ["eager", "fused"])
+@pytest.mark.parametrize("function", [regroup_kts, permute_multi_embedding])
+@pytest.mark.parametrize("groups", list(GROUPS))
+def test_torchrecs_regroup_functions_match_on_cpu_forward_and_backward(
+    groups: str, function: Callable[..., list[torch.Tensor]], mode: str
+) -> None:
+    # TorchRec's functions behind KeyedTensor's regrouping, which call FBGEMM's kt_regroup_arguments on the
+    # values' device and regroup_keyed_tensor or permute_multi_embedding. Reference: KeyedTensor.regroup on CPU
+    # (a key in no group gets a zero gradient there, an uninitialized one from FBGEMM's CPU backward).
+    want_out, want_grads = _regroup("cpu", GROUPS[groups])
+    with tpurec.mode(mode):
+        kts, leaves = _keyed_tensors("tpu")
+        out = function(kts, GROUPS[groups])
+        weights = [torch.arange(o.numel(), dtype=o.dtype).view(o.shape).to("tpu") for o in out]
+        sum((o * w).sum() for o, w in zip(out, weights)).backward()
+    assert len(out) == len(want_out)
+    for got, want in zip([o.detach().cpu() for o in out] + [leaf.grad.cpu() for leaf in leaves], want_out + want_grads):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -21,6 +21,9 @@ kernel is FBGEMM's too: it calls ``fbgemm::permute_multi_embedding_function`` fo
 ``reverse=True``, backward, where each output block's gradient is added into its input block (a key
 in two groups gets the sum). Both ops and both directions lower here to one gather (or scatter-add)
 of the concatenated columns, its index computed on the device from ``permutes``.
+``fbgemm::kt_regroup_arguments``, which computes ``permutes`` from the keys, runs FBGEMM's CPU
+kernel on the host and moves its tensors to the embeddings' device (as FBGEMM's CUDA kernel puts
+them on the GPU); ``fbgemm::regroup_keyed_tensor`` (TorchRec's ``regroup_kts``) is the two in a row.
 
 This family loads with FBGEMM's other ops (``tpurec.dense.jagged``), on the first ``fbgemm`` op.
 """
@@ -33,9 +36,15 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from tpurec.dense.registry import lower
+from tpurec.dense.registry import Kind, lower
 
-__all__ = ["permute_multi_embedding", "permute_pooled_embs", "permuted_columns"]
+__all__ = [
+    "kt_regroup_arguments",
+    "permute_multi_embedding",
+    "permute_pooled_embs",
+    "permuted_columns",
+    "regroup_keyed_tensor",
+]
 
 fbgemm = torch.ops.fbgemm
 
@@ -147,3 +156,24 @@ def permute_multi_embedding(
         padded = jnp.concatenate([given, jnp.zeros((batch, 1), dtype)], axis=1)
         moved = jnp.take(padded, source, axis=1)
     return list(jnp.split(moved, np.cumsum(lengths)[:-1].tolist(), axis=1)) if lengths else []
+
+
+def kt_regroup_arguments(
+    embs: torch.Tensor, keys: list[list[str]], lengths: list[list[int]], groups: list[list[str]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """FBGEMM's ``kt_regroup_arguments``: its CPU kernel on the host, the tensors moved to ``embs``' device."""
+    host = torch.empty(0, dtype=embs.dtype)
+    permutes, in_shapes, out_shapes, out_lengths = fbgemm.kt_regroup_arguments(host, keys, lengths, groups)
+    return permutes.to(embs.device), in_shapes.to(embs.device), out_shapes.to(embs.device), list(out_lengths)
+
+
+def regroup_keyed_tensor(
+    pooled_embs: list[torch.Tensor], keys: list[list[str]], lengths: list[list[int]], groups: list[list[str]]
+) -> list[torch.Tensor]:
+    """FBGEMM's ``regroup_keyed_tensor``: :func:`kt_regroup_arguments`, then ``permute_multi_embedding``."""
+    permutes, in_shapes, out_shapes, out_lengths = kt_regroup_arguments(pooled_embs[0], keys, lengths, groups)
+    return list(fbgemm.permute_multi_embedding(pooled_embs, permutes, in_shapes, out_shapes, out_lengths))
+
+
+lower(fbgemm.kt_regroup_arguments.default, kind=Kind.COMPOSITE)(kt_regroup_arguments)
+lower(fbgemm.regroup_keyed_tensor.default, kind=Kind.COMPOSITE)(regroup_keyed_tensor)
