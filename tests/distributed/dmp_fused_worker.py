@@ -1,12 +1,13 @@
 """One rank of the fused-optimizer DistributedModelParallel tests (``torchrun ... dmp_fused_worker.py OUT RUN[,RUN...]``).
 
-A run is ``<plan>:<optimizer>``: TorchRec's own ``EmbeddingBagCollection`` (born on meta),
+A run is ``<plan>:<optimizer>[:mean]``: TorchRec's own ``EmbeddingBagCollection`` (born on meta; its
+tables SUM-pooled, or MEAN-pooled with ``:mean``),
 ``torchrec.optim.apply_optimizer_in_backward(<optimizer>, ebc.parameters(), {...})`` on it, a plan
 from TorchRec's planner with the ``FUSED`` compute kernel (every table sharded as ``<plan>`` says,
 or the mix of :data:`MIXED`), sharded by TorchRec's ``DistributedModelParallel`` on the tpu device.
 The starting tables are loaded as whole tensors; ``STEPS`` steps of forward and backward (no
 optimizer step: the update runs in the backward) on this rank's slice of each global batch. Each
-rank writes ``OUT.<plan>.<optimizer>.<rank>.npz``: its table shards and its fused optimizer's
+rank writes ``OUT.<plan>.<optimizer>[.mean].<rank>.npz``: its table shards and its fused optimizer's
 state (TorchRec's ``KeyedOptimizer`` state_dict, from ``model.fused_optimizer``) with their
 offsets, and on rank 0 the global losses. :func:`reference` is the same training with FBGEMM's
 fused TBE on CPU in one process on the whole batch.
@@ -53,13 +54,18 @@ def _resolve(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _collection(device: str):
+def _collection(device: str, mean: bool = False):
     import torch
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.modules.embedding_configs import PoolingType
 
     configs = [
         EmbeddingBagConfig(
-            name=n, embedding_dim=d, num_embeddings=r, feature_names=[f for f, t in features() if t == n]
+            name=n,
+            embedding_dim=d,
+            num_embeddings=r,
+            feature_names=[f for f, t in features() if t == n],
+            pooling=PoolingType.MEAN if mean else PoolingType.SUM,
         )
         for n, r, d, _k in TABLES
     ]
@@ -106,19 +112,24 @@ def _loss(pooled, target, mix):
     return ((pooled * mix).sum(1) - target).pow(2).mean()
 
 
-def reference(plan: str, optimizer: str) -> tuple[list[float], dict[str, np.ndarray], dict[str, np.ndarray]]:
+def reference(
+    plan: str, optimizer: str, mean: bool = False
+) -> tuple[list[float], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """FBGEMM's fused TBE on CPU, one process, the whole batch: losses, tables, optimizer state.
 
     The TBE is built as TorchRec's FUSED kernel builds it (``optimizer`` and ``learning_rate`` from
     the in-backward optimizer, every other argument at FBGEMM's default). A column-wise table is
     its column shards, each a table of its own (TorchRec's FUSED kernel keeps one per shard, and a
-    row-wise optimizer state is then per shard).
+    row-wise optimizer state is then per shard). ``mean``: FBGEMM's MEAN pooling (each bag's sum over
+    its length), the unsharded collection's.
     """
     if optimizer == "adam":
+        if mean:
+            raise ValueError("the Adam reference pools with SUM only")
         return _reference_adam()
     import torch
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
         SplitTableBatchedEmbeddingBagsCodegen,
@@ -142,6 +153,7 @@ def reference(plan: str, optimizer: str) -> tuple[list[float], dict[str, np.ndar
         feature_table_map=[i for _f, i in tbe_features],
         optimizer=EmbOptimType[FBGEMM[optimizer]],
         learning_rate=kwargs["lr"],
+        pooling_mode=PoolingMode.MEAN if mean else PoolingMode.SUM,
     )
     with torch.no_grad():
         for (n, cols), w in zip(blocks, tbe.split_embedding_weights(), strict=True):
@@ -208,7 +220,7 @@ def _reference_adam(
     return losses, w, states
 
 
-def train_sharded(out_path: str, plan_name: str, optimizer: str) -> None:
+def train_sharded(out_path: str, plan_name: str, optimizer: str, mean: bool = False) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed._shard.sharded_tensor.api import ShardedTensor
@@ -232,7 +244,7 @@ def train_sharded(out_path: str, plan_name: str, optimizer: str) -> None:
     cls, kwargs = OPTIMIZERS[optimizer]
 
     def shard_it() -> DistributedModelParallel:
-        collection = _collection("meta")
+        collection = _collection("meta", mean)
         apply_optimizer_in_backward(_resolve(cls), collection.parameters(), dict(kwargs))
         plan = planner.collective_plan(collection, [sharder], dist.GroupMember.WORLD)
         got = {name: (p.sharding_type, p.compute_kernel) for name, p in plan.plan[""].items()}  # pyright: ignore
@@ -290,7 +302,8 @@ def train_sharded(out_path: str, plan_name: str, optimizer: str) -> None:
             r0, c0 = offsets[name]
             value = slots[f"{name}.{key}"]
             out[f"state|{name}|{j}|{r0}|{c0}"] = value.detach().cpu().numpy().reshape(value.shape[0], -1)
-    np.savez(f"{out_path}.{plan_name}.{optimizer}.{rank}.npz", **cast(dict[str, Any], out))
+    name = f"{plan_name}.{optimizer}{'.mean' if mean else ''}"
+    np.savez(f"{out_path}.{name}.{rank}.npz", **cast(dict[str, Any], out))
 
 
 def errors(out_path: str) -> None:
@@ -384,7 +397,6 @@ def errors(out_path: str) -> None:
         "lamb": attempt("fused", fused_params={"optimizer": EmbOptimType.LAMB, "learning_rate": 0.1}),
         "weight_decay": attempt("fused", in_backward=(torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 0.01})),
         "clipping": attempt("fused", fused_params={"gradient_clipping": True}),
-        "mean": attempt("fused", in_backward=(torch.optim.SGD, {"lr": 0.1}), pooling=PoolingType.MEAN),
     }
     with open(f"{out_path}.errors.{dist.get_rank()}", "w") as f:
         f.write("".join(f"{case} {text}\n".replace("\n", " ").rstrip() + "\n" for case, text in cases.items()))
@@ -400,10 +412,12 @@ def main(out_path: str, runs: list[str]) -> None:
         if run == "errors":
             errors(out_path)
             continue
-        plan, _, optimizer = run.partition(":")
-        if plan not in PLANS or optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown run {run!r}: use <plan>:<optimizer>, plan in {PLANS}, optimizer in {OPTIMIZERS}")
-        train_sharded(out_path, plan, optimizer)
+        plan, optimizer, *pooling = run.split(":")
+        if plan not in PLANS or optimizer not in OPTIMIZERS or pooling not in ([], ["mean"]):
+            raise ValueError(
+                f"unknown run {run!r}: use <plan>:<optimizer>[:mean], plan in {PLANS}, optimizer in {OPTIMIZERS}"
+            )
+        train_sharded(out_path, plan, optimizer, mean=bool(pooling))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -16,7 +16,7 @@ same tables and the same fused optimizer as FBGEMM's TBE, run as tpurec's sparse
 lookup ``torch.ops.tpurec.sparse_dense_matmul``, the update its
 ``sparse_dense_matmul_grad_with_<optimizer>`` in the backward, in place). What FBGEMM would do
 and tpurec cannot do exactly raises ``NotImplementedError`` when the model is sharded:
-another optimizer or setting, MEAN pooling, tables other than float32, several column shards
+another optimizer or setting, pooling other than SUM and MEAN, tables other than float32, several column shards
 of one table on a rank, variable batch sizes, an ``EmbeddingCollection`` with ``FUSED``, and
 ``UNFUSED_TPU`` with an in-backward optimizer.
 """
@@ -180,6 +180,7 @@ def _fused_optimizer_class() -> type:
 def _kernel_class() -> type:
     from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
     from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
     from torchrec.modules.embedding_configs import DataType, PoolingType
     from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -202,16 +203,20 @@ def _kernel_class() -> type:
                         f"{table.name!r} on this rank, which tpurec does not stack into one table: plan at most one "
                         "column shard of a table per rank (a larger min_partition, or more ranks)"
                     )
-                if table.pooling != PoolingType.SUM:
+                if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                     raise NotImplementedError(
                         f"table {table.name!r}: {table.pooling.name} pooling with the FUSED kernel on tpu is not run "
-                        "by tpurec (its fused lookup sums); use PoolingType.SUM"
+                        "by tpurec; use PoolingType.SUM or MEAN"
                     )
                 if table.data_type != DataType.FP32:
                     raise NotImplementedError(
                         f"table {table.name!r}: {table.data_type.name} tables with the FUSED kernel on tpu are not run "
                         "by tpurec; use DataType.FP32"
                     )
+            # FBGEMM's pooling mode, as TorchRec's kernels take it (pooling_type_to_pooling_mode): MEAN
+            # pools each bag's sum divided by its length, except for row-wise shards (SUM: TorchRec
+            # divides the summed rows by the lengths after its output distribution).
+            self._mean = self._pooling == PoolingMode.MEAN
             self.optimizer = optimizer_of(config.fused_params)
             self._features = [t.num_features() for t in tables]
             self._steps = 0
@@ -304,6 +309,10 @@ def _kernel_class() -> type:
                     samples = torch.repeat_interleave(torch.arange(count * batch, dtype=torch.int32), lengths[bags])
                     if weights is not None:
                         gains = weights[start:end].to(torch.float32)
+                    if self._mean:  # each entry's share of its bag: 1 / the bag's length (times its weight)
+                        bag_lengths = lengths[bags]
+                        share = torch.repeat_interleave(1.0 / bag_lengths.clamp(min=1).to(torch.float32), bag_lengths)
+                        gains = gains * share.to(device)
                 row_pointers = torch.tensor([end - start], dtype=torch.int32).to(device)
                 inputs.append(((row_pointers, ids, samples.to(device), gains), count))
                 first += count
@@ -344,6 +353,11 @@ def kernel_class() -> type:
     global _CLASS
     if _CLASS is None:
         import tpurec.sparse.ops  # noqa: F401 (registers torch.ops.tpurec)
+
+        # TorchRec's column-wise output distribution on tpu calls torch.ops.torchrec.permute_pooled_embs,
+        # which its TPU kernel module defines: a model whose groups all run this kernel imports it nowhere else
+        # (AttributeError: '_OpNamespace' 'torchrec' object has no attribute 'permute_pooled_embs').
+        import tpurec.dmp.lookup_ops  # noqa: F401 (defines torch.ops.torchrec and lowers it)
 
         _CLASS = _kernel_class()
     return _CLASS
