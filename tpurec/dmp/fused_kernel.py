@@ -16,7 +16,8 @@ same tables and the same fused optimizer as FBGEMM's TBE, run as tpurec's sparse
 lookup ``torch.ops.tpurec.sparse_dense_matmul``, the update its
 ``sparse_dense_matmul_grad_with_<optimizer>`` in the backward, in place). What FBGEMM would do
 and tpurec cannot do exactly raises ``NotImplementedError`` when the model is sharded:
-another optimizer or setting, pooling other than SUM and MEAN, tables other than float32, several column shards
+another optimizer or setting, pooling other than SUM and MEAN, tables other than FP32, FP16 and BF16 (and Adam
+with FP16/BF16 tables), several column shards
 of one table on a rank, variable batch sizes, an ``EmbeddingCollection`` with ``FUSED``, and
 ``UNFUSED_TPU`` with an in-backward optimizer.
 """
@@ -185,6 +186,8 @@ def _kernel_class() -> type:
     from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    from tpurec.sparse.update_rules import rule_of
+
     class Kernel(BaseBatchedEmbeddingBag, FusedOptimizerModule):
         def __init__(
             self,
@@ -196,6 +199,10 @@ def _kernel_class() -> type:
             super().__init__(config, pg, device, sharding_type)
             tables = list(config.embedding_tables)
             names = [t.name for t in tables]
+            # FBGEMM's weights_precision (TorchRec's data_type_to_sparse_type): the tables in their dtype, the
+            # optimizer state in float32, each row's update in float32 rounded back to nearest even (FBGEMM's
+            # CPU kernels; tpurec.sparse.update_rules).
+            dtypes = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
             for table in tables:
                 if names.count(table.name) > 1:
                     raise NotImplementedError(
@@ -208,16 +215,23 @@ def _kernel_class() -> type:
                         f"table {table.name!r}: {table.pooling.name} pooling with the FUSED kernel on tpu is not run "
                         "by tpurec; use PoolingType.SUM or MEAN"
                     )
-                if table.data_type != DataType.FP32:
+                if table.data_type not in dtypes:
                     raise NotImplementedError(
                         f"table {table.name!r}: {table.data_type.name} tables with the FUSED kernel on tpu are not run "
-                        "by tpurec; use DataType.FP32"
+                        "by tpurec; use DataType.FP32, FP16 or BF16"
                     )
             # FBGEMM's pooling mode, as TorchRec's kernels take it (pooling_type_to_pooling_mode): MEAN
             # pools each bag's sum divided by its length, except for row-wise shards (SUM: TorchRec
             # divides the summed rows by the lengths after its output distribution).
             self._mean = self._pooling == PoolingMode.MEAN
             self.optimizer = optimizer_of(config.fused_params)
+            half = [t.name for t in tables if t.data_type != DataType.FP32]
+            if half and not rule_of(self.optimizer.op_name).half_tables:
+                raise NotImplementedError(
+                    f"tables {half} are FP16/BF16 and the fused optimizer is {type(self.optimizer).__name__}: FBGEMM has "
+                    "no CPU kernel of it for such tables to follow (its GPU kernel rounds stochastically); use FP32 "
+                    "tables with it, or SGD, Adagrad or RowWiseAdagrad"
+                )
             self._features = [t.num_features() for t in tables]
             self._steps = 0
             # What makes autograd run the lookup's backward (FBGEMM's TBE keeps one too); a plain
@@ -227,7 +241,9 @@ def _kernel_class() -> type:
             self.slots: dict[str, dict[str, torch.Tensor]] = {}
             for table, rows, cols in zip(tables, self._local_rows, self._local_cols, strict=True):
                 # No grad (TorchRec's FUSED state_dict shards say so): the placeholder carries the backward.
-                weight = nn.Parameter(torch.empty(rows, cols, dtype=torch.float32, device=device), requires_grad=False)
+                weight = nn.Parameter(
+                    torch.empty(rows, cols, dtype=dtypes[table.data_type], device=device), requires_grad=False
+                )
                 # TorchRec's mark of a parameter its fused optimizer updates (in_backward_optimizer_filter).
                 weight._in_backward_optimizers = [EmptyFusedOptimizer()]  # pyright: ignore[reportAttributeAccessIssue]
                 self._tables[table.name] = weight
