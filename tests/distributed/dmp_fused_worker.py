@@ -357,26 +357,6 @@ def errors(out_path: str) -> None:
             return f"NotImplementedError: {error}"
         return "sharded without an error"
 
-    def attempt_sequence() -> str:
-        """An EmbeddingCollection (unpooled) planned with the FUSED kernel."""
-        from torchrec import EmbeddingCollection, EmbeddingConfig
-        from torchrec.distributed.embedding import EmbeddingCollectionSharder
-
-        config = EmbeddingConfig(name="s", embedding_dim=16, num_embeddings=12, feature_names=["fs"])
-        collection = EmbeddingCollection(tables=[config], device=torch.device("meta"))
-        apply_optimizer_in_backward(torch.optim.SGD, collection.parameters(), {"lr": 0.1})
-        sharder = cast(ModuleSharder[torch.nn.Module], EmbeddingCollectionSharder())
-        planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=dist.get_world_size(), compute_device="tpu", local_world_size=1),
-            constraints={"s": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])},
-        )
-        plan = planner.collective_plan(collection, [sharder], dist.GroupMember.WORLD)
-        try:
-            DistributedModelParallel(collection, device=torch.device("tpu"), plan=plan, sharders=[sharder])
-        except NotImplementedError as error:
-            return f"NotImplementedError: {error}"
-        return "sharded without an error"
-
     def learning_rate() -> str:
         """``model.fused_optimizer``'s learning rate, set in its param_groups, reaches the update at ``step()``."""
         from torchrec import KeyedJaggedTensor
@@ -410,7 +390,6 @@ def errors(out_path: str) -> None:
 
     cases = {
         "learning_rate": learning_rate(),
-        "sequence": attempt_sequence(),
         "unfused_in_backward": attempt("unfused_tpu", in_backward=(torch.optim.SGD, {"lr": 0.1})),
         "lamb": attempt("fused", fused_params={"optimizer": EmbOptimType.LAMB, "learning_rate": 0.1}),
         "weight_decay": attempt("fused", in_backward=(torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 0.01})),

@@ -113,7 +113,6 @@ def test_what_tpurec_cannot_run_exactly_is_refused_and_the_learning_rate_is_pass
         "clipping": "fused_params['gradient_clipping'] = True",
         "adam_fp16": "are FP16/BF16 and the fused optimizer is Adam",
         "int8": "INT8 tables with the FUSED kernel on tpu are not run",
-        "sequence": "an EmbeddingCollection with TorchRec's FUSED kernel on tpu is not run by tpurec",
     }
     # Row 2 is looked up twice: one update of the summed gradient (2 * lr), row 1 once (lr).
     assert lines["learning_rate"] == "lr=0.0 rows=[] delta=0.0000; lr=0.1 rows=[1, 2] delta=0.2000", lines

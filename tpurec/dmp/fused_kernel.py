@@ -18,8 +18,8 @@ lookup ``torch.ops.tpurec.sparse_dense_matmul``, the update its
 and tpurec cannot do exactly raises ``NotImplementedError`` when the model is sharded:
 another optimizer or setting, pooling other than SUM and MEAN, tables other than FP32, FP16 and BF16 (and Adam
 with FP16/BF16 tables), several column shards
-of one table on a rank, variable batch sizes, an ``EmbeddingCollection`` with ``FUSED``, and
-``UNFUSED_TPU`` with an in-backward optimizer.
+of one table on a rank, variable batch sizes, and ``UNFUSED_TPU`` with an in-backward optimizer. An
+``EmbeddingCollection``'s ``FUSED`` groups run :mod:`tpurec.dmp.fused_sequence_kernel`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["create_kernel", "kernel_class", "optimizer_of"]
+__all__ = ["create_kernel", "is_fused", "kernel_class", "optimizer_of"]
 
 # FBGEMM TBE arguments that change nothing for float32 tables held in device memory (no cache,
 # no rounding), whatever their values.
@@ -189,6 +189,8 @@ def _kernel_class() -> type:
     from tpurec.sparse.update_rules import rule_of
 
     class Kernel(BaseBatchedEmbeddingBag, FusedOptimizerModule):
+        _sequence = False  # (the sequence kernel, tpurec.dmp.fused_sequence_kernel, looks up unpooled)
+
         def __init__(
             self,
             config: GroupedEmbeddingConfig,
@@ -210,7 +212,7 @@ def _kernel_class() -> type:
                         f"{table.name!r} on this rank, which tpurec does not stack into one table: plan at most one "
                         "column shard of a table per rank (a larger min_partition, or more ranks)"
                     )
-                if table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
+                if not self._sequence and table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                     raise NotImplementedError(
                         f"table {table.name!r}: {table.pooling.name} pooling with the FUSED kernel on tpu is not run "
                         "by tpurec; use PoolingType.SUM or MEAN"
@@ -398,6 +400,13 @@ def _check_unfused(config: Any) -> None:
         )
 
 
+def is_fused(config: Any) -> bool:
+    """Whether a table group has TorchRec's ``FUSED`` compute kernel."""
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+
+    return config.compute_kernel == EmbeddingComputeKernel.FUSED
+
+
 def create_kernel(pooled: bool, config: Any, pg: Any, device: torch.device, sharding_type: Any = None) -> Any:
     """The tpu kernel of a table group TorchRec's grouped lookup builds, or None for TorchRec's own.
 
@@ -419,10 +428,6 @@ def create_kernel(pooled: bool, config: Any, pg: Any, device: torch.device, shar
     _check_unfused(config)
     if config.compute_kernel != EmbeddingComputeKernel.FUSED:
         return None
-    if not pooled:
-        tables = [t.name for t in config.embedding_tables]
-        raise NotImplementedError(
-            f"tables {tables}: an EmbeddingCollection with TorchRec's FUSED kernel on tpu is not run by tpurec; plan "
-            "it with compute_kernels=['unfused_tpu'] and train model.parameters() with a torch optimizer"
-        )
+    if not pooled:  # (an EmbeddingCollection's FUSED group: tpurec.dmp.fused_sequence_kernel builds it)
+        raise ValueError("create_kernel builds pooled FUSED groups; use fused_sequence_kernel.create_kernel")
     return kernel_class()(config, pg, device, sharding_type)
