@@ -282,3 +282,36 @@ def test_a_staged_lookup_and_a_routed_one_make_one_summed_update(mode):
         torch.testing.assert_close(
             torch.from_numpy(tables[cfg.name]), theirs[f"embedding_bags.{cfg.name}.weight"], **TOLERANCE, msg=cfg.name
         )
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("a backward that fails")
+
+
+def test_a_backward_pass_that_raises_leaves_no_gradient_for_the_next_pass():
+    # The second lookup's backward runs first and waits for the pass's end; the pass then raises, so its
+    # update never runs (as a failed backward accumulates nothing for an in-backward optimizer to apply). The
+    # next pass must update with its own gradient only.
+    torch.manual_seed(0)
+    base: Any = TwoLookups(TorchrecEBC(TABLES))
+    ours, fresh = copy.deepcopy(base), copy.deepcopy(base)
+    for model in (ours, fresh):
+        apply_optimizer_in_backward(torch.optim.Adagrad, model.ebc.parameters(), {"lr": 0.1})
+    sharded, untouched = _sharded(ours), _sharded(fresh)
+    rng = np.random.default_rng(0)
+    first, second, third = (random_kjt(TABLES, BATCH, rng) for _ in range(3))
+    a = _RaiseInBackward.apply(sharded.ebc(first).values())
+    b = sharded.ebc(second).values()
+    with pytest.raises(RuntimeError, match="a backward that fails"):
+        (a.sum() + b.sum()).backward()
+    for model in (sharded, untouched):
+        model.ebc(third).values().sum().backward()
+    got, want = sharded.ebc.full_tables()[0], untouched.ebc.full_tables()[0]
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name], err_msg=name)

@@ -233,6 +233,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         # "torch" semantics, several lookups in one backward pass: each lookup's (gradient, received
         # entries, data-parallel entries, samples per device) until the pass ends (_stash_lookup).
         self._stashed_lookups: list[tuple[jax.Array, list[Any], list[Any], int]] = []
+        self._stash_pass = -1  # the backward pass (autograd's graph task) they belong to
         # Their programs: ("summed", samples per device of each lookup) -> the summed update,
         # ("dots", samples per device) -> per-id weight gradients alone.
         self._stash_programs: dict[tuple[str, Any], Program] = {}
@@ -962,7 +963,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         at once; one whose backward is not in this pass, such as an evaluation's, does not count.)"""
         if self.optimizer_semantics != "torch":
             return False
-        if self._stashed_lookups:
+        if self._stashed_lookups and self._stash_pass == torch._C._current_graph_task_id():
             return True
         # (A lookup's autograd context is its backward node.)
         return any(torch._C._will_engine_execute_node(ctx) for ctx in list(self._pending_lookups))
@@ -971,7 +972,11 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         """Keeps one lookup's gradient and entries for the update at the end of the backward pass."""
         from torch.autograd import Variable
 
-        if not self._stashed_lookups:
+        task = torch._C._current_graph_task_id()
+        if self._stash_pass != task:
+            # A pass that raised never ran its end-of-pass update: its lookups are dropped, as autograd
+            # drops the gradients of a failed backward.
+            self._stashed_lookups, self._stash_pass = [], task
             Variable._execution_engine.queue_callback(self._apply_stashed_lookups)
         self._stashed_lookups.append((grad, list(received), list(dp), b))
 
@@ -1011,7 +1016,7 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
 
     def _apply_stashed_lookups(self) -> None:
         """The end of the backward pass: one update on the summed gradient of the stashed lookups."""
-        stashed, self._stashed_lookups = self._stashed_lookups, []
+        stashed, self._stashed_lookups, self._stash_pass = self._stashed_lookups, [], -1
         lookups = [entry for entry in stashed if entry[3] > 0]
         if not lookups:  # empty batches only: no row changes, but a step is counted (as one lookup's)
             self._count_step(0)
