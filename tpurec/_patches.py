@@ -504,8 +504,8 @@ PATCHES: tuple[Patch, ...] = (
         "in torchrec.distributed.embedding_lookup) refuses a tpu group whose shards are placed on another tpu device "
         "than the process's, builds a DENSE-kernel group (data-parallel, or sharded with no kernel named) on tpu with "
         "tpurec's dense tpu kernel (TorchRec's BatchedTPUEmbeddingBag / BatchedTPUEmbedding taking tables of any "
-        "width) instead of FBGEMM's dense kernel, and a FUSED group with tpurec's fused kernel (when that module is "
-        "imported)",
+        "width) instead of FBGEMM's dense kernel, and a FUSED group with tpurec's fused kernel (pooled or, for an "
+        "EmbeddingCollection, unpooled; when that module is imported)",
         "TorchRec's FUSED kernel (the planner's pick on tpu, and what apply_optimizer_in_backward trains through) builds "
         "FBGEMM's TBE, which fails on tpu, and its UNFUSED_TPU kernel ignores an in-backward optimizer, so the tables "
         "would not train: the FUSED group runs tpurec's sparse ops with the same optimizer, UNFUSED_TPU with an "
@@ -514,7 +514,8 @@ PATCHES: tuple[Patch, ...] = (
         "TableBatchedEmbeddingSlice tables cannot be tpu tensors either; TorchRec's tpu kernel takes widths of "
         "multiples of 16 only and hands the sharded module tables that require grad where it declares a DENSE table's "
         "ShardedTensor without. A shard on another device would fail later with PyTorch's message on one rank while "
-        "the others wait (see tpurec/dmp/grouped_lookups.py, fused_kernel.py, dense_kernel.py).",
+        "the others wait (see tpurec/dmp/grouped_lookups.py, fused_kernel.py, fused_sequence_kernel.py, "
+        "dense_kernel.py).",
         _torchrec_tpu_kernels,
         requires=(
             "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup._create_embedding_kernel",

@@ -1,12 +1,13 @@
 """One rank of the fused-optimizer DistributedModelParallel tests (``torchrun ... dmp_fused_worker.py OUT RUN[,RUN...]``).
 
-A run is ``<plan>:<optimizer>``: TorchRec's own ``EmbeddingBagCollection`` (born on meta),
+A run is ``<plan>:<optimizer>[:mean][:fp16]``: TorchRec's own ``EmbeddingBagCollection`` (born on meta; its
+tables SUM-pooled, or MEAN-pooled with ``:mean``; FP32, or FP16 with ``:fp16``),
 ``torchrec.optim.apply_optimizer_in_backward(<optimizer>, ebc.parameters(), {...})`` on it, a plan
 from TorchRec's planner with the ``FUSED`` compute kernel (every table sharded as ``<plan>`` says,
 or the mix of :data:`MIXED`), sharded by TorchRec's ``DistributedModelParallel`` on the tpu device.
 The starting tables are loaded as whole tensors; ``STEPS`` steps of forward and backward (no
 optimizer step: the update runs in the backward) on this rank's slice of each global batch. Each
-rank writes ``OUT.<plan>.<optimizer>.<rank>.npz``: its table shards and its fused optimizer's
+rank writes ``OUT.<plan>.<optimizer>[.mean][.fp16].<rank>.npz``: its table shards and its fused optimizer's
 state (TorchRec's ``KeyedOptimizer`` state_dict, from ``model.fused_optimizer``) with their
 offsets, and on rank 0 the global losses. :func:`reference` is the same training with FBGEMM's
 fused TBE on CPU in one process on the whole batch.
@@ -53,13 +54,19 @@ def _resolve(path: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _collection(device: str):
+def _collection(device: str, mean: bool = False, half: bool = False):
     import torch
     from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.modules.embedding_configs import DataType, PoolingType
 
     configs = [
         EmbeddingBagConfig(
-            name=n, embedding_dim=d, num_embeddings=r, feature_names=[f for f, t in features() if t == n]
+            name=n,
+            embedding_dim=d,
+            num_embeddings=r,
+            feature_names=[f for f, t in features() if t == n],
+            pooling=PoolingType.MEAN if mean else PoolingType.SUM,
+            data_type=DataType.FP16 if half else DataType.FP32,
         )
         for n, r, d, _k in TABLES
     ]
@@ -94,31 +101,45 @@ def _kjt(ids: dict[str, list[list[int]]], samples: slice):
     )
 
 
-def _mix(device: str = "cpu"):
+def _mix(device: str = "cpu", dyadic: bool = False):
+    """The loss's weight of each pooled column; ``dyadic``: multiples of 1/8 in [-1/2, 1/2], so that every
+    gradient of the linear loss is exact in float32 whatever order its terms are added in."""
     import torch
 
     dims = {n: d for n, _r, d, _k in TABLES}
     total = sum(dims[t] for _f, t in features())
-    return torch.from_numpy(np.random.default_rng(2).uniform(-1, 1, total).astype(np.float32)).to(device)
+    rng = np.random.default_rng(2)
+    values = rng.integers(-4, 5, total) / 8 if dyadic else rng.uniform(-1, 1, total)
+    return torch.from_numpy(values.astype(np.float32)).to(device)
 
 
-def _loss(pooled, target, mix):
+def _loss(pooled, target, mix, linear: bool = False):
+    """The squared error of the weighted pooled sums, or with ``linear`` their mean (FP16 runs: their tables'
+    gradients are then exact, so the float16 rounding of an update cannot depend on an order of addition)."""
+    if linear:
+        return (pooled * mix).sum(1).mean()
     return ((pooled * mix).sum(1) - target).pow(2).mean()
 
 
-def reference(plan: str, optimizer: str) -> tuple[list[float], dict[str, np.ndarray], dict[str, np.ndarray]]:
+def reference(
+    plan: str, optimizer: str, mean: bool = False, half: bool = False
+) -> tuple[list[float], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """FBGEMM's fused TBE on CPU, one process, the whole batch: losses, tables, optimizer state.
 
     The TBE is built as TorchRec's FUSED kernel builds it (``optimizer`` and ``learning_rate`` from
     the in-backward optimizer, every other argument at FBGEMM's default). A column-wise table is
     its column shards, each a table of its own (TorchRec's FUSED kernel keeps one per shard, and a
-    row-wise optimizer state is then per shard).
+    row-wise optimizer state is then per shard). ``mean``: FBGEMM's MEAN pooling (each bag's sum over
+    its length), the unsharded collection's. ``half``: FP16 tables (``weights_precision``, as TorchRec's
+    kernel passes a table's data_type; FBGEMM's CPU kernels round to nearest).
     """
     if optimizer == "adam":
+        if mean or half:
+            raise ValueError("the Adam reference pools with SUM only, over FP32 tables")
         return _reference_adam()
     import torch
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         ComputeDevice,
         SplitTableBatchedEmbeddingBagsCodegen,
@@ -142,24 +163,26 @@ def reference(plan: str, optimizer: str) -> tuple[list[float], dict[str, np.ndar
         feature_table_map=[i for _f, i in tbe_features],
         optimizer=EmbOptimType[FBGEMM[optimizer]],
         learning_rate=kwargs["lr"],
+        pooling_mode=PoolingMode.MEAN if mean else PoolingMode.SUM,
+        weights_precision=SparseType.FP16 if half else SparseType.FP32,
     )
     with torch.no_grad():
         for (n, cols), w in zip(blocks, tbe.split_embedding_weights(), strict=True):
             w.copy_(torch.from_numpy(start[n][:, cols]))
-    mix, losses = _mix(), []
+    mix, losses = _mix(dyadic=half), []
     for ids, target in batches():
         lengths = [len(s) for f, _i in tbe_features for s in ids[f]]
         values = [v for f, _i in tbe_features for s in ids[f] for v in s]
         offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
         pooled = tbe(torch.tensor(values, dtype=torch.int64), offsets)
-        loss = _loss(pooled, torch.from_numpy(target), mix)
+        loss = _loss(pooled, torch.from_numpy(target), mix, linear=half)
         loss.backward()
         losses.append(loss.item())
     tables = {n: np.zeros_like(w) for n, w in start.items()}
     states: dict[str, np.ndarray] = {}
     split_states = tbe.split_optimizer_states() or [[] for _ in blocks]  # EXACT_SGD keeps none
     for (n, cols), w, slots in zip(blocks, tbe.split_embedding_weights(), split_states, strict=True):
-        tables[n][:, cols] = w.detach().numpy()
+        tables[n][:, cols] = w.detach().float().numpy()
         for j, slot in enumerate(slots):
             key = f"{n}|{j}|{cols.start}"
             states[key] = slot.detach().numpy().reshape(rows[n], -1)
@@ -208,7 +231,7 @@ def _reference_adam(
     return losses, w, states
 
 
-def train_sharded(out_path: str, plan_name: str, optimizer: str) -> None:
+def train_sharded(out_path: str, plan_name: str, optimizer: str, mean: bool = False, half: bool = False) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed._shard.sharded_tensor.api import ShardedTensor
@@ -232,7 +255,7 @@ def train_sharded(out_path: str, plan_name: str, optimizer: str) -> None:
     cls, kwargs = OPTIMIZERS[optimizer]
 
     def shard_it() -> DistributedModelParallel:
-        collection = _collection("meta")
+        collection = _collection("meta", mean, half)
         apply_optimizer_in_backward(_resolve(cls), collection.parameters(), dict(kwargs))
         plan = planner.collective_plan(collection, [sharder], dist.GroupMember.WORLD)
         got = {name: (p.sharding_type, p.compute_kernel) for name, p in plan.plan[""].items()}  # pyright: ignore
@@ -253,14 +276,14 @@ def train_sharded(out_path: str, plan_name: str, optimizer: str) -> None:
 
     if list(in_backward_optimizer_filter(model.named_parameters())):
         raise AssertionError("a table is left to a dense optimizer")
-    mix, losses = _mix("tpu"), []
+    mix, losses = _mix("tpu", dyadic=half), []
     local = GLOBAL_BATCH // n
     for ids, target in batches():
         samples = slice(rank * local, (rank + 1) * local)
         kt = model(_kjt(ids, samples).to(torch.device("tpu"))).wait()
         by_key = kt.to_dict()
         pooled = torch.cat([by_key[f] for f, _t in features()], dim=1)
-        loss = _loss(pooled, torch.from_numpy(target[samples]).to("tpu"), mix)
+        loss = _loss(pooled, torch.from_numpy(target[samples]).to("tpu"), mix, linear=half)
         loss.backward()
         model.fused_optimizer.step()  # passes the learning rate on, as TorchRec's fused optimizers do
         loss = loss.detach()
@@ -277,7 +300,7 @@ def train_sharded(out_path: str, plan_name: str, optimizer: str) -> None:
         for shard in table.local_shards():
             r0, c0 = shard.metadata.shard_offsets
             offsets[name] = (r0, c0)
-            out[f"table|{name}|{r0}|{c0}"] = shard.tensor.detach().cpu().numpy()
+            out[f"table|{name}|{r0}|{c0}"] = shard.tensor.detach().cpu().float().numpy()
     # The fused optimizer's state as TorchRec's KeyedOptimizer gives it: keyed by parameter name,
     # each table's slots under TorchRec's names.
     optim_state = model.fused_optimizer.state_dict()["state"]
@@ -290,7 +313,8 @@ def train_sharded(out_path: str, plan_name: str, optimizer: str) -> None:
             r0, c0 = offsets[name]
             value = slots[f"{name}.{key}"]
             out[f"state|{name}|{j}|{r0}|{c0}"] = value.detach().cpu().numpy().reshape(value.shape[0], -1)
-    np.savez(f"{out_path}.{plan_name}.{optimizer}.{rank}.npz", **cast(dict[str, Any], out))
+    name = f"{plan_name}.{optimizer}{'.mean' if mean else ''}{'.fp16' if half else ''}"
+    np.savez(f"{out_path}.{name}.{rank}.npz", **cast(dict[str, Any], out))
 
 
 def errors(out_path: str) -> None:
@@ -304,12 +328,19 @@ def errors(out_path: str) -> None:
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import ParameterConstraints
     from torchrec.distributed.types import ModuleSharder
-    from torchrec.modules.embedding_configs import PoolingType
+    from torchrec.modules.embedding_configs import DataType, PoolingType
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
-    def attempt(kernel: str, fused_params: dict | None = None, in_backward: tuple | None = None, pooling=None) -> str:
+    def attempt(
+        kernel: str, fused_params: dict | None = None, in_backward: tuple | None = None, pooling=None, data_type=None
+    ) -> str:
         config = EmbeddingBagConfig(
-            name="e", embedding_dim=16, num_embeddings=12, feature_names=["fe"], pooling=pooling or PoolingType.SUM
+            name="e",
+            embedding_dim=16,
+            num_embeddings=12,
+            feature_names=["fe"],
+            pooling=pooling or PoolingType.SUM,
+            data_type=data_type or DataType.FP32,
         )
         collection = EmbeddingBagCollection(tables=[config], device=torch.device("meta"))
         if in_backward is not None:
@@ -318,26 +349,6 @@ def errors(out_path: str) -> None:
         planner = EmbeddingShardingPlanner(
             topology=Topology(world_size=dist.get_world_size(), compute_device="tpu", local_world_size=1),
             constraints={"e": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=[kernel])},
-        )
-        plan = planner.collective_plan(collection, [sharder], dist.GroupMember.WORLD)
-        try:
-            DistributedModelParallel(collection, device=torch.device("tpu"), plan=plan, sharders=[sharder])
-        except NotImplementedError as error:
-            return f"NotImplementedError: {error}"
-        return "sharded without an error"
-
-    def attempt_sequence() -> str:
-        """An EmbeddingCollection (unpooled) planned with the FUSED kernel."""
-        from torchrec import EmbeddingCollection, EmbeddingConfig
-        from torchrec.distributed.embedding import EmbeddingCollectionSharder
-
-        config = EmbeddingConfig(name="s", embedding_dim=16, num_embeddings=12, feature_names=["fs"])
-        collection = EmbeddingCollection(tables=[config], device=torch.device("meta"))
-        apply_optimizer_in_backward(torch.optim.SGD, collection.parameters(), {"lr": 0.1})
-        sharder = cast(ModuleSharder[torch.nn.Module], EmbeddingCollectionSharder())
-        planner = EmbeddingShardingPlanner(
-            topology=Topology(world_size=dist.get_world_size(), compute_device="tpu", local_world_size=1),
-            constraints={"s": ParameterConstraints(sharding_types=["table_wise"], compute_kernels=["fused"])},
         )
         plan = planner.collective_plan(collection, [sharder], dist.GroupMember.WORLD)
         try:
@@ -379,12 +390,12 @@ def errors(out_path: str) -> None:
 
     cases = {
         "learning_rate": learning_rate(),
-        "sequence": attempt_sequence(),
         "unfused_in_backward": attempt("unfused_tpu", in_backward=(torch.optim.SGD, {"lr": 0.1})),
         "lamb": attempt("fused", fused_params={"optimizer": EmbOptimType.LAMB, "learning_rate": 0.1}),
         "weight_decay": attempt("fused", in_backward=(torch.optim.Adagrad, {"lr": 0.1, "weight_decay": 0.01})),
         "clipping": attempt("fused", fused_params={"gradient_clipping": True}),
-        "mean": attempt("fused", in_backward=(torch.optim.SGD, {"lr": 0.1}), pooling=PoolingType.MEAN),
+        "adam_fp16": attempt("fused", in_backward=(torch.optim.Adam, {"lr": 0.1}), data_type=DataType.FP16),
+        "int8": attempt("fused", in_backward=(torch.optim.SGD, {"lr": 0.1}), data_type=DataType.INT8),
     }
     with open(f"{out_path}.errors.{dist.get_rank()}", "w") as f:
         f.write("".join(f"{case} {text}\n".replace("\n", " ").rstrip() + "\n" for case, text in cases.items()))
@@ -400,10 +411,12 @@ def main(out_path: str, runs: list[str]) -> None:
         if run == "errors":
             errors(out_path)
             continue
-        plan, _, optimizer = run.partition(":")
-        if plan not in PLANS or optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown run {run!r}: use <plan>:<optimizer>, plan in {PLANS}, optimizer in {OPTIMIZERS}")
-        train_sharded(out_path, plan, optimizer)
+        plan, optimizer, *options = run.split(":")
+        if plan not in PLANS or optimizer not in OPTIMIZERS or not set(options) <= {"mean", "fp16"}:
+            raise ValueError(
+                f"unknown run {run!r}: use <plan>:<optimizer>[:mean][:fp16], plan in {PLANS}, optimizer in {OPTIMIZERS}"
+            )
+        train_sharded(out_path, plan, optimizer, mean="mean" in options, half="fp16" in options)
     dist.barrier()
     dist.destroy_process_group()
 

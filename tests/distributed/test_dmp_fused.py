@@ -19,10 +19,11 @@ HERE = Path(__file__).resolve().parent
 SECONDS = 540
 
 
-def _check(out: Path, plan: str, optimizer: str, processes: int) -> None:
+def _check(out: Path, plan: str, optimizer: str, processes: int, mean: bool = False, half: bool = False) -> None:
     """Losses (1e-5 relative), tables and optimizer state assembled from the ranks equal FBGEMM's on CPU."""
-    losses, tables, states = worker.reference(plan, optimizer)
-    ranks = [np.load(f"{out}.{plan}.{optimizer}.{rank}.npz") for rank in range(processes)]
+    losses, tables, states = worker.reference(plan, optimizer, mean, half)
+    name = f"{plan}.{optimizer}{'.mean' if mean else ''}{'.fp16' if half else ''}"
+    ranks = [np.load(f"{out}.{name}.{rank}.npz") for rank in range(processes)]
     np.testing.assert_allclose(ranks[0]["losses"], losses, rtol=1e-5, atol=0, err_msg=f"{plan}/{optimizer}: losses")
     assembled = {name: np.full_like(t, np.nan) for name, t in tables.items()}
     got_states: dict[str, np.ndarray] = {}
@@ -57,6 +58,44 @@ def test_two_processes_mixed_plan_every_optimizer(tmp_path):
         _check(tmp_path / "two", "mixed", optimizer, 2)
 
 
+MEAN_RUNS = (("table_wise", "sgd"), ("row_wise", "adagrad"), ("column_wise", "sgd"))
+
+
+@pytest.mark.slow
+def test_two_processes_mean_pooling_as_fbgemm(tmp_path):
+    # MEAN-pooled tables (it was refused: NotImplementedError): table- and column-wise shards pool each bag's
+    # mean in the kernel (FBGEMM's MEAN), a row-wise shard sums and TorchRec divides by the lengths after its
+    # output distribution; each as FBGEMM's MEAN-pooled TBE on CPU. (One sharding type a run: TorchRec's
+    # division after the output distribution divides every feature but the row-wise SUM ones.)
+    run(HERE / "dmp_fused_worker.py", 2, str(tmp_path / "mean"), ",".join(f"{p}:{o}:mean" for p, o in MEAN_RUNS),
+        seconds=SECONDS)  # fmt: skip
+    for plan, optimizer in MEAN_RUNS:
+        _check(tmp_path / "mean", plan, optimizer, 2, mean=True)
+
+
+@pytest.mark.slow
+def test_two_processes_column_wise_plan(tmp_path):
+    # Every group on tpurec's fused kernel and column-wise: TorchRec's output distribution calls
+    # torch.ops.torchrec.permute_pooled_embs, which nothing had defined (AttributeError before).
+    run(HERE / "dmp_fused_worker.py", 2, str(tmp_path / "cw"), "column_wise:sgd,column_wise:rowwise", seconds=SECONDS)
+    for optimizer in ("sgd", "rowwise"):
+        _check(tmp_path / "cw", "column_wise", optimizer, 2)
+
+
+@pytest.mark.slow
+def test_two_processes_fp16_tables_as_fbgemm(tmp_path):
+    # FP16 tables (refused before: NotImplementedError): float16 weights, float32 optimizer state, each row's
+    # update rounded back to nearest as FBGEMM's CPU TBE with weights_precision FP16. The loss is linear with
+    # weights of multiples of 1/8, so every gradient is exact in any order of addition and the rounded tables
+    # may not differ at all (the bounds are below float16's unit in the last place); with the squared error
+    # a gradient's last float32 bit, which the order of addition sets, moved a float16 rounding at step 4.
+    optimizers = ("sgd", "rowwise")
+    run(HERE / "dmp_fused_worker.py", 2, str(tmp_path / "half"), ",".join(f"mixed:{o}:fp16" for o in optimizers),
+        seconds=SECONDS)  # fmt: skip
+    for optimizer in optimizers:
+        _check(tmp_path / "half", "mixed", optimizer, 2, half=True)
+
+
 @pytest.mark.slow
 def test_four_processes_row_wise_rowwise_adagrad(tmp_path):
     run(HERE / "dmp_fused_worker.py", 4, str(tmp_path / "four"), "row_wise:rowwise", seconds=SECONDS)
@@ -72,8 +111,8 @@ def test_what_tpurec_cannot_run_exactly_is_refused_and_the_learning_rate_is_pass
         "lamb": "LAMB is not run by tpurec",
         "weight_decay": "weight_decay=0.01",
         "clipping": "fused_params['gradient_clipping'] = True",
-        "mean": "MEAN pooling",
-        "sequence": "an EmbeddingCollection with TorchRec's FUSED kernel on tpu is not run by tpurec",
+        "adam_fp16": "are FP16/BF16 and the fused optimizer is Adam",
+        "int8": "INT8 tables with the FUSED kernel on tpu are not run",
     }
     # Row 2 is looked up twice: one update of the summed gradient (2 * lr), row 1 once (lr).
     assert lines["learning_rate"] == "lr=0.0 rows=[] delta=0.0000; lr=0.1 rows=[1, 2] delta=0.2000", lines

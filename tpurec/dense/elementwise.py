@@ -393,10 +393,17 @@ _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 _KAPPA = 0.044715
 
 
+def _normal_cdf(x):
+    """Phi(x) = erfc(-x / sqrt 2) / 2 by the accurate float32 erfc (tpurec.dense.error_functions): PyTorch CPU's
+    ``1 + erf`` cancels below about -3 (relative error 2e-5 at -3, 1.2e-2 at -5.3, and 0 from about -5.4 on),
+    and XLA's erf is an approximation on a TPU."""
+    return 0.5 * error_functions.erfc(-x / _SQRT2)
+
+
 def _gelu(x, approximate: str):
     if approximate == "tanh":
         return 0.5 * x * (1 + transcendental.tanh(_SQRT_2_OVER_PI * (x + _KAPPA * x * x * x)))
-    return 0.5 * x * (1 + jax.scipy.special.erf(x / _SQRT2))
+    return x * _normal_cdf(x)
 
 
 @lower(aten.gelu.default)
@@ -414,7 +421,7 @@ def gelu_backward(grad, x, *, approximate: str = "none"):
             right = 1 + t
             d_right = left * (1 - t * t) * _SQRT_2_OVER_PI * (1 + 3 * _KAPPA * a * a)
             return g * (0.5 * right + d_right)
-        cdf = 0.5 * (1 + jax.scipy.special.erf(a / _SQRT2))
+        cdf = _normal_cdf(a)
         pdf = transcendental.exp(-0.5 * a * a) * _INV_SQRT_2PI
         return g * (cdf + a * pdf)
 

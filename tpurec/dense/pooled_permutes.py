@@ -13,6 +13,18 @@ blocks, ``permute_list`` which input block each output block is. Each output col
 block by a search over the output's block offsets, so the permutation runs on values the
 program receives (a regroup with the same shapes reuses the compiled program).
 
+``KeyedTensor.regroup`` with a key in several groups, and TorchRec's ``KTRegroupAsDict`` module,
+run ``fbgemm::permute_multi_embedding`` instead: a list of pooled embeddings in, a list out, moved
+by the rows of ``permutes`` (``kt_regroup_arguments``'s: input tensor, output tensor, input start,
+output start, width, and a link FBGEMM's kernels follow to sum a key's gradients). Its autograd
+kernel is FBGEMM's too: it calls ``fbgemm::permute_multi_embedding_function`` forward and, with
+``reverse=True``, backward, where each output block's gradient is added into its input block (a key
+in two groups gets the sum). Both ops and both directions lower here to one gather (or scatter-add)
+of the concatenated columns, its index computed on the device from ``permutes``.
+``fbgemm::kt_regroup_arguments``, which computes ``permutes`` from the keys, runs FBGEMM's CPU
+kernel on the host and moves its tensors to the embeddings' device (as FBGEMM's CUDA kernel puts
+them on the GPU); ``fbgemm::regroup_keyed_tensor`` (TorchRec's ``regroup_kts``) is the two in a row.
+
 This family loads with FBGEMM's other ops (``tpurec.dense.jagged``), on the first ``fbgemm`` op.
 """
 
@@ -21,11 +33,18 @@ from __future__ import annotations
 import fbgemm_gpu  # noqa: F401  (defines torch.ops.fbgemm)
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
-from tpurec.dense.registry import lower
+from tpurec.dense.registry import Kind, lower
 
-__all__ = ["permute_pooled_embs", "permuted_columns"]
+__all__ = [
+    "kt_regroup_arguments",
+    "permute_multi_embedding",
+    "permute_pooled_embs",
+    "permuted_columns",
+    "regroup_keyed_tensor",
+]
 
 fbgemm = torch.ops.fbgemm
 
@@ -79,3 +98,82 @@ def permute_pooled_embs(
     if permute_list.shape[0] == 0:
         return pooled_embs
     return jnp.take(pooled_embs, permuted_columns(offset_dim_list, permute_list, pooled_embs.shape[1]), axis=1)
+
+
+def _multi_columns(permutes: jax.Array, in_widths: list[int], out_widths: list[int]) -> jax.Array:
+    """For each column of the outputs laid side by side, the column of the inputs laid side by side it
+    copies (``sum(in_widths)`` where no row of ``permutes`` covers it)."""
+    rows = permutes.astype(jnp.int32)
+    in_tensor, out_tensor, in_start, out_start, width = (rows[:, k] for k in range(5))
+    in_base = jnp.asarray([0, *np.cumsum(in_widths)[:-1]] if in_widths else [0], jnp.int32)
+    positions, tensors = [], []
+    for k, w in enumerate(out_widths):
+        positions.append(np.arange(w, dtype=np.int32))
+        tensors.append(np.full(w, k, np.int32))
+    column = jnp.asarray(np.concatenate(positions) if positions else np.zeros(0, np.int32))[None, :]
+    tensor = jnp.asarray(np.concatenate(tensors) if tensors else np.zeros(0, np.int32))[None, :]
+    covers = (out_tensor[:, None] == tensor) & (out_start[:, None] <= column) & (column < (out_start + width)[:, None])
+    source = in_base[jnp.clip(in_tensor, 0, max(len(in_widths) - 1, 0))][:, None] + in_start[:, None] + column
+    source = source - out_start[:, None]
+    return jnp.where(covers.any(axis=0), jnp.sum(jnp.where(covers, source, 0), axis=0), sum(in_widths))
+
+
+@lower(fbgemm.permute_multi_embedding.default, fbgemm.permute_multi_embedding_function.default)
+def permute_multi_embedding(
+    pooled_embs: list[jax.Array],
+    permutes: jax.Array,
+    in_shapes: jax.Array,
+    out_shapes: jax.Array,
+    out_lengths: list[int],
+    reverse: bool = False,
+) -> list[jax.Array]:
+    """FBGEMM's ``permute_multi_embedding``: ``out_lengths``-wide ``[batch, width]`` tensors whose column
+    blocks are the input blocks ``permutes`` names; with ``reverse`` (the backward) the inputs are the
+    outputs' gradients and each output block's gradient is added into its input block.
+
+    Raises:
+        ValueError: ``permutes`` is not ``[rows, 6]``, or the tensors differ in batch size.
+    """
+    del in_shapes, out_shapes  # (the widths are the arrays' and out_lengths)
+    if permutes.ndim != 2 or permutes.shape[1] != 6:
+        raise ValueError(f"permute_multi_embedding: permutes must be [rows, 6], got shape {permutes.shape}")
+    if not pooled_embs:
+        return []
+    batch = pooled_embs[0].shape[0]
+    if any(x.ndim != 2 or x.shape[0] != batch for x in pooled_embs):
+        raise ValueError(
+            f"permute_multi_embedding takes 2-D tensors of one batch size, got shapes {[x.shape for x in pooled_embs]}"
+        )
+    dtype = pooled_embs[0].dtype
+    given = jnp.concatenate([x.astype(dtype) for x in pooled_embs], axis=1)
+    lengths = [int(n) for n in out_lengths]
+    widths = [int(x.shape[1]) for x in pooled_embs]
+    if reverse:  # the given tensors are the forward's outputs (their gradients), the results its inputs
+        target = _multi_columns(permutes, lengths, widths)
+        moved = jnp.zeros((batch, sum(lengths)), dtype).at[:, target].add(given, mode="drop")
+    else:
+        source = _multi_columns(permutes, widths, lengths)
+        padded = jnp.concatenate([given, jnp.zeros((batch, 1), dtype)], axis=1)
+        moved = jnp.take(padded, source, axis=1)
+    return list(jnp.split(moved, np.cumsum(lengths)[:-1].tolist(), axis=1)) if lengths else []
+
+
+def kt_regroup_arguments(
+    embs: torch.Tensor, keys: list[list[str]], lengths: list[list[int]], groups: list[list[str]]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+    """FBGEMM's ``kt_regroup_arguments``: its CPU kernel on the host, the tensors moved to ``embs``' device."""
+    host = torch.empty(0, dtype=embs.dtype)
+    permutes, in_shapes, out_shapes, out_lengths = fbgemm.kt_regroup_arguments(host, keys, lengths, groups)
+    return permutes.to(embs.device), in_shapes.to(embs.device), out_shapes.to(embs.device), list(out_lengths)
+
+
+def regroup_keyed_tensor(
+    pooled_embs: list[torch.Tensor], keys: list[list[str]], lengths: list[list[int]], groups: list[list[str]]
+) -> list[torch.Tensor]:
+    """FBGEMM's ``regroup_keyed_tensor``: :func:`kt_regroup_arguments`, then ``permute_multi_embedding``."""
+    permutes, in_shapes, out_shapes, out_lengths = kt_regroup_arguments(pooled_embs[0], keys, lengths, groups)
+    return list(fbgemm.permute_multi_embedding(pooled_embs, permutes, in_shapes, out_shapes, out_lengths))
+
+
+lower(fbgemm.kt_regroup_arguments.default, kind=Kind.COMPOSITE)(kt_regroup_arguments)
+lower(fbgemm.regroup_keyed_tensor.default, kind=Kind.COMPOSITE)(regroup_keyed_tensor)

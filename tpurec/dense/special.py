@@ -68,10 +68,12 @@ def _float32_by(float32_fn, other_fn):
 
 
 def _spherical_j0(x):
-    # sin(x)/x with the series 1 - x^2/6 near 0, where the quotient loses accuracy
+    # sin(x)/x with the series 1 - x^2/6 near 0, where the quotient loses accuracy; 0 at +-inf, as
+    # PyTorch's (sin(inf) is NaN)
     small = jnp.abs(x) < 1e-3
-    safe = jnp.where(small, jnp.ones_like(x), x)
-    return jnp.where(small, 1 - x * x / 6, jnp.sin(safe) / safe)
+    finite = jnp.isfinite(x) | jnp.isnan(x)
+    safe = jnp.where(small | ~finite, jnp.ones_like(x), x)
+    return jnp.where(small, 1 - x * x / 6, jnp.where(finite, jnp.sin(safe) / safe, 0.0))
 
 
 def _bessel_j(order: int):

@@ -83,7 +83,6 @@ def _accurate(precise: Callable, default: Callable) -> Callable:
 
 
 exp = _accurate(lax.exp, jnp.exp)
-exp2 = _accurate(lax.exp2, jnp.exp2)
 expm1 = _accurate(lax.expm1, jnp.expm1)
 log = _accurate(lax.log, jnp.log)
 log1p = _accurate(lax.log1p, jnp.log1p)
@@ -303,6 +302,20 @@ def power_pair_exponent(x, y, y_low, scale: float | jax.Array = 0.0):
     """``x ** (y + y_low) * 2 ** scale`` for finite float32 x > 0, finite y (y_low: the exponent's low
     part) and integer-valued ``scale``, as :func:`power` computes its general case."""
     return _power_float32(x, y, y_low, scale)
+
+
+def exp2(x):
+    """``2 ** x``; for float32 ``2 ** n * 2 ** f`` with ``n = round(x)`` and ``f = x - n`` (exact), ``2 ** f``
+    by the accurate :func:`exp` and ``2 ** n`` as two exact factors, so an integer ``x`` gives its power of two
+    exactly. (XLA:CPU's ``exp2``, ``exp(x ln 2)`` in float32 whatever the accuracy request, erred by 9 units in
+    the last place at x = 50 and 18 at x = 100, where PyTorch CPU's is exact.) Other dtypes keep jax.numpy's."""
+    x = jnp.asarray(x)
+    if x.dtype != jnp.float32:
+        return jnp.exp2(x)
+    clipped = jnp.clip(x, -200.0, 200.0)  # (infinities: 2^200 overflows, 2^-200 underflows, as they should)
+    n = jnp.round(clipped)
+    half = jnp.floor(n / 2)
+    return exp((clipped - n) * np.float32(math.log(2))) * power_of_two(half) * power_of_two(n - half)
 
 
 def power_of_two(k):

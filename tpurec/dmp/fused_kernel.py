@@ -16,9 +16,10 @@ same tables and the same fused optimizer as FBGEMM's TBE, run as tpurec's sparse
 lookup ``torch.ops.tpurec.sparse_dense_matmul``, the update its
 ``sparse_dense_matmul_grad_with_<optimizer>`` in the backward, in place). What FBGEMM would do
 and tpurec cannot do exactly raises ``NotImplementedError`` when the model is sharded:
-another optimizer or setting, MEAN pooling, tables other than float32, several column shards
-of one table on a rank, variable batch sizes, an ``EmbeddingCollection`` with ``FUSED``, and
-``UNFUSED_TPU`` with an in-backward optimizer.
+another optimizer or setting, pooling other than SUM and MEAN, tables other than FP32, FP16 and BF16 (and Adam
+with FP16/BF16 tables), several column shards
+of one table on a rank, variable batch sizes, and ``UNFUSED_TPU`` with an in-backward optimizer. An
+``EmbeddingCollection``'s ``FUSED`` groups run :mod:`tpurec.dmp.fused_sequence_kernel`.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-__all__ = ["create_kernel", "kernel_class", "optimizer_of"]
+__all__ = ["create_kernel", "is_fused", "kernel_class", "optimizer_of"]
 
 # FBGEMM TBE arguments that change nothing for float32 tables held in device memory (no cache,
 # no rounding), whatever their values.
@@ -180,11 +181,16 @@ def _fused_optimizer_class() -> type:
 def _kernel_class() -> type:
     from torchrec.distributed.batched_embedding_kernel import BaseBatchedEmbeddingBag
     from torchrec.distributed.embedding_types import GroupedEmbeddingConfig
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
     from torchrec.modules.embedding_configs import DataType, PoolingType
     from torchrec.optim.fused import EmptyFusedOptimizer, FusedOptimizerModule
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
+    from tpurec.sparse.update_rules import rule_of
+
     class Kernel(BaseBatchedEmbeddingBag, FusedOptimizerModule):
+        _sequence = False  # (the sequence kernel, tpurec.dmp.fused_sequence_kernel, looks up unpooled)
+
         def __init__(
             self,
             config: GroupedEmbeddingConfig,
@@ -195,6 +201,10 @@ def _kernel_class() -> type:
             super().__init__(config, pg, device, sharding_type)
             tables = list(config.embedding_tables)
             names = [t.name for t in tables]
+            # FBGEMM's weights_precision (TorchRec's data_type_to_sparse_type): the tables in their dtype, the
+            # optimizer state in float32, each row's update in float32 rounded back to nearest even (FBGEMM's
+            # CPU kernels; tpurec.sparse.update_rules).
+            dtypes = {DataType.FP32: torch.float32, DataType.FP16: torch.float16, DataType.BF16: torch.bfloat16}
             for table in tables:
                 if names.count(table.name) > 1:
                     raise NotImplementedError(
@@ -202,17 +212,28 @@ def _kernel_class() -> type:
                         f"{table.name!r} on this rank, which tpurec does not stack into one table: plan at most one "
                         "column shard of a table per rank (a larger min_partition, or more ranks)"
                     )
-                if table.pooling != PoolingType.SUM:
+                if not self._sequence and table.pooling not in (PoolingType.SUM, PoolingType.MEAN):
                     raise NotImplementedError(
                         f"table {table.name!r}: {table.pooling.name} pooling with the FUSED kernel on tpu is not run "
-                        "by tpurec (its fused lookup sums); use PoolingType.SUM"
+                        "by tpurec; use PoolingType.SUM or MEAN"
                     )
-                if table.data_type != DataType.FP32:
+                if table.data_type not in dtypes:
                     raise NotImplementedError(
                         f"table {table.name!r}: {table.data_type.name} tables with the FUSED kernel on tpu are not run "
-                        "by tpurec; use DataType.FP32"
+                        "by tpurec; use DataType.FP32, FP16 or BF16"
                     )
+            # FBGEMM's pooling mode, as TorchRec's kernels take it (pooling_type_to_pooling_mode): MEAN
+            # pools each bag's sum divided by its length, except for row-wise shards (SUM: TorchRec
+            # divides the summed rows by the lengths after its output distribution).
+            self._mean = self._pooling == PoolingMode.MEAN
             self.optimizer = optimizer_of(config.fused_params)
+            half = [t.name for t in tables if t.data_type != DataType.FP32]
+            if half and not rule_of(self.optimizer.op_name).half_tables:
+                raise NotImplementedError(
+                    f"tables {half} are FP16/BF16 and the fused optimizer is {type(self.optimizer).__name__}: FBGEMM has "
+                    "no CPU kernel of it for such tables to follow (its GPU kernel rounds stochastically); use FP32 "
+                    "tables with it, or SGD, Adagrad or RowWiseAdagrad"
+                )
             self._features = [t.num_features() for t in tables]
             self._steps = 0
             # What makes autograd run the lookup's backward (FBGEMM's TBE keeps one too); a plain
@@ -222,7 +243,9 @@ def _kernel_class() -> type:
             self.slots: dict[str, dict[str, torch.Tensor]] = {}
             for table, rows, cols in zip(tables, self._local_rows, self._local_cols, strict=True):
                 # No grad (TorchRec's FUSED state_dict shards say so): the placeholder carries the backward.
-                weight = nn.Parameter(torch.empty(rows, cols, dtype=torch.float32, device=device), requires_grad=False)
+                weight = nn.Parameter(
+                    torch.empty(rows, cols, dtype=dtypes[table.data_type], device=device), requires_grad=False
+                )
                 # TorchRec's mark of a parameter its fused optimizer updates (in_backward_optimizer_filter).
                 weight._in_backward_optimizers = [EmptyFusedOptimizer()]  # pyright: ignore[reportAttributeAccessIssue]
                 self._tables[table.name] = weight
@@ -304,6 +327,10 @@ def _kernel_class() -> type:
                     samples = torch.repeat_interleave(torch.arange(count * batch, dtype=torch.int32), lengths[bags])
                     if weights is not None:
                         gains = weights[start:end].to(torch.float32)
+                    if self._mean:  # each entry's share of its bag: 1 / the bag's length (times its weight)
+                        bag_lengths = lengths[bags]
+                        share = torch.repeat_interleave(1.0 / bag_lengths.clamp(min=1).to(torch.float32), bag_lengths)
+                        gains = gains * share.to(device)
                 row_pointers = torch.tensor([end - start], dtype=torch.int32).to(device)
                 inputs.append(((row_pointers, ids, samples.to(device), gains), count))
                 first += count
@@ -345,6 +372,11 @@ def kernel_class() -> type:
     if _CLASS is None:
         import tpurec.sparse.ops  # noqa: F401 (registers torch.ops.tpurec)
 
+        # TorchRec's column-wise output distribution on tpu calls torch.ops.torchrec.permute_pooled_embs,
+        # which its TPU kernel module defines: a model whose groups all run this kernel imports it nowhere else
+        # (AttributeError: '_OpNamespace' 'torchrec' object has no attribute 'permute_pooled_embs').
+        import tpurec.dmp.lookup_ops  # noqa: F401 (defines torch.ops.torchrec and lowers it)
+
         _CLASS = _kernel_class()
     return _CLASS
 
@@ -368,6 +400,13 @@ def _check_unfused(config: Any) -> None:
         )
 
 
+def is_fused(config: Any) -> bool:
+    """Whether a table group has TorchRec's ``FUSED`` compute kernel."""
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+
+    return config.compute_kernel == EmbeddingComputeKernel.FUSED
+
+
 def create_kernel(pooled: bool, config: Any, pg: Any, device: torch.device, sharding_type: Any = None) -> Any:
     """The tpu kernel of a table group TorchRec's grouped lookup builds, or None for TorchRec's own.
 
@@ -389,10 +428,6 @@ def create_kernel(pooled: bool, config: Any, pg: Any, device: torch.device, shar
     _check_unfused(config)
     if config.compute_kernel != EmbeddingComputeKernel.FUSED:
         return None
-    if not pooled:
-        tables = [t.name for t in config.embedding_tables]
-        raise NotImplementedError(
-            f"tables {tables}: an EmbeddingCollection with TorchRec's FUSED kernel on tpu is not run by tpurec; plan "
-            "it with compute_kernels=['unfused_tpu'] and train model.parameters() with a torch optimizer"
-        )
+    if not pooled:  # (an EmbeddingCollection's FUSED group: tpurec.dmp.fused_sequence_kernel builds it)
+        raise ValueError("create_kernel builds pooled FUSED groups; use fused_sequence_kernel.create_kernel")
     return kernel_class()(config, pg, device, sharding_type)

@@ -10,8 +10,8 @@ on every rank), then builds
 * a ``DENSE`` group with :mod:`tpurec.dmp.dense_kernel`'s kernels (TorchRec's tpu kernels,
   any table width, in place of FBGEMM's dense kernel, which cannot hold tpu tables);
 * a ``FUSED`` group of an EmbeddingBagCollection with :mod:`tpurec.dmp.fused_kernel`'s kernel
-  (the lookup and its in-backward optimizer as tpurec's sparse ops); what tpurec cannot run as
-  TorchRec would raises;
+  (the lookup and its in-backward optimizer as tpurec's sparse ops), of an EmbeddingCollection with
+  :mod:`tpurec.dmp.fused_sequence_kernel`'s; what tpurec cannot run as TorchRec would raises;
 * any other group with TorchRec's own method, as it does for every other device.
 
 ``tpurec.sparse`` is imported by the first tpu group's kernel only: this patch is applied while
@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from tpurec.dmp import dense_kernel, fused_kernel
+from tpurec.dmp import dense_kernel, fused_kernel, fused_sequence_kernel
 from tpurec.dmp.placements import check_placements
 
 __all__ = ["install"]
@@ -76,7 +76,11 @@ def _tpu_kernel(pooled: bool, config: Any, pg: Any, device: Any, sharding_type: 
         if pooled:
             return pooled_class(config=config, pg=pg, device=device, sharding_type=sharding_type)
         return sequence_class(config=config, pg=pg, device=device)
-    kernel = fused_kernel.create_kernel(pooled, config, pg, device, sharding_type)
+    kernel = (
+        fused_kernel.create_kernel(pooled, config, pg, device, sharding_type)
+        if pooled or not fused_kernel.is_fused(config)
+        else fused_sequence_kernel.create_kernel(config, pg, device)
+    )
     if kernel is not None:
         _warn_host_memory(config)
     return kernel

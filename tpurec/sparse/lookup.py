@@ -39,7 +39,7 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
 from tpurec.core import on_replay, replay_check
 from tpurec.sparse.drops import DropCounter
-from tpurec.sparse.optimizers import SGD, EmbeddingOptimizer
+from tpurec.sparse.optimizers import EmbeddingOptimizer
 from tpurec.sparse.preprocess import preprocess_kjt
 from tpurec.sparse.types import Capacity, CapacityError, SparseCoreInput, StackedTable, TableInStack
 
@@ -398,10 +398,6 @@ class TrainableLookup(EmbeddingLookup):
 
     # --- trainability ----------------------------------------------------------------
 
-    _sums_repeated_lookups: ClassVar[bool] = True
-    """Whether a lookup before the backward of the previous one is trained as TorchRec's in-backward
-    optimizer trains it (one update on the summed gradient); where not, it raises."""
-
     def _check_trainable_lookup(self, features: KeyedJaggedTensor) -> None:
         """Raises where a training lookup would silently differ from TorchRec's."""
         if not torch.is_grad_enabled():
@@ -414,21 +410,6 @@ class TrainableLookup(EmbeddingLookup):
                     f"the KJT's per-id weights require grad, but {why}, so tpurec cannot give them TorchRec's "
                     "gradient. Use SUM pooling and overflow='error', or detach the weights."
                 )
-        if (
-            not self._sums_repeated_lookups
-            and self.optimizer_semantics == "torch"
-            and self.optimizer is not None
-            and not isinstance(self.optimizer, SGD)
-            and len(self._pending_lookups) > 0
-        ):
-            tables = [t.name for t in self._embedding_bag_configs]
-            raise NotImplementedError(
-                f"{type(self).__name__} (tables {tables}) is looked up again before the backward of its previous "
-                f"lookup. Its {type(self.optimizer).__name__} came from apply_optimizer_in_backward, which makes one "
-                "update on the summed gradient of both lookups; this collection's fused optimizer updates once per "
-                "lookup (as FBGEMM does), which differs. Look up both batches in one call (concatenate the KJTs), run "
-                "backward between the lookups, or use FBGEMM's semantics explicitly (optimizer_semantics='fbgemm')."
-            )
 
     # --- lookups waiting for their backward ---------------------------------------------
 

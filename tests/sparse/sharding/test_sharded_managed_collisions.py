@@ -115,7 +115,12 @@ def _hash(ids: torch.Tensor, size: int) -> torch.Tensor:
     return (ids * 7919 + 13) % size
 
 
-def _model(kind: str = "bags", hashed: bool = False, features: tuple[tuple[str, ...], ...] = FEATURES) -> _Sparse:
+def _model(
+    kind: str = "bags",
+    hashed: bool = False,
+    features: tuple[tuple[str, ...], ...] = FEATURES,
+    return_remapped_features: bool = True,
+) -> _Sparse:
     torch.manual_seed(0)
     tables = _tables(kind, features)
     mcc = ManagedCollisionCollection(
@@ -133,9 +138,9 @@ def _model(kind: str = "bags", hashed: bool = False, features: tuple[tuple[str, 
         tables,
     )
     if kind == "bags":
-        model = _Sparse(TorchrecMCEBC(TorchrecEBC(tables), mcc, return_remapped_features=True))
+        model = _Sparse(TorchrecMCEBC(TorchrecEBC(tables), mcc, return_remapped_features=return_remapped_features))
     else:
-        model = _Sparse(TorchrecMCEC(TorchrecEC(tables), mcc, return_remapped_features=True))
+        model = _Sparse(TorchrecMCEC(TorchrecEC(tables), mcc, return_remapped_features=return_remapped_features))
     with torch.no_grad():  # random rows (the config's init_fn is the constant used for resets)
         for p in model.parameters():
             p.uniform_(-0.3, 0.3)
@@ -330,9 +335,16 @@ def fbgemm_reset_weight_momentum_on_cpu(monkeypatch) -> list[dict[str, Any]]:
 
 
 def _torchrec_sharded(
-    model: _Sparse, plan: ShardingPlan, batches, kind: str, optimizer: str = "adagrad"
+    model: _Sparse,
+    plan: ShardingPlan,
+    batches,
+    kind: str,
+    optimizer: str = "adagrad",
+    rank_batches: list[list[KeyedJaggedTensor]] | None = None,
 ) -> list[list[dict[str, Any]]]:
-    """TorchRec's sharded managed-collision module on 8 thread ranks: per rank, per step what it computed."""
+    """TorchRec's sharded managed-collision module on 8 thread ranks: per rank, per step what it computed.
+
+    Each rank takes its samples of the step's batch, or ``rank_batches[step][rank]`` where given."""
     copies = [copy.deepcopy(model) for _ in range(WORLD)]  # (before the threads: no random op in a rank)
     per_rank = BATCH // WORLD
 
@@ -358,10 +370,17 @@ def _torchrec_sharded(
 
         sharded._evict = recording_evict
         steps = []
-        for kjt, target in batches:
-            out, remapped = sharded(_samples(kjt, rank * per_rank, (rank + 1) * per_rank))
+        for step, (kjt, target) in enumerate(batches):
+            features = (
+                rank_batches[step][rank]
+                if rank_batches is not None
+                else _samples(kjt, rank * per_rank, (rank + 1) * per_rank)
+            )
+            out, remapped = sharded(features)
             out = out.wait() if isinstance(out, LazyAwaitable) else out
             remapped = remapped.wait() if isinstance(remapped, LazyAwaitable) else remapped
+            if remapped is not None and not isinstance(remapped, KeyedJaggedTensor):
+                remapped = remapped.wait()  # (without remapped features: a NoWait of None)
             _loss(out, _rank_target(kjt, target, rank), "cpu", ranks=1).backward()
             optimizer_state = sharded._embedding_module.fused_optimizer.state_dict()["state"]
             momentum = {}
@@ -372,7 +391,7 @@ def _torchrec_sharded(
             steps.append(
                 {
                     "out": {k: v.detach().clone() for k, v in _outputs(out).items()},
-                    "remapped": {f: remapped[f] for f in remapped.keys()},
+                    "remapped": {} if remapped is None else {f: remapped[f] for f in remapped.keys()},
                     "state": _local_state(sharded),
                     "momentum": momentum,
                 }
@@ -731,7 +750,7 @@ def test_a_weighted_collection_is_refused():
         tpurec.shard(_converted(model), _plan(model, ROW_WISE))
 
 
-def test_a_standalone_collection_and_vbe_batches_are_refused():
+def test_a_standalone_collection_and_vbe_batches_of_a_sequence_collection_are_refused():
     model = _model()
     standalone = nn.ModuleDict(
         {
@@ -753,7 +772,9 @@ def test_a_standalone_collection_and_vbe_batches_are_refused():
     )
     with pytest.raises(NotImplementedError, match="on their own"):
         tpurec.shard(converted, plan)
-    ours = _tpurec_sharded(model, _plan(model, ROW_WISE))
+    # A sequence collection's VBE batch (TorchRec's sharded one pads it; not compared here).
+    sequence = _model("sequence")
+    ours = _tpurec_sharded(sequence, _plan(sequence, ROW_WISE, "sequence"))
     vbe = KeyedJaggedTensor(
         keys=["f0", "f1", "f2"],
         values=torch.arange(6),
@@ -762,3 +783,116 @@ def test_a_standalone_collection_and_vbe_batches_are_refused():
     )
     with pytest.raises(NotImplementedError, match="one batch size"):
         ours(vbe)
+
+
+def _vbe_batches() -> tuple[list[tuple[KeyedJaggedTensor, dict[str, torch.Tensor]]], list[list[KeyedJaggedTensor]]]:
+    """Batches with a variable batch per feature (VBE): each rank's features have 1 or 2 bags for its 2 samples,
+    which ``inverse_indices`` pick; the global batch (tpurec's one process) holds each feature's bags rank by
+    rank, as TorchRec's ranks send them. Returns the global batches with the pooled loss weights, and per step
+    each rank's batch."""
+    rng = np.random.default_rng(5)
+    keys = ["f0", "f1", "f2"]
+    per_rank = BATCH // WORLD
+    pooled_width = sum(len(names) * dim for names, dim in zip(ROWWISE_FEATURES, _dims("bags")))
+    batches, rank_batches = [], []
+    for step in range(STEPS):
+        bags = rng.integers(1, per_rank + 1, (WORLD, len(keys)))
+        lengths = [[np.ones(b, np.int64) if step == 0 else rng.integers(0, 6, b) for b in row] for row in bags]
+        ids = [
+            [
+                rng.integers(0, INPUT_HASH_SIZE, int(n.sum()))
+                if step == 0
+                else (rng.geometric(0.15, int(n.sum())) + 30 * step) * 37 % INPUT_HASH_SIZE
+                for n in row
+            ]
+            for row in lengths
+        ]
+        inverse = [np.stack([rng.integers(0, b, per_rank) for b in row]) for row in bags]
+        ranks = []
+        for r in range(WORLD):
+            ranks.append(
+                KeyedJaggedTensor(
+                    keys=keys,
+                    values=torch.from_numpy(np.concatenate(ids[r])).long(),
+                    lengths=torch.from_numpy(np.concatenate(lengths[r])).long(),
+                    stride_per_key_per_rank=[[int(b)] for b in bags[r]],
+                    inverse_indices=(keys, torch.from_numpy(inverse[r]).long()),
+                )
+            )
+        starts = np.concatenate([np.zeros((1, len(keys)), np.int64), np.cumsum(bags, axis=0)[:-1]])
+        whole = KeyedJaggedTensor(
+            keys=keys,
+            values=torch.from_numpy(np.concatenate([ids[r][f] for f in range(len(keys)) for r in range(WORLD)])).long(),
+            lengths=torch.from_numpy(
+                np.concatenate([lengths[r][f] for f in range(len(keys)) for r in range(WORLD)])
+            ).long(),
+            stride_per_key_per_rank=[[int(bags[r][f]) for r in range(WORLD)] for f in range(len(keys))],
+            inverse_indices=(
+                keys,
+                torch.from_numpy(
+                    np.concatenate([inverse[r] + starts[r][:, None] for r in range(WORLD)], axis=1)
+                ).long(),
+            ),
+        )
+        target = {"pooled": torch.from_numpy(rng.normal(size=(BATCH, pooled_width)).astype(np.float32))}
+        batches.append((whole, target))
+        rank_batches.append(ranks)
+    return batches, rank_batches
+
+
+def test_sharded_mc_ebc_takes_vbe_batches_as_torchrec_sharded(fbgemm_reset_weight_momentum_on_cpu):
+    # TorchRec's sharded managed-collision EBC remaps each feature's own bags (an id once per bag) and expands the
+    # pooled bags to the output samples by inverse_indices; tpurec's was refused (NotImplementedError). TorchRec
+    # refuses VBE with return_remapped_features=True, and so does tpurec. (FBGEMM's TBE takes VBE batches with
+    # row-wise Adagrad, SGD and Adam only: row-wise Adagrad here, its table layout as in the other row-wise runs.)
+    batches, rank_batches = _vbe_batches()
+    with_remapped = _model(features=ROWWISE_FEATURES)
+    with pytest.raises(NotImplementedError, match="return_remapped_features=True"):
+        _tpurec_sharded(with_remapped, _plan(with_remapped, ROW_WISE), "rowwise_adagrad")(batches[0][0])
+    model = _model(features=ROWWISE_FEATURES, return_remapped_features=False)
+    plan = _plan(model, ROW_WISE)
+    theirs = _torchrec_sharded(model, plan, batches, "bags", "rowwise_adagrad", rank_batches=rank_batches)
+    ours = _tpurec_sharded(model, plan, "rowwise_adagrad")
+    sharded_mc = ours.sparse
+    bags = sharded_mc._bags[0]
+    evict = sharded_mc._managed_collision_collection.evict
+    our_evictions: list[dict[str, Any]] = []
+
+    def recording_evict():
+        our_evictions.append(evict())
+        return our_evictions[-1]
+
+    sharded_mc._managed_collision_collection.evict = recording_evict
+    evicted_rows = 0
+    for step, (kjt, target) in enumerate(batches):
+        out, remapped = ours(kjt)
+        assert remapped is None
+        _loss(out, target).backward()
+        ranks = [rank_steps[step] for rank_steps in theirs]
+        when = f"step {step}"
+        for table in ("t0", "t1"):
+            want_rows = [
+                r["evicted"][table] + r["state"][_table_key("bags", table)][0]
+                for r in ranks
+                if r["evicted"][table] is not None
+            ]
+            got_rows = our_evictions[step][table]
+            want_set = sorted(torch.cat(want_rows).tolist()) if want_rows else []
+            assert sorted([] if got_rows is None else got_rows.tolist()) == want_set, f"{when}: evictions of {table}"
+            evicted_rows += len(want_set)
+        torch.testing.assert_close(
+            out.values().cpu(), torch.cat([r["out"]["pooled"] for r in ranks]), **TOLERANCE, msg=when
+        )
+        tables, slots = bags.full_tables()
+        for table in ("t0", "t1"):
+            torch.testing.assert_close(
+                torch.from_numpy(tables[table]),
+                _gathered([r["state"][_table_key("bags", table)] for r in ranks]),
+                **TOLERANCE,
+                msg=lambda m: f"{when}: {table}: {m}",
+            )
+            momentum = [(*r["momentum"][table], slots[table]["momentum1"].shape) for r in ranks]
+            torch.testing.assert_close(
+                torch.from_numpy(slots[table]["momentum1"]), _gathered(momentum), **TOLERANCE, msg=when
+            )
+    assert evicted_rows > 0

@@ -320,36 +320,40 @@ def test_position_weighted_collection_trains_as_torchrec_when_sharded(kind, mode
 # --- optimizer_semantics: the unsharded collection's rule for a second lookup before backward --------
 
 
-def test_second_lookup_before_backward_raises_for_an_in_backward_optimizer():
+def test_lookups_waiting_for_backward_update_per_backward_pass_as_an_in_backward_optimizer():
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 
     plan = _plan({cfg.name: row_wise() for cfg in TABLES})
-    for optimizer_class, raises in ((torch.optim.Adagrad, True), (torch.optim.SGD, False)):
+    for optimizer_class in (torch.optim.Adagrad, torch.optim.SGD):
         torch.manual_seed(0)
-        model = DLRM(embedding_bag_collection=TorchrecEBC(TABLES), **LAYERS)
-        apply_optimizer_in_backward(
-            optimizer_class, model.sparse_arch.embedding_bag_collection.parameters(), {"lr": 0.1}
-        )
+        reference = DLRM(embedding_bag_collection=TorchrecEBC(TABLES), **LAYERS)
+        model = copy.deepcopy(reference)
+        for m in (reference, model):
+            apply_optimizer_in_backward(
+                optimizer_class, m.sparse_arch.embedding_bag_collection.parameters(), {"lr": 0.1}
+            )
         sharded = tpurec.shard(sp.from_torchrec(model).to("tpu"), plan)
         ebc = sharded.sparse_arch.embedding_bag_collection
         assert ebc.optimizer_semantics == "torch"
         (kjt, dense, _), (kjt2, _, _) = _batches(2)
-        first = sharded(dense.to("tpu"), kjt)
-        before = ebc.full_tables()[0]
-        if raises:
-            with pytest.raises(NotImplementedError, match="looked up again before the backward of its previous lookup"):
-                sharded(dense.to("tpu"), kjt2)
-            for name, value in ebc.full_tables()[0].items():
-                np.testing.assert_array_equal(value, before[name])
-        else:  # two SGD updates are one update on the summed gradient
-            sharded(dense.to("tpu"), kjt2).sum().backward()
-        first.sum().backward()
-        sharded(dense.to("tpu"), kjt2).sum().backward()  # after the backward: a new step
-        # Opting into FBGEMM's one update per lookup lifts the rule.
+        for m, device in ((reference, "cpu"), (sharded, "tpu")):
+            first = m(dense.to(device), kjt)
+            m(dense.to(device), kjt2).sum().backward()  # its own backward pass: its own update
+            first.sum().backward()
+            # Two lookups in one backward pass: one update on their summed gradient.
+            (m(dense.to(device), kjt) * m(dense.to(device), kjt2)).sum().backward()
+        assert ebc.optimizer_state_dict()["steps"] == [3]
+        tables, theirs = ebc.full_tables()[0], reference.sparse_arch.embedding_bag_collection.state_dict()
+        for cfg in TABLES:
+            torch.testing.assert_close(
+                torch.from_numpy(tables[cfg.name]), theirs[f"embedding_bags.{cfg.name}.weight"], rtol=1e-5, atol=1e-6
+            )
+        # Opting into FBGEMM's one update per lookup.
         ebc.optimizer_semantics = "fbgemm"
         pending = sharded(dense.to("tpu"), kjt)
         sharded(dense.to("tpu"), kjt2).sum().backward()
         pending.sum().backward()
+        assert ebc.optimizer_state_dict()["steps"] == [5]
     # An explicit fused optimizer given to tpurec.shard has FBGEMM's semantics.
     torch.manual_seed(0)
     model = DLRM(embedding_bag_collection=TorchrecEBC(TABLES), **LAYERS)

@@ -118,8 +118,12 @@ class _ShardedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        ctx.module._lookup_finished(ctx)
-        id_grad = ctx.module._run_backward(ctx.saved, grad_output)
+        module = ctx.module
+        module._lookup_finished(ctx)
+        if module._sums_this_backward():
+            id_grad = module._stash_lookup(ctx.saved, grad_output)
+        else:
+            id_grad = module._run_backward(ctx.saved, grad_output)
         if ctx.id_weights is not None:
             device, dtype = ctx.id_weights
             id_grad = torch.from_numpy(id_grad).to(device=device, dtype=dtype)
@@ -145,8 +149,12 @@ class _StagedLookup(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        ctx.module._lookup_finished(ctx)
-        ctx.module._staged_backward(ctx.entries, ctx.received, grad_output, ctx.b)
+        module = ctx.module
+        module._lookup_finished(ctx)
+        if module._sums_this_backward():
+            module._stash_staged_lookup(ctx.entries, ctx.received, grad_output, ctx.b)
+        else:
+            module._staged_backward(ctx.entries, ctx.received, grad_output, ctx.b)
         return None, None, None, None
 
 
@@ -219,8 +227,16 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
             )
         self.optimizer = source.optimizer
         # As the unsharded collection's (docs/torchrec_semantics.md): "torch" (the optimizer came
-        # from apply_optimizer_in_backward) refuses a second lookup before the first one's backward.
+        # from apply_optimizer_in_backward) makes one update per backward pass on the summed gradient
+        # of the lookups in it; "fbgemm" one update per lookup.
         self.optimizer_semantics = getattr(source, "optimizer_semantics", "fbgemm")
+        # "torch" semantics, several lookups in one backward pass: each lookup's (gradient, received
+        # entries, data-parallel entries, samples per device) until the pass ends (_stash_lookup).
+        self._stashed_lookups: list[tuple[jax.Array, list[Any], list[Any], int]] = []
+        self._stash_pass = -1  # the backward pass (autograd's graph task) they belong to
+        # Their programs: ("summed", samples per device of each lookup) -> the summed update,
+        # ("dots", samples per device) -> per-id weight gradients alone.
+        self._stash_programs: dict[tuple[str, Any], Program] = {}
         self.mesh = mesh
         self.axis = tuple(mesh.axis_names)
         # Tables of one dtype share a stack: the stacks are global arrays of the tables' dtype
@@ -932,15 +948,127 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         new_w, new_s, new_dw, new_ds, dots = program(
             grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper
         )
+        self._replace_state(new_w, new_s, new_dw, new_ds)
+        if origins is None:
+            return None
+        entries, num_ids = origins
+        return programs.id_weight_gradient(dots, entries, num_ids)
+
+    # --- several lookups in one backward pass ("torch" semantics) -------------------------
+
+    def _sums_this_backward(self) -> bool:
+        """Whether a lookup's backward joins the pass's summed update instead of updating now: with
+        ``apply_optimizer_in_backward``'s semantics, where another lookup of this collection has given its
+        gradient to this backward pass or waits for its backward in it. (A lookup alone in its pass updates
+        at once; one whose backward is not in this pass, such as an evaluation's, does not count.)"""
+        if self.optimizer_semantics != "torch":
+            return False
+        if self._stashed_lookups and self._stash_pass == torch._C._current_graph_task_id():
+            return True
+        # (A lookup's autograd context is its backward node.)
+        return any(torch._C._will_engine_execute_node(ctx) for ctx in list(self._pending_lookups))
+
+    def _stash(self, grad: jax.Array, received: list[Any], dp: list[Any], b: int) -> None:
+        """Keeps one lookup's gradient and entries for the update at the end of the backward pass."""
+        from torch.autograd import Variable
+
+        task = torch._C._current_graph_task_id()
+        if self._stash_pass != task:
+            # A pass that raised never ran its end-of-pass update: its lookups are dropped, as autograd
+            # drops the gradients of a failed backward.
+            self._stashed_lookups, self._stash_pass = [], task
+            Variable._execution_engine.queue_callback(self._apply_stashed_lookups)
+        self._stashed_lookups.append((grad, list(received), list(dp), b))
+
+    def _stash_lookup(self, saved: tuple, grad_output: Any) -> np.ndarray | None:
+        """:meth:`_run_backward`'s part of a lookup whose update waits for the end of the pass: its per-id
+        weights' gradient (KJT order) when asked for, computed now from the rows as the forward read them."""
+        from tpurec.core import value_of
+
+        received, dp, kept, origins, b = saved
+        if b == 0:
+            self._stash(jnp.zeros((0, self.layout.total_dim), jnp.float32), [], [], 0)
+            return None if origins is None else np.zeros(origins[1], np.float32)
+        grad = value_of(grad_output.contiguous(), "sharded embedding backward")
+        self._stash(grad, received, dp, b)
+        if origins is None:
+            return None
+        weights, slots = self._arrays("shard", len(self.layout.groups))
+        dp_weights, dp_slots = self._arrays("dp", len(self.layout.dp_groups))
+        dots = self._dots_program(b)(grad, weights, slots, dp_weights, dp_slots, received, dp, kept)
+        entries, num_ids = origins
+        return programs.id_weight_gradient(dots, entries, num_ids)
+
+    def _stash_staged_lookup(self, entries: list[Any], received: list[Any], grad_output: Any, b: int) -> None:
+        """:meth:`_staged_backward`'s part of a staged lookup whose update waits for the end of the pass."""
+        from tpurec.core import value_of
+
+        groups = len(self.layout.groups)
+        arrays = [value_of(t, "sharded embedding backward") for t in received]
+        dp = [value_of(t, "sharded embedding backward") for t in entries[3 * groups :]]
+        grad = value_of(grad_output.contiguous(), "sharded embedding backward")
+        self._stash(
+            grad,
+            [tuple(arrays[k : k + 3]) for k in range(0, len(arrays), 3)],
+            [tuple(dp[k : k + 3]) for k in range(0, len(dp), 3)],
+            b,
+        )
+
+    def _apply_stashed_lookups(self) -> None:
+        """The end of the backward pass: one update on the summed gradient of the stashed lookups."""
+        stashed, self._stashed_lookups, self._stash_pass = self._stashed_lookups, [], -1
+        lookups = [entry for entry in stashed if entry[3] > 0]
+        if not lookups:  # empty batches only: no row changes, but a step is counted (as one lookup's)
+            self._count_step(0)
+            return
+        L = self.layout
+        weights, slots = self._arrays("shard", len(L.groups))
+        dp_weights, dp_slots = self._arrays("dp", len(L.dp_groups))
+        hyper = self._next_step(0)
+        bs = tuple(b for *_, b in lookups)
+        cache = self._stash_programs
+        key = ("summed", bs)
+        if key not in cache:
+            update = self._kernel(self.optimizer.op_name)
+            layout, mesh = self.layout, self.mesh
+
+            def summed(lookups, weights, slots, dp_weights, dp_slots, hyper):
+                return programs.summed_backward(
+                    layout, mesh, update, lookups, weights, slots, dp_weights, dp_slots, hyper, bs
+                )
+
+            # The tables and slots are updated in place: their buffers are donated.
+            cache[key] = Program(summed, donate_argnums=(1, 2, 3, 4))
+        new_w, new_s, new_dw, new_ds = cache[key](
+            [(grad, received, dp) for grad, received, dp, _ in lookups], weights, slots, dp_weights, dp_slots, hyper
+        )
+        self._replace_state(new_w, new_s, new_dw, new_ds)
+
+    def _dots_program(self, b: int) -> Program:
+        """The backward program's per-id weight gradients alone (no update; nothing donated), cached."""
+        cache = self._stash_programs
+        key = ("dots", b)
+        if key not in cache:
+
+            def unchanged(rp, rows, samples, gains, g, table, *slots, **hyper):
+                return (table, *slots)
+
+            def dots(grad, weights, slots, dp_weights, dp_slots, received, dp, kept):
+                return programs.backward(
+                    self.layout, self.mesh, unchanged, grad, weights, slots, dp_weights, dp_slots, received, dp,
+                    kept, {}, b,
+                )[4]  # fmt: skip
+
+            cache[key] = Program(dots)
+        return cache[key]
+
+    def _replace_state(self, new_w: list, new_s: list, new_dw: list, new_ds: list) -> None:
+        """Puts a backward program's updated tables and slots into the module's tensors."""
         for prefix, ws, ss in (("shard", new_w, new_s), ("dp", new_dw, new_ds)):
             for g, (w, s) in enumerate(zip(ws, ss)):
                 replace_array(getattr(self, f"{prefix}_weight_{g}"), w)
                 for name, value in zip(self.optimizer.slots, s):
                     replace_array(getattr(self, f"{prefix}_{name}_{g}"), value)
-        if origins is None:
-            return None
-        entries, num_ids = origins
-        return programs.id_weight_gradient(dots, entries, num_ids)
 
     def _programs(self, b: int, with_rows: bool = False) -> tuple[Program, Program]:
         """The forward and backward programs for ``b`` samples per device (cached).
@@ -984,6 +1112,3 @@ class ShardedEmbeddingBagCollection(TrainableLookup, EmbeddingBagCollectionInter
         return KeyedTensor(keys=self._embedding_names, length_per_key=self._length_per_key, values=values)
 
     _max_prefetched: ClassVar[int] = _MAX_PREFETCHED
-
-    # Its backward programs update once per lookup: a second lookup before the backward raises.
-    _sums_repeated_lookups: ClassVar[bool] = False

@@ -198,25 +198,36 @@ class ShardedManagedCollisionCollection(nn.Module):
 
     # --- remap ------------------------------------------------------------------------
 
-    def forward(self, features: KeyedJaggedTensor) -> KeyedJaggedTensor:
+    def forward(self, features: KeyedJaggedTensor, variable_batch: bool = False) -> KeyedJaggedTensor:
         """Remaps ``features`` (CPU, raw ids) as TorchRec's row-wise sharded collection does.
 
         In training each per-shard module also profiles its ids and may evict; read the evicted
         rows with :meth:`evict` after the call.
 
+        Args:
+            features: KJT of raw ids on the CPU.
+            variable_batch: take a variable batch per feature (VBE) and ``inverse_indices``, as
+                TorchRec's sharded managed-collision ``EmbeddingBagCollection`` does: each feature's
+                own bags are remapped (an id once per bag, not once per output sample), and the
+                result keeps the batch's bags per feature and ``inverse_indices``.
+
         Returns:
             KJT of this collection's features (in table order) with global rows of their tables,
-            the batch's lengths and no weights.
+            the batch's lengths (and with ``variable_batch`` its bags per feature and
+            ``inverse_indices``) and no weights.
 
         Raises:
             ValueError: ``features`` lacks one of the collection's features, or is not on the CPU.
-            NotImplementedError: a variable-batch (VBE) batch or one with ``inverse_indices``.
+            NotImplementedError: a variable-batch (VBE) batch or one with ``inverse_indices`` without
+                ``variable_batch``.
         """
         check_host_features(features)
-        if features.variable_stride_per_key() or features.inverse_indices_or_none() is not None:
+        vbe = features.variable_stride_per_key()
+        inverse = features.inverse_indices_or_none()
+        if (vbe or inverse is not None) and not variable_batch:
             raise NotImplementedError(
-                "tpurec's sharded managed-collision collection takes batches of one batch size; this KJT has a "
-                "variable batch per feature (VBE) or inverse_indices. Pass every feature with the same stride."
+                "tpurec's sharded managed-collision EmbeddingCollection takes batches of one batch size; this KJT "
+                "has a variable batch per feature (VBE) or inverse_indices. Pass every feature with the same stride."
             )
         missing = [f for f in self._feature_names if f not in features.keys()]
         if missing:
@@ -238,17 +249,35 @@ class ShardedManagedCollisionCollection(nn.Module):
                     .preprocess({table: JaggedTensor(values=table_ids, lengths=table_lengths)})[table]
                     .values()
                 )
-            values.append(self._remap_table(table, table_ids, table_lengths, len(names)))
+            bags = [int(jts[f].lengths().numel()) for f in names] if vbe else None
+            values.append(self._remap_table(table, table_ids, table_lengths, len(names), bags))
             lengths.append(table_lengths)
+        keys = list(self._feature_names)
+        batching: dict[str, Any] = {}
+        if vbe:
+            per_rank = dict(zip(features.keys(), features.stride_per_key_per_rank()))
+            batching["stride_per_key_per_rank"] = [list(per_rank[f]) for f in keys]
+        else:
+            batching["stride"] = features.stride()
+        if inverse is not None:
+            names, index = inverse
+            row = {name: i for i, name in enumerate(names)}  # (a repeated name: its last row, as TorchRec reads)
+            missing_rows = [f for f in keys if f not in row]
+            if missing_rows:
+                raise ValueError(f"inverse_indices name {list(names)}, not the features {missing_rows}")
+            batching["inverse_indices"] = (keys, index[[row[f] for f in keys]])
         return KeyedJaggedTensor(
-            keys=list(self._feature_names),
+            keys=keys,
             values=torch.cat(values) if values else torch.zeros(0, dtype=torch.int64),
             lengths=torch.cat(lengths) if lengths else torch.zeros(0, dtype=torch.int32),
-            stride=features.stride(),
+            **batching,
         )
 
-    def _remap_table(self, table: str, ids: torch.Tensor, lengths: torch.Tensor, num_features: int) -> torch.Tensor:
-        """One table's ids (its features' ids in a row) remapped by the shards owning their blocks."""
+    def _remap_table(
+        self, table: str, ids: torch.Tensor, lengths: torch.Tensor, num_features: int, bags: list[int] | None = None
+    ) -> torch.Tensor:
+        """One table's ids (its features' ids in a row) remapped by the shards owning their blocks;
+        ``bags``: each feature's bag count where they differ (a VBE batch)."""
         D = self._num_devices
         # RwSparseFeaturesDist's bucketization (keep_original_indices: raw ids travel).
         block = torch.tensor([self._block_sizes[table]] * num_features, dtype=ids.dtype)
@@ -262,8 +291,8 @@ class ShardedManagedCollisionCollection(nn.Module):
             total_num_blocks=buckets,
             my_size=D,
             weights=None,
-            batch_size_per_feature=None,
-            max_B=-1,
+            batch_size_per_feature=None if bags is None else torch.tensor(bags, dtype=ids.dtype),
+            max_B=-1 if bags is None else max(bags, default=0),
             block_bucketize_pos=None,
             keep_orig_idx=True,
         )
@@ -379,8 +408,17 @@ class _ShardedManagedCollisionModule(nn.Module):
         self._dims = {c.name: c.embedding_dim for c in bags.embedding_bag_configs()}
         self.train(source.training)
 
+    _variable_batch: bool = False
+    """Whether the collection takes VBE batches (TorchRec's sharded pooled one does)."""
+
     def _remap_and_look_up(self, features: KeyedJaggedTensor) -> tuple[Any, KeyedJaggedTensor | None]:
-        remapped = self._managed_collision_collection(features)
+        if self._variable_batch and self._return_remapped_features and features.variable_stride_per_key():
+            raise NotImplementedError(
+                "VBE is not supported currently for return_remapped_features=True (TorchRec's sharded "
+                "managed-collision EmbeddingBagCollection refuses the same): build the module with "
+                "return_remapped_features=False, or give every feature the same batch size"
+            )
+        remapped = self._managed_collision_collection(features, variable_batch=self._variable_batch)
         self._reset_evicted(self._managed_collision_collection.evict())
         looked_up = self._embedding_module(remapped)
         return looked_up, (remapped if self._return_remapped_features else None)
@@ -448,6 +486,8 @@ class ShardedManagedCollisionEmbeddingBagCollection(_ShardedManagedCollisionModu
     ) -> None:
         super().__init__(source, embedding_bag_collection, embedding_bag_collection, shardings, num_devices)
 
+    _variable_batch = True
+
     @property
     def _embedding_bag_collection(self) -> ShardedEmbeddingBagCollection:
         """The sharded collection (TorchRec's name for it)."""
@@ -460,12 +500,15 @@ class ShardedManagedCollisionEmbeddingBagCollection(_ShardedManagedCollisionModu
         """Remaps ``features`` (CPU, raw ids, this process's batch), resets evicted rows, looks up.
 
         Args:
-            features: KJT of raw ids on the CPU.
+            features: KJT of raw ids on the CPU; a variable batch per feature (VBE) and
+                ``inverse_indices`` as TorchRec's sharded module takes them: each feature's bags are
+                remapped as they are, and the lookup expands them to the output samples (VBE with
+                ``return_remapped_features`` raises ``NotImplementedError``, as TorchRec's does).
             mutate_miss_lengths: accepted for TorchRec's signature (MCH modules do not read it).
 
         Returns:
-            ``(pooled KeyedTensor, remapped KJT or None)``: the remapped KJT (global rows) when
-            the module was built with ``return_remapped_features``.
+            ``(pooled KeyedTensor, remapped KJT or None)``: the remapped KJT (global rows, the batch's
+            bags per feature) when the module was built with ``return_remapped_features``.
         """
         return self._remap_and_look_up(features)
 

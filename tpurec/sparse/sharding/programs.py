@@ -29,7 +29,7 @@ from tpurec.core import Program
 from tpurec.sparse.sharding_plan.layout import Layout
 from tpurec.sparse.types import PAD_ID
 
-__all__ = ["backward", "forward", "id_weight_gradient", "make_programs"]
+__all__ = ["backward", "forward", "id_weight_gradient", "make_programs", "summed_backward"]
 
 
 def forward(
@@ -163,8 +163,6 @@ def backward(
         data-parallel group.
     """
     L, D, axis = layout, layout.num_devices, tuple(mesh.axis_names)
-    dest = jnp.asarray(L.dest_columns, jnp.int32)
-    segments = np.cumsum(L.segments)[:-1].tolist()
 
     def entry_dots(rows_of_entries, rows, samples, g):
         """Each entry's row . its bag's gradient (0 for padding entries)."""
@@ -172,22 +170,11 @@ def backward(
         return jnp.where(rows == PAD_ID, 0.0, jnp.sum(rows_of_entries * bag, axis=-1))
 
     def body(grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper):
-        extended = jnp.concatenate([grad, jnp.zeros((b, 1), grad.dtype)], axis=1)
-        pieces = jnp.split(extended[:, dest], segments, axis=1) if segments else [extended[:, dest]]
-        it = iter(pieces)
+        group_grads, dp_grads = _shard_gradients(L, axis, grad, b)
+        it = iter(dp_grads)
         kept_rows = iter(kept)
         new_w, new_s, dots = [], [], []
-        for grp, table, table_slots, (rows, samples, gains) in zip(L.groups, weights, slots, received):
-            K, K2, w = grp.num_slots, grp.num_a2a, grp.width
-            a2a, rs = next(it), next(it)
-            blocks = []
-            if K2:
-                sent = a2a.reshape(b, D, K2, w).transpose(1, 2, 0, 3)
-                blocks.append(jax.lax.all_to_all(sent, axis, 0, 0, tiled=True))
-            if K > K2:
-                mine = rs.reshape(b, K - K2, w).transpose(1, 0, 2)
-                blocks.append(jax.lax.all_gather(mine, axis, axis=0, tiled=False))
-            g = jnp.concatenate(blocks, axis=1).reshape(D * K * b, w)
+        for g, table, table_slots, (rows, samples, gains) in zip(group_grads, weights, slots, received):
             if kept:
                 # [source * C] on the owner -> [1, destination, C] back on each source.
                 d = entry_dots(next(kept_rows), rows, samples, g).reshape(D, 1, -1)
@@ -200,7 +187,7 @@ def backward(
         new_dw, new_ds = [], []
         for dg, table, table_slots, (rows, samples, gains) in zip(L.dp_groups, dp_weights, dp_slots, dp):
             K, w = len(dg.slots), dg.width
-            mine = next(it).reshape(b, K, w).transpose(1, 0, 2)
+            mine = next(it)
             if kept:
                 me = jax.lax.axis_index(axis)
                 flat_rows, flat_samples = rows.reshape(-1), samples.reshape(-1)
@@ -244,6 +231,130 @@ def backward(
         check_vma=False,
     )
     return fn(grad, weights, slots, dp_weights, dp_slots, received, dp, kept, hyper)
+
+
+def _shard_gradients(layout: Layout, axis: tuple, grad: jax.Array, b: int) -> tuple[list[Any], list[Any]]:
+    """Inside :func:`backward`'s ``shard_map``: the gradient of each pooled row, where its entries are.
+
+    Returns:
+        ``(groups, dp)``: per sharded group ``[devices * slots * b, width]``, row ``s`` the gradient of
+        the bag that the received entries of sample ``s`` pool into; per data-parallel group this
+        device's ``[slots, b, width]``.
+    """
+    L, D = layout, layout.num_devices
+    dest = jnp.asarray(L.dest_columns, jnp.int32)
+    segments = np.cumsum(L.segments)[:-1].tolist()
+    extended = jnp.concatenate([grad, jnp.zeros((b, 1), grad.dtype)], axis=1)
+    it = iter(jnp.split(extended[:, dest], segments, axis=1) if segments else [extended[:, dest]])
+    groups = []
+    for grp in L.groups:
+        K, K2, w = grp.num_slots, grp.num_a2a, grp.width
+        a2a, rs = next(it), next(it)
+        blocks = []
+        if K2:
+            sent = a2a.reshape(b, D, K2, w).transpose(1, 2, 0, 3)
+            blocks.append(jax.lax.all_to_all(sent, axis, 0, 0, tiled=True))
+        if K > K2:
+            mine = rs.reshape(b, K - K2, w).transpose(1, 0, 2)
+            blocks.append(jax.lax.all_gather(mine, axis, axis=0, tiled=False))
+        groups.append(jnp.concatenate(blocks, axis=1).reshape(D * K * b, w))
+    dp = [next(it).reshape(b, len(dg.slots), dg.width).transpose(1, 0, 2) for dg in L.dp_groups]
+    return groups, dp
+
+
+def summed_backward(
+    layout: Layout,
+    mesh: Mesh,
+    update: Callable[..., Any],
+    lookups: Sequence[tuple[jax.Array, list[tuple[jax.Array, ...]], list[tuple[jax.Array, ...]]]],
+    weights: list[jax.Array],
+    slots: list[list[jax.Array]],
+    dp_weights: list[jax.Array],
+    dp_slots: list[list[jax.Array]],
+    hyper: dict[str, Any],
+    bs: Sequence[int],
+) -> tuple[list[jax.Array], list[list[jax.Array]], list[jax.Array], list[list[jax.Array]]]:
+    """One optimizer update on the summed gradient of several lookups (``apply_optimizer_in_backward``'s).
+
+    Each lookup's gradients reach its entries as in :func:`backward`; then, per group, the entries of
+    all lookups go to the update kernel together, a lookup's samples shifted past the bags of the
+    lookups before it (as if the lookups were one batch). The kernels sum a row's gradient over all
+    its entries before they update it: one update on the summed gradient.
+
+    Args:
+        layout, mesh, update, weights, slots, dp_weights, dp_slots, hyper: as :func:`backward`.
+        lookups: per lookup, ``(grad, received, dp)``: the gradient of its forward's ``out``, the
+            entries its shards received and its data-parallel entries.
+        bs: per lookup, its samples per device (none 0).
+
+    Returns:
+        ``(weights, slots, dp_weights, dp_slots)``, updated.
+    """
+    L, D, axis = layout, layout.num_devices, tuple(mesh.axis_names)
+
+    def shifted(samples, rows, offset):
+        return jnp.where(rows == PAD_ID, samples, samples + offset)
+
+    def body(grads, receiveds, dps, weights, slots, dp_weights, dp_slots, hyper):
+        per_lookup = [_shard_gradients(L, axis, grad, b) for grad, b in zip(grads, bs)]
+        new_w, new_s = [], []
+        for k, (grp, table, table_slots) in enumerate(zip(L.groups, weights, slots)):
+            K, offset, parts = grp.num_slots, 0, []
+            for (groups, _), received, b in zip(per_lookup, receiveds, bs):
+                rows, samples, gains = received[k]
+                parts.append((rows, shifted(samples, rows, offset), gains, groups[k]))
+                offset += D * K * b
+            rows, samples, gains, g = (jnp.concatenate(x) for x in zip(*parts))
+            rp = jnp.full((1,), rows.shape[0], jnp.int32)
+            out = update(rp, rows, samples, gains, g, table, *table_slots, **hyper)
+            out = out if isinstance(out, (tuple, list)) else (out,)
+            new_w.append(out[0])
+            new_s.append(list(out[1:]))
+        new_dw, new_ds = [], []
+        for k, (dg, table, table_slots) in enumerate(zip(L.dp_groups, dp_weights, dp_slots)):
+            K, offset, parts = len(dg.slots), 0, []
+            for (_, dp_grads), dp, b in zip(per_lookup, dps, bs):
+                # Every replica sees the whole batch's entries and gradients: the same update everywhere.
+                g = jax.lax.all_gather(dp_grads[k], axis, axis=0, tiled=True).reshape(D * K * b, dg.width)
+                rows, samples, gains = (jax.lax.all_gather(x.reshape(-1), axis, axis=0, tiled=True) for x in dp[k])
+                parts.append((rows, shifted(samples, rows, offset), gains, g))
+                offset += D * K * b
+            rows, samples, gains, g = (jnp.concatenate(x) for x in zip(*parts))
+            rp = jnp.full((1,), rows.shape[0], jnp.int32)
+            out = update(rp, rows, samples, gains, g, table, *table_slots, **hyper)
+            out = out if isinstance(out, (tuple, list)) else (out,)
+            new_dw.append(out[0])
+            new_ds.append(list(out[1:]))
+        return new_w, new_s, new_dw, new_ds
+
+    spec = P(axis)
+    n_slots = len(slots[0]) if slots else len(dp_slots[0]) if dp_slots else 0
+    n = len(lookups)
+    fn = jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(
+            [spec] * n,
+            [[(spec,) * 3] * len(L.groups)] * n,
+            [[(spec,) * 3] * len(L.dp_groups)] * n,
+            [spec] * len(weights),
+            [[spec] * n_slots] * len(slots),
+            [P()] * len(dp_weights),
+            [[P()] * n_slots] * len(dp_slots),
+            {k: P() for k in hyper},
+        ),
+        out_specs=(
+            [spec] * len(weights),
+            [[spec] * n_slots] * len(slots),
+            [P()] * len(dp_weights),
+            [[P()] * n_slots] * len(dp_slots),
+        ),
+        check_vma=False,
+    )
+    grads = [grad for grad, _, _ in lookups]
+    receiveds = [list(received) for _, received, _ in lookups]
+    dps = [list(dp) for _, _, dp in lookups]
+    return fn(grads, receiveds, dps, weights, slots, dp_weights, dp_slots, hyper)
 
 
 def make_programs(
