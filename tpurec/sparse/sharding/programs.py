@@ -295,6 +295,14 @@ def summed_backward(
     def shifted(samples, rows, offset):
         return jnp.where(rows == PAD_ID, samples, samples + offset)
 
+    def updated(parts, table, table_slots, hyper):
+        # The lookups' entries as one CSR input (samples already shifted per lookup), one update.
+        rows, samples, gains, g = (jnp.concatenate(x) for x in zip(*parts))
+        rp = jnp.full((1,), rows.shape[0], jnp.int32)
+        out = update(rp, rows, samples, gains, g, table, *table_slots, **hyper)
+        out = out if isinstance(out, (tuple, list)) else (out,)
+        return out[0], list(out[1:])
+
     def body(grads, receiveds, dps, weights, slots, dp_weights, dp_slots, hyper):
         per_lookup = [_shard_gradients(L, axis, grad, b) for grad, b in zip(grads, bs)]
         new_w, new_s = [], []
@@ -304,12 +312,9 @@ def summed_backward(
                 rows, samples, gains = received[k]
                 parts.append((rows, shifted(samples, rows, offset), gains, groups[k]))
                 offset += D * K * b
-            rows, samples, gains, g = (jnp.concatenate(x) for x in zip(*parts))
-            rp = jnp.full((1,), rows.shape[0], jnp.int32)
-            out = update(rp, rows, samples, gains, g, table, *table_slots, **hyper)
-            out = out if isinstance(out, (tuple, list)) else (out,)
-            new_w.append(out[0])
-            new_s.append(list(out[1:]))
+            w, ss = updated(parts, table, table_slots, hyper)
+            new_w.append(w)
+            new_s.append(ss)
         new_dw, new_ds = [], []
         for k, (dg, table, table_slots) in enumerate(zip(L.dp_groups, dp_weights, dp_slots)):
             K, offset, parts = len(dg.slots), 0, []
@@ -319,12 +324,9 @@ def summed_backward(
                 rows, samples, gains = (jax.lax.all_gather(x.reshape(-1), axis, axis=0, tiled=True) for x in dp[k])
                 parts.append((rows, shifted(samples, rows, offset), gains, g))
                 offset += D * K * b
-            rows, samples, gains, g = (jnp.concatenate(x) for x in zip(*parts))
-            rp = jnp.full((1,), rows.shape[0], jnp.int32)
-            out = update(rp, rows, samples, gains, g, table, *table_slots, **hyper)
-            out = out if isinstance(out, (tuple, list)) else (out,)
-            new_dw.append(out[0])
-            new_ds.append(list(out[1:]))
+            w, ss = updated(parts, table, table_slots, hyper)
+            new_dw.append(w)
+            new_ds.append(ss)
         return new_w, new_s, new_dw, new_ds
 
     spec = P(axis)
